@@ -1,0 +1,1 @@
+"""Client libraries: the trio ``Bus`` and the synchronous wrapper."""

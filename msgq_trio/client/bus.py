@@ -1,0 +1,768 @@
+"""The trio client: ``connect()`` yields a :class:`Bus` for messages, RPC and notifications.
+
+One connection = one nursery holding a reader task, a writer task and a task per incoming
+request. The writer joins every queued frame into one ``send_all`` (one trio call per
+batch, not per frame); ``send`` only queues and waits when the queue is over its bound.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import sys
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cbor2
+import trio
+
+from ..config import default_socket_path
+from ..errors import (
+    CommandFailed,
+    ConnectError,
+    ConnectionLost,
+    RequestTimeout,
+    RpcError,
+    UsageError,
+    rpc_error_from_wire,
+)
+from ..io.errors import translate_socket_errors
+from ..protocol.codes import ErrorCode, Flag, FrameType
+from ..protocol.connection import EOF, NEED_DATA, Connection, Role
+from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_frame
+
+log = logging.getLogger("msgq_trio.client")
+
+Buffer = bytes | bytearray | memoryview
+RECEIVE_SIZE = 256 * 1024
+#: ``send`` waits for the writer once this many bytes are queued (bounds client memory
+#: while letting a fast publisher batch hundreds of frames per send_all).
+OUT_HIGH_WATER = 1024 * 1024
+#: The reader stops reading from the broker while this many bytes of received messages
+#: wait for the application: backpressure travels to the broker (which pauses the
+#: senders), never silent loss. Bound: 64 MiB, one default max frame.
+IN_HIGH_WATER = 64 * 1024 * 1024
+_FAIRNESS = 256  # iteration yields to other tasks at least every this many messages
+_MEMBERSHIP = "msgq.membership"
+
+_MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
+    FrameType.MESSAGE, FrameType.REQUEST, FrameType.REPLY, FrameType.ERROR,
+    FrameType.NOTIFY, FrameType.ROUTED, FrameType.GOODBYE,
+)
+_KIND = {_MESSAGE: "message", _NOTIFY: "notification", _REQUEST: "request"}
+
+
+def _split_source(source: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple[str, str]:
+    hit = cache.get(source)
+    if hit is None:
+        lname, _, name = source.partition(b"\0")
+        hit = (lname.decode(), name.decode())
+        if len(cache) < 65536:
+            cache[source] = hit
+    return hit
+
+
+class Message:
+    """A message, notification or request received from the bus.
+
+    ``sender`` / ``sender_name`` were stamped by the broker (a client cannot forge them).
+    ``body`` and ``header`` are decoded on first access; ``attachments`` are binary blobs
+    (memoryviews into the received frame, no copies).
+    """
+
+    __slots__ = ("_body", "_decoded", "_frame", "_header", "sender", "sender_name")
+
+    def __init__(self, frame: Frame, sender: str, sender_name: str) -> None:
+        self._frame = frame
+        self.sender = sender
+        self.sender_name = sender_name
+        self._decoded = False
+        self._body: object = None
+        self._header: dict[str, object] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"message"``, ``"notification"`` or ``"request"``."""
+        return _KIND[self._frame.type]
+
+    @property
+    def target(self) -> str:
+        """The address the sender used (group, ``G[N]``, ``G[?]`` or an lname)."""
+        return self._frame.target
+
+    @property
+    def request_id(self) -> int:
+        return self._frame.request_id
+
+    @property
+    def header(self) -> dict[str, object]:
+        if self._header is None:
+            self._header = self._frame.header()
+        return self._header
+
+    @property
+    def event(self) -> str | None:
+        """The event name of a notification (None for other kinds)."""
+        ev = self.header.get("event")
+        return ev if isinstance(ev, str) else None
+
+    @property
+    def command(self) -> str | None:
+        """The command name of a request (None for other kinds)."""
+        cmd = self.header.get("cmd")
+        return cmd if isinstance(cmd, str) else None
+
+    @property
+    def body(self) -> Any:
+        if not self._decoded:
+            self._body = self._frame.body()
+            self._decoded = True
+        return self._body
+
+    @property
+    def attachments(self) -> list[memoryview]:
+        return self._frame.blobs()
+
+    @property
+    def size(self) -> int:
+        return len(self._frame.raw)
+
+    def __repr__(self) -> str:
+        return (f"<Message {self.kind} from {self.sender} ({self.sender_name}) "
+                f"to {self.target!r} {self.size} bytes>")
+
+
+@attrs.frozen
+class Member:
+    lname: str
+    name: str
+    pid: int = -1
+
+
+@attrs.frozen
+class Result:
+    """One outcome of :meth:`Bus.call_many` / :meth:`Bus.call_all`: a value or an error."""
+
+    target: str
+    ok: bool
+    value: Any = None
+    error: RpcError | None = None
+    #: For call_all: the member (lname) that answered or failed.
+    sender: str | None = None
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Call:
+    __slots__ = ("answers", "done", "error", "expected", "multi", "result", "target")
+
+    def __init__(self, target: str, multi: bool) -> None:
+        self.target = target
+        self.multi = multi
+        self.done = trio.Event()
+        self.result: Any = None
+        self.error: RpcError | None = None
+        self.expected: list[tuple[str, str]] | None = None  # ROUTED (multi only)
+        self.answers: dict[str, Result] = {}
+
+    def answer(self, frame: Frame, sender: str) -> None:
+        if frame.type == _REPLY:
+            res = Result(self.target, True, frame.body(), None, sender)
+        else:
+            h = frame.header()
+            res = Result(self.target, False, None, rpc_error_from_wire(
+                str(h.get("code", "")), str(h.get("message", "")), frame.body(), sender), sender)
+        if not self.multi:
+            self.result, self.error = res.value, res.error
+            self.done.set()
+            return
+        if self.expected is None:
+            # ROUTED always precedes the members' answers on the same connection, so an
+            # answer before it is the broker refusing the whole call (e.g. no-recipient).
+            self.error = res.error
+            self.done.set()
+            return
+        self.answers[sender] = res
+        self._maybe_done()
+
+    def routed(self, to: list[tuple[str, str]]) -> None:
+        self.expected = to
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self.expected is not None and len(self.answers) >= len(self.expected):
+            self.done.set()
+
+    def fail(self, error: RpcError) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+Handler = Callable[..., Any]
+
+
+class Bus:
+    """A connection to the broker. Create it with :func:`connect`.
+
+    Attributes:
+        lname: this connection's unique address, assigned by the broker (``l.N``).
+        name: the client name sent in HELLO.
+    """
+
+    def __init__(self, stream: trio.SocketStream, name: str, max_frame_size: int) -> None:
+        self._stream = stream
+        self.name = name
+        self.lname = ""
+        self.broker_version = ""
+        self._conn = Connection(Role.CLIENT, max_frame_size)
+        self._out: deque[Buffer] = deque()
+        self._out_bytes = 0
+        self._out_wake = trio.lowlevel.ParkingLot()
+        self._drained = trio.lowlevel.ParkingLot()
+        self._in: deque[Message] = deque()
+        self._in_bytes = 0
+        self._in_wake = trio.lowlevel.ParkingLot()
+        self._in_taken = trio.lowlevel.ParkingLot()
+        self._calls: dict[int, _Call] = {}
+        self._next_rid = 0
+        self._handlers: dict[str, Handler] = {}
+        self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
+        self._sources: dict[bytes, tuple[str, str]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+        self._lost: ConnectionLost | None = None
+        self._since_yield = 0
+        self._broker_goodbye = trio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def _handshake(self, hello_extra: dict[str, object]) -> None:
+        hello = self._conn.hello(self.name, {"pid": os.getpid(), **hello_extra})
+        try:
+            with translate_socket_errors():
+                await self._stream.send_all(b"".join(hello))
+            while True:
+                with translate_socket_errors():
+                    data = await self._stream.receive_some(RECEIVE_SIZE)
+                self._conn.receive_data(data)
+                ev = self._conn.next_event()
+                if ev is EOF:
+                    raise ConnectError("broker closed the connection during the handshake")
+                if ev is NEED_DATA:
+                    continue
+                assert isinstance(ev, Frame)
+                header = ev.header()
+                if ev.type == _ERROR:
+                    raise ConnectError(
+                        f"broker refused the connection: {header.get('message')}",
+                        code=str(header.get("code")),
+                    )
+                self.lname = str(header["lname"])
+                self.broker_version = str(header.get("broker", ""))
+                if self._conn.in_frame or self._conn.next_event() is not NEED_DATA:
+                    raise ConnectError("broker sent data before the handshake completed")
+                return
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ConnectError(f"connection to the broker failed: {exc}") from exc
+        except ProtocolError as exc:
+            raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
+
+    async def _close(self) -> None:
+        """Flush queued frames, say GOODBYE, wait (briefly) for the broker's, close."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._lost is None:
+            with trio.move_on_after(2.0):
+                try:
+                    self._queue(self._conn.send(_GOODBYE))
+                except LocalProtocolError:
+                    pass
+                await self._broker_goodbye.wait()
+        await trio.aclose_forcefully(self._stream)
+        self._fail_all(ConnectionLost("the bus was closed"))
+
+    def _fail_all(self, exc: ConnectionLost) -> None:
+        if self._lost is None:
+            self._lost = exc
+        for call in self._calls.values():
+            call.fail(RpcError(str(exc), code="connection-lost"))
+        self._in_wake.unpark_all()
+        self._drained.unpark_all()
+        self._in_taken.unpark_all()
+
+    def _check_open(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+        if self._closed:
+            raise UsageError("the bus is closed")
+
+    # -- sending -----------------------------------------------------------------------
+    def _queue(self, pieces: list[Buffer]) -> None:
+        out = self._out
+        for p in pieces:
+            out.append(p)
+            self._out_bytes += len(p)
+        self._out_wake.unpark_all()
+
+    async def _wait_out(self) -> None:
+        while self._out_bytes > OUT_HIGH_WATER and self._lost is None:
+            await self._drained.park()
+        if self._lost is not None:
+            raise self._lost
+
+    async def send(self, target: str, body: Any = None, attachments: Sequence[Buffer] = (),
+                   *, header: dict[str, object] | None = None) -> None:
+        """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
+
+        A group gets it on every member except the sender. Returns once the frame is
+        queued; waits only while more than ``OUT_HIGH_WATER`` bytes are queued.
+
+        Raises:
+            UsageError: the bus is closed or ``body`` cannot be encoded as CBOR.
+            ConnectionLost: the broker went away.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._lost is not None or self._closed:
+            self._check_open()
+        try:
+            pieces = encode_frame(
+                _MESSAGE, target=target,
+                header=cbor2.dumps(header) if header else b"",
+                body=cbor2.dumps(body) if body is not None else b"", blobs=attachments,
+            )
+        except (LocalProtocolError, cbor2.CBOREncodeError, TypeError) as exc:
+            raise UsageError(f"cannot send to {target!r}: {exc}") from exc
+        self._queue(pieces)
+        if self._out_bytes > OUT_HIGH_WATER:
+            await self._wait_out()
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been written to the socket."""
+        while self._out_bytes and self._lost is None:
+            await self._drained.park()
+        self._check_open()
+
+    async def notify(self, group: str, event: str, params: Any = None) -> None:
+        """Publish notification ``event`` to ``group``; notifications are never answered."""
+        self._check_open()
+        try:
+            self._queue(encode_frame(
+                _NOTIFY, target=group, header=encode_cbor({"event": event}),
+                body=encode_cbor(params) if params is not None else b""))
+        except LocalProtocolError as exc:
+            raise UsageError(str(exc)) from exc
+        await self._wait_out()
+        await trio.lowlevel.checkpoint()
+
+    # -- RPC ---------------------------------------------------------------------------
+    def _start_call(self, target: str, command: str, params: Any, timeout: float | None,
+                    attachments: Sequence[Buffer], multi: bool) -> tuple[int, _Call]:
+        self._check_open()
+        self._next_rid += 1
+        rid = self._next_rid
+        header: dict[str, object] = {"cmd": command}
+        if timeout is not None:
+            if timeout <= 0:
+                raise UsageError("timeout must be positive")
+            header["timeout"] = float(timeout)
+        try:
+            pieces = encode_frame(
+                _REQUEST, target=target, request_id=rid, flags=Flag.ALL if multi else 0,
+                header=encode_cbor(header),
+                body=encode_cbor(params) if params is not None else b"", blobs=attachments,
+            )
+        except LocalProtocolError as exc:
+            raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
+        call = _Call(target, multi)
+        self._calls[rid] = call
+        self._queue(pieces)
+        return rid, call
+
+    async def _finish_call(self, rid: int, call: _Call, timeout: float | None) -> None:
+        try:
+            # The broker enforces the deadline and answers `timeout` itself; the local
+            # limit (deadline + 1 s) only covers a broker that stopped answering at all.
+            limit = math.inf if timeout is None else timeout + 1.0
+            with trio.move_on_after(limit):
+                await call.done.wait()
+            if not call.done.is_set():
+                call.fail(RequestTimeout(f"no answer from {call.target!r} within {timeout} s "
+                                         "(and none from the broker)", sender=None))
+        finally:
+            self._calls.pop(rid, None)
+
+    async def call(self, target: str, command: str, params: Any = None, *,
+                   timeout: float | None = None, attachments: Sequence[Buffer] = ()) -> Any:
+        """Call ``command`` on exactly one recipient and return its result.
+
+        ``target`` is an lname, ``G[N]``, ``G[?]`` or a group with exactly one member.
+        No timeout is needed: the broker answers at once when nobody is there or the
+        recipient goes away, and after its ``request_timeout`` when the recipient
+        black-holes the request; ``timeout`` shortens that deadline for this call.
+
+        Raises:
+            NoRecipient, RecipientGone, RequestTimeout, ReceiverFull, MultipleRecipients,
+            LimitExceeded: the broker's answers. RemoteError: the handler failed
+            (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
+        """
+        rid, call = self._start_call(target, command, params, timeout, attachments, False)
+        await self._wait_out()
+        await self._finish_call(rid, call, timeout)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    async def call_all(self, group: str, command: str, params: Any = None, *,
+                       timeout: float | None = None) -> list[Result]:
+        """Call ``command`` on every member of ``group`` (except this client).
+
+        Returns one :class:`Result` per member, in join order of the members the broker
+        routed to; a member that fails or leaves yields an error Result.
+
+        Raises:
+            NoRecipient: the group is empty. ConnectionLost: the broker went away.
+        """
+        rid, call = self._start_call(group, command, params, timeout, (), True)
+        await self._wait_out()
+        await self._finish_call(rid, call, timeout)
+        if call.error is not None and call.expected is None:
+            raise call.error
+        expected = call.expected or []
+        out = []
+        for lname, _name in expected:
+            res = call.answers.get(lname)
+            if res is None:
+                err = call.error or RequestTimeout(f"{lname} did not answer", sender=lname)
+                res = Result(group, False, None, err, lname)
+            out.append(res)
+        return out
+
+    async def call_many(self, requests: Iterable[tuple[str, str] | tuple[str, str, Any]], *,
+                        timeout: float | None = None) -> list[Result]:
+        """Issue many calls concurrently; returns each result or error, in request order."""
+        reqs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in requests]  # type: ignore[misc]
+        started = [self._start_call(t, c, p, timeout, (), False) for t, c, p in reqs]
+        await self._wait_out()
+        results: list[Result] = []
+        for (rid, call), (target, _c, _p) in zip(started, reqs, strict=True):
+            await self._finish_call(rid, call, timeout)
+            results.append(Result(target, call.error is None, call.result, call.error))
+        return results
+
+    def call_cb(self, target: str, command: str, params: Any,
+                callback: Callable[[bool, Any], Any], *, timeout: float | None = None) -> None:
+        """Start a call now; later run ``callback(ok, result_or_error)`` (seed 000's ``rpc``).
+
+        The callback runs in the bus's nursery; exceptions it raises are logged.
+        """
+        rid, call = self._start_call(target, command, params, timeout, (), False)
+
+        async def finish() -> None:
+            await self._finish_call(rid, call, timeout)
+            ok = call.error is None
+            await self._run_callback(callback, ok, call.result if ok else call.error)
+
+        self._spawn(finish)
+
+    def call_many_cb(self, requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
+                     callback: Callable[[list[Result]], Any], *,
+                     timeout: float | None = None) -> None:
+        """Start many calls now; run ``callback(results)`` once all are done."""
+        reqs = list(requests)
+
+        async def finish() -> None:
+            results = await self.call_many(reqs, timeout=timeout)
+            await self._run_callback(callback, results)
+
+        self._spawn(finish)
+
+    async def _run_callback(self, cb: Callable[..., Any], *args: Any) -> None:
+        try:
+            r = cb(*args)
+            if inspect.isawaitable(r):
+                await r
+        except Exception:
+            log.exception("callback %r raised", cb)
+
+    def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        if self._nursery is None:
+            raise UsageError("the bus is not running")
+        self._nursery.start_soon(fn)
+
+    # -- serving commands ----------------------------------------------------------------
+    def command(self, name: str) -> Callable[[Handler], Handler]:
+        """Decorator: register ``fn`` to answer requests for ``name``.
+
+        ``fn(params)`` or ``fn(params, request)``, sync or async. Each request runs in its
+        own task. The return value is the answer; ``CommandFailed(code, message, data)``
+        answers with that error; ``TypeError``/``ValueError``/``KeyError`` from the handler
+        answer ``bad-request``; any other exception ``internal-error`` naming its type.
+        """
+
+        def register(fn: Handler) -> Handler:
+            self.add_command(name, fn)
+            return fn
+
+        return register
+
+    def add_command(self, name: str, fn: Handler) -> None:
+        nparams = len(inspect.signature(fn).parameters)
+        if nparams not in (1, 2):
+            raise UsageError("a command handler takes (params) or (params, request)")
+        self._handlers[name] = fn if nparams == 2 else (lambda p, _r, fn=fn: fn(p))
+
+    async def _serve_request(self, msg: Message, handler: Handler) -> None:
+        frame = msg._frame
+        try:
+            result = handler(msg.body, msg)
+            if inspect.isawaitable(result):
+                result = await result
+            pieces = encode_frame(_REPLY, target=msg.sender, request_id=frame.request_id,
+                                  body=encode_cbor(result) if result is not None else b"")
+        except CommandFailed as exc:
+            pieces = self._error_frame(msg, exc.code, exc.message, exc.data)
+        except (TypeError, ValueError, KeyError, RemoteProtocolError) as exc:
+            pieces = self._error_frame(msg, ErrorCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
+        except LocalProtocolError as exc:
+            pieces = self._error_frame(msg, ErrorCode.INTERNAL_ERROR,
+                                       f"handler result cannot be encoded: {exc}")
+        except Exception as exc:
+            log.exception("handler for %r raised", msg.command)
+            pieces = self._error_frame(msg, ErrorCode.INTERNAL_ERROR,
+                                       f"{type(exc).__name__}: {exc}",
+                                       {"type": type(exc).__name__})
+        if self._lost is None and not self._closed:
+            self._queue(pieces)
+
+    def _error_frame(self, msg: Message, code: str, message: str,
+                     data: object = None) -> list[Buffer]:
+        return encode_frame(
+            _ERROR, target=msg.sender, request_id=msg.request_id,
+            header=encode_cbor({"code": str(code), "message": message}),
+            body=encode_cbor(data) if data is not None else b"")
+
+    # -- broker commands ---------------------------------------------------------------
+    async def subscribe(self, group: str) -> bool:
+        """Join ``group``; returns False if already a member. Confirmed by the broker."""
+        return bool(await self.call("msgq", "subscribe", {"group": group}))
+
+    async def unsubscribe(self, group: str) -> bool:
+        return bool(await self.call("msgq", "unsubscribe", {"group": group}))
+
+    async def members(self, group: str) -> list[Member]:
+        """Members of ``group`` in join order (``G[0]`` first)."""
+        rows = await self.call("msgq", "members", {"group": group})
+        return [Member(r["lname"], r["name"], r.get("pid", -1)) for r in rows]
+
+    async def version(self) -> dict[str, Any]:
+        return dict(await self.call("msgq", "version"))
+
+    def on_notification(self, group: str, callback: Callable[[Message], Any]) -> None:
+        """Run ``callback(message)`` for every notification to ``group`` (instead of
+        delivering it to iteration). Subscribe to the group separately."""
+        self._notify_cbs.setdefault(group, []).append(callback)
+
+    # -- receiving ---------------------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self
+
+    async def __anext__(self) -> Message:
+        msg = await self._next_message()
+        if msg is None:
+            raise StopAsyncIteration
+        return msg
+
+    async def receive(self, timeout: float | None = None) -> Message:
+        """The next message or notification.
+
+        Raises:
+            trio.TooSlowError: nothing arrived within ``timeout``.
+            ConnectionLost: the connection ended.
+        """
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            msg = await self._next_message()
+        if msg is None:
+            raise self._lost or ConnectionLost("the bus was closed")
+        return msg
+
+    async def _next_message(self) -> Message | None:
+        q = self._in
+        while not q:
+            if self._lost is not None or self._closed:
+                return None
+            await self._in_wake.park()
+        msg = q.popleft()
+        self._in_bytes -= len(msg._frame.raw)
+        self._in_taken.unpark_all()
+        self._since_yield += 1
+        if self._since_yield >= _FAIRNESS:
+            self._since_yield = 0
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        return msg
+
+    # -- tasks -------------------------------------------------------------------------
+    async def _writer(self) -> None:
+        out, stream = self._out, self._stream
+        try:
+            while True:
+                while not out:
+                    await self._out_wake.park()
+                bufs = list(out)
+                out.clear()
+                n = 0
+                for b in bufs:
+                    n += len(b)
+                with translate_socket_errors():
+                    if len(bufs) == 1:
+                        await stream.send_all(bufs[0])
+                    else:
+                        small: list[Buffer] = []
+                        for b in bufs:
+                            if len(b) >= 65536:
+                                if small:
+                                    await stream.send_all(b"".join(small))
+                                    small = []
+                                await stream.send_all(b)
+                            else:
+                                small.append(b)
+                        if small:
+                            await stream.send_all(b"".join(small))
+                self._out_bytes -= n
+                self._drained.unpark_all()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
+
+    async def _reader(self) -> None:
+        conn, stream = self._conn, self._stream
+        try:
+            while True:
+                with translate_socket_errors():
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                conn.receive_data(data)
+                while True:
+                    ev = conn.next_event()
+                    if ev is NEED_DATA:
+                        break
+                    if ev is EOF:
+                        self._broker_goodbye.set()
+                        self._fail_all(ConnectionLost("the broker closed the connection"))
+                        return
+                    assert isinstance(ev, Frame)
+                    self._dispatch(ev)
+                if self._in_bytes > IN_HIGH_WATER:
+                    while self._in_bytes > IN_HIGH_WATER and self._lost is None:
+                        await self._in_taken.park()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
+        except ProtocolError as exc:
+            log.error("broker violated the protocol: %s", exc)
+            self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
+
+    def _dispatch(self, frame: Frame) -> None:
+        t = frame.type
+        if t == _MESSAGE or t == _NOTIFY:
+            sender, sname = _split_source(frame.source, self._sources)
+            msg = Message(frame, sender, sname)
+            if t == _NOTIFY and self._notify_cbs:
+                cbs = self._notify_cbs.get(frame.target)
+                if cbs:
+                    for cb in cbs:
+                        self._spawn(lambda cb=cb: self._run_callback(cb, msg))
+                    return
+            self._in.append(msg)
+            self._in_bytes += len(frame.raw)
+            self._in_wake.unpark_all()
+        elif t == _REPLY or t == _ERROR:
+            if not frame.request_id:
+                h = frame.header()
+                code = str(h.get("code", ""))
+                log.error("broker reported: %s (%s)", h.get("message"), code)
+                self._fail_all(ConnectionLost(f"broker closed the connection: {h.get('message')}",
+                                              code=code))
+                return
+            call = self._calls.get(frame.request_id)
+            if call is not None:
+                call.answer(frame, _split_source(frame.source, self._sources)[0])
+        elif t == _ROUTED:
+            call = self._calls.get(frame.request_id)
+            if call is not None:
+                to = frame.header().get("to", [])
+                assert isinstance(to, list)
+                call.routed([(str(a), str(b)) for a, b in to])
+        elif t == _REQUEST:
+            sender, sname = _split_source(frame.source, self._sources)
+            msg = Message(frame, sender, sname)
+            handler = self._handlers.get(msg.command or "")
+            if handler is None:
+                self._queue(self._error_frame(
+                    msg, ErrorCode.UNKNOWN_COMMAND,
+                    f"{self.name} ({self.lname}) has no command {msg.command!r}",
+                    sorted(self._handlers)))
+            else:
+                self._spawn(lambda: self._serve_request(msg, handler))
+        elif t == _GOODBYE:
+            self._broker_goodbye.set()
+            reason = frame.header().get("reason")
+            if not self._closed:
+                self._fail_all(ConnectionLost(f"the broker closed the connection ({reason})",
+                                              code=str(reason) if reason else None))
+
+
+@asynccontextmanager
+async def connect(socket: str | os.PathLike[str] | None = None, name: str | None = None, *,
+                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> AsyncIterator[Bus]:
+    """Connect to the broker; yields a :class:`Bus`.
+
+    Args:
+        socket: the broker's Unix socket; default ``$MSGQ_TRIO_SOCKET`` or the per-user path
+            (:func:`msgq_trio.config.default_socket_path`).
+        name: this client's name, shown to others as ``sender_name``.
+
+    Resource handling: leaving the block flushes queued frames, says GOODBYE, closes the
+    socket and cancels handler tasks; pending calls fail with ConnectionLost.
+
+    Raises:
+        ConnectError: no broker on the socket, or it refused the handshake
+            (``code`` ``version-mismatch``, ``limit-exceeded``...).
+    """
+    path = Path(socket) if socket is not None else default_socket_path()
+    try:
+        stream = await trio.open_unix_socket(str(path))
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to the broker at {path}: {exc.strerror or exc}") from exc
+    bus = Bus(stream, name or Path(sys.argv[0] or "client").name, max_frame_size)
+    try:
+        await bus._handshake({})
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    body_error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        bus._nursery = nursery
+        nursery.start_soon(bus._reader)
+        nursery.start_soon(bus._writer)
+        try:
+            yield bus
+        except Exception as exc:
+            # Re-raised below, outside the nursery, so the caller can catch e.g. NoRecipient
+            # itself instead of an ExceptionGroup wrapping it. Cancelled is not caught here.
+            body_error = exc
+        finally:
+            with trio.CancelScope(shield=True):
+                await bus._close()
+            nursery.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error

@@ -1,0 +1,431 @@
+"""Broker logic: route frames between peers, track RPCs, answer the broker's own commands.
+
+Pure and deterministic: no trio, no sockets. The I/O layer calls ``handle(peer, frame, now)``
+for every frame a client sends; the core appends outgoing buffers to the receivers'
+``Peer.outq`` and records in ``dirty`` whose writer to wake, in ``blocked`` which receivers
+went over their soft limit (the sender must pause reading), and in ``kicked`` which peers it
+decided to drop (the I/O layer closes their connections). Time comes in as ``now``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Limits
+from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, Flag, FrameType
+from ..protocol.errors import RemoteProtocolError
+from ..protocol.framing import Frame, encode_cbor, encode_frame, restamp
+from .peers import Buffer, Peer
+from .router import ANYCAST, BROKER, BROKER_PREFIX, DIRECT, GROUP, MEMBERSHIP_GROUP, Router, valid_group_name
+from .rpc import Failure, PendingReplies
+
+log = logging.getLogger("msgq_trio.broker")
+
+BROKER_LNAME = "l.0"
+_BROKER_STAMP = BROKER_LNAME.encode() + b"\0msgq"
+
+_MESSAGE = FrameType.MESSAGE
+_REQUEST = FrameType.REQUEST
+_REPLY = FrameType.REPLY
+_ERROR = FrameType.ERROR
+_NOTIFY = FrameType.NOTIFY
+_GOODBYE = FrameType.GOODBYE
+
+
+class CommandError(Exception):
+    """Raised by a broker command handler: becomes an ERROR answer with ``code``."""
+
+    def __init__(self, code: ErrorCode, message: str, data: object = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.data = data
+
+
+def _size(pieces: list[Buffer]) -> int:
+    n = 0
+    for p in pieces:
+        n += len(p)
+    return n
+
+
+class Broker:
+    """The routing core of one broker process.
+
+    Args:
+        limits: the bounds to enforce (see :class:`msgq_trio.config.Limits`).
+        version: the broker's software version, reported to clients.
+        rng: random source for ``Group[?]`` (seed it in tests).
+    """
+
+    def __init__(self, limits: Limits, *, version: str, rng: random.Random | None = None) -> None:
+        self.limits = limits
+        self.version = version
+        self.router = Router(rng)
+        self.rpc = PendingReplies()
+        self._next_id = 1  # l.0 is the broker itself; lnames are never reused
+        self.dirty: set[Peer] = set()
+        self.blocked: set[Peer] = set()
+        self.kicked: list[tuple[Peer, ErrorCode, str]] = []
+        self.commands: dict[str, Callable[[Peer, Any], object]] = {
+            "subscribe": self._cmd_subscribe,
+            "unsubscribe": self._cmd_unsubscribe,
+            "members": self._cmd_members,
+            "version": self._cmd_version,
+            "ping": lambda _peer, _params: "pong",
+        }
+        self.stats = {"messages": 0, "bytes": 0, "no_recipient": 0, "late_answers": 0,
+                      "timeouts": 0, "dropped_peers": 0}
+
+    # -- connection lifecycle -----------------------------------------------------------
+    @property
+    def peers(self) -> dict[int, Peer]:
+        return self.router.by_id
+
+    def connect(self, name: str, *, pid: int, uid: int, gid: int, now: float) -> Peer:
+        """Admit a client whose HELLO was accepted; assigns its lname (never reused)."""
+        peer = Peer(self._next_id, name, pid=pid, uid=uid, gid=gid, now=now)
+        self._next_id += 1
+        self.router.add_peer(peer)
+        self._publish_membership(
+            "connected", {"lname": peer.lname, "name": name, "pid": pid, "uid": uid}
+        )
+        return peer
+
+    def welcome(self, peer: Peer) -> dict[str, object]:
+        """Header of the WELCOME frame for ``peer``."""
+        lim = self.limits
+        return {
+            "version": PROTOCOL_VERSION,
+            "lname": peer.lname,
+            "broker": self.version,
+            "limits": {
+                "max_frame_size": lim.max_frame_size,
+                "max_pending_requests": lim.max_pending_requests,
+                "request_timeout": lim.request_timeout,
+            },
+        }
+
+    def disconnect(self, peer: Peer, reason: str, *, keep_queue: bool = False) -> None:
+        """Forget ``peer``: unsubscribe it, fail calls pending on it, drop its queue.
+
+        Idempotent. Every caller waiting on ``peer`` gets recipient-gone now; calls
+        ``peer`` made are forgotten (late answers to them are discarded). With
+        ``keep_queue`` (an orderly GOODBYE) what is already queued for it is still flushed.
+        """
+        if not peer.alive:
+            return
+        peer.alive = False
+        left = self.router.remove_peer(peer)
+        failures = self.rpc.peer_gone(peer)
+        if not keep_queue:
+            peer.outq.clear()
+            peer.outq_bytes = 0
+            self.dirty.discard(peer)
+        self.blocked.discard(peer)
+        for f in failures:
+            self._fail_call(f)
+        for g in left:
+            self._publish_membership(
+                "unsubscribed", {"lname": peer.lname, "name": peer.name, "group": g,
+                                 "reason": "disconnect"}
+            )
+        self._publish_membership(
+            "disconnected", {"lname": peer.lname, "name": peer.name, "reason": reason}
+        )
+
+    def kick(self, peer: Peer, code: ErrorCode, message: str) -> None:
+        """Drop ``peer`` for a reason the broker decided (slow consumer, limit, protocol)."""
+        if not peer.alive:
+            return
+        log.warning("dropping client %s: %s (%s)", peer.describe(), message, code)
+        self.stats["dropped_peers"] += 1
+        self.kicked.append((peer, code, message))
+        self.disconnect(peer, str(code))
+
+    # -- the hot path -------------------------------------------------------------------
+    def handle(self, peer: Peer, frame: Frame, now: float) -> None:
+        """Process one frame from ``peer`` (already checked by the connection state table).
+
+        Raises:
+            RemoteProtocolError: the frame is well-formed but semantically invalid
+                (e.g. a REQUEST without request id); the I/O layer drops the client.
+        """
+        ftype = frame.type
+        size = len(frame.raw)
+        peer.msgs_in += 1
+        peer.bytes_in += size
+        stats = self.stats
+        stats["messages"] += 1
+        stats["bytes"] += size
+        if ftype == _MESSAGE:
+            self._route_oneway(peer, frame)
+        elif ftype == _REQUEST:
+            self._request(peer, frame, now)
+        elif ftype == _REPLY or ftype == _ERROR:
+            if frame.request_id:
+                self._answer(peer, frame)
+            else:
+                log.warning("client %s reported a connection error: %r", peer.describe(),
+                            _safe_header(frame))
+        elif ftype == _NOTIFY:
+            kind = self.router.parse_target(frame.target)[0]
+            if kind != GROUP or frame.target.startswith(BROKER_PREFIX):
+                raise RemoteProtocolError(
+                    f"notification to {frame.target!r}: notifications go to client groups only",
+                    ErrorCode.FORBIDDEN,
+                )
+            self._route_oneway(peer, frame)
+        # GOODBYE is handled by the I/O layer (it closes after flushing).
+
+    def _route_oneway(self, peer: Peer, frame: Frame) -> None:
+        recipients = self.router.resolve(frame.target, peer)
+        pieces: list[Buffer] | None = None
+        size = 0
+        over: list[Peer] | None = None
+        hard = self.limits.out_hard_limit
+        soft = self.limits.out_soft_limit
+        dirty = self.dirty
+        for r in recipients:
+            if pieces is None:
+                pieces = restamp(frame, peer.stamp)
+                size = _size(pieces)
+            if r.outq_bytes + size > hard:
+                over = over or []
+                over.append(r)
+                continue
+            r.outq.extend(pieces)
+            r.outq_bytes += size
+            r.msgs_out += 1
+            dirty.add(r)
+            if r.outq_bytes > soft:
+                self.blocked.add(r)
+        if pieces is None:
+            self.stats["no_recipient"] += 1
+        if over:
+            for r in over:
+                self.kick(r, ErrorCode.SLOW_CONSUMER,
+                          f"outgoing queue over out_hard_limit ({hard} bytes) "
+                          f"with a message from {peer.describe()}")
+
+    def _enqueue(self, r: Peer, pieces: list[Buffer]) -> bool:
+        """Queue a frame for ``r``; False if it would go over ``out_hard_limit``."""
+        if not r.alive:
+            return False
+        size = _size(pieces)
+        if r.outq_bytes + size > self.limits.out_hard_limit:
+            return False
+        r.outq.extend(pieces)
+        r.outq_bytes += size
+        r.msgs_out += 1
+        self.dirty.add(r)
+        if r.outq_bytes > self.limits.out_soft_limit:
+            self.blocked.add(r)
+        return True
+
+    def _send_or_kick(self, r: Peer, pieces: list[Buffer], what: str) -> None:
+        """Queue a frame ``r`` is owed (an answer it asked for, a notification it subscribed
+        to); if its queue is over the hard limit it is dropped, never left waiting."""
+        if r.alive and not self._enqueue(r, pieces):
+            self.kick(r, ErrorCode.SLOW_CONSUMER,
+                      f"cannot take {what}: outgoing queue over out_hard_limit "
+                      f"({self.limits.out_hard_limit} bytes)")
+
+    def _reply_error(
+        self, to: Peer, request_id: int, code: ErrorCode, message: str, *,
+        source: bytes = _BROKER_STAMP, data: object = None, target: str = "",
+    ) -> None:
+        header: dict[str, object] = {"code": str(code), "message": message, "broker": True}
+        pieces = encode_frame(
+            _ERROR, target=target or to.lname, request_id=request_id,
+            header=encode_cbor(header), body=encode_cbor(data) if data is not None else b"",
+            source=source,
+        )
+        self._send_or_kick(to, pieces, f"a {code} answer")
+
+    def _request(self, peer: Peer, frame: Frame, now: float) -> None:
+        rid = frame.request_id
+        if not rid:
+            raise RemoteProtocolError("REQUEST without a request id")
+        if self.rpc.is_pending(peer, rid):
+            self._reply_error(peer, rid, ErrorCode.BAD_REQUEST,
+                              f"request id {rid} is already pending")
+            return
+        if len(peer.pending_out) >= self.limits.max_pending_requests:
+            self._reply_error(peer, rid, ErrorCode.LIMIT_EXCEEDED,
+                              f"more than max_pending_requests="
+                              f"{self.limits.max_pending_requests} requests pending")
+            return
+        header = frame.header()
+        router = self.router
+        kind = router.parse_target(frame.target)[0]
+        command = header.get("cmd")
+        if not isinstance(command, str):
+            raise RemoteProtocolError("REQUEST header without a string 'cmd'")
+        if kind == BROKER:
+            self._broker_command(peer, frame, command)
+            return
+        recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
+        if not recipients:
+            self._reply_error(peer, rid, ErrorCode.NO_RECIPIENT,
+                              f"no recipient for {frame.target!r}", target=frame.target)
+            return
+        multi = frame.flags & Flag.ALL
+        if not multi and len(recipients) > 1:
+            self._reply_error(
+                peer, rid, ErrorCode.MULTIPLE_RECIPIENTS,
+                f"{frame.target!r} has {len(recipients)} members; address one instance "
+                f"({frame.target}[N] or {frame.target}[?]) or call every member",
+            )
+            return
+        timeout = self.limits.request_timeout
+        t = header.get("timeout")
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < timeout:
+            timeout = float(t)
+        if multi:
+            # Tell the caller who will answer, before any answer can arrive.
+            to = [[r.lname, r.name] for r in recipients]
+            self._send_or_kick(
+                peer,
+                encode_frame(FrameType.ROUTED, target=peer.lname, request_id=rid,
+                             header=encode_cbor({"to": to}), source=_BROKER_STAMP),
+                "a routing answer",
+            )
+        pieces = restamp(frame, peer.stamp)
+        delivered: list[Peer] = []
+        for r in recipients:
+            if self._enqueue(r, pieces):
+                delivered.append(r)
+            else:
+                self._reply_error(
+                    peer, rid, ErrorCode.RECEIVER_FULL,
+                    f"{r.lname} has {r.outq_bytes} bytes queued (out_hard_limit "
+                    f"{self.limits.out_hard_limit})", source=r.stamp,
+                )
+        if delivered:
+            self.rpc.add(peer, rid, delivered, now + timeout, frame.target, command)
+
+    def _answer(self, peer: Peer, frame: Frame) -> None:
+        kind, _base, caller_id = self.router.parse_target(frame.target)
+        caller = self.rpc.answer(peer, caller_id, frame.request_id) if kind == DIRECT else None
+        if caller is None:
+            # The caller left, the call timed out, or this peer was never asked.
+            self.stats["late_answers"] += 1
+            log.debug("discarding answer from %s to %s id %d: no such pending call",
+                      peer.describe(), frame.target, frame.request_id)
+            return
+        self._send_or_kick(caller, restamp(frame, peer.stamp), "an answer it asked for")
+
+    def _fail_call(self, f: Failure) -> None:
+        if f.reason == "timeout":
+            self.stats["timeouts"] += 1
+            log.error(
+                "request %d %r from %s to %s was not answered within its deadline: "
+                "the recipient black-holed it",
+                f.request_id, f.command, f.caller.describe(), f.callee.describe(),
+            )
+            code, msg = ErrorCode.TIMEOUT, f"{f.callee.lname} did not answer {f.command!r} in time"
+        else:
+            code, msg = ErrorCode.RECIPIENT_GONE, (
+                f"{f.callee.lname} ({f.callee.name}) disconnected before answering {f.command!r}"
+            )
+        self._reply_error(f.caller, f.request_id, code, msg, source=f.callee.stamp)
+
+    # -- deadlines --------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        return self.rpc.next_deadline()
+
+    def expire(self, now: float) -> None:
+        """Answer ``timeout`` for every call whose deadline passed."""
+        for f in self.rpc.expire(now):
+            self._fail_call(f)
+
+    # -- notifications ------------------------------------------------------------------
+    def _publish_membership(self, event: str, params: dict[str, object]) -> None:
+        members = self.router.groups.get(MEMBERSHIP_GROUP)
+        if not members:
+            return
+        pieces = encode_frame(
+            _NOTIFY, target=MEMBERSHIP_GROUP, header=encode_cbor({"event": event}),
+            body=encode_cbor(params), source=_BROKER_STAMP,
+        )
+        for r in list(members):
+            self._send_or_kick(r, pieces, "a membership notification")
+
+    # -- the broker's own commands ----------------------------------------------------
+    def _broker_command(self, peer: Peer, frame: Frame, command: str) -> None:
+        rid = frame.request_id
+        fn = self.commands.get(command)
+        if fn is None:
+            self._reply_error(peer, rid, ErrorCode.UNKNOWN_COMMAND,
+                              f"the broker has no command {command!r}",
+                              data=sorted(self.commands))
+            return
+        try:
+            result = fn(peer, frame.body())
+        except CommandError as exc:
+            self._reply_error(peer, rid, exc.code, str(exc), data=exc.data)
+            return
+        except RemoteProtocolError as exc:
+            self._reply_error(peer, rid, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        self._send_or_kick(
+            peer,
+            encode_frame(_REPLY, target=peer.lname, request_id=rid,
+                         body=encode_cbor(result), source=_BROKER_STAMP),
+            "an answer it asked for",
+        )
+
+    def _group_param(self, params: object) -> str:
+        group = params.get("group") if isinstance(params, dict) else None
+        if not isinstance(group, str):
+            raise CommandError(ErrorCode.BAD_REQUEST, "params must be {'group': str}")
+        return group
+
+    def _cmd_subscribe(self, peer: Peer, params: object) -> bool:
+        group = self._group_param(params)
+        why = valid_group_name(group)
+        if why:
+            raise CommandError(ErrorCode.BAD_REQUEST, why)
+        if group not in peer.groups and len(peer.groups) >= self.limits.max_subscriptions:
+            raise CommandError(ErrorCode.LIMIT_EXCEEDED,
+                               f"max_subscriptions={self.limits.max_subscriptions} reached")
+        added = self.router.subscribe(peer, group)
+        if added:
+            self._publish_membership("subscribed",
+                                     {"lname": peer.lname, "name": peer.name, "group": group})
+        return added
+
+    def _cmd_unsubscribe(self, peer: Peer, params: object) -> bool:
+        group = self._group_param(params)
+        removed = self.router.unsubscribe(peer, group)
+        if removed:
+            self._publish_membership("unsubscribed", {"lname": peer.lname, "name": peer.name,
+                                                      "group": group, "reason": "request"})
+        return removed
+
+    def _cmd_members(self, _peer: Peer, params: object) -> list[dict[str, object]]:
+        group = self._group_param(params)
+        return [{"lname": p.lname, "name": p.name, "pid": p.pid}
+                for p in self.router.members(group)]
+
+    def _cmd_version(self, _peer: Peer, _params: object) -> dict[str, object]:
+        return {"broker": self.version, "protocol": PROTOCOL_VERSION}
+
+    def check_empty(self) -> None:
+        """Assert that no state is left once every peer is gone (leak check for tests)."""
+        assert not self.router.by_id, f"peers left: {list(self.router.by_id.values())[:5]}"
+        assert not self.router.groups, f"groups left: {list(self.router.groups)[:5]}"
+        self.rpc.check_empty()
+
+
+def _safe_header(frame: Frame) -> object:
+    try:
+        return frame.header()
+    except RemoteProtocolError:
+        return "<malformed header>"
+
+
+__all__ = ["ANYCAST", "BROKER_LNAME", "Broker", "CommandError"]

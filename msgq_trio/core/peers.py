@@ -1,0 +1,70 @@
+"""Per-connection broker state: identity, subscriptions, outgoing queue and its accounting.
+
+Pure data: no trio, no sockets. The I/O layer drains ``outq``; the core fills it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Peer:
+    """One client as the broker sees it.
+
+    Ownership: the peer owns its outgoing queue and the keys of the RPC slots it takes
+    part in (``pending_out`` as caller, ``pending_in`` as callee), so removing a peer frees
+    everything it holds in O(its own entries).
+    """
+
+    __slots__ = (
+        "alive", "bytes_in", "bytes_out", "connected_at", "gid", "groups", "id", "lname",
+        "msgs_in", "msgs_out", "name", "outq", "outq_bytes", "pending_in", "pending_out",
+        "pid", "stamp", "uid",
+    )
+
+    def __init__(self, pid_: int, name: str, *, pid: int, uid: int, gid: int, now: float) -> None:
+        self.id = pid_
+        self.lname = f"l.{pid_}"
+        self.name = name
+        self.pid = pid
+        self.uid = uid
+        self.gid = gid
+        self.connected_at = now
+        # The source section stamped into everything this peer sends (docs/PROTOCOL.md):
+        # lname, NUL, client name. Computed once per connection, not per message.
+        self.stamp = self.lname.encode() + b"\0" + name.encode()
+        self.groups: dict[str, int] = {}
+        self.outq: deque[Buffer] = deque()
+        self.outq_bytes = 0
+        self.pending_in: set[tuple[int, int]] = set()
+        self.pending_out: set[tuple[int, int]] = set()
+        self.alive = True
+        self.msgs_in = 0
+        self.bytes_in = 0
+        self.msgs_out = 0
+        self.bytes_out = 0
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.lname} name={self.name!r} pid={self.pid}>"
+
+    def describe(self) -> str:
+        """Identity for log lines: which client caused this."""
+        return f"{self.lname} (name={self.name!r} pid={self.pid} uid={self.uid})"
+
+    def take_outgoing(self, max_bytes: int = 1 << 62) -> tuple[list[Buffer], int]:
+        """Remove and return queued buffers (at least one, then up to ``max_bytes``)."""
+        out: list[Buffer] = []
+        n = 0
+        q = self.outq
+        while q and (not out or n + len(q[0]) <= max_bytes):
+            b = q.popleft()
+            out.append(b)
+            n += len(b)
+        return out, n
+
+    def sent(self, nbytes: int) -> None:
+        """Account for ``nbytes`` taken by ``take_outgoing`` that reached the socket."""
+        self.outq_bytes -= nbytes
+        self.bytes_out += nbytes

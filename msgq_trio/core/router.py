@@ -1,0 +1,149 @@
+"""Addressing: groups with join order, lnames, ``Group[N]`` instances and ``Group[?]`` anycast.
+
+Pure data structure (no trio, no I/O); errors are returned as codes, not raised, because a
+routing miss is a normal answer (no-recipient), not an exception in the broker.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from .peers import Peer
+
+#: Groups whose names start with this are published by the broker only.
+BROKER_PREFIX = "msgq."
+BROKER_NAME = "msgq"
+LNAME_PREFIX = "l."
+MEMBERSHIP_GROUP = "msgq.membership"
+
+# Target kinds returned by parse_target.
+DIRECT, GROUP, INSTANCE, ANYCAST, BROKER = range(5)
+
+_MAX_NAME = 255
+_PARSE_CACHE_MAX = 65536
+
+
+def valid_group_name(name: str) -> str | None:
+    """Why ``name`` cannot be subscribed to, or None if it can."""
+    if not name or len(name) > _MAX_NAME:
+        return f"group name must be 1..{_MAX_NAME} characters"
+    if name.startswith(LNAME_PREFIX):
+        return f"group names starting with {LNAME_PREFIX!r} are reserved for lnames"
+    if name == BROKER_NAME:
+        return f"{BROKER_NAME!r} is the broker's own address"
+    if any(c in name for c in "[]\0"):
+        return "group names may not contain '[', ']' or NUL"
+    return None
+
+
+class Router:
+    """The subscription table and target resolution.
+
+    Join order is kept per group (dict insertion order), so ``Group[0]`` is the member that
+    joined first among those still present and ``Group[N]`` the N-th.
+    """
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.groups: dict[str, dict[Peer, None]] = {}
+        self.by_id: dict[int, Peer] = {}
+        self._rng = rng or random.Random()
+        self._parsed: dict[str, tuple[int, str, int]] = {}
+
+    # -- membership -------------------------------------------------------------------
+    def add_peer(self, peer: Peer) -> None:
+        self.by_id[peer.id] = peer
+
+    def remove_peer(self, peer: Peer) -> list[str]:
+        """Forget the peer; returns the groups it was implicitly unsubscribed from, in join order."""
+        self.by_id.pop(peer.id, None)
+        left = list(peer.groups)
+        for g in left:
+            self.unsubscribe(peer, g)
+        return left
+
+    def subscribe(self, peer: Peer, group: str) -> bool:
+        """Add ``peer`` to ``group``; False if it already was a member."""
+        members = self.groups.setdefault(group, {})
+        if peer in members:
+            return False
+        members[peer] = None
+        peer.groups[group] = len(peer.groups)
+        return True
+
+    def unsubscribe(self, peer: Peer, group: str) -> bool:
+        members = self.groups.get(group)
+        if members is None or peer not in members:
+            return False
+        del members[peer]
+        if not members:
+            del self.groups[group]
+        del peer.groups[group]
+        return True
+
+    def members(self, group: str) -> list[Peer]:
+        return list(self.groups.get(group, ()))
+
+    # -- resolution -------------------------------------------------------------------
+    def parse_target(self, target: str) -> tuple[int, str, int]:
+        """(kind, base name, index or lname id) for a target string; cached."""
+        hit = self._parsed.get(target)
+        if hit is not None:
+            return hit
+        parsed = _parse(target)
+        if len(self._parsed) >= _PARSE_CACHE_MAX:
+            self._parsed.clear()  # bounded: any workload re-parses in O(1) per target
+        self._parsed[target] = parsed
+        return parsed
+
+    def resolve(self, target: str, sender: Peer | None) -> Iterable[Peer]:
+        """Recipients of a frame to ``target``. Broadcast to a group skips the sender.
+
+        Returns an empty sequence for unknown targets, including the broker's own address
+        (the caller handles ``BROKER`` before asking).
+        """
+        kind, base, index = self.parse_target(target)
+        if kind == GROUP:
+            members = self.groups.get(base)
+            if not members:
+                return ()
+            if sender is not None and sender in members:
+                return [p for p in members if p is not sender]
+            return members
+        if kind == DIRECT:
+            peer = self.by_id.get(index)
+            return (peer,) if peer is not None else ()
+        if kind == INSTANCE:
+            members = self.groups.get(base)
+            if not members or index >= len(members):
+                return ()
+            for i, p in enumerate(members):
+                if i == index:
+                    return (p,)
+            return ()
+        if kind == ANYCAST:
+            members = self.groups.get(base)
+            if not members:
+                return ()
+            return (self._rng.choice(list(members)),)
+        return ()
+
+
+def _parse(target: str) -> tuple[int, str, int]:
+    if target == BROKER_NAME or target == "l.0":
+        return (BROKER, target, 0)
+    if target.startswith(LNAME_PREFIX):
+        num = target[len(LNAME_PREFIX) :]
+        if num.isdigit() and num.isascii():
+            return (DIRECT, target, int(num))
+        return (DIRECT, target, -1)
+    if target.endswith("]"):
+        open_at = target.rfind("[")
+        if open_at > 0:
+            base, inner = target[:open_at], target[open_at + 1 : -1]
+            if inner == "?":
+                return (ANYCAST, base, 0)
+            if inner.isdigit() and inner.isascii():
+                return (INSTANCE, base, int(inner))
+        return (DIRECT, target, -1)  # malformed instance syntax: resolves to nobody
+    return (GROUP, target, 0)

@@ -1,0 +1,150 @@
+"""RPC tracking: every request that wants an answer, until it is answered or fails.
+
+The life of one pending call (one slot per (caller, request id)):
+
+    PENDING --answer from each callee--> REPLIED     (slot freed when no callee is left)
+    PENDING --callee disconnects-------> PEER_GONE   (caller gets recipient-gone at once)
+    PENDING --deadline passes----------> TIMED_OUT   (caller gets timeout; logged at ERROR)
+    PENDING --caller disconnects-------> CANCELLED   (slot dropped; late answers discarded)
+
+Pure data structure: time is an argument, deadlines are data (``next_deadline()``), and
+the outcomes are returned to the broker, which turns them into frames. Each slot is linked
+from the registry and from both parties' ``Peer.pending_*`` sets, so a disconnect frees its
+slots in O(its slots) (dbus-broker's reply registry has the same two-way ownership).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+from .peers import Peer
+
+
+class Pending:
+    __slots__ = ("callees", "caller", "command", "deadline", "request_id", "target")
+
+    def __init__(
+        self, caller: Peer, request_id: int, callees: dict[int, Peer], deadline: float,
+        target: str, command: str,
+    ) -> None:
+        self.caller = caller
+        self.request_id = request_id
+        self.callees = callees
+        self.deadline = deadline
+        self.target = target
+        self.command = command
+
+
+class Failure(NamedTuple):
+    """A callee that will never answer: the broker answers the caller in its name."""
+
+    caller: Peer
+    request_id: int
+    callee: Peer
+    reason: str  # "recipient-gone" | "timeout"
+    command: str
+
+
+class PendingReplies:
+    """Registry of pending calls keyed by (caller id, request id)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, int], Pending] = {}
+        self._deadlines: list[tuple[float, int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def is_pending(self, caller: Peer, request_id: int) -> bool:
+        return (caller.id, request_id) in self.slots
+
+    def add(
+        self, caller: Peer, request_id: int, callees: list[Peer], deadline: float,
+        target: str, command: str,
+    ) -> None:
+        """Register a call delivered to ``callees``; the caller's quota is checked by the broker."""
+        key = (caller.id, request_id)
+        assert key not in self.slots, "duplicate request id must be refused before add()"
+        self.slots[key] = Pending(
+            caller, request_id, {c.id: c for c in callees}, deadline, target, command
+        )
+        caller.pending_out.add(key)
+        for c in callees:
+            c.pending_in.add(key)
+        heapq.heappush(self._deadlines, (deadline, caller.id, request_id))
+
+    def answer(self, callee: Peer, caller_id: int, request_id: int) -> Peer | None:
+        """Record ``callee``'s answer. Returns the caller to forward it to, or None to drop it.
+
+        None means: the caller is gone, the call timed out, or ``callee`` was never asked
+        (a forged or duplicate answer). Late answers are discarded quietly.
+        """
+        key = (caller_id, request_id)
+        slot = self.slots.get(key)
+        if slot is None or slot.callees.pop(callee.id, None) is None:
+            return None
+        callee.pending_in.discard(key)
+        if not slot.callees:
+            self._free(key, slot)
+        return slot.caller
+
+    def peer_gone(self, peer: Peer) -> list[Failure]:
+        """Free everything ``peer`` took part in; returns the failures to report to callers."""
+        failures: list[Failure] = []
+        for key in peer.pending_in:
+            slot = self.slots.get(key)
+            if slot is None:
+                continue
+            slot.callees.pop(peer.id, None)
+            if slot.caller.alive and slot.caller is not peer:
+                failures.append(
+                    Failure(slot.caller, slot.request_id, peer, "recipient-gone", slot.command)
+                )
+            if not slot.callees:
+                self._free(key, slot)
+        peer.pending_in.clear()
+        for key in list(peer.pending_out):
+            slot = self.slots.pop(key, None)
+            if slot is None:
+                continue
+            for c in slot.callees.values():
+                c.pending_in.discard(key)
+        peer.pending_out.clear()
+        return failures
+
+    def next_deadline(self) -> float | None:
+        """Earliest deadline among pending calls (stale heap entries are skipped lazily)."""
+        h = self._deadlines
+        while h:
+            deadline, cid, rid = h[0]
+            slot = self.slots.get((cid, rid))
+            if slot is not None and slot.deadline == deadline:
+                return deadline
+            heapq.heappop(h)
+        return None
+
+    def expire(self, now: float) -> list[Failure]:
+        """Time out every call whose deadline is <= now."""
+        out: list[Failure] = []
+        h = self._deadlines
+        while h and h[0][0] <= now:
+            deadline, cid, rid = heapq.heappop(h)
+            key = (cid, rid)
+            slot = self.slots.get(key)
+            if slot is None or slot.deadline != deadline:
+                continue
+            for callee in slot.callees.values():
+                callee.pending_in.discard(key)
+                out.append(Failure(slot.caller, rid, callee, "timeout", slot.command))
+            slot.callees.clear()
+            self._free(key, slot)
+        return out
+
+    def _free(self, key: tuple[int, int], slot: Pending) -> None:
+        del self.slots[key]
+        slot.caller.pending_out.discard(key)
+
+    def check_empty(self) -> None:
+        """Assert nothing is left (called at shutdown by tests to catch leaks)."""
+        assert not self.slots, f"leaked RPC slots: {list(self.slots)[:10]}"

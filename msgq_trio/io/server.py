@@ -1,0 +1,494 @@
+"""The broker's I/O layer: listeners, one supervised task pair per connection, timers, shutdown.
+
+The only broker module that imports trio. It feeds bytes to the sans-I/O connection,
+hands frames to the pure core, and writes what the core queued. Shape (trio's
+serve_listeners, hypercorn's trio server):
+
+* an accept task, separate from the nursery that holds connection tasks;
+* per connection: a reader (receive, parse every complete frame, ``core.handle``) and a
+  writer (joins all queued frames into one ``send_all``: a trio call costs ~10 us, so a
+  send per frame is ~30x slower);
+* ``finally: aclose_forcefully`` plus ``core.disconnect`` on every exit path, so a clean
+  close, a crash, a protocol violation or a kick all run the same cleanup;
+* ``task_status.started(path)`` so tests and the CLI learn where the broker listens;
+* graceful shutdown: GOODBYE to everyone, flush for ``shutdown_grace``, then cancel.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import socket as pysocket
+import stat
+import struct
+from pathlib import Path
+
+import trio
+
+from .. import __version__
+from ..config import Limits
+from ..core.broker import Broker
+from ..core.peers import Peer
+from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
+from ..protocol.connection import EOF, NEED_DATA, Connection, Role, connection_error_frame
+from ..protocol.errors import RemoteProtocolError
+from ..protocol.framing import Frame, encode_cbor, encode_frame
+from .errors import ACCEPT_CAPACITY_ERRNOS, translate_socket_errors
+
+log = logging.getLogger("msgq_trio.io")
+
+#: One receive takes up to this much: enough to parse thousands of small frames per
+#: trio call; the kernel's AF_UNIX buffer is ~200 KiB by default.
+RECEIVE_SIZE = 256 * 1024
+#: The writer joins queued small frames up to this many bytes into one send_all.
+WRITE_BATCH = 1024 * 1024
+#: Buffers at least this large are sent as they are instead of being copied into a join.
+_NO_JOIN = 64 * 1024
+_PEERCRED = struct.Struct("3i")
+
+
+class BrokerAlreadyRunning(RuntimeError):
+    """A live broker already answers on the socket path."""
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory (mode 0700 when we create it) and clear a stale socket.
+
+    Raises:
+        BrokerAlreadyRunning: something accepts connections on ``path``.
+        RuntimeError: ``path`` exists and is not a socket (we never delete other files).
+    """
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o700, parents=True)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            log.info("removing stale socket %s", path)
+            path.unlink(missing_ok=True)
+            return
+        raise
+    finally:
+        probe.close()
+    raise BrokerAlreadyRunning(f"a broker is already running on {path}")
+
+
+class _Wakeup:
+    """A level-triggered flag a single task waits on (cheaper than a new Event per wait)."""
+
+    __slots__ = ("_lot", "flag")
+
+    def __init__(self) -> None:
+        self._lot = trio.lowlevel.ParkingLot()
+        self.flag = False
+
+    def set(self) -> None:
+        if not self.flag:
+            self.flag = True
+            self._lot.unpark_all()
+
+    async def wait(self) -> None:
+        """Wait until set, then clear. Always a checkpoint, so a waker cannot starve others."""
+        if self.flag:
+            self.flag = False
+            await trio.lowlevel.checkpoint()
+            return
+        await self._lot.park()
+        self.flag = False
+
+
+class PeerConnection:
+    """I/O state of one admitted client: its stream, writer wake-up and cancel scope."""
+
+    def __init__(self, server: Server, peer: Peer, stream: trio.SocketStream,
+                 conn: Connection) -> None:
+        self.server = server
+        self.peer = peer
+        self.stream = stream
+        self.conn = conn
+        self.wake = _Wakeup()
+        #: Unparked after every completed write: senders paused on this receiver re-check.
+        self.progress = trio.lowlevel.ParkingLot()
+        self.scope = trio.CancelScope()
+        self.goodbye_sent = trio.Event()
+        self.closing_reason: str | None = None
+        self.final_error: tuple[ErrorCode, str] | None = None
+
+    def kick(self, code: ErrorCode, message: str) -> None:
+        """Close this connection because the core dropped the client."""
+        self.closing_reason = str(code)
+        self.final_error = (code, message)
+        self.scope.cancel()
+        self.progress.unpark_all()
+
+
+class Server:
+    """One broker: a core plus the trio tasks that connect it to sockets.
+
+    Args:
+        path: Unix socket path to listen on.
+        limits: bounds (see :class:`msgq_trio.config.Limits`).
+    """
+
+    def __init__(self, path: Path, limits: Limits | None = None) -> None:
+        self.path = Path(path)
+        self.limits = limits or Limits()
+        self.core = Broker(self.limits, version=__version__)
+        self.conns: dict[Peer, PeerConnection] = {}
+        self.n_connections = 0
+        self._timer_wake = _Wakeup()
+        self._timer_target = math.inf
+        self._listener: trio.SocketListener | None = None
+        self._shutting_down = False
+        self._handlers: trio.Nursery | None = None
+        self.shutdown_complete = trio.Event()
+
+    # -- top level -------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled or :meth:`shutdown` completes.
+
+        Resource handling: the socket file is removed on every exit path; every connection
+        task has finished (its peer disconnected from the core) when this returns.
+        Raises:
+            BrokerAlreadyRunning: a live broker answers on the path.
+        """
+        prepare_socket_path(self.path)
+        sock = trio.socket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        try:
+            with translate_socket_errors():
+                await sock.bind(str(self.path))
+                sock.listen(512)
+            self._listener = trio.SocketListener(sock)
+            async with trio.open_nursery() as top:
+                top.start_soon(self._timer_task)
+                async with trio.open_nursery() as handlers:
+                    self._handlers = handlers
+                    handlers.start_soon(self._accept_loop, handlers)
+                    log.info("broker %s listening on %s (pid %d)", __version__, self.path,
+                             os.getpid())
+                    task_status.started(self.path)
+                top.cancel_scope.cancel()
+        finally:
+            sock.close()
+            with trio.CancelScope(shield=True):
+                self._unlink_socket()
+            self.shutdown_complete.set()
+
+    def _unlink_socket(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    async def shutdown(self) -> None:
+        """Stop accepting, say GOODBYE to every client, flush up to ``shutdown_grace``, end."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        log.info("shutting down: %d clients connected", len(self.conns))
+        if self._listener is not None:
+            await self._listener.aclose()
+        goodbye = encode_frame(
+            FrameType.GOODBYE, header=encode_cbor({"reason": str(ErrorCode.BROKER_SHUTDOWN)})
+        )
+        for pc in list(self.conns.values()):
+            pc.closing_reason = str(ErrorCode.BROKER_SHUTDOWN)
+            self._queue_goodbye(pc, goodbye)
+        if self._handlers is not None:
+            self._handlers.cancel_scope.deadline = trio.current_time() + self.limits.shutdown_grace
+        self._unlink_socket()
+
+    def _queue_goodbye(self, pc: PeerConnection, goodbye: list[bytes | bytearray | memoryview]) -> None:
+        if pc.conn.sent_goodbye:
+            return
+        pc.conn.check_send(FrameType.GOODBYE)
+        for b in goodbye:
+            pc.peer.outq.append(b)
+            pc.peer.outq_bytes += len(b)
+        pc.wake.set()
+
+    # -- accepting -------------------------------------------------------------------
+    async def _accept_loop(self, handlers: trio.Nursery) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                stream = await self._listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                if exc.errno in ACCEPT_CAPACITY_ERRNOS:
+                    log.error("accept() failed: %s; pausing accepts for 100 ms", exc)
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            handlers.start_soon(self._serve_connection, stream)
+
+    # -- one connection ----------------------------------------------------------------
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        self.n_connections += 1
+        pid = uid = gid = -1
+        try:
+            with translate_socket_errors():
+                pid, uid, gid = _PEERCRED.unpack(
+                    stream.socket.getsockopt(pysocket.SOL_SOCKET, pysocket.SO_PEERCRED,
+                                             _PEERCRED.size))
+        except trio.BrokenResourceError:
+            pass
+        conn = Connection(Role.BROKER, self.limits.max_frame_size)
+        pc: PeerConnection | None = None
+        who = f"pid={pid} uid={uid} (before HELLO)"
+        try:
+            if len(self.conns) >= self.limits.max_connections:
+                log.warning("refusing connection from %s: max_connections=%d reached", who,
+                            self.limits.max_connections)
+                await _send_final(stream, ErrorCode.LIMIT_EXCEEDED,
+                                  f"max_connections={self.limits.max_connections} reached")
+                return
+            hello = await self._handshake(stream, conn, who)
+            if hello is None:
+                return
+            name, header = hello
+            if header.get("version") != PROTOCOL_VERSION:
+                log.warning("refusing %s (name=%r): protocol version %r, broker speaks %d",
+                            who, name, header.get("version"), PROTOCOL_VERSION)
+                conn.check_send(FrameType.ERROR)
+                await _send_final(stream, ErrorCode.VERSION_MISMATCH,
+                                  f"broker speaks protocol version {PROTOCOL_VERSION}, "
+                                  f"client sent {header.get('version')!r}",
+                                  data={"supported": [PROTOCOL_VERSION]})
+                return
+            peer = self.core.connect(name, pid=pid, uid=uid, gid=gid, now=trio.current_time())
+            pc = PeerConnection(self, peer, stream, conn)
+            self.conns[peer] = pc
+            welcome = conn.send(FrameType.WELCOME, header=self.core.welcome(peer))
+            with translate_socket_errors():
+                await stream.send_all(b"".join(welcome))
+            self._after_core()
+            log.debug("client %s connected", peer.describe())
+            await self._run_peer(pc)
+        except trio.BrokenResourceError as exc:
+            if pc is not None and pc.closing_reason is None:
+                pc.closing_reason = "connection-lost"
+            log.debug("connection %s lost: %s", pc.peer.describe() if pc else who, exc)
+        except RemoteProtocolError as exc:
+            ident = pc.peer.describe() if pc else who
+            log.warning("dropping client %s: protocol violation: %s", ident, exc)
+            if pc is not None:
+                pc.closing_reason = str(exc.code)
+            conn.fail()
+            with trio.move_on_after(0.5):
+                await _send_final(stream, exc.code, str(exc))
+        except Exception:
+            # A bug in our own code: confine it to this connection and say whose it was.
+            ident = pc.peer.describe() if pc else who
+            log.exception("internal error while serving %s; dropping that client only", ident)
+            if pc is not None:
+                pc.closing_reason = "internal-error"
+        finally:
+            self.n_connections -= 1
+            if pc is not None:
+                if pc.final_error is not None:
+                    with trio.move_on_after(0.2) as cs:
+                        cs.shield = True
+                        await _send_final(stream, *pc.final_error)
+                self.conns.pop(pc.peer, None)
+                self.core.disconnect(pc.peer, pc.closing_reason or "closed")
+                self._after_core()
+                log.debug("client %s disconnected: %s", pc.peer.describe(),
+                          pc.closing_reason or "closed")
+            await trio.aclose_forcefully(stream)
+
+    async def _handshake(self, stream: trio.SocketStream, conn: Connection,
+                         who: str) -> tuple[str, dict[str, object]] | None:
+        """Read until HELLO; returns (name, header) or None if the client left or timed out."""
+        with trio.move_on_after(self.limits.handshake_timeout):
+            while True:
+                with translate_socket_errors():
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                conn.receive_data(data)
+                ev = conn.next_event()
+                if ev is EOF:
+                    return None
+                if ev is NEED_DATA:
+                    continue
+                assert isinstance(ev, Frame)
+                header = ev.header()
+                name = header.get("name", "")
+                if not isinstance(name, str) or len(name) > 255 or "\0" in name:
+                    raise RemoteProtocolError("HELLO name must be a string of <= 255 chars, no NUL")
+                return name or "anonymous", header
+        log.warning("dropping connection %s: no HELLO within %.1f s", who,
+                    self.limits.handshake_timeout)
+        return None
+
+    async def _run_peer(self, pc: PeerConnection) -> None:
+        with pc.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer, pc)
+                goodbye = await self._reader(pc)
+                if goodbye:
+                    # The client leaves: flush what it is owed, then our GOODBYE, then close.
+                    pc.closing_reason = "closed"
+                    self.core.disconnect(pc.peer, "closed", keep_queue=True)
+                    self._after_core()
+                    self._queue_goodbye(pc, encode_frame(FrameType.GOODBYE))
+                    with trio.move_on_after(self.limits.shutdown_grace):
+                        await pc.goodbye_sent.wait()
+                elif pc.closing_reason is None:
+                    pc.closing_reason = "connection-lost"
+                nursery.cancel_scope.cancel()
+
+    async def _reader(self, pc: PeerConnection) -> bool:
+        """Read and route until EOF (False) or the client's GOODBYE (True)."""
+        stream, conn, peer, core = pc.stream, pc.conn, pc.peer, self.core
+        handle = core.handle
+        idle_in_frame = self.limits.idle_in_frame_timeout
+        while True:
+            if conn.in_frame:
+                with trio.move_on_after(idle_in_frame) as cs:
+                    with translate_socket_errors():
+                        data = await stream.receive_some(RECEIVE_SIZE)
+                if cs.cancelled_caught:
+                    raise RemoteProtocolError(
+                        f"stalled in the middle of a frame for {idle_in_frame} s "
+                        "(idle_in_frame_timeout)", ErrorCode.PROTOCOL_ERROR)
+            else:
+                with translate_socket_errors():
+                    data = await stream.receive_some(RECEIVE_SIZE)
+            if not data:
+                if conn.in_frame:
+                    log.info("client %s closed the connection in the middle of a frame",
+                             peer.describe())
+                return False
+            conn.receive_data(data)
+            now = trio.current_time()
+            next_event = conn.next_event
+            try:
+                while True:
+                    ev = next_event()
+                    if ev is NEED_DATA or ev is EOF:
+                        break
+                    assert isinstance(ev, Frame)
+                    if ev.type == FrameType.GOODBYE:
+                        return True
+                    handle(peer, ev, now)
+                    if not peer.alive:
+                        return False
+            finally:
+                self._after_core()
+            if core.blocked:
+                await self._wait_for_receivers(pc)
+
+    async def _wait_for_receivers(self, pc: PeerConnection) -> None:
+        """Backpressure: stop reading from this sender while a receiver it fed is over its
+        soft limit. A receiver that makes no write progress for ``slow_consumer_timeout``
+        is dropped (slow-consumer), so a stopped reader cannot pause its senders forever."""
+        blocked = list(self.core.blocked)
+        self.core.blocked.clear()
+        soft = self.limits.out_soft_limit
+        for r in blocked:
+            rpc = self.conns.get(r)
+            while rpc is not None and r.alive and r.outq_bytes > soft and pc.peer.alive:
+                with trio.move_on_after(self.limits.slow_consumer_timeout) as cs:
+                    await rpc.progress.park()
+                if cs.cancelled_caught and r.alive and r.outq_bytes > soft:
+                    self.core.kick(
+                        r, ErrorCode.SLOW_CONSUMER,
+                        f"no progress on {r.outq_bytes} queued bytes for "
+                        f"{self.limits.slow_consumer_timeout} s (slow_consumer_timeout)")
+                    self._after_core()
+
+    async def _writer(self, pc: PeerConnection) -> None:
+        stream, peer = pc.stream, pc.peer
+        while True:
+            await pc.wake.wait()
+            while peer.outq:
+                bufs, n = peer.take_outgoing(WRITE_BATCH)
+                with translate_socket_errors():
+                    if len(bufs) == 1:
+                        await stream.send_all(bufs[0])
+                    else:
+                        for chunk in _coalesce(bufs):
+                            await stream.send_all(chunk)
+                peer.sent(n)
+                pc.progress.unpark_all()
+            if pc.conn.sent_goodbye and not peer.outq:
+                pc.goodbye_sent.set()
+                if self._shutting_down:
+                    # Shutdown: our GOODBYE is out; close our side so the client sees EOF.
+                    with translate_socket_errors():
+                        await stream.send_eof()
+                return
+
+    def _after_core(self) -> None:
+        """Act on what the core decided: wake writers, close kicked peers, re-arm the timer."""
+        core = self.core
+        if core.dirty:
+            conns = self.conns
+            for p in core.dirty:
+                pc = conns.get(p)
+                if pc is not None:
+                    pc.wake.set()
+            core.dirty.clear()
+        if core.kicked:
+            kicked, core.kicked = core.kicked, []
+            for p, code, message in kicked:
+                pc = self.conns.get(p)
+                if pc is not None:
+                    pc.kick(code, message)
+        d = core.next_deadline()
+        if d is not None and d < self._timer_target:
+            self._timer_target = d
+            self._timer_wake.set()
+
+    async def _timer_task(self) -> None:
+        """Sleep until the earliest RPC deadline, then let the core answer ``timeout``."""
+        while True:
+            d = self.core.next_deadline()
+            self._timer_target = d if d is not None else math.inf
+            with trio.move_on_at(self._timer_target):
+                await self._timer_wake.wait()
+            # _timer_target stays at the deadline we slept for while we expire, so the
+            # _after_core below re-arms only for an earlier deadline, never in a loop.
+            self.core.expire(trio.current_time())
+            self._after_core()
+
+
+def _coalesce(bufs: list[bytes | bytearray | memoryview]) -> list[bytes | bytearray | memoryview]:
+    """Join runs of small buffers into one; pass large ones through without copying."""
+    out: list[bytes | bytearray | memoryview] = []
+    run: list[bytes | bytearray | memoryview] = []
+    for b in bufs:
+        if len(b) >= _NO_JOIN:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(b)
+        else:
+            run.append(b)
+    if run:
+        out.append(b"".join(run) if len(run) > 1 else run[0])
+    return out
+
+
+async def _send_final(stream: trio.SocketStream, code: ErrorCode, message: str,
+                      data: object = None) -> None:
+    """Best effort: tell the peer why we close (it may be gone already)."""
+    frame = connection_error_frame(code, message)
+    if data is not None:
+        frame = encode_frame(FrameType.ERROR, header=encode_cbor(
+            {"code": str(code), "message": message}), body=encode_cbor(data))
+    try:
+        with translate_socket_errors():
+            await stream.send_all(b"".join(frame))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+        pass

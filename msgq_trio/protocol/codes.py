@@ -1,0 +1,61 @@
+"""The stable wire registry: frame types, flags and error codes that cross the wire.
+
+Numbers and strings in this file are part of the protocol (docs/PROTOCOL.md). Never
+renumber or rename an entry; add new ones at the end.
+"""
+
+from __future__ import annotations
+
+import enum
+
+#: Bumped only for incompatible changes; the broker refuses a HELLO with another version.
+PROTOCOL_VERSION = 1
+
+
+class FrameType(enum.IntEnum):
+    """The kind of a frame (byte 4 of every frame)."""
+
+    HELLO = 1  # client -> broker: first frame, {"version", "name"}
+    WELCOME = 2  # broker -> client: answer to HELLO, {"lname", "version", "broker", "limits"}
+    MESSAGE = 3  # one-way message to a target; never answered
+    REQUEST = 4  # wants an answer (REPLY or ERROR with the same request id)
+    REPLY = 5  # successful answer to a REQUEST
+    ERROR = 6  # failed answer to a REQUEST, or (request id 0) a connection-level error
+    NOTIFY = 7  # notification to a group; distinct from commands, never answered
+    ROUTED = 8  # broker -> caller: who received a FLAG_ALL request (how many answers to expect)
+    GOODBYE = 9  # either side: orderly close follows, {"reason"}
+
+
+class Flag(enum.IntFlag):
+    """Bits of byte 5 of every frame."""
+
+    NONE = 0
+    #: REQUEST to a group: every member answers (the caller gets one answer per member).
+    ALL = 1
+
+
+class ErrorCode(enum.StrEnum):
+    """Error codes carried in ERROR frames (header key ``code``).
+
+    One registry for the whole project: the client maps each code to an exception class
+    in :mod:`msgq_trio.errors`, docs/PROTOCOL.md lists them, and codes never change meaning.
+    """
+
+    # -- answered by the broker on behalf of a recipient --------------------------------
+    NO_RECIPIENT = "no-recipient"  # target resolves to nobody (unknown lname, empty group, [N] out of range)
+    RECIPIENT_GONE = "recipient-gone"  # recipient disconnected/crashed/was dropped before answering
+    TIMEOUT = "timeout"  # broker-side deadline for the answer passed
+    RECEIVER_FULL = "receiver-full"  # recipient's outgoing queue is over its bound
+    MULTIPLE_RECIPIENTS = "multiple-recipients"  # single-answer request to a group of several members
+    # -- answered by a handler (or the broker for its own commands) ---------------------
+    UNKNOWN_COMMAND = "unknown-command"
+    BAD_REQUEST = "bad-request"
+    INTERNAL_ERROR = "internal-error"
+    # -- connection level (request id 0), the connection closes afterwards ----------------
+    PROTOCOL_ERROR = "protocol-error"
+    VERSION_MISMATCH = "version-mismatch"
+    FRAME_TOO_LARGE = "frame-too-large"
+    LIMIT_EXCEEDED = "limit-exceeded"
+    FORBIDDEN = "forbidden"
+    BROKER_SHUTDOWN = "broker-shutdown"
+    SLOW_CONSUMER = "slow-consumer"

@@ -1,0 +1,214 @@
+"""The connection state machine: one table decides which frames each side may send or receive.
+
+Rules (read these before changing the table):
+
+Rule 1. A connection starts IDLE. The client's first frame is HELLO; the broker's first
+        frame is WELCOME (accepted) or ERROR (refused, e.g. version-mismatch). Anything
+        else first is a protocol violation.
+Rule 2. In READY both sides may send MESSAGE, REQUEST, REPLY, ERROR, NOTIFY and GOODBYE;
+        only the broker sends ROUTED.
+Rule 3. GOODBYE is a side's last frame. Receiving anything after the peer's GOODBYE is a
+        protocol violation; sending anything after our own GOODBYE is a local error.
+Rule 4. ERROR is a real state: after any protocol error every later call raises, so a
+        caller that ignores an error fails predictably instead of carrying on.
+
+The connection is sans-I/O: ``receive_data(bytes)`` / ``next_event()`` / ``send(...)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Final
+
+from .codes import PROTOCOL_VERSION, ErrorCode, FrameType
+from .errors import LocalProtocolError, RemoteProtocolError
+from .framing import DEFAULT_MAX_FRAME_SIZE, Frame, FrameParser, encode_cbor, encode_frame
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    BROKER = "broker"
+
+
+class State(enum.Enum):
+    IDLE = "IDLE"
+    HELLO_SENT = "HELLO_SENT"  # client: waiting for WELCOME
+    HELLO_RECEIVED = "HELLO_RECEIVED"  # broker: must answer WELCOME or ERROR
+    READY = "READY"
+    CLOSED = "CLOSED"  # handshake refused, or both GOODBYEs exchanged
+    ERROR = "ERROR"
+
+
+class _Sentinel(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+    EOF = "EOF"
+
+
+#: next_event() result: no complete frame buffered yet.
+NEED_DATA: Final = _Sentinel.NEED_DATA
+#: next_event() result: the peer closed its sending side (receive_data(b"") was called).
+EOF: Final = _Sentinel.EOF
+
+_T = FrameType
+_READY_SEND_CLIENT = frozenset({_T.MESSAGE, _T.REQUEST, _T.REPLY, _T.ERROR, _T.NOTIFY, _T.GOODBYE})
+_READY_SEND_BROKER = _READY_SEND_CLIENT | {_T.ROUTED}
+
+# (role, state) -> {frame type the role SENDS: next state}
+_SEND: dict[tuple[Role, State], dict[int, State]] = {
+    (Role.CLIENT, State.IDLE): {_T.HELLO: State.HELLO_SENT},
+    (Role.BROKER, State.HELLO_RECEIVED): {_T.WELCOME: State.READY, _T.ERROR: State.CLOSED},
+    (Role.CLIENT, State.READY): {t: State.READY for t in _READY_SEND_CLIENT},
+    (Role.BROKER, State.READY): {t: State.READY for t in _READY_SEND_BROKER},
+    # A refused client may still say GOODBYE-less nothing; a broker may report a
+    # connection-level ERROR before a client ever sent HELLO (e.g. garbage first bytes).
+    (Role.BROKER, State.IDLE): {_T.ERROR: State.CLOSED},
+}
+# (role, state) -> {frame type the role RECEIVES: next state}
+_RECV: dict[tuple[Role, State], dict[int, State]] = {
+    (Role.BROKER, State.IDLE): {_T.HELLO: State.HELLO_RECEIVED},
+    (Role.CLIENT, State.HELLO_SENT): {_T.WELCOME: State.READY, _T.ERROR: State.CLOSED},
+    (Role.BROKER, State.READY): {t: State.READY for t in _READY_SEND_CLIENT},
+    (Role.CLIENT, State.READY): {t: State.READY for t in _READY_SEND_BROKER},
+}
+
+
+class Connection:
+    """One side of a msgq_trio connection, without any I/O.
+
+    Args:
+        role: which side we are.
+        max_frame_size: largest frame accepted from the peer (checked on the prefix).
+    """
+
+    def __init__(self, role: Role, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.role = role
+        self.state = State.IDLE
+        self._parser = FrameParser(max_frame_size)
+        self._eof = False
+        self.sent_goodbye = False
+        self.received_goodbye = False
+        self._recv_ready: frozenset[int] = (
+            _READY_SEND_BROKER if role is Role.CLIENT else _READY_SEND_CLIENT
+        )
+
+    @property
+    def in_frame(self) -> bool:
+        """True while a frame has started arriving and is not complete."""
+        return self._parser.in_frame
+
+    # -- receiving ------------------------------------------------------------------------
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes from the peer; ``b""`` means the peer closed its side (EOF)."""
+        if self.state is State.ERROR:
+            raise LocalProtocolError("connection is in the ERROR state")
+        if not data:
+            self._eof = True
+            return
+        if self._eof:
+            raise LocalProtocolError("data received after EOF")
+        self._parser.feed(data)
+
+    def next_event(self) -> Frame | _Sentinel:
+        """Return the next frame, NEED_DATA, or EOF once the peer closed and all frames are out.
+
+        Raises:
+            RemoteProtocolError: the peer violated the framing or the state table; the
+                connection enters ERROR and ``exc.code`` says what to send back.
+            LocalProtocolError: called again after an error.
+        """
+        if self.state is State.ERROR:
+            raise LocalProtocolError("connection is in the ERROR state")
+        try:
+            frame = self._parser.next_frame()
+        except RemoteProtocolError:
+            self.state = State.ERROR
+            raise
+        if frame is None:
+            return EOF if self._eof else NEED_DATA
+        if self.state is State.READY and frame.type in self._recv_ready and not self.received_goodbye:
+            if frame.type == FrameType.GOODBYE:
+                self.received_goodbye = True
+            return frame
+        return self._slow_transition(frame)
+
+    def _slow_transition(self, frame: Frame) -> Frame:
+        if self.received_goodbye:
+            self.state = State.ERROR
+            raise RemoteProtocolError(f"frame type {frame.type} after GOODBYE")
+        nxt = _RECV.get((self.role, self.state), {}).get(frame.type)
+        if nxt is None:
+            self.state = State.ERROR
+            raise RemoteProtocolError(
+                f"frame type {FrameType(frame.type).name} not allowed in state {self.state.value}"
+            )
+        self.state = nxt
+        if frame.type == FrameType.GOODBYE:
+            self.received_goodbye = True
+        return frame
+
+    # -- sending --------------------------------------------------------------------------
+    def check_send(self, ftype: int) -> None:
+        """Validate that we may send a frame of this type now and advance the state.
+
+        Raises:
+            LocalProtocolError: the state table forbids it (Rule 1-4).
+        """
+        if self.sent_goodbye:
+            raise LocalProtocolError("cannot send after GOODBYE")
+        if self.state is State.READY and ftype != FrameType.GOODBYE:
+            ready = _READY_SEND_CLIENT if self.role is Role.CLIENT else _READY_SEND_BROKER
+            if ftype in ready:
+                return
+        nxt = _SEND.get((self.role, self.state), {}).get(ftype)
+        if nxt is None:
+            raise LocalProtocolError(
+                f"{self.role.value} may not send {FrameType(ftype).name} in state {self.state.value}"
+            )
+        self.state = nxt
+        if ftype == FrameType.GOODBYE:
+            self.sent_goodbye = True
+
+    def send(
+        self,
+        ftype: int,
+        *,
+        target: str = "",
+        request_id: int = 0,
+        flags: int = 0,
+        header: dict[str, object] | None = None,
+        body: bytes = b"",
+        blobs: Sequence[bytes | bytearray | memoryview] = (),
+        source: bytes = b"",
+        n_fds: int = 0,
+    ) -> list[bytes | bytearray | memoryview]:
+        """Encode a frame after checking the state table; returns the buffers to write."""
+        self.check_send(ftype)
+        return encode_frame(
+            ftype,
+            target=target,
+            request_id=request_id,
+            flags=flags,
+            header=encode_cbor(header) if header else b"",
+            body=body,
+            blobs=blobs,
+            source=source,
+            n_fds=n_fds,
+        )
+
+    def hello(self, name: str, extra: dict[str, object] | None = None) -> list[bytes | bytearray | memoryview]:
+        header: dict[str, object] = {"version": PROTOCOL_VERSION, "name": name}
+        if extra:
+            header.update(extra)
+        return self.send(FrameType.HELLO, header=header)
+
+    def fail(self) -> None:
+        """Mark the connection broken (after an I/O failure or our own protocol error)."""
+        self.state = State.ERROR
+
+
+def connection_error_frame(code: ErrorCode, message: str) -> list[bytes | bytearray | memoryview]:
+    """An ERROR frame with request id 0, sent just before closing a connection."""
+    return encode_frame(
+        FrameType.ERROR, header=encode_cbor({"code": str(code), "message": message})
+    )

@@ -1,0 +1,345 @@
+"""Frame layout: encoding frames to bytes and parsing a byte stream back into frames.
+
+Every frame is a fixed 32-byte prefix followed by variable sections (docs/PROTOCOL.md):
+
+    offset size  field
+    0      4     length      u32 BE, bytes that follow this field (so frame size = 4 + length)
+    4      1     type        FrameType
+    5      1     flags       Flag bits
+    6      2     target_len  u16 BE
+    8      2     source_len  u16 BE (0 from clients; the broker stamps the true sender)
+    10     2     n_blobs     u16 BE, binary attachments in this frame
+    12     2     n_fds       u16 BE, file descriptors sent alongside (SCM_RIGHTS)
+    14     2     reserved    must be 0
+    16     8     request_id  u64 BE, 0 = none
+    24     4     header_len  u32 BE, CBOR map (may be 0 bytes = empty map)
+    28     4     body_len    u32 BE, CBOR value (may be 0 bytes = None)
+    32     ...   target (UTF-8) | source | header | body | n_blobs x u32 BE blob lengths | blobs
+
+Routing needs only the prefix and the target, so the broker never decodes a body, and
+re-stamping the sender copies only the prefix: the tail (header onwards) is forwarded as is.
+This module is sans-I/O: bytes in, frames out.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import cbor2
+
+from .codes import ErrorCode, FrameType
+from .errors import LocalProtocolError, RemoteProtocolError
+
+PREFIX = struct.Struct(">IBBHHHHHQII")
+PREFIX_SIZE = PREFIX.size  # 32
+#: Bytes of the prefix counted by ``length`` (everything after the length field itself).
+_FIXED_AFTER_LENGTH = PREFIX_SIZE - 4
+_BLOB_LEN = struct.Struct(">I")
+
+#: Default maximum frame size. 64 MiB: seed 000 asks for multi-megabyte configuration
+#: snippets (millions of zones); dbus-daemon allows 128 MiB messages, NATS 64 MiB max_payload.
+DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
+#: The u32 length field bounds any configured maximum.
+ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
+#: Frames at least this big are assembled in a preallocated buffer instead of the
+#: shared receive buffer, so a multi-megabyte frame is copied once, not once per chunk.
+_LARGE_FRAME = 256 * 1024
+_VALID_TYPES = frozenset(int(t) for t in FrameType)
+_U16 = 0xFFFF
+
+
+class Frame(NamedTuple):
+    """One parsed frame. Value type: never mutate ``raw``.
+
+    ``raw`` is the whole frame as received (prefix included); the sections are views
+    into it computed on demand, so routing a frame costs no copies of its payload.
+    """
+
+    type: int
+    flags: int
+    request_id: int
+    target: str
+    source: bytes
+    n_blobs: int
+    n_fds: int
+    header_len: int
+    body_len: int
+    raw: bytes | bytearray
+    #: Offset in ``raw`` where the header starts (everything from here on is the "tail").
+    tail: int
+
+    @property
+    def header_bytes(self) -> memoryview:
+        return memoryview(self.raw)[self.tail : self.tail + self.header_len]
+
+    @property
+    def body_bytes(self) -> memoryview:
+        start = self.tail + self.header_len
+        return memoryview(self.raw)[start : start + self.body_len]
+
+    def header(self) -> dict[str, object]:
+        """Decode the CBOR header (an empty section means an empty map).
+
+        Raises:
+            RemoteProtocolError: the header is not a CBOR map or has trailing bytes.
+        """
+        if not self.header_len:
+            return {}
+        value = decode_cbor(self.header_bytes, "header")
+        if not isinstance(value, dict):
+            raise RemoteProtocolError("frame header is not a CBOR map")
+        return value
+
+    def body(self) -> object:
+        """Decode the CBOR body (an empty section means ``None``).
+
+        Raises:
+            RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.
+        """
+        if not self.body_len:
+            return None
+        return decode_cbor(self.body_bytes, "body")
+
+    def blobs(self) -> list[memoryview]:
+        """The binary attachments, as views into ``raw`` (no copies)."""
+        if not self.n_blobs:
+            return []
+        pos = self.tail + self.header_len + self.body_len
+        view = memoryview(self.raw)
+        lens = struct.unpack_from(f">{self.n_blobs}I", self.raw, pos)
+        pos += 4 * self.n_blobs
+        out = []
+        for n in lens:
+            out.append(view[pos : pos + n])
+            pos += n
+        return out
+
+
+def decode_cbor(data: bytes | memoryview, what: str) -> object:
+    """Decode exactly one CBOR item; trailing bytes are a protocol error.
+
+    cbor2.loads() silently ignores trailing bytes, so the length is checked here.
+    """
+    buf = io.BytesIO(data)
+    try:
+        value = cbor2.load(buf)
+    except Exception as exc:  # cbor2 raises several unrelated types on bad input
+        raise RemoteProtocolError(f"malformed CBOR in frame {what}: {exc}") from exc
+    if buf.tell() != len(data):
+        raise RemoteProtocolError(f"trailing bytes after CBOR {what}")
+    return value
+
+
+def encode_cbor(value: object) -> bytes:
+    try:
+        return cbor2.dumps(value)
+    except Exception as exc:
+        raise LocalProtocolError(f"value cannot be encoded as CBOR: {exc}") from exc
+
+
+def encode_frame(
+    type: int,
+    *,
+    target: str = "",
+    request_id: int = 0,
+    flags: int = 0,
+    header: bytes = b"",
+    body: bytes = b"",
+    blobs: Sequence[bytes | bytearray | memoryview] = (),
+    source: bytes = b"",
+    n_fds: int = 0,
+) -> list[bytes | bytearray | memoryview]:
+    """Build one frame from already-encoded sections.
+
+    Returns a list of buffers whose concatenation is the frame; large blobs are not
+    copied (the writer joins small pieces and sends large ones as they are).
+
+    Raises:
+        LocalProtocolError: a section is too long for its length field.
+    """
+    tb = target.encode()
+    if len(tb) > _U16 or len(source) > _U16:
+        raise LocalProtocolError("target or source longer than 65535 bytes")
+    if len(blobs) > _U16 or n_fds > _U16:
+        raise LocalProtocolError("too many attachments in one frame")
+    blob_total = 0
+    for b in blobs:
+        blob_total += len(b)
+    length = (
+        _FIXED_AFTER_LENGTH
+        + len(tb)
+        + len(source)
+        + len(header)
+        + len(body)
+        + 4 * len(blobs)
+        + blob_total
+    )
+    if length > ABSOLUTE_MAX_FRAME_SIZE - 4:
+        raise LocalProtocolError("frame larger than 4 GiB")
+    head = PREFIX.pack(
+        length, type, flags, len(tb), len(source), len(blobs), n_fds, 0,
+        request_id, len(header), len(body),
+    ) + tb + source + header
+    if not blobs:
+        if len(body) < _LARGE_FRAME:
+            return [head + body]
+        return [head, body]
+    pieces: list[bytes | bytearray | memoryview] = [
+        head,
+        body,
+        struct.pack(f">{len(blobs)}I", *(len(b) for b in blobs)),
+    ]
+    pieces.extend(blobs)
+    return pieces
+
+
+def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
+    """The same frame with its source section replaced by ``source``.
+
+    Only the 32-byte prefix is rebuilt; target and tail are shared with ``frame.raw``.
+    """
+    raw = frame.raw
+    tail_start = frame.tail
+    target_end = PREFIX_SIZE + (tail_start - PREFIX_SIZE - len(frame.source))
+    tail_len = len(raw) - tail_start
+    length = _FIXED_AFTER_LENGTH + (target_end - PREFIX_SIZE) + len(source) + tail_len
+    head = PREFIX.pack(
+        length, frame.type, frame.flags, target_end - PREFIX_SIZE, len(source),
+        frame.n_blobs, frame.n_fds, 0, frame.request_id, frame.header_len, frame.body_len,
+    )
+    if tail_len < _LARGE_FRAME:
+        return [head + raw[PREFIX_SIZE:target_end] + source + raw[tail_start:]]
+    return [head + raw[PREFIX_SIZE:target_end] + source, memoryview(raw)[tail_start:]]
+
+
+class FrameParser:
+    """Incremental frame parser: feed bytes, take complete frames.
+
+    ``max_frame_size`` is checked on the length prefix before any memory is allocated
+    for the frame, so an absurd length costs nothing but the error.
+    After a :class:`RemoteProtocolError` the parser is poisoned: every later call raises
+    the same error (the connection must be closed).
+    """
+
+    __slots__ = ("_buf", "_error", "_large", "_large_fill", "_pos", "max_frame_size")
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
+            raise ValueError(f"max_frame_size must be in 1..{ABSOLUTE_MAX_FRAME_SIZE}")
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+        self._pos = 0
+        self._large: bytearray | None = None
+        self._large_fill = 0
+        self._error: RemoteProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as frames (for idle-in-frame checks)."""
+        n = len(self._buf) - self._pos
+        if self._large is not None:
+            n += self._large_fill
+        return n
+
+    @property
+    def in_frame(self) -> bool:
+        """True while part of a frame has arrived and the rest has not."""
+        return self.buffered > 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Append received bytes. ``b""`` (EOF) is not special here: the caller handles EOF."""
+        if self._large is not None:
+            need = len(self._large) - self._large_fill
+            n = min(need, len(data))
+            self._large[self._large_fill : self._large_fill + n] = data[:n]
+            self._large_fill += n
+            if n < len(data):
+                self._buf += data[n:]
+            return
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    def next_frame(self) -> Frame | None:
+        """Return the next complete frame, or None when more bytes are needed.
+
+        Raises:
+            RemoteProtocolError: the stream violates the framing rules.
+        """
+        if self._error is not None:
+            raise self._error
+        large = self._large
+        if large is not None:
+            if self._large_fill < len(large):
+                return None
+            self._large = None
+            self._large_fill = 0
+            return self._parse(large)
+        buf = self._buf
+        pos = self._pos
+        avail = len(buf) - pos
+        if avail < 4:
+            self._compact()
+            return None
+        length = int.from_bytes(buf[pos : pos + 4], "big")
+        if length > self.max_frame_size - 4 or length < _FIXED_AFTER_LENGTH:
+            self._fail(
+                f"frame length {length + 4} outside 32..{self.max_frame_size}",
+                ErrorCode.FRAME_TOO_LARGE if length >= _FIXED_AFTER_LENGTH else ErrorCode.PROTOCOL_ERROR,
+            )
+        total = 4 + length
+        if avail < total:
+            if total >= _LARGE_FRAME:
+                # Move the partial frame into its own exact-size buffer; later feeds fill it.
+                large = bytearray(total)
+                large[:avail] = buf[pos:]
+                self._large = large
+                self._large_fill = avail
+                buf.clear()
+                self._pos = 0
+            else:
+                self._compact()
+            return None
+        raw = bytes(buf[pos : pos + total])
+        self._pos = pos + total
+        return self._parse(raw)
+
+    def _compact(self) -> None:
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+
+    def _fail(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:
+        self._error = RemoteProtocolError(message, code)
+        raise self._error
+
+    def _parse(self, raw: bytes | bytearray) -> Frame:
+        (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
+            PREFIX.unpack_from(raw, 0)
+        )
+        if ftype not in _VALID_TYPES:
+            self._fail(f"unknown frame type {ftype}")
+        if reserved:
+            self._fail("reserved prefix field is not zero")
+        fixed = _FIXED_AFTER_LENGTH + tlen + slen + hlen + blen + 4 * nblobs
+        if nblobs:
+            if fixed > length:
+                self._fail("frame sections exceed the frame length")
+            table = PREFIX_SIZE + tlen + slen + hlen + blen
+            blob_total = sum(struct.unpack_from(f">{nblobs}I", raw, table))
+            fixed += blob_total
+        if fixed != length:
+            self._fail(f"frame sections add up to {fixed + 4} bytes, length says {length + 4}")
+        tend = PREFIX_SIZE + tlen
+        try:
+            target = raw[PREFIX_SIZE:tend].decode()
+        except UnicodeDecodeError:
+            self._fail("frame target is not UTF-8")
+        return Frame(
+            ftype, flags, rid, target, bytes(raw[tend : tend + slen]), nblobs, nfds,
+            hlen, blen, raw, tend + slen,
+        )

@@ -1,0 +1,1 @@
+"""Plugins loaded by the broker (installed as ``msgq_trio.plugins``)."""
