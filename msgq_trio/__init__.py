@@ -25,7 +25,19 @@ from .errors import (
 )
 
 __all__ = [
-    "Bus", "CommandFailed", "ConnectError", "ConnectionLost", "Member", "Message",
-    "MsgqError", "NoRecipient", "RecipientGone", "RemoteError", "RequestTimeout", "Result",
-    "RpcError", "__version__", "connect",
+    "Bus",
+    "CommandFailed",
+    "ConnectError",
+    "ConnectionLost",
+    "Member",
+    "Message",
+    "MsgqError",
+    "NoRecipient",
+    "RecipientGone",
+    "RemoteError",
+    "RequestTimeout",
+    "Result",
+    "RpcError",
+    "__version__",
+    "connect",
 ]

@@ -20,28 +20,43 @@ log = logging.getLogger("msgq_trio.cli")
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", "-s", type=Path, default=None,
-                   help="broker socket (default: $MSGQ_TRIO_SOCKET or the per-user path)")
+    p.add_argument(
+        "--socket",
+        "-s",
+        type=Path,
+        default=None,
+        help="broker socket (default: $MSGQ_TRIO_SOCKET or the per-user path)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="msgq-trio", description=__doc__)
     parser.add_argument("--version", action="version", version=f"msgq-trio {__version__}")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("serve", help="run the broker daemon")
     _add_socket(p)
     defaults = Limits()
-    for field in ("max_frame_size", "out_soft_limit", "out_hard_limit", "max_pending_requests",
-                  "max_subscriptions", "max_connections"):
-        p.add_argument("--" + field.replace("_", "-"), type=int,
-                       default=getattr(defaults, field))
-    for field in ("slow_consumer_timeout", "request_timeout", "idle_in_frame_timeout",
-                  "handshake_timeout", "shutdown_grace"):
-        p.add_argument("--" + field.replace("_", "-"), type=float,
-                       default=getattr(defaults, field))
+    for field in (
+        "max_frame_size",
+        "out_soft_limit",
+        "out_hard_limit",
+        "max_pending_requests",
+        "max_subscriptions",
+        "max_connections",
+    ):
+        p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(defaults, field))
+    for field in (
+        "slow_consumer_timeout",
+        "request_timeout",
+        "idle_in_frame_timeout",
+        "handshake_timeout",
+        "shutdown_grace",
+    ):
+        p.add_argument("--" + field.replace("_", "-"), type=float, default=getattr(defaults, field))
 
     p = sub.add_parser("send", help="send one message (body: JSON)")
     _add_socket(p)
@@ -95,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "bench":
             from .bench.run import main as bench_main
 
-            return bench_main(args.args)
+            return int(bench_main(args.args))
         return trio.run(_client_command, args)
     except KeyboardInterrupt:
         return 130
@@ -105,13 +120,24 @@ async def _serve(args: argparse.Namespace) -> int:
     from .io.server import BrokerAlreadyRunning, Server
 
     try:
-        limits = Limits(**{
-            f: getattr(args, f) for f in (
-                "max_frame_size", "out_soft_limit", "out_hard_limit", "max_pending_requests",
-                "max_subscriptions", "max_connections", "slow_consumer_timeout",
-                "request_timeout", "idle_in_frame_timeout", "handshake_timeout",
-                "shutdown_grace")
-        })
+        limits = Limits(
+            **{
+                f: getattr(args, f)
+                for f in (
+                    "max_frame_size",
+                    "out_soft_limit",
+                    "out_hard_limit",
+                    "max_pending_requests",
+                    "max_subscriptions",
+                    "max_connections",
+                    "slow_consumer_timeout",
+                    "request_timeout",
+                    "idle_in_frame_timeout",
+                    "handshake_timeout",
+                    "shutdown_grace",
+                )
+            }
+        )
     except (ValueError, TypeError) as exc:
         print(f"msgq-trio serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -151,8 +177,9 @@ async def _client_command(args: argparse.Namespace) -> int:
                 await bus.send(args.target, json.loads(args.body))
                 await bus.flush()
             elif args.cmd == "call":
-                result = await bus.call(args.target, args.command, json.loads(args.params),
-                                        timeout=args.timeout)
+                result = await bus.call(
+                    args.target, args.command, json.loads(args.params), timeout=args.timeout
+                )
                 print(json.dumps(result, default=_json_default))
             elif args.cmd == "notify":
                 await bus.notify(args.group, args.event, json.loads(args.params))
@@ -165,10 +192,20 @@ async def _client_command(args: argparse.Namespace) -> int:
                     await bus.subscribe(g)
                 n = 0
                 async for msg in bus:
-                    print(json.dumps({"kind": msg.kind, "from": msg.sender,
-                                      "name": msg.sender_name, "to": msg.target,
-                                      "event": msg.event, "body": msg.body},
-                                     default=_json_default), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "kind": msg.kind,
+                                "from": msg.sender,
+                                "name": msg.sender_name,
+                                "to": msg.target,
+                                "event": msg.event,
+                                "body": msg.body,
+                            },
+                            default=_json_default,
+                        ),
+                        flush=True,
+                    )
                     n += 1
                     if args.count and n >= args.count:
                         break

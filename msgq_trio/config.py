@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -12,7 +13,7 @@ from .protocol.framing import ABSOLUTE_MAX_FRAME_SIZE, DEFAULT_MAX_FRAME_SIZE
 MiB = 1024 * 1024
 
 
-def _positive(_inst: object, attr: attrs.Attribute[object], value: object) -> None:
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{attr.name} must be a positive number, got {value!r}")
 

@@ -17,8 +17,17 @@ from . import NoRecipient, RecipientGone, connect
 def start_broker(socket: Path, *extra: str) -> subprocess.Popen[bytes]:
     """Start ``msgq-trio serve`` as a child process and wait until it accepts connections."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "msgq_trio", "--log-level", "WARNING", "serve",
-         "--socket", str(socket), *extra],
+        [
+            sys.executable,
+            "-m",
+            "msgq_trio",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--socket",
+            str(socket),
+            *extra,
+        ],
         stdout=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 15
@@ -40,9 +49,11 @@ def start_broker(socket: Path, *extra: str) -> subprocess.Popen[bytes]:
 
 
 async def _demo(socket: Path) -> None:
-    async with connect(socket, name="ZoneMgr") as zonemgr, \
-            connect(socket, name="Auth") as auth, \
-            connect(socket, name="bindctl") as ctl:
+    async with (
+        connect(socket, name="ZoneMgr") as zonemgr,
+        connect(socket, name="Auth") as auth,
+        connect(socket, name="bindctl") as ctl,
+    ):
         await zonemgr.subscribe("ZoneMgr")
 
         @zonemgr.command("get_zone_count")
@@ -78,17 +89,19 @@ async def _demo(socket: Path) -> None:
         async def collect(_params: object) -> None:
             await trio.sleep_forever()
 
+        crashed_at = 0.0
+
         async def caller() -> None:
-            t0 = trio.current_time()
             try:
                 await ctl.call("Stats", "collect")
             except RecipientGone as exc:
-                ms = (trio.current_time() - t0) * 1000
-                print(f"bindctl: Stats went away -> {exc.code} after {ms:.1f} ms")
+                ms = (trio.current_time() - crashed_at) * 1000
+                print(f"bindctl: Stats crashed mid-call -> {exc.code} {ms:.1f} ms later")
 
         async with trio.open_nursery() as n:
             n.start_soon(caller)
             await trio.sleep(0.2)
+            crashed_at = trio.current_time()
             await stats._stream.aclose()  # simulate a crash: the socket just closes
     print("demo finished: messages, RPC, no-recipient and recipient-gone all worked")
 

@@ -44,8 +44,14 @@ class RpcError(MsgqError):
 
     code: str = "rpc-error"
 
-    def __init__(self, message: str, *, code: str | None = None, data: object = None,
-                 sender: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        data: object = None,
+        sender: str | None = None,
+    ) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
@@ -110,8 +116,14 @@ class CommandFailed(RpcError):
 
 _BY_CODE: dict[str, type[RpcError]] = {
     cls.code: cls
-    for cls in (NoRecipient, RecipientGone, RequestTimeout, ReceiverFull, MultipleRecipients,
-                LimitExceeded)
+    for cls in (
+        NoRecipient,
+        RecipientGone,
+        RequestTimeout,
+        ReceiverFull,
+        MultipleRecipients,
+        LimitExceeded,
+    )
 }
 
 

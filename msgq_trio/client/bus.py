@@ -7,6 +7,7 @@ batch, not per frame); ``send`` only queues and waits when the queue is over its
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -33,10 +34,17 @@ from ..errors import (
     rpc_error_from_wire,
 )
 from ..io.errors import translate_socket_errors
+from ..io.server import _coalesce
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_frame
+from ..protocol.framing import (
+    DEFAULT_MAX_FRAME_SIZE,
+    Frame,
+    encode_cbor,
+    encode_frame,
+    encode_simple,
+)
 
 log = logging.getLogger("msgq_trio.client")
 
@@ -53,10 +61,15 @@ _FAIRNESS = 256  # iteration yields to other tasks at least every this many mess
 _MEMBERSHIP = "msgq.membership"
 
 _MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
-    FrameType.MESSAGE, FrameType.REQUEST, FrameType.REPLY, FrameType.ERROR,
-    FrameType.NOTIFY, FrameType.ROUTED, FrameType.GOODBYE,
+    FrameType.MESSAGE,
+    FrameType.REQUEST,
+    FrameType.REPLY,
+    FrameType.ERROR,
+    FrameType.NOTIFY,
+    FrameType.ROUTED,
+    FrameType.GOODBYE,
 )
-_KIND = {_MESSAGE: "message", _NOTIFY: "notification", _REQUEST: "request"}
+_KIND: dict[int, str] = {_MESSAGE: "message", _NOTIFY: "notification", _REQUEST: "request"}
 
 
 def _split_source(source: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple[str, str]:
@@ -77,15 +90,24 @@ class Message:
     (memoryviews into the received frame, no copies).
     """
 
-    __slots__ = ("_body", "_decoded", "_frame", "_header", "sender", "sender_name")
+    __slots__ = ("_body", "_decoded", "_frame", "_header", "_sources")
 
-    def __init__(self, frame: Frame, sender: str, sender_name: str) -> None:
+    def __init__(self, frame: Frame, sources: dict[bytes, tuple[str, str]]) -> None:
         self._frame = frame
-        self.sender = sender
-        self.sender_name = sender_name
+        self._sources = sources
         self._decoded = False
         self._body: object = None
         self._header: dict[str, object] | None = None
+
+    @property
+    def sender(self) -> str:
+        """The sender's lname (``l.N``), as stamped by the broker."""
+        return _split_source(self._frame.source, self._sources)[0]
+
+    @property
+    def sender_name(self) -> str:
+        """The sender's client name, as stamped by the broker."""
+        return _split_source(self._frame.source, self._sources)[1]
 
     @property
     def kind(self) -> str:
@@ -135,8 +157,10 @@ class Message:
         return len(self._frame.raw)
 
     def __repr__(self) -> str:
-        return (f"<Message {self.kind} from {self.sender} ({self.sender_name}) "
-                f"to {self.target!r} {self.size} bytes>")
+        return (
+            f"<Message {self.kind} from {self.sender} ({self.sender_name}) "
+            f"to {self.target!r} {self.size} bytes>"
+        )
 
 
 @attrs.frozen
@@ -180,8 +204,15 @@ class _Call:
             res = Result(self.target, True, frame.body(), None, sender)
         else:
             h = frame.header()
-            res = Result(self.target, False, None, rpc_error_from_wire(
-                str(h.get("code", "")), str(h.get("message", "")), frame.body(), sender), sender)
+            res = Result(
+                self.target,
+                False,
+                None,
+                rpc_error_from_wire(
+                    str(h.get("code", "")), str(h.get("message", "")), frame.body(), sender
+                ),
+                sender,
+            )
         if not self.multi:
             self.result, self.error = res.value, res.error
             self.done.set()
@@ -239,11 +270,14 @@ class Bus:
         self._handlers: dict[str, Handler] = {}
         self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
         self._sources: dict[bytes, tuple[str, str]] = {}
+        self._targets: dict[str, bytes] = {}
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._lost: ConnectionLost | None = None
         self._since_yield = 0
         self._broker_goodbye = trio.Event()
+        self._writing = False
+        self._fd = stream.socket.fileno()
 
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_extra: dict[str, object]) -> None:
@@ -313,7 +347,31 @@ class Bus:
         for p in pieces:
             out.append(p)
             self._out_bytes += len(p)
-        self._out_wake.unpark_all()
+        if self._out_wake:  # ParkingLot is truthy while the writer is parked
+            self._out_wake.unpark_all()
+
+    def _send_now(self) -> None:
+        """Latency path: if the writer is idle, write the (small) queue to the socket now,
+        saving the writer task's wake-up. What the kernel does not take stays queued;
+        errors are left for the writer, so they are reported in one place."""
+        if self._writing or not self._out or self._out_bytes > 65536 or self._lost is not None:
+            return
+        out = self._out
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        try:
+            sent = os.write(self._fd, data)
+        except OSError:  # BlockingIOError included: the writer takes over
+            sent = 0
+        if sent < len(data):
+            out.append(memoryview(data)[sent:])
+        self._out_bytes -= sent
+
+    def _queue1(self, frame: bytes) -> None:
+        self._out.append(frame)
+        self._out_bytes += len(frame)
+        if self._out_wake:
+            self._out_wake.unpark_all()
 
     async def _wait_out(self) -> None:
         while self._out_bytes > OUT_HIGH_WATER and self._lost is None:
@@ -321,8 +379,14 @@ class Bus:
         if self._lost is not None:
             raise self._lost
 
-    async def send(self, target: str, body: Any = None, attachments: Sequence[Buffer] = (),
-                   *, header: dict[str, object] | None = None) -> None:
+    async def send(
+        self,
+        target: str,
+        body: Any = None,
+        attachments: Sequence[Buffer] = (),
+        *,
+        header: dict[str, object] | None = None,
+    ) -> None:
         """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
 
         A group gets it on every member except the sender. Returns once the frame is
@@ -336,16 +400,38 @@ class Bus:
         if self._lost is not None or self._closed:
             self._check_open()
         try:
-            pieces = encode_frame(
-                _MESSAGE, target=target,
-                header=cbor2.dumps(header) if header else b"",
-                body=cbor2.dumps(body) if body is not None else b"", blobs=attachments,
-            )
+            tb = self._targets.get(target)
+            if tb is None:
+                tb = self._encode_target(target)
+            if attachments:
+                self._queue(
+                    encode_frame(
+                        _MESSAGE,
+                        target=target,
+                        header=cbor2.dumps(header) if header else b"",
+                        body=cbor2.dumps(body) if body is not None else b"",
+                        blobs=attachments,
+                    )
+                )
+            else:
+                self._queue1(
+                    encode_simple(
+                        _MESSAGE,
+                        tb,
+                        cbor2.dumps(body) if body is not None else b"",
+                        cbor2.dumps(header) if header else b"",
+                    )
+                )
         except (LocalProtocolError, cbor2.CBOREncodeError, TypeError) as exc:
             raise UsageError(f"cannot send to {target!r}: {exc}") from exc
-        self._queue(pieces)
         if self._out_bytes > OUT_HIGH_WATER:
             await self._wait_out()
+
+    def _encode_target(self, target: str) -> bytes:
+        tb = target.encode()
+        if len(self._targets) < 4096:  # bounded cache of encoded targets
+            self._targets[target] = tb
+        return tb
 
     async def flush(self) -> None:
         """Wait until everything queued so far has been written to the socket."""
@@ -357,17 +443,29 @@ class Bus:
         """Publish notification ``event`` to ``group``; notifications are never answered."""
         self._check_open()
         try:
-            self._queue(encode_frame(
-                _NOTIFY, target=group, header=encode_cbor({"event": event}),
-                body=encode_cbor(params) if params is not None else b""))
+            self._queue(
+                encode_frame(
+                    _NOTIFY,
+                    target=group,
+                    header=encode_cbor({"event": event}),
+                    body=encode_cbor(params) if params is not None else b"",
+                )
+            )
         except LocalProtocolError as exc:
             raise UsageError(str(exc)) from exc
         await self._wait_out()
         await trio.lowlevel.checkpoint()
 
     # -- RPC ---------------------------------------------------------------------------
-    def _start_call(self, target: str, command: str, params: Any, timeout: float | None,
-                    attachments: Sequence[Buffer], multi: bool) -> tuple[int, _Call]:
+    def _start_call(
+        self,
+        target: str,
+        command: str,
+        params: Any,
+        timeout: float | None,
+        attachments: Sequence[Buffer],
+        multi: bool,
+    ) -> tuple[int, _Call]:
         self._check_open()
         self._next_rid += 1
         rid = self._next_rid
@@ -378,9 +476,13 @@ class Bus:
             header["timeout"] = float(timeout)
         try:
             pieces = encode_frame(
-                _REQUEST, target=target, request_id=rid, flags=Flag.ALL if multi else 0,
+                _REQUEST,
+                target=target,
+                request_id=rid,
+                flags=Flag.ALL if multi else 0,
                 header=encode_cbor(header),
-                body=encode_cbor(params) if params is not None else b"", blobs=attachments,
+                body=encode_cbor(params) if params is not None else b"",
+                blobs=attachments,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
@@ -397,13 +499,25 @@ class Bus:
             with trio.move_on_after(limit):
                 await call.done.wait()
             if not call.done.is_set():
-                call.fail(RequestTimeout(f"no answer from {call.target!r} within {timeout} s "
-                                         "(and none from the broker)", sender=None))
+                call.fail(
+                    RequestTimeout(
+                        f"no answer from {call.target!r} within {timeout} s "
+                        "(and none from the broker)",
+                        sender=None,
+                    )
+                )
         finally:
             self._calls.pop(rid, None)
 
-    async def call(self, target: str, command: str, params: Any = None, *,
-                   timeout: float | None = None, attachments: Sequence[Buffer] = ()) -> Any:
+    async def call(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+    ) -> Any:
         """Call ``command`` on exactly one recipient and return its result.
 
         ``target`` is an lname, ``G[N]``, ``G[?]`` or a group with exactly one member.
@@ -417,14 +531,16 @@ class Bus:
             (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
         """
         rid, call = self._start_call(target, command, params, timeout, attachments, False)
+        self._send_now()
         await self._wait_out()
         await self._finish_call(rid, call, timeout)
         if call.error is not None:
             raise call.error
         return call.result
 
-    async def call_all(self, group: str, command: str, params: Any = None, *,
-                       timeout: float | None = None) -> list[Result]:
+    async def call_all(
+        self, group: str, command: str, params: Any = None, *, timeout: float | None = None
+    ) -> list[Result]:
         """Call ``command`` on every member of ``group`` (except this client).
 
         Returns one :class:`Result` per member, in join order of the members the broker
@@ -448,10 +564,14 @@ class Bus:
             out.append(res)
         return out
 
-    async def call_many(self, requests: Iterable[tuple[str, str] | tuple[str, str, Any]], *,
-                        timeout: float | None = None) -> list[Result]:
+    async def call_many(
+        self,
+        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
+        *,
+        timeout: float | None = None,
+    ) -> list[Result]:
         """Issue many calls concurrently; returns each result or error, in request order."""
-        reqs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in requests]  # type: ignore[misc]
+        reqs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in requests]
         started = [self._start_call(t, c, p, timeout, (), False) for t, c, p in reqs]
         await self._wait_out()
         results: list[Result] = []
@@ -460,8 +580,15 @@ class Bus:
             results.append(Result(target, call.error is None, call.result, call.error))
         return results
 
-    def call_cb(self, target: str, command: str, params: Any,
-                callback: Callable[[bool, Any], Any], *, timeout: float | None = None) -> None:
+    def call_cb(
+        self,
+        target: str,
+        command: str,
+        params: Any,
+        callback: Callable[[bool, Any], Any],
+        *,
+        timeout: float | None = None,
+    ) -> None:
         """Start a call now; later run ``callback(ok, result_or_error)`` (seed 000's ``rpc``).
 
         The callback runs in the bus's nursery; exceptions it raises are logged.
@@ -475,9 +602,13 @@ class Bus:
 
         self._spawn(finish)
 
-    def call_many_cb(self, requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
-                     callback: Callable[[list[Result]], Any], *,
-                     timeout: float | None = None) -> None:
+    def call_many_cb(
+        self,
+        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
+        callback: Callable[[list[Result]], Any],
+        *,
+        timeout: float | None = None,
+    ) -> None:
         """Start many calls now; run ``callback(results)`` once all are done."""
         reqs = list(requests)
 
@@ -528,29 +659,42 @@ class Bus:
             result = handler(msg.body, msg)
             if inspect.isawaitable(result):
                 result = await result
-            pieces = encode_frame(_REPLY, target=msg.sender, request_id=frame.request_id,
-                                  body=encode_cbor(result) if result is not None else b"")
+            pieces = encode_frame(
+                _REPLY,
+                target=msg.sender,
+                request_id=frame.request_id,
+                body=encode_cbor(result) if result is not None else b"",
+            )
         except CommandFailed as exc:
             pieces = self._error_frame(msg, exc.code, exc.message, exc.data)
         except (TypeError, ValueError, KeyError, RemoteProtocolError) as exc:
             pieces = self._error_frame(msg, ErrorCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
         except LocalProtocolError as exc:
-            pieces = self._error_frame(msg, ErrorCode.INTERNAL_ERROR,
-                                       f"handler result cannot be encoded: {exc}")
+            pieces = self._error_frame(
+                msg, ErrorCode.INTERNAL_ERROR, f"handler result cannot be encoded: {exc}"
+            )
         except Exception as exc:
             log.exception("handler for %r raised", msg.command)
-            pieces = self._error_frame(msg, ErrorCode.INTERNAL_ERROR,
-                                       f"{type(exc).__name__}: {exc}",
-                                       {"type": type(exc).__name__})
+            pieces = self._error_frame(
+                msg,
+                ErrorCode.INTERNAL_ERROR,
+                f"{type(exc).__name__}: {exc}",
+                {"type": type(exc).__name__},
+            )
         if self._lost is None and not self._closed:
             self._queue(pieces)
+            self._send_now()
 
-    def _error_frame(self, msg: Message, code: str, message: str,
-                     data: object = None) -> list[Buffer]:
+    def _error_frame(
+        self, msg: Message, code: str, message: str, data: object = None
+    ) -> list[Buffer]:
         return encode_frame(
-            _ERROR, target=msg.sender, request_id=msg.request_id,
+            _ERROR,
+            target=msg.sender,
+            request_id=msg.request_id,
             header=encode_cbor({"code": str(code), "message": message}),
-            body=encode_cbor(data) if data is not None else b"")
+            body=encode_cbor(data) if data is not None else b"",
+        )
 
     # -- broker commands ---------------------------------------------------------------
     async def subscribe(self, group: str) -> bool:
@@ -604,13 +748,14 @@ class Bus:
             await self._in_wake.park()
         msg = q.popleft()
         self._in_bytes -= len(msg._frame.raw)
-        self._in_taken.unpark_all()
+        if self._in_taken:  # only the reader parks here, and only over IN_HIGH_WATER
+            self._in_taken.unpark_all()
+        # A full checkpoint every _FAIRNESS messages keeps iteration cancellable and lets
+        # other tasks run; one per message would cost more than the message itself.
         self._since_yield += 1
         if self._since_yield >= _FAIRNESS:
             self._since_yield = 0
             await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.checkpoint_if_cancelled()
         return msg
 
     # -- tasks -------------------------------------------------------------------------
@@ -625,23 +770,16 @@ class Bus:
                 n = 0
                 for b in bufs:
                     n += len(b)
-                with translate_socket_errors():
-                    if len(bufs) == 1:
-                        await stream.send_all(bufs[0])
-                    else:
-                        small: list[Buffer] = []
-                        for b in bufs:
-                            if len(b) >= 65536:
-                                if small:
-                                    await stream.send_all(b"".join(small))
-                                    small = []
-                                await stream.send_all(b)
-                            else:
-                                small.append(b)
-                        if small:
-                            await stream.send_all(b"".join(small))
+                self._writing = True
+                try:
+                    with translate_socket_errors():
+                        for chunk in _coalesce(bufs):
+                            await stream.send_all(chunk)
+                finally:
+                    self._writing = False
                 self._out_bytes -= n
-                self._drained.unpark_all()
+                if self._drained:
+                    self._drained.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
@@ -652,16 +790,24 @@ class Bus:
                 with translate_socket_errors():
                     data = await stream.receive_some(RECEIVE_SIZE)
                 conn.receive_data(data)
-                while True:
-                    ev = conn.next_event()
-                    if ev is NEED_DATA:
-                        break
+                inq, sources = self._in, self._sources
+                for ev in conn.events():
                     if ev is EOF:
                         self._broker_goodbye.set()
                         self._fail_all(ConnectionLost("the broker closed the connection"))
                         return
                     assert isinstance(ev, Frame)
-                    self._dispatch(ev)
+                    if ev.type == _MESSAGE:  # hot path: straight to the application's queue
+                        inq.append(Message(ev, sources))
+                        self._in_bytes += len(ev.raw)
+                    else:
+                        self._dispatch(ev)
+                if self._in and self._in_wake:
+                    self._in_wake.unpark_all()
+                if not data:
+                    self._broker_goodbye.set()
+                    self._fail_all(ConnectionLost("the broker closed the connection"))
+                    return
                 if self._in_bytes > IN_HIGH_WATER:
                     while self._in_bytes > IN_HIGH_WATER and self._lost is None:
                         await self._in_taken.park()
@@ -674,24 +820,23 @@ class Bus:
     def _dispatch(self, frame: Frame) -> None:
         t = frame.type
         if t == _MESSAGE or t == _NOTIFY:
-            sender, sname = _split_source(frame.source, self._sources)
-            msg = Message(frame, sender, sname)
+            msg = Message(frame, self._sources)
             if t == _NOTIFY and self._notify_cbs:
                 cbs = self._notify_cbs.get(frame.target)
                 if cbs:
                     for cb in cbs:
-                        self._spawn(lambda cb=cb: self._run_callback(cb, msg))
+                        self._spawn(functools.partial(self._run_callback, cb, msg))
                     return
             self._in.append(msg)
-            self._in_bytes += len(frame.raw)
-            self._in_wake.unpark_all()
+            self._in_bytes += len(frame.raw)  # the reader wakes the consumer once per batch
         elif t == _REPLY or t == _ERROR:
             if not frame.request_id:
                 h = frame.header()
                 code = str(h.get("code", ""))
                 log.error("broker reported: %s (%s)", h.get("message"), code)
-                self._fail_all(ConnectionLost(f"broker closed the connection: {h.get('message')}",
-                                              code=code))
+                self._fail_all(
+                    ConnectionLost(f"broker closed the connection: {h.get('message')}", code=code)
+                )
                 return
             call = self._calls.get(frame.request_id)
             if call is not None:
@@ -703,27 +848,38 @@ class Bus:
                 assert isinstance(to, list)
                 call.routed([(str(a), str(b)) for a, b in to])
         elif t == _REQUEST:
-            sender, sname = _split_source(frame.source, self._sources)
-            msg = Message(frame, sender, sname)
+            msg = Message(frame, self._sources)
             handler = self._handlers.get(msg.command or "")
             if handler is None:
-                self._queue(self._error_frame(
-                    msg, ErrorCode.UNKNOWN_COMMAND,
-                    f"{self.name} ({self.lname}) has no command {msg.command!r}",
-                    sorted(self._handlers)))
+                self._queue(
+                    self._error_frame(
+                        msg,
+                        ErrorCode.UNKNOWN_COMMAND,
+                        f"{self.name} ({self.lname}) has no command {msg.command!r}",
+                        sorted(self._handlers),
+                    )
+                )
             else:
                 self._spawn(lambda: self._serve_request(msg, handler))
         elif t == _GOODBYE:
             self._broker_goodbye.set()
             reason = frame.header().get("reason")
             if not self._closed:
-                self._fail_all(ConnectionLost(f"the broker closed the connection ({reason})",
-                                              code=str(reason) if reason else None))
+                self._fail_all(
+                    ConnectionLost(
+                        f"the broker closed the connection ({reason})",
+                        code=str(reason) if reason else None,
+                    )
+                )
 
 
 @asynccontextmanager
-async def connect(socket: str | os.PathLike[str] | None = None, name: str | None = None, *,
-                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> AsyncIterator[Bus]:
+async def connect(
+    socket: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    *,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> AsyncIterator[Bus]:
     """Connect to the broker; yields a :class:`Bus`.
 
     Args:
@@ -742,7 +898,9 @@ async def connect(socket: str | os.PathLike[str] | None = None, name: str | None
     try:
         stream = await trio.open_unix_socket(str(path))
     except OSError as exc:
-        raise ConnectError(f"cannot connect to the broker at {path}: {exc.strerror or exc}") from exc
+        raise ConnectError(
+            f"cannot connect to the broker at {path}: {exc.strerror or exc}"
+        ) from exc
     bus = Bus(stream, name or Path(sys.argv[0] or "client").name, max_frame_size)
     try:
         await bus._handshake({})

@@ -19,9 +19,24 @@ class Peer:
     """
 
     __slots__ = (
-        "alive", "bytes_in", "bytes_out", "connected_at", "gid", "groups", "id", "lname",
-        "msgs_in", "msgs_out", "name", "outq", "outq_bytes", "pending_in", "pending_out",
-        "pid", "stamp", "uid",
+        "alive",
+        "bytes_in",
+        "bytes_out",
+        "connected_at",
+        "gid",
+        "groups",
+        "id",
+        "lname",
+        "msgs_in",
+        "msgs_out",
+        "name",
+        "outq",
+        "outq_bytes",
+        "pending_in",
+        "pending_out",
+        "pid",
+        "stamp",
+        "uid",
     )
 
     def __init__(self, pid_: int, name: str, *, pid: int, uid: int, gid: int, now: float) -> None:

@@ -55,7 +55,7 @@ class Router:
         self.by_id[peer.id] = peer
 
     def remove_peer(self, peer: Peer) -> list[str]:
-        """Forget the peer; returns the groups it was implicitly unsubscribed from, in join order."""
+        """Forget the peer; returns the groups it implicitly left, in join order."""
         self.by_id.pop(peer.id, None)
         left = list(peer.groups)
         for g in left:

@@ -25,8 +25,13 @@ class Pending:
     __slots__ = ("callees", "caller", "command", "deadline", "request_id", "target")
 
     def __init__(
-        self, caller: Peer, request_id: int, callees: dict[int, Peer], deadline: float,
-        target: str, command: str,
+        self,
+        caller: Peer,
+        request_id: int,
+        callees: dict[int, Peer],
+        deadline: float,
+        target: str,
+        command: str,
     ) -> None:
         self.caller = caller
         self.request_id = request_id
@@ -60,8 +65,13 @@ class PendingReplies:
         return (caller.id, request_id) in self.slots
 
     def add(
-        self, caller: Peer, request_id: int, callees: list[Peer], deadline: float,
-        target: str, command: str,
+        self,
+        caller: Peer,
+        request_id: int,
+        callees: list[Peer],
+        deadline: float,
+        target: str,
+        command: str,
     ) -> None:
         """Register a call delivered to ``callees``; the caller's quota is checked by the broker."""
         key = (caller.id, request_id)

@@ -47,6 +47,9 @@ WRITE_BATCH = 1024 * 1024
 #: Buffers at least this large are sent as they are instead of being copied into a join.
 _NO_JOIN = 64 * 1024
 _PEERCRED = struct.Struct("3i")
+_GOODBYE = FrameType.GOODBYE
+#: Queues up to this size are written directly by _after_core when the writer is idle.
+_DIRECT_SEND_MAX = 256 * 1024
 
 
 class BrokerAlreadyRunning(RuntimeError):
@@ -109,8 +112,9 @@ class _Wakeup:
 class PeerConnection:
     """I/O state of one admitted client: its stream, writer wake-up and cancel scope."""
 
-    def __init__(self, server: Server, peer: Peer, stream: trio.SocketStream,
-                 conn: Connection) -> None:
+    def __init__(
+        self, server: Server, peer: Peer, stream: trio.SocketStream, conn: Connection
+    ) -> None:
         self.server = server
         self.peer = peer
         self.stream = stream
@@ -122,6 +126,10 @@ class PeerConnection:
         self.goodbye_sent = trio.Event()
         self.closing_reason: str | None = None
         self.final_error: tuple[ErrorCode, str] | None = None
+        #: True while the writer task is inside send_all; otherwise the socket is free and
+        #: _after_core may write to it directly (non-blocking), saving a task switch.
+        self.writing = False
+        self.fd = stream.socket.fileno()
 
     def kick(self, code: ErrorCode, message: str) -> None:
         """Close this connection because the core dropped the client."""
@@ -173,14 +181,14 @@ class Server:
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
                     handlers.start_soon(self._accept_loop, handlers)
-                    log.info("broker %s listening on %s (pid %d)", __version__, self.path,
-                             os.getpid())
+                    log.info(
+                        "broker %s listening on %s (pid %d)", __version__, self.path, os.getpid()
+                    )
                     task_status.started(self.path)
                 top.cancel_scope.cancel()
         finally:
             sock.close()
-            with trio.CancelScope(shield=True):
-                self._unlink_socket()
+            self._unlink_socket()
             self.shutdown_complete.set()
 
     def _unlink_socket(self) -> None:
@@ -207,7 +215,9 @@ class Server:
             self._handlers.cancel_scope.deadline = trio.current_time() + self.limits.shutdown_grace
         self._unlink_socket()
 
-    def _queue_goodbye(self, pc: PeerConnection, goodbye: list[bytes | bytearray | memoryview]) -> None:
+    def _queue_goodbye(
+        self, pc: PeerConnection, goodbye: list[bytes | bytearray | memoryview]
+    ) -> None:
         if pc.conn.sent_goodbye:
             return
         pc.conn.check_send(FrameType.GOODBYE)
@@ -239,8 +249,10 @@ class Server:
         try:
             with translate_socket_errors():
                 pid, uid, gid = _PEERCRED.unpack(
-                    stream.socket.getsockopt(pysocket.SOL_SOCKET, pysocket.SO_PEERCRED,
-                                             _PEERCRED.size))
+                    stream.socket.getsockopt(
+                        pysocket.SOL_SOCKET, pysocket.SO_PEERCRED, _PEERCRED.size
+                    )
+                )
         except trio.BrokenResourceError:
             pass
         conn = Connection(Role.BROKER, self.limits.max_frame_size)
@@ -248,23 +260,37 @@ class Server:
         who = f"pid={pid} uid={uid} (before HELLO)"
         try:
             if len(self.conns) >= self.limits.max_connections:
-                log.warning("refusing connection from %s: max_connections=%d reached", who,
-                            self.limits.max_connections)
-                await _send_final(stream, ErrorCode.LIMIT_EXCEEDED,
-                                  f"max_connections={self.limits.max_connections} reached")
+                log.warning(
+                    "refusing connection from %s: max_connections=%d reached",
+                    who,
+                    self.limits.max_connections,
+                )
+                await _send_final(
+                    stream,
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"max_connections={self.limits.max_connections} reached",
+                )
                 return
             hello = await self._handshake(stream, conn, who)
             if hello is None:
                 return
             name, header = hello
             if header.get("version") != PROTOCOL_VERSION:
-                log.warning("refusing %s (name=%r): protocol version %r, broker speaks %d",
-                            who, name, header.get("version"), PROTOCOL_VERSION)
+                log.warning(
+                    "refusing %s (name=%r): protocol version %r, broker speaks %d",
+                    who,
+                    name,
+                    header.get("version"),
+                    PROTOCOL_VERSION,
+                )
                 conn.check_send(FrameType.ERROR)
-                await _send_final(stream, ErrorCode.VERSION_MISMATCH,
-                                  f"broker speaks protocol version {PROTOCOL_VERSION}, "
-                                  f"client sent {header.get('version')!r}",
-                                  data={"supported": [PROTOCOL_VERSION]})
+                await _send_final(
+                    stream,
+                    ErrorCode.VERSION_MISMATCH,
+                    f"broker speaks protocol version {PROTOCOL_VERSION}, "
+                    f"client sent {header.get('version')!r}",
+                    data={"supported": [PROTOCOL_VERSION]},
+                )
                 return
             peer = self.core.connect(name, pid=pid, uid=uid, gid=gid, now=trio.current_time())
             pc = PeerConnection(self, peer, stream, conn)
@@ -303,12 +329,14 @@ class Server:
                 self.conns.pop(pc.peer, None)
                 self.core.disconnect(pc.peer, pc.closing_reason or "closed")
                 self._after_core()
-                log.debug("client %s disconnected: %s", pc.peer.describe(),
-                          pc.closing_reason or "closed")
+                log.debug(
+                    "client %s disconnected: %s", pc.peer.describe(), pc.closing_reason or "closed"
+                )
             await trio.aclose_forcefully(stream)
 
-    async def _handshake(self, stream: trio.SocketStream, conn: Connection,
-                         who: str) -> tuple[str, dict[str, object]] | None:
+    async def _handshake(
+        self, stream: trio.SocketStream, conn: Connection, who: str
+    ) -> tuple[str, dict[str, object]] | None:
         """Read until HELLO; returns (name, header) or None if the client left or timed out."""
         with trio.move_on_after(self.limits.handshake_timeout):
             while True:
@@ -326,15 +354,30 @@ class Server:
                 if not isinstance(name, str) or len(name) > 255 or "\0" in name:
                     raise RemoteProtocolError("HELLO name must be a string of <= 255 chars, no NUL")
                 return name or "anonymous", header
-        log.warning("dropping connection %s: no HELLO within %.1f s", who,
-                    self.limits.handshake_timeout)
+        log.warning(
+            "dropping connection %s: no HELLO within %.1f s", who, self.limits.handshake_timeout
+        )
         return None
 
     async def _run_peer(self, pc: PeerConnection) -> None:
+        """Run the reader (in this task) and the writer (a child task) until either ends.
+
+        Errors from either side are turned into a closing reason here, inside the nursery,
+        so the caller sees plain exceptions (a protocol error) rather than groups.
+        """
+        failure: BaseException | None = None
         with pc.scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer, pc)
-                goodbye = await self._reader(pc)
+                nursery.start_soon(self._writer_task, pc, nursery.cancel_scope)
+                try:
+                    goodbye = await self._reader(pc)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    log.debug("connection %s lost: %s", pc.peer.describe(), exc)
+                    pc.closing_reason = pc.closing_reason or "connection-lost"
+                    goodbye = False
+                except Exception as exc:  # protocol errors and bugs: re-raised below
+                    failure = exc
+                    goodbye = False
                 if goodbye:
                     # The client leaves: flush what it is owed, then our GOODBYE, then close.
                     pc.closing_reason = "closed"
@@ -343,14 +386,24 @@ class Server:
                     self._queue_goodbye(pc, encode_frame(FrameType.GOODBYE))
                     with trio.move_on_after(self.limits.shutdown_grace):
                         await pc.goodbye_sent.wait()
-                elif pc.closing_reason is None:
+                elif pc.closing_reason is None and failure is None:
                     pc.closing_reason = "connection-lost"
                 nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _writer_task(self, pc: PeerConnection, scope: trio.CancelScope) -> None:
+        try:
+            await self._writer(pc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("connection %s lost while writing: %s", pc.peer.describe(), exc)
+            pc.closing_reason = pc.closing_reason or "connection-lost"
+            scope.cancel()
 
     async def _reader(self, pc: PeerConnection) -> bool:
         """Read and route until EOF (False) or the client's GOODBYE (True)."""
         stream, conn, peer, core = pc.stream, pc.conn, pc.peer, self.core
-        handle = core.handle
+        handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout
         while True:
             if conn.in_frame:
@@ -360,29 +413,35 @@ class Server:
                 if cs.cancelled_caught:
                     raise RemoteProtocolError(
                         f"stalled in the middle of a frame for {idle_in_frame} s "
-                        "(idle_in_frame_timeout)", ErrorCode.PROTOCOL_ERROR)
+                        "(idle_in_frame_timeout)",
+                        ErrorCode.PROTOCOL_ERROR,
+                    )
             else:
                 with translate_socket_errors():
                     data = await stream.receive_some(RECEIVE_SIZE)
             if not data:
                 if conn.in_frame:
-                    log.info("client %s closed the connection in the middle of a frame",
-                             peer.describe())
+                    log.info(
+                        "client %s closed the connection in the middle of a frame", peer.describe()
+                    )
                 return False
             conn.receive_data(data)
             now = trio.current_time()
-            next_event = conn.next_event
             try:
-                while True:
-                    ev = next_event()
-                    if ev is NEED_DATA or ev is EOF:
-                        break
-                    assert isinstance(ev, Frame)
-                    if ev.type == FrameType.GOODBYE:
-                        return True
-                    handle(peer, ev, now)
+                events = conn.events()
+                if not events:
+                    continue
+                last = events[-1]
+                # GOODBYE and EOF can only come last (the state table rejects anything after).
+                tail = last is EOF or (isinstance(last, Frame) and last.type == _GOODBYE)
+                if tail:
+                    events.pop()
+                if events:
+                    handle_many(peer, events, now)  # type: ignore[arg-type]
                     if not peer.alive:
                         return False
+                if tail:
+                    return last is not EOF
             finally:
                 self._after_core()
             if core.blocked:
@@ -402,9 +461,11 @@ class Server:
                     await rpc.progress.park()
                 if cs.cancelled_caught and r.alive and r.outq_bytes > soft:
                     self.core.kick(
-                        r, ErrorCode.SLOW_CONSUMER,
+                        r,
+                        ErrorCode.SLOW_CONSUMER,
                         f"no progress on {r.outq_bytes} queued bytes for "
-                        f"{self.limits.slow_consumer_timeout} s (slow_consumer_timeout)")
+                        f"{self.limits.slow_consumer_timeout} s (slow_consumer_timeout)",
+                    )
                     self._after_core()
 
     async def _writer(self, pc: PeerConnection) -> None:
@@ -413,12 +474,16 @@ class Server:
             await pc.wake.wait()
             while peer.outq:
                 bufs, n = peer.take_outgoing(WRITE_BATCH)
-                with translate_socket_errors():
-                    if len(bufs) == 1:
-                        await stream.send_all(bufs[0])
-                    else:
-                        for chunk in _coalesce(bufs):
-                            await stream.send_all(chunk)
+                pc.writing = True
+                try:
+                    with translate_socket_errors():
+                        if len(bufs) == 1:
+                            await stream.send_all(bufs[0])
+                        else:
+                            for chunk in _coalesce(bufs):
+                                await stream.send_all(chunk)
+                finally:
+                    pc.writing = False
                 peer.sent(n)
                 pc.progress.unpark_all()
             if pc.conn.sent_goodbye and not peer.outq:
@@ -429,6 +494,31 @@ class Server:
                         await stream.send_eof()
                 return
 
+    def _send_now(self, pc: PeerConnection) -> None:
+        """Write a small queue straight to the socket if the writer is idle.
+
+        Saves the writer task's wake-up on the latency path (request -> callee -> answer).
+        Whatever the kernel does not take right away stays queued for the writer; errors
+        are left for the writer to discover, so they are handled in one place.
+        """
+        peer = pc.peer
+        if pc.writing or peer.outq_bytes > _DIRECT_SEND_MAX or pc.conn.sent_goodbye:
+            return
+        bufs, n = peer.take_outgoing(_DIRECT_SEND_MAX)
+        data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
+        try:
+            sent = os.write(pc.fd, data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = 0  # the writer will hit the same error and report it
+        if sent < len(data):
+            peer.outq.appendleft(memoryview(data)[sent:])
+        peer.outq_bytes -= n - (len(data) - sent)
+        peer.bytes_out += sent
+        if sent:
+            pc.progress.unpark_all()
+
     def _after_core(self) -> None:
         """Act on what the core decided: wake writers, close kicked peers, re-arm the timer."""
         core = self.core
@@ -437,7 +527,9 @@ class Server:
             for p in core.dirty:
                 pc = conns.get(p)
                 if pc is not None:
-                    pc.wake.set()
+                    self._send_now(pc)
+                    if p.outq:
+                        pc.wake.set()
             core.dirty.clear()
         if core.kicked:
             kicked, core.kicked = core.kicked, []
@@ -480,13 +572,17 @@ def _coalesce(bufs: list[bytes | bytearray | memoryview]) -> list[bytes | bytear
     return out
 
 
-async def _send_final(stream: trio.SocketStream, code: ErrorCode, message: str,
-                      data: object = None) -> None:
+async def _send_final(
+    stream: trio.SocketStream, code: ErrorCode, message: str, data: object = None
+) -> None:
     """Best effort: tell the peer why we close (it may be gone already)."""
     frame = connection_error_frame(code, message)
     if data is not None:
-        frame = encode_frame(FrameType.ERROR, header=encode_cbor(
-            {"code": str(code), "message": message}), body=encode_cbor(data))
+        frame = encode_frame(
+            FrameType.ERROR,
+            header=encode_cbor({"code": str(code), "message": message}),
+            body=encode_cbor(data),
+        )
     try:
         with translate_socket_errors():
             await stream.send_all(b"".join(frame))

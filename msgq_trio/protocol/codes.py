@@ -42,11 +42,15 @@ class ErrorCode(enum.StrEnum):
     """
 
     # -- answered by the broker on behalf of a recipient --------------------------------
-    NO_RECIPIENT = "no-recipient"  # target resolves to nobody (unknown lname, empty group, [N] out of range)
+    NO_RECIPIENT = (
+        "no-recipient"  # target resolves to nobody (unknown lname, empty group, [N] out of range)
+    )
     RECIPIENT_GONE = "recipient-gone"  # recipient disconnected/crashed/was dropped before answering
     TIMEOUT = "timeout"  # broker-side deadline for the answer passed
     RECEIVER_FULL = "receiver-full"  # recipient's outgoing queue is over its bound
-    MULTIPLE_RECIPIENTS = "multiple-recipients"  # single-answer request to a group of several members
+    MULTIPLE_RECIPIENTS = (
+        "multiple-recipients"  # single-answer request to a group of several members
+    )
     # -- answered by a handler (or the broker for its own commands) ---------------------
     UNKNOWN_COMMAND = "unknown-command"
     BAD_REQUEST = "bad-request"

@@ -179,10 +179,24 @@ def encode_frame(
     )
     if length > ABSOLUTE_MAX_FRAME_SIZE - 4:
         raise LocalProtocolError("frame larger than 4 GiB")
-    head = PREFIX.pack(
-        length, type, flags, len(tb), len(source), len(blobs), n_fds, 0,
-        request_id, len(header), len(body),
-    ) + tb + source + header
+    head = (
+        PREFIX.pack(
+            length,
+            type,
+            flags,
+            len(tb),
+            len(source),
+            len(blobs),
+            n_fds,
+            0,
+            request_id,
+            len(header),
+            len(body),
+        )
+        + tb
+        + source
+        + header
+    )
     if not blobs:
         if len(body) < _LARGE_FRAME:
             return [head + body]
@@ -196,6 +210,36 @@ def encode_frame(
     return pieces
 
 
+def encode_simple(
+    type: int, target: bytes, body: bytes, header: bytes = b"", request_id: int = 0, flags: int = 0
+) -> bytes:
+    """Fast path of :func:`encode_frame` for a frame without source or attachments.
+
+    ``target`` is already UTF-8 encoded (callers cache it). Returns one bytes object.
+    """
+    tl = len(target)
+    if tl > _U16:
+        raise LocalProtocolError("target longer than 65535 bytes")
+    return (
+        PREFIX.pack(
+            _FIXED_AFTER_LENGTH + tl + len(header) + len(body),
+            type,
+            flags,
+            tl,
+            0,
+            0,
+            0,
+            0,
+            request_id,
+            len(header),
+            len(body),
+        )
+        + target
+        + header
+        + body
+    )
+
+
 def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
     """The same frame with its source section replaced by ``source``.
 
@@ -207,8 +251,17 @@ def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]
     tail_len = len(raw) - tail_start
     length = _FIXED_AFTER_LENGTH + (target_end - PREFIX_SIZE) + len(source) + tail_len
     head = PREFIX.pack(
-        length, frame.type, frame.flags, target_end - PREFIX_SIZE, len(source),
-        frame.n_blobs, frame.n_fds, 0, frame.request_id, frame.header_len, frame.body_len,
+        length,
+        frame.type,
+        frame.flags,
+        target_end - PREFIX_SIZE,
+        len(source),
+        frame.n_blobs,
+        frame.n_fds,
+        0,
+        frame.request_id,
+        frame.header_len,
+        frame.body_len,
     )
     if tail_len < _LARGE_FRAME:
         return [head + raw[PREFIX_SIZE:target_end] + source + raw[tail_start:]]
@@ -289,7 +342,9 @@ class FrameParser:
         if length > self.max_frame_size - 4 or length < _FIXED_AFTER_LENGTH:
             self._fail(
                 f"frame length {length + 4} outside 32..{self.max_frame_size}",
-                ErrorCode.FRAME_TOO_LARGE if length >= _FIXED_AFTER_LENGTH else ErrorCode.PROTOCOL_ERROR,
+                ErrorCode.FRAME_TOO_LARGE
+                if length >= _FIXED_AFTER_LENGTH
+                else ErrorCode.PROTOCOL_ERROR,
             )
         total = 4 + length
         if avail < total:
@@ -307,6 +362,82 @@ class FrameParser:
         raw = bytes(buf[pos : pos + total])
         self._pos = pos + total
         return self._parse(raw)
+
+    def frames(self) -> list[Frame]:
+        """Every complete frame buffered now (possibly none), in order.
+
+        Same contract as :meth:`next_frame`; one call per receive instead of one per frame.
+        If a later frame is malformed, the frames before it are still returned and the
+        error is raised by the next call.
+        """
+        out: list[Frame] = []
+        if self._error is not None:
+            raise self._error
+        if self._large is not None:
+            f = self.next_frame()
+            if f is None:
+                return out
+            out.append(f)
+        buf = self._buf
+        pos = self._pos
+        end = len(buf)
+        limit = self.max_frame_size - 4
+        unpack = PREFIX.unpack_from
+        valid = _VALID_TYPES
+        append = out.append
+        try:
+            while end - pos >= PREFIX_SIZE:
+                (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
+                    unpack(buf, pos)
+                )
+                total = 4 + length
+                if (
+                    length > limit
+                    or nblobs
+                    or ftype not in valid
+                    or reserved
+                    or _FIXED_AFTER_LENGTH + tlen + slen + hlen + blen != length
+                ):
+                    break  # anything unusual (or an error) takes the careful path below
+                if end - pos < total:
+                    break
+                raw = bytes(buf[pos : pos + total])
+                pos += total
+                tend = PREFIX_SIZE + tlen
+                append(
+                    Frame(
+                        ftype,
+                        flags,
+                        rid,
+                        raw[PREFIX_SIZE:tend].decode(),
+                        raw[tend : tend + slen],
+                        0,
+                        nfds,
+                        hlen,
+                        blen,
+                        raw,
+                        tend + slen,
+                    )
+                )
+        except UnicodeDecodeError:
+            self._pos = pos
+            self._error = RemoteProtocolError("frame target is not UTF-8")
+            if out:
+                return out  # raised by the next call
+            raise self._error from None
+        self._pos = pos
+        # The careful path handles the rest: partial, large, with blobs, or malformed.
+        try:
+            while True:
+                f = self.next_frame()
+                if f is None:
+                    break
+                append(f)
+        except RemoteProtocolError:
+            if out:
+                return out  # the error is kept in self._error and raised next call
+            raise
+        return out
 
     def _compact(self) -> None:
         if self._pos:
@@ -340,6 +471,15 @@ class FrameParser:
         except UnicodeDecodeError:
             self._fail("frame target is not UTF-8")
         return Frame(
-            ftype, flags, rid, target, bytes(raw[tend : tend + slen]), nblobs, nfds,
-            hlen, blen, raw, tend + slen,
+            ftype,
+            flags,
+            rid,
+            target,
+            bytes(raw[tend : tend + slen]),
+            nblobs,
+            nfds,
+            hlen,
+            blen,
+            raw,
+            tend + slen,
         )
