@@ -1,0 +1,171 @@
+"""Synchronous client for code that is not async: scripts, tools, tests.
+
+``msgq_trio.sync.connect(...)`` runs a trio loop with an ordinary :class:`msgq_trio.Bus`
+in a background thread; every method blocks the calling thread until the loop has done
+the work and raises the same exceptions as the async client (``NoRecipient``,
+``RecipientGone``, ``RequestTimeout``, ``RemoteError``, ``ConnectionLost``...).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from .client.bus import Bus, Member, Message, Result
+from .client.bus import connect as aconnect
+from .errors import ConnectionLost, UsageError
+
+Buffer = bytes | bytearray | memoryview
+
+
+class SyncBus:
+    """A blocking facade over :class:`msgq_trio.Bus`. Create it with :func:`connect`.
+
+    Resource handling: :meth:`close` (or leaving the ``with`` block) closes the
+    connection and joins the background thread. Command handlers registered here run in
+    worker threads (``trio.to_thread``), so a slow handler never blocks the connection.
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None, name: str | None) -> None:
+        self._ready: queue.Queue[BaseException | None] = queue.Queue()
+        self._bus: Bus | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(
+            target=trio.run, args=(self._main, socket, name), name="msgq-trio-sync", daemon=True
+        )
+        self._thread.start()
+        err = self._ready.get()
+        if err is not None:
+            self._thread.join()
+            raise err
+
+    async def _main(self, socket: str | os.PathLike[str] | None, name: str | None) -> None:
+        try:
+            async with aconnect(socket, name) as bus:
+                self._bus = bus
+                self._token = trio.lowlevel.current_trio_token()
+                self._stop = trio.Event()
+                self._ready.put(None)
+                await self._stop.wait()
+        except BaseException as exc:
+            if self._bus is None:
+                self._ready.put(exc)
+                return
+            raise
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._token is None or self._stop is None or self._stop.is_set():
+            raise UsageError("the bus is closed")
+        try:
+            return trio.from_thread.run(
+                functools.partial(fn, *args, **kwargs), trio_token=self._token
+            )
+        except trio.RunFinishedError as exc:
+            raise ConnectionLost("the bus's background loop has ended") from exc
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None
+        return self._bus
+
+    @property
+    def lname(self) -> str:
+        return self.bus.lname
+
+    def call(self, target: str, command: str, params: Any = None, *,
+             timeout: float | None = None, attachments: Sequence[Buffer] = ()) -> Any:
+        """Blocking :meth:`msgq_trio.Bus.call`."""
+        return self._run(self.bus.call, target, command, params, timeout=timeout,
+                         attachments=attachments)
+
+    def call_all(self, group: str, command: str, params: Any = None, *,
+                 timeout: float | None = None) -> list[Result]:
+        return list(self._run(self.bus.call_all, group, command, params, timeout=timeout))
+
+    def call_many(self, requests: Sequence[tuple[str, str] | tuple[str, str, Any]], *,
+                  timeout: float | None = None) -> list[Result]:
+        return list(self._run(self.bus.call_many, requests, timeout=timeout))
+
+    def send(self, target: str, body: Any = None, attachments: Sequence[Buffer] = ()) -> None:
+        """Queue a message and wait until it is written to the socket."""
+
+        async def send_and_flush() -> None:
+            await self.bus.send(target, body, attachments)
+            await self.bus.flush()
+
+        self._run(send_and_flush)
+
+    def notify(self, group: str, event: str, params: Any = None) -> None:
+        async def notify_and_flush() -> None:
+            await self.bus.notify(group, event, params)
+            await self.bus.flush()
+
+        self._run(notify_and_flush)
+
+    def subscribe(self, group: str) -> bool:
+        return bool(self._run(self.bus.subscribe, group))
+
+    def unsubscribe(self, group: str) -> bool:
+        return bool(self._run(self.bus.unsubscribe, group))
+
+    def members(self, group: str) -> list[Member]:
+        return list(self._run(self.bus.members, group))
+
+    def receive(self, timeout: float | None = None) -> Message:
+        """The next message or notification.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout`` seconds.
+            ConnectionLost: the connection ended.
+        """
+        try:
+            return self._run(self.bus.receive, timeout)  # type: ignore[no-any-return]
+        except trio.TooSlowError as exc:
+            raise TimeoutError(f"no message within {timeout} s") from exc
+
+    def command(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: answer ``name`` with a plain (blocking) function run in a worker thread."""
+
+        def register(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            async def handler(params: Any) -> Any:
+                return await trio.to_thread.run_sync(fn, params)
+
+            self._run(_sync_add_command, self.bus, name, handler)
+            return fn
+
+        return register
+
+    def close(self) -> None:
+        """Close the connection and stop the background thread (idempotent)."""
+        if self._token is not None and self._stop is not None and not self._stop.is_set():
+            try:
+                self._token.run_sync_soon(self._stop.set)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(10)
+
+    def __enter__(self) -> SyncBus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _sync_add_command(bus: Bus, name: str, handler: Callable[..., Any]) -> None:
+    bus.add_command(name, handler)
+
+
+def connect(socket: str | os.PathLike[str] | None = None, name: str | None = None) -> SyncBus:
+    """Connect to the broker; returns a :class:`SyncBus` (use it as a context manager).
+
+    Raises:
+        ConnectError: as :func:`msgq_trio.connect`.
+    """
+    return SyncBus(socket, name)
