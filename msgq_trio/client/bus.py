@@ -33,8 +33,7 @@ from ..errors import (
     UsageError,
     rpc_error_from_wire,
 )
-from ..io.errors import translate_socket_errors
-from ..io.server import _coalesce
+from ..io.errors import coalesce, translate_socket_errors
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -350,6 +349,16 @@ class Bus:
         if self._out_wake:  # ParkingLot is truthy while the writer is parked
             self._out_wake.unpark_all()
 
+    def _queue_urgent(self, pieces: list[Buffer]) -> None:
+        """Queue a latency-sensitive frame (request, answer) and try to write it at once."""
+        out = self._out
+        for p in pieces:
+            out.append(p)
+            self._out_bytes += len(p)
+        self._send_now()
+        if out and self._out_wake:
+            self._out_wake.unpark_all()
+
     def _send_now(self) -> None:
         """Latency path: if the writer is idle, write the (small) queue to the socket now,
         saving the writer task's wake-up. What the kernel does not take stays queued;
@@ -488,7 +497,7 @@ class Bus:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
         call = _Call(target, multi)
         self._calls[rid] = call
-        self._queue(pieces)
+        self._queue_urgent(pieces)
         return rid, call
 
     async def _finish_call(self, rid: int, call: _Call, timeout: float | None) -> None:
@@ -531,7 +540,6 @@ class Bus:
             (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
         """
         rid, call = self._start_call(target, command, params, timeout, attachments, False)
-        self._send_now()
         await self._wait_out()
         await self._finish_call(rid, call, timeout)
         if call.error is not None:
@@ -682,8 +690,7 @@ class Bus:
                 {"type": type(exc).__name__},
             )
         if self._lost is None and not self._closed:
-            self._queue(pieces)
-            self._send_now()
+            self._queue_urgent(pieces)
 
     def _error_frame(
         self, msg: Message, code: str, message: str, data: object = None
@@ -773,7 +780,7 @@ class Bus:
                 self._writing = True
                 try:
                     with translate_socket_errors():
-                        for chunk in _coalesce(bufs):
+                        for chunk in coalesce(bufs):
                             await stream.send_all(chunk)
                 finally:
                     self._writing = False

@@ -35,7 +35,7 @@ from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role, connection_error_frame
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, encode_cbor, encode_frame
-from .errors import ACCEPT_CAPACITY_ERRNOS, translate_socket_errors
+from .errors import ACCEPT_CAPACITY_ERRNOS, coalesce, translate_socket_errors
 
 log = logging.getLogger("msgq_trio.io")
 
@@ -44,8 +44,6 @@ log = logging.getLogger("msgq_trio.io")
 RECEIVE_SIZE = 256 * 1024
 #: The writer joins queued small frames up to this many bytes into one send_all.
 WRITE_BATCH = 1024 * 1024
-#: Buffers at least this large are sent as they are instead of being copied into a join.
-_NO_JOIN = 64 * 1024
 _PEERCRED = struct.Struct("3i")
 _GOODBYE = FrameType.GOODBYE
 #: Queues up to this size are written directly by _after_core when the writer is idle.
@@ -480,7 +478,7 @@ class Server:
                         if len(bufs) == 1:
                             await stream.send_all(bufs[0])
                         else:
-                            for chunk in _coalesce(bufs):
+                            for chunk in coalesce(bufs):
                                 await stream.send_all(chunk)
                 finally:
                     pc.writing = False
@@ -553,23 +551,6 @@ class Server:
             # _after_core below re-arms only for an earlier deadline, never in a loop.
             self.core.expire(trio.current_time())
             self._after_core()
-
-
-def _coalesce(bufs: list[bytes | bytearray | memoryview]) -> list[bytes | bytearray | memoryview]:
-    """Join runs of small buffers into one; pass large ones through without copying."""
-    out: list[bytes | bytearray | memoryview] = []
-    run: list[bytes | bytearray | memoryview] = []
-    for b in bufs:
-        if len(b) >= _NO_JOIN:
-            if run:
-                out.append(b"".join(run))
-                run = []
-            out.append(b)
-        else:
-            run.append(b)
-    if run:
-        out.append(b"".join(run) if len(run) > 1 else run[0])
-    return out
 
 
 async def _send_final(
