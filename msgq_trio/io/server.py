@@ -157,6 +157,8 @@ class Server:
         self._shutting_down = False
         self._handlers: trio.Nursery | None = None
         self.shutdown_complete = trio.Event()
+        self.started_at = 0.0
+        self.core.commands["stats"] = self._cmd_stats
 
     # -- top level -------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
@@ -182,6 +184,7 @@ class Server:
                     log.info(
                         "broker %s listening on %s (pid %d)", __version__, self.path, os.getpid()
                     )
+                    self.started_at = trio.current_time()
                     task_status.started(self.path)
                 top.cancel_scope.cancel()
         finally:
@@ -223,6 +226,22 @@ class Server:
             pc.peer.outq.append(b)
             pc.peer.outq_bytes += len(b)
         pc.wake.set()
+
+    def _cmd_stats(self, _peer: Peer, _params: object) -> dict[str, object]:
+        """Broker command ``stats``: process-level figures for operators and fault scenarios."""
+        core = self.core
+        return {
+            "connections": len(self.conns),
+            "sockets": self.n_connections,
+            "tasks": _count_tasks(),
+            "fds": _count_fds(),
+            "rss_bytes": _rss_bytes(),
+            "pending_requests": len(core.rpc),
+            "groups": len(core.router.groups),
+            "queued_bytes": sum(p.outq_bytes for p in core.peers.values()),
+            "uptime": trio.current_time() - self.started_at,
+            "counters": dict(core.stats),
+        }
 
     # -- accepting -------------------------------------------------------------------
     async def _accept_loop(self, handlers: trio.Nursery) -> None:
@@ -551,6 +570,35 @@ class Server:
             # _after_core below re-arms only for an earlier deadline, never in a loop.
             self.core.expire(trio.current_time())
             self._after_core()
+
+
+def _count_tasks() -> int:
+    """Number of live trio tasks in this run (leak checks: back to baseline after faults)."""
+    todo = [trio.lowlevel.current_root_task()]
+    n = 0
+    while todo:
+        task = todo.pop()
+        if task is None:
+            continue
+        n += 1
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return n
+
+
+def _count_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 async def _send_final(
