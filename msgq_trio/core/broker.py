@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..config import Limits
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame, encode_cbor, encode_frame, restamp
+from ..protocol.framing import Frame, FrameParser, encode_cbor, encode_frame, restamp
 from .peers import Buffer, Peer
 from .router import (
     ANYCAST,
@@ -78,6 +78,11 @@ class Broker:
         self.dirty: set[Peer] = set()
         self.blocked: set[Peer] = set()
         self.kicked: list[tuple[Peer, ErrorCode, str]] = []
+        #: Capture hook: ``tap(sender, frame, outcome, recipients)`` for every frame a client
+        #: sends and every frame the broker originates (sender None). Outcomes: delivered,
+        #: no-recipient, refused, forwarded, discarded, logged, broker. None = capture off,
+        #: which costs one attribute test per frame.
+        self.tap: Callable[[Peer | None, Frame, str, int], None] | None = None
         self.commands: dict[str, Callable[[Peer, Any], object]] = {
             "subscribe": self._cmd_subscribe,
             "unsubscribe": self._cmd_unsubscribe,
@@ -165,14 +170,18 @@ class Broker:
         ftype = frame.type
         peer.msgs_in += 1
         peer.bytes_in += len(frame.raw)
+        n = 0
         if ftype == _MESSAGE:
-            self._route_oneway(peer, frame)
+            n = self._deliver_oneway(peer, frame)
+            outcome = "delivered" if n else "no-recipient"
         elif ftype == _REQUEST:
-            self._request(peer, frame, now)
+            outcome, n = self._request(peer, frame, now)
         elif ftype == _REPLY or ftype == _ERROR:
             if frame.request_id:
-                self._answer(peer, frame)
+                outcome = self._answer(peer, frame)
+                n = outcome == "forwarded"
             else:
+                outcome = "logged"
                 log.warning(
                     "client %s reported a connection error: %r",
                     peer.describe(),
@@ -185,70 +194,62 @@ class Broker:
                     f"notification to {frame.target!r}: notifications go to client groups only",
                     ErrorCode.FORBIDDEN,
                 )
-            self._route_oneway(peer, frame)
-        # GOODBYE is handled by the I/O layer (it closes after flushing).
+            n = self._deliver_oneway(peer, frame)
+            outcome = "delivered" if n else "no-recipient"
+        else:
+            return  # GOODBYE is handled by the I/O layer (it closes after flushing).
+        if self.tap is not None:
+            self.tap(peer, frame, outcome, n)
 
     def handle_many(self, peer: Peer, frames: list[Frame], now: float) -> None:
         """``handle`` for a batch of frames from one peer (the reader's hot path).
 
-        One-way MESSAGEs to plain groups are routed inline; everything else goes through
-        :meth:`handle`. Stops early if the peer is dropped while handling.
+        One-way MESSAGEs to plain groups skip the general dispatch. Stops early if the
+        peer is dropped while handling.
         """
         groups = self.router.groups
         parse = self.router.parse_target
-        soft = self.limits.out_soft_limit
-        hard = self.limits.out_hard_limit
-        dirty = self.dirty
-        stamp = peer.stamp
+        deliver = self._deliver
+        tap = self.tap
         nbytes = nfast = 0
         for frame in frames:
             if frame.type != _MESSAGE or parse(frame.target)[0] != GROUP:
                 self.handle(peer, frame, now)
                 if not peer.alive:
-                    return
+                    break
                 continue
             nbytes += len(frame.raw)
             nfast += 1
             members = groups.get(frame.target)
-            if not members:
-                self.stats["no_recipient"] += 1
-                continue
-            pieces = restamp(frame, stamp)
-            size = _size(pieces)
-            over = None
-            for r in members:
-                if r is peer:
-                    continue
-                if r.outq_bytes + size > hard:
-                    over = over or []
-                    over.append(r)
-                    continue
-                r.outq.extend(pieces)
-                r.outq_bytes += size
-                r.msgs_out += 1
-                dirty.add(r)
-                if r.outq_bytes > soft:
-                    self.blocked.add(r)
-            if over:
-                for r in over:
-                    self.kick(
-                        r,
-                        ErrorCode.SLOW_CONSUMER,
-                        f"outgoing queue over out_hard_limit ({hard} bytes) "
-                        f"with a message from {peer.describe()}",
-                    )
+            n = deliver(peer, frame, members, peer) if members else 0
+            if tap is not None:
+                tap(peer, frame, "delivered" if n else "no-recipient", n)
         peer.msgs_in += nfast
         peer.bytes_in += nbytes
 
-    def _route_oneway(self, peer: Peer, frame: Frame) -> None:
-        recipients = self.router.resolve(frame.target, peer)
+    def _deliver_oneway(self, peer: Peer, frame: Frame) -> int:
+        router = self.router
+        skip = peer if router.parse_target(frame.target)[0] == GROUP else None
+        return self._deliver(peer, frame, router.resolve(frame.target, None), skip)
+
+    def _deliver(
+        self, peer: Peer, frame: Frame, recipients: Iterable[Peer], skip: Peer | None
+    ) -> int:
+        """Queue ``frame`` (re-stamped with ``peer``'s identity) for each recipient but
+        ``skip`` (the sender, for a broadcast to a group); returns how many got it.
+
+        A recipient over ``out_hard_limit`` cannot take a message it subscribed to: it is
+        dropped (slow-consumer) rather than losing the message silently.
+        """
         pieces: list[Buffer] | None = None
-        size = 0
+        size = n = 0
         over: list[Peer] | None = None
         hard = self.limits.out_hard_limit
         soft = self.limits.out_soft_limit
         dirty = self.dirty
         for r in recipients:
+            if r is skip:
+                continue
             if pieces is None:
                 pieces = restamp(frame, peer.stamp)
                 size = _size(pieces)
@@ -259,10 +260,11 @@ class Broker:
             r.outq.extend(pieces)
             r.outq_bytes += size
             r.msgs_out += 1
+            n += 1
             dirty.add(r)
             if r.outq_bytes > soft:
                 self.blocked.add(r)
-        if pieces is None:
+        if not n:
             self.stats["no_recipient"] += 1
         if over:
             for r in over:
@@ -272,6 +274,7 @@ class Broker:
                     f"outgoing queue over out_hard_limit ({hard} bytes) "
                     f"with a message from {peer.describe()}",
                 )
+        return n
 
     def _enqueue(self, r: Peer, pieces: list[Buffer]) -> bool:
         """Queue a frame for ``r``; False if it would go over ``out_hard_limit``."""
@@ -320,8 +323,11 @@ class Broker:
             source=source,
         )
         self._send_or_kick(to, pieces, f"a {code} answer")
+        if self.tap is not None:
+            self._tap_broker(pieces)
 
-    def _request(self, peer: Peer, frame: Frame, now: float) -> None:
+    def _request(self, peer: Peer, frame: Frame, now: float) -> tuple[str, int]:
+        """Route a REQUEST; returns (outcome, recipients) for the capture tap."""
         rid = frame.request_id
         if not rid:
             raise RemoteProtocolError("REQUEST without a request id")
@@ -329,7 +335,7 @@ class Broker:
             self._reply_error(
                 peer, rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already pending"
             )
-            return
+            return "refused", 0
         if len(peer.pending_out) >= self.limits.max_pending_requests:
             self._reply_error(
                 peer,
@@ -338,7 +344,7 @@ class Broker:
                 f"more than max_pending_requests="
                 f"{self.limits.max_pending_requests} requests pending",
             )
-            return
+            return "refused", 0
         header = frame.header()
         router = self.router
         kind = router.parse_target(frame.target)[0]
@@ -347,7 +353,7 @@ class Broker:
             raise RemoteProtocolError("REQUEST header without a string 'cmd'")
         if kind == BROKER:
             self._broker_command(peer, frame, command)
-            return
+            return "broker", 1
         recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
         if not recipients:
             self._reply_error(
@@ -357,7 +363,7 @@ class Broker:
                 f"no recipient for {frame.target!r}",
                 target=frame.target,
             )
-            return
+            return "no-recipient", 0
         multi = frame.flags & Flag.ALL
         if not multi and len(recipients) > 1:
             self._reply_error(
@@ -367,7 +373,7 @@ class Broker:
                 f"{frame.target!r} has {len(recipients)} members; address one instance "
                 f"({frame.target}[N] or {frame.target}[?]) or call every member",
             )
-            return
+            return "refused", 0
         timeout = self.limits.request_timeout
         t = header.get("timeout")
         if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < timeout:
@@ -402,8 +408,10 @@ class Broker:
                 )
         if delivered:
             self.rpc.add(peer, rid, delivered, now + timeout, frame.target, command)
+            return "delivered", len(delivered)
+        return "refused", 0
 
-    def _answer(self, peer: Peer, frame: Frame) -> None:
+    def _answer(self, peer: Peer, frame: Frame) -> str:
         kind, _base, caller_id = self.router.parse_target(frame.target)
         caller = self.rpc.answer(peer, caller_id, frame.request_id) if kind == DIRECT else None
         if caller is None:
@@ -415,8 +423,9 @@ class Broker:
                 frame.target,
                 frame.request_id,
             )
-            return
+            return "discarded"
         self._send_or_kick(caller, restamp(frame, peer.stamp), "an answer it asked for")
+        return "forwarded"
 
     def _fail_call(self, f: Failure) -> None:
         if f.reason == "timeout":
@@ -460,6 +469,8 @@ class Broker:
         )
         for r in list(members):
             self._send_or_kick(r, pieces, "a membership notification")
+        if self.tap is not None:
+            self._tap_broker(pieces, len(members))
 
     # -- the broker's own commands ----------------------------------------------------
     def _broker_command(self, peer: Peer, frame: Frame, command: str) -> None:
@@ -493,6 +504,15 @@ class Broker:
             ),
             "an answer it asked for",
         )
+
+    def _tap_broker(self, pieces: list[Buffer], recipients: int = 1) -> None:
+        """Show a frame the broker originated to the capture tap (only when capture is on)."""
+        assert self.tap is not None
+        parser = FrameParser()
+        parser.feed(b"".join(pieces))
+        frame = parser.next_frame()
+        if frame is not None:
+            self.tap(None, frame, "delivered", recipients)
 
     def _group_param(self, params: object) -> str:
         group = params.get("group") if isinstance(params, dict) else None
