@@ -11,7 +11,7 @@ General layout (each layer imports only the ones above it):
 
 __version__ = "0.1.0"
 
-from .client.bus import Bus, Member, Message, Result, connect
+from .client.bus import Bus, Member, Message, Reply, Result, connect
 from .errors import (
     CommandFailed,
     ConnectError,

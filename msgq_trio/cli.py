@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmark msgq_trio next to a raw socket ceiling")
     p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("scenario", help="run fault scenarios (scenarios/*.toml)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -111,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench.run import main as bench_main
 
             return int(bench_main(args.args))
+        if args.cmd == "scenario":
+            from .scenario.cli import main as scenario_main
+
+            return scenario_main(args.args)
         return trio.run(_client_command, args)
     except KeyboardInterrupt:
         return 130

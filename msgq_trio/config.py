@@ -50,6 +50,11 @@ class Limits:
       (seed 000: a half-written frame froze BIND 10's whole msgq).
     * ``handshake_timeout`` 10 s: a connection that never sends HELLO is dropped.
     * ``shutdown_grace`` 2 s: on SIGTERM, time to flush queued frames and GOODBYEs.
+    * ``max_fds_per_message`` 253: Linux's SCM_MAX_FD, also D-Bus' per-message maximum;
+      more in one message is refused (the client library refuses it before sending).
+    * ``max_fds_queued`` 1,024 per receiver: descriptors waiting in the broker for one
+      client (dbus-daemon: 64 system / 4,096 session bus per connection). A receiver that
+      would exceed it is treated like one over ``out_hard_limit``.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -63,6 +68,8 @@ class Limits:
     idle_in_frame_timeout: float = attrs.field(default=30.0, validator=_positive)
     handshake_timeout: float = attrs.field(default=10.0, validator=_positive)
     shutdown_grace: float = attrs.field(default=2.0, validator=_positive)
+    max_fds_per_message: int = attrs.field(default=253, validator=_positive)
+    max_fds_queued: int = attrs.field(default=1024, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:
@@ -89,3 +96,160 @@ def default_socket_path() -> Path:
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "msgq-trio" / "bus.sock"
     return Path(f"/tmp/msgq-trio-{os.getuid()}") / "bus.sock"
+
+
+# -- operations settings (configuration file, docs/CONFIG.md) ---------------------------------
+
+#: Log levels, most to least severe. TRAFFIC (below DEBUG) logs every frame routed.
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC")
+LOG_FORMATS = ("text", "json")
+SYSLOG_FACILITIES = (
+    "kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron",
+    "authpriv", "ftp", "local0", "local1", "local2", "local3", "local4", "local5", "local6",
+    "local7",
+)
+#: Capture record kinds (docs/CAPTURE.md): REQUEST, REPLY, ERROR, NOTIFY to a client group,
+#: NOTIFY to msgq.membership, MESSAGE.
+CAPTURE_KINDS = ("command", "answer", "error", "notification", "membership", "message")
+#: How a captured frame's body is written: not at all, its CBOR bytes in base64, or decoded.
+CAPTURE_BODY_MODES = ("none", "base64", "json")
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    def check(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{attr.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    return check
+
+
+def _all_of(choices: tuple[str, ...]) -> Any:
+    def check(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        bad = [v for v in value if v not in choices]
+        if bad:
+            raise ValueError(
+                f"{attr.name} entries must be among {', '.join(choices)}; got {bad[0]!r}"
+            )
+
+    return check
+
+
+def _non_negative_ints(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{attr.name} entries must be uids (integers >= 0); got {v!r}")
+
+
+def _at_least(n: int) -> Any:
+    def check(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < n:
+            raise ValueError(f"{attr.name} must be at least {n}; got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class LogSettings:
+    """Where and how the broker logs (section ``[log]``). All apply at runtime.
+
+    * ``level`` INFO: connections and drops of clients are logged at INFO/WARNING, so an
+      operator sees every drop with the client's identity without per-connection noise;
+      DEBUG adds connects and disconnects, TRAFFIC every frame routed (costly: opt-in).
+    * ``format`` text: one line per record with ``[lname=... client=... pid=... uid=...]``
+      fields; ``json`` writes one JSON object per line (for log shippers).
+    * ``file`` "" (stderr): a path appends to that file (reopened if it is rotated away).
+    * ``syslog`` false: true sends the log to ``syslog_address`` (``/dev/log``, where
+      journald and rsyslog listen) with ``syslog_facility`` (daemon).
+    """
+
+    level: str = attrs.field(default="INFO", validator=_one_of(LOG_LEVELS))
+    format: str = attrs.field(default="text", validator=_one_of(LOG_FORMATS))
+    file: str = ""
+    syslog: bool = False
+    syslog_address: str = "/dev/log"
+    syslog_facility: str = attrs.field(default="daemon", validator=_one_of(SYSLOG_FACILITIES))
+
+
+@attrs.frozen
+class ControlSettings:
+    """Who may use the control commands (section ``[control]``). Applies at runtime.
+
+    * ``allow_uids`` [] = only the uid the broker runs as: control commands reveal every
+      client's traffic and can drop clients or stop the bus. A non-empty list replaces that
+      default (list the broker's own uid too if it should keep access). No uid, root
+      included, is allowed implicitly.
+    """
+
+    allow_uids: tuple[int, ...] = attrs.field(
+        default=(), converter=tuple, validator=_non_negative_ints
+    )
+
+
+@attrs.frozen
+class CaptureSettings:
+    """Traffic capture to rotated JSON Lines files (section ``[capture]``; docs/CAPTURE.md).
+
+    * ``enabled`` false: capture costs nothing while off (the broker's tap is None).
+    * ``dir`` "": directory for the files; required when enabled (no default on purpose:
+      the socket's directory is often a small tmpfs).
+    * ``prefix`` "capture": files are ``<prefix>-000001.jsonl``, ``-000002``, ...
+    * ``max_bytes`` 64 MiB per file and ``max_files`` 10 files kept (oldest deleted): disk
+      use stays under 640 MiB by default; a file holds at least one record.
+    * ``kinds`` / ``senders`` / ``targets`` [] = everything; else a record must match one
+      entry of each non-empty list (kind name; sender lname or client name; target or its
+      group).
+    * ``body`` none: bodies are private data and the bulk of the traffic; ``base64`` writes
+      the CBOR bytes, ``json`` the decoded value.
+    * ``buffer_records`` 65,536 and ``buffer_bytes`` 32 MiB: the in-memory buffer between
+      routing and the writer task; overflow is counted and written as a
+      ``capture-dropped`` record, never blocks routing.
+    * ``flush_interval`` 0.5 s: how often the writer task writes the buffer out.
+    """
+
+    enabled: bool = False
+    dir: str = ""
+    prefix: str = "capture"
+    max_bytes: int = attrs.field(default=64 * MiB, validator=_at_least(4096))
+    max_files: int = attrs.field(default=10, validator=_at_least(1))
+    kinds: tuple[str, ...] = attrs.field(
+        default=(), converter=tuple, validator=_all_of(CAPTURE_KINDS)
+    )
+    senders: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    body: str = attrs.field(default="none", validator=_one_of(CAPTURE_BODY_MODES))
+    buffer_records: int = attrs.field(default=65536, validator=_at_least(16))
+    buffer_bytes: int = attrs.field(default=32 * MiB, validator=_at_least(65536))
+    flush_interval: float = attrs.field(default=0.5, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.enabled and not self.dir:
+            raise ValueError("capture.dir must be set when capture.enabled is true")
+        if not self.prefix or "/" in self.prefix:
+            raise ValueError(f"capture.prefix must be a non-empty file name; got {self.prefix!r}")
+
+
+@attrs.frozen
+class MetricsSettings:
+    """Prometheus text endpoint (section ``[metrics]``). Read at start only.
+
+    * ``listen`` "" = off: opt-in, since it opens a TCP port; ``HOST:PORT`` (port 0 picks
+      a free one, reported in the log and in ``stats``) serves ``GET /metrics``.
+    """
+
+    listen: str = ""
+
+
+@attrs.frozen
+class BrokerConfig:
+    """Everything ``msgq-trio serve`` reads from its configuration file and flags.
+
+    ``socket`` "" means :func:`default_socket_path`. ``socket`` and ``metrics.listen`` take
+    effect at start only; everything else can change at runtime (docs/CONFIG.md).
+    """
+
+    socket: str = ""
+    limits: Limits = attrs.field(factory=Limits)
+    log: LogSettings = attrs.field(factory=LogSettings)
+    control: ControlSettings = attrs.field(factory=ControlSettings)
+    capture: CaptureSettings = attrs.field(factory=CaptureSettings)
+    metrics: MetricsSettings = attrs.field(factory=MetricsSettings)

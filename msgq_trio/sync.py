@@ -80,10 +80,18 @@ class SyncBus:
         return self.bus.lname
 
     def call(self, target: str, command: str, params: Any = None, *,
-             timeout: float | None = None, attachments: Sequence[Buffer] = ()) -> Any:
+             timeout: float | None = None, attachments: Sequence[Buffer] = (),
+             fds: Sequence[int] = ()) -> Any:
         """Blocking :meth:`msgq_trio.Bus.call`."""
         return self._run(self.bus.call, target, command, params, timeout=timeout,
-                         attachments=attachments)
+                         attachments=attachments, fds=fds)
+
+    def request(self, target: str, command: str, params: Any = None, *,
+                timeout: float | None = None, attachments: Sequence[Buffer] = (),
+                fds: Sequence[int] = ()) -> Message:
+        """Blocking :meth:`msgq_trio.Bus.request`: the whole answer, with its descriptors."""
+        return self._run(self.bus.request, target, command, params,  # type: ignore[no-any-return]
+                         timeout=timeout, attachments=attachments, fds=fds)
 
     def call_all(self, group: str, command: str, params: Any = None, *,
                  timeout: float | None = None) -> list[Result]:
@@ -93,11 +101,12 @@ class SyncBus:
                   timeout: float | None = None) -> list[Result]:
         return list(self._run(self.bus.call_many, requests, timeout=timeout))
 
-    def send(self, target: str, body: Any = None, attachments: Sequence[Buffer] = ()) -> None:
+    def send(self, target: str, body: Any = None, attachments: Sequence[Buffer] = (), *,
+             fds: Sequence[int] = ()) -> None:
         """Queue a message and wait until it is written to the socket."""
 
         async def send_and_flush() -> None:
-            await self.bus.send(target, body, attachments)
+            await self.bus.send(target, body, attachments, fds=fds)
             await self.bus.flush()
 
         self._run(send_and_flush)

@@ -1,1 +1,7 @@
-"""bench layer."""
+"""The benchmark harness: ``msgq-trio bench`` / ``python -m msgq_trio.bench``.
+
+msgq_trio next to two ceilings (raw AF_UNIX sockets with no broker; a minimal Python
+relay) and, with ``--peers``, NATS, Redis and ZeroMQ, on five identical workloads. Every
+broker and every client is its own process. Entry points: :func:`run.main` (the command
+line) and :func:`run.smoke` (quick mode, for the test suite). Results: BENCHMARKS.md.
+"""

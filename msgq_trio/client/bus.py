@@ -33,12 +33,19 @@ from ..errors import (
     UsageError,
     rpc_error_from_wire,
 )
-from ..io.errors import coalesce, translate_socket_errors
+from ..io.errors import (
+    ancillary_size,
+    close_fds,
+    receive_with_fds,
+    send_buffers,
+    translate_socket_errors,
+)
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ..protocol.framing import (
     DEFAULT_MAX_FRAME_SIZE,
+    FdBuffer,
     Frame,
     encode_cbor,
     encode_frame,
@@ -68,7 +75,12 @@ _MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
     FrameType.ROUTED,
     FrameType.GOODBYE,
 )
-_KIND: dict[int, str] = {_MESSAGE: "message", _NOTIFY: "notification", _REQUEST: "request"}
+_KIND: dict[int, str] = {
+    _MESSAGE: "message",
+    _NOTIFY: "notification",
+    _REQUEST: "request",
+    _REPLY: "answer",
+}
 
 
 def _split_source(source: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple[str, str]:
@@ -89,10 +101,11 @@ class Message:
     (memoryviews into the received frame, no copies).
     """
 
-    __slots__ = ("_body", "_decoded", "_frame", "_header", "_sources")
+    __slots__ = ("_body", "_decoded", "_fds_taken", "_frame", "_header", "_sources")
 
     def __init__(self, frame: Frame, sources: dict[bytes, tuple[str, str]]) -> None:
         self._frame = frame
+        self._fds_taken = False
         self._sources = sources
         self._decoded = False
         self._body: object = None
@@ -152,6 +165,30 @@ class Message:
         return self._frame.blobs()
 
     @property
+    def fds(self) -> tuple[int, ...]:
+        """File descriptors that came with this message. The receiver owns them: keep
+        them with :meth:`take_fds`, or let :meth:`close` / the ``with`` block close them."""
+        return () if self._fds_taken else self._frame.fds
+
+    def take_fds(self) -> list[int]:
+        """Take ownership of the descriptors (the message will not close them)."""
+        fds = list(self.fds)
+        self._fds_taken = True
+        return fds
+
+    def close(self) -> None:
+        """Close the descriptors not taken with :meth:`take_fds` (idempotent)."""
+        if not self._fds_taken:
+            self._fds_taken = True
+            close_fds(self._frame.fds)
+
+    def __enter__(self) -> Message:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
     def size(self) -> int:
         return len(self._frame.raw)
 
@@ -186,8 +223,39 @@ class Result:
         return self.value
 
 
+class Reply:
+    """Return this from a command handler to answer with descriptors or blobs.
+
+    The descriptors are duplicated right here, so the handler keeps (and may close at
+    once) its own; the duplicates are sent with the answer and then closed.
+
+    Raises:
+        UsageError: a descriptor is not open.
+    """
+
+    __slots__ = ("attachments", "fds", "result")
+
+    def __init__(
+        self, result: Any = None, *, fds: Sequence[int] = (), attachments: Sequence[Buffer] = ()
+    ) -> None:
+        self.result = result
+        self.attachments = attachments
+        self.fds = _dup_all(fds)
+
+
+def _dup_all(fds: Sequence[int]) -> tuple[int, ...]:
+    dups: list[int] = []
+    try:
+        for fd in fds:
+            dups.append(os.dup(fd))
+    except OSError as exc:
+        close_fds(dups)
+        raise UsageError(f"cannot send file descriptor {fd}: {exc}") from exc
+    return tuple(dups)
+
+
 class _Call:
-    __slots__ = ("answers", "done", "error", "expected", "multi", "result", "target")
+    __slots__ = ("answers", "done", "error", "expected", "frame", "multi", "result", "target")
 
     def __init__(self, target: str, multi: bool) -> None:
         self.target = target
@@ -197,11 +265,13 @@ class _Call:
         self.error: RpcError | None = None
         self.expected: list[tuple[str, str]] | None = None  # ROUTED (multi only)
         self.answers: dict[str, Result] = {}
+        self.frame: Frame | None = None  # the REPLY of a single call (for request())
 
     def answer(self, frame: Frame, sender: str) -> None:
         if frame.type == _REPLY:
             res = Result(self.target, True, frame.body(), None, sender)
         else:
+            close_fds(frame.fds)
             h = frame.header()
             res = Result(
                 self.target,
@@ -214,8 +284,13 @@ class _Call:
             )
         if not self.multi:
             self.result, self.error = res.value, res.error
+            if self.done.is_set():
+                close_fds(frame.fds)
+            else:
+                self.frame = frame
             self.done.set()
             return
+        close_fds(frame.fds)  # call_all answers carry no descriptors to the caller
         if self.expected is None:
             # ROUTED always precedes the members' answers on the same connection, so an
             # answer before it is the broker refusing the whole call (e.g. no-recipient).
@@ -255,6 +330,8 @@ class Bus:
         self.name = name
         self.lname = ""
         self.broker_version = ""
+        self._max_fds = 253  # replaced by the broker's limit from WELCOME
+        self._out_fds = 0
         self._conn = Connection(Role.CLIENT, max_frame_size)
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
@@ -302,6 +379,9 @@ class Bus:
                     )
                 self.lname = str(header["lname"])
                 self.broker_version = str(header.get("broker", ""))
+                limits = header.get("limits")
+                if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
+                    self._max_fds = limits["max_fds_per_message"]
                 if self._conn.in_frame or self._conn.next_event() is not NEED_DATA:
                     raise ConnectError("broker sent data before the handshake completed")
                 return
@@ -349,6 +429,27 @@ class Bus:
         if self._out_wake:  # ParkingLot is truthy while the writer is parked
             self._out_wake.unpark_all()
 
+    def _attach_fds(
+        self, pieces: list[Buffer], fds: Sequence[int], *, owned: bool = False
+    ) -> list[Buffer]:
+        """Make the frame's first piece carry ``fds``: duplicates (the caller keeps its
+        own), or the descriptors themselves when ``owned`` (then they are ours to close,
+        also on error).
+
+        Raises:
+            UsageError: more than the broker's ``max_fds_per_message``, or a bad fd.
+        """
+        if len(fds) > self._max_fds:
+            if owned:
+                close_fds(tuple(fds))
+            raise UsageError(
+                f"{len(fds)} file descriptors in one message; the broker allows "
+                f"max_fds_per_message={self._max_fds}"
+            )
+        dups = tuple(fds) if owned else _dup_all(fds)
+        self._out_fds += len(dups)
+        return [FdBuffer(bytes(pieces[0]), dups), *pieces[1:]]
+
     def _queue_urgent(self, pieces: list[Buffer]) -> None:
         """Queue a latency-sensitive frame (request, answer) and try to write it at once."""
         out = self._out
@@ -363,7 +464,13 @@ class Bus:
         """Latency path: if the writer is idle, write the (small) queue to the socket now,
         saving the writer task's wake-up. What the kernel does not take stays queued;
         errors are left for the writer, so they are reported in one place."""
-        if self._writing or not self._out or self._out_bytes > 65536 or self._lost is not None:
+        if (
+            self._writing
+            or not self._out
+            or self._out_bytes > 65536
+            or self._out_fds  # descriptors need sendmsg: the writer does that
+            or self._lost is not None
+        ):
             return
         out = self._out
         data = out[0] if len(out) == 1 else b"".join(out)
@@ -395,14 +502,19 @@ class Bus:
         attachments: Sequence[Buffer] = (),
         *,
         header: dict[str, object] | None = None,
+        fds: Sequence[int] = (),
     ) -> None:
         """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
 
         A group gets it on every member except the sender. Returns once the frame is
         queued; waits only while more than ``OUT_HIGH_WATER`` bytes are queued.
+        ``attachments`` are binary blobs (no copies, no escaping); ``fds`` are file
+        descriptors passed with SCM_RIGHTS: each recipient gets its own duplicate, and the
+        caller still owns (and closes) the ones it passed.
 
         Raises:
-            UsageError: the bus is closed or ``body`` cannot be encoded as CBOR.
+            UsageError: the bus is closed, ``body`` cannot be encoded as CBOR, or too many
+                descriptors.
             ConnectionLost: the broker went away.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -412,16 +524,16 @@ class Bus:
             tb = self._targets.get(target)
             if tb is None:
                 tb = self._encode_target(target)
-            if attachments:
-                self._queue(
-                    encode_frame(
-                        _MESSAGE,
-                        target=target,
-                        header=cbor2.dumps(header) if header else b"",
-                        body=cbor2.dumps(body) if body is not None else b"",
-                        blobs=attachments,
-                    )
+            if attachments or fds:
+                pieces = encode_frame(
+                    _MESSAGE,
+                    target=target,
+                    header=cbor2.dumps(header) if header else b"",
+                    body=cbor2.dumps(body) if body is not None else b"",
+                    blobs=attachments,
+                    n_fds=len(fds),
                 )
+                self._queue(self._attach_fds(pieces, fds) if fds else pieces)
             else:
                 self._queue1(
                     encode_simple(
@@ -474,6 +586,7 @@ class Bus:
         timeout: float | None,
         attachments: Sequence[Buffer],
         multi: bool,
+        fds: Sequence[int] = (),
     ) -> tuple[int, _Call]:
         self._check_open()
         self._next_rid += 1
@@ -492,9 +605,12 @@ class Bus:
                 header=encode_cbor(header),
                 body=encode_cbor(params) if params is not None else b"",
                 blobs=attachments,
+                n_fds=len(fds),
             )
         except LocalProtocolError as exc:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
+        if fds:
+            pieces = self._attach_fds(pieces, fds)
         call = _Call(target, multi)
         self._calls[rid] = call
         self._queue_urgent(pieces)
@@ -526,6 +642,7 @@ class Bus:
         *,
         timeout: float | None = None,
         attachments: Sequence[Buffer] = (),
+        fds: Sequence[int] = (),
     ) -> Any:
         """Call ``command`` on exactly one recipient and return its result.
 
@@ -539,12 +656,46 @@ class Bus:
             LimitExceeded: the broker's answers. RemoteError: the handler failed
             (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
         """
-        rid, call = self._start_call(target, command, params, timeout, attachments, False)
+        answer = await self.request(
+            target, command, params, timeout=timeout, attachments=attachments, fds=fds
+        )
+        if answer.fds:
+            log.warning(
+                "answer to %r from %s carried %d file descriptors; call() closes them "
+                "(use request() to receive descriptors)",
+                command,
+                answer.sender,
+                len(answer.fds),
+            )
+            answer.close()
+        return answer.body
+
+    async def request(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        fds: Sequence[int] = (),
+    ) -> Message:
+        """Like :meth:`call`, but returns the whole answer: a :class:`Message` of kind
+        ``"answer"`` with ``.body`` (the result), ``.attachments``, ``.fds`` and
+        ``.sender``. The caller owns the answer's descriptors (``with answer: ...``).
+
+        Raises:
+            The same exceptions as :meth:`call`.
+        """
+        rid, call = self._start_call(target, command, params, timeout, attachments, False, fds)
         await self._wait_out()
         await self._finish_call(rid, call, timeout)
         if call.error is not None:
             raise call.error
-        return call.result
+        assert call.frame is not None
+        answer = Message(call.frame, self._sources)
+        answer._body, answer._decoded = call.result, True  # decoded once, by _Call
+        return answer
 
     async def call_all(
         self, group: str, command: str, params: Any = None, *, timeout: float | None = None
@@ -626,6 +777,13 @@ class Bus:
 
         self._spawn(finish)
 
+    async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
+        try:
+            for cb in cbs:
+                await self._run_callback(cb, msg)
+        finally:
+            msg.close()  # descriptors a callback did not take_fds() are closed here
+
     async def _run_callback(self, cb: Callable[..., Any], *args: Any) -> None:
         try:
             r = cb(*args)
@@ -667,17 +825,33 @@ class Bus:
             result = handler(msg.body, msg)
             if inspect.isawaitable(result):
                 result = await result
-            pieces = encode_frame(
-                _REPLY,
-                target=msg.sender,
-                request_id=frame.request_id,
-                body=encode_cbor(result) if result is not None else b"",
-            )
+            if isinstance(result, Reply):
+                try:
+                    pieces = encode_frame(
+                        _REPLY,
+                        target=msg.sender,
+                        request_id=frame.request_id,
+                        body=encode_cbor(result.result) if result.result is not None else b"",
+                        blobs=result.attachments,
+                        n_fds=len(result.fds),
+                    )
+                except BaseException:
+                    close_fds(result.fds)
+                    raise
+                if result.fds:
+                    pieces = self._attach_fds(pieces, result.fds, owned=True)
+            else:
+                pieces = encode_frame(
+                    _REPLY,
+                    target=msg.sender,
+                    request_id=frame.request_id,
+                    body=encode_cbor(result) if result is not None else b"",
+                )
         except CommandFailed as exc:
             pieces = self._error_frame(msg, exc.code, exc.message, exc.data)
         except (TypeError, ValueError, KeyError, RemoteProtocolError) as exc:
             pieces = self._error_frame(msg, ErrorCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
-        except LocalProtocolError as exc:
+        except (LocalProtocolError, UsageError) as exc:
             pieces = self._error_frame(
                 msg, ErrorCode.INTERNAL_ERROR, f"handler result cannot be encoded: {exc}"
             )
@@ -689,8 +863,12 @@ class Bus:
                 f"{type(exc).__name__}: {exc}",
                 {"type": type(exc).__name__},
             )
+        finally:
+            msg.close()  # descriptors the handler did not take_fds() are closed here
         if self._lost is None and not self._closed:
             self._queue_urgent(pieces)
+        else:
+            close_fds([fd for p in pieces if type(p) is FdBuffer for fd in p.fds])
 
     def _error_frame(
         self, msg: Message, code: str, message: str, data: object = None
@@ -777,11 +955,11 @@ class Bus:
                 n = 0
                 for b in bufs:
                     n += len(b)
+                    if type(b) is FdBuffer:
+                        self._out_fds -= len(b.fds)
                 self._writing = True
                 try:
-                    with translate_socket_errors():
-                        for chunk in coalesce(bufs):
-                            await stream.send_all(chunk)
+                    await send_buffers(stream, bufs)
                 finally:
                     self._writing = False
                 self._out_bytes -= n
@@ -792,11 +970,12 @@ class Bus:
 
     async def _reader(self) -> None:
         conn, stream = self._conn, self._stream
+        sock = stream.socket
+        ancsize = ancillary_size(self._max_fds)
         try:
             while True:
-                with translate_socket_errors():
-                    data = await stream.receive_some(RECEIVE_SIZE)
-                conn.receive_data(data)
+                data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                conn.receive_data(data, fds)
                 inq, sources = self._in, self._sources
                 for ev in conn.events():
                     if ev is EOF:
@@ -823,6 +1002,8 @@ class Bus:
         except ProtocolError as exc:
             log.error("broker violated the protocol: %s", exc)
             self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
+        finally:
+            close_fds(conn.take_orphan_fds())
 
     def _dispatch(self, frame: Frame) -> None:
         t = frame.type
@@ -831,8 +1012,7 @@ class Bus:
             if t == _NOTIFY and self._notify_cbs:
                 cbs = self._notify_cbs.get(frame.target)
                 if cbs:
-                    for cb in cbs:
-                        self._spawn(functools.partial(self._run_callback, cb, msg))
+                    self._spawn(functools.partial(self._notify_callbacks, cbs, msg))
                     return
             self._in.append(msg)
             self._in_bytes += len(frame.raw)  # the reader wakes the consumer once per batch
@@ -848,6 +1028,8 @@ class Bus:
             call = self._calls.get(frame.request_id)
             if call is not None:
                 call.answer(frame, _split_source(frame.source, self._sources)[0])
+            else:
+                close_fds(frame.fds)  # a late answer to a call we gave up on
         elif t == _ROUTED:
             call = self._calls.get(frame.request_id)
             if call is not None:
@@ -858,6 +1040,7 @@ class Bus:
             msg = Message(frame, self._sources)
             handler = self._handlers.get(msg.command or "")
             if handler is None:
+                msg.close()
                 self._queue(
                     self._error_frame(
                         msg,

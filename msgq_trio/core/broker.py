@@ -10,6 +10,7 @@ decided to drop (the I/O layer closes their connections). Time comes in as ``now
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,7 +18,14 @@ from typing import Any
 from ..config import Limits
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame, FrameParser, encode_cbor, encode_frame, restamp
+from ..protocol.framing import (
+    FdBuffer,
+    Frame,
+    FrameParser,
+    encode_cbor,
+    encode_frame,
+    restamp,
+)
 from .peers import Buffer, Peer
 from .router import (
     ANYCAST,
@@ -69,9 +77,20 @@ class Broker:
         rng: random source for ``Group[?]`` (seed it in tests).
     """
 
-    def __init__(self, limits: Limits, *, version: str, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        version: str,
+        rng: random.Random | None = None,
+        dup_fd: Callable[[int], int] = os.dup,
+        close_fd: Callable[[int], None] = os.close,
+    ) -> None:
         self.limits = limits
         self.version = version
+        # Descriptor operations are injected so the core stays free of I/O in tests.
+        self._dup_fd = dup_fd
+        self._close_fd = close_fd
         self.router = Router(rng)
         self.rpc = PendingReplies()
         self._next_id = 1  # l.0 is the broker itself; lnames are never reused
@@ -119,6 +138,7 @@ class Broker:
                 "max_frame_size": lim.max_frame_size,
                 "max_pending_requests": lim.max_pending_requests,
                 "request_timeout": lim.request_timeout,
+                "max_fds_per_message": lim.max_fds_per_message,
             },
         }
 
@@ -135,8 +155,8 @@ class Broker:
         left = self.router.remove_peer(peer)
         failures = self.rpc.peer_gone(peer)
         if not keep_queue:
-            peer.outq.clear()
-            peer.outq_bytes = 0
+            for fd in peer.drop_queue():
+                self._close_fd(fd)
             self.dirty.discard(peer)
         self.blocked.discard(peer)
         for f in failures:
@@ -167,6 +187,17 @@ class Broker:
             RemoteProtocolError: the frame is well-formed but semantically invalid
                 (e.g. a REQUEST without request id); the I/O layer drops the client.
         """
+        if frame.fds:
+            try:
+                self._handle(peer, frame, now)
+            finally:
+                # Recipients got duplicates; the broker's copies go now, whatever happened.
+                for fd in frame.fds:
+                    self._close_fd(fd)
+        else:
+            self._handle(peer, frame, now)
+
+    def _handle(self, peer: Peer, frame: Frame, now: float) -> None:
         ftype = frame.type
         peer.msgs_in += 1
         peer.bytes_in += len(frame.raw)
@@ -212,10 +243,15 @@ class Broker:
         deliver = self._deliver
         tap = self.tap
         nbytes = nfast = 0
-        for frame in frames:
-            if frame.type != _MESSAGE or parse(frame.target)[0] != GROUP:
-                self.handle(peer, frame, now)
+        for i, frame in enumerate(frames):
+            if frame.type != _MESSAGE or frame.n_fds or parse(frame.target)[0] != GROUP:
+                try:
+                    self.handle(peer, frame, now)
+                except BaseException:
+                    self._close_frames_fds(frames[i + 1 :])
+                    raise
                 if not peer.alive:
+                    self._close_frames_fds(frames[i + 1 :])
                     break
                 continue
             nbytes += len(frame.raw)
@@ -226,6 +262,12 @@ class Broker:
                 tap(peer, frame, "delivered" if n else "no-recipient", n)
         peer.msgs_in += nfast
         peer.bytes_in += nbytes
+
+    def _close_frames_fds(self, frames: list[Frame]) -> None:
+        """Close the descriptors of frames that will not be handled (peer dropped)."""
+        for f in frames:
+            for fd in f.fds:
+                self._close_fd(fd)
 
     def _deliver_oneway(self, peer: Peer, frame: Frame) -> int:
         router = self.router
@@ -247,17 +289,25 @@ class Broker:
         hard = self.limits.out_hard_limit
         soft = self.limits.out_soft_limit
         dirty = self.dirty
+        nfds = len(frame.fds)
         for r in recipients:
             if r is skip:
                 continue
             if pieces is None:
                 pieces = restamp(frame, peer.stamp)
                 size = _size(pieces)
-            if r.outq_bytes + size > hard:
+            if r.outq_bytes + size > hard or (
+                nfds and r.outq_fds + nfds > self.limits.max_fds_queued
+            ):
                 over = over or []
                 over.append(r)
                 continue
-            r.outq.extend(pieces)
+            if nfds:
+                r.outq.append(self._with_fds(pieces[0], frame.fds))
+                r.outq.extend(pieces[1:])
+                r.outq_fds += nfds
+            else:
+                r.outq.extend(pieces)
             r.outq_bytes += size
             r.msgs_out += 1
             n += 1
@@ -271,19 +321,32 @@ class Broker:
                 self.kick(
                     r,
                     ErrorCode.SLOW_CONSUMER,
-                    f"outgoing queue over out_hard_limit ({hard} bytes) "
+                    f"outgoing queue over out_hard_limit ({hard} bytes) or "
+                    f"max_fds_queued ({self.limits.max_fds_queued}) "
                     f"with a message from {peer.describe()}",
                 )
         return n
 
-    def _enqueue(self, r: Peer, pieces: list[Buffer]) -> bool:
-        """Queue a frame for ``r``; False if it would go over ``out_hard_limit``."""
+    def _with_fds(self, first: Buffer, fds: tuple[int, ...]) -> FdBuffer:
+        """The frame's first piece carrying this recipient's own duplicates of ``fds``."""
+        return FdBuffer(bytes(first), tuple(self._dup_fd(fd) for fd in fds))
+
+    def _enqueue(self, r: Peer, pieces: list[Buffer], fds: tuple[int, ...] = ()) -> bool:
+        """Queue a frame (with duplicates of ``fds``) for ``r``; False if it would go over
+        ``out_hard_limit`` or ``max_fds_queued``."""
         if not r.alive:
             return False
         size = _size(pieces)
         if r.outq_bytes + size > self.limits.out_hard_limit:
             return False
-        r.outq.extend(pieces)
+        if fds:
+            if r.outq_fds + len(fds) > self.limits.max_fds_queued:
+                return False
+            r.outq.append(self._with_fds(pieces[0], fds))
+            r.outq.extend(pieces[1:])
+            r.outq_fds += len(fds)
+        else:
+            r.outq.extend(pieces)
         r.outq_bytes += size
         r.msgs_out += 1
         self.dirty.add(r)
@@ -291,15 +354,18 @@ class Broker:
             self.blocked.add(r)
         return True
 
-    def _send_or_kick(self, r: Peer, pieces: list[Buffer], what: str) -> None:
+    def _send_or_kick(
+        self, r: Peer, pieces: list[Buffer], what: str, fds: tuple[int, ...] = ()
+    ) -> None:
         """Queue a frame ``r`` is owed (an answer it asked for, a notification it subscribed
-        to); if its queue is over the hard limit it is dropped, never left waiting."""
-        if r.alive and not self._enqueue(r, pieces):
+        to); if its queue is over its bounds it is dropped, never left waiting."""
+        if r.alive and not self._enqueue(r, pieces, fds):
             self.kick(
                 r,
                 ErrorCode.SLOW_CONSUMER,
                 f"cannot take {what}: outgoing queue over out_hard_limit "
-                f"({self.limits.out_hard_limit} bytes)",
+                f"({self.limits.out_hard_limit} bytes) or max_fds_queued "
+                f"({self.limits.max_fds_queued})",
             )
 
     def _reply_error(
@@ -395,7 +461,7 @@ class Broker:
         pieces = restamp(frame, peer.stamp)
         delivered: list[Peer] = []
         for r in recipients:
-            if self._enqueue(r, pieces):
+            if self._enqueue(r, pieces, frame.fds):
                 delivered.append(r)
             else:
                 self._reply_error(
@@ -424,7 +490,7 @@ class Broker:
                 frame.request_id,
             )
             return "discarded"
-        self._send_or_kick(caller, restamp(frame, peer.stamp), "an answer it asked for")
+        self._send_or_kick(caller, restamp(frame, peer.stamp), "an answer it asked for", frame.fds)
         return "forwarded"
 
     def _fail_call(self, f: Failure) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..protocol.framing import FdBuffer
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -32,6 +34,7 @@ class Peer:
         "name",
         "outq",
         "outq_bytes",
+        "outq_fds",
         "pending_in",
         "pending_out",
         "pid",
@@ -53,6 +56,8 @@ class Peer:
         self.groups: dict[str, int] = {}
         self.outq: deque[Buffer] = deque()
         self.outq_bytes = 0
+        #: Descriptors held in FdBuffers in ``outq`` (owned by the queue until sent).
+        self.outq_fds = 0
         self.pending_in: set[tuple[int, int]] = set()
         self.pending_out: set[tuple[int, int]] = set()
         self.alive = True
@@ -77,7 +82,21 @@ class Peer:
             b = q.popleft()
             out.append(b)
             n += len(b)
+            if type(b) is FdBuffer:
+                self.outq_fds -= len(b.fds)  # the taker owns them now
         return out, n
+
+    def drop_queue(self) -> list[int]:
+        """Empty the outgoing queue; returns the descriptors it held (to be closed)."""
+        fds: list[int] = []
+        if self.outq_fds:
+            for b in self.outq:
+                if type(b) is FdBuffer:
+                    fds.extend(b.fds)
+        self.outq.clear()
+        self.outq_bytes = 0
+        self.outq_fds = 0
+        return fds
 
     def sent(self, nbytes: int) -> None:
         """Account for ``nbytes`` taken by ``take_outgoing`` that reached the socket."""

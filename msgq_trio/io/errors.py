@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
+import os
+import socket as pysocket
 from collections.abc import Iterator
 
 import trio
+
+from ..protocol.codes import ErrorCode
+from ..protocol.errors import RemoteProtocolError
+from ..protocol.framing import FdBuffer
 
 Buffer = bytes | bytearray | memoryview
 
@@ -37,7 +44,7 @@ def coalesce(bufs: list[Buffer]) -> list[Buffer]:
     out: list[Buffer] = []
     run: list[Buffer] = []
     for b in bufs:
-        if len(b) >= NO_JOIN:
+        if len(b) >= NO_JOIN or type(b) is FdBuffer:
             if run:
                 out.append(b"".join(run))
                 run = []
@@ -47,3 +54,77 @@ def coalesce(bufs: list[Buffer]) -> list[Buffer]:
     if run:
         out.append(b"".join(run) if len(run) > 1 else run[0])
     return out
+
+
+_FD_SIZE = array.array("i").itemsize
+
+
+def ancillary_size(max_fds: int) -> int:
+    """recvmsg ancillary buffer for up to ``max_fds`` descriptors in one receive."""
+    return pysocket.CMSG_SPACE(max_fds * _FD_SIZE)
+
+
+async def receive_with_fds(
+    sock: trio.socket.SocketType, nbytes: int, ancbufsize: int
+) -> tuple[bytes, list[int]]:
+    """Receive bytes and any descriptors sent with them (close-on-exec set).
+
+    Linux never merges two descriptor-carrying sendmsgs into one receive, so one
+    SCM_RIGHTS message at most arrives per call.
+
+    Raises:
+        RemoteProtocolError: the peer sent more descriptors than ``ancbufsize`` holds (the
+            kernel discarded the rest, so the stream can no longer be trusted).
+        trio.BrokenResourceError: the socket failed.
+    """
+    with translate_socket_errors():
+        data, anc, flags, _addr = await sock.recvmsg(nbytes, ancbufsize, pysocket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, cdata in anc:
+        if level == pysocket.SOL_SOCKET and kind == pysocket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(cdata[: len(cdata) - len(cdata) % _FD_SIZE])
+            fds.extend(arr)
+    if flags & pysocket.MSG_CTRUNC:
+        close_fds(fds)
+        raise RemoteProtocolError(
+            "peer sent more file descriptors in one message than max_fds_per_message",
+            ErrorCode.LIMIT_EXCEEDED,
+        )
+    return data, fds
+
+
+async def send_with_fds(stream: trio.SocketStream, data: FdBuffer) -> None:
+    """Send ``data`` with its descriptors attached to its first byte, then the rest."""
+    with translate_socket_errors():
+        n = await stream.socket.sendmsg(
+            [data], [(pysocket.SOL_SOCKET, pysocket.SCM_RIGHTS, array.array("i", data.fds))]
+        )
+        if n < len(data):
+            await stream.send_all(memoryview(data)[n:])
+
+
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    """Close descriptors we own, ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+async def send_buffers(stream: trio.SocketStream, bufs: list[Buffer]) -> None:
+    """Write queued buffers: small ones joined, large ones as they are, FdBuffers with
+    their descriptors (which are closed here, sent or not: the kernel holds its own
+    references to sent ones)."""
+    try:
+        for chunk in coalesce(bufs):
+            if type(chunk) is FdBuffer:
+                await send_with_fds(stream, chunk)
+            else:
+                with translate_socket_errors():
+                    await stream.send_all(chunk)
+    finally:
+        for b in bufs:
+            if type(b) is FdBuffer:
+                close_fds(b.fds)

@@ -35,7 +35,14 @@ from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role, connection_error_frame
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, encode_cbor, encode_frame
-from .errors import ACCEPT_CAPACITY_ERRNOS, coalesce, translate_socket_errors
+from .errors import (
+    ACCEPT_CAPACITY_ERRNOS,
+    ancillary_size,
+    close_fds,
+    receive_with_fds,
+    send_buffers,
+    translate_socket_errors,
+)
 
 log = logging.getLogger("msgq_trio.io")
 
@@ -349,6 +356,7 @@ class Server:
                 log.debug(
                     "client %s disconnected: %s", pc.peer.describe(), pc.closing_reason or "closed"
                 )
+            close_fds(conn.take_orphan_fds())
             await trio.aclose_forcefully(stream)
 
     async def _handshake(
@@ -357,15 +365,17 @@ class Server:
         """Read until HELLO; returns (name, header) or None if the client left or timed out."""
         with trio.move_on_after(self.limits.handshake_timeout):
             while True:
-                with translate_socket_errors():
-                    data = await stream.receive_some(RECEIVE_SIZE)
-                conn.receive_data(data)
+                data, fds = await receive_with_fds(
+                    stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
+                )
+                conn.receive_data(data, fds)
                 ev = conn.next_event()
                 if ev is EOF:
                     return None
                 if ev is NEED_DATA:
                     continue
                 assert isinstance(ev, Frame)
+                close_fds(ev.fds)  # descriptors on HELLO mean nothing: not kept
                 header = ev.header()
                 name = header.get("name", "")
                 if not isinstance(name, str) or len(name) > 255 or "\0" in name:
@@ -422,11 +432,13 @@ class Server:
         stream, conn, peer, core = pc.stream, pc.conn, pc.peer, self.core
         handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout
+        sock = stream.socket
+        ancsize = ancillary_size(self.limits.max_fds_per_message)
+        fds: list[int] = []
         while True:
             if conn.in_frame:
                 with trio.move_on_after(idle_in_frame) as cs:
-                    with translate_socket_errors():
-                        data = await stream.receive_some(RECEIVE_SIZE)
+                    data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
                 if cs.cancelled_caught:
                     raise RemoteProtocolError(
                         f"stalled in the middle of a frame for {idle_in_frame} s "
@@ -434,15 +446,15 @@ class Server:
                         ErrorCode.PROTOCOL_ERROR,
                     )
             else:
-                with translate_socket_errors():
-                    data = await stream.receive_some(RECEIVE_SIZE)
+                data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
             if not data:
+                close_fds(fds)
                 if conn.in_frame:
                     log.info(
                         "client %s closed the connection in the middle of a frame", peer.describe()
                     )
                 return False
-            conn.receive_data(data)
+            conn.receive_data(data, fds)
             now = trio.current_time()
             try:
                 events = conn.events()
@@ -493,12 +505,7 @@ class Server:
                 bufs, n = peer.take_outgoing(WRITE_BATCH)
                 pc.writing = True
                 try:
-                    with translate_socket_errors():
-                        if len(bufs) == 1:
-                            await stream.send_all(bufs[0])
-                        else:
-                            for chunk in coalesce(bufs):
-                                await stream.send_all(chunk)
+                    await send_buffers(stream, bufs)
                 finally:
                     pc.writing = False
                 peer.sent(n)
@@ -519,7 +526,12 @@ class Server:
         are left for the writer to discover, so they are handled in one place.
         """
         peer = pc.peer
-        if pc.writing or peer.outq_bytes > _DIRECT_SEND_MAX or pc.conn.sent_goodbye:
+        if (
+            pc.writing
+            or peer.outq_bytes > _DIRECT_SEND_MAX
+            or peer.outq_fds  # descriptors need sendmsg: the writer does that
+            or pc.conn.sent_goodbye
+        ):
             return
         bufs, n = peer.take_outgoing(_DIRECT_SEND_MAX)
         data = bufs[0] if len(bufs) == 1 else b"".join(bufs)

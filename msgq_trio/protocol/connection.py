@@ -18,8 +18,9 @@ The connection is sans-I/O: ``receive_data(bytes)`` / ``next_event()`` / ``send(
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from .codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from .errors import LocalProtocolError, RemoteProtocolError
@@ -89,6 +90,13 @@ class Connection:
         self.sent_goodbye = False
         self.received_goodbye = False
         self._pending_error: RemoteProtocolError | None = None
+        # Descriptors received but not yet attached to a frame: [start, end, fds] per
+        # receive, where [start, end) is the byte range of the stream that came with them.
+        self._fd_batches: deque[list[Any]] = deque()
+        self._rx_offset = 0  # stream bytes received so far
+        #: Descriptors no frame will own (after a violation or at close): the I/O layer
+        #: closes them (see :meth:`take_orphan_fds`).
+        self._orphans: list[int] = []
         self._recv_ready: frozenset[int] = (
             _READY_SEND_BROKER if role is Role.CLIENT else _READY_SEND_CLIENT
         )
@@ -99,16 +107,100 @@ class Connection:
         return self._parser.in_frame
 
     # -- receiving ------------------------------------------------------------------------
-    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed bytes from the peer; ``b""`` means the peer closed its side (EOF)."""
+    def receive_data(
+        self, data: bytes | bytearray | memoryview, fds: Sequence[int] = ()
+    ) -> None:
+        """Feed bytes from the peer; ``b""`` means the peer closed its side (EOF).
+
+        ``fds`` are descriptors that arrived with these bytes (SCM_RIGHTS). They belong to
+        frames that start within these bytes; the connection owns them until it attaches
+        them to a frame (``Frame.fds``) or hands them back via :meth:`take_orphan_fds`.
+        """
+        if fds:
+            self._fd_batches.append([self._rx_offset, self._rx_offset + len(data), list(fds)])
         if self.state is State.ERROR:
+            self._orphan_all()
             raise LocalProtocolError("connection is in the ERROR state")
         if not data:
             self._eof = True
             return
         if self._eof:
             raise LocalProtocolError("data received after EOF")
+        self._rx_offset += len(data)
         self._parser.feed(data)
+
+    def take_orphan_fds(self) -> list[int]:
+        """Descriptors that no frame owns (to be closed by the caller). After an error or
+        EOF this includes every descriptor still held."""
+        if self.state is State.ERROR or self._eof:
+            self._orphan_all()
+        out, self._orphans = self._orphans, []
+        return out
+
+    def _orphan_all(self) -> None:
+        for batch in self._fd_batches:
+            self._orphans.extend(batch[2])
+        self._fd_batches.clear()
+
+    def _attach_all(self, frames: list[Frame]) -> list[Frame]:
+        """Give every frame the descriptors it declares; check none is missing or extra.
+
+        A descriptor arrives with the bytes of the sendmsg that carried it, and senders
+        start that sendmsg at the frame that declares it, so it belongs to a frame that
+        starts within the byte range received with it. Frames' stream offsets are derived
+        from the bytes fed minus the bytes still buffered, so nothing is tracked per frame
+        while no descriptors are around.
+        """
+        start = self._rx_offset - self._parser.buffered
+        for f in frames:
+            start -= len(f.raw)
+        out: list[Frame] = []
+        try:
+            for f in frames:
+                out.append(self._attach_fds(f, start))
+                start += len(f.raw)
+            self._check_leftover_fds(start)
+        except RemoteProtocolError:
+            # None of these frames will be handled: their descriptors are orphans too.
+            for f in out:
+                self._orphans.extend(f.fds)
+            raise
+        return out
+
+    def _attach_fds(self, frame: Frame, start: int) -> Frame:
+        batches = self._fd_batches
+        self._check_leftover_fds(start)
+        need = frame.n_fds
+        if not need:
+            return frame
+        taken: list[int] = []
+        for batch in batches:
+            if batch[0] > start:
+                break
+            k = min(need - len(taken), len(batch[2]))
+            taken.extend(batch[2][:k])
+            del batch[2][:k]
+            if len(taken) == need:
+                break
+        if len(taken) < need:
+            self._orphans.extend(taken)
+            self._orphan_all()
+            raise RemoteProtocolError(
+                f"frame declares {need} file descriptors, {len(taken)} arrived with it"
+            )
+        return frame._replace(fds=tuple(taken))
+
+    def _check_leftover_fds(self, next_start: int) -> None:
+        """A batch whose byte range ends at or before ``next_start`` can have no further
+        claimant: descriptors left in it were sent without a frame declaring them."""
+        batches = self._fd_batches
+        while batches and batches[0][1] <= next_start:
+            if batches[0][2]:
+                self._orphan_all()
+                raise RemoteProtocolError(
+                    "received file descriptors that no frame declared", ErrorCode.PROTOCOL_ERROR
+                )
+            batches.popleft()
 
     def next_event(self) -> Frame | _Sentinel:
         """Return the next frame, NEED_DATA, or EOF once the peer closed and all frames are out.
@@ -125,8 +217,11 @@ class Connection:
             raise self._pending_error
         try:
             frame = self._parser.next_frame()
+            if frame is not None and (self._fd_batches or frame.n_fds):
+                frame = self._attach_all([frame])[0]
         except RemoteProtocolError:
             self.state = State.ERROR
+            self._orphan_all()
             raise
         if frame is None:
             return EOF if self._eof else NEED_DATA
@@ -158,8 +253,11 @@ class Connection:
             raise self._pending_error
         try:
             frames = self._parser.frames()
+            if self._fd_batches or any(f.n_fds for f in frames):
+                frames = self._attach_all(frames)
         except RemoteProtocolError:
             self.state = State.ERROR
+            self._orphan_all()
             raise
         out: list[Frame | _Sentinel] = []
         ready = self._recv_ready

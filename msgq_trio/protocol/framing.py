@@ -51,6 +51,22 @@ _VALID_TYPES = frozenset(int(t) for t in FrameType)
 _U16 = 0xFFFF
 
 
+class FdBuffer(bytes):
+    """The first bytes of a frame to be sent together with file descriptors (SCM_RIGHTS).
+
+    Writers start a new sendmsg at every FdBuffer, so the descriptors travel with the
+    first byte of the frame that declares them. Whoever holds an FdBuffer owns ``fds``
+    and must close them once sent or dropped.
+    """
+
+    fds: tuple[int, ...]
+
+    def __new__(cls, data: bytes, fds: tuple[int, ...]) -> FdBuffer:
+        self = super().__new__(cls, data)
+        self.fds = fds
+        return self
+
+
 class Frame(NamedTuple):
     """One parsed frame. Value type: never mutate ``raw``.
 
@@ -70,6 +86,9 @@ class Frame(NamedTuple):
     raw: bytes | bytearray
     #: Offset in ``raw`` where the header starts (everything from here on is the "tail").
     tail: int
+    #: File descriptors that came with this frame (``n_fds`` of them), attached by
+    #: :class:`~msgq_trio.protocol.connection.Connection`; their owner must close them.
+    fds: tuple[int, ...] = ()
 
     @property
     def header_bytes(self) -> memoryview:

@@ -1,0 +1,174 @@
+"""The systems under test and how to start (and always stop) their brokers.
+
+* ``msgq_trio``: a real broker process (``python -m msgq_trio serve``, via
+  :func:`msgq_trio.demo.start_broker`) on a Unix socket in the run's directory;
+* ``raw-unix`` (ceiling): no broker; clients talk process to process;
+* ``py-relay`` (ceiling): the minimal Python relay of :mod:`msgq_trio.bench.relay`;
+* ``nats``: ``nats-server`` on a free loopback port (NATS has no Unix socket listener),
+  ``max_payload`` raised to 8 MiB for the 4 MiB messages, big ``max_pending`` so no
+  subscriber is cut off as a slow consumer;
+* ``redis``: ``redis-server`` on a Unix socket only, no persistence, no output-buffer
+  limit for pub/sub clients;
+* ``zeromq``: a ``zmq.proxy`` process (XSUB/XPUB or ROUTER/DEALER) on ``ipc://``.
+
+A fresh broker is started for every run and stopped after it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .procs import Proc, free_port, wait_all, wait_port, wait_unix
+
+SUBJECT, CEILING, PEER = "subject", "ceiling", "peer"
+
+
+@dataclass
+class Service:
+    """A running broker (or nothing, for raw-unix): clients' address and a stop action."""
+
+    addr: dict[str, Any]
+    stops: list[Callable[[], None]] = field(default_factory=list)
+    #: The broker's processes, whose CPU time the run reports.
+    pids: list[int] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for stop in reversed(self.stops):
+            stop()
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: str  # SUBJECT, CEILING or PEER
+    module: str  # the worker module its clients run
+    description: str
+    start: Callable[[Path, str, float], Service]  # (run dir, pattern, deadline)
+
+
+def _stop_popen(proc: subprocess.Popen[bytes]) -> Callable[[], None]:
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    return stop
+
+
+def _stop_proc(proc: Proc) -> Callable[[], None]:
+    def stop() -> None:
+        proc.kill(signal.SIGTERM, wait=5.0)
+
+    return stop
+
+
+def _start_msgq(run_dir: Path, _pattern: str, _deadline: float) -> Service:
+    from ..demo import start_broker
+
+    path = run_dir / "bus.sock"
+    broker = start_broker(path)
+    return Service({"socket": str(path)}, [_stop_popen(broker)], [broker.pid])
+
+
+def _start_raw(run_dir: Path, _pattern: str, _deadline: float) -> Service:
+    return Service({"mode": "direct", "dir": str(run_dir)})
+
+
+def _start_relay(run_dir: Path, _pattern: str, deadline: float) -> Service:
+    path = run_dir / "relay.sock"
+    addr = {"mode": "relay", "socket": str(path)}
+    proc = Proc.worker("relay", "relay", {
+        "role": "relay", "addr": addr, "deadline": max(1.0, deadline - time.monotonic()),
+    }, run_dir)
+    svc = Service(addr, [_stop_proc(proc)], [proc.popen.pid])
+    try:
+        wait_all([proc], "READY", deadline)
+    except BaseException:
+        svc.stop()
+        raise
+    return svc
+
+
+def _start_nats(run_dir: Path, _pattern: str, deadline: float) -> Service:
+    binary = shutil.which("nats-server")
+    if binary is None:
+        raise RuntimeError("nats-server is not installed")
+    port = free_port()
+    conf = run_dir / "nats.conf"
+    conf.write_text(
+        f"host: 127.0.0.1\nport: {port}\n"
+        "max_payload: 8MB\nmax_pending: 2GB\nwrite_deadline: \"60s\"\n"
+    )
+    proc = Proc("nats-server", [binary, "-c", str(conf)], run_dir, stdin=False)
+    svc = Service({"url": f"nats://127.0.0.1:{port}"}, [_stop_proc(proc)], [proc.popen.pid])
+    try:
+        wait_port("127.0.0.1", port, min(deadline, time.monotonic() + 15), proc)
+    except BaseException:
+        svc.stop()
+        raise
+    return svc
+
+
+def _start_redis(run_dir: Path, _pattern: str, deadline: float) -> Service:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed")
+    path = run_dir / "redis.sock"
+    proc = Proc("redis-server", [
+        binary, "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700",
+        "--dir", str(run_dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
+        "--client-output-buffer-limit", "pubsub 0 0 0", "--loglevel", "warning",
+    ], run_dir, stdin=False)
+    svc = Service({"socket": str(path)}, [_stop_proc(proc)], [proc.popen.pid])
+    try:
+        wait_unix(path, min(deadline, time.monotonic() + 15), proc)
+    except BaseException:
+        svc.stop()
+        raise
+    return svc
+
+
+def _start_zmq(run_dir: Path, pattern: str, deadline: float) -> Service:
+    addr = {"dir": str(run_dir)}
+    proc = Proc.worker("zmq-proxy", "worker_zmq", {
+        "role": "proxy", "mode": pattern, "addr": addr,
+        "deadline": max(1.0, deadline - time.monotonic()),
+    }, run_dir)
+    svc = Service(addr, [_stop_proc(proc)], [proc.popen.pid])
+    try:
+        wait_all([proc], "READY", deadline)
+    except BaseException:
+        svc.stop()
+        raise
+    return svc
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    System("msgq_trio", SUBJECT, "worker_msgq",
+           "msgq_trio broker process; trio clients (group send, bus.call)", _start_msgq),
+    System("raw-unix", CEILING, "worker_raw",
+           "no broker: AF_UNIX process to process, 4-byte length-prefixed frames",
+           _start_raw),
+    System("py-relay", CEILING, "worker_raw",
+           "minimal Python relay process forwarding length-prefixed frames", _start_relay),
+    System("nats", PEER, "worker_nats", "nats-server (TCP loopback), nats-py asyncio",
+           _start_nats),
+    System("redis", PEER, "worker_redis",
+           "redis-server pub/sub (Unix socket), redis-py sync + hiredis", _start_redis),
+    System("zeromq", PEER, "worker_zmq", "zmq.proxy process (XSUB/XPUB, ROUTER/DEALER) "
+           "over ipc://, pyzmq", _start_zmq),
+)}
+DEFAULT_SYSTEMS = ["msgq_trio", "raw-unix", "py-relay"]
+PEER_SYSTEMS = ["nats", "redis", "zeromq"]
+

@@ -1,0 +1,682 @@
+"""Scenario files: load and validate a TOML scenario into frozen attrs classes.
+
+A scenario (``scenarios/*.toml``) is data only. It names a summary, the broker's
+configuration (``serve`` flags), the client processes and their behaviour, the faults and
+when they strike, and the expected outcome as assertions. The format is documented in
+docs/FAULTS.md; :func:`load_scenario` is its single source of truth: every key is checked
+here, and an error names the file and the offending key (``clients[2].params.rate``).
+
+Nothing in this module starts processes; see :mod:`msgq_trio.scenario.runner`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..config import Limits
+
+MiB = 1024 * 1024
+
+
+class ScenarioError(ValueError):
+    """A scenario file is missing, unreadable or invalid; the message names file and key."""
+
+
+# -- role parameter schemas --------------------------------------------------------------------
+#: Parameters every role built on the client library accepts.
+LIBRARY_PARAMS: dict[str, object] = {
+    # After ConnectionLost/ConnectError, connect again (for up to 10 s) and carry on.
+    "reconnect": False,
+    # The client's own bound on frames it receives (the library's default is 64 MiB).
+    "max_frame_size": 64 * MiB,
+}
+
+
+@attrs.frozen
+class RoleInfo:
+    """What the runner needs to know about a client role.
+
+    Attributes:
+        active: the role has finite work and reports ``done``; the runner waits for every
+            live active process before stopping the scenario.
+        fault: the role injects a fault itself (its latency never counts as "healthy").
+        library: built on :func:`msgq_trio.connect` (accepts :data:`LIBRARY_PARAMS`).
+        params: parameter name -> default; the default's type is the parameter's type.
+    """
+
+    active: bool
+    fault: bool
+    library: bool
+    params: dict[str, object]
+
+
+ROLES: dict[str, RoleInfo] = {
+    # Sends `count` messages (0: unlimited) of `size` payload bytes to `group` at `rate`
+    # messages/s (0: as fast as backpressure allows) for at most `duration` seconds.
+    "publisher": RoleInfo(
+        True,
+        False,
+        True,
+        {"group": "Feed", "rate": 0.0, "size": 100, "count": 0, "duration": 2.0},
+    ),
+    # Subscribes to `group`, counts messages, checks per-sender order, measures latency.
+    "subscriber": RoleInfo(False, False, True, {"group": "Feed", "drain_idle": 0.3}),
+    # Calls `command` on `target` from `concurrency` tasks; `size` bytes of params, asks for
+    # `reply_size` bytes back; `timeout` 0 means the broker's deadline.
+    "caller": RoleInfo(
+        True,
+        False,
+        True,
+        {
+            "target": "Echo",
+            "command": "echo",
+            "rate": 0.0,
+            "concurrency": 1,
+            "size": 16,
+            "reply_size": 0,
+            "count": 0,
+            "duration": 2.0,
+            "timeout": 0.0,
+        },
+    ),
+    # Joins `group` and answers `command` after `delay` s; answer=false black-holes requests.
+    "responder": RoleInfo(
+        False, False, True, {"group": "Echo", "command": "echo", "delay": 0.0, "answer": True}
+    ),
+    # `connections` library connections in one process, each in `group` answering `command`.
+    "swarm": RoleInfo(False, False, True, {"connections": 100, "group": "All", "command": "echo"}),
+    # Sends `count` messages with one `size`-byte attachment each to `target`.
+    "big-sender": RoleInfo(
+        True, False, True, {"target": "Big", "size": 64 * MiB, "count": 1, "interval": 0.0}
+    ),
+    # Subscribes to `groups` groups named `prefix`N (quota checks).
+    "subscribe-flood": RoleInfo(True, True, True, {"groups": 100, "prefix": "G"}),
+    # Raw socket: joins `groups`, sends `requests` requests to `request_target` (may contain
+    # {i}) asking for `reply_size` bytes, reads until the stop-reading fault (SIGUSR1).
+    "stalled-reader": RoleInfo(
+        False,
+        True,
+        False,
+        {
+            "groups": ["Feed"],
+            "requests": 0,
+            "request_target": "Echo",
+            "reply_size": 0,
+            "reading": True,
+        },
+    ),
+    # Raw socket, `count` connections: `pings` good requests, then the first `fraction` of a
+    # `frame_size`-byte frame; waits `stall` s (0: until the broker drops it), disconnects.
+    "half-frame": RoleInfo(
+        True,
+        True,
+        False,
+        {
+            "count": 1,
+            "frame_size": 1000,
+            "fraction": 0.5,
+            "pings": 1,
+            "stall": 0.0,
+            "wait_max": 30.0,
+        },
+    ),
+    # Raw socket: malformed input of each kind in `kinds`, `repeat` times, one connection
+    # each, `concurrency` at a time; every connection must be dropped (or still work).
+    # Messages (bad-cbor-body, mutated) go to `target`.
+    "garbage": RoleInfo(
+        True,
+        True,
+        False,
+        {
+            "kinds": ["all"],
+            "repeat": 1,
+            "seed": 1,
+            "concurrency": 8,
+            "wait": 10.0,
+            "max_frame_size": 64 * MiB,
+            "target": "Void",
+        },
+    ),
+    # `cycles` connect/disconnect cycles, `concurrency` at a time; mode clean (library,
+    # GOODBYE), abrupt (HELLO then close), no-hello (connect, close), mixed (all three).
+    "storm": RoleInfo(
+        True,
+        True,
+        False,
+        {"cycles": 1000, "concurrency": 8, "mode": "clean", "ping": False},
+    ),
+    # Raw socket: opens `connections` and holds them until `hold` s pass (0: until the
+    # release fault, SIGUSR1), closes them, then checks a fresh connection is served.
+    "hold": RoleInfo(
+        True,
+        True,
+        False,
+        {
+            "connections": 100,
+            "handshake_timeout": 2.0,
+            "hold": 0.0,
+            "verify": True,
+            "verify_timeout": 10.0,
+        },
+    ),
+}
+
+GARBAGE_KINDS = (
+    "random",
+    "random-after-hello",
+    "zero-length",
+    "short-length",
+    "huge-length",
+    "max-plus-one",
+    "huge-after-hello",
+    "unknown-type",
+    "reserved-nonzero",
+    "bad-sections",
+    "bad-utf8-target",
+    "bad-cbor-header",
+    "trailing-cbor",
+    "no-hello",
+    "double-hello",
+    "after-goodbye",
+    "request-no-id",
+    "request-no-cmd",
+    "notify-broker-group",
+    "routed-from-client",
+    "welcome-from-client",
+    "bad-hello-name",
+    "bad-cbor-body",
+    "mutated",
+)
+STORM_MODES = ("clean", "abrupt", "no-hello", "mixed")
+
+#: Fault actions: those on a client need a target, those on the broker must not have one.
+CLIENT_ACTIONS = (
+    "sigkill",
+    "sigstop",
+    "sigcont",
+    "sigterm",
+    "stop-reading",
+    "resume-reading",
+    "release",
+    "start",
+)
+BROKER_ACTIONS = ("kill-broker", "restart-broker", "stop-broker", "cont-broker")
+#: Client faults that make the target "at fault" (its latency is not a healthy one).
+DISRUPTING_ACTIONS = ("sigkill", "sigstop", "sigterm", "stop-reading", "start")
+
+#: ``serve`` flags a scenario may set (every Limits field), and their types.
+BROKER_FLAGS: dict[str, type] = {
+    f.name.replace("_", "-"): (int if f.type in (int, "int") else float)
+    for f in attrs.fields(Limits)
+}
+_SIZE_FLAGS = {"max-frame-size", "out-soft-limit", "out-hard-limit"}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+_OPS = ("==", "!=", "<=", ">=", "<", ">")
+
+
+def parse_size(value: object, where: str) -> int:
+    """An int, or a string like ``"64 MiB"``/``"512KiB"``, as a number of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    raise ScenarioError(f"{where}: expected a size (int or e.g. '64 MiB'), got {value!r}")
+
+
+# -- the model ---------------------------------------------------------------------------------
+@attrs.frozen
+class BrokerSpec:
+    """How the broker is started: ``serve`` flags, RLIMIT_NOFILE, log level."""
+
+    flags: dict[str, int | float] = attrs.Factory(dict)
+    nofile: int | None = None
+    log_level: str = "INFO"
+
+    def argv(self) -> list[str]:
+        """The ``serve`` arguments for :attr:`flags` (``--out-soft-limit 1048576`` ...)."""
+        out: list[str] = []
+        for k, v in self.flags.items():
+            out += ["--" + k, str(v)]
+        return out
+
+
+@attrs.frozen
+class ClientSpec:
+    """``procs`` identical client processes running ``role`` with resolved ``params``."""
+
+    name: str
+    role: str
+    procs: int
+    params: dict[str, Any]
+    healthy: bool
+
+    @property
+    def info(self) -> RoleInfo:
+        return ROLES[self.role]
+
+
+@attrs.frozen
+class FaultSpec:
+    """``action`` at ``at`` seconds after the start of traffic, on ``target`` (a client
+    name, or ``name#i`` for its i-th process; None for broker actions)."""
+
+    name: str
+    at: float
+    action: str
+    target: str | None
+    index: int | None
+
+
+@attrs.frozen
+class Check:
+    """One count assertion: ``metric OP expression`` (e.g. ``sub.received == pub.sent * 2``).
+
+    The expression is numbers and metric names joined by ``+ - * /`` with spaces around
+    the operators; it is evaluated by the runner once every figure is known.
+    """
+
+    metric: str
+    op: str
+    expr: str
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.expr}"
+
+
+@attrs.frozen
+class Expectations:
+    """The expected outcome. ``None`` bounds are not checked."""
+
+    broker_alive: bool = True
+    rss_max_mib: float | None = None
+    fds_baseline: bool = True
+    tasks_baseline: bool = True
+    latency_p99_ms: float | None = None
+    latency_max_ms: float | None = None
+    log: tuple[str, ...] = ()
+    log_absent: tuple[str, ...] = ()
+    counts: tuple[Check, ...] = ()
+    settle_timeout: float = 10.0
+
+
+@attrs.frozen
+class Scenario:
+    """One validated scenario file."""
+
+    name: str
+    path: Path
+    summary: str
+    fault: str
+    broker_does: str
+    slow: bool
+    timeout: float
+    settle: float
+    key_figures: tuple[str, ...]
+    broker: BrokerSpec
+    clients: tuple[ClientSpec, ...]
+    faults: tuple[FaultSpec, ...]
+    expect: Expectations
+
+    def client(self, name: str) -> ClientSpec:
+        for c in self.clients:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+
+# -- validation helpers ------------------------------------------------------------------------
+class _Table:
+    """A TOML table being validated: typed getters that name the key, and a check that no
+    unknown key is left over (typos fail loudly instead of being ignored)."""
+
+    def __init__(self, data: object, where: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ScenarioError(f"{where}: expected a table, got {type(data).__name__}")
+        self.data: Mapping[str, Any] = data
+        self.where = where
+        self.used: set[str] = set()
+
+    def key(self, k: str) -> str:
+        return f"{self.where}.{k}" if self.where else k
+
+    def get(
+        self, k: str, types: type | tuple[type, ...], default: Any = ..., *, required: bool = False
+    ) -> Any:
+        self.used.add(k)
+        if k not in self.data:
+            if required or default is ...:
+                raise ScenarioError(f"{self.key(k)}: required key is missing")
+            return default
+        v = self.data[k]
+        ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _tuple(types))
+        if not ok:
+            names = "/".join(t.__name__ for t in _tuple(types))
+            raise ScenarioError(f"{self.key(k)}: expected {names}, got {v!r}")
+        return v
+
+    def number(self, k: str, default: Any = ..., *, minimum: float = 0.0) -> Any:
+        """A float (ints accepted), or ``default`` when absent (``...``: required)."""
+        v = self.get(k, (int, float), default)
+        if v is None:
+            return None
+        if v < minimum:
+            raise ScenarioError(f"{self.key(k)}: must be >= {minimum}, got {v!r}")
+        return float(v)
+
+    def finish(self) -> None:
+        extra = sorted(set(self.data) - self.used)
+        if extra:
+            raise ScenarioError(f"{self.key(extra[0])}: unknown key")
+
+
+def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def _resolve_params(role: str, raw: object, where: str) -> dict[str, Any]:
+    info = ROLES[role]
+    schema = dict(info.params)
+    if info.library:
+        schema.update(LIBRARY_PARAMS)
+    t = _Table(raw if raw is not None else {}, where)
+    out: dict[str, Any] = {}
+    for k, default in schema.items():
+        if k not in t.data:
+            out[k] = default
+            t.used.add(k)
+            continue
+        kw = t.key(k)
+        if k in ("size", "frame_size", "max_frame_size", "reply_size"):
+            t.used.add(k)
+            out[k] = parse_size(t.data[k], kw)
+        elif isinstance(default, bool):
+            out[k] = t.get(k, bool)
+        elif isinstance(default, float):
+            out[k] = float(t.get(k, (int, float)))
+        elif isinstance(default, int):
+            out[k] = t.get(k, int)
+        elif isinstance(default, str):
+            out[k] = t.get(k, str)
+        else:  # lists of strings
+            v = t.get(k, list)
+            if not all(isinstance(x, str) for x in v):
+                raise ScenarioError(f"{kw}: expected a list of strings, got {v!r}")
+            out[k] = list(v)
+        v = out[k]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            raise ScenarioError(f"{kw}: must be >= 0, got {v!r}")
+    t.finish()
+    if role == "garbage":
+        bad = [k for k in out["kinds"] if k != "all" and k not in GARBAGE_KINDS]
+        if bad:
+            raise ScenarioError(
+                f"{where}.kinds: unknown kind {bad[0]!r} (known: all, {', '.join(GARBAGE_KINDS)})"
+            )
+    if role == "storm" and out["mode"] not in STORM_MODES:
+        raise ScenarioError(f"{where}.mode: must be one of {', '.join(STORM_MODES)}")
+    if role == "half-frame" and not 0 < out["fraction"] < 1:
+        raise ScenarioError(f"{where}.fraction: must be between 0 and 1 (exclusive)")
+    for k in ("concurrency", "connections", "cycles"):
+        if k in out and out[k] < 1:
+            raise ScenarioError(f"{where}.{k}: must be >= 1")
+    return out
+
+
+def _parse_check(metric: str, value: object, where: str) -> Check:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return Check(metric, "==", repr(value))
+    if not isinstance(value, str):
+        raise ScenarioError(f"{where}: expected a number or 'OP EXPRESSION', got {value!r}")
+    s = value.strip()
+    for op in sorted(_OPS, key=len, reverse=True):
+        if s.startswith(op):
+            expr = s[len(op) :].strip()
+            if not expr:
+                break
+            tokens = expr.split()
+            # Terms and operators alternate; operators need spaces (names contain '-').
+            for i, tok in enumerate(tokens):
+                if i % 2 == 1:
+                    if tok not in ("+", "-", "*", "/"):
+                        raise ScenarioError(
+                            f"{where}: expected an operator (+ - * /) at {tok!r} in {value!r}"
+                        )
+                elif not (_is_number(tok) or re.match(r"^[A-Za-z][\w.\-#]*$", tok)):
+                    raise ScenarioError(f"{where}: {tok!r} is neither a number nor a metric")
+            if len(tokens) % 2 == 0:
+                raise ScenarioError(f"{where}: expression {expr!r} ends with an operator")
+            return Check(metric, op, expr)
+    raise ScenarioError(
+        f"{where}: expected 'OP EXPRESSION' with OP one of {' '.join(_OPS)}, got {value!r}"
+    )
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+    except ValueError:
+        return False
+    return True
+
+
+# -- loading -----------------------------------------------------------------------------------
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate one scenario file.
+
+    Raises:
+        ScenarioError: the file cannot be read or parsed, a key is missing, unknown or of
+            the wrong type, or names an unknown client/role/action; the message says which.
+    """
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ScenarioError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{p}: not valid TOML: {exc}") from exc
+    try:
+        return _build(p, data)
+    except ScenarioError as exc:
+        raise ScenarioError(f"{p}: {exc}") from None
+
+
+def _build(p: Path, data: dict[str, Any]) -> Scenario:
+    top = _Table(data, "")
+    summary = top.get("summary", str, required=True)
+    fault = top.get("fault", str, required=True)
+    broker_does = top.get("broker_does", str, required=True)
+    slow = top.get("slow", bool, False)
+    timeout = top.number("timeout", 60.0, minimum=1.0)
+    settle = top.number("settle", 0.5)
+    key_figures = top.get("key_figures", list, [])
+    if not all(isinstance(k, str) for k in key_figures):
+        raise ScenarioError("key_figures: expected a list of metric names")
+
+    bt = _Table(top.get("broker", dict, {}), "broker")
+    flags_t = _Table(bt.get("flags", dict, {}), "broker.flags")
+    flags: dict[str, int | float] = {}
+    for k in flags_t.data:
+        if k not in BROKER_FLAGS:
+            raise ScenarioError(
+                f"broker.flags.{k}: unknown serve flag (known: {', '.join(sorted(BROKER_FLAGS))})"
+            )
+        if k in _SIZE_FLAGS:
+            flags_t.used.add(k)
+            flags[k] = parse_size(flags_t.data[k], f"broker.flags.{k}")
+        elif BROKER_FLAGS[k] is int:
+            flags[k] = flags_t.get(k, int)
+        else:
+            flags[k] = float(flags_t.get(k, (int, float)))
+        if flags[k] <= 0:
+            raise ScenarioError(f"broker.flags.{k}: must be positive")
+    flags_t.finish()
+    try:
+        Limits(**{k.replace("-", "_"): v for k, v in flags.items()})  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"broker.flags: the broker would refuse them: {exc}") from None
+    nofile = bt.get("nofile", int, None)
+    if nofile is not None and nofile < 16:
+        raise ScenarioError("broker.nofile: must be >= 16 (the broker needs a few fds to run)")
+    log_level = bt.get("log_level", str, "INFO")
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ScenarioError("broker.log_level: must be DEBUG, INFO, WARNING or ERROR")
+    bt.finish()
+    broker = BrokerSpec(flags, nofile, log_level)
+
+    raw_clients = top.get("clients", list, required=True)
+    if not raw_clients:
+        raise ScenarioError("clients: at least one client is required")
+    pending: list[tuple[str, str, int, dict[str, Any], bool | None]] = []
+    names: set[str] = set()
+    for i, rc in enumerate(raw_clients):
+        ct = _Table(rc, f"clients[{i}]")
+        name = ct.get("name", str, required=True)
+        if not _NAME_RE.match(name) or name in ("broker", "latency", "fault", "scenario"):
+            raise ScenarioError(
+                f"clients[{i}].name: {name!r} must match {_NAME_RE.pattern} and not be "
+                "broker/latency/fault/scenario"
+            )
+        if name in names:
+            raise ScenarioError(f"clients[{i}].name: duplicate client name {name!r}")
+        names.add(name)
+        role = ct.get("role", str, required=True)
+        if role not in ROLES:
+            raise ScenarioError(
+                f"clients[{i}].role: unknown role {role!r} (known: {', '.join(ROLES)})"
+            )
+        procs = ct.get("procs", int, 1)
+        if not 1 <= procs <= 64:
+            raise ScenarioError(f"clients[{i}].procs: must be 1..64")
+        params = _resolve_params(role, ct.get("params", dict, {}), f"clients[{i}].params")
+        healthy = ct.get("healthy", bool, None)
+        ct.finish()
+        pending.append((name, role, procs, params, healthy))
+
+    faults: list[FaultSpec] = []
+    fault_names: set[str] = set()
+    disrupted: set[str] = set()
+    for i, rf in enumerate(top.get("faults", list, [])):
+        ft = _Table(rf, f"faults[{i}]")
+        at = ft.number("at")
+        action = ft.get("action", str, required=True)
+        fname = ft.get("name", str, f"f{i}")
+        if not _NAME_RE.match(fname) or fname in fault_names:
+            raise ScenarioError(f"faults[{i}].name: {fname!r} is invalid or a duplicate")
+        fault_names.add(fname)
+        target = ft.get("target", str, None)
+        ft.finish()
+        index: int | None = None
+        if action in CLIENT_ACTIONS:
+            if target is None:
+                raise ScenarioError(f"faults[{i}].target: action {action!r} needs a client")
+            base, sep, idx = target.partition("#")
+            if base not in names:
+                raise ScenarioError(f"faults[{i}].target: no client named {base!r}")
+            if sep:
+                if not idx.isdigit():
+                    raise ScenarioError(f"faults[{i}].target: expected name#N, got {target!r}")
+                index = int(idx)
+                procs = next(c[2] for c in pending if c[0] == base)
+                if index >= procs:
+                    raise ScenarioError(
+                        f"faults[{i}].target: {base!r} has only {procs} process(es)"
+                    )
+            target = base
+            if action in DISRUPTING_ACTIONS:
+                disrupted.add(base)
+        elif action in BROKER_ACTIONS:
+            if target is not None:
+                raise ScenarioError(f"faults[{i}].target: broker action {action!r} takes none")
+        else:
+            raise ScenarioError(
+                f"faults[{i}].action: unknown action {action!r} "
+                f"(known: {', '.join(CLIENT_ACTIONS + BROKER_ACTIONS)})"
+            )
+        faults.append(FaultSpec(fname, at, action, target, index))
+    faults.sort(key=lambda f: f.at)
+
+    clients = tuple(
+        ClientSpec(
+            name,
+            role,
+            procs,
+            params,
+            healthy if healthy is not None else (not ROLES[role].fault and name not in disrupted),
+        )
+        for name, role, procs, params, healthy in pending
+    )
+
+    et = _Table(top.get("expect", dict, {}), "expect")
+    log = et.get("log", list, [])
+    log_absent = et.get("log_absent", list, [])
+    for key, pats in (("log", log), ("log_absent", log_absent)):
+        for pat in pats:
+            if not isinstance(pat, str):
+                raise ScenarioError(f"expect.{key}: expected regular expressions (strings)")
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise ScenarioError(
+                    f"expect.{key}: bad regular expression {pat!r}: {exc}"
+                ) from None
+    ct2 = _Table(et.get("counts", dict, {}), "expect.counts")
+    checks = []
+    for metric, value in ct2.data.items():
+        ct2.used.add(metric)
+        base = metric.split(".", 1)[0]
+        if base not in names and base not in ("broker", "latency", "fault", "scenario"):
+            raise ScenarioError(
+                f"expect.counts.{metric!r}: unknown metric namespace {base!r} "
+                "(a client name, broker, latency, fault or scenario)"
+            )
+        # A list states several bounds on one metric (TOML forbids repeating the key).
+        for v in value if isinstance(value, list) else [value]:
+            checks.append(_parse_check(metric, v, f"expect.counts.{metric!r}"))
+    expect = Expectations(
+        broker_alive=et.get("broker_alive", bool, True),
+        rss_max_mib=et.number("rss_max_mib", None),
+        fds_baseline=et.get("fds_baseline", bool, True),
+        tasks_baseline=et.get("tasks_baseline", bool, True),
+        latency_p99_ms=et.number("latency_p99_ms", None),
+        latency_max_ms=et.number("latency_max_ms", None),
+        log=tuple(log),
+        log_absent=tuple(log_absent),
+        counts=tuple(checks),
+        settle_timeout=et.number("settle_timeout", 10.0),
+    )
+    et.finish()
+    top.finish()
+    return Scenario(
+        name=p.stem,
+        path=p,
+        summary=summary,
+        fault=fault,
+        broker_does=broker_does,
+        slow=slow,
+        timeout=timeout,
+        settle=settle,
+        key_figures=tuple(key_figures),
+        broker=broker,
+        clients=clients,
+        faults=tuple(faults),
+        expect=expect,
+    )
+
+
+def is_slow(path: str | Path) -> bool:
+    """Whether a scenario file says ``slow = true`` (cheap: for pytest collection; an
+    unreadable file counts as fast so that the test itself reports the error)."""
+    try:
+        return bool(tomllib.loads(Path(path).read_text()).get("slow", False))
+    except (OSError, tomllib.TOMLDecodeError):
+        return False

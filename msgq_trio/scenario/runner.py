@@ -1,0 +1,913 @@
+"""Run one fault scenario: a real broker process, real client processes, faults on a
+schedule, every figure measured, the expectations checked.
+
+:func:`run_scenario` is the library entry point shared by pytest (tests/test_scenarios.py)
+and the command line (``msgq-trio scenario run``). The phases of a run:
+
+1. start ``msgq-trio serve`` with the scenario's flags (optionally a lower RLIMIT_NOFILE)
+   on a socket in a fresh directory under /tmp, wait until it listens;
+2. baseline: the broker's ``stats`` (fds, tasks, connections, RSS) through a probe
+   connection;
+3. start every client process at once and wait until each reports ``ready``;
+4. traffic: ``go`` to every client (except those a ``start`` fault releases later), faults
+   on schedule, until every live active client reports ``done`` and every fault struck;
+5. settle, then ``stop`` every client (stopped ones get SIGCONT first) and collect their
+   JSON reports;
+6. leak check: poll ``stats`` until fds, tasks and connections are back to the baseline
+   (bounded by ``expect.settle_timeout``);
+7. SIGTERM the broker: exit status and socket removal are figures too.
+
+Every process runs in its own session and is SIGKILLed (process group) in ``finally``;
+every wait is bounded, and the whole run is bounded by the scenario's ``timeout``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+import attrs
+import trio
+
+from .. import __version__
+from ..client.bus import connect
+from ..errors import MsgqError
+from .model import ClientSpec, FaultSpec, Scenario, load_scenario
+from .report import machine_info
+
+#: Bounds of the phases that do not depend on the scenario.
+BROKER_START_TIMEOUT = 20.0
+CLIENT_READY_TIMEOUT = 60.0
+CLIENT_STOP_TIMEOUT = 20.0
+BROKER_STOP_TIMEOUT = 15.0
+RSS_SAMPLE_INTERVAL = 0.05
+SCHEMA = "msgq_trio.scenario/1"
+_MIB = 1024 * 1024
+
+
+@attrs.frozen
+class CheckResult:
+    """One evaluated assertion: what was checked, the bound, the measured value, verdict."""
+
+    check: str
+    expected: str
+    actual: float | None
+    ok: bool
+
+
+@attrs.frozen
+class ScenarioResult:
+    """Everything one run measured. ``passed`` is true iff every check passed and the
+    runner met no problem (a client crashed, a phase timed out...)."""
+
+    scenario: Scenario
+    passed: bool
+    started_at: str
+    duration_s: float
+    metrics: dict[str, float]
+    checks: tuple[CheckResult, ...]
+    problems: tuple[str, ...]
+    clients: tuple[dict[str, Any], ...]
+    faults: tuple[dict[str, Any], ...]
+    broker_log_tail: str
+
+    @property
+    def failures(self) -> list[str]:
+        """Failed checks and problems, one human-readable line each."""
+        out = [
+            f"check failed: {c.check} (expected {c.expected}, got {_fmt(c.actual)})"
+            for c in self.checks
+            if not c.ok
+        ]
+        return out + list(self.problems)
+
+    def key_figures(self) -> dict[str, float | None]:
+        """The figures the scenario names in ``key_figures`` (None if not measured; a
+        count a client never reported is 0, as in the checks)."""
+        names = {c.name for c in self.scenario.clients}
+        out: dict[str, float | None] = {}
+        for k in self.scenario.key_figures:
+            try:
+                out[k] = _lookup(k, self.metrics, names)
+            except KeyError:
+                out[k] = None
+        return out
+
+    def line(self) -> str:
+        """One progress line: verdict, name, duration and the key figures."""
+        m = self.metrics
+        verdict = "PASS" if self.passed else "FAIL"
+        parts = [
+            f"{verdict}  {self.scenario.name:<34} {self.duration_s:6.1f}s",
+            f"rss {_fmt(m.get('broker.rss_peak_mib'))} MiB",
+        ]
+        if "latency.p99_ms" in m:
+            parts.append(
+                f"p99 {_fmt(m['latency.p99_ms'])} ms max {_fmt(m.get('latency.max_ms'))} ms"
+            )
+        parts += [f"{k}={_fmt(v)}" for k, v in self.key_figures().items()]
+        return "  ".join(parts)
+
+    def explain(self) -> str:
+        """The failures and the broker log tail (for assertion messages)."""
+        lines = [self.line(), *("  " + f for f in self.failures)]
+        if not self.passed and self.broker_log_tail:
+            lines += ["--- broker log (tail) ---", self.broker_log_tail]
+        return "\n".join(lines)
+
+    def record(self, machine: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON Lines record of this run (format: docs/FAULTS.md)."""
+        sc = self.scenario
+        return {
+            "schema": SCHEMA,
+            "scenario": sc.name,
+            "file": _display_path(sc.path),
+            "summary": sc.summary,
+            "fault": sc.fault,
+            "broker_does": sc.broker_does,
+            "slow": sc.slow,
+            "passed": self.passed,
+            "started_at": self.started_at,
+            "duration_s": round(self.duration_s, 3),
+            "msgq_trio_version": __version__,
+            "machine": machine or machine_info(),
+            "broker": {"flags": dict(sc.broker.flags), "nofile": sc.broker.nofile},
+            "clients": list(self.clients),
+            "faults": list(self.faults),
+            "key_figures": self.key_figures(),
+            "metrics": dict(sorted(self.metrics.items())),
+            "checks": [attrs.asdict(c) for c in self.checks],
+            "problems": list(self.problems),
+        }
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+    return str(int(v))
+
+
+def _display_path(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def run_scenario(path: str | Path, *, keep_tmp: bool = False) -> ScenarioResult:
+    """Load and run one scenario file; never raises for a failing scenario (the result
+    says why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file.
+
+    Resource handling: every process started is killed and reaped, the temporary
+    directory is removed (unless ``keep_tmp``) before this returns.
+    """
+    scenario = load_scenario(path)
+    return trio.run(_Run(scenario, keep_tmp=keep_tmp).run)
+
+
+# -- processes ----------------------------------------------------------------------------------
+class _Client:
+    """One client process and what it told us over stdout."""
+
+    def __init__(self, spec: ClientSpec, index: int, proc: trio.Process, log_path: Path) -> None:
+        self.spec = spec
+        self.index = index
+        self.proc = proc
+        self.log_path = log_path
+        self.ready = False
+        self.done = False
+        self.exited = False
+        self.report: dict[str, Any] | None = None
+        self.lnames: list[str] = []
+        self.killed = False
+        self.stopped = False
+        self.held = False
+        self.other_output: list[str] = []
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.name}#{self.index}"
+
+    async def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            await self.proc.stdin.send_all(line.encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the process is gone; its exit is accounted for elsewhere
+
+    def stderr_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class _Broker:
+    """One broker process (a restart makes a new one on the same socket and log)."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.hwm_bytes = 0
+
+
+def _signal_group(proc: trio.Process, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _log_file(path: Path, mode: str) -> BinaryIO:
+    """A log file for a child's stderr (the child keeps its own descriptor)."""
+    return cast(BinaryIO, open(path, mode))  # closed by the caller's with
+
+
+def _exists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS/VmHWM of a process in bytes (empty if it is gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, val = line.split(":", 1)
+                    out[key] = int(val.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+# -- one run -------------------------------------------------------------------------------------
+class _Run:
+    def __init__(self, scenario: Scenario, *, keep_tmp: bool) -> None:
+        self.sc = scenario
+        self.keep_tmp = keep_tmp
+        self.tmp = Path(tempfile.mkdtemp(prefix="mqs-", dir="/tmp"))
+        self.sock = self.tmp / "bus.sock"
+        self.broker_log = self.tmp / "broker.log"
+        self.brokers: list[_Broker] = []
+        self.clients: list[_Client] = []
+        self.metrics: dict[str, float] = {}
+        self.problems: list[str] = []
+        self.fault_log: list[dict[str, Any]] = []
+        self.phase = "init"
+        self.t0 = 0.0
+        self.rss_peak = 0
+        self.baseline: dict[str, Any] | None = None
+        self.final_stats: dict[str, Any] | None = None
+        self.faults_done = False
+        self._changed = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+
+    def _notify(self) -> None:
+        self._changed.unpark_all()
+
+    async def _wait_until(self, pred: Callable[[], bool], timeout: float, what: str) -> bool:
+        """Wait until ``pred()`` (re-checked on every change and every 0.2 s)."""
+        with trio.move_on_after(timeout):
+            while not pred():
+                with trio.move_on_after(0.2):
+                    await self._changed.park()
+            return True
+        self.problems.append(f"timed out after {timeout:.0f} s waiting for {what}")
+        return False
+
+    @property
+    def broker(self) -> _Broker | None:
+        return self.brokers[-1] if self.brokers else None
+
+    # -- top level ----------------------------------------------------------------------------
+    async def run(self) -> ScenarioResult:
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        t_start = time.monotonic()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                try:
+                    with trio.move_on_after(self.sc.timeout) as cs:
+                        try:
+                            await self._phases()
+                        except _Abort as exc:
+                            self.problems.append(f"phase {self.phase!r}: {exc}")
+                    if cs.cancelled_caught:
+                        self.problems.append(
+                            f"scenario timed out after {self.sc.timeout:.0f} s "
+                            f"in phase {self.phase!r}"
+                        )
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._cleanup()
+                    nursery.cancel_scope.cancel()
+            log_text = self._read_broker_log()
+            self._log_metrics(log_text)
+            checks = self._evaluate(log_text)
+        finally:
+            if not self.keep_tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        duration = time.monotonic() - t_start
+        self.metrics["scenario.duration_s"] = round(duration, 3)
+        passed = all(c.ok for c in checks) and not self.problems
+        return ScenarioResult(
+            scenario=self.sc,
+            passed=passed,
+            started_at=started,
+            duration_s=duration,
+            metrics=self.metrics,
+            checks=tuple(checks),
+            problems=tuple(self.problems),
+            clients=tuple(self._client_records()),
+            faults=tuple(self.fault_log),
+            broker_log_tail="\n".join(log_text.splitlines()[-40:]),
+        )
+
+    async def _phases(self) -> None:
+        sc = self.sc
+        self.phase = "start broker"
+        await self._start_broker()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._sample_rss)
+        self.phase = "baseline"
+        self.baseline = await self._stats()
+        if self.baseline is None:
+            self.problems.append("the broker did not answer 'stats' at the start")
+            return
+        b = self.baseline
+        self.metrics.update(
+            {
+                "broker.fds_baseline": b["fds"],
+                "broker.tasks_baseline": b["tasks"],
+                "broker.connections_baseline": b["connections"],
+                "broker.rss_baseline_mib": round(b["rss_bytes"] / _MIB, 2),
+            }
+        )
+
+        self.phase = "start clients"
+        held = {f.target for f in sc.faults if f.action == "start"}
+        for spec in sc.clients:
+            for i in range(spec.procs):
+                c = await self._start_client(spec, i)
+                c.held = spec.name in held
+        if not await self._wait_until(
+            lambda: all(c.ready or c.exited for c in self.clients),
+            CLIENT_READY_TIMEOUT,
+            "every client to be ready",
+        ):
+            return
+        failed = [c for c in self.clients if not c.ready]
+        if failed:
+            for c in failed:
+                self.problems.append(
+                    f"client {c.label} exited before it was ready:\n{c.stderr_tail()}"
+                )
+            return
+
+        self.phase = "traffic"
+        self.t0 = time.monotonic()
+        for c in self.clients:
+            if not c.held:
+                await c.send("go")
+        self._nursery.start_soon(self._run_faults)
+        await self._wait_until(
+            lambda: (
+                self.faults_done
+                and all(c.done or c.exited or c.killed for c in self.clients if c.spec.info.active)
+            ),
+            sc.timeout,
+            "the active clients to finish",
+        )
+        self.metrics["scenario.traffic_s"] = round(time.monotonic() - self.t0, 3)
+
+        self.phase = "settle"
+        await trio.sleep(sc.settle)
+
+        self.phase = "stop clients"
+        for c in self.clients:
+            if c.stopped and not c.exited:
+                _signal_group(c.proc, signal.SIGCONT)
+                c.stopped = False
+        for c in self.clients:
+            if not c.exited:
+                if c.held:  # never released: release it now so it can report
+                    await c.send("go")
+                await c.send("stop")
+        await self._wait_until(
+            lambda: all(c.exited for c in self.clients),
+            CLIENT_STOP_TIMEOUT,
+            "the clients to exit after 'stop'",
+        )
+
+        self.phase = "leak check"
+        await self._leak_check()
+
+        self.phase = "stop broker"
+        await self._stop_broker()
+
+    # -- broker -----------------------------------------------------------------------------------
+    async def _start_broker(self) -> float:
+        """Start a broker on the scenario's socket; returns how long it took to listen."""
+        sc = self.sc
+        argv = [
+            sys.executable,
+            "-m",
+            "msgq_trio",
+            "--log-level",
+            sc.broker.log_level,
+            "serve",
+            "--socket",
+            str(self.sock),
+            *sc.broker.argv(),
+        ]
+        t = time.monotonic()
+        with _log_file(self.broker_log, "ab") as err:
+            proc = await trio.lowlevel.open_process(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+            )
+        if sc.broker.nofile is not None:
+            # Lowering the limit of a running process is allowed; it applies to new fds.
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (sc.broker.nofile, sc.broker.nofile))
+        b = _Broker(proc)
+        self.brokers.append(b)
+        assert proc.stdout is not None
+        buf = b""
+        with trio.move_on_after(BROKER_START_TIMEOUT):
+            while b"listening" not in buf:
+                chunk = await proc.stdout.receive_some(4096)
+                if not chunk:
+                    break
+                buf += chunk
+        if b"listening" not in buf:
+            raise _Abort(
+                f"the broker did not start (stdout {buf!r}):\n{self._read_broker_log()[-3000:]}"
+            )
+        return time.monotonic() - t
+
+    async def _stats(self, timeout: float = 5.0) -> dict[str, Any] | None:
+        """The broker's ``stats`` through a short-lived probe connection (None if it does
+        not answer). The probe itself is one connection in every measurement."""
+        try:
+            with trio.fail_after(timeout):
+                async with connect(self.sock, name="scenario-probe") as bus:
+                    st = await bus.call("msgq", "stats")
+        except (MsgqError, trio.TooSlowError, OSError):
+            return None
+        return st if isinstance(st, dict) else None
+
+    async def _sample_rss(self) -> None:
+        while True:
+            b = self.broker
+            if b is not None and b.proc.returncode is None:
+                st = _proc_status(b.pid)
+                self.rss_peak = max(self.rss_peak, st.get("VmRSS", 0))
+                b.hwm_bytes = max(b.hwm_bytes, st.get("VmHWM", 0))
+            await trio.sleep(RSS_SAMPLE_INTERVAL)
+
+    async def _leak_check(self) -> None:
+        base = self.baseline
+        assert base is not None
+        deadline = time.monotonic() + self.sc.expect.settle_timeout
+        st: dict[str, Any] | None = None
+        while True:
+            st = await self._stats()
+            if st is not None and all(st[k] == base[k] for k in ("fds", "tasks", "connections")):
+                break
+            if time.monotonic() > deadline:
+                break
+            await trio.sleep(0.1)
+        self.final_stats = st
+        if st is None:
+            self.problems.append("the broker did not answer 'stats' at the end")
+            return
+        self.metrics.update(
+            {
+                "broker.fds_end": st["fds"],
+                "broker.tasks_end": st["tasks"],
+                "broker.connections_end": st["connections"],
+                "broker.pending_requests_end": st["pending_requests"],
+                "broker.queued_bytes_end": st["queued_bytes"],
+                "broker.groups_end": st["groups"],
+                "broker.rss_end_mib": round(st["rss_bytes"] / _MIB, 2),
+                "broker.rss_growth_mib": round((st["rss_bytes"] - base["rss_bytes"]) / _MIB, 2),
+            }
+        )
+        for k, v in st.get("counters", {}).items():
+            if isinstance(v, (int, float)):
+                self.metrics[f"broker.counters.{k}"] = v
+
+    async def _stop_broker(self) -> None:
+        b = self.broker
+        assert b is not None
+        alive = b.proc.returncode is None
+        self.metrics["broker.alive"] = int(alive)
+        if not alive:
+            self.metrics["broker.exit_status"] = float(b.proc.returncode or 0)
+            return
+        b.hwm_bytes = max(b.hwm_bytes, _proc_status(b.pid).get("VmHWM", 0))
+        b.proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(BROKER_STOP_TIMEOUT):
+            await b.proc.wait()
+        if b.proc.returncode is None:
+            self.problems.append(f"the broker ignored SIGTERM for {BROKER_STOP_TIMEOUT:.0f} s")
+            return
+        self.metrics["broker.exit_status"] = b.proc.returncode
+        self.metrics["broker.socket_removed"] = int(not _exists(self.sock))
+
+    # -- clients ----------------------------------------------------------------------------------
+    async def _start_client(self, spec: ClientSpec, index: int) -> _Client:
+        argv = [
+            sys.executable,
+            "-m",
+            "msgq_trio.scenario.clients",
+            spec.role,
+            "--socket",
+            str(self.sock),
+            "--name",
+            f"{spec.name}-{index}",
+            "--index",
+            str(index),
+            "--params",
+            json.dumps(spec.params),
+        ]
+        log_path = self.tmp / f"{spec.name}-{index}.log"
+        with _log_file(log_path, "wb") as err:
+            proc = await trio.lowlevel.open_process(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+            )
+        c = _Client(spec, index, proc, log_path)
+        self.clients.append(c)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._read_client, c)
+        return c
+
+    async def _read_client(self, c: _Client) -> None:
+        """Parse the client's stdout lines until EOF, then reap it."""
+        stream = c.proc.stdout
+        assert stream is not None
+        buf = b""
+        while True:
+            try:
+                chunk = await stream.receive_some(1 << 16)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self._client_line(c, line.decode(errors="replace"))
+        await c.proc.wait()
+        c.exited = True
+        self._notify()
+
+    def _client_line(self, c: _Client, line: str) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            c.other_output.append(line)
+            return
+        if not isinstance(msg, dict):
+            return
+        ev = msg.get("event")
+        if ev == "ready":
+            c.ready = True
+            c.lnames = list(msg.get("lnames", []))
+        elif ev == "done":
+            c.done = True
+        elif ev == "report":
+            c.report = msg
+        self._notify()
+
+    # -- faults -----------------------------------------------------------------------------------
+    async def _run_faults(self) -> None:
+        try:
+            for f in self.sc.faults:
+                delay = self.t0 + f.at - time.monotonic()
+                if delay > 0:
+                    await trio.sleep(delay)
+                at_ms = (time.monotonic() - self.t0) * 1000
+                self.metrics[f"fault.{f.name}.at_ms"] = round(at_ms, 1)
+                entry: dict[str, Any] = {
+                    "name": f.name,
+                    "action": f.action,
+                    "target": f.target if f.index is None else f"{f.target}#{f.index}",
+                    "at_s": f.at,
+                    "done_ms": round(at_ms, 1),
+                    "pids": [],
+                }
+                self.fault_log.append(entry)
+                await self._apply(f, entry)
+        except _Abort as exc:
+            self.problems.append(f"fault {self.fault_log[-1]['name']!r}: {exc}")
+        finally:
+            self.faults_done = True
+            self._notify()
+
+    async def _apply(self, f: FaultSpec, entry: dict[str, Any]) -> None:
+        if f.action in ("kill-broker", "stop-broker", "cont-broker", "restart-broker"):
+            b = self.broker
+            assert b is not None
+            entry["pids"] = [b.pid]
+            if f.action == "kill-broker":
+                b.hwm_bytes = max(b.hwm_bytes, _proc_status(b.pid).get("VmHWM", 0))
+                _signal_group(b.proc, signal.SIGKILL)
+                await b.proc.wait()
+            elif f.action == "stop-broker":
+                _signal_group(b.proc, signal.SIGSTOP)
+            elif f.action == "cont-broker":
+                _signal_group(b.proc, signal.SIGCONT)
+            else:
+                if b.proc.returncode is None:
+                    _signal_group(b.proc, signal.SIGKILL)
+                    await b.proc.wait()
+                took = await self._start_broker()
+                self.metrics["broker.restart_ms"] = round(took * 1000, 1)
+                self.metrics["broker.restarts"] = self.metrics.get("broker.restarts", 0) + 1
+                entry["pids"] = [self.brokers[-1].pid]
+            return
+        targets = [
+            c
+            for c in self.clients
+            if c.spec.name == f.target and (f.index is None or c.index == f.index)
+        ]
+        entry["pids"] = [c.proc.pid for c in targets]
+        for c in targets:
+            if c.exited:
+                continue
+            if f.action == "start":
+                c.held = False
+                await c.send("go")
+                continue
+            sig = {
+                "sigkill": signal.SIGKILL,
+                "sigstop": signal.SIGSTOP,
+                "sigcont": signal.SIGCONT,
+                "sigterm": signal.SIGTERM,
+                "stop-reading": signal.SIGUSR1,
+                "release": signal.SIGUSR1,
+                "resume-reading": signal.SIGUSR2,
+            }[f.action]
+            # Only the client process itself: it is its own process group leader.
+            c.proc.send_signal(sig)
+            if f.action == "sigkill":
+                c.killed = True
+            elif f.action == "sigstop":
+                c.stopped = True
+            elif f.action == "sigcont":
+                c.stopped = False
+        self._notify()
+
+    # -- cleanup ----------------------------------------------------------------------------------
+    async def _cleanup(self) -> None:
+        """Kill and reap every process we started (whole process groups), close pipes."""
+        procs = [c.proc for c in self.clients] + [b.proc for b in self.brokers]
+        for p in procs:
+            if p.returncode is None:
+                _signal_group(p, signal.SIGCONT)
+                _signal_group(p, signal.SIGKILL)
+        for p in procs:
+            with trio.move_on_after(10):
+                await p.wait()
+            for stream in (p.stdin, p.stdout, p.stderr):
+                if stream is not None:
+                    await stream.aclose()
+        for c in self.clients:
+            c.exited = True
+
+    # -- figures and verdict ----------------------------------------------------------------------
+    def _read_broker_log(self) -> str:
+        try:
+            return self.broker_log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def _log_metrics(self, log_text: str) -> None:
+        m = self.metrics
+        lines = log_text.splitlines()
+        m["broker.log_lines"] = len(lines)
+        m["broker.log_warnings"] = sum(" WARNING " in ln for ln in lines)
+        m["broker.log_errors"] = sum(" ERROR " in ln for ln in lines)
+        m["broker.log_tracebacks"] = sum(ln.startswith("Traceback") for ln in lines)
+        m["broker.rss_peak_mib"] = round(
+            max([self.rss_peak] + [b.hwm_bytes for b in self.brokers]) / _MIB, 2
+        )
+        m.setdefault("broker.restarts", 0)
+        self._client_metrics()
+
+    def _client_metrics(self) -> None:
+        m = self.metrics
+        healthy_samples: list[float] = []
+        healthy_max = 0.0
+        healthy_n = 0
+        failures = 0
+        for spec in self.sc.clients:
+            procs = [c for c in self.clients if c.spec is spec]
+            n = spec.name
+            m[f"{n}.procs"] = len(procs)
+            m[f"{n}.killed"] = sum(c.killed for c in procs)
+            reports = [c.report for c in procs if c.report is not None]
+            m[f"{n}.reports"] = len(reports)
+            for c in procs:
+                if c.killed:
+                    continue
+                rc = c.proc.returncode
+                err = c.report.get("error") if c.report else None
+                if c.report is None or rc != 0 or err:
+                    failures += 1
+                    self.problems.append(
+                        f"client {c.label} (pid {c.proc.pid}) ended badly: exit status {rc}, "
+                        f"report {'missing' if c.report is None else 'error ' + str(err)}\n"
+                        f"{c.stderr_tail()}"
+                    )
+            counts: dict[str, float] = {}
+            times: dict[str, float] = {}
+            samples: list[float] = []
+            lat_n = 0
+            lat_max = 0.0
+            for r in reports:
+                for k, v in r.get("counts", {}).items():
+                    counts[k] = counts.get(k, 0) + v
+                for k, v in r.get("times", {}).items():
+                    rel = round((v - self.t0) * 1000, 1)
+                    pick = min if k.startswith("first.") else max
+                    times[k] = pick(times.get(k, rel), rel)
+                for k, v in r.get("max", {}).items():
+                    m[f"{n}.max.{k}"] = round(max(m.get(f"{n}.max.{k}", v), v), 3)
+                for k, v in r.get("min", {}).items():
+                    m[f"{n}.min.{k}"] = round(min(m.get(f"{n}.min.{k}", v), v), 3)
+                lat = r.get("latency", {})
+                lat_n += lat.get("n", 0)
+                lat_max = max(lat_max, lat.get("max_ms", 0.0))
+                samples += lat.get("samples", [])
+            for k, v in counts.items():
+                m[f"{n}.{k}"] = v
+            for k, v in times.items():
+                m[f"{n}.{k}"] = v
+            if lat_n:
+                m.update(_latency_metrics(f"{n}.latency", samples, lat_n, lat_max))
+                if spec.healthy:
+                    healthy_samples += samples
+                    healthy_n += lat_n
+                    healthy_max = max(healthy_max, lat_max)
+        m["scenario.client_failures"] = failures
+        if healthy_n:
+            m.update(_latency_metrics("latency", healthy_samples, healthy_n, healthy_max))
+
+    def _client_records(self) -> list[dict[str, Any]]:
+        out = []
+        for spec in self.sc.clients:
+            procs = [c for c in self.clients if c.spec is spec]
+            out.append(
+                {
+                    "name": spec.name,
+                    "role": spec.role,
+                    "procs": spec.procs,
+                    "healthy": spec.healthy,
+                    "params": spec.params,
+                    "pids": [c.proc.pid for c in procs],
+                    "exit_status": [c.proc.returncode for c in procs],
+                    "killed": [c.index for c in procs if c.killed],
+                }
+            )
+        return out
+
+    def _evaluate(self, log_text: str) -> list[CheckResult]:
+        sc, e, m = self.sc, self.sc.expect, self.metrics
+        checks: list[CheckResult] = []
+
+        def add(check: str, expected: str, actual: float | None, ok: bool) -> None:
+            checks.append(CheckResult(check, expected, actual, ok))
+
+        def bound(metric: str, op: str, value: float) -> None:
+            actual = m.get(metric)
+            add(
+                f"{metric} {op} {_fmt(value)}",
+                f"{op} {_fmt(value)}",
+                actual,
+                actual is not None and _compare(actual, op, value),
+            )
+
+        bound("scenario.client_failures", "==", 0)
+        bound("broker.log_tracebacks", "==", 0)
+        if e.broker_alive:
+            bound("broker.alive", "==", 1)
+            bound("broker.exit_status", "==", 0)
+            bound("broker.socket_removed", "==", 1)
+        base = self.baseline
+        if base is not None:
+            if e.fds_baseline:
+                bound("broker.fds_end", "==", base["fds"])
+                bound("broker.connections_end", "==", base["connections"])
+            if e.tasks_baseline:
+                bound("broker.tasks_end", "==", base["tasks"])
+        if e.rss_max_mib is not None:
+            bound("broker.rss_peak_mib", "<=", e.rss_max_mib)
+        if e.latency_p99_ms is not None:
+            bound("latency.p99_ms", "<=", e.latency_p99_ms)
+        if e.latency_max_ms is not None:
+            bound("latency.max_ms", "<=", e.latency_max_ms)
+        for pat in e.log:
+            n = len(re.findall(pat, log_text, re.MULTILINE))
+            add(f"broker log matches /{pat}/", ">= 1 line", n, n >= 1)
+        for pat in e.log_absent:
+            n = len(re.findall(pat, log_text, re.MULTILINE))
+            add(f"broker log does not match /{pat}/", "0 lines", n, n == 0)
+        names = {c.name for c in sc.clients}
+        for chk in e.counts:
+            try:
+                actual = _lookup(chk.metric, m, names)
+                rhs = _evaluate_expr(chk.expr, m, names)
+            except KeyError as exc:
+                add(str(chk), f"{chk.op} {chk.expr}", None, False)
+                self.problems.append(f"check {chk}: unknown metric {exc.args[0]!r}")
+                continue
+            add(str(chk), f"{chk.op} {_fmt(rhs)}", actual, _compare(actual, chk.op, rhs))
+        return checks
+
+
+class _Abort(Exception):
+    """A phase cannot continue (reported as a problem by the caller)."""
+
+
+def _compare(a: float, op: str, b: float) -> bool:
+    if op == "==":
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    if op == "!=":
+        return not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op]
+
+
+def _lookup(name: str, metrics: dict[str, float], clients: set[str]) -> float:
+    """A metric's value. Counts a client never reported are 0 (no error of that kind);
+    any other unknown name raises KeyError (a typo must not pass silently)."""
+    if name in metrics:
+        return float(metrics[name])
+    base = name.split(".", 1)[0]
+    if base in clients and not re.search(r"\.(latency|max|min|first|last)\.", "." + name):
+        return 0.0
+    raise KeyError(name)
+
+
+def _evaluate_expr(expr: str, metrics: dict[str, float], clients: set[str]) -> float:
+    """Numbers and metric names joined by ``+ - * /`` (usual precedence, left to right)."""
+    tokens = expr.split()
+    values: list[float] = []
+    ops: list[str] = []
+    for i, tok in enumerate(tokens):
+        if i % 2:
+            ops.append(tok)
+            continue
+        try:
+            v = float(tok)
+        except ValueError:
+            v = _lookup(tok, metrics, clients)
+        if ops and ops[-1] in ("*", "/"):
+            op = ops.pop()
+            prev = values.pop()
+            v = prev * v if op == "*" else (prev / v if v else math.inf)
+        values.append(v)
+    total = values[0]
+    for op, v in zip(ops, values[1:], strict=True):
+        total = total + v if op == "+" else total - v
+    return total
+
+
+def _latency_metrics(prefix: str, samples: list[float], n: int, max_ms: float) -> dict[str, float]:
+    s = sorted(samples)
+
+    def pct(q: float) -> float:
+        if not s:
+            return 0.0
+        return round(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))], 3)
+
+    return {
+        f"{prefix}.n": n,
+        f"{prefix}.p50_ms": pct(0.50),
+        f"{prefix}.p99_ms": pct(0.99),
+        f"{prefix}.max_ms": round(max_ms, 3),
+    }
