@@ -205,6 +205,12 @@ trio.run(main)
 """
 
 
+def _spawn_receiver(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+
+
 @pytest.mark.slow
 async def test_no_descriptor_leaks_over_10000_messages_with_receivers_killed(
     broker: Any,
@@ -212,12 +218,7 @@ async def test_no_descriptor_leaks_over_10000_messages_with_receivers_killed(
     """10,000 descriptor-carrying messages to two receiver processes, one SIGKILLed
     midway and one SIGSTOPped (its queue holds descriptors when it is killed): the
     broker's open descriptors return to the baseline."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RECEIVER, str(broker.path)], stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(3)
-    ]
+    procs = [_spawn_receiver(broker.path) for _ in range(3)]
     try:
         for p in procs:
             assert p.stdout is not None
