@@ -35,6 +35,7 @@ __all__ = [
     "NoRecipient",
     "RecipientGone",
     "RemoteError",
+    "Reply",
     "RequestTimeout",
     "Result",
     "RpcError",

@@ -1,11 +1,11 @@
-"""Command line: ``msgq-trio serve | send | call | listen | members | demo | bench``."""
+"""Command line: ``msgq-trio serve | ctl | dump | send | call | listen | members | demo |
+bench | scenario``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +14,8 @@ from typing import Any
 import trio
 
 from . import __version__
-from .config import Limits, default_socket_path
+from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
+from .ops.serve import add_serve_arguments
 
 log = logging.getLogger("msgq_trio.cli")
 
@@ -33,30 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="msgq-trio", description=__doc__)
     parser.add_argument("--version", action="version", version=f"msgq-trio {__version__}")
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--log-level",
+        default=None,
+        choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC"],
+        help="default INFO (serve: log.level of the configuration file); TRAFFIC logs "
+        "every frame the broker routes",
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("serve", help="run the broker daemon")
     _add_socket(p)
-    defaults = Limits()
-    for field in (
-        "max_frame_size",
-        "out_soft_limit",
-        "out_hard_limit",
-        "max_pending_requests",
-        "max_subscriptions",
-        "max_connections",
-    ):
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(defaults, field))
-    for field in (
-        "slow_consumer_timeout",
-        "request_timeout",
-        "idle_in_frame_timeout",
-        "handshake_timeout",
-        "shutdown_grace",
-    ):
-        p.add_argument("--" + field.replace("_", "-"), type=float, default=getattr(defaults, field))
+    add_serve_arguments(p)
+
+    p = sub.add_parser(
+        "ctl", help="control a running broker: clients, drop, shutdown, config, stats, capture"
+    )
+    add_ctl_arguments(p)
+
+    p = sub.add_parser("dump", help="show the traffic through the broker live")
+    add_dump_arguments(p)
 
     p = sub.add_parser("send", help="send one message (body: JSON)")
     _add_socket(p)
@@ -96,16 +92,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Subcommands with their own argument parser: everything after the name is theirs
+#: (argparse's REMAINDER would reject a first argument that looks like an option).
+_DELEGATED = ("bench", "scenario")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``msgq-trio``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        logging.basicConfig(level=logging.WARNING)
+        if argv[0] == "bench":
+            from .bench.run import main as bench_main
+
+            return int(bench_main(argv[1:]))
+        from .scenario.cli import main as scenario_main
+
+        return int(scenario_main(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.cmd == "serve":
+        from .ops.serve import serve_main
+
+        return serve_main(args)  # configures logging from the file and flags
+    level = args.log_level or "INFO"
     logging.basicConfig(
-        level=getattr(logging, args.log_level),
+        level=logging.DEBUG if level == "TRAFFIC" else getattr(logging, level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.cmd == "serve":
-            return trio.run(_serve, args)
+        if args.cmd == "ctl":
+            from .ops.ctl_client import run_ctl
+
+            return trio.run(run_ctl, args)
+        if args.cmd == "dump":
+            from .ops.ctl_client import run_dump
+
+            return trio.run(run_dump, args)
         if args.cmd == "demo":
             from .demo import run_demo
 
@@ -121,57 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(_client_command, args)
     except KeyboardInterrupt:
         return 130
-
-
-async def _serve(args: argparse.Namespace) -> int:
-    from .io.server import BrokerAlreadyRunning, Server
-
-    try:
-        limits = Limits(
-            **{
-                f: getattr(args, f)
-                for f in (
-                    "max_frame_size",
-                    "out_soft_limit",
-                    "out_hard_limit",
-                    "max_pending_requests",
-                    "max_subscriptions",
-                    "max_connections",
-                    "slow_consumer_timeout",
-                    "request_timeout",
-                    "idle_in_frame_timeout",
-                    "handshake_timeout",
-                    "shutdown_grace",
-                )
-            }
-        )
-    except (ValueError, TypeError) as exc:
-        print(f"msgq-trio serve: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    server = Server(args.socket or default_socket_path(), limits)
-    try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(server.run)
-                print(f"msgq-trio broker listening on {server.path}", flush=True)
-
-                async def on_signal() -> None:
-                    async for signum in signals:
-                        log.info("received %s", signal.Signals(signum).name)
-                        await server.shutdown()
-                        await server.shutdown_complete.wait()
-                        nursery.cancel_scope.cancel()
-                        return
-
-                nursery.start_soon(on_signal)
-    except BrokerAlreadyRunning as exc:
-        print(f"msgq-trio serve: {exc}", file=sys.stderr)
-        return 1
-    except (RuntimeError, OSError) as exc:
-        print(f"msgq-trio serve: cannot listen: {exc}", file=sys.stderr)
-        return 1
-    log.info("broker stopped")
-    return 0
 
 
 async def _client_command(args: argparse.Namespace) -> int:

@@ -28,8 +28,8 @@ from ..errors import (
     CommandFailed,
     ConnectError,
     ConnectionLost,
+    MsgqError,
     RequestTimeout,
-    RpcError,
     UsageError,
     rpc_error_from_wire,
 )
@@ -213,7 +213,7 @@ class Result:
     target: str
     ok: bool
     value: Any = None
-    error: RpcError | None = None
+    error: MsgqError | None = None
     #: For call_all: the member (lname) that answered or failed.
     sender: str | None = None
 
@@ -262,7 +262,7 @@ class _Call:
         self.multi = multi
         self.done = trio.Event()
         self.result: Any = None
-        self.error: RpcError | None = None
+        self.error: MsgqError | None = None
         self.expected: list[tuple[str, str]] | None = None  # ROUTED (multi only)
         self.answers: dict[str, Result] = {}
         self.frame: Frame | None = None  # the REPLY of a single call (for request())
@@ -308,7 +308,7 @@ class _Call:
         if self.expected is not None and len(self.answers) >= len(self.expected):
             self.done.set()
 
-    def fail(self, error: RpcError) -> None:
+    def fail(self, error: MsgqError) -> None:
         if not self.done.is_set():
             self.error = error
             self.done.set()
@@ -353,6 +353,7 @@ class Bus:
         self._since_yield = 0
         self._broker_goodbye = trio.Event()
         self._writing = False
+        self._lost_event = trio.Event()
         self._fd = stream.socket.fileno()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -382,9 +383,7 @@ class Bus:
                 limits = header.get("limits")
                 if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
                     self._max_fds = limits["max_fds_per_message"]
-                if self._conn.in_frame or self._conn.next_event() is not NEED_DATA:
-                    raise ConnectError("broker sent data before the handshake completed")
-                return
+                return  # frames that came right behind WELCOME stay buffered for the reader
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
         except ProtocolError as exc:
@@ -408,8 +407,9 @@ class Bus:
     def _fail_all(self, exc: ConnectionLost) -> None:
         if self._lost is None:
             self._lost = exc
+            self._lost_event.set()
         for call in self._calls.values():
-            call.fail(RpcError(str(exc), code="connection-lost"))
+            call.fail(ConnectionLost(str(exc), code=exc.code))
         self._in_wake.unpark_all()
         self._drained.unpark_all()
         self._in_taken.unpark_all()
@@ -966,16 +966,25 @@ class Bus:
                 if self._drained:
                     self._drained.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # A broker that drops us sends an ERROR frame with the reason and closes; our
+            # write may fail before the reader has seen that frame. Let the reader report
+            # the reason first; fall back to the write error.
+            with trio.move_on_after(1.0):
+                await self._lost_event.wait()
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
     async def _reader(self) -> None:
         conn, stream = self._conn, self._stream
         sock = stream.socket
         ancsize = ancillary_size(self._max_fds)
+        received = False  # first pass: frames buffered behind WELCOME
         try:
             while True:
-                data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
-                conn.receive_data(data, fds)
+                if received:
+                    data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                    conn.receive_data(data, fds)
+                else:
+                    data, received = b"-", True
                 inq, sources = self._in, self._sources
                 for ev in conn.events():
                     if ev is EOF:
@@ -990,6 +999,8 @@ class Bus:
                         self._dispatch(ev)
                 if self._in and self._in_wake:
                     self._in_wake.unpark_all()
+                if conn.error_pending:
+                    conn.events()  # raises the protocol error that followed valid frames
                 if not data:
                     self._broker_goodbye.set()
                     self._fail_all(ConnectionLost("the broker closed the connection"))

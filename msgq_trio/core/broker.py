@@ -30,10 +30,10 @@ from .peers import Buffer, Peer
 from .router import (
     ANYCAST,
     BROKER,
-    BROKER_PREFIX,
     DIRECT,
     GROUP,
     MEMBERSHIP_GROUP,
+    RESERVED,
     Router,
     valid_group_name,
 )
@@ -102,6 +102,9 @@ class Broker:
         #: no-recipient, refused, forwarded, discarded, logged, broker. None = capture off,
         #: which costs one attribute test per frame.
         self.tap: Callable[[Peer | None, Frame, str, int], None] | None = None
+        #: Called as ``on_disconnect(peer, reason)`` once per peer when it is forgotten
+        #: (operations: lifetime counters for metrics, ending a dump). None = nothing.
+        self.on_disconnect: Callable[[Peer, str], None] | None = None
         self.commands: dict[str, Callable[[Peer, Any], object]] = {
             "subscribe": self._cmd_subscribe,
             "unsubscribe": self._cmd_unsubscribe,
@@ -152,6 +155,8 @@ class Broker:
         if not peer.alive:
             return
         peer.alive = False
+        if self.on_disconnect is not None:
+            self.on_disconnect(peer, reason)
         left = self.router.remove_peer(peer)
         failures = self.rpc.peer_gone(peer)
         if not keep_queue:
@@ -202,7 +207,17 @@ class Broker:
         peer.msgs_in += 1
         peer.bytes_in += len(frame.raw)
         n = 0
-        if ftype == _MESSAGE:
+        if ftype == _MESSAGE or ftype == _NOTIFY:
+            kind = self.router.parse_target(frame.target)[0]
+            if kind == RESERVED:
+                raise RemoteProtocolError(
+                    f"{frame.target!r} is published by the broker only", ErrorCode.FORBIDDEN
+                )
+            if ftype == _NOTIFY and kind != GROUP:
+                raise RemoteProtocolError(
+                    f"notification to {frame.target!r}: notifications go to groups only",
+                    ErrorCode.FORBIDDEN,
+                )
             n = self._deliver_oneway(peer, frame)
             outcome = "delivered" if n else "no-recipient"
         elif ftype == _REQUEST:
@@ -218,15 +233,6 @@ class Broker:
                     peer.describe(),
                     _safe_header(frame),
                 )
-        elif ftype == _NOTIFY:
-            kind = self.router.parse_target(frame.target)[0]
-            if kind != GROUP or frame.target.startswith(BROKER_PREFIX):
-                raise RemoteProtocolError(
-                    f"notification to {frame.target!r}: notifications go to client groups only",
-                    ErrorCode.FORBIDDEN,
-                )
-            n = self._deliver_oneway(peer, frame)
-            outcome = "delivered" if n else "no-recipient"
         else:
             return  # GOODBYE is handled by the I/O layer (it closes after flushing).
         if self.tap is not None:
@@ -257,7 +263,11 @@ class Broker:
             nbytes += len(frame.raw)
             nfast += 1
             members = groups.get(frame.target)
-            n = deliver(peer, frame, members, peer) if members else 0
+            if members:
+                n = deliver(peer, frame, members, peer)
+            else:
+                n = 0
+                self.stats["no_recipient"] += 1
             if tap is not None:
                 tap(peer, frame, "delivered" if n else "no-recipient", n)
         peer.msgs_in += nfast
@@ -291,7 +301,7 @@ class Broker:
         dirty = self.dirty
         nfds = len(frame.fds)
         for r in recipients:
-            if r is skip:
+            if r is skip or r.sealed:
                 continue
             if pieces is None:
                 pieces = restamp(frame, peer.stamp)
@@ -334,7 +344,7 @@ class Broker:
     def _enqueue(self, r: Peer, pieces: list[Buffer], fds: tuple[int, ...] = ()) -> bool:
         """Queue a frame (with duplicates of ``fds``) for ``r``; False if it would go over
         ``out_hard_limit`` or ``max_fds_queued``."""
-        if not r.alive:
+        if not r.alive or r.sealed:
             return False
         size = _size(pieces)
         if r.outq_bytes + size > self.limits.out_hard_limit:
@@ -359,7 +369,7 @@ class Broker:
     ) -> None:
         """Queue a frame ``r`` is owed (an answer it asked for, a notification it subscribed
         to); if its queue is over its bounds it is dropped, never left waiting."""
-        if r.alive and not self._enqueue(r, pieces, fds):
+        if r.alive and not r.sealed and not self._enqueue(r, pieces, fds):
             self.kick(
                 r,
                 ErrorCode.SLOW_CONSUMER,
@@ -420,6 +430,11 @@ class Broker:
         if kind == BROKER:
             self._broker_command(peer, frame, command)
             return "broker", 1
+        if kind == RESERVED:
+            self._reply_error(
+                peer, rid, ErrorCode.FORBIDDEN, f"{frame.target!r} is published by the broker only"
+            )
+            return "refused", 0
         recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
         if not recipients:
             self._reply_error(
@@ -461,7 +476,11 @@ class Broker:
         pieces = restamp(frame, peer.stamp)
         delivered: list[Peer] = []
         for r in recipients:
-            if self._enqueue(r, pieces, frame.fds):
+            if r.sealed:
+                self._reply_error(
+                    peer, rid, ErrorCode.RECIPIENT_GONE, f"{r.lname} is leaving", source=r.stamp
+                )
+            elif self._enqueue(r, pieces, frame.fds):
                 delivered.append(r)
             else:
                 self._reply_error(

@@ -38,6 +38,7 @@ class Peer:
         "pending_in",
         "pending_out",
         "pid",
+        "sealed",
         "stamp",
         "uid",
     )
@@ -61,6 +62,8 @@ class Peer:
         self.pending_in: set[tuple[int, int]] = set()
         self.pending_out: set[tuple[int, int]] = set()
         self.alive = True
+        #: The broker has queued its GOODBYE to this peer: nothing may follow it.
+        self.sealed = False
         self.msgs_in = 0
         self.bytes_in = 0
         self.msgs_out = 0

@@ -18,7 +18,8 @@ LNAME_PREFIX = "l."
 MEMBERSHIP_GROUP = "msgq.membership"
 
 # Target kinds returned by parse_target.
-DIRECT, GROUP, INSTANCE, ANYCAST, BROKER = range(5)
+# RESERVED: a group under ``msgq.`` (published by the broker only; clients may subscribe).
+DIRECT, GROUP, INSTANCE, ANYCAST, BROKER, RESERVED = range(6)
 
 _MAX_NAME = 255
 _PARSE_CACHE_MAX = 65536
@@ -103,7 +104,7 @@ class Router:
         (the caller handles ``BROKER`` before asking).
         """
         kind, base, index = self.parse_target(target)
-        if kind == GROUP:
+        if kind == GROUP or kind == RESERVED:
             members = self.groups.get(base)
             if not members:
                 return ()
@@ -146,4 +147,6 @@ def _parse(target: str) -> tuple[int, str, int]:
             if inner.isdigit() and inner.isascii():
                 return (INSTANCE, base, int(inner))
         return (DIRECT, target, -1)  # malformed instance syntax: resolves to nobody
+    if target.startswith(BROKER_PREFIX):
+        return (RESERVED, target, 0)
     return (GROUP, target, 0)

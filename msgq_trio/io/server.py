@@ -229,10 +229,21 @@ class Server:
         if pc.conn.sent_goodbye:
             return
         pc.conn.check_send(FrameType.GOODBYE)
+        pc.peer.sealed = True
         for b in goodbye:
             pc.peer.outq.append(b)
             pc.peer.outq_bytes += len(b)
         pc.wake.set()
+
+    def apply_limits(self, limits: Limits) -> None:
+        """Enforce ``limits`` from now on (configuration reload, ``config-set``).
+
+        Limits read when a connection starts (``max_frame_size``, ``idle_in_frame_timeout``,
+        ``handshake_timeout``, ``max_fds_per_message``) apply to connections made after
+        this; the others at once (a lowered ``request_timeout`` to new requests).
+        """
+        self.limits = limits
+        self.core.limits = limits
 
     def _cmd_stats(self, _peer: Peer, _params: object) -> dict[str, object]:
         """Broker command ``stats``: process-level figures for operators and fault scenarios."""
@@ -434,27 +445,32 @@ class Server:
         idle_in_frame = self.limits.idle_in_frame_timeout
         sock = stream.socket
         ancsize = ancillary_size(self.limits.max_fds_per_message)
-        fds: list[int] = []
+        # Frames pipelined right behind HELLO are already buffered: the first pass
+        # handles them before waiting for more data.
+        received = False
         while True:
-            if conn.in_frame:
-                with trio.move_on_after(idle_in_frame) as cs:
-                    data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
-                if cs.cancelled_caught:
-                    raise RemoteProtocolError(
-                        f"stalled in the middle of a frame for {idle_in_frame} s "
-                        "(idle_in_frame_timeout)",
-                        ErrorCode.PROTOCOL_ERROR,
-                    )
-            else:
-                data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
-            if not data:
-                close_fds(fds)
+            if received:
                 if conn.in_frame:
-                    log.info(
-                        "client %s closed the connection in the middle of a frame", peer.describe()
-                    )
-                return False
-            conn.receive_data(data, fds)
+                    with trio.move_on_after(idle_in_frame) as cs:
+                        data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                    if cs.cancelled_caught:
+                        raise RemoteProtocolError(
+                            f"stalled in the middle of a frame for {idle_in_frame} s "
+                            "(idle_in_frame_timeout)",
+                            ErrorCode.PROTOCOL_ERROR,
+                        )
+                else:
+                    data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                if not data:
+                    close_fds(fds)
+                    if conn.in_frame:
+                        log.info(
+                            "client %s closed the connection in the middle of a frame",
+                            peer.describe(),
+                        )
+                    return False
+                conn.receive_data(data, fds)
+            received = True
             now = trio.current_time()
             try:
                 events = conn.events()
@@ -473,6 +489,8 @@ class Server:
                     return last is not EOF
             finally:
                 self._after_core()
+            if conn.error_pending:
+                conn.events()  # raises the protocol error that followed the valid frames
             if core.blocked:
                 await self._wait_for_receivers(pc)
 

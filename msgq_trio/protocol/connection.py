@@ -102,6 +102,13 @@ class Connection:
         )
 
     @property
+    def error_pending(self) -> bool:
+        """True when :meth:`events` returned valid frames that preceded a protocol error;
+        the next call raises it. Callers check this after handling those frames instead of
+        waiting for more data that may never come."""
+        return self._pending_error is not None or self._parser.error is not None
+
+    @property
     def in_frame(self) -> bool:
         """True while a frame has started arriving and is not complete."""
         return self._parser.in_frame

@@ -317,6 +317,11 @@ class FrameParser:
         return n
 
     @property
+    def error(self) -> RemoteProtocolError | None:
+        """The error that poisoned this parser, if any (raised again by every call)."""
+        return self._error
+
+    @property
     def in_frame(self) -> bool:
         """True while part of a frame has arrived and the rest has not."""
         return self.buffered > 0
