@@ -1,0 +1,429 @@
+"""Shared fixtures: real broker processes on short Unix socket paths, helper client
+processes that a test can SIGKILL, and raw-socket peers for fault injection.
+
+Nothing here is a mock: every broker is ``python -m msgq_trio serve`` in its own process,
+every client talks to it through a real AF_UNIX socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from msgq_trio.protocol.codes import PROTOCOL_VERSION, FrameType
+from msgq_trio.protocol.framing import Frame, FrameParser, encode_cbor, encode_frame
+
+PY = sys.executable
+STARTUP_TIMEOUT = 20.0
+STOP_TIMEOUT = 15.0
+
+
+# -- temporary directories with short paths (AF_UNIX paths are limited to ~107 bytes) ---------
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory directly under /tmp, removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="mq", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# -- reading lines from a child's stdout without blocking forever ---------------------------
+class LineReader:
+    """Reads lines from a pipe with a timeout (select + os.read, no buffered file object)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = b""
+        self.eof = False
+
+    def readline(self, timeout: float) -> str | None:
+        """The next line without its newline, or None at EOF. Raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            if self.eof:
+                if self._buf:
+                    line, self._buf = self._buf, b""
+                    return line.decode(errors="replace")
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line within {timeout} s (buffered: {self._buf!r})")
+            ready, _, _ = select.select([self._fd], [], [], left)
+            if ready:
+                chunk = os.read(self._fd, 65536)
+                if chunk:
+                    self._buf += chunk
+                else:
+                    self.eof = True
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode(errors="replace")
+
+    async def areadline(self, timeout: float) -> str | None:
+        """:meth:`readline` in a worker thread, so the test's trio tasks keep running."""
+        return await trio.to_thread.run_sync(self.readline, timeout)
+
+
+# -- broker processes -------------------------------------------------------------------------
+class BrokerProcess:
+    """A running ``msgq-trio serve`` child process.
+
+    Attributes:
+        path: the Unix socket it listens on.
+        proc: the Popen object; ``pid`` its process id.
+        expect_exit: set when the test stopped or killed it (teardown then checks nothing).
+    """
+
+    def __init__(self, path: Path, proc: subprocess.Popen[bytes], log_path: Path,
+                 argv: list[str]) -> None:
+        self.path = path
+        self.proc = proc
+        self.pid = proc.pid
+        self.log_path = log_path
+        self.argv = argv
+        self.expect_exit = False
+
+    def log(self) -> str:
+        """Everything the broker wrote to stderr so far (its log)."""
+        return self.log_path.read_text(errors="replace")
+
+    def send_signal(self, sig: int) -> None:
+        self.expect_exit = True
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = STOP_TIMEOUT) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> int:
+        """Send ``sig`` and wait for the exit status."""
+        self.send_signal(sig)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        self.expect_exit = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(STOP_TIMEOUT)
+
+    def close_pipes(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def make_broker_argv(path: Path, *flags: str, log_level: str = "INFO") -> list[str]:
+    """The command line of ``msgq-trio serve`` on ``path`` with extra flags."""
+    return [PY, "-m", "msgq_trio", "--log-level", log_level, "serve", "--socket", str(path),
+            *flags]
+
+
+@pytest.fixture
+def broker_argv() -> Callable[..., list[str]]:
+    """``broker_argv(path, *flags)``: the broker command line, for tests that run it
+    themselves (e.g. expecting it to refuse to start)."""
+    return make_broker_argv
+
+
+def launch_broker(path: Path, *flags: str, log_level: str = "INFO") -> BrokerProcess:
+    """Start a broker process and wait until it prints that it is listening."""
+    log_path = path.with_name(path.name + ".log")
+    argv = make_broker_argv(path, *flags, log_level=log_level)
+    with open(log_path, "wb") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
+                                stdin=subprocess.DEVNULL)
+    bp = BrokerProcess(path, proc, log_path, argv)
+    assert proc.stdout is not None
+    reader = LineReader(proc.stdout.fileno())
+    try:
+        line = reader.readline(STARTUP_TIMEOUT)
+    except TimeoutError:
+        line = None
+    if line is None or "listening" not in line:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(STOP_TIMEOUT)
+        bp.close_pipes()
+        raise RuntimeError(
+            f"broker did not start (status {proc.returncode}, stdout {line!r}):\n{bp.log()}")
+    return bp
+
+
+def _finish_broker(b: BrokerProcess) -> list[str]:
+    """Teardown of one broker: SIGTERM, expect status 0 and the socket file removed."""
+    problems: list[str] = []
+    try:
+        if b.proc.poll() is None:
+            if b.expect_exit:
+                b.proc.kill()
+                b.proc.wait(STOP_TIMEOUT)
+                return problems
+            b.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = b.proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                b.proc.kill()
+                b.proc.wait(STOP_TIMEOUT)
+                problems.append(f"broker {b.pid} ignored SIGTERM for {STOP_TIMEOUT} s")
+                return problems
+            if rc != 0:
+                problems.append(f"broker {b.pid} exited with status {rc} after SIGTERM:\n"
+                                f"{b.log()[-3000:]}")
+            if os.path.lexists(b.path):
+                problems.append(f"broker {b.pid} left its socket file {b.path} behind")
+        elif not b.expect_exit:
+            problems.append(f"broker {b.pid} died during the test with status "
+                            f"{b.proc.returncode}:\n{b.log()[-3000:]}")
+    finally:
+        b.close_pipes()
+    log = b.log()
+    for marker in ("Traceback", "internal error"):
+        if marker in log:
+            problems.append(f"broker {b.pid} logged {marker!r} (a bug in the broker):\n"
+                            f"{log[-3000:]}")
+            break
+    return problems
+
+
+@pytest.fixture
+def broker_factory(short_tmp: Path) -> Iterator[Callable[..., BrokerProcess]]:
+    """``start(*flags, path=None)`` starts a broker with extra ``serve`` flags.
+
+    Teardown sends SIGTERM to every broker still running and asserts exit status 0 and
+    that the socket file is gone; a broker the test stopped or killed itself is not checked
+    again, one that died on its own fails the test. A broker whose log shows a traceback or
+    an "internal error" (a bug confined to one connection) fails the test too.
+    """
+    started: list[BrokerProcess] = []
+
+    def start(*flags: str, path: Path | None = None, log_level: str = "INFO") -> BrokerProcess:
+        p = path if path is not None else short_tmp / f"b{len(started)}.sock"
+        b = launch_broker(p, *flags, log_level=log_level)
+        started.append(b)
+        return b
+
+    yield start
+    problems: list[str] = []
+    for b in started:
+        problems += _finish_broker(b)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def broker(broker_factory: Callable[..., BrokerProcess]) -> BrokerProcess:
+    """A broker process with default limits on a fresh socket."""
+    return broker_factory()
+
+
+# -- helper client processes (so a test can SIGKILL a real client) ----------------------------
+CLIENT_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    from contextlib import AsyncExitStack
+    import trio
+    import msgq_trio
+
+    cfg = json.loads(sys.argv[1])
+
+    def out(*parts):
+        print(*parts, flush=True)
+
+    def make_handler(bus, cmd, behaviour):
+        if behaviour == "echo":
+            def echo(params):
+                return {"lname": bus.lname, "params": params}
+            return echo
+        if behaviour == "hang":
+            async def hang(params):
+                out("got", bus.lname, cmd, json.dumps(params))
+                await trio.sleep_forever()
+            return hang
+        if behaviour == "pid":
+            return lambda params: os.getpid()
+        raise SystemExit(f"unknown behaviour {behaviour!r}")
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            buses = []
+            for _ in range(cfg.get("count", 1)):
+                bus = await stack.enter_async_context(
+                    msgq_trio.connect(cfg["socket"], name=cfg.get("name", "helper")))
+                buses.append(bus)
+                for cmd, behaviour in cfg.get("commands", {}).items():
+                    bus.add_command(cmd, make_handler(bus, cmd, behaviour))
+                for g in cfg.get("groups", []):
+                    await bus.subscribe(g)
+            out(json.dumps({"pid": os.getpid(), "lnames": [b.lname for b in buses]}))
+            out("ready")
+            await trio.sleep_forever()
+
+    trio.run(main)
+''')
+
+
+class ClientProcess:
+    """A helper client process: ``count`` connections, each subscribed to ``groups`` and
+    serving ``commands`` ({command: "echo" | "hang" | "pid"}).
+
+    ``hang`` handlers print ``got <lname> <command> <params-json>`` when a request arrives.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], lnames: list[str],
+                 reader: LineReader, log_path: Path) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.lnames = lnames
+        self.reader = reader
+        self.log_path = log_path
+
+    @property
+    def lname(self) -> str:
+        return self.lnames[0]
+
+    def readline(self, timeout: float = 10.0) -> str | None:
+        return self.reader.readline(timeout)
+
+    async def areadline(self, timeout: float = 10.0) -> str | None:
+        return await self.reader.areadline(timeout)
+
+    def sigkill(self) -> None:
+        """SIGKILL the process and reap it (a real crash: no GOODBYE, sockets just close)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(STOP_TIMEOUT)
+
+    def close(self) -> None:
+        self.sigkill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def spawn_client(broker_factory: Callable[..., BrokerProcess],
+                 short_tmp: Path) -> Iterator[Callable[..., ClientProcess]]:
+    """``spawn(socket, name=..., groups=(), commands={}, count=1)`` starts a helper client
+    process and waits until all its connections are subscribed and serving.
+
+    Depends on ``broker_factory`` so that helpers are killed before brokers are stopped.
+    """
+    procs: list[ClientProcess] = []
+
+    def spawn(socket: Path, *, name: str = "helper", groups: tuple[str, ...] | list[str] = (),
+              commands: dict[str, str] | None = None, count: int = 1,
+              timeout: float = 30.0) -> ClientProcess:
+        cfg = {"socket": str(socket), "name": name, "groups": list(groups),
+               "commands": commands or {}, "count": count}
+        log_path = short_tmp / f"client{len(procs)}.log"
+        with open(log_path, "wb") as err:
+            proc = subprocess.Popen([PY, "-c", CLIENT_SCRIPT, json.dumps(cfg)],
+                                    stdout=subprocess.PIPE, stderr=err,
+                                    stdin=subprocess.DEVNULL)
+        assert proc.stdout is not None
+        reader = LineReader(proc.stdout.fileno())
+        cp = ClientProcess(proc, [], reader, log_path)
+        procs.append(cp)
+        try:
+            info = reader.readline(timeout)
+            ready = reader.readline(timeout)
+        except TimeoutError:
+            info = ready = None
+        if ready != "ready" or info is None:
+            raise RuntimeError(f"helper client did not start: {info!r} {ready!r}\n"
+                               f"{log_path.read_text(errors='replace')}")
+        cp.lnames = json.loads(info)["lnames"]
+        return cp
+
+    yield spawn
+    for cp in procs:
+        cp.close()
+
+
+# -- raw-socket peers (fault injection below the client library) ------------------------------
+class RawPeer:
+    """A client that speaks the wire protocol by hand over a real socket.
+
+    It can send anything: forged source sections, absurd length prefixes, garbage.
+    """
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.parser = FrameParser(0xFFFFFFFF)
+        self.lname = ""
+        self.eof = False
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def send_frame(self, ftype: int, **kw: Any) -> None:
+        await self.stream.send_all(b"".join(bytes(p) for p in encode_frame(ftype, **kw)))
+
+    async def hello(self, name: str = "raw", version: int = PROTOCOL_VERSION,
+                    **extra: Any) -> Frame:
+        """Send HELLO; return the broker's answer (WELCOME or ERROR)."""
+        await self.send_frame(FrameType.HELLO,
+                              header=encode_cbor({"version": version, "name": name, **extra}))
+        frame = await self.receive_frame()
+        assert frame is not None, "broker closed the connection instead of answering HELLO"
+        if frame.type == FrameType.WELCOME:
+            self.lname = str(frame.header()["lname"])
+        return frame
+
+    async def receive_frame(self, timeout: float = 10.0) -> Frame | None:
+        """The next frame, or None at EOF. Fails the test after ``timeout``."""
+        with trio.fail_after(timeout):
+            while True:
+                f = self.parser.next_frame()
+                if f is not None:
+                    return f
+                if self.eof:
+                    return None
+                try:
+                    data = await self.stream.receive_some(1 << 20)
+                except trio.BrokenResourceError:  # ECONNRESET counts as the end
+                    data = b""
+                if not data:
+                    self.eof = True
+                else:
+                    self.parser.feed(data)
+
+    async def frames_until_eof(self, timeout: float = 10.0) -> list[Frame]:
+        """Every frame until the broker closes the connection (fails after ``timeout``)."""
+        out: list[Frame] = []
+        with trio.fail_after(timeout):
+            while True:
+                f = await self.receive_frame(timeout=timeout)
+                if f is None:
+                    return out
+                out.append(f)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+@asynccontextmanager
+async def open_raw_peer(path: Path) -> AsyncIterator[RawPeer]:
+    stream = await trio.open_unix_socket(str(path))
+    peer = RawPeer(stream)
+    try:
+        yield peer
+    finally:
+        await peer.aclose()
+
+
+@pytest.fixture
+def raw_peer() -> Callable[[Path], Any]:
+    """``async with raw_peer(path) as peer:`` opens a raw-socket connection to a broker."""
+    return open_raw_peer

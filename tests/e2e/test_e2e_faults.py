@@ -1,0 +1,244 @@
+"""End to end: a misbehaving client (absurd length prefixes, garbage, stalled frames,
+oversized frames) is dropped alone while the others keep working."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import msgq_trio
+from msgq_trio import Bus, ConnectionLost
+from msgq_trio.errors import UsageError
+from msgq_trio.protocol.codes import FrameType
+from msgq_trio.protocol.framing import encode_cbor, encode_frame
+
+
+def raw_frame(ftype: int, **kw: Any) -> bytes:
+    return b"".join(bytes(p) for p in encode_frame(ftype, **kw))
+
+
+@asynccontextmanager
+async def bystanders(path: Any) -> AsyncIterator[tuple[Bus, Bus, Bus]]:
+    """Two clients that exchange messages and calls, plus a membership watcher."""
+    async with msgq_trio.connect(path, name="left") as left, \
+            msgq_trio.connect(path, name="right") as right, \
+            msgq_trio.connect(path, name="watcher") as watcher:
+        await watcher.subscribe("msgq.membership")
+
+        @right.command("echo")
+        def echo(params: object) -> object:
+            return params
+
+        await right.subscribe("Right")
+        yield left, right, watcher
+
+
+async def still_exchanging(left: Bus, right: Bus, rounds: int = 20) -> None:
+    """The two bystanders can still message each other and call each other."""
+    with trio.fail_after(10):
+        for i in range(rounds):
+            await left.send(right.lname, i)
+            assert (await right.receive()).body == i
+            await right.send(left.lname, -i)
+            assert (await left.receive()).body == -i
+        assert await left.call("Right", "echo", {"still": "alive"}) == {"still": "alive"}
+
+
+async def disconnect_reason(watcher: Bus, lname: str) -> str:
+    """Wait for the 'disconnected' membership event of ``lname``; return its reason."""
+    with trio.fail_after(10):
+        while True:
+            msg = await watcher.receive()
+            if msg.event == "disconnected" and msg.body["lname"] == lname:
+                return str(msg.body["reason"])
+
+
+@pytest.mark.parametrize("handshake_first", [False, True], ids=["before-hello", "after-hello"])
+async def test_absurd_length_prefix_drops_only_that_client(broker, raw_peer,
+                                                           handshake_first: bool) -> None:
+    """A raw client that sends a 4 GiB length prefix gets one ERROR frame (request id 0,
+    code frame-too-large) and then EOF; its disconnection reason is frame-too-large; two
+    other clients keep exchanging messages."""
+    async with bystanders(broker.path) as (left, right, watcher):
+        await still_exchanging(left, right, rounds=3)
+        async with raw_peer(broker.path) as raw:
+            if handshake_first:
+                assert (await raw.hello("bomber")).type == FrameType.WELCOME
+            await raw.send_bytes(struct.pack(">I", 0xFFFFFFF0) + b"\x03\x00" + b"\x00" * 26)
+            frames = await raw.frames_until_eof(timeout=5)
+            assert [(f.type, f.request_id, f.header().get("code")) for f in frames] == [
+                (FrameType.ERROR, 0, "frame-too-large")]
+        if handshake_first:
+            assert await disconnect_reason(watcher, raw.lname) == "frame-too-large"
+        await still_exchanging(left, right)
+
+
+@pytest.mark.parametrize("same_write", [False, True], ids=["separate-write", "same-write"])
+async def test_garbage_after_handshake_drops_only_that_client(broker, raw_peer,
+                                                              same_write: bool) -> None:
+    """A client that sends a valid message and then garbage (an unknown frame type) has its
+    valid message delivered, then gets ERROR protocol-error and EOF, whether the garbage
+    came in the same write or a later one; the others keep working."""
+    async with bystanders(broker.path) as (left, right, watcher):
+        async with raw_peer(broker.path) as raw:
+            assert (await raw.hello("garbler")).type == FrameType.WELCOME
+            good = raw_frame(FrameType.MESSAGE, target="Right", body=encode_cbor("valid"))
+            garbage = b"\x00\x00\x00\x1c" + b"\xee" * 28
+            if same_write:
+                await raw.send_bytes(good + garbage)
+            else:
+                await raw.send_bytes(good)
+                msg = await right.receive(timeout=5)
+                assert msg.body == "valid"
+                await raw.send_bytes(garbage)
+            frames = await raw.frames_until_eof(timeout=5)
+            assert [(f.type, f.request_id, f.header().get("code")) for f in frames] == [
+                (FrameType.ERROR, 0, "protocol-error")]
+        if same_write:
+            msg = await right.receive(timeout=5)
+            assert (msg.body, msg.sender) == ("valid", raw.lname)
+        assert await disconnect_reason(watcher, raw.lname) == "protocol-error"
+        await still_exchanging(left, right)
+
+
+async def test_random_garbage_stream(broker, raw_peer) -> None:
+    """Pure noise after a valid handshake ends that connection (ERROR or EOF, never a
+    hang) and leaves the broker serving the others."""
+    noise = bytes((i * 151 + 7) % 256 for i in range(5000))
+    async with bystanders(broker.path) as (left, right, _watcher):
+        async with raw_peer(broker.path) as raw:
+            assert (await raw.hello("noise")).type == FrameType.WELCOME
+            await raw.send_bytes(noise)
+            frames = await raw.frames_until_eof(timeout=5)
+            assert [f.type for f in frames] in ([FrameType.ERROR], [])
+        await still_exchanging(left, right)
+
+
+async def test_stalled_frame_is_dropped(broker_factory, raw_peer) -> None:
+    """With --idle-in-frame-timeout 0.5 a client that sends half a frame and stalls gets
+    ERROR protocol-error and EOF; others are unaffected."""
+    b = broker_factory("--idle-in-frame-timeout", "0.5")
+    async with bystanders(b.path) as (left, right, watcher):
+        async with raw_peer(b.path) as raw:
+            assert (await raw.hello("staller")).type == FrameType.WELCOME
+            frame = raw_frame(FrameType.MESSAGE, target="Right", body=encode_cbor("x" * 100))
+            await raw.send_bytes(frame[:50])
+            t0 = trio.current_time()
+            frames = await raw.frames_until_eof(timeout=5)
+            assert 0.4 <= trio.current_time() - t0 < 4.0
+            assert [f.header().get("code") for f in frames] == ["protocol-error"]
+        assert await disconnect_reason(watcher, raw.lname) == "protocol-error"
+        await still_exchanging(left, right)
+
+
+async def test_max_frame_size_flag(broker_factory) -> None:
+    """With --max-frame-size 1048576 a 900 KiB attachment passes; a client sending a 2 MiB
+    one is dropped (ConnectionLost; the broker's reason is frame-too-large) and only it."""
+    b = broker_factory("--max-frame-size", "1048576", "--out-hard-limit", "4194304",
+                       "--out-soft-limit", "1048576")
+    async with bystanders(b.path) as (left, right, watcher):
+        async with msgq_trio.connect(b.path, name="big-sender") as big:
+            assert (await big.call("msgq", "version"))["protocol"] == 1
+            await big.send(right.lname, "fits", attachments=[b"a" * (900 * 1024)])
+            msg = await right.receive(timeout=5)
+            assert bytes(msg.attachments[0]) == b"a" * (900 * 1024)
+            try:
+                await big.send(right.lname, "too big", attachments=[b"b" * (2 * 1024 * 1024)])
+                await big.receive(timeout=5)
+            except UsageError:
+                pass  # refusing it locally is fine too
+            except ConnectionLost:
+                # The code the client reports is checked by
+                # test_dropped_client_learns_the_reason_when_busy; here: the broker's side.
+                assert await disconnect_reason(watcher, big.lname) == "frame-too-large"
+            else:
+                pytest.fail("a 2 MiB frame went through a 1 MiB broker")
+        await still_exchanging(left, right)
+
+
+def stall_this_process(seconds: float) -> None:
+    """Block the whole event loop, like a client process that is descheduled for a while."""
+    time.sleep(seconds)
+
+
+async def test_dropped_client_learns_the_reason_when_busy(broker_factory) -> None:
+    """A client dropped for an oversized frame reports ConnectionLost with code
+    frame-too-large even if its process was descheduled while the broker answered, so that
+    it notices the broker's ERROR frame and the failed write together (8 rounds)."""
+    b = broker_factory("--max-frame-size", "1048576", "--out-hard-limit", "4194304",
+                       "--out-soft-limit", "1048576")
+    codes: list[str | None] = []
+    for _ in range(8):
+        async with msgq_trio.connect(b.path, name="busy") as bus:
+
+            async def send_big(bus: Bus = bus) -> None:
+                try:
+                    await bus.send(bus.lname, "too big", attachments=[bytes(2 * 1024 * 1024)])
+                    await bus.receive(timeout=5)
+                except ConnectionLost as exc:
+                    codes.append(exc.code)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_big)
+                # The writer has started the frame and waits for the socket to drain.
+                await trio.testing.wait_all_tasks_blocked()
+                stall_this_process(0.2)  # meanwhile the broker sends ERROR and closes
+    assert codes == ["frame-too-large"] * 8
+
+
+async def test_sigkilled_client_is_cleaned_up(broker, spawn_client) -> None:
+    """A client process killed with SIGKILL leaves its groups, its lname stops resolving,
+    and the broker reports it disconnected with reason connection-lost."""
+    async with msgq_trio.connect(broker.path, name="observer") as obs:
+        await obs.subscribe("msgq.membership")
+        helper = spawn_client(broker.path, name="doomed", groups=["Doomed"],
+                              commands={"pid": "pid"})
+        assert await obs.call("Doomed", "pid") == helper.pid
+        helper.sigkill()
+        assert await disconnect_reason(obs, helper.lname) == "connection-lost"
+        assert await obs.members("Doomed") == []
+        with pytest.raises(msgq_trio.NoRecipient):
+            await obs.call(helper.lname, "pid")
+
+
+async def test_stopped_consumer_is_dropped_and_senders_resume(broker_factory,
+                                                              spawn_client) -> None:
+    """A subscriber process stopped with SIGSTOP stops draining: the broker pauses the
+    sender feeding it (backpressure) while unrelated clients keep working, then after
+    --slow-consumer-timeout (1 s) without progress drops it (slow-consumer) and the sender
+    carries on."""
+    b = broker_factory("--out-soft-limit", "1048576", "--slow-consumer-timeout", "1")
+    async with bystanders(b.path) as (left, right, watcher), \
+            msgq_trio.connect(b.path, name="pusher") as pusher:
+        sink = spawn_client(b.path, name="sink", groups=["Sink"])
+        os.kill(sink.pid, signal.SIGSTOP)
+        pushed = trio.Event()
+
+        async def push() -> None:
+            for _ in range(256):  # 16 MiB, far beyond the socket buffer and the soft limit
+                await pusher.send("Sink", None, attachments=[bytes(65536)])
+            await pusher.flush()
+            pushed.set()
+
+        t0 = trio.current_time()
+        with trio.fail_after(15):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(push)
+                await trio.sleep(0.3)
+                assert not pushed.is_set()
+                await still_exchanging(left, right, rounds=5)  # not stalled by the sink
+                assert await disconnect_reason(watcher, sink.lname) == "slow-consumer"
+                dropped_after = trio.current_time() - t0
+                await pushed.wait()
+        assert 0.9 <= dropped_after < 8.0
+        assert await pusher.call("msgq", "ping") == "pong"
+        await still_exchanging(left, right)

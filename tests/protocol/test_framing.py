@@ -1,0 +1,403 @@
+"""Unit tests of the frame codec (msgq_trio.protocol.framing): layout, limits, malformed input."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import cbor2
+import pytest
+
+from msgq_trio.protocol import framing
+from msgq_trio.protocol.codes import ErrorCode, Flag, FrameType
+from msgq_trio.protocol.errors import LocalProtocolError, RemoteProtocolError
+from msgq_trio.protocol.framing import (
+    PREFIX,
+    PREFIX_SIZE,
+    Frame,
+    FrameParser,
+    encode_cbor,
+    encode_frame,
+    restamp,
+)
+
+
+def join(pieces: list[bytes | bytearray | memoryview]) -> bytes:
+    return b"".join(bytes(p) for p in pieces)
+
+
+def parse_all(data: bytes, max_frame_size: int = framing.DEFAULT_MAX_FRAME_SIZE) -> list[Frame]:
+    p = FrameParser(max_frame_size)
+    p.feed(data)
+    out = []
+    while (f := p.next_frame()) is not None:
+        out.append(f)
+    assert p.buffered == 0, "bytes left over after parsing whole frames"
+    return out
+
+
+def parse_one(data: bytes, max_frame_size: int = framing.DEFAULT_MAX_FRAME_SIZE) -> Frame:
+    frames = parse_all(data, max_frame_size)
+    assert len(frames) == 1
+    return frames[0]
+
+
+def valid_frame(**kw: object) -> bytearray:
+    args: dict[str, object] = {
+        "target": "Group", "request_id": 7, "header": encode_cbor({"cmd": "x"}),
+        "body": encode_cbor([1, 2, 3]),
+    }
+    args.update(kw)
+    return bytearray(join(encode_frame(FrameType.REQUEST, **args)))  # type: ignore[arg-type]
+
+
+def expect_remote_error(data: bytes | bytearray, code: ErrorCode = ErrorCode.PROTOCOL_ERROR,
+                        max_frame_size: int = framing.DEFAULT_MAX_FRAME_SIZE) -> None:
+    p = FrameParser(max_frame_size)
+    p.feed(bytes(data))
+    with pytest.raises(RemoteProtocolError) as ei:
+        while p.next_frame() is not None:
+            pass
+    assert ei.value.code == code
+    # The parser is poisoned: the same error again on every later call.
+    with pytest.raises(RemoteProtocolError):
+        p.next_frame()
+
+
+# -- round trips ------------------------------------------------------------------------------
+@pytest.mark.parametrize("ftype", list(FrameType))
+def test_round_trip_every_frame_type(ftype: FrameType) -> None:
+    """Every FrameType survives encode -> parse with all sections (target, source, header,
+    body, blobs, request id, flags, n_fds) intact and the raw bytes equal to the encoding."""
+    header = {"cmd": "get", "n": 3, "nested": {"a": [1, 2]}}
+    body = {"zone": "example.org", "data": b"\x00\x01", "list": list(range(10))}
+    blobs = [b"", b"blob-one", bytes(range(256)) * 40]
+    data = join(encode_frame(
+        ftype, target="Zöne[3]", request_id=2**64 - 1, flags=int(Flag.ALL),
+        header=encode_cbor(header), body=encode_cbor(body), blobs=blobs,
+        source="l.42\0Zöne".encode(), n_fds=2,
+    ))
+    f = parse_one(data)
+    assert f.type == ftype
+    assert f.flags == Flag.ALL
+    assert f.request_id == 2**64 - 1
+    assert f.target == "Zöne[3]"
+    assert f.source == "l.42\0Zöne".encode()
+    assert f.n_fds == 2
+    assert f.n_blobs == 3
+    assert f.header() == header
+    assert f.body() == body
+    assert [bytes(b) for b in f.blobs()] == blobs
+    assert bytes(f.raw) == data
+    assert struct.unpack_from(">I", data)[0] == len(data) - 4
+
+
+@pytest.mark.parametrize("ftype", list(FrameType))
+def test_round_trip_empty_sections(ftype: FrameType) -> None:
+    """A frame with every section empty parses to an empty header map, a None body, no
+    blobs, and is exactly the 32-byte prefix."""
+    data = join(encode_frame(ftype))
+    assert len(data) == PREFIX_SIZE
+    f = parse_one(data)
+    assert (f.type, f.flags, f.request_id, f.target, f.source, f.n_fds) == (ftype, 0, 0, "",
+                                                                           b"", 0)
+    assert f.header() == {}
+    assert f.body() is None
+    assert f.blobs() == []
+
+
+def test_encode_simple_matches_encode_frame() -> None:
+    """The client's fast encoder produces exactly the bytes of encode_frame."""
+    encode_simple = getattr(framing, "encode_simple", None)
+    if encode_simple is None:
+        pytest.skip("framing.encode_simple does not exist (any more)")
+    for target, body, header, rid, flags in [
+        ("G", b"", b"", 0, 0),
+        ("Grüppe[?]", encode_cbor({"a": 1}), encode_cbor({"cmd": "c"}), 99, 1),
+        ("l.5", encode_cbor(b"x" * 300_000), b"", 1, 0),
+    ]:
+        fast = encode_simple(FrameType.MESSAGE, target.encode(), body, header, rid, flags)
+        slow = join(encode_frame(FrameType.MESSAGE, target=target, body=body, header=header,
+                                 request_id=rid, flags=flags))
+        assert bytes(fast) == slow
+
+
+@pytest.mark.parametrize("tail_size", [10, 300_000])
+def test_restamp_replaces_only_the_source(tail_size: int) -> None:
+    """restamp() swaps the source section (any length) and leaves every other section
+    identical, for small frames and for frames whose tail is passed through uncopied."""
+    body = encode_cbor(b"b" * tail_size)
+    original = join(encode_frame(FrameType.MESSAGE, target="Tgt", request_id=5, flags=1,
+                                 header=encode_cbor({"k": "v"}), body=body,
+                                 blobs=[b"xyz", b""], source=b"forged-source-of-some-length"))
+    f = parse_one(original)
+    for new_source in (b"", b"l.1\0a", b"l.123456\0a-much-longer-client-name"):
+        g = parse_one(join(restamp(f, new_source)))
+        assert g.source == new_source
+        assert (g.type, g.flags, g.request_id, g.target) == (f.type, f.flags, f.request_id,
+                                                              f.target)
+        assert g.header() == {"k": "v"}
+        assert bytes(g.body_bytes) == body
+        assert [bytes(b) for b in g.blobs()] == [b"xyz", b""]
+
+
+def test_many_frames_in_one_buffer_and_byte_by_byte() -> None:
+    """Several frames concatenated parse in order whether fed at once or one byte at a time,
+    and the parser reports NEED_DATA (None) and in_frame correctly in between."""
+    frames = [join(encode_frame(FrameType.MESSAGE, target=f"t{i}", body=encode_cbor(i)))
+              for i in range(20)]
+    data = b"".join(frames)
+    assert [f.body() for f in parse_all(data)] == list(range(20))
+    p = FrameParser()
+    got = []
+    for i in range(len(data)):
+        p.feed(data[i : i + 1])
+        f = p.next_frame()
+        if f is not None:
+            got.append(f.body())
+            assert p.next_frame() is None
+            assert not p.in_frame
+        else:
+            assert p.in_frame
+    assert got == list(range(20))
+
+
+def test_frames_batch_api_matches_next_frame() -> None:
+    """FrameParser.frames() (the batch path) returns the same frames as next_frame()."""
+    if not hasattr(FrameParser, "frames"):
+        pytest.skip("FrameParser.frames does not exist (any more)")
+    data = b"".join(
+        join(encode_frame(FrameType.REQUEST, target=f"t{i}", request_id=i + 1,
+                          header=encode_cbor({"cmd": "c"}), body=encode_cbor("x" * i),
+                          blobs=[b"b" * i] if i % 3 == 0 else (), source=b"s" * (i % 2)))
+        for i in range(50))
+    expected = [(f.type, f.request_id, f.target, f.source, f.header(), f.body(),
+                 [bytes(b) for b in f.blobs()]) for f in parse_all(data)]
+    for chunk in (1, 7, 100, len(data)):
+        p = FrameParser()
+        got = []
+        for i in range(0, len(data), chunk):
+            p.feed(data[i : i + chunk])
+            got.extend((f.type, f.request_id, f.target, f.source, f.header(), f.body(),
+                        [bytes(b) for b in f.blobs()]) for f in p.frames())
+        assert got == expected
+
+
+def test_large_frame_in_64k_chunks() -> None:
+    """A frame with a 5 MiB blob fed in 64 KiB chunks (followed by a small frame in the same
+    stream) comes out intact, and the small frame after it too."""
+    blob = bytes(range(256)) * (5 * 1024 * 1024 // 256)
+    blob = blob[:-3] + b"END"
+    big = join(encode_frame(FrameType.MESSAGE, target="Big", body=encode_cbor({"n": 1}),
+                            blobs=[b"head", blob]))
+    small = join(encode_frame(FrameType.MESSAGE, target="Small", body=encode_cbor("after")))
+    data = big + small
+    p = FrameParser()
+    got: list[Frame] = []
+    step = 64 * 1024
+    for i in range(0, len(data), step):
+        p.feed(data[i : i + step])
+        while (f := p.next_frame()) is not None:
+            got.append(f)
+    assert [f.target for f in got] == ["Big", "Small"]
+    blobs = got[0].blobs()
+    assert bytes(blobs[0]) == b"head"
+    assert len(blobs[1]) == len(blob)
+    assert bytes(blobs[1]) == blob
+    assert got[0].body() == {"n": 1}
+    assert got[1].body() == "after"
+    assert p.buffered == 0
+
+
+# -- limits -----------------------------------------------------------------------------------
+def test_absurd_length_prefix_is_refused_without_allocating() -> None:
+    """A 4 GiB length prefix is refused as FRAME_TOO_LARGE from the first 4 bytes alone, and
+    the parser allocates nothing near the announced size."""
+    p = FrameParser(1024 * 1024)
+    tracemalloc.start()
+    try:
+        p.feed(struct.pack(">I", 0xFFFFFFF0))
+        with pytest.raises(RemoteProtocolError) as ei:
+            p.next_frame()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert ei.value.code == ErrorCode.FRAME_TOO_LARGE
+    assert peak < 256 * 1024
+    with pytest.raises(RemoteProtocolError):
+        p.next_frame()
+
+
+def test_absurd_length_with_default_limit() -> None:
+    """With the default 64 MiB limit, a prefix announcing 64 MiB + 1 byte is refused
+    before any of the frame's body has arrived."""
+    p = FrameParser()
+    p.feed(struct.pack(">I", framing.DEFAULT_MAX_FRAME_SIZE - 3) + b"\x03")
+    with pytest.raises(RemoteProtocolError) as ei:
+        p.next_frame()
+    assert ei.value.code == ErrorCode.FRAME_TOO_LARGE
+
+
+def test_max_frame_size_boundary() -> None:
+    """A frame of exactly max_frame_size bytes is accepted; one byte more is FRAME_TOO_LARGE."""
+    limit = 4096
+    overhead = len(join(encode_frame(FrameType.MESSAGE, target="t", blobs=[b""])))
+    exact = join(encode_frame(FrameType.MESSAGE, target="t", blobs=[b"x" * (limit - overhead)]))
+    assert len(exact) == limit
+    assert bytes(parse_one(exact, limit).blobs()[0]) == b"x" * (limit - overhead)
+    over = join(encode_frame(FrameType.MESSAGE, target="t",
+                             blobs=[b"x" * (limit - overhead + 1)]))
+    expect_remote_error(over, ErrorCode.FRAME_TOO_LARGE, max_frame_size=limit)
+
+
+def test_length_shorter_than_prefix() -> None:
+    """A length field smaller than the fixed prefix is a protocol error (not too-large)."""
+    data = valid_frame()
+    struct.pack_into(">I", data, 0, 10)
+    expect_remote_error(data, ErrorCode.PROTOCOL_ERROR)
+
+
+def test_invalid_max_frame_size_argument() -> None:
+    """FrameParser refuses a non-positive or > u32 max_frame_size."""
+    for bad in (0, -1, 2**32):
+        with pytest.raises(ValueError):
+            FrameParser(bad)
+
+
+def test_encode_refuses_oversized_sections() -> None:
+    """Sections too long for their length fields are the caller's error (LocalProtocolError)."""
+    with pytest.raises(LocalProtocolError):
+        encode_frame(FrameType.MESSAGE, target="t" * 65536)
+    with pytest.raises(LocalProtocolError):
+        encode_frame(FrameType.MESSAGE, source=b"s" * 65536)
+    with pytest.raises(LocalProtocolError):
+        encode_frame(FrameType.MESSAGE, blobs=[b""] * 65536)
+    with pytest.raises(LocalProtocolError):
+        encode_cbor(object())
+
+
+# -- malformed frames -------------------------------------------------------------------------
+def test_reserved_field_must_be_zero() -> None:
+    """A non-zero reserved prefix field (bytes 14-15) is a protocol error."""
+    data = valid_frame()
+    struct.pack_into(">H", data, 14, 1)
+    expect_remote_error(data)
+
+
+@pytest.mark.parametrize("bad_type", [0, 10, 99, 255])
+def test_unknown_frame_type(bad_type: int) -> None:
+    """A frame type outside the registry is a protocol error."""
+    data = valid_frame()
+    data[4] = bad_type
+    expect_remote_error(data)
+
+
+@pytest.mark.parametrize("field_offset,delta", [
+    (6, 1),    # target_len one too long
+    (6, -1),   # target_len one too short
+    (8, 3),    # source_len
+    (24, 1),   # header_len
+    (28, -2),  # body_len
+])
+def test_section_lengths_must_add_up(field_offset: int, delta: int) -> None:
+    """Section lengths that do not add up to the frame length are a protocol error."""
+    data = valid_frame(source=b"l.1\0x")
+    fmt = ">H" if field_offset < 16 else ">I"
+    (value,) = struct.unpack_from(fmt, data, field_offset)
+    struct.pack_into(fmt, data, field_offset, value + delta)
+    expect_remote_error(data)
+
+
+def test_blob_lengths_must_add_up() -> None:
+    """Blob length table entries that disagree with the frame length are a protocol error."""
+    data = valid_frame(blobs=[b"abc", b"defg"])
+    table = len(data) - 7 - 8
+    (first,) = struct.unpack_from(">I", data, table)
+    assert first == 3
+    struct.pack_into(">I", data, table, 4)
+    expect_remote_error(data)
+
+
+def test_blob_count_beyond_frame() -> None:
+    """An n_blobs whose length table would not fit in the frame is a protocol error."""
+    data = valid_frame()
+    struct.pack_into(">H", data, 10, 1000)
+    expect_remote_error(data)
+
+
+def test_target_must_be_utf8() -> None:
+    """A target section that is not UTF-8 is a protocol error."""
+    good = join(encode_frame(FrameType.MESSAGE, target="ab"))
+    data = bytearray(good)
+    data[PREFIX_SIZE : PREFIX_SIZE + 2] = b"\xff\xfe"
+    expect_remote_error(data)
+
+
+def test_non_utf8_target_after_a_valid_frame() -> None:
+    """A bad target in the second frame of a batch: the first frame is still delivered,
+    then the error is raised (by next_frame and by the batch API frames())."""
+    good = join(encode_frame(FrameType.MESSAGE, target="ok"))
+    bad = bytearray(join(encode_frame(FrameType.MESSAGE, target="ab")))
+    bad[PREFIX_SIZE : PREFIX_SIZE + 2] = b"\xc3\x28"
+    p = FrameParser()
+    p.feed(good + bytes(bad))
+    assert p.next_frame().target == "ok"  # type: ignore[union-attr]
+    with pytest.raises(RemoteProtocolError):
+        p.next_frame()
+    if hasattr(FrameParser, "frames"):
+        p = FrameParser()
+        p.feed(good + bytes(bad))
+        assert [f.target for f in p.frames()] == ["ok"]
+        with pytest.raises(RemoteProtocolError):
+            p.frames()
+
+
+def _frame_with_header_bytes(header: bytes, body: bytes = b"") -> Frame:
+    return parse_one(join(encode_frame(FrameType.MESSAGE, target="t", header=header,
+                                       body=body)))
+
+
+def test_trailing_bytes_after_cbor_header() -> None:
+    """A header section holding a CBOR map followed by extra bytes is a protocol error."""
+    f = _frame_with_header_bytes(cbor2.dumps({"a": 1}) + b"\x00")
+    with pytest.raises(RemoteProtocolError):
+        f.header()
+
+
+def test_trailing_bytes_after_cbor_body() -> None:
+    """A body section with bytes after the CBOR value is a protocol error."""
+    f = _frame_with_header_bytes(b"", cbor2.dumps([1]) + cbor2.dumps(2))
+    with pytest.raises(RemoteProtocolError):
+        f.body()
+
+
+@pytest.mark.parametrize("header", [
+    cbor2.dumps([1, 2]),        # not a map
+    cbor2.dumps("text"),        # not a map
+    b"\xa1\x61",                # truncated map
+    b"\xff",                    # break code out of place
+    b"\x1f",                    # reserved additional info
+    b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",  # absurd byte string length
+])
+def test_malformed_header(header: bytes) -> None:
+    """A header that is not exactly one well-formed CBOR map is a protocol error."""
+    f = _frame_with_header_bytes(header)
+    with pytest.raises(RemoteProtocolError):
+        f.header()
+
+
+def test_prefix_layout_matches_the_documented_offsets() -> None:
+    """The prefix is 32 bytes with fields at the offsets of docs/PROTOCOL.md."""
+    data = join(encode_frame(FrameType.NOTIFY, target="abc", request_id=0x0102030405060708,
+                             flags=1, header=b"\xa0", body=b"\xf6", source=b"src", n_fds=4,
+                             blobs=[b"zz"]))
+    assert PREFIX.size == 32
+    (length,) = struct.unpack_from(">I", data, 0)
+    assert length == len(data) - 4
+    assert data[4] == FrameType.NOTIFY
+    assert data[5] == 1
+    assert struct.unpack_from(">HHHHH", data, 6) == (3, 3, 1, 4, 0)
+    assert struct.unpack_from(">Q", data, 16) == (0x0102030405060708,)
+    assert struct.unpack_from(">II", data, 24) == (1, 1)
+    assert data[32:35] == b"abc"
+    assert data[35:38] == b"src"

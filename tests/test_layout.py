@@ -1,0 +1,86 @@
+"""Packaging layout: every package directory is listed in pyproject.toml, and the mapped
+top-level directories (plugins/, storage/) are only importable as msgq_trio.plugins /
+msgq_trio.storage, never as generic top-level modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: top-level directory -> the package name it is installed as
+MAPPED = {"msgq_trio": "msgq_trio", "plugins": "msgq_trio.plugins", "storage": "msgq_trio.storage"}
+
+
+def setuptools_config() -> dict[str, object]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]  # type: ignore[no-any-return]
+
+
+def package_dirs() -> dict[str, Path]:
+    """Installed package name -> directory, for every directory holding an __init__.py."""
+    found = {}
+    for top, name in MAPPED.items():
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.parent.relative_to(ROOT / top)
+            found[".".join([name, *rel.parts])] = init.parent
+    return found
+
+
+def test_every_package_directory_is_listed() -> None:
+    """Each directory with an __init__.py under msgq_trio/, plugins/ and storage/ appears
+    in [tool.setuptools] packages under its installed (mapped) name."""
+    listed = set(setuptools_config()["packages"])  # type: ignore[arg-type]
+    found = package_dirs()
+    assert {"msgq_trio", "msgq_trio.protocol", "msgq_trio.core"} <= set(found)
+    missing = sorted(set(found) - listed)
+    assert missing == [], f"package directories missing from pyproject.toml: {missing}"
+
+
+def test_listed_packages_exist() -> None:
+    """Every package listed in pyproject.toml is a directory with an __init__.py."""
+    listed = setuptools_config()["packages"]
+    found = package_dirs()
+    assert [p for p in listed if p not in found] == []  # type: ignore[union-attr]
+
+
+def test_package_dir_mapping() -> None:
+    """plugins/ and storage/ are mapped to msgq_trio.plugins and msgq_trio.storage."""
+    mapping = setuptools_config()["package-dir"]
+    assert mapping == {"msgq_trio": "msgq_trio", "msgq_trio.plugins": "plugins",
+                       "msgq_trio.storage": "storage"}
+
+
+def run_outside_repo(code: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    return subprocess.run([sys.executable, "-c", code], cwd="/tmp", capture_output=True,
+                          text=True, timeout=60, env=env, check=False)
+
+
+def test_no_generic_top_level_modules_installed() -> None:
+    """From outside the repository, `import storage` / `import plugins` fail while
+    msgq_trio.storage and msgq_trio.plugins import (and come from this repository)."""
+    for generic in ("storage", "plugins"):
+        r = run_outside_repo(f"import {generic}")
+        assert r.returncode != 0, f"`import {generic}` works outside the repo"
+        assert "ModuleNotFoundError" in r.stderr, r.stderr
+    r = run_outside_repo(
+        "import msgq_trio.storage, msgq_trio.plugins\n"
+        "print(msgq_trio.storage.__file__)\nprint(msgq_trio.plugins.__file__)")
+    assert r.returncode == 0, r.stderr
+    storage_file, plugins_file = r.stdout.split()
+    assert Path(storage_file).resolve() == ROOT / "storage" / "__init__.py"
+    assert Path(plugins_file).resolve() == ROOT / "plugins" / "__init__.py"
+
+
+def test_every_package_imports_from_outside() -> None:
+    """Every package listed in pyproject.toml imports by its installed name from /tmp."""
+    packages = [p for p in setuptools_config()["packages"]]  # type: ignore[union-attr]
+    r = run_outside_repo("import importlib, sys\n"
+                         f"for p in {packages!r}:\n"
+                         "    importlib.import_module(p)\n")
+    assert r.returncode == 0, r.stderr
