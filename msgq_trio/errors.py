@@ -31,6 +31,20 @@ class ConnectError(MsgqError):
         self.code = code
 
 
+class MalformedMessage(MsgqError, ValueError):
+    """A received message's header or body is not well-formed CBOR.
+
+    The broker routes on the prefix and target only and never decodes bodies (that would
+    cost every message a decode), so a sender's encoding bug reaches its receivers. It is
+    raised when the body is read, names the sender (``sender``: its lname and client name),
+    and affects nothing else: the connection and the other messages are fine.
+    """
+
+    def __init__(self, message: str, sender: str) -> None:
+        super().__init__(message)
+        self.sender = sender
+
+
 class ConnectionLost(MsgqError):
     """The connection to the broker ended (broker shut down, crashed, or dropped us)."""
 

@@ -28,6 +28,7 @@ from ..errors import (
     CommandFailed,
     ConnectError,
     ConnectionLost,
+    MalformedMessage,
     MsgqError,
     RequestTimeout,
     UsageError,
@@ -137,9 +138,26 @@ class Message:
 
     @property
     def header(self) -> dict[str, object]:
+        """The decoded header map.
+
+        Raises:
+            MalformedMessage: the sender put a header that is not a well-formed CBOR map
+                on the wire (its bug; nothing else is affected).
+        """
         if self._header is None:
-            self._header = self._frame.header()
+            try:
+                self._header = self._frame.header()
+            except RemoteProtocolError as exc:
+                raise self._malformed("header", exc) from None
         return self._header
+
+    def _malformed(self, section: str, exc: RemoteProtocolError) -> MalformedMessage:
+        lname, name = _split_source(self._frame.source, self._sources)
+        return MalformedMessage(
+            f"{self.kind} from {lname} ({name!r}) to {self.target!r} has a malformed "
+            f"{section}: {exc}",
+            f"{lname} {name}",
+        )
 
     @property
     def event(self) -> str | None:
@@ -155,8 +173,17 @@ class Message:
 
     @property
     def body(self) -> Any:
+        """The decoded body (None if empty).
+
+        Raises:
+            MalformedMessage: the body is not one well-formed CBOR item; the broker does
+                not decode bodies, so a sender's bug surfaces here, naming that sender.
+        """
         if not self._decoded:
-            self._body = self._frame.body()
+            try:
+                self._body = self._frame.body()
+            except RemoteProtocolError as exc:
+                raise self._malformed("body", exc) from None
             self._decoded = True
         return self._body
 
@@ -268,6 +295,19 @@ class _Call:
         self.frame: Frame | None = None  # the REPLY of a single call (for request())
 
     def answer(self, frame: Frame, sender: str) -> None:
+        try:
+            self._answer(frame, sender)
+        except RemoteProtocolError as exc:
+            # The callee's bug (the broker does not decode bodies): this call fails with
+            # it, the connection carries on.
+            close_fds(frame.fds)
+            err = MalformedMessage(
+                f"answer from {sender} to a call to {self.target!r} is malformed: {exc}", sender
+            )
+            res = Result(self.target, False, None, err, sender)
+            self._answer_result(frame._replace(fds=()), res, sender)
+
+    def _answer(self, frame: Frame, sender: str) -> None:
         if frame.type == _REPLY:
             res = Result(self.target, True, frame.body(), None, sender)
         else:
@@ -282,6 +322,9 @@ class _Call:
                 ),
                 sender,
             )
+        self._answer_result(frame, res, sender)
+
+    def _answer_result(self, frame: Frame, res: Result, sender: str) -> None:
         if not self.multi:
             self.result, self.error = res.value, res.error
             if self.done.is_set():

@@ -97,6 +97,12 @@ class Broker:
         self.dirty: set[Peer] = set()
         self.blocked: set[Peer] = set()
         self.kicked: list[tuple[Peer, ErrorCode, str]] = []
+        #: Set when a client's one-way frame is held back (``handle``/``handle_many`` report
+        #: it unprocessed): the receivers that must drain first, and the frame's size. The
+        #: I/O layer waits for them (dropping one that makes no progress) and retries.
+        self.held: list[Peer] = []
+        self.held_size = 0
+        self.held_fds = 0
         #: Capture hook: ``tap(sender, frame, outcome, recipients)`` for every frame a client
         #: sends and every frame the broker originates (sender None). Outcomes: delivered,
         #: no-recipient, refused, forwarded, discarded, logged, broker. None = capture off,
@@ -113,6 +119,7 @@ class Broker:
             "ping": lambda _peer, _params: "pong",
         }
         # Broker-wide counters of rare events; per-message counts live on each Peer.
+        # no_recipient counts one-way messages and requests that reached nobody.
         self.stats = {"no_recipient": 0, "late_answers": 0, "timeouts": 0, "dropped_peers": 0}
 
     # -- connection lifecycle -----------------------------------------------------------
@@ -185,24 +192,33 @@ class Broker:
         self.disconnect(peer, str(code))
 
     # -- the hot path -------------------------------------------------------------------
-    def handle(self, peer: Peer, frame: Frame, now: float) -> None:
+    def handle(self, peer: Peer, frame: Frame, now: float) -> bool:
         """Process one frame from ``peer`` (already checked by the connection state table).
+
+        Returns False if the frame was *held*, not processed: it is a one-way message or
+        notification and one of its receivers cannot take it without going over
+        ``out_hard_limit``/``max_fds_queued``. Nothing was delivered and ``held`` names the
+        receivers; the caller keeps the frame (and its descriptors) and hands it in again
+        once they have drained. This is how a burst from many senders is absorbed without
+        dropping a receiver that is reading.
 
         Raises:
             RemoteProtocolError: the frame is well-formed but semantically invalid
                 (e.g. a REQUEST without request id); the I/O layer drops the client.
         """
-        if frame.fds:
-            try:
-                self._handle(peer, frame, now)
-            finally:
+        if not frame.fds:
+            return self._handle(peer, frame, now)
+        done = True
+        try:
+            done = self._handle(peer, frame, now)
+        finally:
+            if done:
                 # Recipients got duplicates; the broker's copies go now, whatever happened.
                 for fd in frame.fds:
                     self._close_fd(fd)
-        else:
-            self._handle(peer, frame, now)
+        return done
 
-    def _handle(self, peer: Peer, frame: Frame, now: float) -> None:
+    def _handle(self, peer: Peer, frame: Frame, now: float) -> bool:
         ftype = frame.type
         peer.msgs_in += 1
         peer.bytes_in += len(frame.raw)
@@ -219,6 +235,10 @@ class Broker:
                     ErrorCode.FORBIDDEN,
                 )
             n = self._deliver_oneway(peer, frame)
+            if n < 0:
+                peer.msgs_in -= 1  # counted when it is handed in again
+                peer.bytes_in -= len(frame.raw)
+                return False
             outcome = "delivered" if n else "no-recipient"
         elif ftype == _REQUEST:
             outcome, n = self._request(peer, frame, now)
@@ -234,44 +254,61 @@ class Broker:
                     _safe_header(frame),
                 )
         else:
-            return  # GOODBYE is handled by the I/O layer (it closes after flushing).
+            return True  # GOODBYE is handled by the I/O layer (it closes after flushing).
         if self.tap is not None:
             self.tap(peer, frame, outcome, n)
+        return True
 
-    def handle_many(self, peer: Peer, frames: list[Frame], now: float) -> None:
+    def handle_many(self, peer: Peer, frames: list[Frame], now: float) -> int:
         """``handle`` for a batch of frames from one peer (the reader's hot path).
 
-        One-way MESSAGEs to plain groups skip the general dispatch. Stops early if the
-        peer is dropped while handling.
+        Returns how many frames were consumed: ``len(frames)``, or the index of a frame
+        that was held (see ``handle``; it and the frames after it are the caller's to hand
+        in again). If the peer is dropped while handling, the rest is consumed unhandled
+        (their descriptors closed) and ``len(frames)`` is returned. One-way MESSAGEs to
+        plain groups skip the general dispatch.
         """
         groups = self.router.groups
         parse = self.router.parse_target
         deliver = self._deliver
         tap = self.tap
         nbytes = nfast = 0
+        done = len(frames)
         for i, frame in enumerate(frames):
             if frame.type != _MESSAGE or frame.n_fds or parse(frame.target)[0] != GROUP:
                 try:
-                    self.handle(peer, frame, now)
+                    handled = self.handle(peer, frame, now)
                 except BaseException:
                     self._close_frames_fds(frames[i + 1 :])
                     raise
+                if not handled:
+                    done = i
+                    break
                 if not peer.alive:
                     self._close_frames_fds(frames[i + 1 :])
                     break
                 continue
-            nbytes += len(frame.raw)
-            nfast += 1
             members = groups.get(frame.target)
             if members:
                 n = deliver(peer, frame, members, peer)
+                if n < 0:
+                    done = i
+                    break
             else:
                 n = 0
                 self.stats["no_recipient"] += 1
+            nbytes += len(frame.raw)
+            nfast += 1
             if tap is not None:
                 tap(peer, frame, "delivered" if n else "no-recipient", n)
         peer.msgs_in += nfast
         peer.bytes_in += nbytes
+        return done
+
+    def discard_frames(self, frames: list[Frame]) -> None:
+        """Forget frames that will never be handed in again (their sender left while they
+        were held): closes the descriptors they carry."""
+        self._close_frames_fds(frames)
 
     def _close_frames_fds(self, frames: list[Frame]) -> None:
         """Close the descriptors of frames that will not be handled (peer dropped)."""
@@ -285,13 +322,21 @@ class Broker:
         return self._deliver(peer, frame, router.resolve(frame.target, None), skip)
 
     def _deliver(
-        self, peer: Peer, frame: Frame, recipients: Iterable[Peer], skip: Peer | None
+        self,
+        peer: Peer,
+        frame: Frame,
+        recipients: Iterable[Peer],
+        skip: Peer | None,
+        hold: bool = True,
     ) -> int:
         """Queue ``frame`` (re-stamped with ``peer``'s identity) for each recipient but
         ``skip`` (the sender, for a broadcast to a group); returns how many got it.
 
-        A recipient over ``out_hard_limit`` cannot take a message it subscribed to: it is
-        dropped (slow-consumer) rather than losing the message silently.
+        A recipient that cannot take the frame without going over ``out_hard_limit`` or
+        ``max_fds_queued``: with ``hold`` nobody gets it, ``held`` names those recipients
+        and -1 is returned (the sender waits; see ``handle``). Without ``hold`` such a
+        recipient is dropped (slow-consumer) rather than losing the message silently.
+        ``recipients`` must be iterable twice (the router returns sequences).
         """
         pieces: list[Buffer] | None = None
         size = n = 0
@@ -300,6 +345,22 @@ class Broker:
         soft = self.limits.out_soft_limit
         dirty = self.dirty
         nfds = len(frame.fds)
+        if hold:
+            # One cheap pass first, so that a held frame is delivered to nobody rather
+            # than to some members twice.
+            pieces = restamp(frame, peer.stamp)
+            size = _size(pieces)
+            room = hard - size
+            max_fds = self.limits.max_fds_queued - nfds
+            for r in recipients:
+                if (r.outq_bytes > room or (nfds and r.outq_fds > max_fds)) and not (
+                    r is skip or r.sealed
+                ):
+                    over = over or []
+                    over.append(r)
+            if over:
+                self.held, self.held_size, self.held_fds = over, size, nfds
+                return -1
         for r in recipients:
             if r is skip or r.sealed:
                 continue
@@ -437,6 +498,7 @@ class Broker:
             return "refused", 0
         recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
         if not recipients:
+            self.stats["no_recipient"] += 1
             self._reply_error(
                 peer,
                 rid,
@@ -462,17 +524,16 @@ class Broker:
         if multi:
             # Tell the caller who will answer, before any answer can arrive.
             to = [[r.lname, r.name] for r in recipients]
-            self._send_or_kick(
-                peer,
-                encode_frame(
-                    FrameType.ROUTED,
-                    target=peer.lname,
-                    request_id=rid,
-                    header=encode_cbor({"to": to}),
-                    source=_BROKER_STAMP,
-                ),
-                "a routing answer",
+            routed = encode_frame(
+                FrameType.ROUTED,
+                target=peer.lname,
+                request_id=rid,
+                header=encode_cbor({"to": to}),
+                source=_BROKER_STAMP,
             )
+            self._send_or_kick(peer, routed, "a routing answer")
+            if self.tap is not None:
+                self._tap_broker(routed)
         pieces = restamp(frame, peer.stamp)
         delivered: list[Peer] = []
         for r in recipients:
@@ -578,17 +639,16 @@ class Broker:
         except RemoteProtocolError as exc:
             self._reply_error(peer, rid, ErrorCode.BAD_REQUEST, str(exc))
             return
-        self._send_or_kick(
-            peer,
-            encode_frame(
-                _REPLY,
-                target=peer.lname,
-                request_id=rid,
-                body=encode_cbor(result),
-                source=_BROKER_STAMP,
-            ),
-            "an answer it asked for",
+        pieces = encode_frame(
+            _REPLY,
+            target=peer.lname,
+            request_id=rid,
+            body=encode_cbor(result),
+            source=_BROKER_STAMP,
         )
+        self._send_or_kick(peer, pieces, "an answer it asked for")
+        if self.tap is not None:
+            self._tap_broker(pieces)
 
     def _tap_broker(self, pieces: list[Buffer], recipients: int = 1) -> None:
         """Show a frame the broker originated to the capture tap (only when capture is on)."""

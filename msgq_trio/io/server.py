@@ -294,7 +294,9 @@ class Server:
         pc: PeerConnection | None = None
         who = f"pid={pid} uid={uid} (before HELLO)"
         try:
-            if len(self.conns) >= self.limits.max_connections:
+            # n_connections counts sockets still in their handshake too, so a storm of
+            # connections that never say HELLO cannot get past the limit.
+            if self.n_connections > self.limits.max_connections:
                 log.warning(
                     "refusing connection from %s: max_connections=%d reached",
                     who,
@@ -305,6 +307,7 @@ class Server:
                     ErrorCode.LIMIT_EXCEEDED,
                     f"max_connections={self.limits.max_connections} reached",
                 )
+                await _linger(stream)
                 return
             hello = await self._handshake(stream, conn, who)
             if hello is None:
@@ -367,7 +370,7 @@ class Server:
                 log.debug(
                     "client %s disconnected: %s", pc.peer.describe(), pc.closing_reason or "closed"
                 )
-            close_fds(conn.take_orphan_fds())
+            close_fds(conn.close())
             await trio.aclose_forcefully(stream)
 
     async def _handshake(
@@ -428,7 +431,12 @@ class Server:
                     pc.closing_reason = "connection-lost"
                 nursery.cancel_scope.cancel()
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                # The traceback refers to this frame: without this the exception, this
+                # frame and the connection's buffers would form a cycle.
+                failure = None
 
     async def _writer_task(self, pc: PeerConnection, scope: trio.CancelScope) -> None:
         try:
@@ -482,7 +490,22 @@ class Server:
                 if tail:
                     events.pop()
                 if events:
-                    handle_many(peer, events, now)  # type: ignore[arg-type]
+                    frames: list[Frame] = events  # type: ignore[assignment]
+                    done = handle_many(peer, frames, now)
+                    while done < len(frames):
+                        # A frame is held: its receivers must drain first (see
+                        # Broker.handle). This sender stays paused meanwhile.
+                        frames = frames[done:]
+                        try:
+                            self._after_core()
+                            await self._wait_for_room(pc)
+                        except BaseException:
+                            core.discard_frames(frames)
+                            raise
+                        if not pc.peer.alive:  # dropped while it waited
+                            core.discard_frames(frames)
+                            break
+                        done = handle_many(peer, frames, trio.current_time())
                     if not peer.alive:
                         return False
                 if tail:
@@ -512,6 +535,37 @@ class Server:
                         ErrorCode.SLOW_CONSUMER,
                         f"no progress on {r.outq_bytes} queued bytes for "
                         f"{self.limits.slow_consumer_timeout} s (slow_consumer_timeout)",
+                    )
+                    self._after_core()
+
+    async def _wait_for_room(self, pc: PeerConnection) -> None:
+        """Wait until every receiver of ``pc``'s held frame can take it (or is gone).
+
+        A receiver that makes no write progress for ``slow_consumer_timeout`` is dropped
+        (slow-consumer); one that drains, however slowly, is waited for.
+        """
+        core = self.core
+        held, size, nfds = core.held, core.held_size, core.held_fds
+        core.held = []
+        room = self.limits.out_hard_limit - size
+        max_fds = self.limits.max_fds_queued - nfds
+        for r in held:
+            rpc = self.conns.get(r)
+            while (
+                rpc is not None
+                and r.alive
+                and pc.peer.alive
+                and (r.outq_bytes > room or (nfds and r.outq_fds > max_fds))
+            ):
+                with trio.move_on_after(self.limits.slow_consumer_timeout) as cs:
+                    await rpc.progress.park()
+                if cs.cancelled_caught and r.alive:
+                    self.core.kick(
+                        r,
+                        ErrorCode.SLOW_CONSUMER,
+                        f"no progress for {self.limits.slow_consumer_timeout} s "
+                        f"(slow_consumer_timeout) on {r.outq_bytes} queued bytes; "
+                        f"{pc.peer.describe()} waits to send it {size} more",
                     )
                     self._after_core()
 
@@ -647,3 +701,26 @@ async def _send_final(
             await stream.send_all(b"".join(frame))
     except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
         pass
+
+
+#: Longest a refused connection is kept open to let the client read our ERROR.
+_LINGER_TIME = 0.5
+_LINGER_BYTES = 64 * 1024
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Close our side, then read and discard what the client still sends (its HELLO) for a
+    moment, so it gets our ERROR instead of EPIPE on its write (a "lingering close").
+    Bounded: at most ``_LINGER_BYTES`` bytes and ``_LINGER_TIME`` seconds."""
+    got = 0
+    with trio.move_on_after(_LINGER_TIME):
+        try:
+            with translate_socket_errors():
+                await stream.send_eof()
+                while got < _LINGER_BYTES:
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                    if not data:
+                        break
+                    got += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass

@@ -45,7 +45,12 @@ TOP_LEVEL: dict[str, str] = {"socket": "str"}
 RESTART_ONLY = frozenset({"socket", "metrics.listen"})
 #: Limits read when a connection starts: a change applies to connections made after it.
 NEW_CONNECTIONS_ONLY = frozenset(
-    {"limits.max_frame_size", "limits.idle_in_frame_timeout", "limits.handshake_timeout"}
+    {
+        "limits.max_frame_size",
+        "limits.idle_in_frame_timeout",
+        "limits.handshake_timeout",
+        "limits.max_fds_per_message",
+    }
 )
 
 
@@ -127,7 +132,7 @@ def _coerce(key: str, typ: str, value: object) -> object:
     raise AssertionError(f"unsupported field type {typ!r} for {key}")
 
 
-def _build_section(section: str, cls: type[Any], table: object) -> Any:
+def build_section(section: str, cls: type[Any], table: object) -> Any:
     if not isinstance(table, Mapping):
         raise ConfigError(f"[{section}] must be a table, got {show(table)}", section, table)
     fields = {f.name: f for f in attrs.fields(cls)}
@@ -142,13 +147,13 @@ def _build_section(section: str, cls: type[Any], table: object) -> Any:
                 key,
                 value,
             )
-        value = _coerce(key, str(field.type), value)
+        checked = _coerce(key, str(field.type), value)
         if field.validator is not None:
             try:
-                field.validator(None, field, value)
+                field.validator(None, field, checked)
             except (ValueError, TypeError) as exc:
                 raise ConfigError(f"{key} = {show(value)}: {exc}", key, value) from None
-        kwargs[name] = value
+        kwargs[name] = checked
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:  # a rule between several keys of the section
@@ -167,7 +172,7 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         if name in SECTIONS:
-            kwargs[name] = _build_section(name, SECTIONS[name], value)
+            kwargs[name] = build_section(name, SECTIONS[name], value)
         elif name in TOP_LEVEL:
             kwargs[name] = _coerce(name, TOP_LEVEL[name], value)
         else:
@@ -207,7 +212,11 @@ def to_dict(cfg: BrokerConfig) -> dict[str, Any]:
     """The configuration as a nested dict of plain values (lists, not tuples)."""
     out: dict[str, Any] = {"socket": cfg.socket}
     for section in SECTIONS:
-        out[section] = attrs.asdict(getattr(cfg, section), retain_collection_types=False)
+        inst = getattr(cfg, section)
+        out[section] = {
+            f.name: list(v) if isinstance(v := getattr(inst, f.name), tuple) else v
+            for f in attrs.fields(type(inst))
+        }
     return out
 
 
@@ -271,5 +280,6 @@ class ConfigSource:
                 where = f"in {self.path}"
             else:
                 where = ""
-            raise ConfigError(f"{exc} ({where})" if where else str(exc), exc.key, exc.value) from None
+            msg = f"{exc} ({where})" if where else str(exc)
+            raise ConfigError(msg, exc.key, exc.value) from None
 

@@ -29,6 +29,8 @@ import time
 from types import TracebackType
 from typing import Any
 
+import attrs
+
 from ..config import LogSettings
 from ..core.peers import Peer
 
@@ -39,7 +41,9 @@ logging.addLevelName(TRAFFIC, "TRAFFIC")
 FIELDS = ("lname", "client", "pid", "uid", "gid", "group", "reason", "code")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-_DESCRIBE = re.compile(r"(l\.\d+) \(name=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") pid=(-?\d+) uid=(-?\d+)\)")
+_DESCRIBE = re.compile(
+    r"(l\.\d+) \(name=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") pid=(-?\d+) uid=(-?\d+)\)"
+)
 _BEFORE_HELLO = re.compile(r"pid=(-?\d+) uid=(-?\d+) \(before HELLO\)")
 
 #: Handlers this module installed on the root logger (replaced on reconfiguration).
@@ -67,9 +71,12 @@ class IdentityFilter(logging.Filter):
                     for k, v in peer_fields(arg).items():
                         setattr(record, k, v)
                     return True
-                if isinstance(arg, str) and (arg.startswith("l.") or "before HELLO" in arg):
-                    if self._from_text(record, arg):
-                        return True
+                if (
+                    isinstance(arg, str)
+                    and (arg.startswith("l.") or "before HELLO" in arg)
+                    and self._from_text(record, arg)
+                ):
+                    return True
         return True
 
     @staticmethod
@@ -108,7 +115,7 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (stdlib name)
+    def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         fields = _fields(record)
         if fields:
@@ -144,7 +151,7 @@ class _QuietErrors:
 
     _reported = False
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (stdlib name)
+    def handleError(self, record: logging.LogRecord) -> None:
         if self._reported:
             return
         self._reported = True
@@ -168,16 +175,42 @@ class SyslogHandler(_QuietErrors, logging.handlers.SysLogHandler):
     pass
 
 
-def make_handlers(settings: LogSettings) -> tuple[list[logging.Handler], list[str]]:
-    """Handlers for ``settings`` and the problems met (e.g. no syslog socket): the caller
-    reports them; a destination that failed is replaced by stderr."""
+class LogFileError(OSError):
+    """The log file cannot be opened (the configuration is refused)."""
+
+
+@attrs.define
+class PreparedLogging:
+    """Handlers built for some settings, not installed yet (see :func:`prepare`)."""
+
+    settings: LogSettings
+    handlers: list[logging.Handler]
+    #: Destinations that failed and were replaced by stderr (a missing syslog socket).
+    problems: list[str]
+
+    def discard(self) -> None:
+        for h in self.handlers:
+            h.close()
+
+
+def prepare(settings: LogSettings) -> PreparedLogging:
+    """Build the handlers for ``settings`` without touching the running logging.
+
+    Raises:
+        LogFileError: ``log.file`` cannot be opened for appending.
+
+    A syslog socket that is missing is not an error: it becomes a problem to report and
+    the log goes to stderr.
+    """
     handlers: list[logging.Handler] = []
     problems: list[str] = []
     if settings.file:
         try:
             handlers.append(FileHandler(settings.file, encoding="utf-8"))
         except OSError as exc:
-            problems.append(f"cannot open log file {settings.file}: {exc.strerror or exc}")
+            raise LogFileError(
+                f"log.file = {settings.file!r}: cannot open: {exc.strerror or exc}"
+            ) from None
     if settings.syslog:
         address = settings.syslog_address
         if address.startswith("/") and not os.path.exists(address):
@@ -191,7 +224,7 @@ def make_handlers(settings: LogSettings) -> tuple[list[logging.Handler], list[st
                     host, _, port = address.rpartition(":")
                     target = (host, int(port))
                 h = SyslogHandler(address=target, facility=facility)
-                h.ident = "msgq-trio[%d]: " % os.getpid()
+                h.ident = f"msgq-trio[{os.getpid()}]: "
                 handlers.append(h)
             except (OSError, ValueError) as exc:
                 problems.append(f"cannot log to syslog at {address}: {exc}")
@@ -201,10 +234,10 @@ def make_handlers(settings: LogSettings) -> tuple[list[logging.Handler], list[st
         JsonFormatter() if settings.format == "json" else TextFormatter()
     )
     identity = IdentityFilter()
-    for h in handlers:
-        h.setFormatter(formatter)
-        h.addFilter(identity)
-    return handlers, problems
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler.addFilter(identity)
+    return PreparedLogging(settings, handlers, problems)
 
 
 def level_number(name: str) -> int:
@@ -212,11 +245,18 @@ def level_number(name: str) -> int:
 
 
 def configure(settings: LogSettings) -> list[str]:
-    """(Re)configure the root logger for ``settings``; returns problems (also logged).
+    """(Re)configure the root logger for ``settings``; returns the problems reported.
 
-    Safe to call at runtime: the new handlers are in place before the old ones close.
+    Raises:
+        LogFileError: the log file cannot be opened (nothing changed).
     """
-    handlers, problems = make_handlers(settings)
+    return install(prepare(settings))
+
+
+def install(prepared: PreparedLogging) -> list[str]:
+    """Make prepared handlers the root logger's; returns problems (reported on stderr and
+    in the log). Safe at runtime: the new handlers are in place before the old close."""
+    handlers, problems, settings = prepared.handlers, prepared.problems, prepared.settings
     root = logging.getLogger()
     with _lock:
         old = list(_installed)

@@ -63,3 +63,4 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN = "forbidden"
     BROKER_SHUTDOWN = "broker-shutdown"
     SLOW_CONSUMER = "slow-consumer"
+    DROPPED = "dropped"  # an operator dropped this client (control command ``drop``)

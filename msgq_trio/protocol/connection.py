@@ -365,6 +365,18 @@ class Connection:
         """Mark the connection broken (after an I/O failure or our own protocol error)."""
         self.state = State.ERROR
 
+    def close(self) -> list[int]:
+        """The socket is closed: drop every buffered byte now and return the descriptors
+        received but never handed out (the caller closes them). Idempotent.
+
+        Also forgets a pending error, whose traceback would otherwise keep this object
+        and its buffers alive in a reference cycle until the garbage collector runs.
+        """
+        self.state = State.ERROR
+        self._pending_error = None
+        self._parser.release()
+        return self.take_orphan_fds()
+
 
 def connection_error_frame(code: ErrorCode, message: str) -> list[bytes | bytearray | memoryview]:
     """An ERROR frame with request id 0, sent just before closing a connection."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import cbor2
 
@@ -44,8 +44,11 @@ _BLOB_LEN = struct.Struct(">I")
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
 #: The u32 length field bounds any configured maximum.
 ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
-#: Frames at least this big are assembled in a preallocated buffer instead of the
-#: shared receive buffer, so a multi-megabyte frame is copied once, not once per chunk.
+#: Frames at least this big are assembled in a buffer of their own instead of the shared
+#: receive buffer, so a multi-megabyte frame is not moved again with every chunk. That
+#: buffer grows with the bytes that actually arrive, never from the claimed length: a
+#: client that announces 64 MiB and sends 1 byte costs 1 byte (scenario
+#: near-max-length-prefixes).
 _LARGE_FRAME = 256 * 1024
 _VALID_TYPES = frozenset(int(t) for t in FrameType)
 _U16 = 0xFFFF
@@ -311,7 +314,7 @@ class FrameParser:
     the same error (the connection must be closed).
     """
 
-    __slots__ = ("_buf", "_error", "_large", "_large_fill", "_pos", "max_frame_size")
+    __slots__ = ("_buf", "_error", "_large", "_large_total", "_pos", "max_frame_size")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
@@ -320,7 +323,9 @@ class FrameParser:
         self._buf = bytearray()
         self._pos = 0
         self._large: bytearray | None = None
-        self._large_fill = 0
+        self._large_total = 0
+        # Kept without a traceback and raised as fresh copies: a stored, raised exception
+        # would pin this parser's frames (and its buffers) in a reference cycle.
         self._error: RemoteProtocolError | None = None
 
     @property
@@ -328,7 +333,7 @@ class FrameParser:
         """Bytes received but not yet returned as frames (for idle-in-frame checks)."""
         n = len(self._buf) - self._pos
         if self._large is not None:
-            n += self._large_fill
+            n += len(self._large)
         return n
 
     @property
@@ -343,13 +348,14 @@ class FrameParser:
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes. ``b""`` (EOF) is not special here: the caller handles EOF."""
-        if self._large is not None:
-            need = len(self._large) - self._large_fill
-            n = min(need, len(data))
-            self._large[self._large_fill : self._large_fill + n] = data[:n]
-            self._large_fill += n
-            if n < len(data):
-                self._buf += data[n:]
+        large = self._large
+        if large is not None:
+            need = self._large_total - len(large)
+            if need >= len(data):
+                large += data
+            else:
+                large += memoryview(data)[:need]
+                self._buf += memoryview(data)[need:]
             return
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
@@ -363,13 +369,13 @@ class FrameParser:
             RemoteProtocolError: the stream violates the framing rules.
         """
         if self._error is not None:
-            raise self._error
+            self._raise()
         large = self._large
         if large is not None:
-            if self._large_fill < len(large):
+            if len(large) < self._large_total:
                 return None
             self._large = None
-            self._large_fill = 0
+            self._large_total = 0
             return self._parse(large)
         buf = self._buf
         pos = self._pos
@@ -388,11 +394,9 @@ class FrameParser:
         total = 4 + length
         if avail < total:
             if total >= _LARGE_FRAME:
-                # Move the partial frame into its own exact-size buffer; later feeds fill it.
-                large = bytearray(total)
-                large[:avail] = buf[pos:]
-                self._large = large
-                self._large_fill = avail
+                # Move the partial frame into a buffer of its own; later feeds extend it.
+                self._large = buf[pos:]
+                self._large_total = total
                 buf.clear()
                 self._pos = 0
             else:
@@ -411,7 +415,7 @@ class FrameParser:
         """
         out: list[Frame] = []
         if self._error is not None:
-            raise self._error
+            self._raise()
         if self._large is not None:
             f = self.next_frame()
             if f is None:
@@ -463,7 +467,7 @@ class FrameParser:
             self._error = RemoteProtocolError("frame target is not UTF-8")
             if out:
                 return out  # raised by the next call
-            raise self._error from None
+            self._raise()
         self._pos = pos
         # The careful path handles the rest: partial, large, with blobs, or malformed.
         try:
@@ -483,9 +487,23 @@ class FrameParser:
             del self._buf[: self._pos]
             self._pos = 0
 
-    def _fail(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:
+    def _fail(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> NoReturn:
         self._error = RemoteProtocolError(message, code)
-        raise self._error
+        self._raise()
+
+    def _raise(self) -> NoReturn:
+        err = self._error
+        assert err is not None
+        raise RemoteProtocolError(str(err), err.code) from None
+
+    def release(self) -> None:
+        """Drop every buffered byte now (the connection is closed). Later calls raise."""
+        self._buf = bytearray()
+        self._pos = 0
+        self._large = None
+        self._large_total = 0
+        if self._error is None:
+            self._error = RemoteProtocolError("the connection is closed")
 
     def _parse(self, raw: bytes | bytearray) -> Frame:
         (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (

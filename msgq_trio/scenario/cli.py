@@ -18,7 +18,7 @@ from typing import Any
 
 from .model import ScenarioError, is_slow, load_scenario
 from .report import faults_markdown, latest_records, machine_info
-from .runner import run_scenario
+from .runner import Interrupted, run_scenario
 
 
 def default_dir() -> Path:
@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ScenarioError as exc:
                 print(f"{path.stem:<36} INVALID {exc}")
                 continue
-            print(f"{sc.name:<36} {'slow' if sc.slow else 'fast'}  {sc.summary}")
+            summary = sc.summary if len(sc.summary) <= 90 else sc.summary[:87] + "..."
+            print(f"{sc.name:<36} {'slow' if sc.slow else 'fast'}  {summary}")
         return 0
     if args.cmd == "check":
         status = 0
@@ -128,7 +129,11 @@ def _run(args: argparse.Namespace) -> int:
         flush=True,
     )
     for p in paths:
-        result = run_scenario(p, keep_tmp=args.keep)
+        try:
+            result = run_scenario(p, keep_tmp=args.keep)
+        except Interrupted as exc:
+            print(f"msgq-trio scenario run: interrupted ({exc}); cleaned up", flush=True)
+            return 143
         rec = result.record(machine)
         records.append(rec)
         print(result.line(), flush=True)

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from ..config import Limits
+from .faults import BROKER_ACTIONS, CLIENT_ACTIONS, DISRUPTING_ACTIONS
 
 MiB = 1024 * 1024
 
@@ -194,21 +195,6 @@ GARBAGE_KINDS = (
     "mutated",
 )
 STORM_MODES = ("clean", "abrupt", "no-hello", "mixed")
-
-#: Fault actions: those on a client need a target, those on the broker must not have one.
-CLIENT_ACTIONS = (
-    "sigkill",
-    "sigstop",
-    "sigcont",
-    "sigterm",
-    "stop-reading",
-    "resume-reading",
-    "release",
-    "start",
-)
-BROKER_ACTIONS = ("kill-broker", "restart-broker", "stop-broker", "cont-broker")
-#: Client faults that make the target "at fault" (its latency is not a healthy one).
-DISRUPTING_ACTIONS = ("sigkill", "sigstop", "sigterm", "stop-reading", "start")
 
 #: ``serve`` flags a scenario may set (every Limits field), and their types.
 BROKER_FLAGS: dict[str, type] = {

@@ -45,6 +45,7 @@ import trio
 from .. import __version__
 from ..client.bus import connect
 from ..errors import MsgqError
+from .faults import CLIENT_SIGNALS
 from .model import ClientSpec, FaultSpec, Scenario, load_scenario
 from .report import machine_info
 
@@ -53,6 +54,8 @@ BROKER_START_TIMEOUT = 20.0
 CLIENT_READY_TIMEOUT = 60.0
 CLIENT_STOP_TIMEOUT = 20.0
 BROKER_STOP_TIMEOUT = 15.0
+#: Bound on everything after traffic (settle, stop, leak check, broker stop).
+FINISH_TIMEOUT = 90.0
 RSS_SAMPLE_INTERVAL = 0.05
 SCHEMA = "msgq_trio.scenario/1"
 _MIB = 1024 * 1024
@@ -169,15 +172,25 @@ def _display_path(p: Path) -> str:
         return str(p)
 
 
+class Interrupted(Exception):
+    """The run was stopped by SIGTERM or SIGHUP (after cleaning up everything it started)."""
+
+
 def run_scenario(path: str | Path, *, keep_tmp: bool = False) -> ScenarioResult:
     """Load and run one scenario file; never raises for a failing scenario (the result
-    says why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file.
+    says why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file
+    and :class:`Interrupted` when SIGTERM/SIGHUP stopped the run.
 
     Resource handling: every process started is killed and reaped, the temporary
-    directory is removed (unless ``keep_tmp``) before this returns.
+    directory is removed (unless ``keep_tmp``) before this returns, also on SIGTERM,
+    SIGHUP and Ctrl-C (KeyboardInterrupt is re-raised after the cleanup).
     """
     scenario = load_scenario(path)
-    return trio.run(_Run(scenario, keep_tmp=keep_tmp).run)
+    run = _Run(scenario, keep_tmp=keep_tmp)
+    result = trio.run(run.run)
+    if run.interrupted is not None:
+        raise Interrupted(f"{signal.Signals(run.interrupted).name} during {scenario.name}")
+    return result
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -277,6 +290,7 @@ class _Run:
         self.faults_done = False
         self._changed = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
+        self.interrupted: int | None = None
 
     def _notify(self) -> None:
         self._changed.unpark_all()
@@ -302,17 +316,37 @@ class _Run:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                main_scope = trio.CancelScope()
+                # A runner killed by SIGTERM would leave its broker running: turn the
+                # signal into a cancellation so that the cleanup below always runs.
+                nursery.start_soon(self._watch_signals, main_scope)
                 try:
-                    with trio.move_on_after(self.sc.timeout) as cs:
+                    ok = False
+                    with main_scope, trio.move_on_after(self.sc.timeout) as cs:
                         try:
-                            await self._phases()
+                            ok = await self._setup_and_traffic()
                         except _Abort as exc:
                             self.problems.append(f"phase {self.phase!r}: {exc}")
                     if cs.cancelled_caught:
-                        self.problems.append(
-                            f"scenario timed out after {self.sc.timeout:.0f} s "
-                            f"in phase {self.phase!r}"
+                        late = sorted(
+                            {c.label for c in self.clients if c.spec.info.active and not c.done}
                         )
+                        self.problems.append(
+                            f"scenario timed out after {self.sc.timeout:.0f} s in phase "
+                            f"{self.phase!r}" + (f"; not done: {', '.join(late)}" if late else "")
+                        )
+                    if self.interrupted is None and (
+                        ok or (cs.cancelled_caught and self.baseline is not None)
+                    ):
+                        # Even after a timeout: collect the reports and the broker's state,
+                        # each step bounded on its own.
+                        with trio.move_on_after(FINISH_TIMEOUT) as cs2:
+                            try:
+                                await self._finish(settle=not cs.cancelled_caught)
+                            except _Abort as exc:
+                                self.problems.append(f"phase {self.phase!r}: {exc}")
+                        if cs2.cancelled_caught:
+                            self.problems.append(f"timed out in phase {self.phase!r}")
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._cleanup()
@@ -339,7 +373,16 @@ class _Run:
             broker_log_tail="\n".join(log_text.splitlines()[-40:]),
         )
 
-    async def _phases(self) -> None:
+    async def _watch_signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+            async for sig in signals:
+                self.interrupted = sig
+                self.problems.append(f"interrupted by {signal.Signals(sig).name}")
+                scope.cancel()
+                return
+
+    async def _setup_and_traffic(self) -> bool:
+        """Broker, baseline, clients, traffic and faults; False if setup failed."""
         sc = self.sc
         self.phase = "start broker"
         await self._start_broker()
@@ -349,7 +392,7 @@ class _Run:
         self.baseline = await self._stats()
         if self.baseline is None:
             self.problems.append("the broker did not answer 'stats' at the start")
-            return
+            return False
         b = self.baseline
         self.metrics.update(
             {
@@ -371,14 +414,14 @@ class _Run:
             CLIENT_READY_TIMEOUT,
             "every client to be ready",
         ):
-            return
+            return False
         failed = [c for c in self.clients if not c.ready]
         if failed:
             for c in failed:
                 self.problems.append(
                     f"client {c.label} exited before it was ready:\n{c.stderr_tail()}"
                 )
-            return
+            return False
 
         self.phase = "traffic"
         self.t0 = time.monotonic()
@@ -395,9 +438,13 @@ class _Run:
             "the active clients to finish",
         )
         self.metrics["scenario.traffic_s"] = round(time.monotonic() - self.t0, 3)
+        return True
 
-        self.phase = "settle"
-        await trio.sleep(sc.settle)
+    async def _finish(self, *, settle: bool) -> None:
+        """Stop the clients (collecting their reports), check for leaks, stop the broker."""
+        if settle:
+            self.phase = "settle"
+            await trio.sleep(self.sc.settle)
 
         self.phase = "stop clients"
         for c in self.clients:
@@ -663,15 +710,7 @@ class _Run:
                 c.held = False
                 await c.send("go")
                 continue
-            sig = {
-                "sigkill": signal.SIGKILL,
-                "sigstop": signal.SIGSTOP,
-                "sigcont": signal.SIGCONT,
-                "sigterm": signal.SIGTERM,
-                "stop-reading": signal.SIGUSR1,
-                "release": signal.SIGUSR1,
-                "resume-reading": signal.SIGUSR2,
-            }[f.action]
+            sig = CLIENT_SIGNALS[f.action]
             # Only the client process itself: it is its own process group leader.
             c.proc.send_signal(sig)
             if f.action == "sigkill":

@@ -19,12 +19,12 @@ T = FrameType
 BROKER_STAMP = b"l.0\0msgq"
 
 
-def frame(ftype: int, **kw: Any) -> Frame:
+def frame(ftype: int, fds: tuple[int, ...] = (), **kw: Any) -> Frame:
     p = FrameParser()
-    p.feed(b"".join(bytes(x) for x in encode_frame(ftype, **kw)))
+    p.feed(b"".join(bytes(x) for x in encode_frame(ftype, n_fds=len(fds), **kw)))
     f = p.next_frame()
     assert f is not None
-    return f
+    return f._replace(fds=fds)
 
 
 class Bench:
@@ -545,9 +545,11 @@ def test_membership_events_in_order(bench: Bench) -> None:
 SMALL = {"max_frame_size": 1024, "out_soft_limit": 1500, "out_hard_limit": 2048}
 
 
-def test_slow_consumer_is_dropped_at_the_hard_limit() -> None:
-    """A subscriber that does not drain is marked blocked over the soft limit and dropped
-    (slow-consumer) when a message would push it over the hard limit; others still get it."""
+def test_message_to_full_receiver_is_held_not_dropped() -> None:
+    """A subscriber that does not drain is marked blocked over the soft limit. A message
+    that would push it over the hard limit is *held*: delivered to nobody (not even the
+    fast member), handle() says so, ``held`` names the full receiver; once it has drained
+    the same frame goes to both. Nobody is dropped by the core for it."""
     b = Bench(**SMALL)
     sender, slow, fast = b.connect("sender"), b.connect("slow"), b.connect("fast")
     b.subscribe(slow, "G")
@@ -557,13 +559,57 @@ def test_slow_consumer_is_dropped_at_the_hard_limit() -> None:
         b.message(sender, "G", payload)
         b.out(fast)
     assert slow in b.broker.blocked
-    assert slow.alive
-    b.message(sender, "G", payload)
-    assert not slow.alive
-    assert [(p, c) for p, c, _ in b.broker.kicked] == [(slow, ErrorCode.SLOW_CONSUMER)]
-    assert len(b.out(fast)) == 1
-    assert [m.lname for m in b.broker.router.members("G")] == ["l.3"]
-    assert b.broker.stats["dropped_peers"] == 1
+    f = frame(T.MESSAGE, target="G", body=encode_cbor(payload))
+    assert b.broker.handle_many(sender, [f], 0.0) == 0
+    assert b.broker.held == [slow]
+    assert b.broker.held_size > 500
+    assert slow.alive and not b.broker.kicked
+    assert b.out(fast) == []
+    before = len(b.out(slow))  # drains slow's queue
+    assert before == 3
+    assert b.broker.handle_many(sender, [f], 0.0) == 1
+    assert [m.body() for m in b.out(slow)] == [payload]
+    assert [m.body() for m in b.out(fast)] == [payload]
+    assert b.broker.stats["dropped_peers"] == 0
+
+
+def test_held_frame_keeps_its_descriptors_and_later_frames() -> None:
+    """handle_many() stops at a held frame and reports its index; the frames after it are
+    untouched and the held frame's descriptors are not closed (they travel with it later)."""
+    closed: list[int] = []
+    b = Bench(**SMALL)
+    b.broker._close_fd = closed.append
+    b.broker._dup_fd = lambda fd: fd + 1000
+    sender, full = b.connect("sender"), b.connect("full")
+    for _ in range(3):
+        b.message(sender, full.lname, "x" * 500)
+    frames = [
+        frame(T.MESSAGE, target="Nobody", body=encode_cbor(1)),
+        frame(T.MESSAGE, target=full.lname, body=encode_cbor("y" * 400), fds=(7,)),
+        frame(T.MESSAGE, target="Nobody", body=encode_cbor(2), fds=(8,)),
+    ]
+    assert b.broker.handle_many(sender, frames, 0.0) == 1
+    assert closed == [] and b.broker.held == [full]
+    b.out(full)
+    assert b.broker.handle_many(sender, frames[1:], 0.0) == 2
+    assert sorted(closed) == [7, 8]
+    [m] = b.out(full)
+    assert m.body() == "y" * 400
+
+
+def test_broker_notification_to_full_subscriber_drops_it() -> None:
+    """What the broker itself publishes (membership events) cannot be held: a subscriber
+    over the hard limit is dropped (slow-consumer) rather than silently missing it."""
+    b = Bench(**SMALL)
+    sender, watcher = b.connect("sender"), b.connect("watcher")
+    b.subscribe(watcher, "msgq.membership")
+    b.out(watcher)
+    for _ in range(3):
+        b.message(sender, watcher.lname, "x" * 500)
+    while watcher.alive and len(b.broker.kicked) == 0:
+        b.connect("newcomer")
+    assert not watcher.alive
+    assert [(p, c) for p, c, _ in b.broker.kicked] == [(watcher, ErrorCode.SLOW_CONSUMER)]
 
 
 def test_request_to_full_receiver() -> None:
@@ -610,8 +656,6 @@ def test_handle_many_matches_handle() -> None:
         out["counts"] = [(0, "", b"", (s.msgs_in, s.bytes_in))]
         return out
 
-    if not hasattr(Broker, "handle_many"):
-        pytest.skip("Broker.handle_many does not exist (any more)")
     assert scenario(batch=True) == scenario(batch=False)
 
 

@@ -1,0 +1,499 @@
+"""Control commands: the broker answers operators as a member of its own bus.
+
+A control command is a REQUEST to ``msgq`` like the open commands (subscribe, members,
+ping...), but only callers whose SO_PEERCRED uid is allowed may use it: by default the
+uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the error
+``forbidden`` and a WARNING naming the caller.
+
+| command | params | result |
+|---|---|---|
+| ``clients`` | - | one row per client (identity, traffic, queue, pending, since) |
+| ``drop`` | ``{"lname", "reason"?}`` | the dropped client's row |
+| ``shutdown`` | ``{"reason"?}`` | ``{"shutting_down": true}``; GOODBYE to all follows |
+| ``config-get`` | ``{"key"?}`` | the running configuration, or one key's value |
+| ``config-set`` | ``{"key", "value"}`` | ``{"changed": [...], "restart_required": [...]}`` |
+| ``config-reload`` | - | same as SIGHUP: re-read the file, apply or refuse as a whole |
+| ``stats`` | - | the server's figures plus traffic, disconnects, capture, config |
+| ``capture-start`` | capture settings to override | the capture's status |
+| ``capture-stop`` / ``capture-status`` | - | the capture's status |
+| ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
+| ``dump-stop`` | - | ``true`` if a dump was running |
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from ..config import BrokerConfig, CaptureSettings
+from ..core.broker import CommandError
+from ..core.peers import Peer
+from ..protocol.codes import ErrorCode
+from . import config_file, logsetup
+from .capture import TapHub, TrafficFilter
+from .config_file import ConfigError, ConfigSource
+from .logsetup import peer_fields
+from .metrics import Exposition, MetricsServer, TrafficTotals, process_figures
+
+if TYPE_CHECKING:
+    from ..io.server import Server
+
+log = logging.getLogger("msgq_trio.ops")
+
+#: Commands that change something: logged at INFO with the caller (an audit trail).
+MUTATING = frozenset(
+    {"drop", "shutdown", "config-set", "config-reload", "capture-start", "capture-stop",
+     "dump-start"}
+)
+#: Commands everybody may use (the bus's own protocol); never guarded.
+OPEN_COMMANDS = frozenset({"subscribe", "unsubscribe", "members", "version", "ping"})
+
+
+def _params(params: object) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise CommandError(ErrorCode.BAD_REQUEST, "params must be a map")
+    return params
+
+
+def _str_list(params: dict[str, Any], key: str) -> list[str]:
+    v = params.get(key) or []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise CommandError(ErrorCode.BAD_REQUEST, f"{key} must be a list of strings")
+    return v
+
+
+class Operations:
+    """Configuration at runtime, control commands, capture and metrics of one broker.
+
+    Args:
+        server: the broker (its core gets the commands and hooks).
+        config: the configuration the server was started with.
+        source: where :meth:`reload` reads the configuration again.
+        metrics_listeners / metrics_address: the bound metrics endpoint, if any.
+    """
+
+    def __init__(
+        self,
+        server: Server,
+        config: BrokerConfig,
+        source: ConfigSource,
+        *,
+        metrics_listeners: list[trio.SocketListener] | None = None,
+        metrics_address: str | None = None,
+    ) -> None:
+        self.server = server
+        self.core = server.core
+        self.config = config
+        self.source = source
+        self.hub = TapHub(server.core, server._after_core, lambda: server.limits.out_soft_limit)
+        self.totals = TrafficTotals()
+        self.own_uid = os.geteuid()
+        self.refusals = 0
+        self.generation = 1
+        self.loaded_at = time.time()
+        self.reloads_ok = 0
+        self.reloads_failed = 0
+        self.metrics_address = metrics_address
+        self.metrics = (
+            MetricsServer(metrics_listeners, self.render_metrics) if metrics_listeners else None
+        )
+        self._nursery: trio.Nursery | None = None
+        self._server_stats: Callable[[Peer, Any], object] | None = None
+
+    # -- wiring -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Register the control commands and the disconnect hook on the core."""
+        core = self.core
+        core.on_disconnect = self._peer_gone
+        self._server_stats = core.commands.get("stats")
+        commands: dict[str, Callable[[Peer, Any], object]] = {
+            "clients": self._cmd_clients,
+            "drop": self._cmd_drop,
+            "shutdown": self._cmd_shutdown,
+            "config-get": self._cmd_config_get,
+            "config-set": self._cmd_config_set,
+            "config-reload": self._cmd_config_reload,
+            "stats": self._cmd_stats,
+            "capture-start": self._cmd_capture_start,
+            "capture-stop": self._cmd_capture_stop,
+            "capture-status": self._cmd_capture_status,
+            "dump-start": self._cmd_dump_start,
+            "dump-stop": self._cmd_dump_stop,
+        }
+        for name, fn in commands.items():
+            assert name not in OPEN_COMMANDS
+            core.commands[name] = self._guard(name, fn)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Capture tasks and the metrics endpoint. Starts the configured capture first, so
+        an unusable capture directory fails the broker's start (raises OSError)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.hub.run)
+            self.hub.set_traffic_logging(self.config.log.level == "TRAFFIC")
+            if self.config.capture.enabled:
+                self.hub.start_capture(self.config.capture)
+            if self.metrics is not None:
+                nursery.start_soon(self.metrics.serve)
+                log.info("metrics at http://%s/metrics", self.metrics_address)
+            task_status.started()
+
+    def _peer_gone(self, peer: Peer, reason: str) -> None:
+        self.totals.peer_gone(peer, reason)
+        self.hub.peer_gone(peer)
+
+    def allowed_uids(self) -> frozenset[int]:
+        allow = self.config.control.allow_uids
+        return frozenset(allow) if allow else frozenset({self.own_uid})
+
+    def _guard(
+        self, name: str, fn: Callable[[Peer, Any], object]
+    ) -> Callable[[Peer, Any], object]:
+        def guarded(peer: Peer, params: Any) -> object:
+            allowed = self.allowed_uids()
+            if peer.uid not in allowed:
+                self.refusals += 1
+                log.warning(
+                    "refused control command %r from %s: uid %d is not allowed "
+                    "(control.allow_uids: %s)",
+                    name,
+                    peer.describe(),
+                    peer.uid,
+                    sorted(allowed),
+                    extra=peer_fields(peer),
+                )
+                raise CommandError(
+                    ErrorCode.FORBIDDEN,
+                    f"control command {name!r} is restricted to uids {sorted(allowed)}; "
+                    f"your uid is {peer.uid}",
+                )
+            log.log(
+                logging.INFO if name in MUTATING else logging.DEBUG,
+                "control command %r from %s",
+                name,
+                peer.describe(),
+                extra=peer_fields(peer),
+            )
+            try:
+                return fn(peer, params)
+            except CommandError:
+                raise
+            except Exception as exc:
+                # A bug in a control command: the caller gets internal-error, its
+                # connection and the broker go on.
+                log.exception("control command %r from %s failed", name, peer.describe(),
+                              extra=peer_fields(peer))
+                raise CommandError(
+                    ErrorCode.INTERNAL_ERROR, f"{name} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+
+        return guarded
+
+    # -- configuration --------------------------------------------------------------------
+    def reload(self, origin: str) -> dict[str, Any]:
+        """Re-read the configuration (file + flags) and apply it as a whole.
+
+        Raises:
+            ConfigError: invalid; logged, and the running configuration stays in force.
+        """
+        try:
+            new = self.source.load()
+        except ConfigError as exc:
+            self.reloads_failed += 1
+            log.error("%s: configuration refused, the running one stays in force: %s",
+                      origin, exc)
+            raise
+        return self.apply(new, origin)
+
+    def apply(self, new: BrokerConfig, origin: str) -> dict[str, Any]:
+        """Make ``new`` the running configuration; returns what changed and when it
+        applies. What can fail (opening the log file, the capture directory) runs first;
+        if it fails, nothing has changed (ConfigError)."""
+        old = self.config
+        changes = config_file.diff(old, new)
+        prepared = None
+        if new.log != old.log:
+            try:
+                prepared = logsetup.prepare(new.log)
+            except logsetup.LogFileError as exc:
+                self.reloads_failed += 1
+                log.error("%s: configuration refused, the running one stays in force: %s",
+                          origin, exc)
+                raise ConfigError(str(exc), "log.file", new.log.file) from None
+        if new.capture != old.capture:
+            try:
+                if new.capture.enabled:
+                    self.hub.start_capture(new.capture)
+                else:
+                    self.hub.stop_capture()
+            except (OSError, ValueError, RuntimeError) as exc:
+                if prepared is not None:
+                    prepared.discard()
+                self.reloads_failed += 1
+                log.error("%s: configuration refused, the running one stays in force: "
+                          "capture.dir = %s: %s", origin, config_file.show(new.capture.dir), exc)
+                raise ConfigError(
+                    f"capture.dir = {config_file.show(new.capture.dir)}: {exc}",
+                    "capture.dir",
+                    new.capture.dir,
+                ) from None
+        if new.limits != old.limits:
+            self.server.apply_limits(new.limits)
+        if prepared is not None:
+            logsetup.install(prepared)
+            self.hub.set_traffic_logging(new.log.level == "TRAFFIC")
+        # socket and metrics.listen were read at start; they keep their running values.
+        self.config = attrs.evolve(new, socket=old.socket, metrics=old.metrics)
+        self.generation += 1
+        self.loaded_at = time.time()
+        self.reloads_ok += 1
+        out = []
+        restart = []
+        for key, a, b in changes:
+            when = config_file.applies(key)
+            out.append({"key": key, "old": a, "new": b, "applies": when})
+            if when == "restart":
+                restart.append(key)
+                log.warning(
+                    "%s: %s changed from %s to %s: it is read at start only, the running "
+                    "broker keeps %s until it is restarted",
+                    origin, key, config_file.show(a), config_file.show(b), config_file.show(a),
+                )
+            else:
+                log.info(
+                    "%s: %s = %s (was %s)%s", origin, key, config_file.show(b),
+                    config_file.show(a), "; applies to new connections"
+                    if when == "new connections" else "",
+                )
+        if not changes:
+            log.info("%s: configuration unchanged", origin)
+        return {"generation": self.generation, "changed": out, "restart_required": restart}
+
+    def _cmd_config_get(self, _peer: Peer, params: object) -> object:
+        p = _params(params)
+        key = p.get("key")
+        if key is None:
+            return config_file.to_dict(self.config)
+        if not isinstance(key, str):
+            raise CommandError(ErrorCode.BAD_REQUEST, "key must be a string")
+        try:
+            return config_file.get_key(self.config, key)
+        except ConfigError as exc:
+            raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+    def _cmd_config_set(self, peer: Peer, params: object) -> object:
+        p = _params(params)
+        key = p.get("key")
+        if not isinstance(key, str) or "value" not in p:
+            raise CommandError(ErrorCode.BAD_REQUEST, "params must be {'key': str, 'value': ...}")
+        try:
+            new = config_file.with_key(self.config, key, p["value"])
+            return self.apply(new, f"config-set by {peer.lname}")
+        except ConfigError as exc:
+            log.warning("config-set by %s refused: %s", peer.describe(), exc,
+                        extra=peer_fields(peer))
+            raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+    def _cmd_config_reload(self, peer: Peer, _params: object) -> object:
+        try:
+            return self.reload(f"config-reload by {peer.lname}")
+        except ConfigError as exc:
+            raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+    # -- clients ------------------------------------------------------------------------
+    def client_row(self, p: Peer) -> dict[str, Any]:
+        now = trio.current_time()
+        return {
+            "lname": p.lname,
+            "name": p.name,
+            "pid": p.pid,
+            "uid": p.uid,
+            "gid": p.gid,
+            "groups": list(p.groups),
+            "msgs_in": p.msgs_in,
+            "msgs_out": p.msgs_out,
+            "bytes_in": p.bytes_in,
+            "bytes_out": p.bytes_out,
+            "queued_bytes": p.outq_bytes,
+            "pending_out": len(p.pending_out),
+            "pending_in": len(p.pending_in),
+            "connected_at": round(time.time() - (now - p.connected_at), 3),
+            "connected_for": round(now - p.connected_at, 3),
+        }
+
+    def _cmd_clients(self, _peer: Peer, _params: object) -> object:
+        return [self.client_row(p) for _, p in sorted(self.core.peers.items())]
+
+    def _cmd_drop(self, peer: Peer, params: object) -> object:
+        p = _params(params)
+        lname = p.get("lname")
+        reason = p.get("reason") or "dropped by an operator"
+        if not isinstance(lname, str) or not isinstance(reason, str):
+            raise CommandError(
+                ErrorCode.BAD_REQUEST, "params must be {'lname': str, 'reason'?: str}"
+            )
+        victim = None
+        if lname.startswith("l.") and lname[2:].isdigit():
+            victim = self.core.peers.get(int(lname[2:]))
+        if victim is None:
+            raise CommandError(ErrorCode.NO_RECIPIENT, f"no client {lname!r}")
+        if victim is peer:
+            raise CommandError(ErrorCode.BAD_REQUEST, "a client cannot drop itself; disconnect")
+        row = self.client_row(victim)
+        log.warning(
+            "dropping client %s on request of %s: %s", victim.describe(), peer.describe(), reason,
+            extra=peer_fields(victim) | {"reason": reason},
+        )
+        self.core.kick(victim, ErrorCode.DROPPED, f"{reason} (by {peer.lname} uid {peer.uid})")
+        return row
+
+    def _cmd_shutdown(self, peer: Peer, params: object) -> object:
+        reason = _params(params).get("reason") or "control command"
+        if self._nursery is None:
+            raise CommandError(ErrorCode.INTERNAL_ERROR, "operations are not running")
+        log.warning("shutdown requested by %s: %s", peer.describe(), reason,
+                    extra=peer_fields(peer))
+        # After this answer is queued: the GOODBYEs follow it on the caller's connection.
+        self._nursery.start_soon(self.server.shutdown)
+        return {"shutting_down": True}
+
+    # -- statistics and metrics -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        core = self.core
+        return {
+            "traffic": self.totals.totals(core.peers.values()),
+            "connections_total": len(core.peers) + sum(self.totals.disconnects.values()),
+            "disconnects": dict(self.totals.disconnects),
+            "capture": self.hub.stats(),
+            "control": {"refusals": self.refusals, "allow_uids": sorted(self.allowed_uids())},
+            "config": {
+                "file": str(self.source.path) if self.source.path else None,
+                "generation": self.generation,
+                "loaded_at": self.loaded_at,
+                "reloads_ok": self.reloads_ok,
+                "reloads_failed": self.reloads_failed,
+            },
+            "metrics": {
+                "address": self.metrics_address,
+                "scrapes": self.metrics.scrapes if self.metrics else 0,
+            },
+        }
+
+    def _cmd_stats(self, peer: Peer, params: object) -> object:
+        base = self._server_stats(peer, params) if self._server_stats is not None else {}
+        out = dict(base) if isinstance(base, dict) else {"server": base}
+        out.update(self.stats())
+        return out
+
+    def render_metrics(self) -> str:
+        core, server = self.core, self.server
+        st = self.stats()
+        t = st["traffic"]
+        e = Exposition()
+        e.family("msgq_up", "gauge", "1 while the broker serves.", 1)
+        e.family("msgq_connections", "gauge", "Clients connected now.", len(core.peers))
+        e.family("msgq_connections_accepted", "counter",
+                 "Clients admitted (HELLO accepted) since start.", st["connections_total"])
+        e.family("msgq_messages_received", "counter",
+                 "Frames received from clients (all kinds).", t["messages_in"])
+        e.family("msgq_messages_sent", "counter",
+                 "Frames queued to clients (all kinds).", t["messages_out"])
+        e.family("msgq_bytes_received", "counter", "Bytes received from clients.", t["bytes_in"])
+        e.family("msgq_bytes_sent", "counter", "Bytes written to clients.", t["bytes_out"])
+        e.family(
+            "msgq_disconnects", "counter",
+            "Clients gone, by reason (closed, connection-lost, protocol-error, "
+            "slow-consumer, forbidden = dropped by an operator, ...).",
+            [({"reason": r}, n) for r, n in sorted(self.totals.disconnects.items())],
+        )
+        e.family(
+            "msgq_dropped_clients", "counter",
+            "Clients the broker dropped (slow consumer, hard limit, operator).",
+            core.stats.get("dropped_peers", 0),
+        )
+        e.family(
+            "msgq_messages_dropped", "counter",
+            "Messages not delivered, by reason (no-recipient: nobody there; late-answer: "
+            "an answer nobody waits for).",
+            [({"reason": "no-recipient"}, core.stats.get("no_recipient", 0)),
+             ({"reason": "late-answer"}, core.stats.get("late_answers", 0))],
+        )
+        e.family("msgq_request_timeouts", "counter",
+                 "Requests answered 'timeout' by the broker's deadline.",
+                 core.stats.get("timeouts", 0))
+        e.family("msgq_pending_requests", "gauge", "Requests waiting for an answer.",
+                 len(core.rpc))
+        e.family("msgq_queued_bytes", "gauge", "Bytes queued in the broker for clients.",
+                 sum(p.outq_bytes for p in core.peers.values()))
+        e.family("msgq_groups", "gauge", "Groups with at least one member.",
+                 len(core.router.groups))
+        e.family("msgq_capture_active", "gauge", "1 while a capture writes to files.",
+                 1 if self.hub.file is not None else 0)
+        e.family("msgq_capture_records_written", "counter",
+                 "Capture records written to files or dump clients.",
+                 self.hub.written_total)
+        e.family("msgq_capture_records_dropped", "counter",
+                 "Capture records lost to a full capture buffer.", self.hub.dropped_total)
+        e.family("msgq_dump_clients", "gauge", "Clients receiving a live dump.",
+                 len(self.hub.dumps))
+        e.family("msgq_control_refusals", "counter",
+                 "Control commands refused (caller's uid not allowed).", self.refusals)
+        e.family("msgq_config_reloads", "counter", "Configuration reloads, by result.",
+                 [({"result": "ok"}, self.reloads_ok), ({"result": "failed"}, self.reloads_failed)])
+        e.family("msgq_uptime_seconds", "gauge", "Seconds since the broker started.",
+                 trio.current_time() - server.started_at)
+        proc = process_figures()
+        e.family("process_open_fds", "gauge", "Open file descriptors.", proc["fds"])
+        e.family("process_resident_memory_bytes", "gauge", "Resident memory.", proc["rss"])
+        e.family("msgq_build_info", "gauge", "Broker version.",
+                 [({"version": core.version}, 1)])
+        return e.text()
+
+    # -- capture ------------------------------------------------------------------------
+    def _cmd_capture_start(self, _peer: Peer, params: object) -> object:
+        p = dict(_params(params))
+        data = config_file.to_dict(self.config)["capture"]
+        data.update(p)
+        data["enabled"] = True
+        try:
+            settings: CaptureSettings = config_file.build_section("capture", CaptureSettings,
+                                                                   data)
+        except ConfigError as exc:
+            raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        try:
+            status = self.hub.start_capture(settings)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CommandError(ErrorCode.BAD_REQUEST,
+                               f"cannot capture to {settings.dir}: {exc}") from None
+        return status
+
+    def _cmd_capture_stop(self, _peer: Peer, _params: object) -> object:
+        return self.hub.stop_capture() or self.hub.capture_status()
+
+    def _cmd_capture_status(self, _peer: Peer, _params: object) -> object:
+        return self.hub.capture_status()
+
+    def _cmd_dump_start(self, peer: Peer, params: object) -> object:
+        p = _params(params)
+        body = p.get("body") or "none"
+        try:
+            flt = TrafficFilter(
+                _str_list(p, "kinds"), _str_list(p, "senders"), _str_list(p, "targets")
+            )
+            self.hub.add_dump(peer, flt, str(body))
+        except (ValueError, RuntimeError) as exc:
+            raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        return {"lname": peer.lname, "filter": flt.describe(), "body": body}
+
+    def _cmd_dump_stop(self, peer: Peer, _params: object) -> object:
+        return self.hub.remove_dump(peer)
