@@ -31,9 +31,12 @@ class Limits:
       prototype that dropped receivers at a hard bound disconnected healthy subscribers
       under a 4 MiB burst; pausing senders lost nothing.
     * ``out_hard_limit`` 256 MiB per receiver (at least 2 frames of max size): a frame that
-      would push a receiver's queue past it is refused to a requester (receiver-full) or,
-      for a message the receiver subscribed to / an answer it asked for, the receiver is
-      dropped (slow-consumer). Bounded memory even with many senders.
+      would push a receiver's queue past it is refused to a requester (receiver-full); a
+      one-way message or notification is *held* in its sender's reader (delivered to
+      nobody yet, the sender's socket not read) until every receiver has room, so a burst
+      from many senders loses nothing; a frame the broker itself owes a receiver (an
+      answer it asked for, a membership event) drops that receiver (slow-consumer).
+      Bounded memory even with many senders.
     * ``slow_consumer_timeout`` 10 s: a receiver above the soft limit that makes no write
       progress for this long is dropped, so one stopped reader (SIGSTOP) can pause its
       senders only this long. dbus-broker has no timer; NATS uses 2 s write_deadline for
@@ -253,3 +256,7 @@ class BrokerConfig:
     control: ControlSettings = attrs.field(factory=ControlSettings)
     capture: CaptureSettings = attrs.field(factory=CaptureSettings)
     metrics: MetricsSettings = attrs.field(factory=MetricsSettings)
+    #: ``[plugins.<name>]`` tables: each names a plugin (entry point group
+    #: ``msgq_trio.plugins``) to run under the broker's supervision, with its settings
+    #: (checked by the plugin itself; docs/QUEUE.md). Read at start only.
+    plugins: dict[str, dict[str, Any]] = attrs.field(factory=dict)

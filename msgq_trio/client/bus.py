@@ -66,6 +66,7 @@ OUT_HIGH_WATER = 1024 * 1024
 IN_HIGH_WATER = 64 * 1024 * 1024
 _FAIRNESS = 256  # iteration yields to other tasks at least every this many messages
 _MEMBERSHIP = "msgq.membership"
+_SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
 
 _MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
     FrameType.MESSAGE,
@@ -947,12 +948,26 @@ class Bus:
 
     # -- receiving ---------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[Message]:
+        """Iterate over received messages and notifications, in arrival order.
+
+        The iteration ends (like trio's ``EndOfChannel``) only when it was ended cleanly:
+        this bus was closed locally, or the broker shut down and said GOODBYE. Every other
+        end raises, so a consumer never mistakes a loss for the end of the stream.
+
+        Raises:
+            ConnectionLost: the connection broke (broker crashed) or the broker dropped this
+                client; ``code`` says why (``slow-consumer``, ``protocol-error``,
+                ``dropped``...). Messages received before it are all yielded first.
+        """
         return self
 
     async def __anext__(self) -> Message:
         msg = await self._next_message()
         if msg is None:
-            raise StopAsyncIteration
+            lost = self._lost
+            if self._closed or lost is None or lost.code == _SHUTDOWN:
+                raise StopAsyncIteration
+            raise lost
         return msg
 
     async def receive(self, timeout: float | None = None) -> Message:

@@ -203,3 +203,43 @@ async def test_invalid_configuration_is_refused(short_tmp, broker_argv) -> None:
     assert result.returncode == 2
     assert "invalid configuration" in result.stderr
     assert not exists(path)
+
+
+async def test_iteration_raises_when_dropped(broker) -> None:
+    """A consumer iterating with ``async for`` is told when the broker drops it: it gets
+    every message received before the drop, then ConnectionLost with the reason's code
+    (here an operator's ``drop``), never a silent end of the loop."""
+    async with msgq_trio.connect(broker.path, name="victim") as victim, \
+            msgq_trio.connect(broker.path, name="operator") as operator:
+        await victim.subscribe("News")
+        for i in range(3):
+            await operator.send("News", i)
+        await operator.flush()
+        got: list[object] = []
+        with trio.fail_after(10):
+            while len(got) < 3:
+                got.append((await victim.receive()).body)
+            await operator.call("msgq", "drop", {"lname": victim.lname})
+            with pytest.raises(ConnectionLost) as ei:
+                async for msg in victim:
+                    got.append(msg.body)
+        assert got == [0, 1, 2]
+        assert ei.value.code == "dropped"
+
+
+async def test_iteration_raises_when_broker_is_killed(broker) -> None:
+    """SIGKILL of the broker (no GOODBYE) ends a consumer's ``async for`` with
+    ConnectionLost after the messages already received, not with a normal end."""
+    async with msgq_trio.connect(broker.path, name="listener") as listener, \
+            msgq_trio.connect(broker.path, name="talker") as talker:
+        await listener.subscribe("News")
+        await talker.send("News", "before")
+        await talker.flush()
+        got: list[object] = []
+        with trio.fail_after(10):
+            with pytest.raises(ConnectionLost) as ei:
+                async for msg in listener:
+                    got.append(msg.body)
+                    broker.send_signal(signal.SIGKILL)
+        assert got == ["before"]
+        assert ei.value.code is None
