@@ -278,3 +278,36 @@ def test_sync_client_passes_descriptors(broker: Any) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+async def test_burst_of_descriptor_messages_keeps_each_fd_with_its_message(broker: Any) -> None:
+    """A burst of 600 messages, some with one descriptor, some with two, some with none,
+    sent back to back: the kernel ends a receive at each descriptor-carrying message and
+    both broker and client take the queued ones in batches; every received descriptor
+    must still belong to its own message (each pipe holds its message's index)."""
+    pipes: list[tuple[int, int]] = []
+    try:
+        async with msgq_trio.connect(broker.path, name="rx") as rx, \
+                msgq_trio.connect(broker.path, name="tx") as tx:
+            await rx.subscribe("Fds")
+            plan = [i % 3 for i in range(600)]  # 0, 1 or 2 descriptors
+            for i, k in enumerate(plan):
+                fds = []
+                for j in range(k):
+                    r, w = os.pipe()
+                    pipes.append((r, w))
+                    os.write(w, f"{i}.{j}".encode())
+                    fds.append(r)
+                await tx.send("Fds", i, fds=fds)
+            await tx.flush()
+            with trio.fail_after(30):
+                for i, k in enumerate(plan):
+                    with await rx.receive() as msg:
+                        assert msg.body == i
+                        assert len(msg.fds) == k
+                        for j, fd in enumerate(msg.fds):
+                            assert os.read(fd, 64) == f"{i}.{j}".encode()
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
