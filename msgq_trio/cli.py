@@ -1,5 +1,5 @@
 """Command line: ``msgq-trio serve | ctl | dump | send | call | listen | members | demo |
-bench | scenario``."""
+bench | scenario | analyze``."""
 
 from __future__ import annotations
 
@@ -89,12 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scenario", help="run fault scenarios (scenarios/*.toml)")
     p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("analyze", help="analyse captures and scenario results on Spark "
+                       "(needs the 'spark' extra)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
 #: Subcommands with their own argument parser: everything after the name is theirs
 #: (argparse's REMAINDER would reject a first argument that looks like an option).
-_DELEGATED = ("bench", "scenario")
+_DELEGATED = ("bench", "scenario", "analyze")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench.run import main as bench_main
 
             return int(bench_main(argv[1:]))
+        if argv[0] == "analyze":  # pyspark is imported only when a job runs
+            from .analytics.cli import main as analyze_main
+
+            return int(analyze_main(argv[1:]))
         from .scenario.cli import main as scenario_main
 
         return int(scenario_main(argv[1:]))

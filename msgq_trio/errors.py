@@ -113,6 +113,13 @@ class LimitExceeded(RpcError):
     code = ErrorCode.LIMIT_EXCEEDED.value
 
 
+class QueueFull(RpcError):
+    """The queue plugin's store is full (``max_map_size`` reached): the message was not
+    stored and will not be delivered. Retry once consumers have drained the queue."""
+
+    code = ErrorCode.QUEUE_FULL.value
+
+
 class RemoteError(RpcError):
     """The handler (or the broker's command) answered with an error.
 
@@ -137,6 +144,7 @@ _BY_CODE: dict[str, type[RpcError]] = {
         ReceiverFull,
         MultipleRecipients,
         LimitExceeded,
+        QueueFull,
     )
 }
 

@@ -9,16 +9,18 @@ the work and raises the same exceptions as the async client (``NoRecipient``,
 from __future__ import annotations
 
 import functools
+import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import trio
 
 from .client.bus import Bus, Member, Message, Result
 from .client.bus import connect as aconnect
+from .client.queue import Queue, QueueMessage
 from .errors import ConnectionLost, UsageError
 
 Buffer = bytes | bytearray | memoryview
@@ -151,6 +153,10 @@ class SyncBus:
 
         return register
 
+    def queue(self, name: str, *, producer: str | None = None) -> SyncQueue:
+        """A blocking handle on the durable queue ``name`` (see ``Bus.queue``)."""
+        return SyncQueue(self, self.bus.queue(name, producer=producer))
+
     def close(self) -> None:
         """Close the connection and stop the background thread (idempotent)."""
         if self._token is not None and self._stop is not None and not self._stop.is_set():
@@ -165,6 +171,88 @@ class SyncBus:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SyncQueue:
+    """Blocking facade over :class:`msgq_trio.client.queue.Queue` (docs/QUEUE.md); the
+    methods block until the plugin answered and raise the same exceptions."""
+
+    def __init__(self, sbus: SyncBus, q: Queue) -> None:
+        self._sbus = sbus
+        self._q = q
+
+    def declare(self, **options: Any) -> bool:
+        return bool(self._sbus._run(self._q.declare, **options))
+
+    def put(self, body: Any, *, seq: int | None = None) -> str:
+        """Returns when the message is durable (or consumed): "stored", "consumed",
+        "duplicate"."""
+        return str(self._sbus._run(self._q.put, body, seq=seq))
+
+    def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
+                 ) -> dict[str, int]:
+        return dict(self._sbus._run(self._q.put_many, bodies, first_seq=first_seq))
+
+    def fetch(self, n: int = 1, *, ack_timeout: float | None = None) -> list[SyncQueueMessage]:
+        got = self._sbus._run(self._q.fetch, n, ack_timeout=ack_timeout)
+        return [SyncQueueMessage(self._sbus, m) for m in got]
+
+    def ack(self, messages: Sequence[SyncQueueMessage]) -> int:
+        """Ack fetched ``messages`` in one request; returns how many were still owed."""
+        return int(self._sbus._run(self._q.ack, [m.message for m in messages]))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._sbus._run(self._q.stats))
+
+    def producer_state(self) -> int:
+        return int(self._sbus._run(self._q.producer_state))
+
+    def consume(self, window: int = 1, *, ack_timeout: float | None = None,
+                timeout: float | None = None) -> Iterator[SyncQueueMessage]:
+        """Push consumer: yields messages (ack each with ``m.ack()``). Stops with
+        TimeoutError if nothing arrives within ``timeout``; closing the generator (or
+        leaving the ``for``) cancels the consumer."""
+        consumer = self._q.consume(window, ack_timeout=ack_timeout)
+
+        async def next_message() -> QueueMessage:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                return await consumer.__anext__()
+
+        try:
+            while True:
+                try:
+                    m = self._sbus._run(next_message)
+                except trio.TooSlowError as exc:
+                    raise TimeoutError(f"no message within {timeout} s") from exc
+                yield SyncQueueMessage(self._sbus, m)
+        finally:
+            try:
+                self._sbus._run(consumer.aclose)
+            except (ConnectionLost, UsageError):
+                pass
+
+
+class SyncQueueMessage:
+    """A delivered message for the sync client: ``body``, ``deliveries``, ``ack()``,
+    ``nack()``."""
+
+    def __init__(self, sbus: SyncBus, m: QueueMessage) -> None:
+        self._sbus = sbus
+        self.message = m
+
+    @property
+    def body(self) -> Any:
+        return self.message.body
+
+    @property
+    def deliveries(self) -> int:
+        return self.message.deliveries
+
+    def ack(self) -> None:
+        self._sbus._run(self.message.ack)
+
+    def nack(self) -> None:
+        self._sbus._run(self.message.nack)
 
 
 async def _sync_add_command(bus: Bus, name: str, handler: Callable[..., Any]) -> None:

@@ -7,7 +7,8 @@ instead of failing the run.
 * NATS: Debian ``nats-server`` + ``nats-py``;
 * Redis: Debian ``redis-server`` + ``redis`` (redis-py) and its optional C parser
   ``hiredis`` (what redis-py uses in production; its absence is not an error);
-* ZeroMQ: ``pyzmq`` (bundles libzmq).
+* ZeroMQ: ``pyzmq`` (bundles libzmq);
+* RabbitMQ (durable workload only): Debian ``rabbitmq-server`` + ``aio-pika``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PEER_NEEDS: dict[str, tuple[str | None, str | None, list[tuple[str, str]]]] = {
     "nats": ("nats-server", "nats-server", [("nats", "nats-py")]),
     "redis": ("redis-server", "redis-server", [("redis", "redis")]),
     "zeromq": (None, None, [("zmq", "pyzmq")]),
+    "rabbitmq": ("rabbitmq-server", "rabbitmq-server", [("aio_pika", "aio-pika")]),
 }
 #: Installed when Redis is wanted, but only nice to have.
 OPTIONAL_PIP = {"redis": [("hiredis", "hiredis")]}
@@ -120,7 +122,9 @@ def peer_versions() -> dict[str, str]:
     """Versions of the peer servers and client libraries that are installed."""
     out: dict[str, str] = {}
     for name, cmd in (("nats-server", ["nats-server", "--version"]),
-                      ("redis-server", ["redis-server", "--version"])):
+                      ("redis-server", ["redis-server", "--version"]),
+                      ("rabbitmq-server", ["dpkg-query", "-W", "-f", "${Version}",
+                                           "rabbitmq-server"])):
         if shutil.which(cmd[0]):
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=10,
@@ -130,7 +134,8 @@ def peer_versions() -> dict[str, str]:
                 out[name] = f"unknown ({exc})"
     from importlib import metadata
 
-    for dist in ("nats-py", "redis", "hiredis", "pyzmq", "matplotlib", "trio", "cbor2"):
+    for dist in ("nats-py", "redis", "hiredis", "pyzmq", "aio-pika", "matplotlib", "trio",
+                 "cbor2"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -45,23 +45,27 @@ class Proc:
     """One child process in its own process group, speaking the line protocol."""
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: Path,
-                 *, stdin: bool = True) -> None:
+                 *, stdin: bool = True, env: dict[str, str] | None = None,
+                 pass_fds: Sequence[int] = ()) -> None:
         self.name = name
         self.stderr_path = log_dir / f"{name}.stderr"
         with open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
                 list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=err, start_new_session=True, env=env,
+                pass_fds=tuple(pass_fds))
         self._buf = b""
         self.lines: list[str] = []
+        self._cursor = 0  # lines[:_cursor] were looked at by wait_line
         self.eof = False
         self.result: dict[str, Any] | None = None
 
     @classmethod
-    def worker(cls, name: str, module: str, spec: Spec, log_dir: Path) -> Proc:
+    def worker(cls, name: str, module: str, spec: Spec, log_dir: Path,
+               pass_fds: Sequence[int] = ()) -> Proc:
         """Start ``python -m msgq_trio.bench.<module> SPEC_JSON``."""
         return cls(name, [sys.executable, "-m", f"msgq_trio.bench.{module}",
-                          json.dumps(spec)], log_dir)
+                          json.dumps(spec)], log_dir, pass_fds=pass_fds)
 
     def fileno(self) -> int:
         assert self.popen.stdout is not None
@@ -95,12 +99,40 @@ class Proc:
         return WorkerFailed(f"{self.name} {what} ({status}){': ' + tail if tail else ''}")
 
     def go(self) -> None:
+        self.send(GO)
+
+    def send(self, line: str) -> None:
+        """Write one line to the child's stdin (``GO``, or a worker's own command)."""
         assert self.popen.stdin is not None
         try:
-            self.popen.stdin.write((GO + "\n").encode())
+            self.popen.stdin.write((line + "\n").encode())
             self.popen.stdin.flush()
         except BrokenPipeError as exc:
-            raise self.failure("exited before GO") from exc
+            raise self.failure(f"exited before {line.split(maxsplit=1)[0]}") from exc
+
+    def wait_line(self, prefix: str, deadline: float) -> str:
+        """The next line (after the ones an earlier ``wait_line`` returned) that starts
+        with ``prefix``; lines in between are skipped.
+
+        Raises:
+            RunTimeout: ``deadline`` (``time.monotonic()``) passed first.
+            WorkerFailed: the child closed its stdout first.
+        """
+        while True:
+            while self._cursor < len(self.lines):
+                line = self.lines[self._cursor]
+                self._cursor += 1
+                if line.startswith(prefix):
+                    return line
+            if self.eof:
+                self.popen.wait(5)
+                raise self.failure(f"exited before {prefix}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RunTimeout(f"timed out waiting for {prefix} from {self.name}")
+            readable, _, _ = select.select([self], [], [], min(left, 1.0))
+            if readable:
+                self._read()
 
     def kill(self, sig: int = signal.SIGKILL, wait: float = 5.0) -> int | None:
         """Signal the whole process group; wait up to ``wait`` s; SIGKILL if still alive."""
@@ -196,6 +228,33 @@ def cpu_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def rss_kib(pid: int) -> int | None:
+    """Resident set size of process ``pid`` in KiB (``VmRSS``); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; children inherit it.
+
+    Returns the (soft, hard) limits now in force. Thousands of idle clients need as many
+    descriptors in the broker and in the client processes; the usual soft limit is 1,024.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft, hard
 
 
 def free_port() -> int:

@@ -27,9 +27,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {"runs": runs, "ok": len(ok)}
     if ok:
         summary.update(status="ok", median=statistics.median(ok), min=min(ok), max=max(ok))
-        failed = [r for r in runs if r.get("status") != "ok"]
+        failed = [r for r in runs if r.get("status") not in ("ok", "skipped")]
+        skipped = [r for r in runs if r.get("status") == "skipped"]
         if failed:
             summary["note"] = f"{len(failed)} of {len(runs)} runs failed: {failed[0]['detail']}"
+        elif skipped:
+            summary["note"] = (f"{len(skipped)} of {len(runs)} repetitions skipped: "
+                               f"{skipped[0]['detail']}")
     else:
         last = runs[-1] if runs else {"status": "n/a", "detail": "not run"}
         summary.update(status=last.get("status", "error"), median=None,
@@ -169,6 +173,93 @@ def cpu_table(results: Results, systems: list[str], workloads: list[str], *,
     return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in rows])
 
 
+def _md_or_text(head: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{wd}}}" for wd in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in rows])
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    if digits == 0 and abs(v) >= 1e4:
+        return f"{v / 1e3:,.0f}k" if abs(v) < 1e6 else f"{v / 1e6:.2f}M"
+    return f"{v:,.{digits}f}"
+
+
+def _range(s: dict[str, Any], digits: int = 0) -> str:
+    """``median [min-max]``, or the status and reason when nothing was measured."""
+    if s.get("status") != "ok":
+        reason = s.get("reason", "")
+        return f"{s.get('status', 'n/a')} ({reason})" if reason else str(s.get("status"))
+    text = _num(s["median"], digits)
+    if s["min"] != s["max"]:
+        text += f" [{_num(s['min'], digits)}{DASH}{_num(s['max'], digits)}]"
+    return text + (" *" if s.get("note") else "")
+
+
+def msgq_only_table(report: dict[str, Any], *, markdown: bool = False) -> str:
+    """SIGKILL to recipient-gone, capture on/off, broker RSS per idle client."""
+    only = report["msgq_only"]
+    rows: list[list[str]] = []
+    if "kill" in only:
+        s = only["kill"]
+        n = report.get("msgq_only_params", {}).get("kills", "?")
+        rows.append([f"callee SIGKILL -> caller's recipient-gone, p50 µs ({n} kills a run)",
+                     _range(s), f"p99 {_num(_median_of(s['runs'], 'p99_us'))} µs, max "
+                     f"{_num(_median_of(s['runs'], 'max_us'))} µs; SIGKILL -> EOF on a "
+                     f"socket the callee held: p50 "
+                     f"{_num(_median_of(s['runs'], 'kernel_eof_p50_us'))} µs (medians of runs)"])
+    if "capture" in only:
+        s = only["capture"]
+        on, off = _median_of(s["runs"], "on"), _median_of(s["runs"], "off")
+        rec = _median_of(s["runs"], "records_written")
+        drop = _median_of(s["runs"], "records_dropped")
+        rows.append(["one-way with capture on / off (ratio of msgs/s)", _range(s, 2),
+                     f"on {_num(on)} msgs/s, off {_num(off)} msgs/s; "
+                     f"{_num(rec)} records written, {_num(drop)} dropped"])
+    for key in sorted((k for k in only if k.startswith("idle-")),
+                      key=lambda k: int(k.split("-")[1])):
+        s = only[key]
+        clients = int(key.split("-")[1])
+        before = _median_of(s["runs"], "broker_rss_before_kib")
+        after = _median_of(s["runs"], "broker_rss_after_kib")
+        cl = _median_of(s["runs"], "client_rss_per_connection_kib")
+        conn = _median_of(s["runs"], "connect_seconds")
+        rows.append([f"broker RSS per idle client, {clients:,} clients (KiB)", _range(s, 1),
+                     f"broker {_num(before and before / 1024, 1)} -> "
+                     f"{_num(after and after / 1024, 1)} MiB; "
+                     f"{_num(conn, 1)} s to connect them; client side "
+                     f"{_num(cl, 1)} KiB per connection"])
+    return _md_or_text(["figure", "median [min" + DASH + "max]", "detail"], rows, markdown)
+
+
+def durable_table(report: dict[str, Any], *, markdown: bool = False) -> str:
+    """Durable acked publish: msgs/s with ratio to the best peer, ack latency, and the
+    queue plugin's own statistics for the msgq_trio rows."""
+    rows_in: dict[str, dict[str, Any]] = report["durable"]
+    peers = {n: s["median"] for n, s in rows_in.items()
+             if not n.startswith("msgq_trio") and s.get("status") == "ok"}
+    rows = []
+    for name, s in rows_in.items():
+        cell = _range(s)
+        others = {n: v for n, v in peers.items() if n != name}
+        if s.get("status") == "ok" and others:
+            best = max(others, key=lambda n: others[n])
+            cell += f" ({fmt_ratio(s['median'] / others[best])}{TIMES} {best})"
+        skipped = _median_of(s["runs"], "writes_skipped_share")
+        fsyncs = _median_of(s["runs"], "fsyncs")
+        rows.append([name, cell, _num(_median_of(s["runs"], "p50_us")),
+                     _num(_median_of(s["runs"], "p99_us")),
+                     _num(_median_of(s["runs"], "producer_cpu_us"), 1),
+                     "-" if skipped is None else f"{skipped:.0%}", _num(fsyncs)])
+    return _md_or_text(["system", "msgs/s", "ack p50 µs", "ack p99 µs",
+                        "producer CPU µs/msg", "writes skipped", "fsyncs"], rows, markdown)
+
+
 def machine_info() -> dict[str, Any]:
     """nproc, CPU model, RAM, kernel, Python, msgq_trio version and source, date."""
     info: dict[str, Any] = {
@@ -210,9 +301,11 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def plot(results: Results, systems: list[str], workloads: list[str], out_dir: Path) -> list[Path]:
-    """Bar charts of the throughput workloads (median, min-max whiskers) and the
-    round-trip latency distribution. Returns the files written; [] without matplotlib."""
+def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """PNG charts: one bar chart per throughput workload (median, min-max whiskers), the
+    round-trip latency distribution, the durable workload's bars and ack-latency
+    distribution, and the SIGKILL-to-error distribution. Returns the files written; []
+    without matplotlib."""
     try:
         import matplotlib
 
@@ -222,53 +315,81 @@ def plot(results: Results, systems: list[str], workloads: list[str], out_dir: Pa
     except ImportError:
         print("--plot: matplotlib is not installed (pip install matplotlib); no plots written")
         return []
+    results: Results = report["results"]
+    systems, workloads = report["config"]["systems"], report["config"]["workloads"]
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     colors = {"subject": "tab:red", "ceiling": "tab:gray", "peer": "tab:blue"}
-    for key in workloads:
-        w = WORKLOADS[key]
-        names = [n for n in systems if results[n].get(key, {}).get("status") == "ok"]
+
+    def bars(name: str, summaries: dict[str, dict[str, Any]], unit: str, title: str,
+             color_of: Any) -> None:
+        names = [n for n, s in summaries.items() if s.get("status") == "ok"]
         if not names:
-            continue
+            return
         fig, ax = plt.subplots(figsize=(7, 4))
-        med = [results[n][key]["median"] for n in names]
-        lo = [m - results[n][key]["min"] for n, m in zip(names, med, strict=True)]
-        hi = [results[n][key]["max"] - m for n, m in zip(names, med, strict=True)]
-        ax.bar(names, med, yerr=[lo, hi], capsize=4,
-               color=[colors[SYSTEMS[n].kind] for n in names])
-        ax.set_ylabel(w.unit)
-        better = "higher" if w.higher_is_better else "lower"
-        ax.set_title(f"{w.title} ({w.unit}, {better} is better; median, min{DASH}max)")
+        med = [summaries[n]["median"] for n in names]
+        lo = [m - summaries[n]["min"] for n, m in zip(names, med, strict=True)]
+        hi = [summaries[n]["max"] - m for n, m in zip(names, med, strict=True)]
+        ax.bar(names, med, yerr=[lo, hi], capsize=4, color=[color_of(n) for n in names])
+        ax.set_ylabel(unit)
+        ax.set_title(title)
         if max(med) / max(min(med), 1e-9) > 50:
             ax.set_yscale("log")
+        ax.tick_params(axis="x", labelsize=8)
         fig.tight_layout()
-        path = out_dir / f"{key}.png"
+        path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    if "req-reply" in workloads:
+
+    def distribution(name: str, curves: dict[str, dict[str, Any]], xlabel: str,
+                     title: str) -> None:
+        """Percentile curves (x: latency, log scale) of each system's median run."""
         fig, ax = plt.subplots(figsize=(7, 4))
         drawn = False
-        for n in systems:
-            s = results[n].get("req-reply", {})
-            runs = [r for r in s.get("runs", []) if r.get("status") == "ok"]
+        for label, s in curves.items():
+            runs = [r for r in s.get("runs", []) if r.get("status") == "ok"
+                    and r.get("percentiles_us")]
             if not runs:
                 continue
             run = sorted(runs, key=lambda r: r["value"])[len(runs) // 2]  # the median run
             pct = run["percentiles_us"]
             qs = list(range(101))
-            ax.plot([pct[f"p{q}"] for q in qs], qs, label=n, color=None)
+            ax.plot([max(pct[f"p{q}"], 0.1) for q in qs], qs, label=label)
             drawn = True
         if drawn:
             ax.set_xscale("log")
-            ax.set_xlabel("round trip (µs, log scale)")
+            ax.set_xlabel(xlabel)
             ax.set_ylabel("percentile")
-            ax.set_title("request/reply latency distribution (median run)")
+            ax.set_title(title)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend()
             fig.tight_layout()
-            path = out_dir / "latency.png"
+            path = out_dir / f"{name}.png"
             fig.savefig(path, dpi=100)
             written.append(path)
         plt.close(fig)
+
+    for key in workloads:
+        w = WORKLOADS[key]
+        better = "higher" if w.higher_is_better else "lower"
+        bars(key, {n: results[n].get(key, {}) for n in systems}, w.unit,
+             f"{w.title} ({w.unit}, {better} is better; median, min{DASH}max)",
+             lambda n: colors[SYSTEMS[n].kind])
+    if "req-reply" in workloads:
+        distribution("latency", {n: results[n].get("req-reply", {}) for n in systems},
+                     "round trip (µs, log scale)",
+                     "request/reply latency distribution (median run)")
+    if report.get("durable"):
+        p = report.get("durable_params", {})
+        bars("durable", report["durable"], "msgs/s",
+             f"durable acked publish, {p.get('n', 0):,} x {p.get('size', 0)} B "
+             f"(msgs/s; median, min{DASH}max)",
+             lambda n: colors["subject" if n.startswith("msgq_trio") else "peer"])
+        distribution("durable-latency", report["durable"], "publish to ack (µs, log scale)",
+                     "durable publish ack latency distribution (median run)")
+    if report.get("msgq_only", {}).get("kill"):
+        distribution("kill-to-error", {"msgq_trio": report["msgq_only"]["kill"]},
+                     "callee SIGKILL to caller's recipient-gone (µs, log scale)",
+                     "time to learn that a callee died (median run)")
     return written

@@ -1,10 +1,16 @@
 """``msgq-trio bench``: msgq_trio next to raw-socket ceilings and (``--peers``) NATS,
-Redis and ZeroMQ, on identical workloads, every broker and client its own process.
+Redis, ZeroMQ and RabbitMQ, on identical workloads, every broker and client its own
+process.
 
 Usage::
 
-    msgq-trio bench [--quick] [--peers] [--repeat R] [--systems a,b] [--workloads x,y]
-                    [--json PATH] [--plot DIR] [--timeout S]
+    msgq-trio bench [--quick] [--peers] [--rabbitmq] [--repeat R] [--systems a,b]
+                    [--workloads x,y] [--sections main,msgq-only,durable]
+                    [--json PATH] [--plot DIR] [--timeout S] [--budget S]
+
+Sections: ``main`` (the peer table below), ``msgq-only`` (SIGKILL to ``recipient-gone``,
+capture on/off, broker RSS per idle client: :mod:`msgq_trio.bench.extras`) and
+``durable`` (durable acked publish: :mod:`msgq_trio.bench.durable`).
 
 Workloads: one-way, fan-out, req-reply, concurrent, large (see
 :mod:`msgq_trio.bench.workloads`). Systems: msgq_trio, raw-unix, py-relay (the default
@@ -23,14 +29,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import durable, extras
 from .install import ensure_peers, missing, peer_versions
-from .report import DASH, Results, cpu_table, latency_table, machine_info, plot, summarize, table
+from .report import (
+    DASH,
+    Results,
+    cpu_table,
+    durable_table,
+    latency_table,
+    machine_info,
+    msgq_only_table,
+    plot,
+    summarize,
+    table,
+)
 from .systems import DEFAULT_SYSTEMS, PEER, PEER_SYSTEMS, SYSTEMS
 from .workloads import (
     FULL,
@@ -43,6 +63,16 @@ from .workloads import (
 )
 
 Printer = Callable[[str], None]
+
+#: Report sections: the peer table, the msgq_trio-only figures, the durable workload.
+SECTIONS = ("main", "msgq-only", "durable")
+#: msgq_trio-only figures: SIGKILLs per repetition, and idle-client counts.
+MSGQ_ONLY_FULL: dict[str, Any] = {"kills": 20, "idle": [1000, 10000]}
+MSGQ_ONLY_QUICK: dict[str, Any] = {"kills": 2, "idle": [50]}
+#: Seconds after which the remaining runs are skipped (reported as such), so a full run
+#: on a slow or busy machine still ends in about 10 minutes.
+FULL_BUDGET = 540.0
+QUICK_BUDGET = 120.0
 
 
 def _csv(value: str, known: Sequence[str], what: str) -> list[str]:
@@ -63,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny counts, 1 repetition: checks that everything runs (< 60 s)")
     p.add_argument("--peers", action="store_true",
                    help="also run nats, redis, zeromq (installed if missing)")
+    p.add_argument("--rabbitmq", action="store_true",
+                   help="also run rabbitmq in the durable workload (installed if missing); "
+                        "its 50,000 confirmed publishes take 30-40 s a repetition here")
+    p.add_argument("--sections", type=lambda v: _csv(v, list(SECTIONS), "section"),
+                   help=f"comma-separated subset of: {', '.join(SECTIONS)} (default all)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds after which remaining runs are skipped (default "
+                        f"{FULL_BUDGET:.0f}, {QUICK_BUDGET:.0f} with --quick)")
     p.add_argument("--systems", type=lambda v: _csv(v, list(SYSTEMS), "system"),
                    help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
     p.add_argument("--workloads", type=lambda v: _csv(v, list(WORKLOADS), "workload"),
@@ -86,17 +124,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_bench(systems: list[str], workloads: list[str], *, quick: bool, repeat: int,
-              timeout: float, install: bool = True, say: Printer = print) -> dict[str, Any]:
-    """Run the benchmark; returns the report (what ``--json`` writes)."""
+              timeout: float, install: bool = True, say: Printer = print,
+              sections: Sequence[str] = SECTIONS, rabbitmq: bool = False,
+              budget: float | None = None,
+              msgq_durable_rows: Sequence[str] = tuple(durable.MSGQ_ROWS)) -> dict[str, Any]:
+    """Run the benchmark; returns the report (what ``--json`` writes).
+
+    ``systems`` and ``workloads`` are those of the main table; ``sections`` picks the
+    parts to run; the durable workload runs the msgq_trio rows, nats and redis when they
+    are in ``systems``, and rabbitmq when ``rabbitmq`` is true (``msgq_durable_rows``:
+    which of :data:`durable.MSGQ_ROWS` run). Repetition ``r`` of every
+    section runs before repetition ``r + 1`` of any. Once ``budget`` seconds have passed,
+    the remaining runs are not started and show as ``skipped``.
+    """
     started = time.monotonic()
+    budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
     machine = machine_info()  # at the start: the source tree may change during the run
     params = QUICK if quick else FULL
     unusable: dict[str, str] = {}
-    peers = [s for s in systems if SYSTEMS[s].kind == PEER]
+    main_on = "main" in sections
+    systems = systems if main_on else []
+    durable_rows = list(msgq_durable_rows) + [
+        p for p in durable.PEER_ROWS
+        if p in systems or (p == "rabbitmq" and rabbitmq)] if "durable" in sections else []
+    peers = sorted({s for s in systems if SYSTEMS[s].kind == PEER}
+                   | {p for p in durable_rows if p in durable.PEER_ROWS})
     if peers:
         unusable = ensure_peers(peers, say) if install else missing(peers)
     for name, reason in unusable.items():
         say(f"bench: {name} is n/a: {reason}")
+    only_params = MSGQ_ONLY_QUICK if quick else MSGQ_ONLY_FULL
+    only_keys = (["kill", "capture"] + [f"idle-{c}" for c in only_params["idle"]]
+                 if "msgq-only" in sections else [])
+    only_runs: dict[str, list[dict[str, Any]]] = {k: [] for k in only_keys}
+    durable_params = durable.DURABLE_QUICK if quick else durable.DURABLE_FULL
+    durable_runs: dict[str, list[dict[str, Any]]] = {r: [] for r in durable_rows}
+
+    def over_budget() -> bool:
+        return time.monotonic() - started > budget
+
+    skipped = {"status": "skipped", "value": None,
+               "detail": f"time budget of {budget:.0f} s used up"}
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {w: [] for w in workloads}
                                                          for s in systems}
@@ -110,8 +178,11 @@ def run_bench(systems: list[str], workloads: list[str], *, quick: bool, repeat: 
                         done.append({"status": "n/a", "value": None,
                                      "detail": unusable[name]})
                     continue
-                if done and done[-1]["status"] == "timeout":
+                if done and done[-1]["status"] in ("timeout", "skipped"):
                     continue  # one timeout is enough: do not spend R x timeout on it
+                if over_budget():
+                    done.append(dict(skipped))
+                    continue
                 res = run_one(SYSTEMS[name], w, params[wkey], timeout, seed=rep)
                 res["repetition"] = rep + 1
                 done.append(res)
@@ -119,6 +190,26 @@ def run_bench(systems: list[str], workloads: list[str], *, quick: bool, repeat: 
                           else f"{res['status']}: {res['detail']}")
                 say(f"[{rep + 1}/{repeat}] {wkey:<10} {name:<10} {figure} "
                     f"({res['seconds']:.1f} s)")
+        for key in only_keys:
+            done = only_runs[key]
+            if done and done[-1]["status"] in ("timeout", "skipped", "n/a"):
+                continue
+            if over_budget():
+                done.append(dict(skipped))
+                continue
+            if key == "kill":
+                res = extras.run_kill(only_params["kills"], timeout)
+            elif key == "capture":
+                res = extras.run_capture(params["one-way"], timeout, seed=rep)
+            else:
+                res = extras.run_idle(int(key.split("-")[1]), max(timeout, 90.0))
+            res["repetition"] = rep + 1
+            done.append(res)
+            figure = (f"{res['value']:,.2f}" if res["status"] == "ok"
+                      else f"{res['status']}: {res['detail']}")
+            say(f"[{rep + 1}/{repeat}] msgq-only  {key:<10} {figure} ({res['seconds']:.1f} s)")
+        _durable_rep(durable_rows, durable_runs, durable_params, unusable, timeout, rep,
+                     repeat, over_budget, skipped, say)
 
     results: Results = {s: {w: summarize(runs[s][w]) for w in workloads} for s in systems}
     return {
@@ -133,8 +224,55 @@ def run_bench(systems: list[str], workloads: list[str], *, quick: bool, repeat: 
         },
         "unavailable": unusable,
         "results": results,
+        "msgq_only": {k: summarize(v) for k, v in only_runs.items()},
+        "msgq_only_params": only_params if only_keys else {},
+        "durable": {k: summarize(v) for k, v in durable_runs.items()},
+        "durable_params": durable_params if durable_rows else {},
         "wall_seconds": round(time.monotonic() - started, 1),
     }
+
+
+def _durable_rep(rows: list[str], runs: dict[str, list[dict[str, Any]]],
+                 params: dict[str, int], unusable: dict[str, str], timeout: float, rep: int,
+                 repeat: int, over_budget: Callable[[], bool], skipped: dict[str, Any],
+                 say: Printer) -> None:
+    """Repetition ``rep`` of the durable workload on every row (RabbitMQ started fresh for
+    this repetition and stopped after it)."""
+    rabbit = None
+    rabbit_error = ""
+    rabbit_dir = Path(tempfile.mkdtemp(prefix="mqr-"))
+    try:
+        for name in rows:
+            done = runs[name]
+            if name in unusable or (done and done[-1]["status"] in ("timeout", "skipped",
+                                                                    "n/a")):
+                if name in unusable and not done:
+                    done.append({"status": "n/a", "value": None, "detail": unusable[name]})
+                continue
+            if over_budget():
+                done.append(dict(skipped))
+                continue
+            if name == "rabbitmq" and rabbit is None and not rabbit_error:
+                t0 = time.monotonic()
+                try:
+                    rabbit = durable.start_rabbitmq(rabbit_dir)
+                    say(f"[{rep + 1}/{repeat}] durable    rabbitmq-server started in "
+                        f"{time.monotonic() - t0:.1f} s")
+                except Exception as exc:  # any start failure makes the row n/a, not the run
+                    rabbit_error = f"rabbitmq-server did not start: {exc}"
+            if name == "rabbitmq" and rabbit is None:
+                res = {"status": "n/a", "value": None, "detail": rabbit_error, "seconds": 0.0}
+            else:
+                res = durable.run_durable_one(name, params, timeout, rep, rabbit)
+            res["repetition"] = rep + 1
+            done.append(res)
+            figure = (f"{res['value']:,.0f} msgs/s" if res["status"] == "ok"
+                      else f"{res['status']}: {res['detail']}")
+            say(f"[{rep + 1}/{repeat}] durable    {name:<10} {figure} ({res['seconds']:.1f} s)")
+    finally:
+        if rabbit is not None:
+            rabbit.stop()
+        shutil.rmtree(rabbit_dir, ignore_errors=True)
 
 
 def render(report: dict[str, Any], *, markdown: bool = False) -> str:
@@ -147,22 +285,34 @@ def render(report: dict[str, Any], *, markdown: bool = False) -> str:
         f"msgq-trio bench ({cfg['mode']}, median of {cfg['repeat']} "
         f"[min{DASH}max], ratio to the best peer): {m['nproc']} CPUs {m['cpu_model']}, "
         f"Python {m['python']}, msgq_trio {m['msgq_trio_version']}",
-        "",
-        table(results, systems, workloads, markdown=markdown),
     ]
     if cfg["mode"] == "quick":
-        lines[1:1] = ["quick mode: counts are tiny, so these figures only show that "
-                      "everything runs; do not quote them"]
-    if "req-reply" in workloads:
+        lines += ["quick mode: counts are tiny, so these figures only show that "
+                  "everything runs; do not quote them"]
+    if systems:
+        lines += ["", table(results, systems, workloads, markdown=markdown)]
+    if systems and "req-reply" in workloads:
         lines += ["", "request/reply round trip (median of repetitions):",
                   latency_table(results, systems, markdown=markdown)]
-    lines += ["", "CPU µs per message / delivery / call, broker + all clients "
-              "(large: per message):", cpu_table(results, systems, workloads,
-                                                markdown=markdown)]
+    if systems:
+        lines += ["", "CPU µs per message / delivery / call, broker + all clients "
+                  "(large: per message):", cpu_table(results, systems, workloads,
+                                                    markdown=markdown)]
     notes = [f"  {s} {w}: {results[s][w]['note']}" for s in systems for w in workloads
              if results[s][w].get("note")]
+    for section in ("msgq_only", "durable"):
+        notes += [f"  {section} {k}: {v['note']}" for k, v in report.get(section, {}).items()
+                  if v.get("note")]
     if notes:
-        lines += ["", "* some repetitions failed:", *notes]
+        lines += ["", "* some repetitions failed or were skipped:", *notes]
+    if report.get("msgq_only"):
+        lines += ["", "msgq_trio only (median [min" + DASH + "max] of repetitions):",
+                  msgq_only_table(report, markdown=markdown)]
+    if report.get("durable"):
+        p = report["durable_params"]
+        lines += ["", f"durable acked publish, {p['n']:,} x {p['size']} B, window "
+                  f"{p['window']:,} (median [min{DASH}max]; ratio to the best peer):",
+                  durable_table(report, markdown=markdown)]
     lines += ["", "workloads:"] + [f"  {w}: {d}" for w, d in cfg["descriptions"].items()]
     lines.append(f"total wall time {report['wall_seconds']:.0f} s")
     return "\n".join(lines)
@@ -173,8 +323,11 @@ def _exit_status(report: dict[str, Any]) -> int:
         if SYSTEMS[name].kind == PEER:
             continue
         for s in per.values():
-            if any(r.get("status") != "ok" for r in s["runs"]):
+            if any(r.get("status") not in ("ok", "skipped") for r in s["runs"]):
                 return 1
+    for s in report.get("msgq_only", {}).values():
+        if any(r.get("status") not in ("ok", "skipped", "n/a") for r in s["runs"]):
+            return 1
     return 0
 
 
@@ -199,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeat must be at least 1")
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else FULL_TIMEOUT)
     report = run_bench(systems, workloads, quick=args.quick, repeat=repeat, timeout=timeout,
-                       install=not args.no_install)
+                       install=not args.no_install, sections=args.sections or SECTIONS,
+                       rabbitmq=args.rabbitmq, budget=args.budget)
     report = {"command": "msgq-trio bench " + " ".join(args_in), **report}
     print()
     print(render(report, markdown=args.markdown))
@@ -208,20 +362,27 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"raw figures written to {args.json}")
     if args.plot:
-        for path in plot(report["results"], systems, workloads, args.plot):
+        for path in plot(report, args.plot):
             print(f"plot written: {path}")
     return _exit_status(report)
 
 
 def smoke(systems: Sequence[str] = ("msgq_trio", "raw-unix"),
-          workloads: Sequence[str] | None = None) -> dict[str, Any]:
+          workloads: Sequence[str] | None = None,
+          sections: Sequence[str] = SECTIONS,
+          msgq_durable_rows: Sequence[str] = ("msgq_trio", "msgq_trio +consumer"),
+          ) -> dict[str, Any]:
     """Run the quick mode once and return the report, for the test suite.
 
     ``report["results"][system][workload]`` has ``status`` ("ok" when measured) and
-    ``median`` (the figure, in ``WORKLOADS[workload].unit``). Prints nothing.
+    ``median`` (the figure, in ``WORKLOADS[workload].unit``); ``report["msgq_only"][key]``
+    and ``report["durable"][row]`` the same for those sections. Installs nothing, starts
+    no peer that is not in ``systems``, prints nothing. The 16-producer durable row is
+    left out by default: it only adds processes (8 s here) to the same harness path.
     """
     return run_bench(list(systems), list(workloads or WORKLOADS), quick=True, repeat=1,
-                     timeout=QUICK_TIMEOUT, install=False, say=lambda _line: None)
+                     timeout=QUICK_TIMEOUT, install=False, say=lambda _line: None,
+                     sections=sections, msgq_durable_rows=msgq_durable_rows)
 
 
 if __name__ == "__main__":

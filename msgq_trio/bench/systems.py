@@ -16,6 +16,7 @@ A fresh broker is started for every run and stopped after it.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import signal
 import subprocess
@@ -73,12 +74,20 @@ def _stop_proc(proc: Proc) -> Callable[[], None]:
     return stop
 
 
-def _start_msgq(run_dir: Path, _pattern: str, _deadline: float) -> Service:
+def _start_msgq(run_dir: Path, _pattern: str, _deadline: float,
+                serve_args: tuple[str, ...] = ()) -> Service:
     from ..demo import start_broker
 
     path = run_dir / "bus.sock"
-    broker = start_broker(path)
+    broker = start_broker(path, *serve_args)
     return Service({"socket": str(path)}, [_stop_popen(broker)], [broker.pid])
+
+
+def msgq_variant(name: str, description: str, *serve_args: str) -> System:
+    """msgq_trio with extra ``msgq-trio serve`` flags (``--capture-dir DIR``...), for the
+    msgq_trio-only figures; not one of :data:`SYSTEMS`, so not in the peer table."""
+    return System(name, SUBJECT, "worker_msgq", description,
+                  functools.partial(_start_msgq, serve_args=serve_args))
 
 
 def _start_raw(run_dir: Path, _pattern: str, _deadline: float) -> Service:

@@ -388,6 +388,10 @@ class Bus:
         self._calls: dict[int, _Call] = {}
         self._next_rid = 0
         self._handlers: dict[str, Handler] = {}
+        #: Handlers called in the reader, in arrival order, without a task (add_inline_command).
+        self._inline: dict[str, Callable[[Message], None]] = {}
+        #: Handler for requests whose command has no handler (set_default_handler).
+        self._default_handler: Handler | None = None
         self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
         self._sources: dict[bytes, tuple[str, str]] = {}
         self._targets: dict[str, bytes] = {}
@@ -741,6 +745,32 @@ class Bus:
         answer._body, answer._decoded = call.result, True  # decoded once, by _Call
         return answer
 
+    def start_call(
+        self, target: str, command: str, params: Any = None, *, timeout: float | None = None
+    ) -> Callable[[], Awaitable[Any]]:
+        """Send a request now, synchronously, and return ``wait()`` for its result.
+
+        Requests started this way leave in the order of the ``start_call`` calls (tasks
+        doing ``call`` may start in any order), and the caller needs no task until it
+        wants the answer (the queue plugin's ordered deliveries). ``await wait()``
+        returns the result or raises what :meth:`call` raises; it must be awaited once,
+        or the call's slot stays until the answer arrives.
+
+        Raises:
+            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
+        """
+        rid, call = self._start_call(target, command, params, timeout, (), False)
+
+        async def wait() -> Any:
+            await self._finish_call(rid, call, timeout)
+            if call.error is not None:
+                raise call.error
+            if call.frame is not None and call.frame.fds:
+                close_fds(call.frame.fds)
+            return call.result
+
+        return wait
+
     async def call_all(
         self, group: str, command: str, params: Any = None, *, timeout: float | None = None
     ) -> list[Result]:
@@ -863,6 +893,48 @@ class Bus:
             raise UsageError("a command handler takes (params) or (params, request)")
         self._handlers[name] = fn if nparams == 2 else (lambda p, _r, fn=fn: fn(p))
 
+    def add_inline_command(self, name: str, fn: Callable[[Message], None]) -> None:
+        """Register ``fn(request)`` for command ``name``, called synchronously by the reader
+        in the order requests arrive, without a task. ``fn`` must not block; it answers
+        later (or at once) with :meth:`answer` or :meth:`answer_error`, exactly once.
+
+        For plugins that must see requests in order (the queue's puts: deduplication by
+        increasing sequence numbers) or cannot afford a task per request. An exception
+        from ``fn`` answers ``internal-error`` and is logged.
+        """
+        self._inline[name] = fn
+
+    def set_default_handler(self, fn: Handler | None) -> None:
+        """Handle requests for commands that have no handler with ``fn(params, request)``
+        instead of answering ``unknown-command`` (a bound queue takes any command)."""
+        if fn is not None and len(inspect.signature(fn).parameters) != 2:
+            raise UsageError("a default handler takes (params, request)")
+        self._default_handler = fn
+
+    def answer(self, request: Message, result: Any = None) -> None:
+        """Answer ``request`` (received by an inline handler) with ``result``.
+
+        Raises:
+            UsageError: ``result`` cannot be encoded (nothing was sent).
+        A request whose caller is gone is answered anyway; the broker discards it.
+        """
+        try:
+            pieces = encode_frame(
+                _REPLY,
+                target=request.sender,
+                request_id=request.request_id,
+                body=encode_cbor(result) if result is not None else b"",
+            )
+        except LocalProtocolError as exc:
+            raise UsageError(f"answer cannot be encoded: {exc}") from exc
+        if self._lost is None and not self._closed:
+            self._queue_urgent(pieces)
+
+    def answer_error(self, request: Message, code: str, message: str, data: object = None) -> None:
+        """Answer ``request`` (received by an inline handler) with an ERROR ``code``."""
+        if self._lost is None and not self._closed:
+            self._queue_urgent(self._error_frame(request, code, message, data))
+
     async def _serve_request(self, msg: Message, handler: Handler) -> None:
         frame = msg._frame
         try:
@@ -924,6 +996,18 @@ class Bus:
             header=encode_cbor({"code": str(code), "message": message}),
             body=encode_cbor(data) if data is not None else b"",
         )
+
+    # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
+    def queue(self, name: str, *, producer: str | None = None) -> Any:
+        """A handle on the durable queue ``name`` of the queue plugin (docs/QUEUE.md).
+
+        ``producer`` names this producer for deduplication; give a stable name to resend
+        after a crash without duplicates, default a fresh random one per handle.
+        Returns a :class:`msgq_trio.client.queue.Queue`.
+        """
+        from .queue import Queue
+
+        return Queue(self, name, producer=producer)
 
     # -- broker commands ---------------------------------------------------------------
     async def subscribe(self, group: str) -> bool:
@@ -1107,7 +1191,18 @@ class Bus:
                 call.routed([(str(a), str(b)) for a, b in to])
         elif t == _REQUEST:
             msg = Message(frame, self._sources)
-            handler = self._handlers.get(msg.command or "")
+            if self._inline:
+                inline = self._inline.get(msg.command or "")
+                if inline is not None:
+                    try:
+                        inline(msg)
+                    except Exception as exc:
+                        log.exception("inline handler for %r raised", msg.command)
+                        self.answer_error(
+                            msg, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
+                        )
+                    return
+            handler = self._handlers.get(msg.command or "") or self._default_handler
             if handler is None:
                 msg.close()
                 self._queue(

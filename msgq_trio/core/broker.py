@@ -117,7 +117,15 @@ class Broker:
             "members": self._cmd_members,
             "version": self._cmd_version,
             "ping": lambda _peer, _params: "pong",
+            "bind": self._cmd_bind,
+            "unbind": self._cmd_unbind,
         }
+        #: Transparent insertion (docs/QUEUE.md): group -> the peer bound to it. A MESSAGE,
+        #: NOTIFY or REQUEST to the group (or ``G[N]``/``G[?]``) from anyone but that peer
+        #: goes to that peer alone; the binder itself reaches the real members. Empty in a
+        #: broker without bindings, and every routing path tests it for emptiness first, so
+        #: routing costs one truth test more when nothing is bound.
+        self.bindings: dict[str, Peer] = {}
         # Broker-wide counters of rare events; per-message counts live on each Peer.
         # no_recipient counts one-way messages and requests that reached nobody.
         self.stats = {"no_recipient": 0, "late_answers": 0, "timeouts": 0, "dropped_peers": 0}
@@ -165,6 +173,10 @@ class Broker:
         if self.on_disconnect is not None:
             self.on_disconnect(peer, reason)
         left = self.router.remove_peer(peer)
+        if self.bindings:
+            for g in [g for g, p in self.bindings.items() if p is peer]:
+                del self.bindings[g]
+                log.info("binding of group %r to %s removed: it disconnected", g, peer.describe())
         failures = self.rpc.peer_gone(peer)
         if not keep_queue:
             for fd in peer.drop_queue():
@@ -272,10 +284,16 @@ class Broker:
         parse = self.router.parse_target
         deliver = self._deliver
         tap = self.tap
+        bindings = self.bindings
         nbytes = nfast = 0
         done = len(frames)
         for i, frame in enumerate(frames):
-            if frame.type != _MESSAGE or frame.n_fds or parse(frame.target)[0] != GROUP:
+            if (
+                frame.type != _MESSAGE
+                or frame.n_fds
+                or parse(frame.target)[0] != GROUP
+                or (bindings and frame.target in bindings)
+            ):
                 try:
                     handled = self.handle(peer, frame, now)
                 except BaseException:
@@ -318,8 +336,25 @@ class Broker:
 
     def _deliver_oneway(self, peer: Peer, frame: Frame) -> int:
         router = self.router
+        if self.bindings:
+            binder = self._binder(peer, frame.target)
+            if binder is not None:
+                return self._deliver(peer, frame, (binder,), None)
         skip = peer if router.parse_target(frame.target)[0] == GROUP else None
         return self._deliver(peer, frame, router.resolve(frame.target, None), skip)
+
+    def _binder(self, peer: Peer, target: str) -> Peer | None:
+        """The peer bound to ``target``'s group if ``peer`` is not that peer, else None.
+
+        Only group targets (``G``, ``G[N]``, ``G[?]``) can be bound; lnames never are, so
+        the binder's own forwarding to ``l.N`` and answers are never redirected."""
+        kind, base, _ = self.router.parse_target(target)
+        if kind == DIRECT or kind == BROKER or kind == RESERVED:
+            return None
+        binder = self.bindings.get(base)
+        if binder is None or binder is peer:
+            return None
+        return binder
 
     def _deliver(
         self,
@@ -496,7 +531,11 @@ class Broker:
                 peer, rid, ErrorCode.FORBIDDEN, f"{frame.target!r} is published by the broker only"
             )
             return "refused", 0
-        recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
+        binder = self._binder(peer, frame.target) if self.bindings else None
+        if binder is not None:
+            recipients = [binder]
+        else:
+            recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
         if not recipients:
             self.stats["no_recipient"] += 1
             self._reply_error(
@@ -698,6 +737,40 @@ class Broker:
             {"lname": p.lname, "name": p.name, "pid": p.pid} for p in self.router.members(group)
         ]
 
+    def _cmd_bind(self, peer: Peer, params: object) -> bool:
+        """``bind {"group"}``: from now on frames to the group from anyone but ``peer`` go
+        to ``peer`` (transparent insertion of a queue; docs/QUEUE.md). Returns False if
+        ``peer`` already held the binding. The binding ends with ``unbind`` or when
+        ``peer`` disconnects.
+
+        Raises (as answers): bad-request for an invalid group name, forbidden when another
+        client holds the binding (named in the message)."""
+        group = self._group_param(params)
+        why = valid_group_name(group)
+        if why:
+            raise CommandError(ErrorCode.BAD_REQUEST, why)
+        if self.router.parse_target(group)[0] != GROUP:
+            raise CommandError(ErrorCode.BAD_REQUEST, f"{group!r} cannot be bound")
+        holder = self.bindings.get(group)
+        if holder is peer:
+            return False
+        if holder is not None:
+            raise CommandError(
+                ErrorCode.FORBIDDEN, f"group {group!r} is already bound to {holder.describe()}"
+            )
+        self.bindings[group] = peer
+        log.info("group %r bound to %s", group, peer.describe())
+        return True
+
+    def _cmd_unbind(self, peer: Peer, params: object) -> bool:
+        """``unbind {"group"}``: end ``peer``'s binding; False if it held none."""
+        group = self._group_param(params)
+        if self.bindings.get(group) is not peer:
+            return False
+        del self.bindings[group]
+        log.info("binding of group %r to %s removed on request", group, peer.describe())
+        return True
+
     def _cmd_version(self, _peer: Peer, _params: object) -> dict[str, object]:
         return {"broker": self.version, "protocol": PROTOCOL_VERSION}
 
@@ -705,6 +778,7 @@ class Broker:
         """Assert that no state is left once every peer is gone (leak check for tests)."""
         assert not self.router.by_id, f"peers left: {list(self.router.by_id.values())[:5]}"
         assert not self.router.groups, f"groups left: {list(self.router.groups)[:5]}"
+        assert not self.bindings, f"bindings left: {list(self.bindings)[:5]}"
         self.rpc.check_empty()
 
 

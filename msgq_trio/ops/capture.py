@@ -597,7 +597,9 @@ class TapHub:
                     body = bytes(raw[tail + hlen : tail + hlen + frame.body_len])
                 item = Captured(
                     time.time(), kind, lname, name, source, target, ftype, frame.flags,
-                    frame.request_id, len(raw), outcome, recipients,
+                    # int(): the core passes a bool for an answer it forwarded, and the
+                    # fast encoder would write it as Python's True (not JSON)
+                    frame.request_id, len(raw), outcome, int(recipients),
                     bytes(raw[tail : tail + hlen]) if hlen else b"", body, frame.n_blobs,
                     frame.n_fds,
                 )

@@ -171,7 +171,9 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
     """
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
-        if name in SECTIONS:
+        if name == "plugins":
+            kwargs[name] = build_plugins(value)
+        elif name in SECTIONS:
             kwargs[name] = build_section(name, SECTIONS[name], value)
         elif name in TOP_LEVEL:
             kwargs[name] = _coerce(name, TOP_LEVEL[name], value)
@@ -183,6 +185,30 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
                 value,
             )
     return BrokerConfig(**kwargs)
+
+
+def build_plugins(table: object) -> dict[str, dict[str, Any]]:
+    """Check the ``[plugins.<name>]`` tables: each name must be an installed plugin and
+    its table valid for it (the plugin's ``check_config`` names the offending key).
+
+    Raises:
+        ConfigError: not a table of tables, unknown plugin, or invalid plugin settings.
+    """
+    from ..plugins.loader import PluginConfigError, check_plugin_config
+
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[plugins] must be a table, got {show(table)}", "plugins", table)
+    out: dict[str, dict[str, Any]] = {}
+    for name, settings in table.items():
+        key = f"plugins.{name}"
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"[{key}] must be a table, got {show(settings)}", key, settings)
+        try:
+            check_plugin_config(name, settings)
+        except PluginConfigError as exc:
+            raise ConfigError(f"[{key}] {exc}", key, dict(settings)) from None
+        out[name] = copy.deepcopy(dict(settings))
+    return out
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -217,6 +243,8 @@ def to_dict(cfg: BrokerConfig) -> dict[str, Any]:
             f.name: list(v) if isinstance(v := getattr(inst, f.name), tuple) else v
             for f in attrs.fields(type(inst))
         }
+    if cfg.plugins:
+        out["plugins"] = copy.deepcopy(cfg.plugins)
     return out
 
 
@@ -250,7 +278,7 @@ def diff(old: BrokerConfig, new: BrokerConfig) -> list[tuple[str, Any, Any]]:
 
 def applies(key: str) -> str:
     """When a change of ``key`` takes effect: ``now``, ``new connections`` or ``restart``."""
-    if key in RESTART_ONLY:
+    if key in RESTART_ONLY or key.startswith("plugins."):
         return "restart"
     if key in NEW_CONNECTIONS_ONLY:
         return "new connections"
@@ -270,6 +298,12 @@ class ConfigSource:
         data: dict[str, Any] = read_toml(self.path) if self.path is not None else {}
         data = copy.deepcopy(data)
         for key, value in self.overrides.items():
+            if key.startswith("plugins.") and isinstance(value, dict):
+                # ``serve --plugin NAME`` enables a plugin; its file table, if any, stays.
+                plugins = data.setdefault("plugins", {})
+                if isinstance(plugins, dict):
+                    plugins.setdefault(key.partition(".")[2], {}).update(value)
+                    continue
             set_in(data, key, value)
         try:
             return build(data)

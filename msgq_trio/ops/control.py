@@ -253,7 +253,10 @@ class Operations:
             logsetup.install(prepared)
             self.hub.set_traffic_logging(new.log.level == "TRAFFIC")
         # socket and metrics.listen were read at start; they keep their running values.
-        self.config = attrs.evolve(new, socket=old.socket, metrics=old.metrics)
+        # plugins too: the supervisor started them from the configuration at start.
+        self.config = attrs.evolve(
+            new, socket=old.socket, metrics=old.metrics, plugins=old.plugins
+        )
         self.generation += 1
         self.loaded_at = time.time()
         self.reloads_ok += 1

@@ -55,6 +55,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="uid allowed to use control commands (repeat; default: the broker's)")
     p.add_argument("--capture-dir", default=None, metavar="DIR",
                    help="start capturing traffic to DIR (capture.enabled = true)")
+    p.add_argument("--plugin", action="append", default=None, metavar="NAME",
+                   help="run plugin NAME (repeat; its [plugins.NAME] table, if any, "
+                        "configures it; docs/QUEUE.md)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,6 +84,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.capture_dir is not None:
         o["capture.dir"] = args.capture_dir
         o["capture.enabled"] = True
+    for name in getattr(args, "plugin", None) or ():
+        o[f"plugins.{name}"] = {}
     return o
 
 
@@ -145,6 +150,16 @@ async def _serve(config: Any, source: ConfigSource) -> int:
             async with trio.open_nursery() as nursery:
                 await nursery.start(ops.run)
                 await nursery.start(server.run)
+                if config.plugins:
+                    from ..plugins.supervisor import PluginSupervisor
+
+                    # Plugins connect to the socket as ordinary clients, so they start
+                    # once it listens; "listening" is printed when they are ready too.
+                    # (_shutting_down: a plugin leaving during shutdown is not restarted.)
+                    supervisor = PluginSupervisor(
+                        server.path, config.plugins, stopping=lambda: server._shutting_down
+                    )
+                    await nursery.start(supervisor.run)
                 started = True
                 print(f"msgq-trio broker listening on {server.path}", flush=True)
                 if address is not None:

@@ -64,3 +64,7 @@ class ErrorCode(enum.StrEnum):
     BROKER_SHUTDOWN = "broker-shutdown"
     SLOW_CONSUMER = "slow-consumer"
     DROPPED = "dropped"  # an operator dropped this client (control command ``drop``)
+    # -- answered by the queue plugin (docs/QUEUE.md) -------------------------------------
+    #: The queue store's map is full and may not grow (``max_map_size``): the message was
+    #: not stored; retry after consumers drained the queue.
+    QUEUE_FULL = "queue-full"

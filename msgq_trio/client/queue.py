@@ -1,0 +1,409 @@
+"""Client side of the durable queues of the queue plugin (docs/QUEUE.md).
+
+``bus.queue(name)`` returns a :class:`Queue`. Producers ``put``/``put_many`` and get the
+answer when the messages are durable (ack 1); consumers ``consume`` (push, credit window)
+or ``fetch`` (pull) and ``ack`` each message (ack 2).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import cbor2
+import trio
+
+from ..errors import ConnectionLost, UsageError
+
+if TYPE_CHECKING:
+    from .bus import Bus, Message
+
+__all__ = ["DEFAULT_GROUP", "Consumer", "Queue", "QueueMessage"]
+
+#: The queue plugin's group (its ``group`` setting's default).
+DEFAULT_GROUP = "msgq-queue"
+#: The command deliveries arrive with (see plugins/queue/service.py).
+DELIVER = "queue.deliver"
+#: Error code a consumer answers to refuse a delivery (the plugin redelivers it).
+NACK = "nack"
+#: Longest an ack waits to be sent with others (when the consumer has more messages to
+#: work on; it is sent at once when the consumer runs out): 2 ms is well below any ack
+#: deadline and the queue's ack_grace (50 ms), and lets ~100 acks share a frame.
+ACK_DELAY = 0.002
+
+#: Per bus: queue name -> its active push consumer.
+_consumers: weakref.WeakKeyDictionary[Bus, dict[str, Consumer]] = weakref.WeakKeyDictionary()
+
+
+class QueueMessage:
+    """One delivered message. Ack it (``await m.ack()``) once processed, or ``nack`` it
+    to have it redelivered; an unacked message is redelivered after the consumer's
+    ``ack_timeout`` or when its connection ends.
+
+    Attributes:
+        queue: the queue's name.
+        id: the delivery id (unique within the plugin process).
+        deliveries: how often it was delivered, this time included.
+    """
+
+    __slots__ = ("_bus", "_consumer", "_decoded", "_done", "_raw", "_value", "deliveries",
+                 "id", "queue")
+
+    def __init__(self, bus: Bus, queue: str, mid: int, raw: bytes, deliveries: int,
+                 consumer: Consumer | None) -> None:
+        self._bus = bus
+        self.queue = queue
+        self.id = mid
+        self._raw = raw
+        self.deliveries = deliveries
+        self._consumer = consumer
+        self._done = False
+        self._decoded = False
+        self._value: Any = None
+
+    @property
+    def body(self) -> Any:
+        """The body as the producer gave it (decoded on first access)."""
+        if not self._decoded:
+            self._value = cbor2.loads(self._raw) if self._raw else None
+            self._decoded = True
+        return self._value
+
+    async def ack(self) -> None:
+        """Ack 2: the message is consumed and removed. Idempotent."""
+        await self._finish(True)
+
+    async def nack(self) -> None:
+        """Give the message back for redelivery (its delivery count stays)."""
+        await self._finish(False)
+
+    async def _finish(self, ok: bool) -> None:
+        if self._done:
+            await trio.lowlevel.checkpoint()
+            return
+        self._done = True
+        if self._consumer is not None:
+            self._consumer._settle(self.id, ok)
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._bus.call(_group(self._bus), "ack" if ok else "nack",
+                                 {"queue": self.queue, "ids": [self.id]})
+
+    def __repr__(self) -> str:
+        return f"QueueMessage({self.queue!r}, id={self.id}, deliveries={self.deliveries})"
+
+
+def _group(_bus: Bus) -> str:
+    return DEFAULT_GROUP
+
+
+def _on_deliver(bus: Bus, request: Message) -> None:
+    """Inline handler of ``queue.deliver`` (a batch): hand the messages to the queue's
+    consumer and answer "received"; an error answer gives the whole batch back."""
+    p = request.body
+    if not isinstance(p, dict) or not isinstance(p.get("msgs"), list):
+        bus.answer_error(request, "bad-request", "malformed delivery")
+        return
+    name = str(p.get("queue"))
+    consumer = _consumers.get(bus, {}).get(name)
+    if consumer is None:
+        bus.answer_error(request, NACK, f"{bus.lname} no longer consumes {name!r}")
+        return
+    msgs = p["msgs"]
+    send = consumer._send
+    st = send.statistics()
+    if st.current_buffer_used + len(msgs) > st.max_buffer_size:
+        # The plugin keeps within the window, so this is a bug on one side: refuse all.
+        bus.answer_error(request, NACK, f"{bus.lname}: delivery beyond the window")
+        return
+    for mid, raw, deliveries in msgs:
+        send.send_nowait(QueueMessage(bus, name, mid, bytes(raw), deliveries, consumer))
+    bus.answer(request, True)
+
+
+class Consumer:
+    """Push consumer of one queue: ``async for m in consumer`` (or ``async with`` it to
+    stop promptly). Created by :meth:`Queue.consume`.
+
+    Resource handling: ``aclose()`` (or leaving ``async with``) tells the plugin to stop
+    pushing and refuses deliveries still arriving (they are redelivered); messages taken
+    but not acked are redelivered after their ack deadline or at disconnect.
+    """
+
+    def __init__(self, q: Queue, window: int, ack_timeout: float | None) -> None:
+        if window < 1:
+            raise UsageError("window must be >= 1")
+        self._q = q
+        self._window = window
+        self._ack_timeout = ack_timeout
+        self._send, self._recv = trio.open_memory_channel[QueueMessage](window)
+        self._started = False
+        self._closed = False
+        # Acks and nacks are collected and sent as one one-way message per scheduler
+        # tick (the plugin's answer-free ``ack``): a consumer acking each message costs
+        # a frame per batch, not per message.
+        self._acks: list[int] = []
+        self._nacks: list[int] = []
+        self._flush_pending = False
+        #: Acks sent at once when this many are collected (a quarter window: the plugin
+        #: refills a consumer's credit in quarter windows too); fewer wait for the
+        #: consumer to run out of messages, or ACK_DELAY.
+        self._ack_batch = max(1, window // 4)
+
+    def _settle(self, mid: int, ok: bool) -> None:
+        (self._acks if ok else self._nacks).append(mid)
+        if len(self._acks) + len(self._nacks) >= self._ack_batch:
+            self._q._bus._spawn(self._flush)
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self._q._bus._spawn(self._flush_later)
+
+    async def _flush_later(self) -> None:
+        await trio.sleep(ACK_DELAY)
+        self._flush_pending = False
+        await self._flush()
+
+    async def _flush(self) -> None:
+        bus, name = self._q._bus, self._q.name
+        acks, self._acks = self._acks, []
+        nacks, self._nacks = self._nacks, []
+        try:
+            if acks:
+                await bus.send(self._q.group, {"ack": name, "ids": acks})
+            if nacks:
+                await bus.send(self._q.group, {"nack": name, "ids": nacks})
+        except ConnectionLost:
+            pass  # unacked messages are redelivered by the plugin
+
+    async def _start(self) -> None:
+        bus, name = self._q._bus, self._q.name
+        await self._q._ensure_declared()
+        table = _consumers.setdefault(bus, {})
+        if name in table:
+            raise UsageError(f"this bus already consumes {name!r}")
+        if not table:
+            bus.add_inline_command(DELIVER, lambda r: _on_deliver(bus, r))
+        table[name] = self
+        params: dict[str, Any] = {"queue": name, "window": self._window}
+        if self._ack_timeout is not None:
+            params["ack_timeout"] = self._ack_timeout
+        self._started = True
+        await bus.call(self._q.group, "consume", params)
+
+    def __aiter__(self) -> Consumer:
+        return self
+
+    async def __anext__(self) -> QueueMessage:
+        if not self._started:
+            await self._start()
+        if (self._acks or self._nacks) and not self._recv.statistics().current_buffer_used:
+            await self._flush()  # about to wait: the plugin needs our acks to send more
+        try:
+            return await self._recv.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        bus, name = self._q._bus, self._q.name
+        table = _consumers.get(bus, {})
+        if table.get(name) is self:
+            del table[name]
+        self._send.close()
+        for m in _drain(self._recv):
+            await m.nack()
+        if self._acks or self._nacks:
+            with trio.CancelScope(shield=True):
+                await self._flush()
+        if self._started:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await bus.call(self._q.group, "cancel", {"queue": name})
+                except Exception:  # the bus or the plugin is gone: nothing to cancel
+                    pass
+
+    async def __aenter__(self) -> Consumer:
+        await self._start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _drain(recv: trio.MemoryReceiveChannel[QueueMessage]) -> list[QueueMessage]:
+    out = []
+    while True:
+        try:
+            out.append(recv.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return out
+
+
+class Queue:
+    """A handle on the durable queue ``name`` (``bus.queue(name)``).
+
+    Args:
+        producer: this producer's name for deduplication. Give the same name to a
+            producer that resends after a crash, with the same ``seq`` per message; the
+            default is a fresh unique name per handle (dedup within this handle only).
+        group: the queue plugin's group.
+
+    The queue is declared (without options) on first use; call :meth:`declare` first to
+    set options. Errors: ``QueueFull`` (store full, nothing stored), ``RemoteError``
+    (``bad-request``: malformed or unknown), ``NoRecipient`` (no queue plugin running).
+    """
+
+    def __init__(self, bus: Bus, name: str, *, producer: str | None = None,
+                 group: str = DEFAULT_GROUP) -> None:
+        self._bus = bus
+        self.name = name
+        self.group = group
+        self.producer = producer or f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
+        self._declared = False
+        self._next_seq: int | None = None
+        self._seq_lock = trio.Lock()
+
+    async def declare(self, **options: Any) -> bool:
+        """Declare the queue with ``options`` (docs/QUEUE.md: bind, max_deliveries,
+        dead_letter, ack_timeout, window); True if it was created."""
+        created = bool(await self._bus.call(self.group, "declare",
+                                            {"queue": self.name, **options}))
+        self._declared = True
+        return created
+
+    async def _ensure_declared(self) -> None:
+        if not self._declared:
+            await self.declare()
+
+    async def producer_state(self) -> int:
+        """The highest producer seq of this producer the plugin has accepted (durably,
+        or in this plugin run); 0 if none."""
+        await self._ensure_declared()
+        return int(await self._bus.call(self.group, "producer_state",
+                                        {"queue": self.name, "producer": self.producer}))
+
+    async def _seqs(self, n: int) -> int:
+        if self._next_seq is None:
+            async with self._seq_lock:
+                if self._next_seq is None:
+                    self._next_seq = await self.producer_state() + 1
+        first = self._next_seq
+        self._next_seq += n
+        return first
+
+    async def prepare(self) -> None:
+        """Declare the queue and learn this producer's next seq, so that the ``start_*``
+        methods can send without waiting. Idempotent."""
+        await self._ensure_declared()
+        if self._next_seq is None:
+            await self._seqs(0)
+
+    def _take_seqs(self, n: int, first: int | None) -> int:
+        if first is not None:
+            return first
+        if self._next_seq is None:
+            raise UsageError("call `await queue.prepare()` first (or pass the seq)")
+        first = self._next_seq
+        self._next_seq += n
+        return first
+
+    def start_put(self, body: Any, *, seq: int | None = None) -> Callable[[], Awaitable[str]]:
+        """Send one put now, synchronously; ``await wait()`` gives what :meth:`put`
+        returns. For a window of puts in flight: puts leave in call order, which
+        deduplication needs (a seq below one already accepted counts as a resend).
+
+        Raises:
+            UsageError: not prepared (see :meth:`prepare`) and no ``seq`` given.
+        """
+        seq = self._take_seqs(1, seq)
+        wait = self._bus.start_call(self.group, "put", {
+            "queue": self.name, "producer": self.producer, "seq": seq,
+            "body": cbor2.dumps(body)})
+
+        async def result() -> str:
+            return str(await wait())
+
+        return result
+
+    def start_put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
+                       ) -> Callable[[], Awaitable[dict[str, int]]]:
+        """Send a batch now, synchronously (see :meth:`start_put`); ``await wait()``
+        gives what :meth:`put_many` returns. The windowed producer's tool::
+
+            await q.prepare()
+            waits = collections.deque()
+            for batch in batches:
+                if len(waits) == window:
+                    await waits.popleft()()
+                waits.append(q.start_put_many(batch))
+        """
+        first = self._take_seqs(len(bodies), first_seq)
+        dumps = cbor2.dumps
+        wait = self._bus.start_call(self.group, "put_many", {
+            "queue": self.name, "producer": self.producer, "first_seq": first,
+            "bodies": [dumps(b) for b in bodies]})
+
+        async def result() -> dict[str, int]:
+            return dict(await wait())
+
+        return result
+
+    async def put(self, body: Any, *, seq: int | None = None) -> str:
+        """Put one message; returns when it is durable (``"stored"``), consumed before it
+        was written (``"consumed"``), or recognised as a resend (``"duplicate"``).
+
+        ``seq`` is the producer sequence number (positive, increasing per producer);
+        default the next one of this handle. Concurrent puts on one handle are sent in
+        the order their seqs were taken.
+        """
+        if seq is None:
+            await self.prepare()
+        else:
+            await self._ensure_declared()
+        return await self.start_put(body, seq=seq)()
+
+    async def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
+                       ) -> dict[str, int]:
+        """Put ``bodies`` in one frame and one commit; returns ``{"stored", "consumed",
+        "duplicates"}`` counts once all of them are durable or consumed. Messages get the
+        seqs ``first_seq``, ``first_seq + 1``... (default: this handle's next ones).
+        """
+        if first_seq is None:
+            await self.prepare()
+        else:
+            await self._ensure_declared()
+        return await self.start_put_many(bodies, first_seq=first_seq)()
+
+    def consume(self, window: int = 1, *, ack_timeout: float | None = None) -> Consumer:
+        """Push consumer with ``window`` unacked deliveries at most (window 1: one at a
+        time). ``ack_timeout`` overrides the queue's. One consumer per queue and bus."""
+        return Consumer(self, window, ack_timeout)
+
+    async def fetch(self, n: int = 1, *, ack_timeout: float | None = None
+                    ) -> list[QueueMessage]:
+        """Pull up to ``n`` ready messages now (possibly none); ack each within
+        ``ack_timeout`` (default the queue's) or it is redelivered."""
+        await self._ensure_declared()
+        params: dict[str, Any] = {"queue": self.name, "n": n}
+        if ack_timeout is not None:
+            params["ack_timeout"] = ack_timeout
+        rows = await self._bus.call(self.group, "fetch", params)
+        return [QueueMessage(self._bus, self.name, mid, bytes(raw), d, None)
+                for mid, raw, d in rows]
+
+    async def ack(self, messages: Sequence[QueueMessage]) -> int:
+        """Ack fetched ``messages`` in one request; returns how many were still owed."""
+        ids = [m.id for m in messages if not m._done]
+        for m in messages:
+            m._done = True
+        return int(await self._bus.call(self.group, "ack", {"queue": self.name, "ids": ids}))
+
+    async def stats(self) -> dict[str, Any]:
+        """The queue's statistics (docs/QUEUE.md, "Statistics")."""
+        return dict(await self._bus.call(self.group, "stats", {"queue": self.name}))

@@ -1,0 +1,77 @@
+"""The plugin process: ``python -m msgq_trio.plugins.host NAME SOCKET SETTINGS-JSON``.
+
+Started by :mod:`msgq_trio.plugins.supervisor`. Loads the plugin, runs it, writes
+``ready`` on stdout once the plugin says it is ready, and exits:
+
+* when the plugin returns or raises (status 0 / 1; the traceback goes to stderr);
+* when stdin reaches EOF: the broker, which holds the other end, is gone (even after
+  SIGKILL), so the plugin must not outlive it and, e.g., keep its store locked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import trio
+
+from .loader import load_plugin
+
+log = logging.getLogger("msgq_trio.plugins.host")
+
+
+async def _watch_parent() -> None:
+    """Return when stdin (a pipe from the broker) reaches EOF: the broker exited."""
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            if not os.read(fd, 4096):
+                return
+        except BlockingIOError:
+            continue
+
+
+async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
+    plugin = load_plugin(name)
+    settings = plugin.check_config(table)
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            await _watch_parent()
+            log.info("plugin %s: the broker is gone, exiting", name)
+            nursery.cancel_scope.cancel()
+
+        async def run(*, task_status: trio.TaskStatus[None]) -> None:
+            await plugin.run(socket, settings, task_status=task_status)
+            # run() returned (e.g. its bus connection ended): the process ends with it.
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        await nursery.start(run)
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        print("usage: python -m msgq_trio.plugins.host NAME SOCKET SETTINGS-JSON",
+              file=sys.stderr)
+        return 2
+    name, socket, raw = args
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s plugin {name} [%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return trio.run(_main, name, Path(socket), json.loads(raw))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,790 @@
+"""The queue engine: messages in memory, group commit to the store, delivery, redelivery.
+
+Rules (docs/QUEUE.md states them for users):
+
+1. Ack 1 (the producer's answer) is given when the message is durable (its commit
+   returned) or when a consumer acked it (ack 2) before it was written; then it is never
+   written ("writes skipped"). A duplicate is answered once everything that arrived
+   before it has been flushed, so its original is durable (or consumed) by then.
+2. Group commit: one task (``flush_loop``) takes everything pending when the previous
+   commit has finished (at most ``max_batch``; after ``max_delay`` if set) and hands it to
+   the store thread as ONE job: deletes, delivery-count increments, dead-letter moves,
+   then one ``append_batch``. Deletes go first so a full map gets room before appends.
+3. A message's life: READY -> INFLIGHT (delivered, owned by one consumer) -> DONE (acked
+   or removed), INFLIGHT -> READY (nack, consumer gone, ack deadline) with its delivery
+   count, or -> DEAD (max deliveries) -> moved to the dead-letter queue once stored.
+4. Deduplication: per (queue, producer) the highest producer seq accepted; the first put
+   of a producer in this run waits for its durable high-water mark from the store, so a
+   resend after a crash is recognised even if a consumer is online (no skip-write of a
+   duplicate).
+5. Storage full: every message of the failed append is removed and its producer gets
+   ``queue-full``; deletes still run, so the queue works again once drained.
+
+Everything here runs on the trio thread except the store calls (``StoreThread``); no store
+call spans an await, none holds a read transaction after it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from msgq_trio.storage.api import NewMessage, QueueStore, StorageError, StorageFull
+
+from .settings import QueueOptions, QueueSettings
+from .writer import StoreThread
+
+log = logging.getLogger("msgq_trio.plugins.queue")
+
+READY, INFLIGHT, DONE, DEAD = range(4)
+
+#: Body kinds (first byte of the stored value): a queue-API body (CBOR, as the producer
+#: encoded it), a request to a bound group (CBOR [cmd, params]), a one-way message to a
+#: bound group (CBOR body).
+KIND_BODY, KIND_REQUEST, KIND_MESSAGE = b"B"[0], b"R"[0], b"M"[0]
+
+#: Messages read per ``read_range`` call at recovery (one short read transaction each).
+RECOVER_CHUNK = 10_000
+
+
+class Waiter:
+    """Ack 1 bookkeeping of one put request (one or many messages).
+
+    ``callback(waiter)`` runs once every message is accounted for, or at the first
+    failure (``error`` set).
+    """
+
+    __slots__ = ("answer", "callback", "consumed", "duplicates", "error", "remaining", "stored")
+
+    def __init__(self, n: int, callback: Callable[[Waiter], None]) -> None:
+        self.remaining = n
+        self.stored = self.consumed = self.duplicates = 0
+        self.error: tuple[str, str] | None = None
+        self.answer: Any = None
+        self.callback: Callable[[Waiter], None] | None = callback
+
+    def one(self, how: str, answer: Any = None) -> None:
+        if how == "stored":
+            self.stored += 1
+        elif how == "consumed":
+            self.consumed += 1
+            self.answer = answer
+        else:
+            self.duplicates += 1
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self._finish()
+
+    def stored_n(self, k: int) -> None:
+        """``k`` of its messages are durable."""
+        self.stored += k
+        self.remaining -= k
+        if self.remaining <= 0:
+            self._finish()
+
+    def fail(self, code: str, message: str) -> None:
+        self.error = (code, message)
+        self._finish()
+
+    def _finish(self) -> None:
+        cb, self.callback = self.callback, None
+        if cb is not None:
+            cb(self)
+
+
+class Msg:
+    """One message of one queue while the plugin holds it."""
+
+    __slots__ = ("data", "deadline", "deliveries", "in_batch", "mid", "owner", "producer",
+                 "pseq", "queue", "sent", "seq", "state", "waiter")
+
+    def __init__(self, mid: int, queue: Queue, data: bytes, producer: str, pseq: int,
+                 seq: int | None, deliveries: int, waiter: Waiter | None) -> None:
+        self.mid = mid
+        self.queue = queue
+        self.data = data
+        self.producer = producer
+        self.pseq = pseq
+        self.seq = seq
+        self.deliveries = deliveries
+        self.waiter = waiter
+        self.state = READY
+        self.owner: Consumer | None = None
+        self.deadline = 0.0
+        self.sent = 0.0  # when its current delivery started
+        self.in_batch = False
+
+
+class Consumer:
+    """A receiver of deliveries: a push consumer (``consume``), a member of a bound group,
+    or a fetcher (``fetch``; window unlimited, acks by id, deadline per message)."""
+
+    __slots__ = ("ack_timeout", "inflight", "kind", "lname", "window")
+
+    def __init__(self, lname: str, kind: str, window: int, ack_timeout: float) -> None:
+        self.lname = lname
+        self.kind = kind  # "push", "member" or "fetch"
+        self.window = window
+        self.ack_timeout = ack_timeout
+        self.inflight = 0
+
+
+class Queue:
+    """The in-memory state of one durable queue."""
+
+    def __init__(self, name: str, opts: QueueOptions) -> None:
+        self.name = name
+        self.opts = opts
+        self.ready: deque[Msg] = deque()
+        self.consumers: dict[str, Consumer] = {}
+        self.fetchers: dict[str, Consumer] = {}
+        #: mid -> message in flight to a push consumer or a fetcher (acked by id, with a
+        #: deadline); deliveries to bound-group members are requests and are not here.
+        self.by_id: dict[int, Msg] = {}
+        self.rr = 0
+        self.live = 0
+        self.bytes = 0
+        self.deletes: list[int] = []
+        self.incr: list[int] = []
+        self.to_dlq: list[Msg] = []
+        self.stats = dict.fromkeys(
+            ("put", "stored", "writes_skipped", "duplicates", "acked", "delivered",
+             "redelivered", "dead_lettered", "refused_full"), 0)
+
+    def inflight(self) -> int:
+        members = sum(c.inflight for c in self.consumers.values() if c.kind == "member")
+        return members + len(self.by_id)
+
+
+class Producer:
+    """Deduplication state of one (queue, producer): None until the store answered."""
+
+    __slots__ = ("held", "hwm")
+
+    def __init__(self) -> None:
+        self.hwm: int | None = None
+        self.held: list[tuple[list[tuple[int, bytes]], Waiter]] = []
+
+
+#: ``deliver(queue, consumer, msgs)``: start delivering ``msgs`` (in queue order) to one
+#: consumer; the service sends the frames and later calls ``ack``/``nack``.
+Deliver = Callable[[Queue, Consumer, list[Msg]], None]
+
+
+class Engine:
+    """All queues of one plugin process.
+
+    Args:
+        store: the open store (used on ``thread`` only).
+        thread: the store thread.
+        settings: the plugin's settings.
+    """
+
+    def __init__(self, store: QueueStore, thread: StoreThread, settings: QueueSettings) -> None:
+        self.store = store
+        self.thread = thread
+        self.settings = settings
+        self.queues: dict[str, Queue] = {}
+        self.pending: deque[Msg] = deque()
+        self.producers: dict[tuple[str, str], Producer] = {}
+        self.deliver: Deliver = lambda q, c, msgs: None
+        self._dirty: set[Queue] = set()
+        self.nursery: trio.Nursery | None = None
+        self._next_mid = 1
+        self._wake = trio.Event()
+        self._acked = trio.Event()
+        self._flushing = False
+        self._flushed_mid = 0  # every message with a lower mid was flushed or skipped
+        self._dup_waiters: list[tuple[int, _DupCount]] = []
+        self.counters = dict.fromkeys(
+            ("commits", "fsyncs", "batches", "batch_max", "batch_sum", "storage_full"), 0)
+        self.last_batch = 0
+
+    # -- queues ---------------------------------------------------------------------------
+    async def recover(self) -> None:
+        """Load every stored message of every stored queue into memory (READY, with its
+        durable delivery count). Call once, before serving."""
+        names = await self.thread.run(self.store.queues)
+        for name in names:
+            q = self.queues.get(name) or self._new_queue(name, QueueOptions())
+            start = 0
+            while True:
+                chunk = await self.thread.run(self.store.read_range, name, start, RECOVER_CHUNK)
+                for sm in chunk:
+                    m = Msg(self._mid(), q, sm.body, sm.producer, sm.producer_seq, sm.seq,
+                            sm.delivery_count, None)
+                    q.ready.append(m)
+                    q.live += 1
+                    q.bytes += len(sm.body)
+                if len(chunk) < RECOVER_CHUNK:
+                    break
+                start = chunk[-1].seq + 1
+            if q.live:
+                log.info("queue %s: recovered %d messages", name, q.live)
+
+    def _new_queue(self, name: str, opts: QueueOptions) -> Queue:
+        q = Queue(name, opts)
+        self.queues[name] = q
+        return q
+
+    async def declare(self, name: str, opts: QueueOptions | None) -> bool:
+        """Declare ``name`` durably (and its dead-letter queue); ``opts`` None keeps the
+        current options. Returns True if the store created it.
+
+        Raises:
+            ValueError: bad name (from the store).
+            StorageError: the store failed.
+        """
+        q = self.queues.get(name)
+        created: bool = await self.thread.run(self.store.declare_queue, name)
+        if q is None:
+            q = self._new_queue(name, opts or QueueOptions())
+        elif opts is not None:
+            q.opts = opts
+        if q.opts.max_deliveries:
+            dlq = q.opts.dlq_name(name)
+            if dlq == name:
+                raise ValueError(f"queue {name!r} cannot be its own dead-letter queue")
+            if dlq not in self.queues:
+                await self.declare(dlq, None)
+        return created
+
+    def _mid(self) -> int:
+        mid = self._next_mid
+        self._next_mid += 1
+        return mid
+
+    # -- producing ------------------------------------------------------------------------
+    def put(self, q: Queue, producer: str, items: list[tuple[int, bytes]], waiter: Waiter) -> None:
+        """Accept ``items`` ((producer seq, stored value) in producer order) into ``q``.
+
+        Synchronous and in call order, so a producer's seqs are seen in the order they
+        were sent. ``waiter`` is told about each item (see ``Waiter``)."""
+        key = (q.name, producer)
+        p = self.producers.get(key)
+        if p is None:
+            p = self.producers[key] = Producer()
+            assert self.nursery is not None
+            self.nursery.start_soon(self._load_producer, q, producer, p)
+        if p.hwm is None:
+            p.held.append((items, waiter))
+            return
+        self._accept(q, producer, p, items, waiter)
+
+    async def _load_producer(self, q: Queue, producer: str, p: Producer) -> None:
+        try:
+            hwm: int = await self.thread.run(self.store.producer_state, q.name, producer)
+        except StorageError as exc:
+            log.error("queue %s: cannot read producer %r's state: %s", q.name, producer, exc)
+            for _items, waiter in p.held:
+                waiter.fail("internal-error", f"store failed: {exc}")
+            self.producers.pop((q.name, producer), None)
+            return
+        p.hwm = hwm
+        held, p.held = p.held, []
+        for items, waiter in held:
+            self._accept(q, producer, p, items, waiter)
+
+    def _accept(self, q: Queue, producer: str, p: Producer, items: list[tuple[int, bytes]],
+                waiter: Waiter) -> None:
+        hwm = p.hwm
+        assert hwm is not None
+        dups = nbytes = 0
+        mid = self._next_mid
+        new: list[Msg] = []
+        add = new.append
+        # The hot loop of a producer: one Msg per item, nothing else per item.
+        for pseq, data in items:
+            if pseq <= hwm:
+                dups += 1
+                continue
+            hwm = pseq
+            add(Msg(mid, q, data, producer, pseq, None, 0, waiter))
+            mid += 1
+            nbytes += len(data)
+        self._next_mid = mid
+        p.hwm = hwm
+        self.pending.extend(new)
+        q.ready.extend(new)
+        q.live += len(new)
+        q.bytes += nbytes
+        q.stats["put"] += len(items)
+        if dups:
+            q.stats["duplicates"] += dups
+            if not self.pending and not self._flushing:
+                for _ in range(dups):
+                    waiter.one("duplicate")
+            else:
+                # Answered once what arrived before it is flushed (rule 1).
+                self._dup_waiters.append((self._next_mid - 1, _DupCount(waiter, dups)))
+        self._kick()
+        self.dispatch(q)
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    # -- delivering -----------------------------------------------------------------------
+    def add_consumer(self, q: Queue, c: Consumer) -> None:
+        if c.kind == "fetch":
+            q.fetchers[c.lname] = c
+        else:
+            q.consumers[c.lname] = c
+        self.dispatch(q)
+
+    def remove_consumer(self, lname: str) -> None:
+        """``lname`` left: forget it everywhere; what it held unacked is redelivered
+        (deliveries to a bound-group member fail by themselves: recipient-gone)."""
+        for q in self.queues.values():
+            q.consumers.pop(lname, None)
+            q.fetchers.pop(lname, None)
+            self.nack_owned(q, lname)
+
+    def nack_owned(self, q: Queue, lname: str) -> None:
+        """Redeliver every message of ``q`` that ``lname`` holds unacked (by id)."""
+        for m in [m for m in q.by_id.values() if m.owner and m.owner.lname == lname]:
+            self.nack(m)
+
+    def dispatch(self, q: Queue) -> None:
+        """Deliver soon: acks, puts and nacks of one scheduler tick are coalesced into
+        one dispatch, so a consumer gets a batch per tick, not a frame per message."""
+        if q in self._dirty:
+            return
+        self._dirty.add(q)
+        if len(self._dirty) == 1 and self.nursery is not None:
+            self.nursery.start_soon(self._dispatch_dirty)
+
+    async def _dispatch_dirty(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for q in dirty:
+            self.dispatch_now(q)
+
+    def dispatch_now(self, q: Queue) -> None:
+        """Deliver ready messages to consumers with credit: assigned one by one round
+        robin, sent as one batch per consumer.
+
+        While more messages are ready than a push consumer has credit for, it gets some
+        only once a quarter of its window is free (like a TCP window update): refilling
+        each single freed slot would cost a frame per message."""
+        ready = q.ready
+        if not ready or not q.consumers:
+            return
+        backlog = len(ready)
+        cons = [c for c in q.consumers.values()
+                if c.kind != "push" or (free := c.window - c.inflight) >= backlog
+                or free >= max(1, c.window // 4)]
+        n = len(cons)
+        if not n:
+            return
+        idle = 0
+        batches: dict[Consumer, list[Msg]] = {}
+        now = trio.current_time()
+        while ready and idle < n:
+            c = cons[q.rr % n]
+            q.rr += 1
+            if c.inflight >= c.window:
+                idle += 1
+                continue
+            m = ready.popleft()
+            if m.state != READY:
+                q.rr -= 1  # that consumer did not get anything: keep its turn
+                continue
+            idle = 0
+            self._mark_inflight(q, c, m, now)
+            batches.setdefault(c, []).append(m)
+        for c, msgs in batches.items():
+            self.deliver(q, c, msgs)
+
+    def fetch(self, q: Queue, c: Consumer, n: int, now: float) -> list[Msg]:
+        """Take up to ``n`` ready messages for the fetcher ``c`` (ack by id before
+        ``now + c.ack_timeout``)."""
+        out: list[Msg] = []
+        while q.ready and len(out) < n:
+            m = q.ready.popleft()
+            if m.state != READY:
+                continue
+            self._mark_inflight(q, c, m, now)
+            out.append(m)
+        return out
+
+    def _mark_inflight(self, q: Queue, c: Consumer, m: Msg, now: float) -> None:
+        m.state = INFLIGHT
+        m.sent = now
+        if c.kind != "member":
+            m.deadline = now + c.ack_timeout
+            q.by_id[m.mid] = m
+        m.owner = c
+        m.deliveries += 1
+        c.inflight += 1
+        q.stats["delivered"] += 1
+        if m.deliveries > 1:
+            q.stats["redelivered"] += 1
+
+    def ack(self, m: Msg, answer: Any = None) -> None:
+        """Ack 2: ``m`` was consumed; remove it (never written if not stored yet)."""
+        if m.state == DONE:
+            return  # a late or repeated ack
+        q = m.queue
+        self._release(q, m)
+        m.state = DONE
+        q.live -= 1
+        q.bytes -= len(m.data)
+        q.stats["acked"] += 1
+        self._acked.set()
+        if m.seq is not None:
+            q.deletes.append(m.seq)
+            self._kick()
+        elif not m.in_batch:
+            q.stats["writes_skipped"] += 1
+        w, m.waiter = m.waiter, None
+        if w is not None:
+            w.one("consumed", answer)
+        self.dispatch(q)
+
+    def nack(self, m: Msg) -> None:
+        """A delivery of ``m`` ended without ack: redeliver it first, or move it to the
+        dead-letter queue after ``max_deliveries``."""
+        if m.state != INFLIGHT:
+            return
+        q = m.queue
+        self._release(q, m)
+        self._acked.set()  # no longer in flight: the commit need not wait for it
+        if q.opts.max_deliveries and m.deliveries >= q.opts.max_deliveries:
+            m.state = DEAD
+            q.to_dlq.append(m)
+            self._kick()
+            return
+        m.state = READY
+        q.ready.appendleft(m)
+        if m.seq is not None:
+            q.incr.append(m.seq)
+            self._kick()
+        self.dispatch(q)
+
+    def _release(self, q: Queue, m: Msg) -> None:
+        c = m.owner
+        if c is not None:
+            c.inflight -= 1
+            m.owner = None
+            if c.kind != "member":
+                q.by_id.pop(m.mid, None)
+
+    def expire(self, now: float) -> int:
+        """Redeliver messages held by id whose ack deadline passed; returns how many."""
+        n = 0
+        for q in self.queues.values():
+            late = [m for m in q.by_id.values() if m.deadline <= now]
+            for m in late:
+                if m.owner is not None:
+                    log.warning("queue %s: %s did not ack message %d within %.1f s: "
+                                "redelivering", q.name, m.owner.lname, m.mid,
+                                m.owner.ack_timeout)
+                self.nack(m)
+                n += 1
+        return n
+
+    async def reaper(self) -> None:
+        """Check ack deadlines four times per shortest ack timeout (at most every
+        second): a deadline is kept within 25 % (deliveries to bound-group members use
+        the broker's request deadline instead)."""
+        while True:
+            period = min([1.0] + [c.ack_timeout / 4 for q in self.queues.values()
+                                  for c in (*q.fetchers.values(), *q.consumers.values())])
+            await trio.sleep(period)
+            self.expire(trio.current_time())
+
+    # -- group commit ---------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        if self.pending:
+            return True
+        return any(q.deletes or q.incr or q.to_dlq for q in self.queues.values())
+
+    async def flush_loop(self) -> None:
+        """Commit forever (rule 2); see the module docstring."""
+        max_batch = self.settings.max_batch
+        max_delay = self.settings.max_delay
+        ack_grace = self.settings.ack_grace
+        while True:
+            if not self._has_work():
+                self._wake = trio.Event()
+                await self._wake.wait()
+            if max_delay:
+                await trio.sleep(max_delay)
+            # Only a message delivered but not yet written can be skipped: without any
+            # consumer there is nothing to wait for (and no pending list to scan).
+            grace = ack_grace if any(q.consumers or q.by_id for q in
+                                     self.queues.values()) else 0.0
+            if grace:
+                await self._grace(grace)
+                if not self._has_work():
+                    continue
+            take: list[Msg] = []
+            pending = self.pending
+            now = trio.current_time()
+            young: list[Msg] = []
+            while pending and len(take) < max_batch:
+                m = pending.popleft()
+                if grace and m.state == INFLIGHT and now - m.sent < grace:
+                    young.append(m)  # its consumer may still ack it: next commit
+                else:
+                    take.append(m)
+            pending.extendleft(reversed(young))
+            items = [m for m in take if m.state != DONE]
+            for m in items:
+                m.in_batch = True
+            if not items and not any(q.deletes or q.incr or q.to_dlq
+                                     for q in self.queues.values()):
+                # Only young in-flight messages pending: wait for their acks or age.
+                self._flushed_mid = self.pending[0].mid - 1 if self.pending else \
+                    self._next_mid - 1
+                if young:
+                    with trio.move_on_at(min(m.sent for m in young) + grace):
+                        self._acked = trio.Event()
+                        await self._acked.wait()
+                continue
+            new = [NewMessage(m.queue.name, m.producer, m.pseq, m.data) for m in items]
+            deletes: dict[str, list[int]] = {}
+            incr: dict[str, list[int]] = {}
+            moves: dict[str, tuple[str, list[Msg]]] = {}
+            for q in self.queues.values():
+                if q.deletes:
+                    deletes[q.name], q.deletes = q.deletes, []
+                if q.incr:
+                    incr[q.name], q.incr = q.incr, []
+                if q.to_dlq:
+                    ready = [m for m in q.to_dlq if m.seq is not None]
+                    q.to_dlq = [m for m in q.to_dlq if m.seq is None and m.state == DEAD]
+                    if ready:
+                        moves[q.name] = (q.opts.dlq_name(q.name), ready)
+            move_seqs = {name: (dlq, [m.seq for m in ms if m.seq is not None])
+                         for name, (dlq, ms) in moves.items()}
+            self._flushing = True
+            try:
+                res = await self.thread.run(self._commit, new, deletes, incr, move_seqs)
+            finally:
+                self._flushing = False
+            self._apply(take, items, res, deletes, incr, moves)
+            if res["errors"]:
+                await trio.sleep(0.1)  # failed store calls are retried, not in a busy loop
+
+    async def _grace(self, grace: float) -> None:
+        """Hold the commit while everything pending is a message in flight to a consumer
+        for less than ``grace`` (seed 003: an ack in that time means it is never
+        written). Returns as soon as anything else needs a commit (a message no
+        consumer holds, one held longer, deletes...); the commit then leaves out the
+        young in-flight ones. Drops acked messages from ``pending`` on the way."""
+        while True:
+            live = deque(m for m in self.pending if m.state != DONE)
+            if len(live) != len(self.pending):
+                self.pending = live
+            if not live or any(q.deletes or q.incr or q.to_dlq for q in self.queues.values()):
+                return
+            now = trio.current_time()
+            oldest = now
+            for m in live:
+                if m.state != INFLIGHT or now - m.sent >= grace:
+                    return
+                oldest = min(oldest, m.sent)
+            with trio.move_on_at(oldest + grace):
+                self._acked = trio.Event()
+                await self._acked.wait()
+
+    def _commit(
+        self,
+        new: list[NewMessage],
+        deletes: dict[str, list[int]],
+        incr: dict[str, list[int]],
+        moves: dict[str, tuple[str, list[int]]],
+    ) -> dict[str, Any]:
+        """One group commit, on the store thread (rule 2). Never raises for storage
+        errors: reports them so the trio side decides what to retry."""
+        store = self.store
+        out: dict[str, Any] = {"fsyncs": 0, "errors": []}
+        failed: dict[str, Any] = {"deletes": {}, "incr": {}, "moves": {}}
+        for name, seqs in deletes.items():
+            try:
+                if store.delete_batch(name, seqs):
+                    out["fsyncs"] += 1
+            except StorageError as exc:
+                failed["deletes"][name] = seqs
+                out["errors"].append(f"delete from {name}: {exc}")
+        for name, seqs in incr.items():
+            try:
+                if store.increment_delivery(name, seqs):
+                    out["fsyncs"] += 1
+            except StorageError as exc:
+                failed["incr"][name] = seqs
+                out["errors"].append(f"delivery counts of {name}: {exc}")
+        moved: dict[str, dict[int, int]] = {}
+        for name, (dlq, seqs) in moves.items():
+            try:
+                moved[name] = store.move_to_dead_letter(name, seqs, dlq)
+                out["fsyncs"] += 1
+            except StorageError as exc:
+                failed["moves"][name] = True
+                out["errors"].append(f"dead-letter move from {name}: {exc}")
+        out["moved"] = moved
+        out["seqs"] = None
+        out["full"] = None
+        if new:
+            try:
+                out["seqs"] = store.append_batch(new)
+                if any(s is not None for s in out["seqs"]):
+                    out["fsyncs"] += 1
+            except StorageFull as exc:
+                out["full"] = str(exc)
+            except StorageError as exc:
+                out["full"] = None
+                out["error"] = str(exc)
+        out["failed"] = failed
+        return out
+
+    def _apply(self, take: list[Msg], items: list[Msg], res: dict[str, Any],
+               deletes: dict[str, list[int]], incr: dict[str, list[int]],
+               moves: dict[str, tuple[str, list[Msg]]]) -> None:
+        c = self.counters
+        c["commits"] += 1
+        c["fsyncs"] += res["fsyncs"]
+        for err in res["errors"]:
+            log.error("queue store: %s (will retry)", err)
+        failed = res["failed"]
+        for name, seqs in failed["deletes"].items():
+            self.queues[name].deletes.extend(seqs)
+        for name, seqs in failed["incr"].items():
+            self.queues[name].incr.extend(seqs)
+        for name, (dlq, ms) in moves.items():
+            q = self.queues[name]
+            if name in failed["moves"]:
+                q.to_dlq.extend(ms)
+                continue
+            mapping = res["moved"].get(name, {})
+            target = self.queues[dlq]
+            for m in ms:
+                assert m.seq is not None
+                new_seq = mapping.get(m.seq)
+                m.state = DONE
+                q.live -= 1
+                q.bytes -= len(m.data)
+                q.stats["dead_lettered"] += 1
+                if new_seq is None:
+                    continue  # it was not stored any more (acked meanwhile)
+                dm = Msg(self._mid(), target, m.data, m.producer, m.pseq, new_seq,
+                         m.deliveries, None)
+                target.ready.append(dm)
+                target.live += 1
+                target.bytes += len(dm.data)
+                log.warning("queue %s: message %d moved to %s after %d deliveries",
+                            name, m.pseq, dlq, m.deliveries)
+            self.dispatch(target)
+        if items:
+            if res.get("error") or res["full"] is not None:
+                self._refuse(items, res["full"] or res.get("error", ""), bool(res["full"]))
+            else:
+                seqs = res["seqs"]
+                n = 0
+                # Waiters are told once per commit with their count (a put_many of 1,000
+                # costs one call, not 1,000).
+                stored_by: dict[Waiter, int] = {}
+                for m, seq in zip(items, seqs, strict=True):
+                    m.in_batch = False
+                    q = m.queue
+                    if seq is None:
+                        # A resend of a message stored before a restart: drop this copy.
+                        q.stats["duplicates"] += 1
+                        if m.state != DONE:
+                            self._release(q, m)
+                            m.state = DONE
+                            q.live -= 1
+                            q.bytes -= len(m.data)
+                        w, m.waiter = m.waiter, None
+                        if w is not None:
+                            w.one("duplicate")
+                        continue
+                    n += 1
+                    m.seq = seq
+                    q.stats["stored"] += 1
+                    if m.state == DONE:
+                        q.deletes.append(seq)  # acked while its commit ran
+                    elif m.state == DEAD:
+                        pass  # moved by the next commit (it is in to_dlq)
+                    w, m.waiter = m.waiter, None
+                    if w is not None:
+                        stored_by[w] = stored_by.get(w, 0) + 1
+                for w, k in stored_by.items():
+                    w.stored_n(k)
+                if n:
+                    c["batches"] += 1
+                    c["batch_sum"] += n
+                    c["batch_max"] = max(c["batch_max"], n)
+                    self.last_batch = n
+        # Every message below the oldest still pending was flushed or skipped.
+        self._flushed_mid = self.pending[0].mid - 1 if self.pending else self._next_mid - 1
+        if self._dup_waiters:
+            still = []
+            for mark, dw in self._dup_waiters:
+                if mark <= self._flushed_mid or not self.pending:
+                    dw.resolve()
+                else:
+                    still.append((mark, dw))
+            self._dup_waiters = still
+        for q in self.queues.values():
+            self.dispatch(q)
+
+    def _refuse(self, items: list[Msg], why: str, full: bool) -> None:
+        """The append failed: remove its messages, tell their producers (rule 5)."""
+        self.counters["storage_full"] += full
+        code = "queue-full" if full else "internal-error"
+        log.error("queue store refused %d messages: %s", len(items), why)
+        for m in items:
+            m.in_batch = False
+            q = m.queue
+            q.stats["refused_full"] += 1
+            # Its producer may resend it: forget the high-water mark (reloaded from the
+            # store on the next put), so that resend is not taken for a duplicate.
+            self.producers.pop((q.name, m.producer), None)
+            if m.state != DONE:
+                self._release(q, m)
+                m.state = DONE
+                q.live -= 1
+                q.bytes -= len(m.data)
+            w, m.waiter = m.waiter, None
+            if w is not None:
+                w.fail(code, f"queue {q.name!r} cannot store the message: {why}")
+
+    # -- statistics -----------------------------------------------------------------------
+    def stats(self, q: Queue) -> dict[str, Any]:
+        """A snapshot of ``q``: see docs/QUEUE.md ("Statistics")."""
+        c = self.counters
+        ready = sum(1 for m in q.ready if m.state == READY)
+        return {
+            "queue": q.name,
+            "depth": q.live,
+            "bytes": q.bytes,
+            "ready": ready,
+            "in_flight": q.inflight(),
+            "consumers": len(q.consumers),
+            **q.stats,
+            "fsyncs": c["fsyncs"],
+            "commits": c["commits"],
+            "batches": c["batches"],
+            "batch_max": c["batch_max"],
+            "batch_mean": c["batch_sum"] / c["batches"] if c["batches"] else 0.0,
+            "batch_last": self.last_batch,
+            "storage_full": c["storage_full"],
+        }
+
+
+class _DupCount:
+    """Answers ``n`` duplicates of one waiter at once when resolved."""
+
+    __slots__ = ("n", "waiter")
+
+    def __init__(self, waiter: Waiter, n: int) -> None:
+        self.waiter = waiter
+        self.n = n
+
+    def resolve(self) -> None:
+        for _ in range(self.n):
+            self.waiter.one("duplicate")

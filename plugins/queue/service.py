@@ -1,0 +1,452 @@
+"""The queue plugin's bus side: the queue commands, deliveries, bound groups, membership.
+
+Two connections to the broker:
+
+* ``msgq-queue`` (the API connection): member of ``settings.group``; answers the queue
+  commands (docs/QUEUE.md, "Commands"), pushes deliveries to API consumers
+  (``queue.deliver`` requests) and watches ``msgq.membership`` for consumers that leave.
+* ``msgq-queue-binder``: holds the bindings of bound queues, so every request it gets
+  is traffic to a bound group (whatever its command), every one-way message it gets too;
+  and, being the binder, its own calls to the group's members are not redirected.
+
+Error handling: a malformed command is answered ``bad-request`` naming the caller; an
+unknown queue ``bad-request`` ("declare it first"); a full store ``queue-full``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import cbor2
+import trio
+
+from msgq_trio.client.bus import Bus, Message
+from msgq_trio.errors import CommandFailed, ConnectionLost, RpcError
+from msgq_trio.protocol.codes import ErrorCode
+
+from .engine import KIND_MESSAGE, Consumer, Engine, Msg, Queue, Waiter
+from .settings import parse_options
+
+log = logging.getLogger("msgq_trio.plugins.queue")
+
+BAD = str(ErrorCode.BAD_REQUEST)
+#: The command an API consumer receives for each delivery (answer = ack, error = nack).
+DELIVER = "queue.deliver"
+#: Most messages one ``fetch`` returns (bounds the answer frame: 1,000 x a 64 KiB body
+#: is 64 MiB, the default max_frame_size).
+MAX_FETCH = 1000
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _str(params: Any, key: str) -> str:
+    v = params.get(key) if isinstance(params, dict) else None
+    if not isinstance(v, str) or not v:
+        raise BadRequest(f"params need {key!r}: a non-empty string")
+    return v
+
+
+def _int(params: Any, key: str, default: int | None = None, lo: int = 0) -> int:
+    v = params.get(key, default) if isinstance(params, dict) else default
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise BadRequest(f"params need {key!r}: an integer >= {lo}")
+    return v
+
+
+def _num(params: Any, key: str, default: float) -> float:
+    v = params.get(key, default) if isinstance(params, dict) else default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+        raise BadRequest(f"{key!r} must be a positive number")
+    return float(v)
+
+
+def _base(target: str) -> str:
+    i = target.find("[")
+    return target if i < 0 else target[:i]
+
+
+class Service:
+    """Wires the engine to the two bus connections. Call :meth:`setup`, then run
+    :meth:`serve` until the bus is lost."""
+
+    def __init__(self, engine: Engine, bus: Bus, binder: Bus, nursery: trio.Nursery) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.binder = binder
+        self.nursery = nursery
+        self.bound: dict[str, Queue] = {}
+        self.boot = f"bound.{uuid.uuid4().hex[:16]}"
+        self._bound_seq = 0
+        engine.deliver = self._deliver
+        engine.nursery = nursery
+        # One-way messages to bound groups waiting to be forwarded; bounded by the
+        # members' credit (each holds a window slot until forwarded), so never full.
+        self._forward, self._forward_recv = trio.open_memory_channel[
+            tuple[str, Any, Msg]](1 << 20)
+
+    async def setup(self) -> None:
+        """Register commands, subscribe, bind the bound queues' groups."""
+        bus = self.bus
+        for name, fn in (("put", self._put), ("put_many", self._put_many),
+                         ("ack", self._ack), ("nack", self._nack), ("fetch", self._fetch)):
+            bus.add_inline_command(name, fn)
+        for name, afn in (("declare", self._declare), ("consume", self._consume),
+                          ("cancel", self._cancel), ("stats", self._stats),
+                          ("producer_state", self._producer_state), ("queues", self._queues)):
+            bus.add_command(name, afn)
+        self.binder.set_default_handler(self._bound_request)
+        await bus.subscribe("msgq.membership")
+        for q in list(self.engine.queues.values()):
+            if q.opts.bind:
+                await self.bind(q)
+        await bus.subscribe(self.engine.settings.group)
+
+    async def bind(self, q: Queue) -> None:
+        group = q.opts.bind
+        if self.bound.get(group) is q:
+            return
+        await self.binder.call("msgq", "bind", {"group": group})
+        self.bound[group] = q
+        mine = {self.bus.lname, self.binder.lname}
+        for member in await self.binder.members(group):
+            if member.lname not in mine:
+                self.engine.add_consumer(
+                    q, Consumer(member.lname, "member", q.opts.window, q.opts.ack_timeout))
+        log.info("queue %s bound to group %s", q.name, group)
+
+    async def serve(self) -> None:
+        """Handle membership notifications and one-way messages to bound groups until
+        either connection ends (then return: the plugin process exits)."""
+        async with trio.open_nursery() as n:
+
+            async def membership() -> None:
+                try:
+                    async for msg in self.bus:
+                        if msg.kind == "notification":
+                            self._membership(msg)
+                        elif msg.kind == "message":
+                            self._acks(msg)
+                except ConnectionLost as exc:
+                    log.info("queue plugin: connection ended: %s", exc)
+                n.cancel_scope.cancel()
+
+            async def bound_messages() -> None:
+                try:
+                    async for msg in self.binder:
+                        if msg.kind == "message":
+                            self._bound_message(msg)
+                except ConnectionLost as exc:
+                    log.info("queue plugin: binder connection ended: %s", exc)
+                n.cancel_scope.cancel()
+
+            n.start_soon(membership)
+            n.start_soon(bound_messages)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _queue(self, params: Any) -> Queue:
+        name = _str(params, "queue")
+        q = self.engine.queues.get(name)
+        if q is None:
+            raise BadRequest(f"unknown queue {name!r}: declare it first")
+        return q
+
+    def _inline(self, request: Message, fn: Any) -> None:
+        try:
+            fn(request.body)
+        except BadRequest as exc:
+            self.bus.answer_error(request, BAD, f"{request.sender} ({request.sender_name}): "
+                                  f"{request.command}: {exc}")
+
+    # -- producing ------------------------------------------------------------------------
+    def _put(self, request: Message) -> None:
+        def run(params: Any) -> None:
+            q = self._queue(params)
+            body = params.get("body")
+            if not isinstance(body, bytes):
+                raise BadRequest("params need 'body': CBOR-encoded bytes")
+            producer = _str(params, "producer")
+            seq = _int(params, "seq", lo=1)
+
+            def done(w: Waiter) -> None:
+                if w.error:
+                    self.bus.answer_error(request, w.error[0], w.error[1])
+                else:
+                    self.bus.answer(request, "stored" if w.stored else
+                                    "consumed" if w.consumed else "duplicate")
+
+            self.engine.put(q, producer, [(seq, b"B" + body)], Waiter(1, done))
+
+        self._inline(request, run)
+
+    def _put_many(self, request: Message) -> None:
+        def run(params: Any) -> None:
+            q = self._queue(params)
+            producer = _str(params, "producer")
+            first = _int(params, "first_seq", lo=1)
+            bodies = params.get("bodies")
+            if not isinstance(bodies, list) or not all(isinstance(b, bytes) for b in bodies):
+                raise BadRequest("params need 'bodies': a list of CBOR-encoded bytes")
+            if not bodies:
+                self.bus.answer(request, {"stored": 0, "consumed": 0, "duplicates": 0})
+                return
+
+            def done(w: Waiter) -> None:
+                if w.error:
+                    self.bus.answer_error(request, w.error[0], w.error[1])
+                else:
+                    self.bus.answer(request, {"stored": w.stored, "consumed": w.consumed,
+                                              "duplicates": w.duplicates})
+
+            items = [(first + i, b"B" + b) for i, b in enumerate(bodies)]
+            self.engine.put(q, producer, items, Waiter(len(items), done))
+
+        self._inline(request, run)
+
+    # -- consuming ------------------------------------------------------------------------
+    def _deliver(self, q: Queue, c: Consumer, msgs: list[Msg]) -> None:
+        """Send deliveries now (so they leave in queue order).
+
+        A push consumer gets one ``queue.deliver`` request per batch; its answer only
+        says "received" (acks come by id, as one-way ``ack`` messages), an error answer
+        (not consuming, gone) gives the batch back. A bound-group member gets each
+        message as the original request; its answer is the ack, an error the nack."""
+        try:
+            if c.kind == "push":
+                wait = self.bus.start_call(
+                    c.lname, DELIVER,
+                    {"queue": q.name, "msgs": [[m.mid, m.data[1:], m.deliveries]
+                                               for m in msgs]})
+                self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
+                return
+            for m in msgs:
+                if m.data[0] == KIND_MESSAGE:
+                    # One-way message: forwarded to the whole group (as the producer sent
+                    # it); no consumer ack exists, so it is done once handed to the broker.
+                    self._forward.send_nowait((q.opts.bind, cbor2.loads(m.data[1:]), m))
+                    continue
+                cmd, params = cbor2.loads(m.data[1:])
+                wait = self.binder.start_call(c.lname, cmd, params, timeout=c.ack_timeout)
+                self.nursery.start_soon(self._delivery, q, c, m, wait)
+        except ConnectionLost:
+            return  # the plugin is going away; the messages stay stored
+
+    async def _batch_delivery(self, q: Queue, c: Consumer, msgs: list[Msg],
+                              wait: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await wait()
+        except ConnectionLost:
+            return
+        except RpcError as exc:
+            log.info("queue %s: delivery of %d messages to %s refused (%s): redelivering",
+                     q.name, len(msgs), c.lname, exc.code)
+            if q.consumers.get(c.lname) is c:
+                del q.consumers[c.lname]
+            for m in msgs:
+                if m.owner is c:
+                    self.engine.nack(m)
+
+    async def forwarder(self) -> None:
+        """Send one-way messages of bound queues in queue order, then ack them."""
+        async for group, body, m in self._forward_recv:
+            try:
+                await self.binder.send(group, body)
+            except ConnectionLost:
+                return
+            self.engine.ack(m)
+
+    async def _delivery(self, q: Queue, c: Consumer, m: Msg,
+                        wait: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            answer = await wait()
+        except ConnectionLost:
+            return  # the plugin is going away; the message stays stored
+        except RpcError as exc:
+            log.info("queue %s: delivery of message %d to %s failed (%s): redelivering",
+                     q.name, m.mid, c.lname, exc.code)
+            if exc.code in (ErrorCode.RECIPIENT_GONE, ErrorCode.NO_RECIPIENT) and \
+                    q.consumers.get(c.lname) is c:
+                del q.consumers[c.lname]
+            self.engine.nack(m)
+            return
+        self.engine.ack(m, answer)
+
+    async def _consume(self, params: Any, request: Message) -> bool:
+        q = self._check(params)
+        window = _int(params, "window", 1, lo=1)
+        timeout = _num(params, "ack_timeout", q.opts.ack_timeout)
+        self.engine.add_consumer(q, Consumer(request.sender, "push", window, timeout))
+        log.info("queue %s: consumer %s (%s) window %d", q.name, request.sender,
+                 request.sender_name, window)
+        return True
+
+    async def _cancel(self, params: Any, request: Message) -> bool:
+        q = self._check(params)
+        return q.consumers.pop(request.sender, None) is not None
+
+    def _check(self, params: Any) -> Queue:
+        try:
+            return self._queue(params)
+        except BadRequest as exc:
+            raise CommandFailed(BAD, str(exc)) from None
+
+    def _fetch(self, request: Message) -> None:
+        def run(params: Any) -> None:
+            q = self._queue(params)
+            n = min(_int(params, "n", 1, lo=1), MAX_FETCH)
+            c = q.fetchers.get(request.sender)
+            if c is None:
+                timeout = _num(params, "ack_timeout", q.opts.ack_timeout)
+                c = Consumer(request.sender, "fetch", 1 << 62, timeout)
+                self.engine.add_consumer(q, c)
+            got = self.engine.fetch(q, c, n, trio.current_time())
+            self.bus.answer(request, [[m.mid, m.data[1:], m.deliveries] for m in got])
+
+        self._inline(request, run)
+
+    def _ack_ids(self, request: Message, ack: bool) -> None:
+        def run(params: Any) -> None:
+            q = self._queue(params)
+            ids = params.get("ids")
+            if not isinstance(ids, list):
+                raise BadRequest("params need 'ids': a list of message ids")
+            n = 0
+            n = self._settle(q, request.sender, ids, ack)
+            self.bus.answer(request, n)
+
+        self._inline(request, run)
+
+    def _settle(self, q: Queue, lname: str, ids: list[Any], ack: bool) -> int:
+        """Ack or nack the messages ``ids`` of ``q`` that ``lname`` holds; returns how
+        many it held (others were redelivered meanwhile, or are not its own)."""
+        n = 0
+        by_id = q.by_id
+        for mid in ids:
+            m = by_id.get(mid) if isinstance(mid, int) else None
+            if m is None or m.owner is None or m.owner.lname != lname:
+                continue
+            if ack:
+                self.engine.ack(m)
+            else:
+                self.engine.nack(m)
+            n += 1
+        return n
+
+    def _acks(self, msg: Message) -> None:
+        """One-way ``{"ack"|"nack": queue, "ids": [...]}`` from a push consumer."""
+        body = msg.body
+        if not isinstance(body, dict) or not isinstance(body.get("ids"), list):
+            log.warning("queue plugin: ignoring a malformed message from %s (%s)",
+                        msg.sender, msg.sender_name)
+            return
+        ack = "ack" in body
+        q = self.engine.queues.get(str(body.get("ack" if ack else "nack")))
+        if q is not None:
+            self._settle(q, msg.sender, body["ids"], ack)
+
+    def _ack(self, request: Message) -> None:
+        self._ack_ids(request, True)
+
+    def _nack(self, request: Message) -> None:
+        self._ack_ids(request, False)
+
+    # -- administration ------------------------------------------------------------------
+    async def _declare(self, params: Any, request: Message) -> bool:
+        name = _str(params, "queue") if isinstance(params, dict) else ""
+        if not name:
+            raise CommandFailed(BAD, "params need 'queue'")
+        opts_table = {k: v for k, v in params.items() if k != "queue"}
+        try:
+            opts = parse_options(opts_table) if opts_table else None
+        except (ValueError, TypeError) as exc:
+            raise CommandFailed(BAD, f"declare {name!r}: {exc}") from None
+        q = self.engine.queues.get(name)
+        if opts is not None and q is not None and opts.bind and q.opts.bind not in ("",
+                                                                                    opts.bind):
+            raise CommandFailed(BAD, f"queue {name!r} is bound to {q.opts.bind!r} already")
+        if opts is not None and opts.bind and opts.bind in self.bound and \
+                self.bound[opts.bind].name != name:
+            raise CommandFailed(BAD, f"group {opts.bind!r} is bound to queue "
+                                f"{self.bound[opts.bind].name!r} already")
+        try:
+            created = await self.engine.declare(name, opts if q is None or opts else None)
+        except ValueError as exc:
+            raise CommandFailed(BAD, f"declare {name!r}: {exc}") from None
+        q = self.engine.queues[name]
+        if q.opts.bind:
+            try:
+                await self.bind(q)
+            except RpcError as exc:
+                raise CommandFailed(exc.code or BAD, f"cannot bind {q.opts.bind!r}: "
+                                    f"{exc}") from None
+        log.info("queue %s declared by %s (%s)%s", name, request.sender, request.sender_name,
+                 " (new)" if created else "")
+        return created
+
+    async def _stats(self, params: Any, _request: Message) -> dict[str, Any]:
+        return self.engine.stats(self._check(params))
+
+    async def _producer_state(self, params: Any, _request: Message) -> int:
+        q = self._check(params)
+        producer = _str(params, "producer")
+        p = self.engine.producers.get((q.name, producer))
+        if p is not None and p.hwm is not None:
+            return p.hwm
+        hwm: int = await self.engine.thread.run(self.engine.store.producer_state, q.name,
+                                                producer)
+        return hwm
+
+    async def _queues(self, _params: Any, _request: Message) -> list[str]:
+        return sorted(self.engine.queues)
+
+    # -- bound groups ---------------------------------------------------------------------
+    def _bound_put(self, q: Queue, data: bytes, waiter: Waiter) -> None:
+        self._bound_seq += 1
+        self.engine.put(q, self.boot, [(self._bound_seq, data)], waiter)
+
+    async def _bound_request(self, params: Any, request: Message) -> Any:
+        """A request to a bound group: store it, answer once it is durable (ack 1), or
+        with the member's own answer if a member answered before the commit."""
+        group = _base(request.target)
+        q = self.bound.get(group)
+        if q is None:
+            raise CommandFailed(str(ErrorCode.NO_RECIPIENT), f"{group!r} is not bound here")
+        done = trio.Event()
+        waiter = Waiter(1, lambda _w: done.set())
+        self._bound_put(q, b"R" + cbor2.dumps([request.command, params]), waiter)
+        await done.wait()
+        if waiter.error:
+            raise CommandFailed(*waiter.error)
+        if waiter.consumed:
+            return waiter.answer
+        return {"queued": q.name}
+
+    def _bound_message(self, msg: Message) -> None:
+        q = self.bound.get(_base(msg.target))
+        if q is None:
+            return
+        self._bound_put(q, b"M" + cbor2.dumps(msg.body), Waiter(1, lambda _w: None))
+
+    def _membership(self, msg: Message) -> None:
+        p = msg.body
+        if not isinstance(p, dict):
+            return
+        event = msg.event
+        lname = p.get("lname")
+        if not isinstance(lname, str) or lname in (self.bus.lname, self.binder.lname):
+            return
+        if event == "disconnected":
+            self.engine.remove_consumer(lname)
+        elif event in ("subscribed", "unsubscribed"):
+            q = self.bound.get(str(p.get("group")))
+            if q is None:
+                return
+            if event == "subscribed":
+                self.engine.add_consumer(
+                    q, Consumer(lname, "member", q.opts.window, q.opts.ack_timeout))
+            else:
+                q.consumers.pop(lname, None)
