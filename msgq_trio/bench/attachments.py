@@ -9,6 +9,10 @@ Two workloads the main harness does not cover (issue 8), each 1 publisher -> bro
   ``memoryview`` of one buffer, so the publisher copies nothing) and no body. Figure: MB/s
   (10^6 bytes) at the subscriber, ``(N - 1) * size / (last - first received)``; every
   attachment's length is checked.
+* **fair** (with ``--fair``): the blob workload again while a separate process makes
+  small sequential RPCs (a caller and an echo callee, 64-byte params) through the same
+  broker; figures: the blob MB/s and the round-trip p50/p99/max of the small calls made
+  while the blobs flowed (issue 5: large messages must not starve small traffic).
 * **fds**: ``N`` messages (default 20,000) each carrying one file descriptor (the read end
   of a pipe; the broker dups it into the receiver with SCM_RIGHTS) and a 16-byte body.
   Figure: messages/s at the subscriber, which closes every descriptor it receives and
@@ -36,6 +40,7 @@ from typing import Any
 MiB = 1024 * 1024
 BLOB_SIZE = 64 * MiB
 GROUP = "bench.attach"
+ECHO = "bench.echo"
 
 
 # -- the worker processes --------------------------------------------------------------
@@ -98,6 +103,39 @@ def _worker(role: str, socket_path: str, n: int) -> dict[str, Any]:
             await bus.flush()
             return {"start": start, "end": time.monotonic()}
 
+    async def rpc() -> dict[str, Any]:
+        # Caller and callee on two connections of this process: the round trip crosses
+        # the broker twice, queued behind whatever 64 MiB frames it is writing.
+        async with connect(socket_path, name="bench-echo") as callee, \
+                connect(socket_path, name="bench-caller") as caller:
+            callee.add_command("echo", lambda p: p)
+            await callee.subscribe(ECHO)
+            params = {"pad": "x" * 64}
+            await caller.call(ECHO, "echo", params)
+            print("READY", flush=True)
+            lat: list[float] = []
+            stop = trio.Event()
+
+            async def wait_stop() -> None:
+                await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+                stop.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_stop)
+                while not stop.is_set() and len(lat) < n:
+                    t0 = time.perf_counter()
+                    await caller.call(ECHO, "echo", params)
+                    lat.append(time.perf_counter() - t0)
+                nursery.cancel_scope.cancel()
+        lat.sort()
+        if not lat:
+            return {"calls": 0}
+        return {"calls": len(lat), "p50_us": lat[len(lat) // 2] * 1e6,
+                "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+                "max_us": lat[-1] * 1e6}
+
+    if role == "rpc":
+        return trio.run(rpc)
     return trio.run(sub if role.startswith("sub") else pub)
 
 
@@ -132,7 +170,10 @@ class _Child:
 
 
 def run_once(kind: str, n: int, timeout: float) -> dict[str, Any]:
-    """One repetition of ``kind`` ("blob" or "fds"); raises on failure or timeout."""
+    """One repetition of ``kind`` ("blob", "fair" or "fds"); raises on failure or timeout."""
+    fair = kind == "fair"
+    if fair:
+        kind = "blob"
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="mqa", dir="/tmp") as d:
         sock = str(Path(d) / "bus.sock")
@@ -152,6 +193,13 @@ def run_once(kind: str, n: int, timeout: float) -> dict[str, Any]:
             children.append(sub)
             if sub.line(deadline) != "READY":
                 raise RuntimeError("subscriber not ready")
+            rpc = None
+            if fair:
+                rpc = _Child([py, "-m", me, "--role", "rpc", sock, "10000000"],
+                             Path(d) / "rpc.log")
+                children.append(rpc)
+                if rpc.line(deadline) != "READY":
+                    raise RuntimeError("rpc pair not ready")
             pub = _Child([py, "-m", me, "--role", f"pub-{kind}", sock, str(n)],
                          Path(d) / "pub.log")
             children.append(pub)
@@ -162,12 +210,22 @@ def run_once(kind: str, n: int, timeout: float) -> dict[str, Any]:
             pub.p.stdin.flush()
             res = json.loads(sub.line(deadline))
             pub.line(deadline)
+            calls: dict[str, Any] = {}
+            if rpc is not None:
+                assert rpc.p.stdin is not None
+                rpc.p.stdin.write(b"STOP\n")
+                rpc.p.stdin.flush()
+                calls = json.loads(rpc.line(deadline))
         finally:
             for c in reversed(children):
                 c.kill()
     if res["count"] != n or res["bad"]:
         raise RuntimeError(f"subscriber got {res['count']} of {n}, {res['bad']} bad")
     span = res["last"] - res["first"]
+    if fair:
+        if not calls.get("calls"):
+            raise RuntimeError("no small call completed while the blobs flowed")
+        return {"value": (n - 1) * BLOB_SIZE / span / 1e6, "unit": "MB/s", **calls}
     if kind == "blob":
         return {"value": (n - 1) * BLOB_SIZE / span / 1e6, "unit": "MB/s"}
     return {"value": (n - 1) / span, "unit": "msgs/s"}
@@ -179,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", nargs=3, metavar=("ROLE", "SOCKET", "N"), help=argparse.SUPPRESS)
     p.add_argument("--blobs", type=int, default=20, help="64 MiB messages per run (20)")
     p.add_argument("--fds", type=int, default=20_000, help="fd messages per run (20,000)")
+    p.add_argument("--fair", action="store_true",
+                   help="also run the blobs with small RPCs alongside (their p50/p99)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0, help="hard limit per run, s")
     p.add_argument("--json", type=Path, help="write the figures here")
@@ -189,20 +249,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out: dict[str, Any] = {}
     failed = False
-    for kind, n in (("blob", args.blobs), ("fds", args.fds)):
+    kinds = [("blob", args.blobs), ("fds", args.fds)]
+    if args.fair:
+        kinds.insert(1, ("fair", args.blobs))
+    for kind, n in kinds:
         values: list[float] = []
-        unit = "MB/s" if kind == "blob" else "msgs/s"
+        extra: dict[str, list[float]] = {"calls": [], "p50_us": [], "p99_us": [], "max_us": []}
+        unit = "msgs/s" if kind == "fds" else "MB/s"
         for _ in range(args.repeat):
             try:
-                values.append(run_once(kind, n, args.timeout)["value"])
+                r = run_once(kind, n, args.timeout)
             except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
                 print(f"{kind}: run failed: {exc}", file=sys.stderr)
                 failed = True
+                continue
+            values.append(r["value"])
+            for k, v in extra.items():
+                if k in r:
+                    v.append(r[k])
         if values:
             out[kind] = {"n": n, "unit": unit, "median": statistics.median(values),
                          "min": min(values), "max": max(values), "runs": values}
-            print(f"{kind:5} n={n:<6} median {statistics.median(values):,.0f} {unit} "
-                  f"[{min(values):,.0f}-{max(values):,.0f}] over {len(values)} runs")
+            line = (f"{kind:5} n={n:<6} median {statistics.median(values):,.0f} {unit} "
+                    f"[{min(values):,.0f}-{max(values):,.0f}] over {len(values)} runs")
+            if kind == "fair":
+                for k, v in extra.items():
+                    out[kind][k] = {"median": statistics.median(v), "min": min(v),
+                                    "max": max(v)}
+                line += "; small calls alongside: " + ", ".join(
+                    f"{k} {statistics.median(v):,.0f} [{min(v):,.0f}-{max(v):,.0f}]"
+                    for k, v in extra.items())
+            print(line)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 1 if failed else 0
