@@ -6,7 +6,10 @@ General layout (each layer imports only the ones above it):
 * ``msgq_trio.core`` - routing, RPC tracking, the broker's logic (no trio, time passed in).
 * ``msgq_trio.io`` - the thin trio layer of the broker daemon.
 * ``msgq_trio.client`` - the trio client (``connect``) and the synchronous client.
-* ``msgq_trio.plugins`` / ``msgq_trio.storage`` - queue plugin and its storage backends.
+* ``msgq_trio.plugins`` / ``msgq_trio.storage`` - the plugins (durable queues, named pipes)
+  and the queue's storage backends.
+* ``msgq_trio.ops`` / ``msgq_trio.scenario`` / ``msgq_trio.bench`` / ``msgq_trio.analytics`` -
+  operations, the fault runner, the benchmark, the Spark analytics.
 """
 
 __version__ = "0.1.0"
@@ -16,13 +19,20 @@ from .errors import (
     CommandFailed,
     ConnectError,
     ConnectionLost,
+    LimitExceeded,
     MalformedMessage,
     MsgqError,
+    MultipleRecipients,
     NoRecipient,
+    PipeBroken,
+    PipeTimeout,
+    QueueFull,
+    ReceiverFull,
     RecipientGone,
     RemoteError,
     RequestTimeout,
     RpcError,
+    UsageError,
 )
 
 __all__ = [
@@ -30,17 +40,24 @@ __all__ = [
     "CommandFailed",
     "ConnectError",
     "ConnectionLost",
+    "LimitExceeded",
     "MalformedMessage",
     "Member",
     "Message",
     "MsgqError",
+    "MultipleRecipients",
     "NoRecipient",
+    "PipeBroken",
+    "PipeTimeout",
+    "QueueFull",
+    "ReceiverFull",
     "RecipientGone",
     "RemoteError",
     "Reply",
     "RequestTimeout",
     "Result",
     "RpcError",
+    "UsageError",
     "__version__",
     "connect",
 ]

@@ -1,5 +1,5 @@
-"""Command line: ``msgq-trio serve | ctl | dump | send | call | listen | members | demo |
-bench | scenario | analyze``."""
+"""Command line: ``msgq-trio serve | ctl | dump | send | call | listen | members | pipe |
+demo | bench | scenario | analyze``."""
 
 from __future__ import annotations
 
@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(p)
     p.add_argument("group")
 
+    p = sub.add_parser("pipe", help="named pipe: 'write NAME' sends stdin, 'read NAME' "
+                       "prints it (docs/PIPES.md)")
+    _add_socket(p)
+    from .client.pipe import add_cli_arguments
+
+    add_cli_arguments(p)
+
     p = sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
     p.add_argument("--socket", "-s", type=Path, default=None)
 
@@ -136,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .ops.ctl_client import run_dump
 
             return trio.run(run_dump, args)
+        if args.cmd == "pipe":
+            from .client.pipe import run_cli
+
+            return trio.run(run_cli, args)
         if args.cmd == "demo":
             from .demo import run_demo
 

@@ -120,6 +120,28 @@ class QueueFull(RpcError):
     code = ErrorCode.QUEUE_FULL.value
 
 
+class PipeBroken(RpcError):
+    """The other end of a pipe is gone for good: a write after every reader left (writer
+    opened with ``on_reader_gone="fail"``), or the pipe service lost the handle (it
+    restarted). Close the pipe; nothing more can be written or read through it."""
+
+    code = ErrorCode.PIPE_BROKEN.value
+
+
+class PipeTimeout(TimeoutError):
+    """A pipe read or write did not complete within its timeout. Not an error of the
+    pipe (which stays usable) and not end of pipe (a read returns b"" for that).
+
+    Attributes:
+        written: for a write, how many bytes of it were accepted before the timeout
+            (a prefix; the rest was not written); 0 for a read.
+    """
+
+    def __init__(self, message: str, written: int = 0) -> None:
+        super().__init__(message)
+        self.written = written
+
+
 class RemoteError(RpcError):
     """The handler (or the broker's command) answered with an error.
 
@@ -145,6 +167,7 @@ _BY_CODE: dict[str, type[RpcError]] = {
         MultipleRecipients,
         LimitExceeded,
         QueueFull,
+        PipeBroken,
     )
 }
 

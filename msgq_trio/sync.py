@@ -157,6 +157,13 @@ class SyncBus:
         """A blocking handle on the durable queue ``name`` (see ``Bus.queue``)."""
         return SyncQueue(self, self.bus.queue(name, producer=producer))
 
+    def pipe(self, name: str) -> Any:
+        """The named pipe ``name`` (docs/PIPES.md): ``open_reader()`` / ``open_writer()``
+        return binary file objects (:mod:`msgq_trio.client.pipe`)."""
+        from .client.pipe import SyncPipe
+
+        return SyncPipe(self._run, self.bus.pipe(name))
+
     def close(self) -> None:
         """Close the connection and stop the background thread (idempotent)."""
         if self._token is not None and self._stop is not None and not self._stop.is_set():

@@ -19,6 +19,7 @@ EXPECTED = {
     0: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
     1: ["Auth accepted a connection on the socket it was handed"],
     2: ["There are 42 zones"],
+    3: ["line 0", "line 1", "line 2"],
 }
 
 
@@ -28,8 +29,10 @@ def test_readme_has_the_examples_we_check() -> None:
 
 
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
-def test_readme_example_runs(broker: Any, index: int) -> None:
-    """Run example ``index`` in a fresh interpreter with $MSGQ_TRIO_SOCKET set."""
+def test_readme_example_runs(broker_factory: Any, index: int) -> None:
+    """Run example ``index`` in a fresh interpreter with $MSGQ_TRIO_SOCKET set (against a
+    broker running the pipe plugin for the named-pipe examples)."""
+    broker = broker_factory(*(("--plugin", "pipe") if ".pipe(" in EXAMPLES[index] else ()))
     env = dict(os.environ, MSGQ_TRIO_SOCKET=str(broker.path))
     result = subprocess.run(
         [sys.executable, "-c", EXAMPLES[index]], env=env, capture_output=True, text=True,

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import cbor2
@@ -52,6 +52,10 @@ from ..protocol.framing import (
     encode_frame,
     encode_simple,
 )
+
+if TYPE_CHECKING:  # imported lazily at run time: client/queue.py and pipe.py import bus
+    from .pipe import Pipe
+    from .queue import Queue
 
 log = logging.getLogger("msgq_trio.client")
 
@@ -911,8 +915,11 @@ class Bus:
             raise UsageError("a default handler takes (params, request)")
         self._default_handler = fn
 
-    def answer(self, request: Message, result: Any = None) -> None:
-        """Answer ``request`` (received by an inline handler) with ``result``.
+    def answer(
+        self, request: Message, result: Any = None, *, attachments: Sequence[Buffer] = ()
+    ) -> None:
+        """Answer ``request`` (received by an inline handler) with ``result`` and
+        optional binary ``attachments`` (the pipe plugin's read answers).
 
         Raises:
             UsageError: ``result`` cannot be encoded (nothing was sent).
@@ -924,6 +931,7 @@ class Bus:
                 target=request.sender,
                 request_id=request.request_id,
                 body=encode_cbor(result) if result is not None else b"",
+                blobs=attachments,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"answer cannot be encoded: {exc}") from exc
@@ -998,7 +1006,7 @@ class Bus:
         )
 
     # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
-    def queue(self, name: str, *, producer: str | None = None) -> Any:
+    def queue(self, name: str, *, producer: str | None = None) -> Queue:
         """A handle on the durable queue ``name`` of the queue plugin (docs/QUEUE.md).
 
         ``producer`` names this producer for deduplication; give a stable name to resend
@@ -1008,6 +1016,15 @@ class Bus:
         from .queue import Queue
 
         return Queue(self, name, producer=producer)
+
+    # -- named pipes (plugins/pipe, docs/PIPES.md) ---------------------------------------
+    def pipe(self, name: str) -> Pipe:
+        """The named pipe ``name`` of the pipe plugin (docs/PIPES.md): ``await
+        open_reader()`` / ``await open_writer()`` on the returned
+        :class:`msgq_trio.client.pipe.Pipe` give trio byte streams."""
+        from .pipe import Pipe
+
+        return Pipe(self, name)
 
     # -- broker commands ---------------------------------------------------------------
     async def subscribe(self, group: str) -> bool:

@@ -68,3 +68,8 @@ class ErrorCode(enum.StrEnum):
     #: The queue store's map is full and may not grow (``max_map_size``): the message was
     #: not stored; retry after consumers drained the queue.
     QUEUE_FULL = "queue-full"
+    # -- answered by the pipe plugin (docs/PIPES.md) --------------------------------------
+    #: A write to a pipe whose readers all left (writer opened with on_reader_gone="fail"),
+    #: or any operation on a pipe handle the plugin no longer knows (closed, or the pipe
+    #: service restarted): the pipe is broken, like EPIPE; close it.
+    PIPE_BROKEN = "pipe-broken"
