@@ -9,9 +9,12 @@
   subscriber is cut off as a slow consumer;
 * ``redis``: ``redis-server`` on a Unix socket only, no persistence, no output-buffer
   limit for pub/sub clients;
-* ``zeromq``: a ``zmq.proxy`` process (XSUB/XPUB or ROUTER/DEALER) on ``ipc://``.
+* ``zeromq``: a ``zmq.proxy`` process (XSUB/XPUB or ROUTER/DEALER) on ``ipc://``;
+* ``rabbitmq`` (``--rabbitmq``): one rabbitmq-server for the whole benchmark (it takes
+  ~10 s to start), :data:`msgq_trio.bench.durable.SHARED_RABBIT`, on free loopback ports;
+  each run uses its own exchange and queues, named after the run's directory.
 
-A fresh broker is started for every run and stopped after it.
+A fresh broker is started for every run and stopped after it, except RabbitMQ.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class System:
     module: str  # the worker module its clients run
     description: str
     start: Callable[[Path, str, float], Service]  # (run dir, pattern, deadline)
+    #: Workloads this system runs (all when empty); the others show as ``n/a (not_run)``.
+    only: tuple[str, ...] = ()
+    not_run: str = ""
 
 
 def _stop_popen(proc: subprocess.Popen[bytes]) -> Callable[[], None]:
@@ -163,6 +169,16 @@ def _start_zmq(run_dir: Path, pattern: str, deadline: float) -> Service:
     return svc
 
 
+def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
+    from .durable import SHARED_RABBIT
+
+    svc = SHARED_RABBIT.get()
+    if svc is None:
+        raise RuntimeError(SHARED_RABBIT.error)
+    # No stop action: run_bench stops the shared server when the benchmark ends.
+    return Service({**svc.addr, "ns": run_dir.name}, [], list(svc.pids))
+
+
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("msgq_trio", SUBJECT, "worker_msgq",
            "msgq_trio broker process; trio clients (group send, bus.call)", _start_msgq),
@@ -177,6 +193,12 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "redis-server pub/sub (Unix socket), redis-py sync + hiredis", _start_redis),
     System("zeromq", PEER, "worker_zmq", "zmq.proxy process (XSUB/XPUB, ROUTER/DEALER) "
            "over ipc://, pyzmq", _start_zmq),
+    System("rabbitmq", PEER, "worker_rabbitmq",
+           "rabbitmq-server (TCP loopback), aiormq (aio-pika's AMQP layer) asyncio",
+           _start_rabbit, only=("req-reply", "concurrent", "large"),
+           # Measured here: 2-4k msgs/s one-way, ~300 µs of client CPU a message
+           # (pamqp framing in Python); 200,000 messages would take a minute or more.
+           not_run="not run: the Python AMQP client costs ~300 µs CPU a message"),
 )}
 DEFAULT_SYSTEMS = ["msgq_trio", "raw-unix", "py-relay"]
 PEER_SYSTEMS = ["nats", "redis", "zeromq"]

@@ -2,8 +2,16 @@
 
 Roles (the line protocol of :mod:`msgq_trio.bench.common`, plus these lines):
 
-* ``callee``: joins ``spec["group"]`` and answers command ``hang`` by printing ``GOT`` and
-  never answering; the parent SIGKILLs it once it printed ``GOT``;
+* ``callee-pool``: a fork server for callees, so 200 kills a repetition cost no 200
+  interpreter start-ups. It imports trio and msgq_trio, prints READY, and never runs trio
+  itself (forking a process that runs trio is not safe). On ``SPAWN <k>`` it forks ``k``
+  callees; each joins group ``bench.victim<pid>``, prints ``CALLEE <pid>``, and answers
+  command ``hang`` by printing ``GOT <pid>`` and never answering. On ``KILL <pid>`` the
+  pool SIGKILLs that callee and prints ``KILLED <pid> <kill time> <eof time>``: the
+  second time is when a socket the callee held (and never used) reached EOF in the
+  pool, i.e. when the kernel had closed the dead callee's descriptors, the earliest
+  moment a broker could notice (0 if not seen within 5 s). Ends on ``STOP``, EOF or the
+  deadline, killing the callees left;
 * ``caller``: prints READY, then for each ``CALL <group>`` line on stdin calls
   ``<group>``/``hang`` and prints ``GONE <monotonic time> <error code>`` when the call
   fails (``recipient-gone`` expected); ends on ``STOP``, EOF or the deadline;
@@ -14,6 +22,10 @@ Roles (the line protocol of :mod:`msgq_trio.bench.common`, plus these lines):
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import socket
 import sys
 import time
 from contextlib import AsyncExitStack
@@ -37,20 +49,77 @@ def _line(text: str) -> None:
     sys.stdout.flush()
 
 
-async def _callee(spec: Spec) -> dict[str, Any]:
-    deadline = Deadline(spec["deadline"])
-    async with connect(spec["addr"]["socket"], name="bench-callee") as bus:
+async def _pooled_callee(spec: Spec, deadline: Deadline) -> None:
+    pid = os.getpid()
+    async with connect(spec["addr"]["socket"], name=f"bench-callee-{pid}") as bus:
 
         @bus.command("hang")
         async def hang(_params: Any) -> Any:
-            _line("GOT")
-            # Never answers: the parent kills this process while the call is pending.
+            _line(f"GOT {pid}")
+            # Never answers: the harness has this process killed while the call is pending.
             await trio.sleep(deadline.left())
 
-        await bus.subscribe(spec["group"])
-        ready()
+        await bus.subscribe(f"bench.victim{pid}")
+        _line(f"CALLEE {pid}")
         await trio.sleep(deadline.left())
-    return {}
+
+
+def _fork_callee(spec: Spec, deadline: Deadline) -> tuple[int, socket.socket]:
+    """Fork one callee; returns its pid and this end of a socket pair it holds."""
+    mine, theirs = socket.socketpair()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the callee: never returns
+        code = 1
+        try:
+            mine.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            trio.run(_pooled_callee, spec, deadline)
+            code = 0
+        finally:
+            os._exit(code)
+    theirs.close()
+    return pid, mine
+
+
+def _callee_pool(spec: Spec) -> dict[str, Any]:
+    deadline = Deadline(spec["deadline"])
+    children: dict[int, socket.socket] = {}
+    spawned = killed = 0
+    ready()
+    try:
+        while not deadline.expired():
+            readable, _, _ = select.select([sys.stdin], [], [], deadline.left())
+            words = sys.stdin.readline().split() if readable else []
+            if not words or words[0] == "STOP":
+                break
+            if words[0] == "SPAWN":
+                for _ in range(min(int(words[1]), spec["max_callees"] - spawned)):
+                    pid, mine = _fork_callee(spec, deadline)
+                    children[pid] = mine
+                    spawned += 1
+            elif words[0] == "KILL":
+                pid = int(words[1])
+                mine = children.pop(pid)
+                killed_at = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                eof_at = 0.0
+                r, _, _ = select.select([mine], [], [], min(5.0, deadline.left()))
+                if r and mine.recv(1) == b"":
+                    eof_at = time.monotonic()
+                mine.close()
+                os.waitpid(pid, 0)
+                killed += 1
+                _line(f"KILLED {pid} {killed_at:.9f} {eof_at:.9f}")
+    finally:
+        for pid, mine in children.items():
+            mine.close()
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    return {"spawned": spawned, "killed": killed}
 
 
 async def _caller(spec: Spec) -> dict[str, Any]:
@@ -116,7 +185,7 @@ async def _idle(spec: Spec) -> dict[str, Any]:
 
 
 ROLES = {
-    "callee": lambda spec: _run(_callee, spec),
+    "callee-pool": _callee_pool,
     "caller": lambda spec: _run(_caller, spec),
     "idle": lambda spec: _run(_idle, spec),
 }
