@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,17 @@ def run_durable(n: int, size: int, producers: int, consumer: bool, workdir: Path
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
     procs: list[subprocess.Popen[str]] = []
     deadline = time.monotonic() + timeout
+
+    def expire() -> None:
+        # A worker that never answers would block a readline forever: killing every
+        # process at the deadline ends those reads (EOF -> RuntimeError).
+        for p in [broker, *procs]:
+            if p.poll() is None:
+                p.kill()
+
+    watchdog = threading.Timer(timeout, expire)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         if "listening" not in _readline(broker, "broker"):
             raise RuntimeError("broker did not start; see " + str(workdir / "broker.log"))
@@ -122,6 +134,7 @@ def run_durable(n: int, size: int, producers: int, consumer: bool, workdir: Path
             "fsyncs": int(stats["fsyncs"]),
         }
     finally:
+        watchdog.cancel()
         for p in procs:
             if p.poll() is None:
                 p.kill()

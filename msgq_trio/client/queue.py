@@ -118,7 +118,8 @@ def _on_deliver(bus: Bus, request: Message) -> None:
     st = send.statistics()
     if st.current_buffer_used + len(msgs) > st.max_buffer_size:
         # The plugin keeps within the window, so this is a bug on one side: refuse all.
-        bus.answer_error(request, NACK, f"{bus.lname}: delivery beyond the window")
+        bus.answer_error(request, NACK, f"{bus.lname}: delivery beyond the window "
+                         f"({st.current_buffer_used} held + {len(msgs)} > {consumer._window})")
         return
     for mid, raw, deliveries in msgs:
         send.send_nowait(QueueMessage(bus, name, mid, bytes(raw), deliveries, consumer))

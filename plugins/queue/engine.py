@@ -10,6 +10,11 @@ Rules (docs/QUEUE.md states them for users):
    commit has finished (at most ``max_batch``; after ``max_delay`` if set) and hands it to
    the store thread as ONE job: deletes, delivery-count increments, dead-letter moves,
    then one ``append_batch``. Deletes go first so a full map gets room before appends.
+   Before choosing, it runs the deferred dispatches, so a message a consumer with credit
+   is about to get is in flight. With a consumer online, a message in flight for less
+   than ``ack_grace`` is left for a later commit (its ack may come first: then it is
+   never written), and so are its producer's later messages (the store needs each
+   producer's messages in producer order, rule 4); everything else is taken at once.
 3. A message's life: READY -> INFLIGHT (delivered, owned by one consumer) -> DONE (acked
    or removed), INFLIGHT -> READY (nack, consumer gone, ack deadline) with its delivery
    count, or -> DEAD (max deliveries) -> moved to the dead-letter queue once stored.
@@ -195,7 +200,7 @@ class Engine:
         self.nursery: trio.Nursery | None = None
         self._next_mid = 1
         self._wake = trio.Event()
-        self._acked = trio.Event()
+        self._changed = trio.Event()  # an ack, nack or put: the grace wait looks again
         self._flushing = False
         self._flushed_mid = 0  # every message with a lower mid was flushed or skipped
         self._dup_waiters: list[tuple[int, _DupCount]] = []
@@ -325,6 +330,7 @@ class Engine:
 
     def _kick(self) -> None:
         self._wake.set()
+        self._changed.set()
 
     # -- delivering -----------------------------------------------------------------------
     def add_consumer(self, q: Queue, c: Consumer) -> None:
@@ -357,6 +363,12 @@ class Engine:
             self.nursery.start_soon(self._dispatch_dirty)
 
     async def _dispatch_dirty(self) -> None:
+        self.dispatch_pending()
+
+    def dispatch_pending(self) -> None:
+        """Run the dispatches ``dispatch`` deferred, now (the commit calls this before it
+        chooses its batch, so a message a consumer with credit is about to get is in
+        flight, not taken for one nobody holds)."""
         dirty, self._dirty = self._dirty, set()
         for q in dirty:
             self.dispatch_now(q)
@@ -432,7 +444,7 @@ class Engine:
         q.live -= 1
         q.bytes -= len(m.data)
         q.stats["acked"] += 1
-        self._acked.set()
+        self._changed.set()
         if m.seq is not None:
             q.deletes.append(m.seq)
             self._kick()
@@ -450,7 +462,7 @@ class Engine:
             return
         q = m.queue
         self._release(q, m)
-        self._acked.set()  # no longer in flight: the commit need not wait for it
+        self._changed.set()  # no longer in flight: the commit need not wait for it
         if q.opts.max_deliveries and m.deliveries >= q.opts.max_deliveries:
             m.state = DEAD
             q.to_dlq.append(m)
@@ -512,6 +524,10 @@ class Engine:
                 await self._wake.wait()
             if max_delay:
                 await trio.sleep(max_delay)
+            # Deliver first what arrived since the last dispatch: a message a consumer with
+            # credit is about to get must be in flight (and so wait for its ack) before the
+            # batch is chosen, or it is written although its ack comes a moment later.
+            self.dispatch_pending()
             # Only a message delivered but not yet written can be skipped: without any
             # consumer there is nothing to wait for (and no pending list to scan).
             grace = ack_grace if any(q.consumers or q.by_id for q in
@@ -523,26 +539,39 @@ class Engine:
             take: list[Msg] = []
             pending = self.pending
             now = trio.current_time()
-            young: list[Msg] = []
+            held: list[Msg] = []  # left for a later commit, in pending order
+            oldest = now  # when the oldest young in-flight message was sent
+            # (queue, producer) with a young message held back: its later messages are
+            # held too. The store deduplicates by each producer's high-water mark, so a
+            # producer's messages must reach it in producer order: one committed after
+            # a later one would be taken for a resend and dropped (rule 4).
+            blocked: set[tuple[Queue, str]] = set()
             while pending and len(take) < max_batch:
                 m = pending.popleft()
+                if m.state == DONE:
+                    continue  # acked before it was written: skipped
                 if grace and m.state == INFLIGHT and now - m.sent < grace:
-                    young.append(m)  # its consumer may still ack it: next commit
+                    held.append(m)  # its consumer may still ack it: next commit
+                    blocked.add((m.queue, m.producer))
+                    oldest = min(oldest, m.sent)
+                elif blocked and (m.queue, m.producer) in blocked:
+                    held.append(m)
                 else:
                     take.append(m)
-            pending.extendleft(reversed(young))
-            items = [m for m in take if m.state != DONE]
+            pending.extendleft(reversed(held))
+            items = take
             for m in items:
                 m.in_batch = True
             if not items and not any(q.deletes or q.incr or q.to_dlq
                                      for q in self.queues.values()):
-                # Only young in-flight messages pending: wait for their acks or age.
+                # Only young in-flight messages (and what waits behind them) pending:
+                # wait for an ack, a nack, a put, or the oldest one's grace to end.
                 self._flushed_mid = self.pending[0].mid - 1 if self.pending else \
                     self._next_mid - 1
-                if young:
-                    with trio.move_on_at(min(m.sent for m in young) + grace):
-                        self._acked = trio.Event()
-                        await self._acked.wait()
+                if held:
+                    with trio.move_on_at(oldest + grace):
+                        self._changed = trio.Event()
+                        await self._changed.wait()
                 continue
             new = [NewMessage(m.queue.name, m.producer, m.pseq, m.data) for m in items]
             deletes: dict[str, list[int]] = {}
@@ -565,7 +594,7 @@ class Engine:
                 res = await self.thread.run(self._commit, new, deletes, incr, move_seqs)
             finally:
                 self._flushing = False
-            self._apply(take, items, res, deletes, incr, moves)
+            self._apply(items, res, deletes, incr, moves)
             if res["errors"]:
                 await trio.sleep(0.1)  # failed store calls are retried, not in a busy loop
 
@@ -574,8 +603,10 @@ class Engine:
         for less than ``grace`` (seed 003: an ack in that time means it is never
         written). Returns as soon as anything else needs a commit (a message no
         consumer holds, one held longer, deletes...); the commit then leaves out the
-        young in-flight ones. Drops acked messages from ``pending`` on the way."""
+        young in-flight ones (and their producers' later messages). Drops acked
+        messages from ``pending`` on the way."""
         while True:
+            self.dispatch_pending()
             live = deque(m for m in self.pending if m.state != DONE)
             if len(live) != len(self.pending):
                 self.pending = live
@@ -588,8 +619,8 @@ class Engine:
                     return
                 oldest = min(oldest, m.sent)
             with trio.move_on_at(oldest + grace):
-                self._acked = trio.Event()
-                await self._acked.wait()
+                self._changed = trio.Event()
+                await self._changed.wait()
 
     def _commit(
         self,
@@ -641,7 +672,7 @@ class Engine:
         out["failed"] = failed
         return out
 
-    def _apply(self, take: list[Msg], items: list[Msg], res: dict[str, Any],
+    def _apply(self, items: list[Msg], res: dict[str, Any],
                deletes: dict[str, list[int]], incr: dict[str, list[int]],
                moves: dict[str, tuple[str, list[Msg]]]) -> None:
         c = self.counters
@@ -743,6 +774,10 @@ class Engine:
             q.stats["refused_full"] += 1
             # Its producer may resend it: forget the high-water mark (reloaded from the
             # store on the next put), so that resend is not taken for a duplicate.
+            # XX: a later message of the same producer held back in flight (ack grace)
+            # and committed after it raises the store's mark above the resend, which
+            # the store then drops as a duplicate; needs a full store and a consumer
+            # holding that producer's messages at once.
             self.producers.pop((q.name, m.producer), None)
             if m.state != DONE:
                 self._release(q, m)

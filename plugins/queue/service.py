@@ -242,8 +242,8 @@ class Service:
         except ConnectionLost:
             return
         except RpcError as exc:
-            log.info("queue %s: delivery of %d messages to %s refused (%s): redelivering",
-                     q.name, len(msgs), c.lname, exc.code)
+            log.info("queue %s: delivery of %d messages to %s refused (%s: %s): "
+                     "redelivering", q.name, len(msgs), c.lname, exc.code, exc)
             if q.consumers.get(c.lname) is c:
                 del q.consumers[c.lname]
             for m in msgs:
