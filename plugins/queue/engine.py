@@ -774,10 +774,10 @@ class Engine:
             q.stats["refused_full"] += 1
             # Its producer may resend it: forget the high-water mark (reloaded from the
             # store on the next put), so that resend is not taken for a duplicate.
-            # XX: a later message of the same producer held back in flight (ack grace)
-            # and committed after it raises the store's mark above the resend, which
-            # the store then drops as a duplicate; needs a full store and a consumer
-            # holding that producer's messages at once.
+            # Known limit (docs/QUEUE.md): a later message of the same producer held
+            # back in flight (ack grace) and committed after it raises the store's mark
+            # above the resend, which the store then drops as a duplicate; needs a full
+            # store and a consumer holding that producer's messages at once.
             self.producers.pop((q.name, m.producer), None)
             if m.state != DONE:
                 self._release(q, m)

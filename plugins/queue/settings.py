@@ -69,7 +69,8 @@ class QueueSettings:
     * ``map_size`` 64 MiB: initial LMDB map; the file grows only as data does.
     * ``max_map_size`` 1 GiB: the map doubles up to this; ``max_map_size == map_size``
       disables growth (a full map then answers ``queue-full``). The whole queue content
-      is also held in the plugin's memory (XX: no paging yet), so this bounds memory too.
+      is also held in the plugin's memory (no paging yet: docs/QUEUE.md, "Known
+      limits"), so this bounds memory too.
     * ``sync`` true: fsync every commit (ack 1 means on disk). false is for benchmarks
       and tests of everything but durability.
     * ``max_batch`` 10,000 messages per commit: LMDB here gives ~600,000 puts/s at 1,000
