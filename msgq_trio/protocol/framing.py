@@ -51,6 +51,7 @@ ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
 #: near-max-length-prefixes).
 _LARGE_FRAME = 256 * 1024
 _VALID_TYPES = frozenset(int(t) for t in FrameType)
+_MESSAGE = int(FrameType.MESSAGE)
 _U16 = 0xFFFF
 
 
@@ -155,6 +156,59 @@ class Frame(NamedTuple):
         return out
 
 
+class Run:
+    """Consecutive MESSAGE frames from one sender to one target, as one buffer.
+
+    Made by :meth:`FrameParser.frames_and_runs` only for frames that already carry the
+    stamp the broker would give them, no descriptors and no blobs, so ``raw`` (the frames
+    back to back, exactly as received) can be forwarded unchanged. Has the attributes of
+    :class:`Frame` that the connection's state table and descriptor accounting read.
+    """
+
+    __slots__ = ("count", "raw", "target")
+
+    type = FrameType.MESSAGE
+    n_fds = 0
+    fds: tuple[int, ...] = ()
+
+    def __init__(self, target: str, raw: bytes, count: int) -> None:
+        self.target = target
+        self.raw = raw
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"<Run to {self.target!r}: {self.count} frames, {len(self.raw)} bytes>"
+
+    def frames(self) -> list[Frame]:
+        """The run as one :class:`Frame` per message (its frames were checked already)."""
+        raw = self.raw
+        out = []
+        pos = 0
+        while pos < len(raw):
+            (length, ftype, flags, tlen, slen, _nb, _nf, _r, rid, hlen, blen) = PREFIX.unpack_from(
+                raw, pos
+            )
+            one = raw[pos : pos + 4 + length]
+            pos += 4 + length
+            tend = PREFIX_SIZE + tlen
+            out.append(
+                Frame(
+                    ftype,
+                    flags,
+                    rid,
+                    self.target,
+                    one[tend : tend + slen],
+                    0,
+                    0,
+                    hlen,
+                    blen,
+                    one,
+                    tend + slen,
+                )
+            )
+        return out
+
+
 def decode_cbor(data: bytes | memoryview, what: str) -> object:
     """Decode exactly one CBOR item; trailing bytes are a protocol error.
 
@@ -248,22 +302,30 @@ def encode_frame(
 
 
 def encode_simple(
-    type: int, target: bytes, body: bytes, header: bytes = b"", request_id: int = 0, flags: int = 0
+    type: int,
+    target: bytes,
+    body: bytes,
+    header: bytes = b"",
+    request_id: int = 0,
+    flags: int = 0,
+    source: bytes = b"",
 ) -> bytes:
-    """Fast path of :func:`encode_frame` for a frame without source or attachments.
+    """Fast path of :func:`encode_frame` for a frame without attachments.
 
-    ``target`` is already UTF-8 encoded (callers cache it). Returns one bytes object.
+    ``target`` is already UTF-8 encoded (callers cache it); ``source`` is the sender's
+    own stamp (``lname NUL name``, see docs/PROTOCOL.md) or empty. Returns one bytes object.
     """
     tl = len(target)
-    if tl > _U16:
-        raise LocalProtocolError("target longer than 65535 bytes")
+    sl = len(source)
+    if tl > _U16 or sl > _U16:
+        raise LocalProtocolError("target or source longer than 65535 bytes")
     return (
         PREFIX.pack(
-            _FIXED_AFTER_LENGTH + tl + len(header) + len(body),
+            _FIXED_AFTER_LENGTH + tl + sl + len(header) + len(body),
             type,
             flags,
             tl,
-            0,
+            sl,
             0,
             0,
             0,
@@ -272,9 +334,18 @@ def encode_simple(
             len(body),
         )
         + target
+        + source
         + header
         + body
     )
+
+
+def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
+    """The frame as it must be forwarded with sender ``source``: ``frame.raw`` itself when
+    the sender already wrote that source (no copy), else :func:`restamp`."""
+    if frame.source == source:
+        return [frame.raw]
+    return restamp(frame, source)
 
 
 def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
@@ -413,7 +484,21 @@ class FrameParser:
         If a later frame is malformed, the frames before it are still returned and the
         error is raised by the next call.
         """
-        out: list[Frame] = []
+        return self._scan(None)  # type: ignore[return-value]  # no stamp: Frames only
+
+    def frames_and_runs(self, source: bytes) -> list[Frame | Run]:
+        """Like :meth:`frames`, but consecutive plain MESSAGE frames to one target that
+        carry exactly ``source`` in their source section come as one :class:`Run`.
+
+        The broker passes its sender's stamp: a run can be forwarded as it is, without a
+        :class:`Frame` per message. Every framing check of :meth:`frames` is still made
+        per frame; a frame with descriptors, blobs, another source or another target
+        ends the run.
+        """
+        return self._scan(source)
+
+    def _scan(self, source: bytes | None) -> list[Frame | Run]:
+        out: list[Frame | Run] = []
         if self._error is not None:
             self._raise()
         if self._large is not None:
@@ -428,6 +513,12 @@ class FrameParser:
         unpack = PREFIX.unpack_from
         valid = _VALID_TYPES
         append = out.append
+        slen_run = -1 if source is None else len(source)
+        startswith = buf.startswith
+        # The open run: its first byte, frame count and encoded target (b"" = none open).
+        run_start = run_n = 0
+        run_tb = b""
+        run_target = ""
         try:
             while end - pos >= PREFIX_SIZE:
                 (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
@@ -444,6 +535,30 @@ class FrameParser:
                     break  # anything unusual (or an error) takes the careful path below
                 if end - pos < total:
                     break
+                tstart = pos + PREFIX_SIZE
+                if (
+                    slen == slen_run
+                    and ftype == _MESSAGE
+                    and not nfds
+                    and tlen
+                    and startswith(source, tstart + tlen)  # type: ignore[arg-type]
+                ):
+                    if run_n and tlen == len(run_tb) and startswith(run_tb, tstart):
+                        run_n += 1
+                        pos += total
+                        continue
+                    if run_n:
+                        append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+                        run_n = 0
+                    run_tb = bytes(buf[tstart : tstart + tlen])
+                    run_target = run_tb.decode()
+                    run_start = pos
+                    run_n = 1
+                    pos += total
+                    continue
+                if run_n:
+                    append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+                    run_n = 0
                 raw = bytes(buf[pos : pos + total])
                 pos += total
                 tend = PREFIX_SIZE + tlen
@@ -463,11 +578,14 @@ class FrameParser:
                     )
                 )
         except UnicodeDecodeError:
+            # No run is open here: it is closed before any target is decoded.
             self._pos = pos
             self._error = RemoteProtocolError("frame target is not UTF-8")
             if out:
                 return out  # raised by the next call
             self._raise()
+        if run_n:
+            append(Run(run_target, bytes(buf[run_start:pos]), run_n))
         self._pos = pos
         # The careful path handles the rest: partial, large, with blobs, or malformed.
         try:
