@@ -377,6 +377,10 @@ class Bus:
         self._stream = stream
         self.name = name
         self.lname = ""
+        #: The source section the broker stamps on our frames (``lname NUL name``), written
+        #: into them here so the broker only checks it and forwards the bytes as they are
+        #: (docs/PROTOCOL.md, "Source"). Empty until WELCOME.
+        self._stamp = b""
         self.broker_version = ""
         self._max_fds = 253  # replaced by the broker's limit from WELCOME
         self._out_fds = 0
@@ -431,6 +435,8 @@ class Bus:
                         code=str(header.get("code")),
                     )
                 self.lname = str(header["lname"])
+                # The broker names an empty HELLO name "anonymous" (io/server.py).
+                self._stamp = f"{self.lname}\0{self.name or 'anonymous'}".encode()
                 self.broker_version = str(header.get("broker", ""))
                 limits = header.get("limits")
                 if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
@@ -584,6 +590,7 @@ class Bus:
                     body=cbor2.dumps(body) if body is not None else b"",
                     blobs=attachments,
                     n_fds=len(fds),
+                    source=self._stamp,
                 )
                 self._queue(self._attach_fds(pieces, fds) if fds else pieces)
             else:
@@ -593,6 +600,7 @@ class Bus:
                         tb,
                         cbor2.dumps(body) if body is not None else b"",
                         cbor2.dumps(header) if header else b"",
+                        source=self._stamp,
                     )
                 )
         except (LocalProtocolError, cbor2.CBOREncodeError, TypeError) as exc:
@@ -658,6 +666,7 @@ class Bus:
                 body=encode_cbor(params) if params is not None else b"",
                 blobs=attachments,
                 n_fds=len(fds),
+                source=self._stamp,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
@@ -932,6 +941,7 @@ class Bus:
                 request_id=request.request_id,
                 body=encode_cbor(result) if result is not None else b"",
                 blobs=attachments,
+                source=self._stamp,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"answer cannot be encoded: {exc}") from exc
@@ -958,6 +968,7 @@ class Bus:
                         body=encode_cbor(result.result) if result.result is not None else b"",
                         blobs=result.attachments,
                         n_fds=len(result.fds),
+                        source=self._stamp,
                     )
                 except BaseException:
                     close_fds(result.fds)
@@ -970,6 +981,7 @@ class Bus:
                     target=msg.sender,
                     request_id=frame.request_id,
                     body=encode_cbor(result) if result is not None else b"",
+                    source=self._stamp,
                 )
         except CommandFailed as exc:
             pieces = self._error_frame(msg, exc.code, exc.message, exc.data)
@@ -1003,6 +1015,7 @@ class Bus:
             request_id=msg.request_id,
             header=encode_cbor({"code": str(code), "message": message}),
             body=encode_cbor(data) if data is not None else b"",
+            source=self._stamp,
         )
 
     # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
