@@ -953,12 +953,40 @@ class Bus:
         if self._lost is None and not self._closed:
             self._queue_urgent(self._error_frame(request, code, message, data))
 
-    async def _serve_request(self, msg: Message, handler: Handler) -> None:
-        frame = msg._frame
+    def _start_request(self, msg: Message, handler: Handler) -> None:
+        """Run ``handler`` for a request, in the reader: a plain function is answered
+        right here, without a task per request (a task costs more than a small handler);
+        an ``async`` one returns an awaitable, which a task of its own awaits."""
         try:
             result = handler(msg.body, msg)
-            if inspect.isawaitable(result):
-                result = await result
+        except Exception as exc:
+            self._finish_request(msg, None, exc)
+            return
+        except BaseException:
+            msg.close()
+            raise
+        if inspect.isawaitable(result):
+            self._spawn(functools.partial(self._await_request, msg, result))
+        else:
+            self._finish_request(msg, result, None)
+
+    async def _await_request(self, msg: Message, result: Awaitable[Any]) -> None:
+        try:
+            value = await result
+        except Exception as exc:
+            self._finish_request(msg, None, exc)
+            return
+        except BaseException:
+            msg.close()  # cancelled (the bus is closing): no answer
+            raise
+        self._finish_request(msg, value, None)
+
+    def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
+        """Send the answer for ``result`` (or the ERROR for the handler's ``error``)."""
+        frame = msg._frame
+        try:
+            if error is not None:
+                raise error
             if isinstance(result, Reply):
                 try:
                     pieces = encode_frame(
@@ -1244,7 +1272,7 @@ class Bus:
                     )
                 )
             else:
-                self._spawn(lambda: self._serve_request(msg, handler))
+                self._start_request(msg, handler)
         elif t == _GOODBYE:
             self._broker_goodbye.set()
             reason = frame.header().get("reason")

@@ -122,14 +122,28 @@ class Frame(NamedTuple):
         Raises:
             RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.
         """
-        if not self.body_len:
+        blen = self.body_len
+        if not blen:
             return None
         raw = self.raw
-        if self.body_len < _LARGE_FRAME and type(raw) is bytes:
+        start = self.tail + self.header_len
+        ib = raw[start]
+        if 0x40 <= ib <= 0x5A:
+            # A definite-length byte string (the common binary body) is its head and a
+            # slice: no decoder needed (0.2 vs 1.4 us per 100-byte body). The length must
+            # fill the section exactly, as for any body; anything else goes to cbor2.
+            if ib < 0x58:
+                h, n = 1, ib - 0x40
+            elif blen >= 1 + (k := 1 << (ib - 0x58)):
+                h, n = 1 + k, int.from_bytes(raw[start + 1 : start + 1 + k], "big")
+            else:
+                h, n = 0, -1
+            if h + n == blen:
+                return bytes(raw[start + h : start + blen])
+        if blen < _LARGE_FRAME and type(raw) is bytes:
             # Small bodies decode in place: BytesIO over bytes shares the buffer, so no
             # slice is copied (measured 1.4 vs 1.9 us per 100-byte body). Large ones
             # decode faster from a memoryview slice.
-            start = self.tail + self.header_len
             buf = io.BytesIO(raw)
             buf.seek(start)
             try:

@@ -461,3 +461,25 @@ def test_encode_simple_with_source() -> None:
     assert fast == join(encode_frame(FrameType.MESSAGE, target="G", body=b"\x01",
                                      header=b"\xa0", source=b"l.4\0x"))
     assert parse_one(fast).source == b"l.4\0x"
+
+
+@pytest.mark.parametrize("n", [0, 1, 23, 24, 255, 256, 65535, 65536])
+def test_bytes_body_fast_decode_matches_cbor2(n: int) -> None:
+    """A byte-string body is decoded without cbor2 to the same value; with a trailing byte
+    or a head that claims more than the section it is still a protocol error."""
+    value = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+    body = cbor2.dumps(value)
+    f = parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body, source=b"l.1\0x"))
+    assert f.body() == value and type(f.body()) is bytes
+    f = parse_one(join(encode_frame(FrameType.MESSAGE, target="G", body=body, blobs=[b"ab"])))
+    assert f.body() == value
+    with pytest.raises(RemoteProtocolError):
+        parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body + b"\0")).body()
+
+
+@pytest.mark.parametrize("body", [b"\x58", b"\x59\x00", b"\x5a\x00\x00\x00", b"\x45ab",
+                                  b"\x58\x01ab", b"\x5b\x00"])
+def test_truncated_bytes_body_is_a_protocol_error(body: bytes) -> None:
+    """Byte-string heads that do not fill the body section exactly are rejected."""
+    with pytest.raises(RemoteProtocolError):
+        parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body)).body()
