@@ -358,7 +358,11 @@ def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]
     """The frame as it must be forwarded with sender ``source``: ``frame.raw`` itself when
     the sender already wrote that source (no copy), else :func:`restamp`."""
     if frame.source == source:
-        return [frame.raw]
+        raw = frame.raw
+        if len(raw) < _LARGE_FRAME:
+            return [raw]
+        # Large: the head apart, so a copy of the first piece (FdBuffer) stays small.
+        return [bytes(raw[: frame.tail]), memoryview(raw)[frame.tail :]]
     return restamp(frame, source)
 
 
@@ -528,6 +532,7 @@ class FrameParser:
         valid = _VALID_TYPES
         append = out.append
         slen_run = -1 if source is None else len(source)
+        new_tuple = tuple.__new__
         startswith = buf.startswith
         # The open run: its first byte, frame count and encoded target (b"" = none open).
         run_start = run_n = 0
@@ -576,19 +581,25 @@ class FrameParser:
                 raw = bytes(buf[pos : pos + total])
                 pos += total
                 tend = PREFIX_SIZE + tlen
+                # tuple.__new__ directly: the NamedTuple's own __new__ is a Python-level
+                # function, a tenth of the parse time per small frame.
                 append(
-                    Frame(
-                        ftype,
-                        flags,
-                        rid,
-                        raw[PREFIX_SIZE:tend].decode(),
-                        raw[tend : tend + slen],
-                        0,
-                        nfds,
-                        hlen,
-                        blen,
-                        raw,
-                        tend + slen,
+                    new_tuple(
+                        Frame,
+                        (
+                            ftype,
+                            flags,
+                            rid,
+                            raw[PREFIX_SIZE:tend].decode(),
+                            raw[tend : tend + slen],
+                            0,
+                            nfds,
+                            hlen,
+                            blen,
+                            raw,
+                            tend + slen,
+                            (),
+                        ),
                     )
                 )
         except UnicodeDecodeError:

@@ -12,7 +12,14 @@ from msgq_trio.core.broker import Broker
 from msgq_trio.core.peers import Peer
 from msgq_trio.protocol.codes import FrameType
 from msgq_trio.protocol.connection import Connection, Role
-from msgq_trio.protocol.framing import Frame, FrameParser, Run, encode_cbor, encode_simple
+from msgq_trio.protocol.framing import (
+    Frame,
+    FrameParser,
+    Run,
+    encode_cbor,
+    encode_frame,
+    encode_simple,
+)
 
 T = FrameType
 
@@ -163,3 +170,27 @@ def test_capture_sees_every_frame_of_a_run() -> None:
     assert b.handle_many(tx, items, 0.0) == 5  # type: ignore[arg-type]
     assert seen == [(i, "delivered", 1) for i in range(5)]
     assert [f.body() for f in drain(rx)] == list(range(5))
+
+
+def test_large_self_stamped_frame_is_not_copied() -> None:
+    """A self-stamped frame of 256 KiB or more is queued as its small head plus a view of
+    the received buffer (no copy of the payload, also per recipient when it has fds)."""
+    b = make()
+    b._dup_fd = lambda fd: fd + 100  # type: ignore[method-assign]
+    b._close_fd = lambda fd: None  # type: ignore[method-assign]
+    r1, r2, tx = connect(b, "r1"), connect(b, "r2"), connect(b, "tx")
+    subscribe(b, r1, "G")
+    subscribe(b, r2, "G")
+    payload = bytes(300 * 1024)
+    parser = FrameParser()
+    parser.feed(b"".join(bytes(x) for x in encode_frame(
+        T.MESSAGE, target="G", body=encode_cbor(payload), source=tx.stamp, n_fds=1)))
+    [f] = parser.frames()
+    f = f._replace(fds=(7,))
+    assert b.handle_many(tx, [f], 0.0) == 1
+    for r in (r1, r2):
+        head, rest = r.outq
+        assert len(head) == f.tail and type(rest) is memoryview
+        assert head.fds == (107,)  # type: ignore[union-attr]
+        [g] = drain(r)
+        assert (g.source, g.body()) == (tx.stamp, payload)
