@@ -1,8 +1,9 @@
 """The trio client: ``connect()`` yields a :class:`Bus` for messages, RPC and notifications.
 
 One connection = one nursery holding a reader task, a writer task and a task per incoming
-request. The writer joins every queued frame into one ``send_all`` (one trio call per
-batch, not per frame); ``send`` only queues and waits when the queue is over its bound.
+request to an async handler (plain-function handlers are answered by the reader). The
+writer joins every queued frame into one ``send_all`` (one trio call per batch, not per
+frame); ``send`` only queues and waits when the queue is over its bound.
 """
 
 from __future__ import annotations
@@ -888,8 +889,10 @@ class Bus:
     def command(self, name: str) -> Callable[[Handler], Handler]:
         """Decorator: register ``fn`` to answer requests for ``name``.
 
-        ``fn(params)`` or ``fn(params, request)``, sync or async. Each request runs in its
-        own task. The return value is the answer; ``CommandFailed(code, message, data)``
+        ``fn(params)`` or ``fn(params, request)``, sync or async. A plain function is called
+        by the reader as the request arrives, without a task (it must not block: it would
+        block the whole event loop in a task too); an async one runs in its own task per
+        request. The return value is the answer; ``CommandFailed(code, message, data)``
         answers with that error; ``TypeError``/``ValueError``/``KeyError`` from the handler
         answer ``bad-request``; any other exception ``internal-error`` naming its type.
         """
