@@ -1,8 +1,9 @@
 """The trio client: ``connect()`` yields a :class:`Bus` for messages, RPC and notifications.
 
 One connection = one nursery holding a reader task, a writer task and a task per incoming
-request. The writer joins every queued frame into one ``send_all`` (one trio call per
-batch, not per frame); ``send`` only queues and waits when the queue is over its bound.
+request to an async handler (plain-function handlers are answered by the reader). The
+writer joins every queued frame into one ``send_all`` (one trio call per batch, not per
+frame); ``send`` only queues and waits when the queue is over its bound.
 """
 
 from __future__ import annotations
@@ -377,6 +378,10 @@ class Bus:
         self._stream = stream
         self.name = name
         self.lname = ""
+        #: The source section the broker stamps on our frames (``lname NUL name``), written
+        #: into them here so the broker only checks it and forwards the bytes as they are
+        #: (docs/PROTOCOL.md, "Source"). Empty until WELCOME.
+        self._stamp = b""
         self.broker_version = ""
         self._max_fds = 253  # replaced by the broker's limit from WELCOME
         self._out_fds = 0
@@ -431,6 +436,8 @@ class Bus:
                         code=str(header.get("code")),
                     )
                 self.lname = str(header["lname"])
+                # The broker names an empty HELLO name "anonymous" (io/server.py).
+                self._stamp = f"{self.lname}\0{self.name or 'anonymous'}".encode()
                 self.broker_version = str(header.get("broker", ""))
                 limits = header.get("limits")
                 if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
@@ -584,6 +591,7 @@ class Bus:
                     body=cbor2.dumps(body) if body is not None else b"",
                     blobs=attachments,
                     n_fds=len(fds),
+                    source=self._stamp,
                 )
                 self._queue(self._attach_fds(pieces, fds) if fds else pieces)
             else:
@@ -593,6 +601,7 @@ class Bus:
                         tb,
                         cbor2.dumps(body) if body is not None else b"",
                         cbor2.dumps(header) if header else b"",
+                        source=self._stamp,
                     )
                 )
         except (LocalProtocolError, cbor2.CBOREncodeError, TypeError) as exc:
@@ -658,6 +667,7 @@ class Bus:
                 body=encode_cbor(params) if params is not None else b"",
                 blobs=attachments,
                 n_fds=len(fds),
+                source=self._stamp,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
@@ -879,8 +889,10 @@ class Bus:
     def command(self, name: str) -> Callable[[Handler], Handler]:
         """Decorator: register ``fn`` to answer requests for ``name``.
 
-        ``fn(params)`` or ``fn(params, request)``, sync or async. Each request runs in its
-        own task. The return value is the answer; ``CommandFailed(code, message, data)``
+        ``fn(params)`` or ``fn(params, request)``, sync or async. A plain function is called
+        by the reader as the request arrives, without a task (it must not block: it would
+        block the whole event loop in a task too); an async one runs in its own task per
+        request. The return value is the answer; ``CommandFailed(code, message, data)``
         answers with that error; ``TypeError``/``ValueError``/``KeyError`` from the handler
         answer ``bad-request``; any other exception ``internal-error`` naming its type.
         """
@@ -932,6 +944,7 @@ class Bus:
                 request_id=request.request_id,
                 body=encode_cbor(result) if result is not None else b"",
                 blobs=attachments,
+                source=self._stamp,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"answer cannot be encoded: {exc}") from exc
@@ -943,12 +956,40 @@ class Bus:
         if self._lost is None and not self._closed:
             self._queue_urgent(self._error_frame(request, code, message, data))
 
-    async def _serve_request(self, msg: Message, handler: Handler) -> None:
-        frame = msg._frame
+    def _start_request(self, msg: Message, handler: Handler) -> None:
+        """Run ``handler`` for a request, in the reader: a plain function is answered
+        right here, without a task per request (a task costs more than a small handler);
+        an ``async`` one returns an awaitable, which a task of its own awaits."""
         try:
             result = handler(msg.body, msg)
-            if inspect.isawaitable(result):
-                result = await result
+        except Exception as exc:
+            self._finish_request(msg, None, exc)
+            return
+        except BaseException:
+            msg.close()
+            raise
+        if inspect.isawaitable(result):
+            self._spawn(functools.partial(self._await_request, msg, result))
+        else:
+            self._finish_request(msg, result, None)
+
+    async def _await_request(self, msg: Message, result: Awaitable[Any]) -> None:
+        try:
+            value = await result
+        except Exception as exc:
+            self._finish_request(msg, None, exc)
+            return
+        except BaseException:
+            msg.close()  # cancelled (the bus is closing): no answer
+            raise
+        self._finish_request(msg, value, None)
+
+    def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
+        """Send the answer for ``result`` (or the ERROR for the handler's ``error``)."""
+        frame = msg._frame
+        try:
+            if error is not None:
+                raise error
             if isinstance(result, Reply):
                 try:
                     pieces = encode_frame(
@@ -958,6 +999,7 @@ class Bus:
                         body=encode_cbor(result.result) if result.result is not None else b"",
                         blobs=result.attachments,
                         n_fds=len(result.fds),
+                        source=self._stamp,
                     )
                 except BaseException:
                     close_fds(result.fds)
@@ -970,6 +1012,7 @@ class Bus:
                     target=msg.sender,
                     request_id=frame.request_id,
                     body=encode_cbor(result) if result is not None else b"",
+                    source=self._stamp,
                 )
         except CommandFailed as exc:
             pieces = self._error_frame(msg, exc.code, exc.message, exc.data)
@@ -1003,6 +1046,7 @@ class Bus:
             request_id=msg.request_id,
             header=encode_cbor({"code": str(code), "message": message}),
             body=encode_cbor(data) if data is not None else b"",
+            source=self._stamp,
         )
 
     # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
@@ -1231,7 +1275,7 @@ class Bus:
                     )
                 )
             else:
-                self._spawn(lambda: self._serve_request(msg, handler))
+                self._start_request(msg, handler)
         elif t == _GOODBYE:
             self._broker_goodbye.set()
             reason = frame.header().get("reason")

@@ -22,9 +22,10 @@ from ..protocol.framing import (
     FdBuffer,
     Frame,
     FrameParser,
+    Run,
     encode_cbor,
     encode_frame,
-    restamp,
+    stamped,
 )
 from .peers import Buffer, Peer
 from .router import (
@@ -271,7 +272,7 @@ class Broker:
             self.tap(peer, frame, outcome, n)
         return True
 
-    def handle_many(self, peer: Peer, frames: list[Frame], now: float) -> int:
+    def handle_many(self, peer: Peer, frames: list[Frame | Run], now: float) -> int:
         """``handle`` for a batch of frames from one peer (the reader's hot path).
 
         Returns how many frames were consumed: ``len(frames)``, or the index of a frame
@@ -279,6 +280,12 @@ class Broker:
         in again). If the peer is dropped while handling, the rest is consumed unhandled
         (their descriptors closed) and ``len(frames)`` is returned. One-way MESSAGEs to
         plain groups skip the general dispatch.
+
+        A :class:`Run` (frames that already carry ``peer.stamp``) to a plain group is
+        queued for each member as one buffer. Any other run (another kind of target, a
+        bound group, capture on, or a member without room for all of it) is replaced *in
+        ``frames``* by its frames, which are then handled one by one as usual; the
+        returned index refers to the list as modified.
         """
         groups = self.router.groups
         parse = self.router.parse_target
@@ -286,8 +293,32 @@ class Broker:
         tap = self.tap
         bindings = self.bindings
         nbytes = nfast = 0
-        done = len(frames)
-        for i, frame in enumerate(frames):
+        done = -1  # all of them: len(frames) once done, as splitting runs may grow it
+        # enumerate() indexes the list as it goes, so a run split in place below is
+        # followed by its own frames.
+        for i, item in enumerate(frames):
+            if type(item) is Run:
+                target = item.target
+                if (
+                    tap is None
+                    and parse(target)[0] == GROUP
+                    and not (bindings and target in bindings)
+                ):
+                    members = groups.get(target)
+                    if not members:
+                        self.stats["no_recipient"] += item.count
+                        nbytes += len(item.raw)
+                        nfast += item.count
+                        continue
+                    if self._deliver_run(peer, item, members):
+                        nbytes += len(item.raw)
+                        nfast += item.count
+                        continue
+                split = item.frames()
+                frames[i : i + 1] = split
+                frame = split[0]
+            else:
+                frame = item  # type: ignore[assignment]
             if (
                 frame.type != _MESSAGE
                 or frame.n_fds
@@ -321,14 +352,42 @@ class Broker:
                 tap(peer, frame, "delivered" if n else "no-recipient", n)
         peer.msgs_in += nfast
         peer.bytes_in += nbytes
-        return done
+        return len(frames) if done < 0 else done
 
-    def discard_frames(self, frames: list[Frame]) -> None:
+    def _deliver_run(self, peer: Peer, run: Run, members: Iterable[Peer]) -> bool:
+        """Queue ``run`` for every member of its group but ``peer``; False (nothing
+        queued) if one of them cannot take all of it within ``out_hard_limit``: the caller
+        then handles the frames one by one, which holds the sender at the exact frame."""
+        raw = run.raw
+        size = len(raw)
+        room = self.limits.out_hard_limit - size
+        for r in members:
+            if r.outq_bytes > room and not (r is peer or r.sealed):
+                return False
+        soft = self.limits.out_soft_limit
+        dirty = self.dirty
+        count = run.count
+        n = 0
+        for r in members:
+            if r is peer or r.sealed:
+                continue
+            r.outq.append(raw)
+            r.outq_bytes += size
+            r.msgs_out += count
+            n += 1
+            dirty.add(r)
+            if r.outq_bytes > soft:
+                self.blocked.add(r)
+        if not n:
+            self.stats["no_recipient"] += count
+        return True
+
+    def discard_frames(self, frames: list[Frame | Run]) -> None:
         """Forget frames that will never be handed in again (their sender left while they
         were held): closes the descriptors they carry."""
         self._close_frames_fds(frames)
 
-    def _close_frames_fds(self, frames: list[Frame]) -> None:
+    def _close_frames_fds(self, frames: list[Frame | Run]) -> None:
         """Close the descriptors of frames that will not be handled (peer dropped)."""
         for f in frames:
             for fd in f.fds:
@@ -383,7 +442,7 @@ class Broker:
         if hold:
             # One cheap pass first, so that a held frame is delivered to nobody rather
             # than to some members twice.
-            pieces = restamp(frame, peer.stamp)
+            pieces = stamped(frame, peer.stamp)
             size = _size(pieces)
             room = hard - size
             max_fds = self.limits.max_fds_queued - nfds
@@ -400,7 +459,7 @@ class Broker:
             if r is skip or r.sealed:
                 continue
             if pieces is None:
-                pieces = restamp(frame, peer.stamp)
+                pieces = stamped(frame, peer.stamp)
                 size = _size(pieces)
             if r.outq_bytes + size > hard or (
                 nfds and r.outq_fds + nfds > self.limits.max_fds_queued
@@ -573,7 +632,7 @@ class Broker:
             self._send_or_kick(peer, routed, "a routing answer")
             if self.tap is not None:
                 self._tap_broker(routed)
-        pieces = restamp(frame, peer.stamp)
+        pieces = stamped(frame, peer.stamp)
         delivered: list[Peer] = []
         for r in recipients:
             if r.sealed:
@@ -609,7 +668,7 @@ class Broker:
                 frame.request_id,
             )
             return "discarded"
-        self._send_or_kick(caller, restamp(frame, peer.stamp), "an answer it asked for", frame.fds)
+        self._send_or_kick(caller, stamped(frame, peer.stamp), "an answer it asked for", frame.fds)
         return "forwarded"
 
     def _fail_call(self, f: Failure) -> None:

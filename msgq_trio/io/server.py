@@ -34,7 +34,7 @@ from ..core.peers import Peer
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role, connection_error_frame
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame, encode_cbor, encode_frame
+from ..protocol.framing import Frame, Run, encode_cbor, encode_frame
 from .errors import (
     ACCEPT_CAPACITY_ERRNOS,
     ancillary_size,
@@ -481,7 +481,8 @@ class Server:
             received = True
             now = trio.current_time()
             try:
-                events = conn.events()
+                # With capture on every frame goes to the tap one by one: no runs then.
+                events = conn.events_with_runs(peer.stamp if core.tap is None else None)
                 if not events:
                     continue
                 last = events[-1]
@@ -490,7 +491,7 @@ class Server:
                 if tail:
                     events.pop()
                 if events:
-                    frames: list[Frame] = events  # type: ignore[assignment]
+                    frames: list[Frame | Run] = events  # type: ignore[assignment]
                     done = handle_many(peer, frames, now)
                     while done < len(frames):
                         # A frame is held: its receivers must drain first (see

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from .codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from .errors import LocalProtocolError, RemoteProtocolError
-from .framing import DEFAULT_MAX_FRAME_SIZE, Frame, FrameParser, encode_cbor, encode_frame
+from .framing import DEFAULT_MAX_FRAME_SIZE, Frame, FrameParser, Run, encode_cbor, encode_frame
 
 
 class Role(enum.Enum):
@@ -114,9 +114,7 @@ class Connection:
         return self._parser.in_frame
 
     # -- receiving ------------------------------------------------------------------------
-    def receive_data(
-        self, data: bytes | bytearray | memoryview, fds: Sequence[int] = ()
-    ) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview, fds: Sequence[int] = ()) -> None:
         """Feed bytes from the peer; ``b""`` means the peer closed its side (EOF).
 
         ``fds`` are descriptors that arrived with these bytes (SCM_RIGHTS). They belong to
@@ -253,20 +251,35 @@ class Connection:
         Raises:
             RemoteProtocolError / LocalProtocolError: as :meth:`next_event`.
         """
+        return self._events(None)  # type: ignore[return-value]  # no source: no Runs
+
+    def events_with_runs(self, source: bytes | None) -> list[Frame | Run | _Sentinel]:
+        """:meth:`events` for the broker: consecutive MESSAGE frames that already carry
+        ``source`` (the sender's stamp) come as one :class:`Run` (see
+        :meth:`FrameParser.frames_and_runs`). Each run passes the state table like the
+        frames it holds. ``None`` (capture on) means plain frames only. While descriptors
+        are waiting for their frame, plain frames only, so each gets its own.
+        """
+        return self._events(source)
+
+    def _events(self, source: bytes | None) -> list[Frame | Run | _Sentinel]:
         if self.state is State.ERROR:
             raise LocalProtocolError("connection is in the ERROR state")
         if self._pending_error is not None:
             self.state = State.ERROR
             raise self._pending_error
         try:
-            frames = self._parser.frames()
+            if source is None or self._fd_batches:
+                frames: list[Frame | Run] = self._parser.frames()  # type: ignore[assignment]
+            else:
+                frames = self._parser.frames_and_runs(source)
             if self._fd_batches or any(f.n_fds for f in frames):
-                frames = self._attach_all(frames)
+                frames = self._attach_all(frames)  # type: ignore[arg-type,assignment]
         except RemoteProtocolError:
             self.state = State.ERROR
             self._orphan_all()
             raise
-        out: list[Frame | _Sentinel] = []
+        out: list[Frame | Run | _Sentinel] = []
         ready = self._recv_ready
         for i, frame in enumerate(frames):
             if self.state is State.READY and frame.type in ready and not self.received_goodbye:
@@ -276,7 +289,7 @@ class Connection:
                 continue
             before = self.state
             try:
-                out.append(self._slow_transition(frame))
+                out.append(self._slow_transition(frame))  # type: ignore[arg-type]
             except RemoteProtocolError as exc:
                 if i == 0:
                     raise

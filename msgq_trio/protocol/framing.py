@@ -51,6 +51,7 @@ ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
 #: near-max-length-prefixes).
 _LARGE_FRAME = 256 * 1024
 _VALID_TYPES = frozenset(int(t) for t in FrameType)
+_MESSAGE = int(FrameType.MESSAGE)
 _U16 = 0xFFFF
 
 
@@ -121,14 +122,28 @@ class Frame(NamedTuple):
         Raises:
             RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.
         """
-        if not self.body_len:
+        blen = self.body_len
+        if not blen:
             return None
         raw = self.raw
-        if self.body_len < _LARGE_FRAME and type(raw) is bytes:
+        start = self.tail + self.header_len
+        ib = raw[start]
+        if 0x40 <= ib <= 0x5A:
+            # A definite-length byte string (the common binary body) is its head and a
+            # slice: no decoder needed (0.2 vs 1.4 us per 100-byte body). The length must
+            # fill the section exactly, as for any body; anything else goes to cbor2.
+            if ib < 0x58:
+                h, n = 1, ib - 0x40
+            elif blen >= 1 + (k := 1 << (ib - 0x58)):
+                h, n = 1 + k, int.from_bytes(raw[start + 1 : start + 1 + k], "big")
+            else:
+                h, n = 0, -1
+            if h + n == blen:
+                return bytes(raw[start + h : start + blen])
+        if blen < _LARGE_FRAME and type(raw) is bytes:
             # Small bodies decode in place: BytesIO over bytes shares the buffer, so no
             # slice is copied (measured 1.4 vs 1.9 us per 100-byte body). Large ones
             # decode faster from a memoryview slice.
-            start = self.tail + self.header_len
             buf = io.BytesIO(raw)
             buf.seek(start)
             try:
@@ -152,6 +167,59 @@ class Frame(NamedTuple):
         for n in lens:
             out.append(view[pos : pos + n])
             pos += n
+        return out
+
+
+class Run:
+    """Consecutive MESSAGE frames from one sender to one target, as one buffer.
+
+    Made by :meth:`FrameParser.frames_and_runs` only for frames that already carry the
+    stamp the broker would give them, no descriptors and no blobs, so ``raw`` (the frames
+    back to back, exactly as received) can be forwarded unchanged. Has the attributes of
+    :class:`Frame` that the connection's state table and descriptor accounting read.
+    """
+
+    __slots__ = ("count", "raw", "target")
+
+    type = FrameType.MESSAGE
+    n_fds = 0
+    fds: tuple[int, ...] = ()
+
+    def __init__(self, target: str, raw: bytes, count: int) -> None:
+        self.target = target
+        self.raw = raw
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"<Run to {self.target!r}: {self.count} frames, {len(self.raw)} bytes>"
+
+    def frames(self) -> list[Frame]:
+        """The run as one :class:`Frame` per message (its frames were checked already)."""
+        raw = self.raw
+        out = []
+        pos = 0
+        while pos < len(raw):
+            (length, ftype, flags, tlen, slen, _nb, _nf, _r, rid, hlen, blen) = PREFIX.unpack_from(
+                raw, pos
+            )
+            one = raw[pos : pos + 4 + length]
+            pos += 4 + length
+            tend = PREFIX_SIZE + tlen
+            out.append(
+                Frame(
+                    ftype,
+                    flags,
+                    rid,
+                    self.target,
+                    one[tend : tend + slen],
+                    0,
+                    0,
+                    hlen,
+                    blen,
+                    one,
+                    tend + slen,
+                )
+            )
         return out
 
 
@@ -248,22 +316,30 @@ def encode_frame(
 
 
 def encode_simple(
-    type: int, target: bytes, body: bytes, header: bytes = b"", request_id: int = 0, flags: int = 0
+    type: int,
+    target: bytes,
+    body: bytes,
+    header: bytes = b"",
+    request_id: int = 0,
+    flags: int = 0,
+    source: bytes = b"",
 ) -> bytes:
-    """Fast path of :func:`encode_frame` for a frame without source or attachments.
+    """Fast path of :func:`encode_frame` for a frame without attachments.
 
-    ``target`` is already UTF-8 encoded (callers cache it). Returns one bytes object.
+    ``target`` is already UTF-8 encoded (callers cache it); ``source`` is the sender's
+    own stamp (``lname NUL name``, see docs/PROTOCOL.md) or empty. Returns one bytes object.
     """
     tl = len(target)
-    if tl > _U16:
-        raise LocalProtocolError("target longer than 65535 bytes")
+    sl = len(source)
+    if tl > _U16 or sl > _U16:
+        raise LocalProtocolError("target or source longer than 65535 bytes")
     return (
         PREFIX.pack(
-            _FIXED_AFTER_LENGTH + tl + len(header) + len(body),
+            _FIXED_AFTER_LENGTH + tl + sl + len(header) + len(body),
             type,
             flags,
             tl,
-            0,
+            sl,
             0,
             0,
             0,
@@ -272,9 +348,22 @@ def encode_simple(
             len(body),
         )
         + target
+        + source
         + header
         + body
     )
+
+
+def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
+    """The frame as it must be forwarded with sender ``source``: ``frame.raw`` itself when
+    the sender already wrote that source (no copy), else :func:`restamp`."""
+    if frame.source == source:
+        raw = frame.raw
+        if len(raw) < _LARGE_FRAME:
+            return [raw]
+        # Large: the head apart, so a copy of the first piece (FdBuffer) stays small.
+        return [bytes(raw[: frame.tail]), memoryview(raw)[frame.tail :]]
+    return restamp(frame, source)
 
 
 def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
@@ -413,7 +502,21 @@ class FrameParser:
         If a later frame is malformed, the frames before it are still returned and the
         error is raised by the next call.
         """
-        out: list[Frame] = []
+        return self._scan(None)  # type: ignore[return-value]  # no stamp: Frames only
+
+    def frames_and_runs(self, source: bytes) -> list[Frame | Run]:
+        """Like :meth:`frames`, but consecutive plain MESSAGE frames to one target that
+        carry exactly ``source`` in their source section come as one :class:`Run`.
+
+        The broker passes its sender's stamp: a run can be forwarded as it is, without a
+        :class:`Frame` per message. Every framing check of :meth:`frames` is still made
+        per frame; a frame with descriptors, blobs, another source or another target
+        ends the run.
+        """
+        return self._scan(source)
+
+    def _scan(self, source: bytes | None) -> list[Frame | Run]:
+        out: list[Frame | Run] = []
         if self._error is not None:
             self._raise()
         if self._large is not None:
@@ -428,6 +531,13 @@ class FrameParser:
         unpack = PREFIX.unpack_from
         valid = _VALID_TYPES
         append = out.append
+        slen_run = -1 if source is None else len(source)
+        new_tuple = tuple.__new__
+        startswith = buf.startswith
+        # The open run: its first byte, frame count and encoded target (b"" = none open).
+        run_start = run_n = 0
+        run_tb = b""
+        run_target = ""
         try:
             while end - pos >= PREFIX_SIZE:
                 (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
@@ -444,30 +554,63 @@ class FrameParser:
                     break  # anything unusual (or an error) takes the careful path below
                 if end - pos < total:
                     break
+                tstart = pos + PREFIX_SIZE
+                if (
+                    slen == slen_run
+                    and ftype == _MESSAGE
+                    and not nfds
+                    and tlen
+                    and startswith(source, tstart + tlen)  # type: ignore[arg-type]
+                ):
+                    if run_n and tlen == len(run_tb) and startswith(run_tb, tstart):
+                        run_n += 1
+                        pos += total
+                        continue
+                    if run_n:
+                        append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+                        run_n = 0
+                    run_tb = bytes(buf[tstart : tstart + tlen])
+                    run_target = run_tb.decode()
+                    run_start = pos
+                    run_n = 1
+                    pos += total
+                    continue
+                if run_n:
+                    append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+                    run_n = 0
                 raw = bytes(buf[pos : pos + total])
                 pos += total
                 tend = PREFIX_SIZE + tlen
+                # tuple.__new__ directly: the NamedTuple's own __new__ is a Python-level
+                # function, a tenth of the parse time per small frame.
                 append(
-                    Frame(
-                        ftype,
-                        flags,
-                        rid,
-                        raw[PREFIX_SIZE:tend].decode(),
-                        raw[tend : tend + slen],
-                        0,
-                        nfds,
-                        hlen,
-                        blen,
-                        raw,
-                        tend + slen,
+                    new_tuple(
+                        Frame,
+                        (
+                            ftype,
+                            flags,
+                            rid,
+                            raw[PREFIX_SIZE:tend].decode(),
+                            raw[tend : tend + slen],
+                            0,
+                            nfds,
+                            hlen,
+                            blen,
+                            raw,
+                            tend + slen,
+                            (),
+                        ),
                     )
                 )
         except UnicodeDecodeError:
+            # No run is open here: it is closed before any target is decoded.
             self._pos = pos
             self._error = RemoteProtocolError("frame target is not UTF-8")
             if out:
                 return out  # raised by the next call
             self._raise()
+        if run_n:
+            append(Run(run_target, bytes(buf[run_start:pos]), run_n))
         self._pos = pos
         # The careful path handles the rest: partial, large, with blobs, or malformed.
         try:

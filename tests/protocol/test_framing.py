@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 import tracemalloc
 
@@ -401,3 +402,84 @@ def test_prefix_layout_matches_the_documented_offsets() -> None:
     assert struct.unpack_from(">II", data, 24) == (1, 1)
     assert data[32:35] == b"abc"
     assert data[35:38] == b"src"
+
+
+def test_frames_and_runs_match_frames() -> None:
+    """frames_and_runs(source) returns the same frames as frames(), in the same order, with
+    consecutive MESSAGEs to one target that carry exactly ``source`` grouped into runs;
+    other sources, types, targets, descriptors and blobs end a run; any receive cuts."""
+    rng = random.Random(5)
+    stamp = b"l.3\0tx"
+    pieces: list[bytes] = []
+    for i in range(400):
+        k = rng.random()
+        target = rng.choice([b"G", b"l.1", b"H"])
+        if k < 0.6:
+            pieces.append(framing.encode_simple(FrameType.MESSAGE, target, bytes(i % 7),
+                                                source=stamp))
+        elif k < 0.7:
+            pieces.append(framing.encode_simple(FrameType.MESSAGE, target, b"", source=b"l.3"))
+        elif k < 0.8:
+            pieces.append(join(encode_frame(FrameType.MESSAGE, target="G", source=stamp,
+                                            blobs=[b"ab"])))
+        elif k < 0.9:
+            pieces.append(join(encode_frame(FrameType.MESSAGE, target="G", source=stamp,
+                                            n_fds=1)))
+        else:
+            pieces.append(framing.encode_simple(FrameType.REQUEST, target, b"", request_id=i + 1,
+                                                source=stamp))
+    data = b"".join(pieces)
+    p = FrameParser()
+    got: list[bytes] = []
+    runs = 0
+    pos = 0
+    while pos < len(data):
+        n = rng.randint(1, 300)
+        p.feed(data[pos : pos + n])
+        pos += n
+        for item in p.frames_and_runs(stamp):
+            if isinstance(item, framing.Run):
+                runs += 1
+                frames = item.frames()
+                assert len(frames) == item.count
+                assert b"".join(bytes(f.raw) for f in frames) == item.raw
+                for f in frames:
+                    assert (f.type, f.source, f.n_fds, f.n_blobs) == (FrameType.MESSAGE, stamp,
+                                                                      0, 0)
+                    assert f.target == item.target
+                    assert f == parse_one(bytes(f.raw))
+            else:
+                frames = [item]  # may be self-stamped: the careful path makes no runs
+            got.extend(bytes(f.raw) for f in frames)
+    assert got == pieces
+    assert runs > 10
+
+
+def test_encode_simple_with_source() -> None:
+    """encode_simple(source=...) writes the source section like encode_frame does."""
+    fast = framing.encode_simple(FrameType.MESSAGE, b"G", b"\x01", b"\xa0", source=b"l.4\0x")
+    assert fast == join(encode_frame(FrameType.MESSAGE, target="G", body=b"\x01",
+                                     header=b"\xa0", source=b"l.4\0x"))
+    assert parse_one(fast).source == b"l.4\0x"
+
+
+@pytest.mark.parametrize("n", [0, 1, 23, 24, 255, 256, 65535, 65536])
+def test_bytes_body_fast_decode_matches_cbor2(n: int) -> None:
+    """A byte-string body is decoded without cbor2 to the same value; with a trailing byte
+    or a head that claims more than the section it is still a protocol error."""
+    value = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+    body = cbor2.dumps(value)
+    f = parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body, source=b"l.1\0x"))
+    assert f.body() == value and type(f.body()) is bytes
+    f = parse_one(join(encode_frame(FrameType.MESSAGE, target="G", body=body, blobs=[b"ab"])))
+    assert f.body() == value
+    with pytest.raises(RemoteProtocolError):
+        parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body + b"\0")).body()
+
+
+@pytest.mark.parametrize("body", [b"\x58", b"\x59\x00", b"\x5a\x00\x00\x00", b"\x45ab",
+                                  b"\x58\x01ab", b"\x5b\x00"])
+def test_truncated_bytes_body_is_a_protocol_error(body: bytes) -> None:
+    """Byte-string heads that do not fill the body section exactly are rejected."""
+    with pytest.raises(RemoteProtocolError):
+        parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body)).body()
