@@ -283,7 +283,7 @@ class Broker:
 
         A :class:`Run` (frames that already carry ``peer.stamp``) to a plain group is
         queued for each member as one buffer. Any other run (another kind of target, a
-        bound group, capture on, or a member without room for all of it) is replaced *in
+        bound group, or a member without room for all of it) is replaced *in
         ``frames``* by its frames, which are then handled one by one as usual; the
         returned index refers to the list as modified.
         """
@@ -299,20 +299,23 @@ class Broker:
         for i, item in enumerate(frames):
             if type(item) is Run:
                 target = item.target
-                if (
-                    tap is None
-                    and parse(target)[0] == GROUP
-                    and not (bindings and target in bindings)
-                ):
+                if parse(target)[0] == GROUP and not (bindings and target in bindings):
                     members = groups.get(target)
                     if not members:
                         self.stats["no_recipient"] += item.count
                         nbytes += len(item.raw)
                         nfast += item.count
+                        if tap is not None:
+                            self._tap_run(peer, item, 0)
                         continue
-                    if self._deliver_run(peer, item, members):
+                    n = self._deliver_run(peer, item, members)
+                    if n >= 0:
                         nbytes += len(item.raw)
                         nfast += item.count
+                        if tap is not None:
+                            # Capture sees each frame of the run; the delivery stays one
+                            # buffer per member (capture on keeps the fast path).
+                            self._tap_run(peer, item, n)
                         continue
                 split = item.frames()
                 frames[i : i + 1] = split
@@ -354,16 +357,25 @@ class Broker:
         peer.bytes_in += nbytes
         return len(frames) if done < 0 else done
 
-    def _deliver_run(self, peer: Peer, run: Run, members: Iterable[Peer]) -> bool:
-        """Queue ``run`` for every member of its group but ``peer``; False (nothing
-        queued) if one of them cannot take all of it within ``out_hard_limit``: the caller
-        then handles the frames one by one, which holds the sender at the exact frame."""
+    def _tap_run(self, peer: Peer, run: Run, n: int) -> None:
+        """Show every frame of a delivered ``run`` to the capture tap (capture is on)."""
+        assert self.tap is not None
+        tap = self.tap
+        outcome = "delivered" if n else "no-recipient"
+        for frame in run.frames():
+            tap(peer, frame, outcome, n)
+
+    def _deliver_run(self, peer: Peer, run: Run, members: Iterable[Peer]) -> int:
+        """Queue ``run`` for every member of its group but ``peer``; returns how many got
+        it, or -1 (nothing queued) if one of them cannot take all of it within
+        ``out_hard_limit``: the caller then handles the frames one by one, which holds
+        the sender at the exact frame."""
         raw = run.raw
         size = len(raw)
         room = self.limits.out_hard_limit - size
         for r in members:
             if r.outq_bytes > room and not (r is peer or r.sealed):
-                return False
+                return -1
         soft = self.limits.out_soft_limit
         dirty = self.dirty
         count = run.count
@@ -380,7 +392,7 @@ class Broker:
                 self.blocked.add(r)
         if not n:
             self.stats["no_recipient"] += count
-        return True
+        return n
 
     def discard_frames(self, frames: list[Frame | Run]) -> None:
         """Forget frames that will never be handed in again (their sender left while they

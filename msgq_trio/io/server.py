@@ -481,8 +481,8 @@ class Server:
             received = True
             now = trio.current_time()
             try:
-                # With capture on every frame goes to the tap one by one: no runs then.
-                events = conn.events_with_runs(peer.stamp if core.tap is None else None)
+                # Runs also with capture on: Broker.handle_many taps each of their frames.
+                events = conn.events_with_runs(peer.stamp)
                 if not events:
                     continue
                 last = events[-1]

@@ -257,7 +257,7 @@ class Connection:
         """:meth:`events` for the broker: consecutive MESSAGE frames that already carry
         ``source`` (the sender's stamp) come as one :class:`Run` (see
         :meth:`FrameParser.frames_and_runs`). Each run passes the state table like the
-        frames it holds. ``None`` (capture on) means plain frames only. While descriptors
+        frames it holds. ``None`` means plain frames only. While descriptors
         are waiting for their frame, plain frames only, so each gets its own.
         """
         return self._events(source)

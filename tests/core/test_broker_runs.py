@@ -157,19 +157,24 @@ def test_run_that_does_not_fit_is_held_at_the_exact_frame() -> None:
 
 
 def test_capture_sees_every_frame_of_a_run() -> None:
-    """With the capture tap on, a run (formed before capture was switched on) is handled
-    frame by frame so the tap sees each message."""
+    """With the capture tap on, a run is still delivered as one buffer per member, and
+    the tap sees each of its messages in order (also a run that reaches no one)."""
     b = make()
     rx, tx = connect(b, "rx"), connect(b, "tx")
     subscribe(b, rx, "G")
     seen: list[object] = []
     conn = ready_connection()
-    conn.receive_data(b"".join(msg("G", i, tx.stamp) for i in range(5)))
+    conn.receive_data(b"".join(msg("G", i, tx.stamp) for i in range(5))
+                      + b"".join(msg("Nobody", i, tx.stamp) for i in range(5, 8)))
     items = conn.events_with_runs(tx.stamp)
-    b.tap = lambda _p, f, outcome, n: seen.append((f.body(), outcome, n))
-    assert b.handle_many(tx, items, 0.0) == 5  # type: ignore[arg-type]
-    assert seen == [(i, "delivered", 1) for i in range(5)]
+    assert [type(i).__name__ for i in items] == ["Run", "Run"]
+    b.tap = lambda _p, f, outcome, n: seen.append((f.target, f.body(), outcome, n))
+    assert b.handle_many(tx, items, 0.0) == len(items)  # type: ignore[arg-type]
+    assert seen == ([("G", i, "delivered", 1) for i in range(5)]
+                    + [("Nobody", i, "no-recipient", 0) for i in range(5, 8)])
+    assert len(rx.outq) == 1  # the run, as one buffer
     assert [f.body() for f in drain(rx)] == list(range(5))
+    assert tx.msgs_in == 8 and rx.msgs_out == 5
 
 
 def test_large_self_stamped_frame_is_not_copied() -> None:
