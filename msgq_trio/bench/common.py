@@ -112,6 +112,19 @@ def emit(result: Mapping[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def asyncio_role(fn: Callable[[Spec], Any]) -> RoleFn:
+    """A worker role from ``async fn(spec)`` (the asyncio peers' clients): runs it in a
+    fresh event loop and returns its result."""
+
+    def role(spec: Spec) -> dict[str, Any]:
+        import asyncio  # only the asyncio workers need it
+
+        result: dict[str, Any] = asyncio.run(fn(spec))
+        return result
+
+    return role
+
+
 def worker_main(roles: Mapping[str, RoleFn], argv: list[str] | None = None) -> int:
     """Run the role named in the spec and print its RESULT; the ``__main__`` of workers."""
     args = sys.argv[1:] if argv is None else argv

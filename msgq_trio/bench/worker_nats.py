@@ -18,7 +18,7 @@ from typing import Any
 import nats
 import nats.errors
 
-from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
+from .common import Deadline, Spec, asyncio_role, payloads, ready, wait_go, worker_main
 
 SUBJECT = "bench.data"
 ECHO = "bench.echo"
@@ -146,15 +146,8 @@ async def _requester(spec: Spec) -> dict[str, Any]:
     return out
 
 
-def _run(fn: Any) -> Any:
-    def role(spec: Spec) -> dict[str, Any]:
-        result: dict[str, Any] = asyncio.run(fn(spec))
-        return result
-    return role
-
-
-ROLES = {"sub": _run(_sub), "pub": _run(_pub), "responder": _run(_responder),
-         "requester": _run(_requester)}
+ROLES = {"sub": asyncio_role(_sub), "pub": asyncio_role(_pub),
+         "responder": asyncio_role(_responder), "requester": asyncio_role(_requester)}
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))
