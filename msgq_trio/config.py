@@ -18,6 +18,11 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ValueError(f"{attr.name} must be a positive number, got {value!r}")
 
 
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attr.name} must be a non-negative integer, got {value!r}")
+
+
 @attrs.frozen
 class Limits:
     """Bounds the broker enforces. Each is checked before memory is spent.
@@ -58,6 +63,13 @@ class Limits:
     * ``max_fds_queued`` 1,024 per receiver: descriptors waiting in the broker for one
       client (dbus-daemon: 64 system / 4,096 session bus per connection). A receiver that
       would exceed it is treated like one over ``out_hard_limit``.
+    * ``socket_send_buffer`` 1 MiB: SO_SNDBUF asked for each client socket (the kernel
+      doubles it; 0 keeps the kernel default, 208 KiB here). A Unix stream socket carries at
+      most this much in flight, so with the default every 4 MiB frame needs ~20 wakeups per
+      hop; 1 MiB measured 2.4x the throughput of trio send/recv of 4 MiB messages (933 →
+      2,388 MB/s). The kernel only charges it while bytes are in flight, and it is capped
+      by ``net.core.wmem_max``. It is on top of ``out_soft_limit``: a stopped reader holds up
+      to that plus twice this much for its senders.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -73,6 +85,7 @@ class Limits:
     shutdown_grace: float = attrs.field(default=2.0, validator=_positive)
     max_fds_per_message: int = attrs.field(default=253, validator=_positive)
     max_fds_queued: int = attrs.field(default=1024, validator=_positive)
+    socket_send_buffer: int = attrs.field(default=1 * MiB, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:

@@ -35,6 +35,19 @@ def translate_socket_errors() -> Iterator[None]:
         raise trio.BrokenResourceError(f"socket error: {exc}") from exc
 
 
+def set_send_buffer(sock: pysocket.socket | trio.socket.SocketType, size: int) -> None:
+    """Ask for an SO_SNDBUF of ``size`` bytes (0: keep the kernel's default).
+
+    On a Unix stream socket the sender's buffer bounds the bytes in flight, so the default
+    (208 KiB) makes a multi-megabyte frame cost a wakeup per 208 KiB on each hop (see
+    ``Limits.socket_send_buffer``). The kernel caps the value at ``net.core.wmem_max``
+    without an error; a failure to set it is not worth failing a connection over.
+    """
+    if size:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, size)
+
+
 #: Buffers at least this large are sent as they are instead of being copied into a join.
 NO_JOIN = 64 * 1024
 

@@ -41,6 +41,7 @@ from .errors import (
     close_fds,
     receive_with_fds,
     send_buffers,
+    set_send_buffer,
     translate_socket_errors,
 )
 
@@ -281,6 +282,7 @@ class Server:
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         self.n_connections += 1
         pid = uid = gid = -1
+        set_send_buffer(stream.socket, self.limits.socket_send_buffer)
         try:
             with translate_socket_errors():
                 pid, uid, gid = _PEERCRED.unpack(

@@ -323,19 +323,25 @@ def encode_simple(
     request_id: int = 0,
     flags: int = 0,
     source: bytes = b"",
+    body_head: tuple[bytes, int] | None = None,
 ) -> bytes:
     """Fast path of :func:`encode_frame` for a frame without attachments.
 
     ``target`` is already UTF-8 encoded (callers cache it); ``source`` is the sender's
     own stamp (``lname NUL name``, see docs/PROTOCOL.md) or empty. Returns one bytes object.
+    With ``body_head=(head, n)``, ``body`` must be empty: the frame declares a body of
+    ``len(head) + n`` bytes and ends with ``head``; the caller sends the ``n`` bytes after it.
     """
     tl = len(target)
     sl = len(source)
     if tl > _U16 or sl > _U16:
         raise LocalProtocolError("target or source longer than 65535 bytes")
+    blen = len(body)
+    if body_head is not None:
+        body, blen = body_head[0], len(body_head[0]) + body_head[1]
     return (
         PREFIX.pack(
-            _FIXED_AFTER_LENGTH + tl + sl + len(header) + len(body),
+            _FIXED_AFTER_LENGTH + tl + sl + len(header) + blen,
             type,
             flags,
             tl,
@@ -345,13 +351,42 @@ def encode_simple(
             0,
             request_id,
             len(header),
-            len(body),
+            blen,
         )
         + target
         + source
         + header
         + body
     )
+
+
+def cbor_bytes_head(n: int) -> bytes:
+    """The CBOR head of a definite-length byte string of ``n`` bytes (major type 2)."""
+    if n < 24:
+        return bytes((0x40 + n,))
+    if n < 0x100:
+        return bytes((0x58, n))
+    if n < 0x10000:
+        return b"\x59" + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return b"\x5a" + n.to_bytes(4, "big")
+    return b"\x5b" + n.to_bytes(8, "big")
+
+
+def encode_bytes_message(
+    type: int, target: bytes, payload: bytes, source: bytes = b""
+) -> list[bytes]:
+    """A frame whose body is the CBOR byte string ``payload``, as two pieces: everything
+    before the payload, then ``payload`` itself (not copied).
+
+    For large binary bodies: :func:`encode_simple` would copy the payload twice (the CBOR
+    encoding and the join), each into freshly faulted pages. The caller's writer sends
+    both pieces with one ``sendmsg``. Same output bytes as :func:`encode_simple` with
+    ``cbor2.dumps(payload)``.
+    """
+    head = cbor_bytes_head(len(payload))
+    return [encode_simple(type, target, b"", source=source, body_head=(head, len(payload))),
+            payload]
 
 
 def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:

@@ -483,3 +483,24 @@ def test_truncated_bytes_body_is_a_protocol_error(body: bytes) -> None:
     """Byte-string heads that do not fill the body section exactly are rejected."""
     with pytest.raises(RemoteProtocolError):
         parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body)).body()
+
+
+@pytest.mark.parametrize(
+    "n", [0, 1, 23, 24, 255, 256, 65535, 65536, 70_000, 4 * 1024 * 1024]
+)
+def test_encode_bytes_message_is_encode_simple_of_the_cbor_bytes(n: int) -> None:
+    """The two-piece large-body encoding is byte-identical to the one-piece one, at every
+    CBOR head width, and its second piece is the caller's payload object (not a copy)."""
+    payload = random.randbytes(n)
+    pieces = framing.encode_bytes_message(
+        int(FrameType.MESSAGE), b"Grp", payload, source=b"l.7\0me"
+    )
+    assert pieces[1] is payload
+    whole = framing.encode_simple(
+        int(FrameType.MESSAGE), b"Grp", cbor2.dumps(payload), source=b"l.7\0me"
+    )
+    assert b"".join(pieces) == whole
+    parser = framing.FrameParser()
+    parser.feed(whole)
+    frame = parser.next_frame()
+    assert frame is not None and frame.body() == payload and frame.source == b"l.7\0me"
