@@ -37,9 +37,9 @@ from ..errors import (
 )
 from ..io.errors import (
     NO_JOIN,
+    SocketReceiver,
     ancillary_size,
     close_fds,
-    receive_with_fds,
     send_buffers,
     set_send_buffer,
     translate_socket_errors,
@@ -417,6 +417,10 @@ class Bus:
         self._since_yield = 0
         self._broker_goodbye = trio.Event()
         self._writing = False
+        # True while the reader handles one receive's frames: answers that handlers give
+        # meanwhile are queued and written together after the batch (one write for a
+        # burst of requests instead of one per answer).
+        self._deferring = False
         self._lost_event = trio.Event()
         self._fd = stream.socket.fileno()
 
@@ -522,6 +526,8 @@ class Bus:
         for p in pieces:
             out.append(p)
             self._out_bytes += len(p)
+        if self._deferring:
+            return  # the reader writes the batch's answers when it is done with it
         self._send_now()
         if out and self._out_wake:
             self._out_wake.unpark_all()
@@ -693,8 +699,10 @@ class Bus:
         try:
             # The broker enforces the deadline and answers `timeout` itself; the local
             # limit (deadline + 1 s) only covers a broker that stopped answering at all.
-            limit = math.inf if timeout is None else timeout + 1.0
-            with trio.move_on_after(limit):
+            if timeout is None:
+                await call.done.wait()  # the common path needs no cancel scope
+                return
+            with trio.move_on_after(timeout + 1.0):
                 await call.done.wait()
             if not call.done.is_set():
                 call.fail(
@@ -1188,29 +1196,37 @@ class Bus:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
     async def _reader(self) -> None:
-        conn, stream = self._conn, self._stream
-        sock = stream.socket
-        ancsize = ancillary_size(self._max_fds)
+        conn = self._conn
+        rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._max_fds))
+        receive = rx.receive
         received = False  # first pass: frames buffered behind WELCOME
         try:
             while True:
                 if received:
-                    data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                    data, fds = await receive()
                     conn.receive_data(data, fds)
                 else:
                     data, received = b"-", True
                 inq, sources = self._in, self._sources
-                for ev in conn.events():
-                    if ev is EOF:
-                        self._broker_goodbye.set()
-                        self._fail_all(ConnectionLost("the broker closed the connection"))
-                        return
-                    assert isinstance(ev, Frame)
-                    if ev.type == _MESSAGE:  # hot path: straight to the application's queue
-                        inq.append(Message(ev, sources))
-                        self._in_bytes += len(ev.raw)
-                    else:
-                        self._dispatch(ev)
+                self._deferring = True
+                try:
+                    for ev in conn.events():
+                        if ev is EOF:
+                            self._broker_goodbye.set()
+                            self._fail_all(ConnectionLost("the broker closed the connection"))
+                            return
+                        assert isinstance(ev, Frame)
+                        if ev.type == _MESSAGE:  # hot path: straight to the application
+                            inq.append(Message(ev, sources))
+                            self._in_bytes += len(ev.raw)
+                        else:
+                            self._dispatch(ev)
+                finally:
+                    self._deferring = False
+                    if self._out:
+                        self._send_now()
+                        if self._out and self._out_wake:
+                            self._out_wake.unpark_all()
                 if self._in and self._in_wake:
                     self._in_wake.unpark_all()
                 if conn.error_pending:
@@ -1228,6 +1244,7 @@ class Bus:
             log.error("broker violated the protocol: %s", exc)
             self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
         finally:
+            rx.close()
             close_fds(conn.take_orphan_fds())
 
     def _dispatch(self, frame: Frame) -> None:

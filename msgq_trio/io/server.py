@@ -37,6 +37,7 @@ from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame
 from .errors import (
     ACCEPT_CAPACITY_ERRNOS,
+    SocketReceiver,
     ancillary_size,
     close_fds,
     receive_with_fds,
@@ -450,11 +451,19 @@ class Server:
 
     async def _reader(self, pc: PeerConnection) -> bool:
         """Read and route until EOF (False) or the client's GOODBYE (True)."""
-        stream, conn, peer, core = pc.stream, pc.conn, pc.peer, self.core
+        rx = SocketReceiver(
+            pc.stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
+        )
+        try:
+            return await self._read_loop(pc, rx)
+        finally:
+            rx.close()
+
+    async def _read_loop(self, pc: PeerConnection, rx: SocketReceiver) -> bool:
+        conn, peer, core = pc.conn, pc.peer, self.core
         handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout
-        sock = stream.socket
-        ancsize = ancillary_size(self.limits.max_fds_per_message)
+        receive = rx.receive
         # Frames pipelined right behind HELLO are already buffered: the first pass
         # handles them before waiting for more data.
         received = False
@@ -462,7 +471,7 @@ class Server:
             if received:
                 if conn.in_frame:
                     with trio.move_on_after(idle_in_frame) as cs:
-                        data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                        data, fds = await receive()
                     if cs.cancelled_caught:
                         raise RemoteProtocolError(
                             f"stalled in the middle of a frame for {idle_in_frame} s "
@@ -470,7 +479,7 @@ class Server:
                             ErrorCode.PROTOCOL_ERROR,
                         )
                 else:
-                    data, fds = await receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+                    data, fds = await receive()
                 if not data:
                     close_fds(fds)
                     if conn.in_frame:

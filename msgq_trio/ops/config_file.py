@@ -50,6 +50,7 @@ NEW_CONNECTIONS_ONLY = frozenset(
         "limits.idle_in_frame_timeout",
         "limits.handshake_timeout",
         "limits.max_fds_per_message",
+        "limits.socket_send_buffer",
     }
 )
 
