@@ -754,16 +754,17 @@ class Engine:
             self.store_full = True  # no staging until the service says to retry
             self._unstage(pipe, ops + pipe.staged, out)
         else:
-            it = iter(seqs)
+            stored = zip(work.chunks, seqs, strict=True)
             for op in ops:
                 size = len(op.data)
                 if size:
-                    pipe.chunks.append(op.data if isinstance(op.data, bytes)
-                                       else bytes(op.data))
+                    (end, data), seq = next(stored)
+                    pipe.chunks.append(data)  # the copy made for the store
                     pipe.starts.append(pipe.end)
                     pipe.end += size
+                    assert pipe.end == end, (pipe.end, end)
                     pipe.total_in += size
-                    pipe.stored.append((pipe.end, next(it)))
+                    pipe.stored.append((end, seq))
                 out.append(Done(op.token, "ok", n=size))
         low = self._low(pipe)
         if pipe.staged or low != pipe.durable or (pipe.stored and pipe.stored[0][0] <= low):
