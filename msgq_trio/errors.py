@@ -128,6 +128,14 @@ class PipeBroken(RpcError):
     code = ErrorCode.PIPE_BROKEN.value
 
 
+class PipeMismatch(RpcError):
+    """An open asked for a persistent pipe where the pipe exists (or is configured) as a
+    plain one, or the reverse: the first open, or the plugin's configuration, decides.
+    Open it without ``persistent`` to take it as it is, or use another name."""
+
+    code = ErrorCode.PIPE_MISMATCH.value
+
+
 class PipeTimeout(TimeoutError):
     """A pipe read or write did not complete within its timeout. Not an error of the
     pipe (which stays usable) and not end of pipe (a read returns b"" for that).
@@ -168,6 +176,7 @@ _BY_CODE: dict[str, type[RpcError]] = {
         LimitExceeded,
         QueueFull,
         PipeBroken,
+        PipeMismatch,
     )
 }
 

@@ -18,6 +18,10 @@ Vocabulary used by every docstring below:
 * **durable when it returns** -- after a write method returns, its effect survives the
   process being killed, and, for a backend that syncs (``LmdbQueueStore(sync=True)``),
   the machine losing power. A write method that raises has written nothing.
+* **cursor** -- one unsigned 64-bit integer per queue that the consumer stores together
+  with its deletes (``delete_batch(..., cursor=)``), in the same transaction, and reads
+  back after a restart (``cursor``). The store does not interpret it (the pipe plugin
+  keeps the byte offset its readers consumed up to: docs/PIPES.md). 0 until first set.
 * **since open** -- some statistics are counters of this store object only; they start at
   0 each time the store is opened.
 """
@@ -199,17 +203,24 @@ class QueueStore(Protocol):
         """
         ...
 
-    def delete_batch(self, queue: str, seqs: Collection[int]) -> int:
+    def delete_batch(
+        self, queue: str, seqs: Collection[int], *, cursor: int | None = None
+    ) -> int:
         """Remove the messages ``seqs`` (acked) from ``queue`` in one transaction.
 
         Seqs that are not stored (never assigned, already deleted, moved) are ignored and
-        counted in ``QueueStats.unknown_deleted``; a seq given twice counts once.
+        counted in ``QueueStats.unknown_deleted``; a seq given twice counts once. With
+        ``cursor`` given, the queue's cursor is set to it in the same transaction, so the
+        removals and the new cursor are durable together or not at all.
 
         Returns:
             The number of messages removed.
         Raises:
-            ValueError: a seq is negative or does not fit in 64 bits.
-        Durable when it returns, with the messages' delivery counts.
+            ValueError: a seq or ``cursor`` is negative or does not fit in 64 bits.
+            TypeError: ``cursor`` is not an int (or None).
+        Durable when it returns, with the messages' delivery counts and the cursor. A
+        call that removes nothing and leaves the cursor as it was writes and syncs
+        nothing.
         """
         ...
 
@@ -222,6 +233,10 @@ class QueueStore(Protocol):
         Raises:
             ValueError: ``start_seq`` or ``limit`` is negative.
         """
+        ...
+
+    def cursor(self, queue: str) -> int:
+        """Return the cursor of ``queue`` (see the module docstring); 0 if never set."""
         ...
 
     def increment_delivery(self, queue: str, seqs: Collection[int]) -> dict[int, int]:

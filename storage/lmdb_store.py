@@ -6,6 +6,8 @@ order is numeric order and a queue's messages are contiguous and sorted by seq):
 * ``queues``:    queue name (UTF-8)            -> qid (u32; 1, 2, ... in declaration order)
 * ``meta``:      qid (u32)                     -> next_seq, depth, bytes (3 x u64)
                  b"format"                     -> the layout version, checked at open
+                 b"cursor" + qid (u32)         -> the queue's cursor (u64); absent means 0
+                 (added without a format change: older stores simply have no cursor)
 * ``messages``:  qid (u32) + seq (u64)         -> producer_seq (u64), producer length (u16),
                                                   producer (UTF-8), body
 * ``producers``: qid (u32) + producer (UTF-8)  -> highest producer_seq stored (u64)
@@ -77,6 +79,9 @@ _T = TypeVar("_T")
 _Txn: TypeAlias = "lmdb.Transaction[bytes]"
 
 _FORMAT_KEY = b"format"
+#: Prefix of the cursor records in ``meta``: 10-byte keys, distinct from the 4-byte qid
+#: keys and from ``format``.
+_CURSOR_KEY = b"cursor"
 _FORMAT = b"msgq_trio.storage.lmdb/1"
 
 _U32 = struct.Struct(">I")
@@ -490,8 +495,12 @@ class LmdbQueueStore(LockedStore):
             counters[name].batches = 1
         return _Outcome(result, changed_queues, counters)
 
-    def delete_batch(self, queue: str, seqs: Collection[int]) -> int:
+    def delete_batch(
+        self, queue: str, seqs: Collection[int], *, cursor: int | None = None
+    ) -> int:
         wanted = check_seqs(seqs)
+        if cursor is not None:
+            check_int(cursor, "cursor", 0)
         with self._lock:
             self._check_open()
 
@@ -509,12 +518,34 @@ class LmdbQueueStore(LockedStore):
                     meta.depth -= 1
                     meta.bytes -= self._checked_body_size(value)
                 counters = {queue: Counters(deleted=removed, unknown_deleted=len(wanted) - removed)}
-                if not removed:
+                moved = False
+                if cursor is not None:
+                    key = _CURSOR_KEY + _U32.pack(meta.qid)
+                    if self._load_cursor(txn, key) != cursor:
+                        if not txn.put(key, _U64.pack(cursor), db=self._meta_db):
+                            raise StorageCorrupt(f"LMDB refused the cursor of {queue!r}")
+                        moved = True
+                if not removed and not moved:
                     return _Outcome(0, set(), counters)
-                self._store_meta(txn, meta)
+                if removed:
+                    self._store_meta(txn, meta)
                 return _Outcome(removed, {queue}, counters)
 
             return self._write(body)
+
+    def _load_cursor(self, txn: _Txn, key: bytes) -> int:
+        stored = txn.get(key, db=self._meta_db)
+        return 0 if stored is None else _decode_u64(stored, "cursor")
+
+    def cursor(self, queue: str) -> int:
+        with self._lock:
+            self._check_open()
+
+            def body(txn: _Txn) -> int:
+                qid = self._qid(queue)
+                return self._load_cursor(txn, _CURSOR_KEY + _U32.pack(qid))
+
+            return self._read(body)
 
     @staticmethod
     def _checked_body_size(value: bytes) -> int:

@@ -43,6 +43,7 @@ class _Queue:
     # Absent means 0, as in the LMDB backend.
     delivery: dict[int, int] = attrs.Factory(dict)
     producers: dict[str, int] = attrs.Factory(dict)
+    cursor: int = 0
 
 
 @attrs.define
@@ -143,8 +144,12 @@ class MemoryQueueStore(LockedStore):
                 self._count(name).add(counters)
             return result
 
-    def delete_batch(self, queue: str, seqs: Collection[int]) -> int:
+    def delete_batch(
+        self, queue: str, seqs: Collection[int], *, cursor: int | None = None
+    ) -> int:
         wanted = check_seqs(seqs)
+        if cursor is not None:
+            check_int(cursor, "cursor", 0)
         with self._lock:
             self._check_open()
             q = self._queue(queue)
@@ -153,12 +158,20 @@ class MemoryQueueStore(LockedStore):
                 if q.messages.pop(seq, None) is not None:
                     q.delivery.pop(seq, None)
                     removed += 1
+            moved = cursor is not None and cursor != q.cursor
+            if cursor is not None:
+                q.cursor = cursor
             counters = self._count(queue)
             counters.deleted += removed
             counters.unknown_deleted += len(wanted) - removed
-            if removed:
+            if removed or moved:
                 counters.fsyncs += 1
             return removed
+
+    def cursor(self, queue: str) -> int:
+        with self._lock:
+            self._check_open()
+            return self._queue(queue).cursor
 
     def read_range(self, queue: str, start_seq: int, limit: int) -> list[StoredMessage]:
         check_int(start_seq, "start_seq", 0)

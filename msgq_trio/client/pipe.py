@@ -6,6 +6,13 @@
 :class:`SyncPipeWriter` are their file-like faces for the synchronous client, and
 :func:`run_cli` is ``msgq-trio pipe read|write NAME``.
 
+Persistent pipes (``persistent=True``, docs/PIPES.md): a reader tells the plugin how many
+bytes it returned to its caller (``consumed``, with each read request and with the
+close); bytes it received but did not return -- read-ahead, reads in flight, a crash --
+go to the next reader. ``PipeReader.offset`` gives each byte's place in the pipe, for an
+application that wants exactly-once (it records the offset with what it did with the
+bytes and drops bytes below it after a restart).
+
 Why reads and writes survive cancellation: a read is one request to the plugin, which
 takes the bytes out of the pipe when it answers. If the caller's task were cancelled and
 the answer dropped, those bytes would be lost. So the request in flight belongs to the
@@ -80,7 +87,8 @@ class Pipe:
         return dict(info)
 
     async def open_reader(self, *, readers: str | None = None,
-                          readahead: int = DEFAULT_READAHEAD) -> PipeReader:
+                          readahead: int = DEFAULT_READAHEAD,
+                          persistent: bool | None = None) -> PipeReader:
         """Attach a reader.
 
         Args:
@@ -89,29 +97,43 @@ class Pipe:
                 creator chooses, later opens must agree (None: accept what exists,
                 ``share`` for a new pipe).
             readahead: see ``DEFAULT_READAHEAD``.
+            persistent: True/False: the pipe must be (or is created) persistent / plain;
+                None: take it as it is (plain for a new pipe, unless configured).
 
         Raises:
-            RemoteError(bad-request): the pipe exists in the other mode. NoRecipient: the
-            pipe plugin is not running. LimitExceeded: too many pipes.
+            RemoteError(bad-request): the pipe exists in the other mode, or persistent
+            pipes are not enabled (no ``dir``). PipeMismatch: the pipe exists (or is
+            configured) with the other ``persistent``. NoRecipient: the pipe plugin is
+            not running. LimitExceeded: too many pipes.
         """
-        info = await self._open({"mode": "r", "readers": readers})
+        params: dict[str, Any] = {"mode": "r", "readers": readers}
+        if persistent is not None:
+            params["persistent"] = persistent
+        info = await self._open(params)
         return PipeReader(self, info, readahead)
 
     async def open_writer(self, *, readers: str | None = None, on_reader_gone: str = "fail",
-                          window: int = DEFAULT_WINDOW) -> PipeWriter:
+                          window: int = DEFAULT_WINDOW,
+                          persistent: bool | None = None) -> PipeWriter:
         """Attach a writer.
 
         Args:
             readers: the readers' mode if this open creates the pipe (see open_reader).
             on_reader_gone: ``"fail"`` (default, like EPIPE): once every reader has
                 left, writes fail :class:`PipeBroken`; ``"wait"``: writes wait for the
-                next reader.
+                next reader. Persistent pipes ignore it: their writes are stored
+                whether a reader is attached or not.
             window: chunks in flight (see ``DEFAULT_WINDOW``).
+            persistent: see :meth:`open_reader`. A write to a persistent pipe is
+                answered once it is durable (committed to the plugin's store).
         """
         if window < 1:
             raise UsageError("window must be >= 1")
-        info = await self._open({"mode": "w", "readers": readers,
-                                 "on_reader_gone": on_reader_gone})
+        params: dict[str, Any] = {"mode": "w", "readers": readers,
+                                  "on_reader_gone": on_reader_gone}
+        if persistent is not None:
+            params["persistent"] = persistent
+        info = await self._open(params)
         return PipeWriter(self, info, min(window, int(info.get("max_pending", 16)) - 1 or 1))
 
 
@@ -122,6 +144,7 @@ class _End:
         self.name = pipe.name
         self.handle = int(info["handle"])
         self.readers = str(info["readers"])
+        self.persistent = bool(info.get("persistent", False))
         self.max_chunk = int(info["max_chunk"])
         self._max_hold = float(info["max_hold"])
         self._closed = False
@@ -156,13 +179,15 @@ class _End:
     def _hold(self, deadline: float) -> float:
         return max(0.0, min(deadline - trio.current_time(), self._max_hold))
 
-    async def _close_handle(self, inflight: list[tuple[int, _Call]]) -> None:
+    async def _close_handle(self, inflight: list[tuple[int, _Call]],
+                            params: dict[str, Any] | None = None) -> None:
         """Detach the handle (shielded, at most 5 s); the plugin answers the requests
         still in ``inflight`` before the close, so their slots are freed here."""
         with trio.move_on_after(5) as cs:
             cs.shield = True
             try:
-                await self._bus.call(self._pipe.group, "pipe.close", {"h": self.handle})
+                await self._bus.call(self._pipe.group, "pipe.close",
+                                     {"h": self.handle, **(params or {})})
             except (MsgqError, trio.ClosedResourceError):
                 pass  # the handle is already gone with the plugin or the connection
         for rid, _call in inflight:
@@ -177,7 +202,8 @@ class PipeReader(_End, trio.abc.ReceiveStream):
     for are kept for the next read; nothing is ever dropped.
 
     Resource handling: ``aclose()`` (or ``async with``) detaches the reader; bytes it had
-    taken but not returned are discarded with it.
+    taken but not returned are discarded with it (a persistent pipe's go to the next
+    reader: only the bytes ``read`` returned count as consumed).
     """
 
     def __init__(self, pipe: Pipe, info: dict[str, Any], readahead: int) -> None:
@@ -187,6 +213,17 @@ class PipeReader(_End, trio.abc.ReceiveStream):
         self._buf = memoryview(b"")
         self._inflight: deque[tuple[int, _Call]] = deque()
         self._eofs = 0  # ends of pipe returned so far (the plugin's Rule 5)
+        self._consumed = 0  # persistent pipes: bytes returned to the caller (Rule P3)
+        self._next_at: int | None = None  # persistent pipes: offset of _buf's next byte
+
+    @property
+    def offset(self) -> int | None:
+        """Persistent pipes: the offset in the pipe just after the last byte ``read``
+        returned (so that read's bytes were ``[offset - len(data), offset)``); None before
+        the first byte and on plain pipes. Offsets count every byte ever written to the
+        pipe; bytes served again after a reader crashed come with their first offsets.
+        """
+        return self._next_at
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         """``trio.abc.ReceiveStream`` API: :meth:`read` without a timeout."""
@@ -213,9 +250,11 @@ class PipeReader(_End, trio.abc.ReceiveStream):
             while True:
                 ask = min(max(want, self._readahead), self.max_chunk)
                 while len(inflight) < self._depth:
-                    inflight.append(self._start("pipe.read", {
-                        "h": self.handle, "n": ask, "timeout": self._hold(deadline),
-                        "eofs": self._eofs}))
+                    params = {"h": self.handle, "n": ask, "timeout": self._hold(deadline),
+                              "eofs": self._eofs}
+                    if self.persistent:
+                        params["consumed"] = self._consumed
+                    inflight.append(self._start("pipe.read", params))
                 try:
                     call = await self._wait(inflight[0])
                 finally:
@@ -225,6 +264,8 @@ class PipeReader(_End, trio.abc.ReceiveStream):
                 if "n" in body:
                     assert call.frame is not None
                     self._buf = call.frame.blobs()[0]
+                    if "at" in body:
+                        self._next_at = int(body["at"])
                     return self._take(want)
                 if body.get("eof"):
                     self._eofs += 1
@@ -243,6 +284,10 @@ class PipeReader(_End, trio.abc.ReceiveStream):
     def _take(self, n: int) -> bytes:
         data = bytes(self._buf[:n])
         self._buf = self._buf[n:]
+        if self.persistent:
+            self._consumed += len(data)
+            if self._next_at is not None:
+                self._next_at += len(data)
         return data
 
     async def aclose(self) -> None:
@@ -251,7 +296,8 @@ class PipeReader(_End, trio.abc.ReceiveStream):
             return
         self._closed = True
         self._buf = memoryview(b"")
-        await self._close_handle(list(self._inflight))
+        await self._close_handle(list(self._inflight),
+                                 {"consumed": self._consumed} if self.persistent else None)
         self._inflight.clear()
 
 
@@ -432,18 +478,23 @@ class SyncPipe:
         self._pipe = pipe
 
     def open_reader(self, *, readers: str | None = None, timeout: float | None = None,
-                    readahead: int = DEFAULT_READAHEAD) -> SyncPipeReader:
+                    readahead: int = DEFAULT_READAHEAD,
+                    persistent: bool | None = None) -> SyncPipeReader:
         """A binary file open for reading (``read``, ``readinto``, ``readline``, iteration;
         b"" at end of pipe); every read waits at most ``timeout`` (then TimeoutError,
-        the :class:`PipeTimeout`)."""
-        r = self._run(self._pipe.open_reader, readers=readers, readahead=readahead)
+        the :class:`PipeTimeout`). ``persistent`` as in :meth:`Pipe.open_reader`."""
+        r = self._run(self._pipe.open_reader, readers=readers, readahead=readahead,
+                      persistent=persistent)
         return SyncPipeReader(self._run, r, timeout)
 
     def open_writer(self, *, readers: str | None = None, on_reader_gone: str = "fail",
-                    timeout: float | None = None) -> SyncPipeWriter:
+                    timeout: float | None = None,
+                    persistent: bool | None = None) -> SyncPipeWriter:
         """A binary file open for writing; ``write`` returns once the pipe accepted the
-        bytes (or raises PipeTimeout after ``timeout``)."""
-        w = self._run(self._pipe.open_writer, readers=readers, on_reader_gone=on_reader_gone)
+        bytes (or raises PipeTimeout after ``timeout``); ``persistent`` as in
+        :meth:`Pipe.open_writer` (then accepted means durable)."""
+        w = self._run(self._pipe.open_writer, readers=readers, on_reader_gone=on_reader_gone,
+                      persistent=persistent)
         return SyncPipeWriter(self._run, w, timeout)
 
 
@@ -509,7 +560,8 @@ async def run_cli(args: argparse.Namespace) -> int:
             pipe = Pipe(bus, args.name)
             if args.action == "write":
                 w = await pipe.open_writer(readers=args.readers,
-                                           on_reader_gone=args.on_reader_gone)
+                                           on_reader_gone=args.on_reader_gone,
+                                           persistent=args.persistent or None)
                 async with w:
                     while True:
                         data = await trio.to_thread.run_sync(os.read, 0, w.max_chunk * 4)
@@ -521,7 +573,8 @@ async def run_cli(args: argparse.Namespace) -> int:
                             await w.write(data, args.timeout)
                     await w.flush(args.timeout)
             else:
-                r = await pipe.open_reader(readers=args.readers)
+                r = await pipe.open_reader(readers=args.readers,
+                                           persistent=args.persistent or None)
                 async with r:
                     while True:
                         data = await r.read(None, args.timeout)
@@ -553,3 +606,6 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                    help="write: fail (default) or wait for a new reader when readers left")
     p.add_argument("--timeout", type=float, default=None,
                    help="per read/write timeout in seconds (default: wait forever)")
+    p.add_argument("--persistent", action="store_true",
+                   help="the pipe is persistent (stored by the plugin: writes need no "
+                   "reader, the bytes outlive both ends and restarts; docs/PIPES.md)")

@@ -73,3 +73,6 @@ class ErrorCode(enum.StrEnum):
     #: or any operation on a pipe handle the plugin no longer knows (closed, or the pipe
     #: service restarted): the pipe is broken, like EPIPE; close it.
     PIPE_BROKEN = "pipe-broken"
+    #: An open asked a pipe to be persistent (or not) but it exists, or is configured,
+    #: the other way: the first open (or the configuration) decides (docs/PIPES.md).
+    PIPE_MISMATCH = "pipe-mismatch"

@@ -1,9 +1,10 @@
 """The named-pipe plugin (docs/PIPES.md): reliable, bounded byte streams between processes.
 
 Registered as entry point ``pipe`` of group ``msgq_trio.plugins``; enable it with a
-``[plugins.pipe]`` table (every key optional) or ``serve --plugin pipe``. Pipes live in
-the plugin's memory: they do not survive a plugin or broker restart (no persistent pipes,
-docs/PIPES.md says why).
+``[plugins.pipe]`` table (every key optional) or ``serve --plugin pipe``. Plain pipes
+live in the plugin's memory and do not survive a plugin or broker restart; persistent
+pipes (``persistent=True``, or configured) are stored in the LMDB directory ``dir`` and
+do (docs/PIPES.md, "Persistent pipes").
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class PipePlugin:
         self, socket: Path, settings: PipeSettings, *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Connect, serve the pipe commands until the bus connection ends."""
+        """Open the store (if ``dir`` is set), connect, serve the pipe commands until the
+        bus connection ends."""
         from .service import serve
 
         await serve(socket, settings, task_status=task_status)

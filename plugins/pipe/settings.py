@@ -9,10 +9,25 @@ import attrs
 
 from msgq_trio.core.router import valid_group_name
 
-__all__ = ["PipeSettings", "parse_settings"]
+__all__ = ["PipeOptions", "PipeSettings", "parse_settings"]
 
 KiB = 1 << 10
 MiB = 1 << 20
+GiB = 1 << 30
+
+
+@attrs.frozen
+class PipeOptions:
+    """One ``[plugins.pipe.pipes.NAME]`` table: what the operator fixes for a pipe name.
+
+    * ``persistent`` false: the pipe is persistent (its bytes are stored in ``dir`` and
+      survive both ends leaving and restarts); opens asking otherwise get
+      ``pipe-mismatch``. ``persistent = false`` forbids persistent opens of the name.
+    * ``max_stored`` (the plugin's ``max_stored``): this pipe's bound on stored bytes.
+    """
+
+    persistent: bool = False
+    max_stored: int | None = None
 
 
 @attrs.frozen
@@ -38,6 +53,25 @@ class PipeSettings:
     * ``trace`` false: log every open, close, disconnect, read and write (pipe name,
       client lname and name, sizes, timeouts) at INFO in the broker's log (seed 002 asks
       for it to see what applications do). Off by default: a line per chunk.
+
+    Persistent pipes (docs/PIPES.md, "Persistent pipes"):
+
+    * ``dir`` "" (none): the LMDB directory of persistent pipes (created if missing).
+      Required only to use persistent pipes: without it a persistent open is refused
+      ``bad-request``. No default on purpose, like the queue plugin's: durable data must
+      live where the operator decided, and it must not be the queue plugin's ``dir``
+      (one process owns a store directory; the plugin locks it).
+    * ``max_stored`` 64 MiB per persistent pipe: the bytes it holds (stored, and being
+      committed) before writers wait. A persistent pipe is a log of what writers wrote
+      while nobody read, and it is also held in the plugin's memory (loaded at start,
+      like the queue plugin's queues), so this bounds memory per pipe; 64 MiB is 16
+      ``max_buffer``s and fits the store's initial map without growing it.
+    * ``map_size`` 64 MiB / ``max_map_size`` 1 GiB: the store's initial map and the most
+      it doubles to (the queue plugin's defaults and reasons). A full map makes writers
+      wait (their writes time out, nothing is dropped) until readers consumed bytes.
+    * ``sync`` true: fsync every commit, so a write answered to its writer survives a
+      crash of the machine, not only of the plugin. false is for tests and benchmarks.
+    * ``pipes``: NAME -> :class:`PipeOptions`.
     """
 
     group: str = "msgq-pipe"
@@ -47,6 +81,12 @@ class PipeSettings:
     max_pending: int = 16
     max_pipes: int = 10_000
     trace: bool = False
+    dir: str = ""
+    max_stored: int = 64 * MiB
+    map_size: int = 64 * MiB
+    max_map_size: int = 1 * GiB
+    sync: bool = True
+    pipes: dict[str, PipeOptions] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         why = valid_group_name(self.group)
@@ -63,20 +103,53 @@ class PipeSettings:
             raise ValueError(f"max_pending = {self.max_pending}: must be >= 2")
         if self.max_pipes < 1:
             raise ValueError(f"max_pipes = {self.max_pipes}: must be >= 1")
+        if self.map_size < 1 * MiB or self.max_map_size < self.map_size:
+            raise ValueError(f"map_size = {self.map_size}, max_map_size = "
+                             f"{self.max_map_size}: need 1 MiB <= map_size <= max_map_size")
+        for where, bound in [("max_stored", self.max_stored)] + [
+                (f"pipes.{n}.max_stored", o.max_stored) for n, o in self.pipes.items()
+                if o.max_stored is not None]:
+            assert bound is not None
+            if not self.max_chunk <= bound < self.max_map_size:
+                raise ValueError(f"{where} = {bound}: need max_chunk ({self.max_chunk}) <= "
+                                 f"{where} < max_map_size ({self.max_map_size})")
+        for name, o in self.pipes.items():
+            if not name or len(name) > 255:
+                raise ValueError(f"pipes.{name!r}: pipe names are 1 to 255 characters")
+            if o.persistent and not self.dir:
+                raise ValueError(f"pipes.{name}.persistent = true needs dir (the store)")
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "group": (str,), "max_buffer": (int,), "max_chunk": (int,),
     "max_hold": (int, float), "max_pending": (int,), "max_pipes": (int,), "trace": (bool,),
+    "dir": (str,), "max_stored": (int,), "map_size": (int,), "max_map_size": (int,),
+    "sync": (bool,),
 }
+_PTYPES: dict[str, tuple[type, ...]] = {"persistent": (bool,), "max_stored": (int,)}
+
+
+def _check(table: Mapping[str, Any], types: Mapping[str, tuple[type, ...]],
+           where: str) -> None:
+    for k, v in table.items():
+        if k not in types:
+            raise ValueError(f"unknown key {where}{k!r} (known: {', '.join(types)})")
+        t = types[k]
+        if not isinstance(v, t) or (isinstance(v, bool) and bool not in t):
+            raise ValueError(f"{where}{k} = {v!r}: must be {' or '.join(x.__name__ for x in t)}")
 
 
 def parse_settings(table: Mapping[str, Any]) -> PipeSettings:
     """Settings from the ``[plugins.pipe]`` table. Raises ValueError naming the key."""
-    for k, v in table.items():
-        if k not in _TYPES:
-            raise ValueError(f"unknown key {k!r} (known: {', '.join(_TYPES)})")
-        types = _TYPES[k]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            raise ValueError(f"{k} = {v!r}: must be {' or '.join(t.__name__ for t in types)}")
-    return PipeSettings(**table)
+    kwargs = dict(table)
+    pipes = kwargs.pop("pipes", {})
+    _check(kwargs, _TYPES, "")
+    if not isinstance(pipes, Mapping):
+        raise ValueError("pipes must be a table of tables")
+    options = {}
+    for name, t in pipes.items():
+        if not isinstance(t, Mapping):
+            raise ValueError(f"pipes.{name} must be a table")
+        _check(t, _PTYPES, f"pipes.{name}.")
+        options[name] = PipeOptions(**t)
+    return PipeSettings(**kwargs, pipes=options)

@@ -17,7 +17,13 @@ PEER = Path(__file__).with_name("pipe_peer.py")
 
 
 def write_pipe_config(path: Path, **settings: Any) -> Path:
+    """``[plugins.pipe]`` with ``settings``; ``pipes={NAME: {key: value}}`` becomes
+    ``[plugins.pipe.pipes.NAME]`` tables."""
+    pipes = settings.pop("pipes", {})
     lines = ["[plugins.pipe]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    for name, table in pipes.items():
+        lines.append(f"[plugins.pipe.pipes.{json.dumps(name)}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -4,6 +4,12 @@ Data is a pattern (byte at offset i is i % 251), so a reader checks every byte i
 against its offset: a lost, duplicated or reordered byte breaks the pattern. Prints
 ``open`` once attached, ``progress N`` every 16 MiB, and at the end ``wrote N`` /
 ``read N ok`` (or ``error TYPE: ...`` and exit status 1).
+
+With ``--persistent`` the pipe is opened persistent; the writer then uses ``write``
+(answered once durable) and prints ``acked N`` after each, and the reader checks each
+byte against its offset in the pipe (``PipeReader.offset``: a resumed reader starts
+where the plugin says), prints ``first OFFSET`` once and ``at OFFSET`` after each read,
+and fails if two reads are not contiguous.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import sys
 import trio
 
 import msgq_trio
+import msgq_trio.client.pipe
 from msgq_trio.errors import MsgqError
 
 P = 251
@@ -32,13 +39,18 @@ async def main(a: argparse.Namespace) -> int:
         pipe = bus.pipe(a.name)
         try:
             if a.role == "write":
-                w = await pipe.open_writer(on_reader_gone=a.on_reader_gone)
+                w = await pipe.open_writer(on_reader_gone=a.on_reader_gone,
+                                           persistent=a.persistent or None)
                 print("open", flush=True)
                 sent = 0
                 next_mark = PROGRESS
                 while a.total < 0 or sent < a.total:
                     n = a.chunk if a.total < 0 else min(a.chunk, a.total - sent)
-                    await w.send_all(pattern_at(sent, n))
+                    if a.persistent:
+                        await w.write(pattern_at(sent, n))
+                        print("acked", sent + n, flush=True)
+                    else:
+                        await w.send_all(pattern_at(sent, n))
                     sent += n
                     if sent >= next_mark:
                         print("progress", sent, flush=True)
@@ -46,8 +58,10 @@ async def main(a: argparse.Namespace) -> int:
                 await w.aclose()
                 print("wrote", sent, flush=True)
             else:
-                r = await pipe.open_reader(readers=a.readers)
+                r = await pipe.open_reader(readers=a.readers, persistent=a.persistent or None)
                 print("open", flush=True)
+                if a.persistent:
+                    return await read_persistent(r, a.pause)
                 got = 0
                 next_mark = PROGRESS
                 pause_mark = a.pause_every
@@ -73,6 +87,33 @@ async def main(a: argparse.Namespace) -> int:
     return 0
 
 
+async def read_persistent(r: msgq_trio.client.pipe.PipeReader, pause: float) -> int:
+    """Read to end of pipe, checking every byte against its offset in the pipe (and
+    sleeping ``pause`` seconds after each read)."""
+    at: int | None = None
+    while True:
+        data = await r.receive_some(65536)
+        if not data:
+            break
+        assert r.offset is not None
+        start = r.offset - len(data)
+        if at is None:
+            print("first", start, flush=True)
+        elif start != at:
+            print("error not contiguous: read at", start, "after", at, flush=True)
+            return 1
+        if data != pattern_at(start, len(data)):
+            print("error pattern broken at offset", start, flush=True)
+            return 1
+        at = r.offset
+        print("at", at, flush=True)
+        if pause:
+            await trio.sleep(pause)
+    await r.aclose()
+    print("read", at, "ok", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=["read", "write"])
@@ -83,4 +124,5 @@ if __name__ == "__main__":
     ap.add_argument("--on-reader-gone", default="fail")
     ap.add_argument("--pause-every", type=int, default=0, help="reader: pause after each N bytes")
     ap.add_argument("--pause", type=float, default=0.0)
+    ap.add_argument("--persistent", action="store_true")
     sys.exit(trio.run(main, ap.parse_args()))

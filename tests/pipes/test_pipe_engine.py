@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from msgq_trio.plugins.pipe.engine import PIPE_BROKEN, Done, Engine, Limits
+import pytest
+from msgq_trio.plugins.pipe.engine import (
+    PIPE_BROKEN,
+    PIPE_MISMATCH,
+    Commit,
+    Declared,
+    Done,
+    Engine,
+    EngineError,
+    Limits,
+)
 
 
 def engine(max_buffer: int = 1000, max_chunk: int = 100) -> Engine:
@@ -134,3 +144,163 @@ def test_engine_is_pure() -> None:
         elif isinstance(node, ast.ImportFrom):
             names.add(node.module or "")
     assert not {n for n in names if n.split(".")[0] == "trio" or n.startswith("msgq_trio.io")}
+
+
+# -- persistent pipes (Rules P1-P5) --------------------------------------------------------
+def pengine(max_stored: int = 1000, **declared: Declared) -> Engine:
+    return Engine(Limits(max_buffer=1000, max_chunk=100, max_hold=20.0, max_pending=16,
+                         max_pipes=100, max_stored=max_stored),
+                  declared=declared, can_persist=True)
+
+
+def commit_all(e: Engine, seq0: int = 1) -> tuple[list[Commit], list[Done]]:
+    """Run one commit as the service would, with a store that assigns seqs from seq0."""
+    work = e.take_commit()
+    out: list[Done] = []
+    nxt = seq0
+    for c in work:
+        seqs = list(range(nxt, nxt + len(c.chunks)))
+        nxt += len(c.chunks)
+        out += e.committed(c, seqs, True)
+    return work, out
+
+
+def test_persistent_writes_need_no_reader_and_are_visible_once_committed() -> None:
+    """Rules P2: a persistent pipe accepts writes with no reader attached, but a write is
+    answered and readable only after its commit; the reader gets each byte's offset."""
+    e = pengine()
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    assert e.write("l.1", w.handle, "w1", b"hello", 1, False, 10, 0.0) == []
+    r, _ = e.open("l.2", "p", "r", None, "fail")
+    assert e.read("l.2", r.handle, "r1", 10, 10, 0.0) == []  # staged: not visible
+    work, out = commit_all(e)
+    assert [(c.name, c.chunks, c.deletes, c.cursor) for c in work] == \
+        [("p", [(5, b"hello")], [], None)]
+    assert kinds(out) == [("w1", "ok"), ("r1", "data")]
+    assert (bytes(out[1].data), out[1].at) == (b"hello", 0)
+
+
+def test_unacked_bytes_of_a_crashed_reader_are_served_again() -> None:
+    """Rule P3: bytes answered to a reader that leaves without acking them go to the
+    next reader first; acked bytes do not, and the consumed offset (cursor) and the
+    deletes follow the acks only."""
+    e = pengine()
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    for s, data in enumerate([b"aaaa", b"bbbb", b"cccc"], 1):
+        e.write("l.1", w.handle, s, data, s, False, 10, 0.0)
+    commit_all(e)
+    r, _ = e.open("l.2", "p", "r", None, "fail")
+    (d,) = e.read("l.2", r.handle, "r1", 6, 10, 0.0)
+    assert (bytes(d.data), d.at) == (b"aaaabb", 0)
+    (d,) = e.read("l.2", r.handle, "r2", 3, 10, 0.0, consumed=5)  # acks "aaaab"
+    assert (bytes(d.data), d.at) == (b"bbc", 6)
+    work, _ = commit_all(e, 4)
+    assert [(c.deletes, c.cursor) for c in work] == [([1], 5)]  # chunk 1 wholly consumed
+    e.peer_gone("l.2")  # holds "b" (5) and "bbc" (6-9) unacked
+    r2, _ = e.open("l.3", "p", "r", None, "fail")
+    assert r2.armed  # Rule P4: the pipe holds unread bytes
+    got = [(bytes(x.data), x.at) for x in e.read("l.3", r2.handle, "a", 100, 10, 0.0)]
+    assert got == [(b"bbbc", 5)]  # the redo range [5, 9), whole
+    got = [(bytes(x.data), x.at) for x in e.read("l.3", r2.handle, "b", 100, 10, 0.0,
+                                                  consumed=4)]
+    assert got == [(b"ccc", 9)]
+    e.close("l.1", w.handle)
+    assert kinds(e.read("l.3", r2.handle, "c", 100, 10, 0.0, consumed=7)) == [("c", "eof")]
+    work, _ = commit_all(e)
+    assert [(c.deletes, c.cursor) for c in work] == [([2, 3], 12)]
+    e.close("l.3", r2.handle)
+    assert "p" not in e.pipes and e.offsets == {"p": 12}  # Rule P5: forgotten, offset kept
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    e.write("l.1", w.handle, "x", b"x", 1, False, 10, 0.0)
+    work, _ = commit_all(e, 4)
+    assert work[0].chunks == [(13, b"x")]  # offsets never go back
+
+
+def test_bad_ack_is_refused() -> None:
+    e = pengine()
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    e.write("l.1", w.handle, 1, b"abc", 1, False, 10, 0.0)
+    commit_all(e)
+    r, _ = e.open("l.2", "p", "r", None, "fail")
+    e.read("l.2", r.handle, "r1", 10, 10, 0.0)
+    with pytest.raises(EngineError) as info:
+        e.read("l.2", r.handle, "r2", 10, 10, 0.0, consumed=4)
+    assert info.value.code == "bad-request"
+
+
+def test_failed_commit_puts_writes_back_in_order() -> None:
+    """Rule P2 + Rule 3: when the append fails (store full) the staged chunks wait
+    again, first and in order, nothing is answered; after retry_store they are staged
+    again and committed with the same offsets."""
+    e = pengine()
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    e.write("l.1", w.handle, 1, b"ab", 1, False, 10, 0.0)
+    work = e.take_commit()
+    e.write("l.1", w.handle, 2, b"cd", 2, False, 10, 0.0)  # staged during the commit
+    assert e.committed(work[0], None, True) == []
+    assert e.store_full and e.take_commit() == []
+    assert [op.seq for op in w.pending] == [1, 2] and e.pipes["p"].charged == 0
+    assert e.retry_store() == []
+    work, out = commit_all(e)
+    assert work[0].chunks == [(2, b"ab"), (4, b"cd")]
+    assert kinds(out) == [(1, "ok"), (2, "ok")]
+
+
+def test_store_full_then_timeout_follows_rule_3() -> None:
+    """A write put back by a failed commit times out like any waiting write."""
+    e = pengine()
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    e.write("l.1", w.handle, 1, b"ab", 1, False, 1.0, 0.0)
+    e.committed(e.take_commit()[0], None, True)
+    assert kinds(e.expire(1.0)) == [(1, "timeout")]
+    e.retry_store()
+    assert kinds(e.write("l.1", w.handle, "again", b"ab", 1, False, 5.0, 1.0)) == []
+    assert kinds(commit_all(e)[1]) == [("again", "ok")]
+
+
+def test_persistent_bound_is_max_stored() -> None:
+    """Rule 1 with ``max_stored``: staged and stored bytes count; the next write waits."""
+    e = pengine(max_stored=300)
+    w, _ = e.open("l.1", "p", "w", None, "fail", True)
+    for s in range(1, 4):
+        e.write("l.1", w.handle, s, b"x" * 100, s, False, 10, 0.0)
+    _, out = commit_all(e)
+    assert kinds(out) == [(1, "ok")]  # 164 + 164 > 300
+    assert e.pipes["p"].charged <= 300
+
+
+def test_persistence_is_decided_once() -> None:
+    """Rule P1: the first open (or the config) decides; a later open asking otherwise
+    gets pipe-mismatch; no store or broadcast mode are refused bad-request."""
+    e = pengine(cfg=Declared(persistent=True, max_stored=500))
+    e.open("l.1", "plain", "w", None, "fail")
+    for name, flag in (("plain", True), ("cfg", False)):
+        with pytest.raises(EngineError) as info:
+            e.open("l.1", name, "r", None, "fail", flag)
+        assert info.value.code == PIPE_MISMATCH
+    r, _ = e.open("l.1", "cfg", "r", None, "fail")
+    assert r.pipe.persistent and r.pipe.bound == 500
+    with pytest.raises(EngineError) as info:
+        e.open("l.1", "cfg", "r", None, "fail", False)
+    assert info.value.code == PIPE_MISMATCH
+    with pytest.raises(EngineError) as info:
+        e.open("l.1", "b", "r", "broadcast", "fail", True)
+    assert info.value.code == "bad-request"
+    with pytest.raises(EngineError) as info:
+        engine().open("l.1", "p", "r", None, "fail", True)
+    assert info.value.code == "bad-request" and "dir" in info.value.message
+
+
+def test_recovered_pipe_resumes_at_its_cursor() -> None:
+    """A pipe loaded from the store starts at the cursor inside its first chunk; a
+    reader gets the rest then end of pipe (Rule P4: no writer attached)."""
+    e = pengine()
+    e.recover("p", 3, 9, [(7, 5, b"01234"), (8, 9, b"5678")])
+    e.recover("empty", 40, 42, [])
+    assert e.offsets == {"empty": 42}
+    r, _ = e.open("l.2", "p", "r", None, "fail", True)
+    out = e.read("l.2", r.handle, "a", 100, 10, 0.0)
+    assert [(bytes(d.data), d.at) for d in out] == [(b"345678", 3)]
+    assert kinds(e.read("l.2", r.handle, "c", 100, 10, 0.0, consumed=6)) == [("c", "eof")]
+    work, _ = commit_all(e)
+    assert [(c.deletes, c.cursor) for c in work] == [([7, 8], 9)]

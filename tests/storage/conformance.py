@@ -300,6 +300,45 @@ class QueueStoreConformance:
         assert seqs_of(store.read_range("q", 0, ALL)) == [1, 3, 5]
         assert store.stats("q").depth == 3
 
+    def test_cursor_is_set_with_deletes_atomically_and_durably(
+        self, store: QueueStore, open_store: Opener, path: Path
+    ) -> None:
+        """The cursor (the pipe plugin's consumed offset) is 0 until set, is set by the
+        same commit as the deletes it goes with, is per queue, survives a reopen, and a
+        call that changes nothing costs no fsync."""
+        store.declare_queue("other")
+        assert store.cursor("q") == 0
+        store.append_batch(batch("q", "p", range(1, 5)))
+        fsyncs = store.stats("q").fsyncs
+        assert store.delete_batch("q", [1, 2], cursor=1000) == 2
+        assert store.cursor("q") == 1000 and store.cursor("other") == 0
+        assert store.stats("q").fsyncs == fsyncs + 1  # one commit for both
+        # A cursor-only change is a commit of its own; the same cursor again is nothing.
+        assert store.delete_batch("q", [], cursor=1500) == 0
+        assert store.stats("q").fsyncs == fsyncs + 2
+        assert store.delete_batch("q", [], cursor=1500) == 0
+        assert store.delete_batch("q", [99]) == 0  # no cursor given: unchanged
+        assert store.stats("q").fsyncs == fsyncs + 2
+        assert store.delete_batch("q", [3], cursor=(1 << 64) - 1) == 1
+        store = self.reopen(store, open_store, path)
+        assert store.cursor("q") == (1 << 64) - 1 and store.cursor("other") == 0
+        assert seqs_of(store.read_range("q", 0, ALL)) == [4]
+        assert store.delete_batch("q", [], cursor=7) == 0  # may go back: not interpreted
+        assert store.cursor("q") == 7
+
+    def test_bad_cursor_writes_nothing(self, store: QueueStore) -> None:
+        store.append_batch(batch("q", "p", range(1, 3)))
+        for bad, error in ((-1, ValueError), (1 << 64, ValueError), ("1", TypeError),
+                           (True, TypeError)):
+            with pytest.raises(error):
+                store.delete_batch("q", [1], cursor=bad)  # type: ignore[arg-type]
+        assert seqs_of(store.read_range("q", 0, ALL)) == [1, 2]
+        assert store.cursor("q") == 0
+        with pytest.raises(UnknownQueue):
+            store.cursor("nope")
+        with pytest.raises(UnknownQueue):
+            store.delete_batch("nope", [], cursor=1)
+
     # -- delivery counts and dead letters -------------------------------------------
 
     def test_delivery_counts(self, store: QueueStore, open_store: Opener, path: Path) -> None:
@@ -449,6 +488,8 @@ class QueueStoreConformance:
             lambda: store.move_to_dead_letter("q", [1], "dlq"),
             lambda: store.producer_state("q", "p"),
             lambda: store.stats("q"),
+            lambda: store.cursor("q"),
+            lambda: store.delete_batch("q", [], cursor=1),
         ]
         for call in calls:
             with pytest.raises(StorageClosed):
@@ -513,6 +554,7 @@ class ModelQueue:
     next_seq: int = 1
     messages: dict[int, StoredMessage] = attrs.Factory(dict)
     marks: dict[str, int] = attrs.Factory(dict)
+    cursor: int = 0
     since_open: QueueStats = NOTHING_SINCE_OPEN
 
     def count(self, **deltas: int) -> None:
@@ -557,12 +599,15 @@ class Model:
             self.queues[name].count(batches=1, fsyncs=1)
         return result
 
-    def delete(self, queue: str, seqs: list[int]) -> int:
+    def delete(self, queue: str, seqs: list[int], cursor: int | None = None) -> int:
         q = self.queues[queue]
         wanted = set(seqs)
         removed = [seq for seq in wanted if q.messages.pop(seq, None) is not None]
         q.count(deleted=len(removed), unknown_deleted=len(wanted) - len(removed))
-        if removed:
+        moved = cursor is not None and cursor != q.cursor
+        if cursor is not None:
+            q.cursor = cursor
+        if removed or moved:
             q.count(fsyncs=1)
         return len(removed)
 
@@ -651,7 +696,9 @@ class QueueStoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), queue=st.sampled_from(QUEUES))
     def delete(self, data: st.DataObject, queue: str) -> None:
         seqs = self._seqs(data, queue)
-        assert self.store.delete_batch(queue, seqs) == self.model.delete(queue, seqs)
+        cursor = data.draw(st.none() | st.integers(0, 3), label="cursor")
+        got = self.store.delete_batch(queue, seqs, cursor=cursor)
+        assert got == self.model.delete(queue, seqs, cursor)
 
     @rule(data=st.data(), queue=st.sampled_from(QUEUES))
     def increment(self, data: st.DataObject, queue: str) -> None:
@@ -682,5 +729,6 @@ class QueueStoreMachine(RuleBasedStateMachine):
         for name, q in self.model.queues.items():
             assert self.store.stats(name) == q.stats()
             assert self.store.read_range(name, 0, ALL) == self.model.read(name, 0, ALL)
+            assert self.store.cursor(name) == q.cursor
             for producer in PRODUCERS:
                 assert self.store.producer_state(name, producer) == q.marks.get(producer, 0)
