@@ -24,7 +24,15 @@ from typing import Any, Final
 
 from .codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from .errors import LocalProtocolError, RemoteProtocolError
-from .framing import DEFAULT_MAX_FRAME_SIZE, Frame, FrameParser, Run, encode_cbor, encode_frame
+from .framing import (
+    DEFAULT_MAX_FRAME_SIZE,
+    SEEN_FDS,
+    Frame,
+    FrameParser,
+    Run,
+    encode_cbor,
+    encode_frame,
+)
 
 
 class Role(enum.Enum):
@@ -100,6 +108,9 @@ class Connection:
         self._recv_ready: frozenset[int] = (
             _READY_SEND_BROKER if role is Role.CLIENT else _READY_SEND_CLIENT
         )
+        # The frame types that READY accepts without a transition, as FrameParser.seen
+        # bits; GOODBYE (a transition) and SEEN_FDS are not among them.
+        self._ready_bits = sum(1 << t for t in self._recv_ready if t != FrameType.GOODBYE)
 
     @property
     def error_pending(self) -> bool:
@@ -268,18 +279,30 @@ class Connection:
         if self._pending_error is not None:
             self.state = State.ERROR
             raise self._pending_error
+        parser = self._parser
         try:
             if source is None or self._fd_batches:
-                frames: list[Frame | Run] = self._parser.frames()  # type: ignore[assignment]
+                frames: list[Frame | Run] = parser.frames()  # type: ignore[assignment]
             else:
-                frames = self._parser.frames_and_runs(source)
-            if self._fd_batches or any(f.n_fds for f in frames):
+                frames = parser.frames_and_runs(source)
+            if self._fd_batches or parser.seen & SEEN_FDS:
                 frames = self._attach_all(frames)  # type: ignore[arg-type,assignment]
         except RemoteProtocolError:
             self.state = State.ERROR
             self._orphan_all()
             raise
-        out: list[Frame | Run | _Sentinel] = []
+        if (
+            not parser.seen & ~self._ready_bits
+            and self.state is State.READY
+            and not self.received_goodbye
+        ):
+            # Every frame is of a type READY takes as it is (the common case): no
+            # per-frame check needed.
+            out: list[Frame | Run | _Sentinel] = frames  # type: ignore[assignment]
+            if self._eof and not parser.in_frame:
+                out.append(EOF)
+            return out
+        out = []
         ready = self._recv_ready
         for i, frame in enumerate(frames):
             if self.state is State.READY and frame.type in ready and not self.received_goodbye:

@@ -50,6 +50,9 @@ ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
 #: client that announces 64 MiB and sends 1 byte costs 1 byte (scenario
 #: near-max-length-prefixes).
 _LARGE_FRAME = 256 * 1024
+#: :attr:`FrameParser.seen` bit: a frame declares descriptors (frame types are < 32).
+SEEN_FDS = 1 << 32
+_SEEN_ALL = (1 << 33) - 1  # after an error: make no claim about the frames returned
 _VALID_TYPES = frozenset(int(t) for t in FrameType)
 _MESSAGE = int(FrameType.MESSAGE)
 _U16 = 0xFFFF
@@ -438,7 +441,7 @@ class FrameParser:
     the same error (the connection must be closed).
     """
 
-    __slots__ = ("_buf", "_error", "_large", "_large_total", "_pos", "max_frame_size")
+    __slots__ = ("_buf", "_error", "_large", "_large_total", "_pos", "max_frame_size", "seen")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
@@ -448,6 +451,10 @@ class FrameParser:
         self._pos = 0
         self._large: bytearray | None = None
         self._large_total = 0
+        #: What the last :meth:`frames` / :meth:`frames_and_runs` returned: bit ``1 << t``
+        #: for each frame type ``t`` among them, plus :data:`SEEN_FDS` if any frame declares
+        #: descriptors. Lets the connection's state check skip a per-frame loop.
+        self.seen = 0
         # Kept without a traceback and raised as fresh copies: a stored, raised exception
         # would pin this parser's frames (and its buffers) in a reference cycle.
         self._error: RemoteProtocolError | None = None
@@ -557,6 +564,7 @@ class FrameParser:
         if self._large is not None:
             f = self.next_frame()
             if f is None:
+                self.seen = 0
                 return out
             out.append(f)
         buf = self._buf
@@ -573,6 +581,7 @@ class FrameParser:
         run_start = run_n = 0
         run_tb = b""
         run_target = ""
+        seen = ((1 << out[0].type) | (SEEN_FDS if out[0].n_fds else 0)) if out else 0
         try:
             while end - pos >= PREFIX_SIZE:
                 (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
@@ -589,6 +598,7 @@ class FrameParser:
                     break  # anything unusual (or an error) takes the careful path below
                 if end - pos < total:
                     break
+                seen |= (1 << ftype) | (SEEN_FDS if nfds else 0)
                 tstart = pos + PREFIX_SIZE
                 if (
                     slen == slen_run
@@ -640,6 +650,7 @@ class FrameParser:
         except UnicodeDecodeError:
             # No run is open here: it is closed before any target is decoded.
             self._pos = pos
+            self.seen = _SEEN_ALL
             self._error = RemoteProtocolError("frame target is not UTF-8")
             if out:
                 return out  # raised by the next call
@@ -654,10 +665,13 @@ class FrameParser:
                 if f is None:
                     break
                 append(f)
+                seen |= (1 << f.type) | (SEEN_FDS if f.n_fds else 0)
         except RemoteProtocolError:
+            self.seen = seen | _SEEN_ALL
             if out:
                 return out  # the error is kept in self._error and raised next call
             raise
+        self.seen = seen
         return out
 
     def _compact(self) -> None:

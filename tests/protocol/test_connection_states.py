@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from msgq_trio.protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from msgq_trio.protocol.connection import (
@@ -341,3 +344,47 @@ def test_events_delivers_valid_frames_before_a_violation() -> None:
     with pytest.raises(RemoteProtocolError):
         c.events()
     assert c.state is State.ERROR
+
+
+def _reference(role: Role, data: bytes) -> tuple[list[int], bool]:
+    """Frame types next_event() delivers one by one, and whether a violation follows."""
+    c = connection_in(role, State.READY)
+    c.receive_data(data)
+    types: list[int] = []
+    while True:
+        try:
+            ev = c.next_event()
+        except RemoteProtocolError:
+            return types, True
+        if not isinstance(ev, Frame):
+            return types, False
+        types.append(ev.type)
+
+
+@pytest.mark.parametrize("role", list(Role))
+@hyp_settings(max_examples=300, deadline=None)
+@given(kinds=st.lists(st.sampled_from(list(FrameType)), max_size=8))
+def test_events_batch_matches_next_event(role: Role, kinds: list[FrameType]) -> None:
+    """events() on a batch of any frame types (its fast path skips the per-frame state
+    check when every type is one READY takes as it is) delivers exactly what next_event()
+    does frame by frame, and raises the same violation afterwards."""
+    data = b"".join(
+        frame_bytes(k, request_id=1 if k in (T.REQUEST, T.REPLY, T.ERROR, T.ROUTED) else 0)
+        for k in kinds
+    )
+    want, violation = _reference(role, data)
+    c = connection_in(role, State.READY)
+    c.receive_data(data)
+    got: list[int] = []
+    raised = False
+    for _ in range(len(kinds) + 1):
+        try:
+            evs = c.events()
+        except RemoteProtocolError:
+            raised = True
+            break
+        if not evs:
+            break
+        got.extend(e.type for e in evs if isinstance(e, Frame))
+    assert got == want
+    assert raised == violation
