@@ -421,6 +421,11 @@ class Bus:
         # meanwhile are queued and written together after the batch (one write for a
         # burst of requests instead of one per answer).
         self._deferring = False
+        # Calls answered by the last receive. When several callers were woken at once,
+        # their next requests go to the writer, which joins them into one write (one
+        # broker wakeup) instead of one write per caller.
+        self._answered = 0
+        self._burst = False
         self._lost_event = trio.Event()
         self._fd = stream.socket.fileno()
 
@@ -528,7 +533,8 @@ class Bus:
             self._out_bytes += len(p)
         if self._deferring:
             return  # the reader writes the batch's answers when it is done with it
-        self._send_now()
+        if not self._burst:
+            self._send_now()
         if out and self._out_wake:
             self._out_wake.unpark_all()
 
@@ -1172,6 +1178,7 @@ class Bus:
             while True:
                 while not out:
                     await self._out_wake.park()
+                self._burst = False
                 bufs = list(out)
                 out.clear()
                 n = 0
@@ -1209,6 +1216,7 @@ class Bus:
                     data, received = b"-", True
                 inq, sources = self._in, self._sources
                 self._deferring = True
+                self._answered = 0
                 try:
                     for ev in conn.events():
                         if ev is EOF:
@@ -1223,6 +1231,8 @@ class Bus:
                             self._dispatch(ev)
                 finally:
                     self._deferring = False
+                    if self._answered > 1:
+                        self._burst = True
                     if self._out:
                         self._send_now()
                         if self._out and self._out_wake:
@@ -1270,6 +1280,7 @@ class Bus:
             call = self._calls.get(frame.request_id)
             if call is not None:
                 call.answer(frame, _split_source(frame.source, self._sources)[0])
+                self._answered += 1
             else:
                 close_fds(frame.fds)  # a late answer to a call we gave up on
         elif t == _ROUTED:
