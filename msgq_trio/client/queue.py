@@ -143,6 +143,9 @@ class Consumer:
     """Push consumer of one queue: ``async for m in consumer`` (or ``async with`` it to
     stop promptly). Created by :meth:`Queue.consume`.
 
+    Error handling: when the connection ends, the iteration yields what was already
+    received, then raises ``ConnectionLost`` (the plugin redelivers everything unacked).
+
     Resource handling: ``aclose()`` (or leaving ``async with``) tells the plugin to stop
     pushing and refuses deliveries still arriving (they are redelivered); messages taken
     but not acked are redelivered after their ack deadline or at disconnect.
@@ -156,6 +159,7 @@ class Consumer:
         self._window = window
         self._ack_timeout = ack_timeout
         self._ids = ids
+        self._lost: ConnectionLost | None = None
         self._send, self._recv = trio.open_memory_channel[QueueMessage](window)
         self._started = False
         self._closed = False
@@ -210,7 +214,17 @@ class Consumer:
         if self._ids:
             params["ids"] = True
         self._started = True
+        bus._spawn(self._watch_lost)
         await bus.call(self._q.group, "consume", params)
+
+    async def _watch_lost(self) -> None:
+        """End the iteration when the connection ends: the messages already received
+        are still taken, then ``ConnectionLost`` (a consumer must not wait forever for
+        deliveries from a broker that is gone)."""
+        bus = self._q._bus
+        await bus._lost_event.wait()
+        self._lost = bus._lost
+        self._send.close()
 
     def __aiter__(self) -> Consumer:
         return self
@@ -223,7 +237,21 @@ class Consumer:
         try:
             return await self._recv.receive()
         except trio.EndOfChannel:
+            if self._lost is not None and not self._closed:
+                raise self._lost from None
             raise StopAsyncIteration from None
+
+    def take_ready(self, limit: int) -> list[QueueMessage]:
+        """Up to ``limit`` messages already received, without waiting (possibly none):
+        a forwarder takes what arrived with one delivery batch and passes it on as one
+        batch."""
+        out: list[QueueMessage] = []
+        while len(out) < limit:
+            try:
+                out.append(self._recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        return out
 
     async def aclose(self) -> None:
         if self._closed:
@@ -373,7 +401,7 @@ class Queue:
         return result
 
     def start_put_encoded(self, encoded: Sequence[bytes], seqs: Sequence[int], *,
-                          producer: str | None = None
+                          producer: str | None = None, timeout: float | None = None
                           ) -> Callable[[], Awaitable[dict[str, int]]]:
         """Send already CBOR-encoded bodies with explicit producer seqs, now and
         synchronously; ``await wait()`` gives the counts :meth:`put_many` returns. The
@@ -384,18 +412,21 @@ class Queue:
             encoded: CBOR bytes per message (``QueueMessage.raw``).
             seqs: strictly increasing positive producer seqs, one per body.
             producer: the producer name (default this handle's).
+            timeout: the request's deadline (the broker's ``request_timeout`` if None);
+                ``wait()`` then raises ``RequestTimeout``, also when the broker itself
+                stopped answering (one second later).
 
         Raises:
             UsageError: ``seqs`` do not match ``encoded`` or do not increase.
         """
         seq_list = list(seqs)
         if len(seq_list) != len(encoded) or any(
-                not 0 < a < b for a, b in zip([0, *seq_list], seq_list, strict=False)):
+                a >= b for a, b in zip([0, *seq_list], seq_list, strict=False)):
             raise UsageError("seqs must be strictly increasing positive integers, one per "
                              "body")
         wait = self._bus.start_call(self.group, "put_many", {
             "queue": self.name, "producer": producer or self.producer, "seqs": seq_list,
-            "bodies": list(encoded)})
+            "bodies": list(encoded)}, timeout=timeout)
 
         async def result() -> dict[str, int]:
             return dict(await wait())

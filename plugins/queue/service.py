@@ -196,7 +196,7 @@ class Service:
                 seqs = range(first, first + len(bodies))
             elif not (isinstance(seqs, list) and len(seqs) == len(bodies) and all(
                     isinstance(x, int) and not isinstance(x, bool) for x in seqs) and all(
-                    0 < a < b for a, b in zip([0, *seqs], seqs, strict=False))):
+                    a < b for a, b in zip([0, *seqs], seqs, strict=False))):
                 # Explicit seqs (a link forwards its messages' original ones): strictly
                 # increasing, since a seq at or below an accepted one is a resend.
                 raise BadRequest("'seqs' must be strictly increasing positive integers, "
