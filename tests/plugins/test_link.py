@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,81 @@ async def test_chain_forwards_and_stores_only_downstream(chain: Callable[..., Lo
     print(f"written at A: {st_a['stored']} of {st_a['put']}; status {status}")
 
 
+def ctl_links(c: LocalChain, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "msgq_trio", "ctl", "--socket",
+                           c.address("a"), *flags, "links"], capture_output=True, text=True,
+                          timeout=30, check=False)
+
+
+async def test_link_down_stores_upstream_then_delivers_in_order(
+        chain: Callable[..., LocalChain]) -> None:
+    """While B is down, puts at A are acked "stored" (A is the last hop); `ctl links`
+    shows the link down with its last error. Once B is back, the link forwards them with
+    their original ids, in order, and A's copies are removed."""
+    c = chain()
+    await c.signal("b", signal.SIGKILL)
+    async with msgq_trio.connect(c.address("a"), "p") as p:
+        q = p.queue("chain", producer="p1")
+        answers = [await q.put(i) for i in range(300)]
+        assert answers == ["stored"] * 300
+
+        async def down() -> bool:
+            st = await link_status(c)
+            return bool(st["state"] != "up" and st["last_error"])
+
+        await eventually(down)
+        r = await trio.to_thread.run_sync(ctl_links, c)
+        assert r.returncode == 0, r.stderr
+        assert "tob" in r.stdout and ("down" in r.stdout or "connecting" in r.stdout)
+        assert "chain -> chain" in r.stdout and "cannot connect" in r.stdout
+        await c.restart("b")
+
+        async def drained() -> bool:
+            return bool((await q.stats())["depth"] == 0)
+
+        await eventually(drained)
+    async with msgq_trio.connect(c.address("b"), "c") as cb:
+        qb = cb.queue("chain")
+        got = [m.body for m in await qb.fetch(1000)]
+    assert got == list(range(300))
+    r = await trio.to_thread.run_sync(ctl_links, c, "--json")
+    rows = json.loads(r.stdout)
+    assert rows[0]["state"] == "up" and rows[0]["forwarded"] == 300
+    assert rows[0]["stored_downstream"] == 300 and rows[0]["failures"] >= 1
+
+
+async def test_fast_consumer_downstream_skips_writes_at_both_hops(
+        chain: Callable[..., LocalChain]) -> None:
+    """A healthy link and a consumer acking at once at B: the consumer's ack travels
+    back through B and the link to A within A's grace, so neither broker writes (almost)
+    anything; the producer's ack 1 is "consumed" for those."""
+    c = chain(a_queue={"ack_grace": 0.5})
+    got: list[int] = []
+    async with msgq_trio.connect(c.address("b"), "c") as cb, \
+            msgq_trio.connect(c.address("a"), "p") as p, trio.open_nursery() as n:
+
+        async def consume() -> None:
+            async with cb.queue("chain").consume(64) as msgs:
+                async for m in msgs:
+                    got.append(m.body)
+                    await m.ack()
+
+        n.start_soon(consume)
+        q = p.queue("chain", producer="p1")
+        results = []
+        for i in range(0, 3000, 100):
+            results.append(await q.put_many(list(range(i, i + 100))))
+        st_a = await q.stats()
+        async with msgq_trio.connect(c.address("b"), "probe") as pb:
+            st_b = await pb.queue("chain").stats()
+        n.cancel_scope.cancel()
+    assert sorted(got) == list(range(3000))
+    consumed = sum(r["consumed"] for r in results)
+    print(f"fast consumer: written at A {st_a['stored']} of {st_a['put']}, at B "
+          f"{st_b['stored']} of {st_b['put']}; ack 1 consumed {consumed} of 3000")
+    assert st_a["stored"] <= 300 and st_b["stored"] <= 300
+
+
 @pytest.mark.slow
 async def test_chain_survives_cut_links_and_upstream_kill(
         chain: Callable[..., LocalChain]) -> None:
@@ -185,3 +262,21 @@ async def test_chain_survives_cut_links_and_upstream_kill(
     # B was killed twice and stopped once: each lost consumer connection may redeliver
     # at most the consumer's window (64) of messages it had seen but not acked in time.
     assert rep.redelivered_after_loss <= 64 * (rep.consumer_sessions - 1), rep.verdict()
+
+
+@pytest.mark.parametrize(("table", "error"), [
+    ({}, "at least one link"),
+    ({"links": {"x": {"from_queue": "q"}}}, "address is required"),
+    ({"links": {"x": {"address": "/s", "from_queue": "q", "window": 0}}}, "window"),
+    ({"links": {"x": {"address": "/s", "from_queue": "q", "tls_ca": "ca.pem"}}},
+     "need tls = true"),
+    ({"links": {"x": {"address": "/s", "from_queue": "q", "colour": 1}}}, "unknown key"),
+    ({"links": {"x": {"address": "/s", "from_queue": "q", "token": "a",
+                      "token_file": "/t"}}}, "not both"),
+])
+def test_link_settings_refused(table: dict[str, Any], error: str) -> None:
+    """Invalid link tables are refused with the key named (the broker's start fails)."""
+    from msgq_trio.plugins.link.settings import parse_settings
+
+    with pytest.raises(ValueError, match=error):
+        parse_settings(table)
