@@ -258,10 +258,12 @@ async def test_chain_survives_cut_links_and_upstream_kill(
     assert rep.acked == rep.n, rep.verdict()
     assert not rep.missing, f"{len(rep.missing)} acked messages lost, e.g. {rep.missing[:5]}"
     assert rep.ok
+    # B never delivers a message twice to one live consumer connection: a duplicate
+    # there means B accepted a resend of the link as new (its dedup failed). Messages
+    # seen again after the consumer's connection to a killed B are at-least-once
+    # redeliveries (acks lost with B, or acked but whose delete B had not committed
+    # yet): reported, not bounded here.
     assert rep.duplicates == 0, rep.verdict()
-    # B was killed twice and stopped once: each lost consumer connection may redeliver
-    # at most the consumer's window (64) of messages it had seen but not acked in time.
-    assert rep.redelivered_after_loss <= 64 * (rep.consumer_sessions - 1), rep.verdict()
 
 
 @pytest.mark.parametrize(("table", "error"), [
