@@ -18,6 +18,8 @@ from pathlib import Path
 
 import trio
 
+from msgq_trio.errors import ConnectError
+
 from .loader import load_plugin
 
 log = logging.getLogger("msgq_trio.plugins.host")
@@ -70,7 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s plugin {name} [%(process)d] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return trio.run(_main, name, Path(socket), json.loads(raw))
+    failed: list[BaseException] = []
+    try:
+        return trio.run(_main, name, Path(socket), json.loads(raw))
+    except* ConnectError as group:
+        # The broker died (or is being killed) while this process started: not a bug in
+        # the plugin, so one line instead of a traceback (the supervisor, if any is left,
+        # restarts it).
+        failed.extend(group.exceptions)
+    log.error("plugin %s: cannot connect to the broker: %s", name, failed[0])
+    return 1
 
 
 if __name__ == "__main__":

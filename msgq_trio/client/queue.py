@@ -48,22 +48,33 @@ class QueueMessage:
         queue: the queue's name.
         id: the delivery id (unique within the plugin process).
         deliveries: how often it was delivered, this time included.
+        producer, producer_seq: the message's producer name and producer seq, with which
+            it was put (a resend keeps them); only for a consumer started with
+            ``consume(ids=True)``, else None.
     """
 
     __slots__ = ("_bus", "_consumer", "_decoded", "_done", "_raw", "_value", "deliveries",
-                 "id", "queue")
+                 "id", "producer", "producer_seq", "queue")
 
     def __init__(self, bus: Bus, queue: str, mid: int, raw: bytes, deliveries: int,
-                 consumer: Consumer | None) -> None:
+                 consumer: Consumer | None, producer: str | None = None,
+                 producer_seq: int | None = None) -> None:
         self._bus = bus
         self.queue = queue
         self.id = mid
         self._raw = raw
         self.deliveries = deliveries
         self._consumer = consumer
+        self.producer = producer
+        self.producer_seq = producer_seq
         self._done = False
         self._decoded = False
         self._value: Any = None
+
+    @property
+    def raw(self) -> bytes:
+        """The body as CBOR bytes, as the producer encoded it (not decoded)."""
+        return self._raw
 
     @property
     def body(self) -> Any:
@@ -121,8 +132,10 @@ def _on_deliver(bus: Bus, request: Message) -> None:
         bus.answer_error(request, NACK, f"{bus.lname}: delivery beyond the window "
                          f"({st.current_buffer_used} held + {len(msgs)} > {consumer._window})")
         return
-    for mid, raw, deliveries in msgs:
-        send.send_nowait(QueueMessage(bus, name, mid, bytes(raw), deliveries, consumer))
+    for row in msgs:
+        # [id, body, deliveries] or, for ``consume(ids=True)``, also producer and seq
+        send.send_nowait(QueueMessage(bus, name, row[0], bytes(row[1]), row[2], consumer,
+                                      *row[3:5]))
     bus.answer(request, True)
 
 
@@ -130,17 +143,23 @@ class Consumer:
     """Push consumer of one queue: ``async for m in consumer`` (or ``async with`` it to
     stop promptly). Created by :meth:`Queue.consume`.
 
+    Error handling: when the connection ends, the iteration yields what was already
+    received, then raises ``ConnectionLost`` (the plugin redelivers everything unacked).
+
     Resource handling: ``aclose()`` (or leaving ``async with``) tells the plugin to stop
     pushing and refuses deliveries still arriving (they are redelivered); messages taken
     but not acked are redelivered after their ack deadline or at disconnect.
     """
 
-    def __init__(self, q: Queue, window: int, ack_timeout: float | None) -> None:
+    def __init__(self, q: Queue, window: int, ack_timeout: float | None,
+                 ids: bool = False) -> None:
         if window < 1:
             raise UsageError("window must be >= 1")
         self._q = q
         self._window = window
         self._ack_timeout = ack_timeout
+        self._ids = ids
+        self._lost: ConnectionLost | None = None
         self._send, self._recv = trio.open_memory_channel[QueueMessage](window)
         self._started = False
         self._closed = False
@@ -192,8 +211,20 @@ class Consumer:
         params: dict[str, Any] = {"queue": name, "window": self._window}
         if self._ack_timeout is not None:
             params["ack_timeout"] = self._ack_timeout
+        if self._ids:
+            params["ids"] = True
         self._started = True
+        bus._spawn(self._watch_lost)
         await bus.call(self._q.group, "consume", params)
+
+    async def _watch_lost(self) -> None:
+        """End the iteration when the connection ends: the messages already received
+        are still taken, then ``ConnectionLost`` (a consumer must not wait forever for
+        deliveries from a broker that is gone)."""
+        bus = self._q._bus
+        await bus._lost_event.wait()
+        self._lost = bus._lost
+        self._send.close()
 
     def __aiter__(self) -> Consumer:
         return self
@@ -206,7 +237,21 @@ class Consumer:
         try:
             return await self._recv.receive()
         except trio.EndOfChannel:
+            if self._lost is not None and not self._closed:
+                raise self._lost from None
             raise StopAsyncIteration from None
+
+    def take_ready(self, limit: int) -> list[QueueMessage]:
+        """Up to ``limit`` messages already received, without waiting (possibly none):
+        a forwarder takes what arrived with one delivery batch and passes it on as one
+        batch."""
+        out: list[QueueMessage] = []
+        while len(out) < limit:
+            try:
+                out.append(self._recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        return out
 
     async def aclose(self) -> None:
         if self._closed:
@@ -355,6 +400,39 @@ class Queue:
 
         return result
 
+    def start_put_encoded(self, encoded: Sequence[bytes], seqs: Sequence[int], *,
+                          producer: str | None = None, timeout: float | None = None
+                          ) -> Callable[[], Awaitable[dict[str, int]]]:
+        """Send already CBOR-encoded bodies with explicit producer seqs, now and
+        synchronously; ``await wait()`` gives the counts :meth:`put_many` returns. The
+        forwarder's tool (a link between brokers): a message keeps the identity it was
+        put with, so the next queue recognises a resend.
+
+        Args:
+            encoded: CBOR bytes per message (``QueueMessage.raw``).
+            seqs: strictly increasing positive producer seqs, one per body.
+            producer: the producer name (default this handle's).
+            timeout: the request's deadline (the broker's ``request_timeout`` if None);
+                ``wait()`` then raises ``RequestTimeout``, also when the broker itself
+                stopped answering (one second later).
+
+        Raises:
+            UsageError: ``seqs`` do not match ``encoded`` or do not increase.
+        """
+        seq_list = list(seqs)
+        if len(seq_list) != len(encoded) or any(
+                a >= b for a, b in zip([0, *seq_list], seq_list, strict=False)):
+            raise UsageError("seqs must be strictly increasing positive integers, one per "
+                             "body")
+        wait = self._bus.start_call(self.group, "put_many", {
+            "queue": self.name, "producer": producer or self.producer, "seqs": seq_list,
+            "bodies": list(encoded)}, timeout=timeout)
+
+        async def result() -> dict[str, int]:
+            return dict(await wait())
+
+        return result
+
     async def put(self, body: Any, *, seq: int | None = None) -> str:
         """Put one message; returns when it is durable (``"stored"``), consumed before it
         was written (``"consumed"``), or recognised as a resend (``"duplicate"``).
@@ -381,10 +459,14 @@ class Queue:
             await self._ensure_declared()
         return await self.start_put_many(bodies, first_seq=first_seq)()
 
-    def consume(self, window: int = 1, *, ack_timeout: float | None = None) -> Consumer:
+    def consume(self, window: int = 1, *, ack_timeout: float | None = None,
+                ids: bool = False) -> Consumer:
         """Push consumer with ``window`` unacked deliveries at most (window 1: one at a
-        time). ``ack_timeout`` overrides the queue's. One consumer per queue and bus."""
-        return Consumer(self, window, ack_timeout)
+        time). ``ack_timeout`` overrides the queue's. ``ids``: each message also carries
+        its producer name and producer seq (``QueueMessage.producer``, ``producer_seq``),
+        for a forwarder that must put it elsewhere under the same identity. One consumer
+        per queue and bus."""
+        return Consumer(self, window, ack_timeout, ids)
 
     async def fetch(self, n: int = 1, *, ack_timeout: float | None = None
                     ) -> list[QueueMessage]:

@@ -46,6 +46,8 @@ def add_ctl_arguments(p: argparse.ArgumentParser) -> None:
     q = leaf("shutdown", "stop the broker (clients get GOODBYE)")
     q.add_argument("--reason", default=None)
     leaf("stats", "broker statistics")
+    q = leaf("links", "state of the link plugin's links to other brokers")
+    q.add_argument("--group", default="msgq-link", help="the link plugin's group")
     cfg = sub.add_parser("config", help="get, set or reload the configuration")
     csub = cfg.add_subparsers(dest="config_cmd", required=True, metavar="ACTION")
     q = leaf("get", "the running configuration, or one key", csub)
@@ -133,6 +135,24 @@ def format_clients(rows: list[dict[str, Any]]) -> str:
             f"{since} ({human_age(r['connected_for'])})",
         ])
     return table(headers, out, right=frozenset({2, 3, 5, 6, 7, 8, 9}))
+
+
+def format_links(rows: list[dict[str, Any]], now: float | None = None) -> str:
+    """The link plugin's ``status`` rows (docs/QUEUE.md, "Chained queues / links")."""
+    now = time.time() if now is None else now
+    headers = ["LINK", "STATE", "SINCE", "QUEUES", "ADDRESS", "FORWARDED", "IN FLIGHT",
+               "RETRIES", "FAILURES", "LAST ERROR"]
+    out = []
+    for r in rows:
+        err = r.get("last_error") or "-"
+        if r.get("last_error_at"):
+            err += f" ({human_age(now - r['last_error_at'])} ago)"
+        out.append([
+            r["link"], r["state"], human_age(now - r["since"]),
+            f"{r['from_queue']} -> {r['to_queue']}", r["address"], str(r["forwarded"]),
+            str(r["in_flight"]), str(r["retries"]), str(r["failures"]), err,
+        ])
+    return table(headers, out, right=frozenset({5, 6, 7, 8}))
 
 
 def flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -251,6 +271,10 @@ async def run_ctl(args: argparse.Namespace) -> int:
             elif c == "stats":
                 r = await call("stats")
                 emit(r, format_pairs(r, sep="  "))
+            elif c == "links":
+                # Answered by the link plugin (its group), not by the broker.
+                rows = await bus.call(args.group, "status", timeout=args.timeout)
+                emit(rows, format_links(rows))
             elif c == "config":
                 if args.config_cmd == "get":
                     params = {"key": args.key} if args.key else None

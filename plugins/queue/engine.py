@@ -127,22 +127,28 @@ class Consumer:
     """A receiver of deliveries: a push consumer (``consume``), a member of a bound group,
     or a fetcher (``fetch``; window unlimited, acks by id, deadline per message)."""
 
-    __slots__ = ("ack_timeout", "inflight", "kind", "lname", "window")
+    __slots__ = ("ack_timeout", "ids", "inflight", "kind", "lname", "window")
 
-    def __init__(self, lname: str, kind: str, window: int, ack_timeout: float) -> None:
+    def __init__(self, lname: str, kind: str, window: int, ack_timeout: float,
+                 ids: bool = False) -> None:
         self.lname = lname
         self.kind = kind  # "push", "member" or "fetch"
         self.window = window
         self.ack_timeout = ack_timeout
         self.inflight = 0
+        #: deliveries carry each message's producer name and producer seq (a link to
+        #: another broker forwards them, so the next queue deduplicates resends)
+        self.ids = ids
 
 
 class Queue:
     """The in-memory state of one durable queue."""
 
-    def __init__(self, name: str, opts: QueueOptions) -> None:
+    def __init__(self, name: str, opts: QueueOptions, default_grace: float) -> None:
         self.name = name
         self.opts = opts
+        #: the effective ack grace (the queue's option, else the plugin's setting)
+        self.grace = default_grace if opts.ack_grace is None else opts.ack_grace
         self.ready: deque[Msg] = deque()
         self.consumers: dict[str, Consumer] = {}
         self.fetchers: dict[str, Consumer] = {}
@@ -231,7 +237,7 @@ class Engine:
                 log.info("queue %s: recovered %d messages", name, q.live)
 
     def _new_queue(self, name: str, opts: QueueOptions) -> Queue:
-        q = Queue(name, opts)
+        q = Queue(name, opts, self.settings.ack_grace)
         self.queues[name] = q
         return q
 
@@ -249,6 +255,7 @@ class Engine:
             q = self._new_queue(name, opts or QueueOptions())
         elif opts is not None:
             q.opts = opts
+            q.grace = self.settings.ack_grace if opts.ack_grace is None else opts.ack_grace
         if q.opts.max_deliveries:
             dlq = q.opts.dlq_name(name)
             if dlq == name:
@@ -350,7 +357,14 @@ class Engine:
 
     def nack_owned(self, q: Queue, lname: str) -> None:
         """Redeliver every message of ``q`` that ``lname`` holds unacked (by id)."""
-        for m in [m for m in q.by_id.values() if m.owner and m.owner.lname == lname]:
+        self.nack_many([m for m in q.by_id.values() if m.owner and m.owner.lname == lname])
+
+    def nack_many(self, msgs: list[Msg]) -> None:
+        """Nack several messages so that they are redelivered in their original order
+        (each nack puts its message at the front: the newest goes first). A link to
+        another broker relies on it: the next queue deduplicates by each producer's
+        highest seq, so a producer's messages must reach it in order."""
+        for m in sorted(msgs, key=lambda m: m.mid, reverse=True):
             self.nack(m)
 
     def dispatch(self, q: Queue) -> None:
@@ -493,8 +507,8 @@ class Engine:
                     log.warning("queue %s: %s did not ack message %d within %.1f s: "
                                 "redelivering", q.name, m.owner.lname, m.mid,
                                 m.owner.ack_timeout)
-                self.nack(m)
-                n += 1
+            self.nack_many(late)
+            n += len(late)
         return n
 
     async def reaper(self) -> None:
@@ -517,7 +531,6 @@ class Engine:
         """Commit forever (rule 2); see the module docstring."""
         max_batch = self.settings.max_batch
         max_delay = self.settings.max_delay
-        ack_grace = self.settings.ack_grace
         while True:
             if not self._has_work():
                 self._wake = trio.Event()
@@ -530,17 +543,19 @@ class Engine:
             self.dispatch_pending()
             # Only a message delivered but not yet written can be skipped: without any
             # consumer there is nothing to wait for (and no pending list to scan).
-            grace = ack_grace if any(q.consumers or q.by_id for q in
-                                     self.queues.values()) else 0.0
+            # Each queue has its own grace (a link's queue waits for a downstream round
+            # trip); ``grace`` is True if any queue with a consumer has one.
+            grace = any((q.consumers or q.by_id) and q.grace > 0
+                        for q in self.queues.values())
             if grace:
-                await self._grace(grace)
+                await self._grace()
                 if not self._has_work():
                     continue
             take: list[Msg] = []
             pending = self.pending
             now = trio.current_time()
             held: list[Msg] = []  # left for a later commit, in pending order
-            oldest = now  # when the oldest young in-flight message was sent
+            wake = float("inf")  # when the first young in-flight message's grace ends
             # (queue, producer) with a young message held back: its later messages are
             # held too. The store deduplicates by each producer's high-water mark, so a
             # producer's messages must reach it in producer order: one committed after
@@ -550,10 +565,10 @@ class Engine:
                 m = pending.popleft()
                 if m.state == DONE:
                     continue  # acked before it was written: skipped
-                if grace and m.state == INFLIGHT and now - m.sent < grace:
+                if grace and m.state == INFLIGHT and now - m.sent < m.queue.grace:
                     held.append(m)  # its consumer may still ack it: next commit
                     blocked.add((m.queue, m.producer))
-                    oldest = min(oldest, m.sent)
+                    wake = min(wake, m.sent + m.queue.grace)
                 elif blocked and (m.queue, m.producer) in blocked:
                     held.append(m)
                 else:
@@ -569,7 +584,7 @@ class Engine:
                 self._flushed_mid = self.pending[0].mid - 1 if self.pending else \
                     self._next_mid - 1
                 if held:
-                    with trio.move_on_at(oldest + grace):
+                    with trio.move_on_at(wake):
                         self._changed = trio.Event()
                         await self._changed.wait()
                 continue
@@ -598,9 +613,9 @@ class Engine:
             if res["errors"]:
                 await trio.sleep(0.1)  # failed store calls are retried, not in a busy loop
 
-    async def _grace(self, grace: float) -> None:
+    async def _grace(self) -> None:
         """Hold the commit while everything pending is a message in flight to a consumer
-        for less than ``grace`` (seed 003: an ack in that time means it is never
+        for less than its queue's grace (seed 003: an ack in that time means it is never
         written). Returns as soon as anything else needs a commit (a message no
         consumer holds, one held longer, deletes...); the commit then leaves out the
         young in-flight ones (and their producers' later messages). Drops acked
@@ -613,12 +628,13 @@ class Engine:
             if not live or any(q.deletes or q.incr or q.to_dlq for q in self.queues.values()):
                 return
             now = trio.current_time()
-            oldest = now
+            wake = float("inf")
             for m in live:
-                if m.state != INFLIGHT or now - m.sent >= grace:
+                end = m.sent + m.queue.grace
+                if m.state != INFLIGHT or now >= end:
                     return
-                oldest = min(oldest, m.sent)
-            with trio.move_on_at(oldest + grace):
+                wake = min(wake, end)
+            with trio.move_on_at(wake):
                 self._changed = trio.Event()
                 await self._changed.wait()
 
@@ -800,6 +816,7 @@ class Engine:
             "ready": ready,
             "in_flight": q.inflight(),
             "consumers": len(q.consumers),
+            "ack_grace": q.grace,
             **q.stats,
             "fsyncs": c["fsyncs"],
             "commits": c["commits"],

@@ -187,10 +187,20 @@ class Service:
         def run(params: Any) -> None:
             q = self._queue(params)
             producer = _str(params, "producer")
-            first = _int(params, "first_seq", lo=1)
             bodies = params.get("bodies")
             if not isinstance(bodies, list) or not all(isinstance(b, bytes) for b in bodies):
                 raise BadRequest("params need 'bodies': a list of CBOR-encoded bytes")
+            seqs = params.get("seqs")
+            if seqs is None:
+                first = _int(params, "first_seq", lo=1)
+                seqs = range(first, first + len(bodies))
+            elif not (isinstance(seqs, list) and len(seqs) == len(bodies) and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in seqs) and all(
+                    a < b for a, b in zip([0, *seqs], seqs, strict=False))):
+                # Explicit seqs (a link forwards its messages' original ones): strictly
+                # increasing, since a seq at or below an accepted one is a resend.
+                raise BadRequest("'seqs' must be strictly increasing positive integers, "
+                                 "one per body")
             if not bodies:
                 self.bus.answer(request, {"stored": 0, "consumed": 0, "duplicates": 0})
                 return
@@ -202,7 +212,7 @@ class Service:
                     self.bus.answer(request, {"stored": w.stored, "consumed": w.consumed,
                                               "duplicates": w.duplicates})
 
-            items = [(first + i, b"B" + b) for i, b in enumerate(bodies)]
+            items = [(seq, b"B" + b) for seq, b in zip(seqs, bodies, strict=True)]
             self.engine.put(q, producer, items, Waiter(len(items), done))
 
         self._inline(request, run)
@@ -217,10 +227,9 @@ class Service:
         message as the original request; its answer is the ack, an error the nack."""
         try:
             if c.kind == "push":
-                wait = self.bus.start_call(
-                    c.lname, DELIVER,
-                    {"queue": q.name, "msgs": [[m.mid, m.data[1:], m.deliveries]
-                                               for m in msgs]})
+                rows = ([[m.mid, m.data[1:], m.deliveries, m.producer, m.pseq] for m in msgs]
+                        if c.ids else [[m.mid, m.data[1:], m.deliveries] for m in msgs])
+                wait = self.bus.start_call(c.lname, DELIVER, {"queue": q.name, "msgs": rows})
                 self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
                 return
             for m in msgs:
@@ -246,9 +255,7 @@ class Service:
                      "redelivering", q.name, len(msgs), c.lname, exc.code, exc)
             if q.consumers.get(c.lname) is c:
                 del q.consumers[c.lname]
-            for m in msgs:
-                if m.owner is c:
-                    self.engine.nack(m)
+            self.engine.nack_many([m for m in msgs if m.owner is c])
 
     async def forwarder(self) -> None:
         """Send one-way messages of bound queues in queue order, then ack them."""
@@ -279,7 +286,8 @@ class Service:
         q = self._check(params)
         window = _int(params, "window", 1, lo=1)
         timeout = _num(params, "ack_timeout", q.opts.ack_timeout)
-        self.engine.add_consumer(q, Consumer(request.sender, "push", window, timeout))
+        ids = params.get("ids", False) is True
+        self.engine.add_consumer(q, Consumer(request.sender, "push", window, timeout, ids))
         log.info("queue %s: consumer %s (%s) window %d", q.name, request.sender,
                  request.sender_name, window)
         return True
@@ -325,6 +333,7 @@ class Service:
         many it held (others were redelivered meanwhile, or are not its own)."""
         n = 0
         by_id = q.by_id
+        nacked = []
         for mid in ids:
             m = by_id.get(mid) if isinstance(mid, int) else None
             if m is None or m.owner is None or m.owner.lname != lname:
@@ -332,8 +341,10 @@ class Service:
             if ack:
                 self.engine.ack(m)
             else:
-                self.engine.nack(m)
+                nacked.append(m)
             n += 1
+        if nacked:
+            self.engine.nack_many(nacked)
         return n
 
     def _acks(self, msg: Message) -> None:

@@ -35,6 +35,10 @@ class QueueOptions:
     * ``window`` 16: in-flight deliveries per member of a bound group (API consumers choose
       their own window); 16 keeps a fast local consumer busy across one round trip while
       a slow member holds back little (seed 003 asks that window 1 works: it does).
+    * ``ack_grace`` None = the plugin's ``ack_grace``: how long a message in flight to a
+      consumer of this queue is left out of commits waiting for its ack. A queue whose
+      consumer is a link to another broker (docs/QUEUE.md, "Chained queues") needs the
+      downstream round trip, and the downstream queue's own grace, inside it.
     """
 
     bind: str = ""
@@ -42,6 +46,7 @@ class QueueOptions:
     dead_letter: str = ""
     ack_timeout: float = 30.0
     window: int = 16
+    ack_grace: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.bind and valid_group_name(self.bind):
@@ -54,6 +59,8 @@ class QueueOptions:
             raise ValueError(f"ack_timeout = {self.ack_timeout}: must be positive")
         if self.window < 1:
             raise ValueError(f"window = {self.window}: must be >= 1")
+        if self.ack_grace is not None and not 0 <= self.ack_grace <= 3600:
+            raise ValueError(f"ack_grace = {self.ack_grace}: must be 0..3600 s")
 
     def dlq_name(self, queue: str) -> str:
         return self.dead_letter or f"{queue}.dlq"
@@ -130,7 +137,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 _QTYPES: dict[str, tuple[type, ...]] = {
     "bind": (str,), "max_deliveries": (int,), "dead_letter": (str,),
-    "ack_timeout": (int, float), "window": (int,),
+    "ack_timeout": (int, float), "window": (int,), "ack_grace": (int, float),
 }
 
 
@@ -146,7 +153,10 @@ def parse_options(table: Mapping[str, Any], where: str = "") -> QueueOptions:
         if k not in _QTYPES:
             raise ValueError(f"unknown key {where}{k!r} (known: {', '.join(_QTYPES)})")
         _check(where + k, v, _QTYPES[k])
-    return QueueOptions(**table)
+    opts = dict(table)
+    if "ack_grace" in opts:
+        opts["ack_grace"] = float(opts["ack_grace"])
+    return QueueOptions(**opts)
 
 
 def parse_settings(table: Mapping[str, Any]) -> QueueSettings:
