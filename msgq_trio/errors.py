@@ -128,6 +128,12 @@ class PipeBroken(RpcError):
     code = ErrorCode.PIPE_BROKEN.value
 
 
+class Forbidden(RpcError):
+    """The access policy does not let this client do that (docs/SECURITY.md)."""
+
+    code = ErrorCode.FORBIDDEN.value
+
+
 class PipeTimeout(TimeoutError):
     """A pipe read or write did not complete within its timeout. Not an error of the
     pipe (which stays usable) and not end of pipe (a read returns b"" for that).
@@ -168,6 +174,7 @@ _BY_CODE: dict[str, type[RpcError]] = {
         LimitExceeded,
         QueueFull,
         PipeBroken,
+        Forbidden,
     )
 }
 

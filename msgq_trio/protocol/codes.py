@@ -73,3 +73,10 @@ class ErrorCode(enum.StrEnum):
     #: or any operation on a pipe handle the plugin no longer knows (closed, or the pipe
     #: service restarted): the pipe is broken, like EPIPE; close it.
     PIPE_BROKEN = "pipe-broken"
+    # -- TCP clients (docs/SECURITY.md) ----------------------------------------------------
+    #: A TCP client sent no valid token and no trusted client certificate (connection level).
+    UNAUTHENTICATED = "unauthenticated"
+    #: A TCP peer sent nothing for ``tcp.heartbeat_misses`` heartbeat intervals (it is
+    #: dropped; its pending calls fail recipient-gone), or the client saw the broker fall
+    #: silent for as long (then raised locally as ConnectionLost with this code).
+    HEARTBEAT_TIMEOUT = "heartbeat-timeout"
