@@ -128,12 +128,6 @@ class PipeBroken(RpcError):
     code = ErrorCode.PIPE_BROKEN.value
 
 
-class Forbidden(RpcError):
-    """The access policy does not let this client do that (docs/SECURITY.md)."""
-
-    code = ErrorCode.FORBIDDEN.value
-
-
 class PipeTimeout(TimeoutError):
     """A pipe read or write did not complete within its timeout. Not an error of the
     pipe (which stays usable) and not end of pipe (a read returns b"" for that).
@@ -154,6 +148,13 @@ class RemoteError(RpcError):
     ``code`` is e.g. ``unknown-command``, ``bad-request``, ``internal-error`` or any code
     the handler chose; ``data`` carries structured details.
     """
+
+
+class Forbidden(RemoteError):
+    """The access policy does not let this client do that (docs/SECURITY.md), or another
+    client holds a binding. A RemoteError, as ``forbidden`` answers were before."""
+
+    code = ErrorCode.FORBIDDEN.value
 
 
 class CommandFailed(RpcError):

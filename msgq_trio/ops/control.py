@@ -176,10 +176,11 @@ class Operations:
                     sorted(allowed),
                     extra=peer_fields(peer),
                 )
+                who = peer.acl.identity if peer.remote and peer.acl else f"uid {peer.uid}"
                 raise CommandError(
                     ErrorCode.FORBIDDEN,
-                    f"control command {name!r} is restricted to uids {sorted(allowed)}; "
-                    f"your uid is {peer.uid}",
+                    f"control command {name!r} is restricted to uids {sorted(allowed)} "
+                    f"and identities an access rule grants control; you are {who}",
                 )
             log.log(
                 logging.INFO if name in MUTATING else logging.DEBUG,
