@@ -448,3 +448,35 @@ async def test_idle_tcp_client_is_kept(tcp_broker) -> None:
             await trio.sleep(3.0)  # 6 intervals, twice the misses
             assert await idle.call("Svc", "echo", "still here") == "still here"
     assert "heartbeat" not in b.log()
+
+
+# -- configuration -------------------------------------------------------------------------
+@pytest.mark.parametrize(("data", "needle"), [
+    ({"tcp": {"listen": ["0.0.0.0:7000"], "insecure": True}}, "loopback addresses only"),
+    ({"tcp": {"listen": ["127.0.0.1:7000"]}}, "tcp.insecure"),
+    ({"tcp": {"tokens": {"alice": "plaintext-token"}}}, "sha256:"),
+    ({"tcp": {"certfile": "c.pem"}}, "together"),
+    ({"access": {"rule": [{"who": ["tcp:a"], "sendd": ["x"]}]}}, "did you mean send"),
+    ({"access": {"rule": [{"send": ["x"]}]}}, "needs a 'who'"),
+    ({"access": {"rule": [{"who": ["alice"]}]}}, "tcp:NAME"),
+])
+def test_invalid_tcp_and_access_configuration_is_refused(data, needle) -> None:
+    """Plain TCP off loopback, plain-text tokens, half a TLS setup and malformed rules
+    are configuration errors naming the key, before anything listens."""
+    from msgq_trio.ops.config_file import ConfigError, build
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        build(data)
+
+
+def test_access_rules_round_trip_through_the_configuration() -> None:
+    """[[access.rule]] tables and [tcp] survive build -> to_dict -> build unchanged."""
+    from msgq_trio.ops.config_file import build, to_dict
+
+    cfg = build({
+        "tcp": {"listen": ["127.0.0.1:0"], "insecure": True,
+                "tokens": {"a": hash_token("t")}},
+        "access": {"rule": [{"who": ["tcp:a"], "send": ["x.*"], "control": True}]},
+    })
+    assert build(to_dict(cfg)) == cfg
+    assert cfg.access.rules[0].send == ("x.*",)
