@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
 
     p = sub.add_parser(
+        "token", help="make a random token for a TCP client and its [tcp.tokens] line"
+    )
+    p.add_argument("identity", help="the identity name the token stands for (tcp:NAME)")
+
+    p = sub.add_parser(
         "ctl", help="control a running broker: clients, drop, shutdown, config, stats, capture"
     )
     add_ctl_arguments(p)
@@ -125,6 +130,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(scenario_main(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.cmd == "token":
+        import secrets
+
+        from .core.access import hash_token
+
+        token = secrets.token_urlsafe(32)  # 256 bits: no dictionary to attack the hash with
+        print(f"token (give it to the client, e.g. as $MSGQ_TRIO_TOKEN): {token}")
+        print("configuration line (under [tcp.tokens]):")
+        print(f'{json.dumps(args.identity)} = "{hash_token(token)}"')
+        return 0
     if args.cmd == "serve":
         from .ops.serve import serve_main
 

@@ -255,6 +255,155 @@ class MetricsSettings:
     listen: str = ""
 
 
+def _listen_addresses(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    for v in value:
+        host, sep, port = str(v).rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"{attr.name} entries must be HOST:PORT; got {v!r}")
+
+
+def _token_hashes(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    for name, h in value.items():
+        if not isinstance(name, str) or not name or len(name) > 255 or "\0" in name:
+            raise ValueError(f"{attr.name}: identity names must be 1..255 characters")
+        algo, sep, digest = str(h).partition(":")
+        if algo != "sha256" or not sep or len(digest) != 64 or not all(
+            c in "0123456789abcdef" for c in digest
+        ):
+            raise ValueError(
+                f"{attr.name}.{name} must be 'sha256:' and 64 lowercase hex digits (the hash "
+                "of the token, never the token itself: `msgq-trio token` makes both)"
+            )
+
+
+@attrs.frozen
+class TcpSettings:
+    """TCP listeners for clients on other hosts (section ``[tcp]``; docs/SECURITY.md).
+
+    Read at start only, except ``tokens`` and the heartbeat settings (new connections).
+
+    * ``listen`` [] = off: the Unix socket is always served; TCP is opt-in because it
+      exposes the bus beyond this host's file permissions.
+    * ``certfile`` / ``keyfile`` "": the broker's TLS certificate chain and key (PEM).
+      Without them a listener is plain TCP, which is refused unless ``insecure`` is true
+      *and* the listener is on a loopback address: tokens and traffic would cross the
+      network in clear text, and anyone on the path could take over a session.
+    * ``client_ca`` "": a CA bundle (PEM); when set, clients may authenticate with a
+      certificate it signed (identity = the subject's CN) instead of a token. A presented
+      certificate that does not verify fails the TLS handshake.
+    * ``require_client_cert`` false: true refuses TLS clients without such a certificate.
+    * ``insecure`` false: allow plain TCP on loopback addresses (tests, a local TLS
+      terminator); never on other addresses.
+    * ``tokens`` {}: identity name -> ``"sha256:<hex>"``, the SHA-256 of a token that
+      client sends in HELLO. Only hashes are stored: a leaked configuration file does not
+      leak credentials. Tokens are random (``msgq-trio token`` makes 256-bit ones), so an
+      unsalted fast hash is enough (no dictionary to attack; GitHub stores its tokens so).
+    * ``heartbeat_interval`` 5 s and ``heartbeat_misses`` 3: an idle TCP connection is
+      pinged every interval and dropped after ``misses`` intervals without a byte from it
+      (15 s: NATS' ping_interval 2 min x 2 is for the internet; on a bus of cooperating
+      processes a dead host should fail calls within seconds, as a Unix disconnect does).
+    """
+
+    listen: tuple[str, ...] = attrs.field(
+        default=(), converter=tuple, validator=_listen_addresses
+    )
+    certfile: str = ""
+    keyfile: str = ""
+    client_ca: str = ""
+    require_client_cert: bool = False
+    insecure: bool = False
+    tokens: dict[str, str] = attrs.field(factory=dict, validator=_token_hashes)
+    heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
+    heartbeat_misses: int = attrs.field(default=3, validator=_at_least(1))
+
+    def __attrs_post_init__(self) -> None:
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ValueError("tcp.certfile and tcp.keyfile must be given together")
+        if (self.client_ca or self.require_client_cert) and not self.certfile:
+            raise ValueError("tcp.client_ca / require_client_cert need TLS (tcp.certfile)")
+        if self.require_client_cert and not self.client_ca:
+            raise ValueError("tcp.require_client_cert needs tcp.client_ca")
+        if self.listen and not self.certfile:
+            if not self.insecure:
+                raise ValueError(
+                    "tcp.listen without TLS (tcp.certfile/keyfile): plain TCP sends tokens "
+                    "and traffic in clear text; set tcp.insecure = true to allow it on "
+                    "loopback addresses only"
+                )
+            for addr in self.listen:
+                if not is_loopback(addr.rpartition(":")[0]):
+                    raise ValueError(
+                        f"tcp.listen {addr!r}: plain TCP (tcp.insecure) is allowed on "
+                        "loopback addresses only; configure TLS to listen there"
+                    )
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost`` (names are not resolved otherwise)."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+#: What a rule in ``[[access]]`` can grant: patterns per verb (docs/SECURITY.md).
+ACCESS_VERBS = ("send", "subscribe", "call", "bind", "consume", "produce")
+
+
+@attrs.frozen
+class AccessRule:
+    """One ``[[access]]`` table: what the identities matching ``who`` may do.
+
+    ``who`` are glob patterns over identities: ``tcp:NAME`` (token or certificate CN),
+    ``unix:USER`` and ``uid:N`` (SO_PEERCRED of a Unix client), ``*`` for everyone. Each
+    verb lists glob patterns over group names (``send``, ``call``, ``subscribe``,
+    ``bind``; an lname target is matched as ``l.N``) or queue names (``consume``,
+    ``produce``); ``control`` grants the control commands.
+    """
+
+    who: tuple[str, ...] = attrs.field(converter=tuple)
+    send: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    subscribe: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    call: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    bind: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    consume: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    produce: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    control: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not self.who:
+            raise ValueError("who must name at least one identity pattern")
+        for v in self.who:
+            kind = v.partition(":")[0]
+            if v != "*" and kind not in ("tcp", "unix", "uid"):
+                raise ValueError(
+                    f"who entry {v!r} must be '*', 'tcp:NAME', 'unix:USER' or 'uid:N'"
+                )
+
+
+@attrs.frozen
+class AccessSettings:
+    """The access policy (``[[access]]`` tables plus ``[access_options]``).
+
+    * ``rules`` []: no rules = Unix clients may do everything (as before this existed);
+      TCP clients may do nothing but the harmless broker commands (ping, version,
+      members, unsubscribe) until a rule grants them more. A client is checked against
+      the rules whose ``who`` matches it, the union of their grants; a Unix client no
+      rule matches keeps everything, a TCP client no rule matches gets nothing.
+    * ``queue_group`` "msgq-queue": the queue plugin's group, whose consumer commands
+      (consume, fetch, ack, nack, cancel) need ``consume`` and producer commands
+      (put, put_many, declare) ``produce`` on the queue named in the request.
+    """
+
+    rules: tuple[AccessRule, ...] = attrs.field(default=(), converter=tuple)
+    queue_group: str = "msgq-queue"
+
+
 @attrs.frozen
 class BrokerConfig:
     """Everything ``msgq-trio serve`` reads from its configuration file and flags.
@@ -269,6 +418,8 @@ class BrokerConfig:
     control: ControlSettings = attrs.field(factory=ControlSettings)
     capture: CaptureSettings = attrs.field(factory=CaptureSettings)
     metrics: MetricsSettings = attrs.field(factory=MetricsSettings)
+    tcp: TcpSettings = attrs.field(factory=TcpSettings)
+    access: AccessSettings = attrs.field(factory=AccessSettings)
     #: ``[plugins.<name>]`` tables: each names a plugin (entry point group
     #: ``msgq_trio.plugins``) to run under the broker's supervision, with its settings
     #: (checked by the plugin itself; docs/QUEUE.md). Read at start only.

@@ -158,6 +158,13 @@ class RemoteError(RpcError):
     """
 
 
+class Forbidden(RemoteError):
+    """The access policy does not let this client do that (docs/SECURITY.md), or another
+    client holds a binding. A RemoteError, as ``forbidden`` answers were before."""
+
+    code = ErrorCode.FORBIDDEN.value
+
+
 class CommandFailed(RpcError):
     """Raise from a command handler to answer with a chosen error code and data."""
 
@@ -177,6 +184,7 @@ _BY_CODE: dict[str, type[RpcError]] = {
         QueueFull,
         PipeBroken,
         PipeMismatch,
+        Forbidden,
     )
 }
 

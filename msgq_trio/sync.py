@@ -34,13 +34,18 @@ class SyncBus:
     worker threads (``trio.to_thread``), so a slow handler never blocks the connection.
     """
 
-    def __init__(self, socket: str | os.PathLike[str] | None, name: str | None) -> None:
+    def __init__(
+        self, socket: str | os.PathLike[str] | None, name: str | None, **options: Any
+    ) -> None:
         self._ready: queue.Queue[BaseException | None] = queue.Queue()
         self._bus: Bus | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._thread = threading.Thread(
-            target=trio.run, args=(self._main, socket, name), name="msgq-trio-sync", daemon=True
+            target=trio.run,
+            args=(functools.partial(self._main, **options), socket, name),
+            name="msgq-trio-sync",
+            daemon=True,
         )
         self._thread.start()
         err = self._ready.get()
@@ -48,9 +53,11 @@ class SyncBus:
             self._thread.join()
             raise err
 
-    async def _main(self, socket: str | os.PathLike[str] | None, name: str | None) -> None:
+    async def _main(
+        self, socket: str | os.PathLike[str] | None, name: str | None, **options: Any
+    ) -> None:
         try:
-            async with aconnect(socket, name) as bus:
+            async with aconnect(socket, name, **options) as bus:
                 self._bus = bus
                 self._token = trio.lowlevel.current_trio_token()
                 self._stop = trio.Event()
@@ -266,10 +273,22 @@ async def _sync_add_command(bus: Bus, name: str, handler: Callable[..., Any]) ->
     bus.add_command(name, handler)
 
 
-def connect(socket: str | os.PathLike[str] | None = None, name: str | None = None) -> SyncBus:
+def connect(
+    socket: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    *,
+    token: str | None = None,
+    ssl_context: Any = None,
+    server_hostname: str | None = None,
+) -> SyncBus:
     """Connect to the broker; returns a :class:`SyncBus` (use it as a context manager).
+
+    ``socket``, ``token``, ``ssl_context`` and ``server_hostname`` are as for
+    :func:`msgq_trio.connect` (``tcp://`` / ``tls://`` addresses included).
 
     Raises:
         ConnectError: as :func:`msgq_trio.connect`.
     """
-    return SyncBus(socket, name)
+    return SyncBus(
+        socket, name, token=token, ssl_context=ssl_context, server_hostname=server_hostname
+    )

@@ -51,7 +51,7 @@ from .report import (
     summarize,
     table,
 )
-from .systems import DEFAULT_SYSTEMS, PEER, PEER_SYSTEMS, SYSTEMS
+from .systems import DEFAULT_SYSTEMS, PEER, PEER_SYSTEMS, SYSTEMS, TCP_SYSTEMS
 from .workloads import (
     FULL,
     FULL_TIMEOUT,
@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             for path in plot(report, args.plot):
                 print(f"plot written: {path}")
         return _exit_status(report)
-    systems = args.systems or DEFAULT_SYSTEMS + (PEER_SYSTEMS if args.peers else []) + (
+    systems = args.systems or DEFAULT_SYSTEMS + (
+        PEER_SYSTEMS + TCP_SYSTEMS if args.peers else []) + (
         ["rabbitmq"] if args.rabbitmq else [])
     workloads = args.workloads or list(WORKLOADS)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)

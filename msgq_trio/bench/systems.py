@@ -89,6 +89,48 @@ def _start_msgq(run_dir: Path, _pattern: str, _deadline: float,
     return Service({"socket": str(path)}, [_stop_popen(broker)], [broker.pid])
 
 
+#: The token of the TCP variants' broker (a throwaway: the broker lives for one run).
+BENCH_TOKEN = "msgq-trio-bench-token"
+
+
+def _start_msgq_tcp(run_dir: Path, _pattern: str, deadline: float, *, tls: bool) -> Service:
+    """msgq_trio with its clients on TCP loopback (token auth, an allow-all rule), over
+    TLS with a fresh self-signed P-256 certificate (openssl CLI) when ``tls``."""
+    from ..core.access import hash_token
+    from ..demo import start_broker
+
+    port = free_port()
+    lines = ["[tcp]", f'listen = ["127.0.0.1:{port}"]',
+             f'tokens = {{ bench = "{hash_token(BENCH_TOKEN)}" }}']
+    addr: dict[str, Any] = {"socket": f"{'tls' if tls else 'tcp'}://127.0.0.1:{port}",
+                            "token": BENCH_TOKEN}
+    if tls:
+        cert, key = run_dir / "cert.pem", run_dir / "key.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+             "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+             "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True, capture_output=True, timeout=30,
+        )
+        lines += [f'certfile = "{cert}"', f'keyfile = "{key}"']
+        addr["cafile"] = str(cert)
+    else:
+        lines.append("insecure = true")
+    lines += ["[[access.rule]]", 'who = ["tcp:bench"]', 'send = ["*"]', 'subscribe = ["*"]',
+              'call = ["*"]']
+    conf = run_dir / "broker.toml"
+    conf.write_text("\n".join(lines) + "\n")
+    path = run_dir / "bus.sock"
+    broker = start_broker(path, "--config", str(conf))
+    svc = Service(addr, [_stop_popen(broker)], [broker.pid])
+    try:
+        wait_port("127.0.0.1", port, min(deadline, time.monotonic() + 15))
+    except BaseException:
+        svc.stop()
+        raise
+    return svc
+
+
 def msgq_variant(name: str, description: str, *serve_args: str) -> System:
     """msgq_trio with extra ``msgq-trio serve`` flags (``--capture-dir DIR``...), for the
     msgq_trio-only figures; not one of :data:`SYSTEMS`, so not in the peer table."""
@@ -182,6 +224,12 @@ def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("msgq_trio", SUBJECT, "worker_msgq",
            "msgq_trio broker process; trio clients (group send, bus.call)", _start_msgq),
+    System("msgq_trio-tcp", SUBJECT, "worker_msgq",
+           "msgq_trio broker, clients over TCP loopback (token, no TLS)",
+           functools.partial(_start_msgq_tcp, tls=False)),
+    System("msgq_trio-tls", SUBJECT, "worker_msgq",
+           "msgq_trio broker, clients over TLS 1.3 on TCP loopback (token)",
+           functools.partial(_start_msgq_tcp, tls=True)),
     System("raw-unix", CEILING, "worker_raw",
            "no broker: AF_UNIX process to process, 4-byte length-prefixed frames",
            _start_raw),
@@ -202,4 +250,6 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
 )}
 DEFAULT_SYSTEMS = ["msgq_trio", "raw-unix", "py-relay"]
 PEER_SYSTEMS = ["nats", "redis", "zeromq"]
+#: msgq_trio over TCP and TLS (``--peers`` runs them too: NATS is measured over TCP).
+TCP_SYSTEMS = ["msgq_trio-tcp", "msgq_trio-tls"]
 

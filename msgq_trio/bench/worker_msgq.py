@@ -14,15 +14,28 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import trio
 
-from .. import connect
+from .. import Bus, connect
 from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
 
 GROUP = "bench.data"
 ECHO = "bench.echo"
+
+
+def _connect(spec: Spec, name: str) -> AbstractAsyncContextManager[Bus]:
+    """connect() to the run's broker: a Unix socket, or (msgq_trio-tcp / -tls) a URL with
+    the run's token and, for TLS, the CA file that signed the broker's certificate."""
+    addr = spec["addr"]
+    ctx = None
+    if addr.get("cafile"):
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=addr["cafile"])
+    return connect(addr["socket"], name=name, token=addr.get("token"), ssl_context=ctx)
 
 
 def _run(fn: Any, spec: Spec) -> dict[str, Any]:
@@ -35,7 +48,7 @@ async def _sub(spec: Spec) -> dict[str, Any]:
     n, size = spec["n"], spec["size"]
     count = bad = 0
     first = last = 0.0
-    async with connect(spec["addr"]["socket"], name=f"bench-sub-{spec.get('index', 0)}") as bus:
+    async with _connect(spec, name=f"bench-sub-{spec.get('index', 0)}") as bus:
         await bus.subscribe(GROUP)
         ready()
         with trio.move_on_after(deadline.left()):
@@ -57,7 +70,7 @@ async def _pub(spec: Spec) -> dict[str, Any]:
     n = spec["n"]
     bodies = payloads(spec["size"], spec.get("seed", 0))
     mask = len(bodies) - 1
-    async with connect(spec["addr"]["socket"], name="bench-pub") as bus:
+    async with _connect(spec, name="bench-pub") as bus:
         ready()
         await trio.to_thread.run_sync(wait_go, deadline.left())
         start = time.monotonic()
@@ -75,7 +88,7 @@ async def _pub(spec: Spec) -> dict[str, Any]:
 async def _responder(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
     served = 0
-    async with connect(spec["addr"]["socket"], name="bench-echo") as bus:
+    async with _connect(spec, name="bench-echo") as bus:
 
         @bus.command("echo")
         def echo(params: Any) -> Any:
@@ -98,7 +111,7 @@ async def _requester(spec: Spec) -> dict[str, Any]:
     lat: list[int] = []
     done = 0
     errors = 0
-    async with connect(spec["addr"]["socket"], name=f"bench-req-{spec.get('index', 0)}") as bus:
+    async with _connect(spec, name=f"bench-req-{spec.get('index', 0)}") as bus:
         for i in range(spec.get("warmup", 0)):
             await bus.call(ECHO, "echo", bodies[i & mask])
         ready()

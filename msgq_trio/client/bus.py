@@ -428,6 +428,8 @@ class Bus:
         self._burst = False
         self._lost_event = trio.Event()
         self._fd = stream.socket.fileno()
+        #: The WELCOME header (identity and heartbeat settings for a TCP connection).
+        self._welcome: dict[str, object] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_extra: dict[str, object]) -> None:
@@ -455,6 +457,7 @@ class Bus:
                 # The broker names an empty HELLO name "anonymous" (io/server.py).
                 self._stamp = f"{self.lname}\0{self.name or 'anonymous'}".encode()
                 self.broker_version = str(header.get("broker", ""))
+                self._welcome = header
                 limits = header.get("limits")
                 if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
                     self._max_fds = limits["max_fds_per_message"]
@@ -1327,6 +1330,168 @@ class Bus:
                 )
 
 
+def _parse_address(address: str) -> tuple[str, str, int]:
+    """``tcp://HOST:PORT`` / ``tls://HOST:PORT`` -> (scheme, host, port).
+
+    Raises:
+        UsageError: not such a URL.
+    """
+    scheme, _, rest = address.partition("://")
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if scheme not in ("tcp", "tls") or not sep or not host or not port.isdigit():
+        raise UsageError(f"bus address {address!r} must be tcp://HOST:PORT or tls://HOST:PORT")
+    return scheme, host, int(port)
+
+
+async def _pump(source: trio.abc.ReceiveStream, sink: trio.abc.HalfCloseableStream | Any) -> None:
+    """Copy bytes until EOF, then pass the EOF on (TLS bridge, see _open_transport)."""
+    try:
+        while True:
+            data = await source.receive_some(RECEIVE_SIZE)
+            if not data:
+                break
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    if isinstance(sink, trio.SocketStream):
+        try:
+            await sink.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    else:
+        await trio.aclose_forcefully(sink)
+
+
+@asynccontextmanager
+async def _open_transport(
+    target: str, ssl_context: Any, server_hostname: str | None
+) -> AsyncIterator[tuple[trio.SocketStream, bool]]:
+    """A socket stream to the broker and whether it is a TCP one.
+
+    For ``tls://`` the TLS session runs in two copy tasks between the network and one end
+    of a local socket pair, and the Bus gets the other end: the Bus's reader and writer
+    work on a plain socket (recvmsg, direct writes) whatever the transport.
+
+    Raises:
+        ConnectError: cannot connect, or the TLS handshake failed.
+    """
+    if not target.startswith(("tcp://", "tls://")):
+        path = target
+        try:
+            stream = await trio.open_unix_socket(path)
+        except OSError as exc:
+            raise ConnectError(
+                f"cannot connect to the broker at {path}: {exc.strerror or exc}"
+            ) from exc
+        yield stream, False
+        return
+    scheme, host, port = _parse_address(target)
+    try:
+        tcp = await trio.open_tcp_stream(host, port)
+    except OSError as exc:
+        raise ConnectError(
+            f"cannot connect to the broker at {target}: {exc.strerror or exc}"
+        ) from exc
+    if scheme == "tcp":
+        yield tcp, True
+        return
+    import ssl
+
+    ctx = ssl_context if ssl_context is not None else ssl.create_default_context()
+    tls = trio.SSLStream(tcp, ctx, server_hostname=server_hostname or host)
+    try:
+        await tls.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(tls)
+        raise ConnectError(
+            f"TLS handshake with the broker at {target} failed: {exc.__cause__ or exc}"
+        ) from exc
+    except BaseException:
+        await trio.aclose_forcefully(tls)
+        raise
+    import socket as pysocket
+
+    a, b = trio.socket.socketpair(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    inner, outer = trio.SocketStream(a), trio.SocketStream(b)
+    body_error: Exception | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pump, tls, outer)
+            nursery.start_soon(_pump, outer, tls)
+            try:
+                yield inner, True
+            except Exception as exc:
+                body_error = exc  # re-raised outside the nursery (no ExceptionGroup)
+            nursery.cancel_scope.cancel()
+    finally:
+        await trio.aclose_forcefully(inner)
+        await trio.aclose_forcefully(outer)
+        await trio.aclose_forcefully(tls)
+    if body_error is not None:
+        raise body_error
+
+
+def _heartbeat_settings(bus: Bus) -> tuple[float, int] | None:
+    hb = bus._welcome.get("heartbeat")
+    if not isinstance(hb, dict):
+        return None
+    interval, misses = hb.get("interval"), hb.get("misses")
+    if not isinstance(interval, (int, float)) or not isinstance(misses, int) or interval <= 0:
+        return None
+    return float(interval), max(1, misses)
+
+
+async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
+    """Detect a silent broker over TCP (a dead host or path sends no FIN or RST).
+
+    Every ``interval``: if nothing arrived since the last tick, ask the broker ``ping``
+    (its answer, or any traffic, proves it alive); after ``misses`` silent intervals the
+    connection is declared lost (ConnectionLost code ``heartbeat-timeout``) and closed,
+    which fails every pending call exactly as a Unix disconnect does. Intervals in which
+    our own reader is paused (the application is not consuming) do not count.
+    """
+    last, missed = -1, 0
+    while True:
+        await trio.sleep(interval)
+        rx = bus._conn.received_bytes
+        if rx != last or bus._in_bytes > IN_HIGH_WATER:
+            last, missed = rx, 0
+            continue
+        missed += 1
+        if missed >= misses:
+            log.error(
+                "the broker sent nothing for %d heartbeat intervals of %s s: connection lost",
+                missed,
+                interval,
+            )
+            bus._fail_all(
+                ConnectionLost(
+                    f"the broker sent nothing for {missed * interval:g} s (heartbeat)",
+                    code=str(ErrorCode.HEARTBEAT_TIMEOUT),
+                )
+            )
+            await trio.aclose_forcefully(bus._stream)
+            return
+        bus._next_rid += 1  # never registered as a call: the answer itself is ignored
+        bus._queue_urgent(
+            encode_frame(
+                _REQUEST,
+                target="msgq",
+                request_id=bus._next_rid,
+                header=encode_cbor({"cmd": "ping"}),
+                source=bus._stamp,
+            )
+        )
+
+
+def _answer_heartbeat(bus: Bus) -> Callable[[Message], None]:
+    def answer(request: Message) -> None:
+        bus.answer(request)
+
+    return answer
+
+
 @asynccontextmanager
 async def connect(
     socket: str | os.PathLike[str] | None = None,
@@ -1334,50 +1499,73 @@ async def connect(
     *,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     send_buffer: int = SEND_BUFFER,
+    token: str | None = None,
+    ssl_context: Any = None,
+    server_hostname: str | None = None,
 ) -> AsyncIterator[Bus]:
     """Connect to the broker; yields a :class:`Bus`.
 
     Args:
-        socket: the broker's Unix socket; default ``$MSGQ_TRIO_SOCKET`` or the per-user path
+        socket: the broker's Unix socket path, or ``tcp://HOST:PORT`` / ``tls://HOST:PORT``
+            for a broker on another host (docs/SECURITY.md); default ``$MSGQ_TRIO_SOCKET``
+            (a path or such a URL) or the per-user path
             (:func:`msgq_trio.config.default_socket_path`).
         name: this client's name, shown to others as ``sender_name``.
         send_buffer: SO_SNDBUF for the socket (:data:`SEND_BUFFER`; 0 = kernel default).
+        token: the credential for TCP (sent in HELLO); default ``$MSGQ_TRIO_TOKEN``. Not
+            needed with a client certificate (in ``ssl_context``). Ignored for Unix sockets.
+        ssl_context: for ``tls://``: an :class:`ssl.SSLContext` (CA to trust the broker,
+            optionally a client certificate); default the system's trust store.
+        server_hostname: the name the broker's certificate must carry (default the host).
 
     Resource handling: leaving the block flushes queued frames, says GOODBYE, closes the
     socket and cancels handler tasks; pending calls fail with ConnectionLost.
 
     Raises:
-        ConnectError: no broker on the socket, or it refused the handshake
-            (``code`` ``version-mismatch``, ``limit-exceeded``...).
+        ConnectError: no broker at the address, TLS failed, or it refused the handshake
+            (``code`` ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...).
+        UsageError: a malformed ``tcp://``/``tls://`` address.
     """
-    path = Path(socket) if socket is not None else default_socket_path()
-    try:
-        stream = await trio.open_unix_socket(str(path))
-    except OSError as exc:
-        raise ConnectError(
-            f"cannot connect to the broker at {path}: {exc.strerror or exc}"
-        ) from exc
-    set_send_buffer(stream.socket, send_buffer)
-    bus = Bus(stream, name or Path(sys.argv[0] or "client").name, max_frame_size)
-    try:
-        await bus._handshake({})
-    except BaseException:
-        await trio.aclose_forcefully(stream)
-        raise
+    if socket is not None:
+        target = os.fspath(socket)
+    else:
+        env = os.environ.get("MSGQ_TRIO_SOCKET", "")
+        target = env if env.startswith(("tcp://", "tls://")) else str(default_socket_path())
     body_error: Exception | None = None
-    async with trio.open_nursery() as nursery:
-        bus._nursery = nursery
-        nursery.start_soon(bus._reader)
-        nursery.start_soon(bus._writer)
+    async with _open_transport(target, ssl_context, server_hostname) as (stream, remote):
+        if not remote:  # TCP keeps the kernel's send buffer autotuning
+            set_send_buffer(stream.socket, send_buffer)
+        bus = Bus(stream, name or Path(sys.argv[0] or "client").name, max_frame_size)
+        hello: dict[str, object] = {}
+        if remote:
+            tok = token if token is not None else os.environ.get("MSGQ_TRIO_TOKEN")
+            if tok:
+                hello["token"] = tok
         try:
-            yield bus
-        except Exception as exc:
-            # Re-raised below, outside the nursery, so the caller can catch e.g. NoRecipient
-            # itself instead of an ExceptionGroup wrapping it. Cancelled is not caught here.
-            body_error = exc
-        finally:
-            with trio.CancelScope(shield=True):
-                await bus._close()
-            nursery.cancel_scope.cancel()
+            await bus._handshake(hello)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        if remote:
+            bus._max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
+            bus._inline["msgq.heartbeat"] = _answer_heartbeat(bus)
+        async with trio.open_nursery() as nursery:
+            bus._nursery = nursery
+            nursery.start_soon(bus._reader)
+            nursery.start_soon(bus._writer)
+            hb = _heartbeat_settings(bus) if remote else None
+            if hb is not None:
+                nursery.start_soon(_heartbeat, bus, *hb)
+            try:
+                yield bus
+            except Exception as exc:
+                # Re-raised below, outside the nursery, so the caller can catch e.g.
+                # NoRecipient itself instead of an ExceptionGroup wrapping it. Cancelled
+                # is not caught here.
+                body_error = exc
+            finally:
+                with trio.CancelScope(shield=True):
+                    await bus._close()
+                nursery.cancel_scope.cancel()
     if body_error is not None:
         raise body_error

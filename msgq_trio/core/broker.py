@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..config import Limits
+from ..config import AccessSettings, Limits
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import (
@@ -27,6 +27,7 @@ from ..protocol.framing import (
     encode_frame,
     stamped,
 )
+from .access import BIND, CALL, QUEUE_COMMANDS, SEND, SUBSCRIBE, Access, Policy
 from .peers import Buffer, Peer
 from .router import (
     ANYCAST,
@@ -129,22 +130,84 @@ class Broker:
         self.bindings: dict[str, Peer] = {}
         # Broker-wide counters of rare events; per-message counts live on each Peer.
         # no_recipient counts one-way messages and requests that reached nobody.
-        self.stats = {"no_recipient": 0, "late_answers": 0, "timeouts": 0, "dropped_peers": 0}
+        self.stats = {
+            "no_recipient": 0,
+            "late_answers": 0,
+            "timeouts": 0,
+            "dropped_peers": 0,
+            "forbidden": 0,
+        }
+        #: The access policy (core/access.py); None = no rules configured.
+        self.policy: Policy | None = None
+        self._heartbeat_id = 0
 
     # -- connection lifecycle -----------------------------------------------------------
     @property
     def peers(self) -> dict[int, Peer]:
         return self.router.by_id
 
-    def connect(self, name: str, *, pid: int, uid: int, gid: int, now: float) -> Peer:
-        """Admit a client whose HELLO was accepted; assigns its lname (never reused)."""
+    def connect(
+        self,
+        name: str,
+        *,
+        pid: int,
+        uid: int,
+        gid: int,
+        now: float,
+        principals: list[str] | None = None,
+        where: str = "",
+    ) -> Peer:
+        """Admit a client whose HELLO was accepted; assigns its lname (never reused).
+
+        ``principals`` are the identities the access policy matches (``unix:USER``,
+        ``uid:N``); a TCP client is admitted with ``where`` (``tcp:NAME@host:port``) and
+        its authenticated ``["tcp:NAME"]``.
+        """
         peer = Peer(self._next_id, name, pid=pid, uid=uid, gid=gid, now=now)
         self._next_id += 1
+        if where:
+            peer.remote = True
+            peer.where = where
+        peer.acl = self._access_for(peer, principals or [f"uid:{uid}"])
         self.router.add_peer(peer)
         self._publish_membership(
             "connected", {"lname": peer.lname, "name": name, "pid": pid, "uid": uid}
         )
         return peer
+
+    def _access_for(self, peer: Peer, principals: list[str]) -> Access | None:
+        if self.policy is None:
+            self.policy = Policy(AccessSettings())
+        return self.policy.for_peer(principals, remote=peer.remote)
+
+    def set_policy(self, settings: AccessSettings, principals: dict[Peer, list[str]]) -> None:
+        """Enforce ``settings`` from now on, for connected peers too (their cached
+        decisions are dropped). Memberships and bindings already made stay."""
+        self.policy = Policy(settings)
+        for peer, names in principals.items():
+            if peer.alive:
+                peer.acl = self.policy.for_peer(names, remote=peer.remote)
+
+    def _refuse(self, peer: Peer, verb: str, name: str) -> str:
+        """Log a denial with the peer's identity; returns the message for the wire."""
+        self.stats["forbidden"] += 1
+        msg = f"{verb} {name!r} is not allowed for {peer.acl.identity if peer.acl else '?'}"
+        log.warning("forbidden: %s: %s", peer.describe(), msg)
+        return msg
+
+    def heartbeat(self, peer: Peer) -> None:
+        """Queue a heartbeat REQUEST (``msgq.heartbeat``) to ``peer``: any answer (even
+        unknown-command from an old client) proves it is alive. Skipped when its queue is
+        over its hard bound (that case is the slow-consumer rule's)."""
+        self._heartbeat_id += 1
+        pieces = encode_frame(
+            _REQUEST,
+            target=peer.lname,
+            request_id=self._heartbeat_id,
+            header=encode_cbor({"cmd": "msgq.heartbeat"}),
+            source=_BROKER_STAMP,
+        )
+        self._enqueue(peer, pieces)
 
     def welcome(self, peer: Peer) -> dict[str, object]:
         """Header of the WELCOME frame for ``peer``."""
@@ -237,7 +300,15 @@ class Broker:
         peer.bytes_in += len(frame.raw)
         n = 0
         if ftype == _MESSAGE or ftype == _NOTIFY:
-            kind = self.router.parse_target(frame.target)[0]
+            kind, base, _ = self.router.parse_target(frame.target)
+            acl = peer.acl
+            if acl is not None and kind != RESERVED and not acl.allowed(SEND, base):
+                # A one-way message cannot be answered: the sender is dropped with a final
+                # ERROR forbidden, as for a message to a reserved group (docs/SECURITY.md).
+                self.kick(peer, ErrorCode.FORBIDDEN, self._refuse(peer, "send to", base))
+                if self.tap is not None:
+                    self.tap(peer, frame, "refused", 0)
+                return True
             if kind == RESERVED:
                 raise RemoteProtocolError(
                     f"{frame.target!r} is published by the broker only", ErrorCode.FORBIDDEN
@@ -292,6 +363,7 @@ class Broker:
         deliver = self._deliver
         tap = self.tap
         bindings = self.bindings
+        acl = peer.acl
         nbytes = nfast = 0
         done = -1  # all of them: len(frames) once done, as splitting runs may grow it
         # enumerate() indexes the list as it goes, so a run split in place below is
@@ -299,7 +371,11 @@ class Broker:
         for i, item in enumerate(frames):
             if type(item) is Run:
                 target = item.target
-                if parse(target)[0] == GROUP and not (bindings and target in bindings):
+                if (
+                    parse(target)[0] == GROUP
+                    and not (bindings and target in bindings)
+                    and (acl is None or acl.allowed(SEND, target))
+                ):
                     members = groups.get(target)
                     if not members:
                         self.stats["no_recipient"] += item.count
@@ -327,6 +403,7 @@ class Broker:
                 or frame.n_fds
                 or parse(frame.target)[0] != GROUP
                 or (bindings and frame.target in bindings)
+                or (acl is not None and not acl.allowed(SEND, frame.target))
             ):
                 try:
                     handled = self.handle(peer, frame, now)
@@ -480,6 +557,8 @@ class Broker:
                 over.append(r)
                 continue
             if nfds:
+                if r.remote:
+                    continue  # descriptors cannot cross TCP: this receiver is skipped
                 r.outq.append(self._with_fds(pieces[0], frame.fds))
                 r.outq.extend(pieces[1:])
                 r.outq_fds += nfds
@@ -597,6 +676,12 @@ class Broker:
         if kind == BROKER:
             self._broker_command(peer, frame, command)
             return "broker", 1
+        acl = peer.acl
+        if acl is not None and kind != RESERVED:
+            why = self._check_call(peer, acl, frame, command)
+            if why:
+                self._reply_error(peer, rid, ErrorCode.FORBIDDEN, why)
+                return "refused", 0
         if kind == RESERVED:
             self._reply_error(
                 peer, rid, ErrorCode.FORBIDDEN, f"{frame.target!r} is published by the broker only"
@@ -651,6 +736,14 @@ class Broker:
                 self._reply_error(
                     peer, rid, ErrorCode.RECIPIENT_GONE, f"{r.lname} is leaving", source=r.stamp
                 )
+            elif frame.fds and r.remote:
+                self._reply_error(
+                    peer,
+                    rid,
+                    ErrorCode.BAD_REQUEST,
+                    f"{r.lname} is connected over TCP: file descriptors cannot reach it",
+                    source=r.stamp,
+                )
             elif self._enqueue(r, pieces, frame.fds):
                 delivered.append(r)
             else:
@@ -667,8 +760,31 @@ class Broker:
             return "delivered", len(delivered)
         return "refused", 0
 
+    def _check_call(self, peer: Peer, acl: Access, frame: Frame, command: str) -> str:
+        """Why ``peer`` may not make this request ("" if it may). Queue-plugin commands
+        also need ``consume``/``produce`` on the queue their params name (the one place
+        the broker decodes a request body, and only for a restricted peer's request to
+        the queue group)."""
+        base = self.router.parse_target(frame.target)[1]
+        if not acl.allowed(CALL, base):
+            return self._refuse(peer, "call to", base)
+        policy = self.policy
+        if policy is not None and base == policy.queue_group:
+            verb = QUEUE_COMMANDS.get(command)
+            if verb is not None:
+                try:
+                    params = frame.body()
+                except RemoteProtocolError:
+                    params = None
+                queue = params.get("queue") if isinstance(params, dict) else None
+                if not isinstance(queue, str) or not acl.allowed(verb, queue):
+                    return self._refuse(peer, f"{verb} (queue command {command!r}) on", str(queue))
+        return ""
+
     def _answer(self, peer: Peer, frame: Frame) -> str:
         kind, _base, caller_id = self.router.parse_target(frame.target)
+        if kind == BROKER:
+            return "discarded"  # the answer to a heartbeat: its arrival was the point
         caller = self.rpc.answer(peer, caller_id, frame.request_id) if kind == DIRECT else None
         if caller is None:
             # The caller left, the call timed out, or this peer was never asked.
@@ -680,6 +796,15 @@ class Broker:
                 frame.request_id,
             )
             return "discarded"
+        if frame.fds and caller.remote:
+            self._reply_error(
+                caller,
+                frame.request_id,
+                ErrorCode.BAD_REQUEST,
+                f"the answer from {peer.lname} carried file descriptors, which cannot cross TCP",
+                source=peer.stamp,
+            )
+            return "refused"
         self._send_or_kick(caller, stamped(frame, peer.stamp), "an answer it asked for", frame.fds)
         return "forwarded"
 
@@ -780,6 +905,8 @@ class Broker:
         why = valid_group_name(group)
         if why:
             raise CommandError(ErrorCode.BAD_REQUEST, why)
+        if peer.acl is not None and not peer.acl.allowed(SUBSCRIBE, group):
+            raise CommandError(ErrorCode.FORBIDDEN, self._refuse(peer, "subscribe to", group))
         if group not in peer.groups and len(peer.groups) >= self.limits.max_subscriptions:
             raise CommandError(
                 ErrorCode.LIMIT_EXCEEDED,
@@ -802,8 +929,11 @@ class Broker:
             )
         return removed
 
-    def _cmd_members(self, _peer: Peer, params: object) -> list[dict[str, object]]:
+    def _cmd_members(self, peer: Peer, params: object) -> list[dict[str, object]]:
         group = self._group_param(params)
+        acl = peer.acl
+        if acl is not None and not any(acl.allowed(v, group) for v in (SUBSCRIBE, SEND, CALL)):
+            raise CommandError(ErrorCode.FORBIDDEN, self._refuse(peer, "list members of", group))
         return [
             {"lname": p.lname, "name": p.name, "pid": p.pid} for p in self.router.members(group)
         ]
@@ -822,6 +952,8 @@ class Broker:
             raise CommandError(ErrorCode.BAD_REQUEST, why)
         if self.router.parse_target(group)[0] != GROUP:
             raise CommandError(ErrorCode.BAD_REQUEST, f"{group!r} cannot be bound")
+        if peer.acl is not None and not peer.acl.allowed(BIND, group):
+            raise CommandError(ErrorCode.FORBIDDEN, self._refuse(peer, "bind", group))
         holder = self.bindings.get(group)
         if holder is peer:
             return False

@@ -6,8 +6,12 @@ Pure data: no trio, no sockets. The I/O layer drains ``outq``; the core fills it
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from ..protocol.framing import FdBuffer
+
+if TYPE_CHECKING:
+    from .access import Access
 
 Buffer = bytes | bytearray | memoryview
 
@@ -21,6 +25,7 @@ class Peer:
     """
 
     __slots__ = (
+        "acl",
         "alive",
         "bytes_in",
         "bytes_out",
@@ -38,9 +43,11 @@ class Peer:
         "pending_in",
         "pending_out",
         "pid",
+        "remote",
         "sealed",
         "stamp",
         "uid",
+        "where",
     )
 
     def __init__(self, pid_: int, name: str, *, pid: int, uid: int, gid: int, now: float) -> None:
@@ -68,12 +75,21 @@ class Peer:
         self.bytes_in = 0
         self.msgs_out = 0
         self.bytes_out = 0
+        #: What this peer may do (core/access.py); None = everything (a Unix client no
+        #: access rule names). Set by Broker.connect / set_policy.
+        self.acl: Access | None = None
+        #: A TCP client: no descriptor passing, identity from a token or certificate.
+        self.remote = False
+        #: For a TCP client: ``tcp:NAME@address`` (log lines name it).
+        self.where = ""
 
     def __repr__(self) -> str:
         return f"<Peer {self.lname} name={self.name!r} pid={self.pid}>"
 
     def describe(self) -> str:
         """Identity for log lines: which client caused this."""
+        if self.remote:
+            return f"{self.lname} (name={self.name!r} pid={self.pid} {self.where})"
         return f"{self.lname} (name={self.name!r} pid={self.pid} uid={self.uid})"
 
     def take_outgoing(self, max_bytes: int = 1 << 62) -> tuple[list[Buffer], int]:

@@ -258,7 +258,7 @@ def close_fds(fds: list[int] | tuple[int, ...]) -> None:
             pass
 
 
-async def send_buffers(stream: trio.SocketStream, bufs: list[Buffer]) -> None:
+async def send_buffers(stream: trio.abc.SendStream, bufs: list[Buffer]) -> None:
     """Write queued buffers: small ones joined, large ones as they are, FdBuffers with
     their descriptors (which are closed here, sent or not: the kernel holds its own
     references to sent ones)."""
@@ -266,6 +266,9 @@ async def send_buffers(stream: trio.SocketStream, bufs: list[Buffer]) -> None:
     try:
         for chunk in coalesce(bufs):
             if type(chunk) is FdBuffer:
+                # Only socket streams carry descriptors (the core never queues them for
+                # a TCP or TLS peer).
+                assert isinstance(stream, trio.SocketStream)
                 # A run of descriptor-carrying frames cannot be joined (one SCM_RIGHTS
                 # per sendmsg), so send each without a trio checkpoint while the socket
                 # takes them, and fall back to waiting only when it is full.

@@ -20,15 +20,20 @@ import errno
 import logging
 import math
 import os
+import pwd
 import socket as pysocket
+import ssl
 import stat
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import attrs
 import trio
 
 from .. import __version__
-from ..config import Limits
+from ..config import AccessSettings, Limits, TcpSettings
+from ..core.access import check_token
 from ..core.broker import Broker
 from ..core.peers import Peer
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
@@ -59,8 +64,63 @@ _GOODBYE = FrameType.GOODBYE
 _DIRECT_SEND_MAX = 256 * 1024
 
 
+#: What the accept loops hand to _serve_connection: a Unix or TCP socket stream, or a
+#: TLS stream over a TCP one.
+Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+
+
 class BrokerAlreadyRunning(RuntimeError):
     """A live broker already answers on the socket path."""
+
+
+def server_ssl_context(tcp: TcpSettings) -> ssl.SSLContext:
+    """The TLS context of the TCP listeners (TLS 1.2 at least).
+
+    With ``client_ca`` the broker asks for a client certificate (CERT_OPTIONAL, so token
+    clients still connect; a certificate that is presented but does not verify fails the
+    handshake), with ``require_client_cert`` it insists on one.
+
+    Raises:
+        OSError / ssl.SSLError: unreadable or invalid certificate, key or CA file.
+    """
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tcp.certfile, tcp.keyfile)
+    if tcp.client_ca:
+        ctx.load_verify_locations(tcp.client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED if tcp.require_client_cert else ssl.CERT_OPTIONAL
+    return ctx
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
+def _peer_address(stream: Stream) -> str:
+    sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+    try:
+        addr = sock.getpeername()
+    except OSError:
+        return "?"
+    if isinstance(addr, tuple):
+        host = addr[0]
+        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+    return str(addr) or "unix"
+
+
+def _cert_common_name(stream: trio.SSLStream[trio.SocketStream]) -> str | None:
+    """The subject CN of the client's verified certificate, or None if it sent none."""
+    cert = stream.getpeercert()
+    if not cert:
+        return None
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and value:
+                return str(value)
+    return None
 
 
 def prepare_socket_path(path: Path) -> None:
@@ -120,7 +180,12 @@ class PeerConnection:
     """I/O state of one admitted client: its stream, writer wake-up and cancel scope."""
 
     def __init__(
-        self, server: Server, peer: Peer, stream: trio.SocketStream, conn: Connection
+        self,
+        server: Server,
+        peer: Peer,
+        stream: Stream,
+        conn: Connection,
+        principals: list[str] | None = None,
     ) -> None:
         self.server = server
         self.peer = peer
@@ -136,7 +201,18 @@ class PeerConnection:
         #: True while the writer task is inside send_all; otherwise the socket is free and
         #: _after_core may write to it directly (non-blocking), saving a task switch.
         self.writing = False
-        self.fd = stream.socket.fileno()
+        #: -1 for TLS: bytes must go through the SSL object, never straight to the fd.
+        self.fd = -1 if isinstance(stream, trio.SSLStream) else stream.socket.fileno()
+        #: Identities the access policy matched (re-matched on a policy change).
+        self.principals = principals or []
+        # Heartbeat bookkeeping (TCP only): received-byte count and write progress seen at
+        # the last tick, intervals without a byte from the client, and whether the reader
+        # is paused by backpressure (then silence is ours, not the client's).
+        self.hb_rx = -1
+        self.hb_missed = 0
+        self.hb_progress = 0
+        self.writes = 0
+        self.paused = False
 
     def kick(self, code: ErrorCode, message: str) -> None:
         """Close this connection because the core dropped the client."""
@@ -152,12 +228,27 @@ class Server:
     Args:
         path: Unix socket path to listen on.
         limits: bounds (see :class:`msgq_trio.config.Limits`).
+        tcp: TCP/TLS listeners, tokens and heartbeats (docs/SECURITY.md); None = Unix only.
+        access: the access policy; None = no rules.
     """
 
-    def __init__(self, path: Path, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        limits: Limits | None = None,
+        *,
+        tcp: TcpSettings | None = None,
+        access: AccessSettings | None = None,
+    ) -> None:
         self.path = Path(path)
         self.limits = limits or Limits()
+        self.tcp = tcp or TcpSettings()
         self.core = Broker(self.limits, version=__version__)
+        self.core.set_policy(access or AccessSettings(), {})
+        #: Where the TCP listeners are bound (``host:port``), once running.
+        self.tcp_addresses: list[str] = []
+        self._tcp_listeners: list[trio.SocketListener] = []
+        self._ssl_context: ssl.SSLContext | None = None
         self.conns: dict[Peer, PeerConnection] = {}
         self.n_connections = 0
         self._timer_wake = _Wakeup()
@@ -178,6 +269,8 @@ class Server:
         Raises:
             BrokerAlreadyRunning: a live broker answers on the path.
         """
+        if self.tcp.listen and self.tcp.certfile:
+            self._ssl_context = server_ssl_context(self.tcp)
         prepare_socket_path(self.path)
         sock = trio.socket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
         try:
@@ -185,21 +278,44 @@ class Server:
                 await sock.bind(str(self.path))
                 sock.listen(512)
             self._listener = trio.SocketListener(sock)
+            for addr in self.tcp.listen:
+                await self._open_tcp(addr)
             async with trio.open_nursery() as top:
                 top.start_soon(self._timer_task)
+                if self._tcp_listeners:
+                    top.start_soon(self._heartbeat_task)
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
-                    handlers.start_soon(self._accept_loop, handlers)
+                    handlers.start_soon(self._accept_loop, handlers, self._listener)
+                    for tl in self._tcp_listeners:
+                        handlers.start_soon(self._accept_loop, handlers, tl)
                     log.info(
                         "broker %s listening on %s (pid %d)", __version__, self.path, os.getpid()
                     )
+                    for a in self.tcp_addresses:
+                        log.info(
+                            "listening on %s://%s", "tls" if self._ssl_context else "tcp", a
+                        )
                     self.started_at = trio.current_time()
                     task_status.started(self.path)
                 top.cancel_scope.cancel()
         finally:
             sock.close()
+            for tl in self._tcp_listeners:
+                tl.socket.close()
             self._unlink_socket()
             self.shutdown_complete.set()
+
+    async def _open_tcp(self, addr: str) -> None:
+        """Bind one ``HOST:PORT`` listener (port 0: any free port, see tcp_addresses)."""
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]")
+        listeners = await trio.open_tcp_listeners(int(port), host=host, backlog=512)
+        for tl in listeners:
+            bound = tl.socket.getsockname()
+            h = bound[0]
+            self.tcp_addresses.append(f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}")
+        self._tcp_listeners.extend(listeners)
 
     def _unlink_socket(self) -> None:
         try:
@@ -215,6 +331,8 @@ class Server:
         log.info("shutting down: %d clients connected", len(self.conns))
         if self._listener is not None:
             await self._listener.aclose()
+        for tl in self._tcp_listeners:
+            await tl.aclose()
         goodbye = encode_frame(
             FrameType.GOODBYE, header=encode_cbor({"reason": str(ErrorCode.BROKER_SHUTDOWN)})
         )
@@ -247,6 +365,20 @@ class Server:
         self.limits = limits
         self.core.limits = limits
 
+    def apply_tcp(self, tcp: TcpSettings) -> None:
+        """New tokens and heartbeat settings (listeners and TLS files stay until restart):
+        tokens apply to handshakes from now on, heartbeats at the next tick."""
+        self.tcp = attrs.evolve(
+            self.tcp,
+            tokens=tcp.tokens,
+            heartbeat_interval=tcp.heartbeat_interval,
+            heartbeat_misses=tcp.heartbeat_misses,
+        )
+
+    def apply_access(self, access: AccessSettings) -> None:
+        """Enforce a new access policy, for connected clients too (decisions re-made)."""
+        self.core.set_policy(access, {pc.peer: pc.principals for pc in self.conns.values()})
+
     def _cmd_stats(self, _peer: Peer, _params: object) -> dict[str, object]:
         """Broker command ``stats``: process-level figures for operators and fault scenarios."""
         core = self.core
@@ -264,11 +396,11 @@ class Server:
         }
 
     # -- accepting -------------------------------------------------------------------
-    async def _accept_loop(self, handlers: trio.Nursery) -> None:
-        assert self._listener is not None
+    async def _accept_loop(self, handlers: trio.Nursery, listener: trio.SocketListener) -> None:
+        tcp = listener is not self._listener
         while True:
             try:
-                stream = await self._listener.accept()
+                stream = await listener.accept()
             except trio.ClosedResourceError:
                 return
             except OSError as exc:
@@ -277,25 +409,35 @@ class Server:
                     await trio.sleep(0.1)
                     continue
                 raise
-            handlers.start_soon(self._serve_connection, stream)
+            handlers.start_soon(self._serve_connection, stream, tcp)
 
     # -- one connection ----------------------------------------------------------------
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    async def _serve_connection(self, stream: Stream, tcp: bool = False) -> None:
         self.n_connections += 1
         pid = uid = gid = -1
-        set_send_buffer(stream.socket, self.limits.socket_send_buffer)
-        try:
-            with translate_socket_errors():
-                pid, uid, gid = _PEERCRED.unpack(
-                    stream.socket.getsockopt(
-                        pysocket.SOL_SOCKET, pysocket.SO_PEERCRED, _PEERCRED.size
+        address = ""
+        if tcp:
+            address = _peer_address(stream)
+        else:
+            assert isinstance(stream, trio.SocketStream)
+            # TCP keeps the kernel's send buffer autotuning (setting SO_SNDBUF ends it).
+            set_send_buffer(stream.socket, self.limits.socket_send_buffer)
+            try:
+                with translate_socket_errors():
+                    pid, uid, gid = _PEERCRED.unpack(
+                        stream.socket.getsockopt(
+                            pysocket.SOL_SOCKET, pysocket.SO_PEERCRED, _PEERCRED.size
+                        )
                     )
-                )
-        except trio.BrokenResourceError:
-            pass
+            except trio.BrokenResourceError:
+                pass
         conn = Connection(Role.BROKER, self.limits.max_frame_size)
         pc: PeerConnection | None = None
-        who = f"pid={pid} uid={uid} (before HELLO)"
+        who = (
+            f"tcp client {address} (before HELLO)"
+            if tcp
+            else f"pid={pid} uid={uid} (before HELLO)"
+        )
         try:
             # n_connections counts sockets still in their handshake too, so a storm of
             # connections that never say HELLO cannot get past the limit.
@@ -312,6 +454,22 @@ class Server:
                 )
                 await _linger(stream)
                 return
+            if tcp and self._ssl_context is not None:
+                assert isinstance(stream, trio.SocketStream)
+                stream = trio.SSLStream(stream, self._ssl_context, server_side=True)
+                # The TLS handshake counts against handshake_timeout like HELLO does.
+                with trio.move_on_after(self.limits.handshake_timeout) as cs:
+                    try:
+                        await stream.do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        log.warning(
+                            "refusing %s: TLS handshake failed: %s", who, exc.__cause__ or exc
+                        )
+                        return
+                if cs.cancelled_caught:
+                    log.warning("dropping %s: no TLS handshake within %.1f s", who,
+                                self.limits.handshake_timeout)
+                    return
             hello = await self._handshake(stream, conn, who)
             if hello is None:
                 return
@@ -333,10 +491,41 @@ class Server:
                     data={"supported": [PROTOCOL_VERSION]},
                 )
                 return
-            peer = self.core.connect(name, pid=pid, uid=uid, gid=gid, now=trio.current_time())
-            pc = PeerConnection(self, peer, stream, conn)
+            where = ""
+            if tcp:
+                identity, why = self._authenticate(stream, header, who, name)
+                if identity is None:
+                    conn.check_send(FrameType.ERROR)
+                    await _send_final(stream, ErrorCode.UNAUTHENTICATED, why)
+                    await _linger(stream)
+                    return
+                principals = [f"tcp:{identity}"]
+                where = f"tcp:{identity}@{address}"
+                hello_pid = header.get("pid")
+                # Not verifiable over TCP: shown to others as the client says.
+                if isinstance(hello_pid, int) and not isinstance(hello_pid, bool):
+                    pid = hello_pid
+            else:
+                principals = [f"unix:{_user_name(uid)}", f"uid:{uid}"]
+            peer = self.core.connect(
+                name,
+                pid=pid,
+                uid=uid,
+                gid=gid,
+                now=trio.current_time(),
+                principals=principals,
+                where=where,
+            )
+            pc = PeerConnection(self, peer, stream, conn, principals)
             self.conns[peer] = pc
-            welcome = conn.send(FrameType.WELCOME, header=self.core.welcome(peer))
+            welcome_header = self.core.welcome(peer)
+            if tcp:
+                welcome_header["identity"] = principals[0]
+                welcome_header["heartbeat"] = {
+                    "interval": self.tcp.heartbeat_interval,
+                    "misses": self.tcp.heartbeat_misses,
+                }
+            welcome = conn.send(FrameType.WELCOME, header=welcome_header)
             with translate_socket_errors():
                 await stream.send_all(b"".join(welcome))
             self._after_core()
@@ -376,15 +565,41 @@ class Server:
             close_fds(conn.close())
             await trio.aclose_forcefully(stream)
 
+    def _authenticate(
+        self, stream: Stream, header: dict[str, object], who: str, name: str
+    ) -> tuple[str | None, str]:
+        """The identity of a TCP client: its token's name, else its certificate's CN;
+        or (None, why it was refused).
+
+        A token that is present must be valid (a wrong token is refused even with a good
+        certificate: the client meant to be someone). Refusals are logged at WARNING with
+        the address; the token itself is never logged.
+        """
+        token = header.get("token")
+        if token is not None:
+            ident = check_token(token, self.tcp.tokens) if isinstance(token, str) else None
+            if ident is None:
+                log.warning("refusing %s (name=%r): invalid token", who, name)
+                return None, "invalid token"
+            return ident, ""
+        if isinstance(stream, trio.SSLStream):
+            cn = _cert_common_name(stream)
+            if cn is not None:
+                return cn, ""
+        log.warning("refusing %s (name=%r): no token and no client certificate", who, name)
+        return None, (
+            "TCP clients must authenticate: a token in HELLO or a client certificate "
+            "the broker trusts"
+        )
+
     async def _handshake(
-        self, stream: trio.SocketStream, conn: Connection, who: str
+        self, stream: Stream, conn: Connection, who: str
     ) -> tuple[str, dict[str, object]] | None:
         """Read until HELLO; returns (name, header) or None if the client left or timed out."""
+        receive = self._receiver(stream)
         with trio.move_on_after(self.limits.handshake_timeout):
             while True:
-                data, fds = await receive_with_fds(
-                    stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
-                )
+                data, fds = await receive()
                 conn.receive_data(data, fds)
                 ev = conn.next_event()
                 if ev is EOF:
@@ -402,6 +617,36 @@ class Server:
             "dropping connection %s: no HELLO within %.1f s", who, self.limits.handshake_timeout
         )
         return None
+
+    def _receiver(self, stream: Stream) -> Callable[[], Awaitable[tuple[bytes, list[int]]]]:
+        """The receive call for the handshake (the reader loop uses a SocketReceiver)."""
+        if isinstance(stream, trio.SSLStream):
+            return self._tls_receiver(stream)
+        sock = stream.socket
+        ancsize = ancillary_size(self.limits.max_fds_per_message)
+
+        def receive() -> Awaitable[tuple[bytes, list[int]]]:
+            return receive_with_fds(sock, RECEIVE_SIZE, ancsize)
+
+        return receive
+
+    def _tls_receiver(
+        self, ssl_stream: trio.SSLStream[trio.SocketStream]
+    ) -> Callable[[], Awaitable[tuple[bytes, list[int]]]]:
+        """The receive call for a TLS stream: the decrypted bytes (no descriptors can
+        come over TCP). Sockets use :class:`SocketReceiver`."""
+
+        async def receive_tls() -> tuple[bytes, list[int]]:
+            try:
+                data = await ssl_stream.receive_some(RECEIVE_SIZE)
+            except trio.BrokenResourceError as exc:
+                # A client that closes without close_notify is just a disconnect.
+                if isinstance(exc.__cause__, ssl.SSLError) and "EOF" in str(exc.__cause__):
+                    return b"", []
+                raise
+            return bytes(data), []
+
+        return receive_tls
 
     async def _run_peer(self, pc: PeerConnection) -> None:
         """Run the reader (in this task) and the writer (a child task) until either ends.
@@ -451,19 +696,23 @@ class Server:
 
     async def _reader(self, pc: PeerConnection) -> bool:
         """Read and route until EOF (False) or the client's GOODBYE (True)."""
+        stream = pc.stream
+        if isinstance(stream, trio.SSLStream):
+            return await self._read_loop(pc, self._tls_receiver(stream))
         rx = SocketReceiver(
-            pc.stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
+            stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
         )
         try:
-            return await self._read_loop(pc, rx)
+            return await self._read_loop(pc, rx.receive)
         finally:
             rx.close()
 
-    async def _read_loop(self, pc: PeerConnection, rx: SocketReceiver) -> bool:
+    async def _read_loop(
+        self, pc: PeerConnection, receive: Callable[[], Awaitable[tuple[bytes, list[int]]]]
+    ) -> bool:
         conn, peer, core = pc.conn, pc.peer, self.core
         handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout
-        receive = rx.receive
         # Frames pipelined right behind HELLO are already buffered: the first pass
         # handles them before waiting for more data.
         received = False
@@ -510,10 +759,13 @@ class Server:
                         frames = frames[done:]
                         try:
                             self._after_core()
+                            pc.paused = True
                             await self._wait_for_room(pc)
                         except BaseException:
                             core.discard_frames(frames)
                             raise
+                        finally:
+                            pc.paused = False
                         if not pc.peer.alive:  # dropped while it waited
                             core.discard_frames(frames)
                             break
@@ -527,7 +779,11 @@ class Server:
             if conn.error_pending:
                 conn.events()  # raises the protocol error that followed the valid frames
             if core.blocked:
-                await self._wait_for_receivers(pc)
+                pc.paused = True
+                try:
+                    await self._wait_for_receivers(pc)
+                finally:
+                    pc.paused = False
 
     async def _wait_for_receivers(self, pc: PeerConnection) -> None:
         """Backpressure: stop reading from this sender while a receiver it fed is over its
@@ -593,13 +849,13 @@ class Server:
                 finally:
                     pc.writing = False
                 peer.sent(n)
+                pc.writes += 1
                 pc.progress.unpark_all()
             if pc.conn.sent_goodbye and not peer.outq:
                 pc.goodbye_sent.set()
                 if self._shutting_down:
                     # Shutdown: our GOODBYE is out; close our side so the client sees EOF.
-                    with translate_socket_errors():
-                        await stream.send_eof()
+                    await _send_eof(stream)
                 return
 
     def _send_now(self, pc: PeerConnection) -> None:
@@ -615,6 +871,7 @@ class Server:
             or peer.outq_bytes > _DIRECT_SEND_MAX
             or peer.outq_fds  # descriptors need sendmsg: the writer does that
             or pc.conn.sent_goodbye
+            or pc.fd < 0  # TLS: only the SSL object may write
         ):
             return
         bufs, n = peer.take_outgoing(_DIRECT_SEND_MAX)
@@ -654,6 +911,41 @@ class Server:
         if d is not None and d < self._timer_target:
             self._timer_target = d
             self._timer_wake.set()
+
+    async def _heartbeat_task(self) -> None:
+        """Every heartbeat interval: ping each TCP client we heard nothing from during the
+        last interval; drop one silent for ``heartbeat_misses`` intervals (it crashed, its
+        host died, or the network path did: a Unix socket would have told us at once).
+
+        Not counted as silence: intervals in which our reader was paused by backpressure
+        (we were not listening), or in which a backlog queued for it kept draining (its
+        stack is taking data; the slow-consumer rule judges that case).
+        """
+        while True:
+            interval = self.tcp.heartbeat_interval
+            await trio.sleep(interval)
+            for pc in list(self.conns.values()):
+                peer = pc.peer
+                if not peer.remote or not peer.alive or pc.conn.sent_goodbye:
+                    continue
+                rx = pc.conn.received_bytes
+                draining = peer.outq_bytes > 0 and pc.writes != pc.hb_progress
+                pc.hb_progress = pc.writes
+                if rx != pc.hb_rx or pc.paused or draining:
+                    pc.hb_rx = rx
+                    pc.hb_missed = 0
+                    continue
+                pc.hb_missed += 1
+                if pc.hb_missed >= self.tcp.heartbeat_misses:
+                    self.core.kick(
+                        peer,
+                        ErrorCode.HEARTBEAT_TIMEOUT,
+                        f"nothing received for {pc.hb_missed} heartbeat intervals of "
+                        f"{interval} s (tcp.heartbeat_misses)",
+                    )
+                else:
+                    self.core.heartbeat(peer)
+            self._after_core()
 
     async def _timer_task(self) -> None:
         """Sleep until the earliest RPC deadline, then let the core answer ``timeout``."""
@@ -697,8 +989,16 @@ def _rss_bytes() -> int:
         return -1
 
 
+async def _send_eof(stream: Stream) -> None:
+    """Close our sending side: a socket's shutdown(SHUT_WR); TLS has no half-close, so
+    there the connection is left for aclose (close_notify) to end."""
+    if isinstance(stream, trio.SocketStream):
+        with translate_socket_errors():
+            await stream.send_eof()
+
+
 async def _send_final(
-    stream: trio.SocketStream, code: ErrorCode, message: str, data: object = None
+    stream: Stream, code: ErrorCode, message: str, data: object = None
 ) -> None:
     """Best effort: tell the peer why we close (it may be gone already)."""
     frame = connection_error_frame(code, message)
@@ -720,15 +1020,15 @@ _LINGER_TIME = 0.5
 _LINGER_BYTES = 64 * 1024
 
 
-async def _linger(stream: trio.SocketStream) -> None:
+async def _linger(stream: Stream) -> None:
     """Close our side, then read and discard what the client still sends (its HELLO) for a
     moment, so it gets our ERROR instead of EPIPE on its write (a "lingering close").
     Bounded: at most ``_LINGER_BYTES`` bytes and ``_LINGER_TIME`` seconds."""
     got = 0
     with trio.move_on_after(_LINGER_TIME):
         try:
+            await _send_eof(stream)
             with translate_socket_errors():
-                await stream.send_eof()
                 while got < _LINGER_BYTES:
                     data = await stream.receive_some(RECEIVE_SIZE)
                     if not data:

@@ -22,12 +22,16 @@ from typing import Any
 import attrs
 
 from ..config import (
+    ACCESS_VERBS,
+    AccessRule,
+    AccessSettings,
     BrokerConfig,
     CaptureSettings,
     ControlSettings,
     Limits,
     LogSettings,
     MetricsSettings,
+    TcpSettings,
 )
 
 #: Section name -> settings class; each class's attrs fields are the section's keys.
@@ -37,12 +41,24 @@ SECTIONS: dict[str, type[Any]] = {
     "control": ControlSettings,
     "capture": CaptureSettings,
     "metrics": MetricsSettings,
+    "tcp": TcpSettings,
 }
 #: Keys outside any section.
 TOP_LEVEL: dict[str, str] = {"socket": "str"}
 
 #: Keys read once at start: a changed value is reported, not applied, until a restart.
-RESTART_ONLY = frozenset({"socket", "metrics.listen"})
+RESTART_ONLY = frozenset(
+    {
+        "socket",
+        "metrics.listen",
+        "tcp.listen",
+        "tcp.certfile",
+        "tcp.keyfile",
+        "tcp.client_ca",
+        "tcp.require_client_cert",
+        "tcp.insecure",
+    }
+)
 #: Limits read when a connection starts: a change applies to connections made after it.
 NEW_CONNECTIONS_ONLY = frozenset(
     {
@@ -51,6 +67,9 @@ NEW_CONNECTIONS_ONLY = frozenset(
         "limits.handshake_timeout",
         "limits.max_fds_per_message",
         "limits.socket_send_buffer",
+        "tcp.tokens",
+        "tcp.heartbeat_interval",
+        "tcp.heartbeat_misses",
     }
 )
 
@@ -77,6 +96,7 @@ def all_keys() -> list[str]:
     keys = list(TOP_LEVEL)
     for section, cls in SECTIONS.items():
         keys.extend(f"{section}.{f.name}" for f in attrs.fields(cls))
+    keys.extend(("access.rule", "access.queue_group"))
     return keys
 
 
@@ -130,6 +150,12 @@ def _coerce(key: str, typ: str, value: object) -> object:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise bad("a list of strings")
         return tuple(value)
+    if typ.startswith("dict[str, str]"):
+        if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            raise bad("a table of strings")
+        return dict(value)
     raise AssertionError(f"unsupported field type {typ!r} for {key}")
 
 
@@ -174,6 +200,8 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
     for name, value in data.items():
         if name == "plugins":
             kwargs[name] = build_plugins(value)
+        elif name == "access":
+            kwargs[name] = build_access(value)
         elif name in SECTIONS:
             kwargs[name] = build_section(name, SECTIONS[name], value)
         elif name in TOP_LEVEL:
@@ -186,6 +214,50 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
                 value,
             )
     return BrokerConfig(**kwargs)
+
+
+def build_access(table: object) -> AccessSettings:
+    """The ``[access]`` table: ``queue_group`` and the ``[[access.rule]]`` array.
+
+    Raises:
+        ConfigError: naming the rule (``access.rule[2].send``) and the offending value.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[access] must be a table, got {show(table)}", "access", table)
+    unknown = set(table) - {"rule", "queue_group"}
+    if unknown:
+        key = f"access.{sorted(unknown)[0]}"
+        raise ConfigError(f"unknown key {key!r} (access has rule, queue_group)", key)
+    queue_group = _coerce("access.queue_group", "str", table.get("queue_group", "msgq-queue"))
+    rules_in = table.get("rule", [])
+    if not isinstance(rules_in, list):
+        raise ConfigError("access.rule must be an array of tables ([[access.rule]])",
+                          "access.rule", rules_in)
+    rules: list[AccessRule] = []
+    fields = {f.name: f for f in attrs.fields(AccessRule)}
+    for i, rule in enumerate(rules_in):
+        where = f"access.rule[{i}]"
+        if not isinstance(rule, Mapping):
+            raise ConfigError(f"{where} must be a table, got {show(rule)}", where, rule)
+        kwargs: dict[str, object] = {}
+        for name, value in rule.items():
+            if name not in fields:
+                hint = difflib.get_close_matches(name, list(fields), n=1)
+                raise ConfigError(
+                    f"unknown key {where}.{name}"
+                    + (f" (did you mean {hint[0]}?)" if hint else "")
+                    + f"; a rule has who, {', '.join(ACCESS_VERBS)}, control",
+                    "access.rule",
+                    value,
+                )
+            kwargs[name] = _coerce(f"{where}.{name}", str(fields[name].type), value)
+        if "who" not in kwargs:
+            raise ConfigError(f"{where} needs a 'who' list", "access.rule", dict(rule))
+        try:
+            rules.append(AccessRule(**kwargs))  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{where}: {exc}", "access.rule", dict(rule)) from None
+    return AccessSettings(rules=rules, queue_group=str(queue_group))  # type: ignore[arg-type]
 
 
 def build_plugins(table: object) -> dict[str, dict[str, Any]]:
@@ -244,6 +316,16 @@ def to_dict(cfg: BrokerConfig) -> dict[str, Any]:
             f.name: list(v) if isinstance(v := getattr(inst, f.name), tuple) else v
             for f in attrs.fields(type(inst))
         }
+    out["access"] = {
+        "queue_group": cfg.access.queue_group,
+        "rule": [
+            {
+                f.name: list(v) if isinstance(v := getattr(r, f.name), tuple) else v
+                for f in attrs.fields(AccessRule)
+            }
+            for r in cfg.access.rules
+        ],
+    }
     if cfg.plugins:
         out["plugins"] = copy.deepcopy(cfg.plugins)
     return out

@@ -161,7 +161,11 @@ class Operations:
     ) -> Callable[[Peer, Any], object]:
         def guarded(peer: Peer, params: Any) -> object:
             allowed = self.allowed_uids()
-            if peer.uid not in allowed:
+            # A Unix caller by uid (control.allow_uids); anyone (TCP clients included) by
+            # an access rule with control = true.
+            if (peer.remote or peer.uid not in allowed) and not (
+                peer.acl is not None and peer.acl.control
+            ):
                 self.refusals += 1
                 log.warning(
                     "refused control command %r from %s: uid %d is not allowed "
@@ -172,10 +176,11 @@ class Operations:
                     sorted(allowed),
                     extra=peer_fields(peer),
                 )
+                who = peer.acl.identity if peer.remote and peer.acl else f"uid {peer.uid}"
                 raise CommandError(
                     ErrorCode.FORBIDDEN,
-                    f"control command {name!r} is restricted to uids {sorted(allowed)}; "
-                    f"your uid is {peer.uid}",
+                    f"control command {name!r} is restricted to uids {sorted(allowed)} "
+                    f"and identities an access rule grants control; you are {who}",
                 )
             log.log(
                 logging.INFO if name in MUTATING else logging.DEBUG,
@@ -249,13 +254,29 @@ class Operations:
                 ) from None
         if new.limits != old.limits:
             self.server.apply_limits(new.limits)
+        if new.tcp != old.tcp:
+            self.server.apply_tcp(new.tcp)
+        if new.access != old.access:
+            self.server.apply_access(new.access)
         if prepared is not None:
             logsetup.install(prepared)
             self.hub.set_traffic_logging(new.log.level == "TRAFFIC")
         # socket and metrics.listen were read at start; they keep their running values.
         # plugins too: the supervisor started them from the configuration at start.
         self.config = attrs.evolve(
-            new, socket=old.socket, metrics=old.metrics, plugins=old.plugins
+            new,
+            socket=old.socket,
+            metrics=old.metrics,
+            plugins=old.plugins,
+            tcp=attrs.evolve(
+                new.tcp,
+                listen=old.tcp.listen,  # type: ignore[arg-type]
+                certfile=old.tcp.certfile,
+                keyfile=old.tcp.keyfile,
+                client_ca=old.tcp.client_ca,
+                require_client_cert=old.tcp.require_client_cert,
+                insecure=old.tcp.insecure,
+            ),
         )
         self.generation += 1
         self.loaded_at = time.time()

@@ -49,6 +49,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="text (default) or json (one object per line)")
     p.add_argument("--syslog", action="store_true", default=None,
                    help="log to syslog/journald through /dev/log")
+    p.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
+                   help="also listen for TCP clients here (repeat; tcp.listen; TLS and tokens "
+                        "from the configuration file, docs/SECURITY.md)")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any)")
     p.add_argument("--ctl-allow-uid", type=int, action="append", default=None, metavar="UID",
@@ -79,6 +82,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         o["log.syslog"] = True
     if args.metrics is not None:
         o["metrics.listen"] = args.metrics
+    if getattr(args, "listen", None) is not None:
+        o["tcp.listen"] = list(args.listen)
     if args.ctl_allow_uid is not None:
         o["control.allow_uids"] = list(args.ctl_allow_uid)
     if args.capture_dir is not None:
@@ -131,7 +136,7 @@ async def _serve(config: Any, source: ConfigSource) -> int:
     from .control import Operations
 
     path = Path(config.socket) if config.socket else default_socket_path()
-    server = Server(path, config.limits)
+    server = Server(path, config.limits, tcp=config.tcp, access=config.access)
     listeners = None
     address = None
     if config.metrics.listen:
@@ -162,6 +167,9 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                     await nursery.start(supervisor.run)
                 started = True
                 print(f"msgq-trio broker listening on {server.path}", flush=True)
+                scheme = "tls" if config.tcp.certfile else "tcp"
+                for a in server.tcp_addresses:
+                    print(f"msgq-trio broker listening on {scheme}://{a}", flush=True)
                 if address is not None:
                     print(f"msgq-trio metrics on http://{address}/metrics", flush=True)
 

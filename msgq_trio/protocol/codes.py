@@ -76,3 +76,10 @@ class ErrorCode(enum.StrEnum):
     #: An open asked a pipe to be persistent (or not) but it exists, or is configured,
     #: the other way: the first open (or the configuration) decides (docs/PIPES.md).
     PIPE_MISMATCH = "pipe-mismatch"
+    # -- TCP clients (docs/SECURITY.md) ----------------------------------------------------
+    #: A TCP client sent no valid token and no trusted client certificate (connection level).
+    UNAUTHENTICATED = "unauthenticated"
+    #: A TCP peer sent nothing for ``tcp.heartbeat_misses`` heartbeat intervals (it is
+    #: dropped; its pending calls fail recipient-gone), or the client saw the broker fall
+    #: silent for as long (then raised locally as ConnectionLost with this code).
+    HEARTBEAT_TIMEOUT = "heartbeat-timeout"

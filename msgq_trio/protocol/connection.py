@@ -120,6 +120,11 @@ class Connection:
         return self._pending_error is not None or self._parser.error is not None
 
     @property
+    def received_bytes(self) -> int:
+        """Stream bytes received so far (heartbeats: did the peer say anything lately?)."""
+        return self._rx_offset
+
+    @property
     def in_frame(self) -> bool:
         """True while a frame has started arriving and is not complete."""
         return self._parser.in_frame
