@@ -401,7 +401,8 @@ class Queue:
         return result
 
     def start_put_encoded(self, encoded: Sequence[bytes], seqs: Sequence[int], *,
-                          producer: str | None = None, timeout: float | None = None
+                          producer: str | None = None, timeout: float | None = None,
+                          after: int | None = None
                           ) -> Callable[[], Awaitable[dict[str, int]]]:
         """Send already CBOR-encoded bodies with explicit producer seqs, now and
         synchronously; ``await wait()`` gives the counts :meth:`put_many` returns. The
@@ -415,6 +416,10 @@ class Queue:
             timeout: the request's deadline (the broker's ``request_timeout`` if None);
                 ``wait()`` then raises ``RequestTimeout``, also when the broker itself
                 stopped answering (one second later).
+            after: the seq of this producer's previous message: the queue refuses the
+                put (``RemoteError`` code ``out-of-order``, nothing accepted) unless that
+                one arrived. Pipelined puts need it: one overtaking a failed earlier put
+                would otherwise make the earlier messages look like duplicates.
 
         Raises:
             UsageError: ``seqs`` do not match ``encoded`` or do not increase.
@@ -424,9 +429,11 @@ class Queue:
                 a >= b for a, b in zip([0, *seq_list], seq_list, strict=False)):
             raise UsageError("seqs must be strictly increasing positive integers, one per "
                              "body")
-        wait = self._bus.start_call(self.group, "put_many", {
-            "queue": self.name, "producer": producer or self.producer, "seqs": seq_list,
-            "bodies": list(encoded)}, timeout=timeout)
+        params: dict[str, Any] = {"queue": self.name, "producer": producer or self.producer,
+                                  "seqs": seq_list, "bodies": list(encoded)}
+        if after is not None:
+            params["after"] = after
+        wait = self._bus.start_call(self.group, "put_many", params, timeout=timeout)
 
         async def result() -> dict[str, int]:
             return dict(await wait())

@@ -72,6 +72,9 @@ class ErrorCode(enum.StrEnum):
     #: A write to a pipe whose readers all left (writer opened with on_reader_gone="fail"),
     #: or any operation on a pipe handle the plugin no longer knows (closed, or the pipe
     #: service restarted): the pipe is broken, like EPIPE; close it.
+    #: The queue plugin: a put with ``after`` whose producer's seq ``after`` has not
+    #: arrived (an earlier pipelined put failed); nothing was accepted, resend from there.
+    OUT_OF_ORDER = "out-of-order"
     PIPE_BROKEN = "pipe-broken"
     #: An open asked a pipe to be persistent (or not) but it exists, or is configured,
     #: the other way: the first open (or the configuration) decides (docs/PIPES.md).

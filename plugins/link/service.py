@@ -17,6 +17,9 @@ Rules (docs/QUEUE.md, "Chained queues / links", states them for users):
 3. Order: that deduplication needs each producer's messages in seq order on one
    connection. The link sends them in the order the upstream queue delivers them (its
    redeliveries keep their order), one ``put_many`` per producer per delivery batch.
+   Puts are pipelined, so each carries ``after`` (the producer's previous seq sent in
+   this session): a put that overtakes a failed one is refused ``out-of-order`` instead
+   of raising the producer's mark past messages that never arrived downstream.
 4. Failure (connection lost, handshake or put timeout, an error answer): the session
    ends, every message the link holds is nacked upstream at once (the upstream queue
    stores it, having no consumer for it) and the link reconnects with a doubling backoff;
@@ -280,6 +283,12 @@ class Link:
             self._failed(f"connection lost: {exc}")
 
     async def _pump(self, consumer: Consumer, there: Queue, nursery: trio.Nursery) -> None:
+        # Puts are pipelined. Each names the seq of the producer's previous message sent
+        # in this session (``after``): if that put failed downstream, this one is refused
+        # too instead of raising the producer's mark past messages that never arrived
+        # (their resend would be dropped as duplicates). The first put of a session is
+        # unconditional: what came before it was acked by the downstream queue.
+        last_sent: dict[str | None, int] = {}
         async for first in consumer:
             batch = [first, *consumer.take_ready(self.cfg.window)]
             by_producer: dict[str | None, list[QueueMessage]] = {}
@@ -294,10 +303,12 @@ class Link:
                         wait = there.start_put_encoded(
                             [m.raw for m in run], [m.producer_seq or 0 for m in run],
                             producer=f"{self.source}/{producer}",
-                            timeout=self.cfg.put_timeout)
+                            timeout=self.cfg.put_timeout, after=last_sent.get(producer))
                     except (ConnectionLost, MsgqError) as exc:
                         self._failed(f"cannot send: {exc}")
                         return
+                    last_sent[producer] = max(last_sent.get(producer, 0),
+                                              run[-1].producer_seq or 0)
                     nursery.start_soon(self._finish_put, wait, run)
 
     async def _finish_put(self, wait: Callable[[], Awaitable[dict[str, int]]],

@@ -163,7 +163,7 @@ class Queue:
         self.to_dlq: list[Msg] = []
         self.stats = dict.fromkeys(
             ("put", "stored", "writes_skipped", "duplicates", "acked", "delivered",
-             "redelivered", "dead_lettered", "refused_full"), 0)
+             "redelivered", "dead_lettered", "refused_full", "out_of_order"), 0)
 
     def inflight(self) -> int:
         members = sum(c.inflight for c in self.consumers.values() if c.kind == "member")
@@ -177,7 +177,7 @@ class Producer:
 
     def __init__(self) -> None:
         self.hwm: int | None = None
-        self.held: list[tuple[list[tuple[int, bytes]], Waiter]] = []
+        self.held: list[tuple[list[tuple[int, bytes]], Waiter, int | None]] = []
 
 
 #: ``deliver(queue, consumer, msgs)``: start delivering ``msgs`` (in queue order) to one
@@ -270,11 +270,18 @@ class Engine:
         return mid
 
     # -- producing ------------------------------------------------------------------------
-    def put(self, q: Queue, producer: str, items: list[tuple[int, bytes]], waiter: Waiter) -> None:
+    def put(self, q: Queue, producer: str, items: list[tuple[int, bytes]], waiter: Waiter,
+            after: int | None = None) -> None:
         """Accept ``items`` ((producer seq, stored value) in producer order) into ``q``.
 
         Synchronous and in call order, so a producer's seqs are seen in the order they
-        were sent. ``waiter`` is told about each item (see ``Waiter``)."""
+        were sent. ``waiter`` is told about each item (see ``Waiter``).
+
+        ``after``: accept only if this producer's seq ``after`` already arrived here (the
+        high-water mark is at least ``after``), else fail the whole put ``out-of-order``
+        and accept nothing. A forwarder that pipelines puts sends it, so that a put
+        overtaking a failed earlier one cannot raise the mark past messages that never
+        arrived (they would be taken for duplicates when resent)."""
         key = (q.name, producer)
         p = self.producers.get(key)
         if p is None:
@@ -282,28 +289,36 @@ class Engine:
             assert self.nursery is not None
             self.nursery.start_soon(self._load_producer, q, producer, p)
         if p.hwm is None:
-            p.held.append((items, waiter))
+            p.held.append((items, waiter, after))
             return
-        self._accept(q, producer, p, items, waiter)
+        self._accept(q, producer, p, items, waiter, after)
 
     async def _load_producer(self, q: Queue, producer: str, p: Producer) -> None:
         try:
             hwm: int = await self.thread.run(self.store.producer_state, q.name, producer)
         except StorageError as exc:
             log.error("queue %s: cannot read producer %r's state: %s", q.name, producer, exc)
-            for _items, waiter in p.held:
+            for _items, waiter, _after in p.held:
                 waiter.fail("internal-error", f"store failed: {exc}")
             self.producers.pop((q.name, producer), None)
             return
         p.hwm = hwm
         held, p.held = p.held, []
-        for items, waiter in held:
-            self._accept(q, producer, p, items, waiter)
+        for items, waiter, after in held:
+            self._accept(q, producer, p, items, waiter, after)
 
     def _accept(self, q: Queue, producer: str, p: Producer, items: list[tuple[int, bytes]],
-                waiter: Waiter) -> None:
+                waiter: Waiter, after: int | None = None) -> None:
         hwm = p.hwm
         assert hwm is not None
+        if after is not None and hwm < after:
+            q.stats["out_of_order"] += 1
+            waiter.fail(
+                "out-of-order",
+                f"queue {q.name!r}: producer {producer!r}'s seq {after} has not arrived "
+                f"here (its high-water mark is {hwm}); resend from there",
+            )
+            return
         dups = nbytes = 0
         mid = self._next_mid
         new: list[Msg] = []

@@ -201,6 +201,10 @@ class Service:
                 # increasing, since a seq at or below an accepted one is a resend.
                 raise BadRequest("'seqs' must be strictly increasing positive integers, "
                                  "one per body")
+            after = params.get("after")
+            if after is not None and (not isinstance(after, int) or isinstance(after, bool)
+                                      or after < 1):
+                raise BadRequest("'after' must be a positive integer (a producer seq)")
             if not bodies:
                 self.bus.answer(request, {"stored": 0, "consumed": 0, "duplicates": 0})
                 return
@@ -213,7 +217,7 @@ class Service:
                                               "duplicates": w.duplicates})
 
             items = [(seq, b"B" + b) for seq, b in zip(seqs, bodies, strict=True)]
-            self.engine.put(q, producer, items, Waiter(len(items), done))
+            self.engine.put(q, producer, items, Waiter(len(items), done), after)
 
         self._inline(request, run)
 

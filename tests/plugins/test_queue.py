@@ -154,6 +154,30 @@ async def test_dedup_across_crash(queue_broker: Start) -> None:
         assert [m.body for m in got] == list(range(20))
 
 
+async def test_put_after_refuses_a_put_that_overtook_a_missing_one(queue_broker: Start) -> None:
+    """``after`` (what a link sends with pipelined puts): a put whose producer's previous
+    seq has not arrived is refused ``out-of-order`` and accepts nothing, so resending the
+    missing messages later stores them instead of calling them duplicates."""
+    b = queue_broker({"oo": {}})
+    enc = [msgq_trio.protocol.framing.encode_cbor(i) for i in range(1, 7)]
+    async with msgq_trio.connect(b.path, "p") as p:
+        q = p.queue("oo", producer="up/x")
+        await q.declare()
+        first = q.start_put_encoded(enc[:2], [1, 2], producer="up/x")
+        assert (await first())["stored"] == 2
+        # seqs 3-4 were "lost"; 5-6 claim to follow 4: refused, nothing accepted.
+        overtaking = q.start_put_encoded(enc[4:], [5, 6], producer="up/x", after=4)
+        with pytest.raises(RemoteError) as ei:
+            await overtaking()
+        assert ei.value.code == "out-of-order"
+        assert await q.producer_state() == 2
+        # The resend in order is stored, not taken for duplicates.
+        again = q.start_put_encoded(enc[2:], [3, 4, 5, 6], producer="up/x", after=2)
+        assert await again() == {"stored": 4, "consumed": 0, "duplicates": 0}
+        assert [m.body for m in await q.fetch(10)] == [1, 2, 3, 4, 5, 6]
+        assert (await q.stats())["out_of_order"] == 1
+
+
 async def test_full_map_refuses_then_recovers(queue_broker: Start) -> None:
     """A full map (growth disabled) answers queue-full, loses nothing that was acked, and
     accepts puts again once consumers drained the queue."""
