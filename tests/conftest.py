@@ -139,10 +139,12 @@ def broker_argv() -> Callable[..., list[str]]:
     return make_broker_argv
 
 
-def launch_broker(path: Path, *flags: str, log_level: str = "INFO") -> BrokerProcess:
-    """Start a broker process and wait until it prints that it is listening."""
+def launch_broker(path: Path, *flags: str, log_level: str = "INFO",
+                  prefix: tuple[str, ...] = ()) -> BrokerProcess:
+    """Start a broker process and wait until it prints that it is listening. ``prefix``
+    is put before the command (``ip netns exec NS``: it execs, so the pid is the broker)."""
     log_path = path.with_name(path.name + ".log")
-    argv = make_broker_argv(path, *flags, log_level=log_level)
+    argv = [*prefix, *make_broker_argv(path, *flags, log_level=log_level)]
     with open(log_path, "wb") as err:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
                                 stdin=subprocess.DEVNULL)
@@ -201,7 +203,8 @@ def _finish_broker(b: BrokerProcess) -> list[str]:
 
 @pytest.fixture
 def broker_factory(short_tmp: Path) -> Iterator[Callable[..., BrokerProcess]]:
-    """``start(*flags, path=None)`` starts a broker with extra ``serve`` flags.
+    """``start(*flags, path=None, prefix=())`` starts a broker with extra ``serve`` flags
+    (``prefix``: a command the broker runs under, e.g. ``ip netns exec NS``).
 
     Teardown sends SIGTERM to every broker still running and asserts exit status 0 and
     that the socket file is gone; a broker the test stopped or killed itself is not checked
@@ -210,9 +213,10 @@ def broker_factory(short_tmp: Path) -> Iterator[Callable[..., BrokerProcess]]:
     """
     started: list[BrokerProcess] = []
 
-    def start(*flags: str, path: Path | None = None, log_level: str = "INFO") -> BrokerProcess:
+    def start(*flags: str, path: Path | None = None, log_level: str = "INFO",
+              prefix: tuple[str, ...] = ()) -> BrokerProcess:
         p = path if path is not None else short_tmp / f"b{len(started)}.sock"
-        b = launch_broker(p, *flags, log_level=log_level)
+        b = launch_broker(p, *flags, log_level=log_level, prefix=prefix)
         started.append(b)
         return b
 

@@ -53,6 +53,11 @@ class ChainTopology(Protocol):
         once it listens (its plugins ready)."""
         ...
 
+    async def cut(self, down: bool) -> None:
+        """Take the network between A and B down (``True``) or up again: only topologies
+        whose brokers talk over a network (``cut-net`` faults) need it."""
+        ...
+
 
 @attrs.frozen
 class ChainFault:
@@ -60,7 +65,9 @@ class ChainFault:
 
     Actions: ``kill-a`` / ``kill-b`` (SIGKILL the broker, wait ``duration``, restart it
     on its store), ``kill-link`` (SIGKILL the link plugin; A's supervisor restarts it),
-    ``stop-link`` / ``stop-b`` (SIGSTOP for ``duration``, then SIGCONT).
+    ``stop-link`` / ``stop-b`` (SIGSTOP for ``duration``, then SIGCONT), ``cut-net``
+    (the network between the brokers down for ``duration``: no FIN, no RST; only a
+    heartbeat notices).
     """
 
     at: float
@@ -68,7 +75,8 @@ class ChainFault:
     duration: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        if self.action not in ("kill-a", "kill-b", "kill-link", "stop-link", "stop-b"):
+        if self.action not in ("kill-a", "kill-b", "kill-link", "stop-link", "stop-b",
+                               "cut-net"):
             raise ValueError(f"unknown fault action {self.action!r}")
         if not 0 < self.at < 1:
             raise ValueError(f"fault point {self.at}: must be in (0, 1)")
@@ -252,6 +260,10 @@ async def run_chain(
             await topo.restart(broker)
         elif f.action == "kill-link":
             await topo.signal("link", signal.SIGKILL)
+        elif f.action == "cut-net":
+            await topo.cut(True)
+            await trio.sleep(f.duration)
+            await topo.cut(False)
         else:
             target = "link" if f.action == "stop-link" else "b"
             await topo.signal(target, signal.SIGSTOP)

@@ -59,7 +59,7 @@ log = logging.getLogger("msgq_trio.plugins.link")
 ACK_TIMEOUT_FACTOR = 3
 #: A session that forwarded something resets the reconnect backoff.
 COUNTERS = ("forwarded", "stored_downstream", "consumed_downstream", "duplicates_downstream",
-            "retries", "sessions", "failures", "given_back")
+            "retries", "sessions", "failures", "given_back", "out_of_order")
 
 
 class LinkDown(Exception):
@@ -292,9 +292,23 @@ class Link:
         async for first in consumer:
             batch = [first, *consumer.take_ready(self.cfg.window)]
             by_producer: dict[str | None, list[QueueMessage]] = {}
+            top = dict(last_sent)
             for m in batch:
                 if m.deliveries > 1:
                     self.counters["retries"] += 1
+                seq = m.producer_seq or 0
+                if seq <= top.get(m.producer, 0) and m.id not in self.held:
+                    # An older message of this producer after a newer one went down in
+                    # this session, and not a resend of one we hold: the downstream
+                    # queue would take it for a duplicate without having it. Start a new
+                    # session: everything held goes back, and the upstream queue
+                    # redelivers in queue order.
+                    self.held[m.id] = m
+                    self.counters["out_of_order"] += 1
+                    self._failed(f"producer {m.producer!r}: seq {seq} came after "
+                                 f"{top[m.producer]} (out of order upstream)")
+                    return
+                top[m.producer] = max(seq, top.get(m.producer, 0))
                 self.held[m.id] = m
                 by_producer.setdefault(m.producer, []).append(m)
             for producer, ms in by_producer.items():

@@ -170,6 +170,22 @@ class Queue:
         return members + len(self.by_id)
 
 
+def _insert_in_order(ready: deque[Msg], m: Msg) -> None:
+    """Put ``m`` into ``ready`` (kept in queue order, by mid) at its place. Usually the
+    front; else a binary search (nacked messages are few and near the front)."""
+    if not ready or m.mid < ready[0].mid:
+        ready.appendleft(m)
+        return
+    lo, hi = 0, len(ready)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ready[mid].mid < m.mid:
+            lo = mid + 1
+        else:
+            hi = mid
+    ready.insert(lo, m)
+
+
 class Producer:
     """Deduplication state of one (queue, producer): None until the store answered."""
 
@@ -375,10 +391,8 @@ class Engine:
         self.nack_many([m for m in q.by_id.values() if m.owner and m.owner.lname == lname])
 
     def nack_many(self, msgs: list[Msg]) -> None:
-        """Nack several messages so that they are redelivered in their original order
-        (each nack puts its message at the front: the newest goes first). A link to
-        another broker relies on it: the next queue deduplicates by each producer's
-        highest seq, so a producer's messages must reach it in order."""
+        """Nack several messages; like :meth:`nack`, each goes back to its place in
+        queue order."""
         for m in sorted(msgs, key=lambda m: m.mid, reverse=True):
             self.nack(m)
 
@@ -485,8 +499,15 @@ class Engine:
         self.dispatch(q)
 
     def nack(self, m: Msg) -> None:
-        """A delivery of ``m`` ended without ack: redeliver it first, or move it to the
-        dead-letter queue after ``max_deliveries``."""
+        """A delivery of ``m`` ended without ack: redeliver it before every later message
+        (its place in queue order), or move it to the dead-letter queue after
+        ``max_deliveries``.
+
+        Queue order, not simply the front: nacks come in several calls (a link gives
+        back what it held, then its consumer's cancel returns the rest, which is newer),
+        and a link to another broker needs each producer's messages in seq order: the
+        next queue deduplicates by the producer's highest seq, so a newer message
+        forwarded first would make the older ones look like duplicates."""
         if m.state != INFLIGHT:
             return
         q = m.queue
@@ -498,7 +519,7 @@ class Engine:
             self._kick()
             return
         m.state = READY
-        q.ready.appendleft(m)
+        _insert_in_order(q.ready, m)
         if m.seq is not None:
             q.incr.append(m.seq)
             self._kick()
