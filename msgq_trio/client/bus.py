@@ -563,6 +563,10 @@ class Bus:
         if sent < len(data):
             out.append(memoryview(data)[sent:])
         self._out_bytes -= sent
+        if sent and self._drained:
+            # flush() and send()'s high-water wait park on this, and the writer (which
+            # wakes them otherwise) may find nothing left to write.
+            self._drained.unpark_all()
 
     def _queue1(self, frame: bytes) -> None:
         self._out.append(frame)
