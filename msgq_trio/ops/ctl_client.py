@@ -152,7 +152,12 @@ def format_links(rows: list[dict[str, Any]], now: float | None = None) -> str:
             f"{r['from_queue']} -> {r['to_queue']}", r["address"], str(r["forwarded"]),
             str(r["in_flight"]), str(r["retries"]), str(r["failures"]), err,
         ])
-    return table(headers, out, right=frozenset({5, 6, 7, 8}))
+    text = table(headers, out, right=frozenset({5, 6, 7, 8}))
+    # One endpoint per plugin process: every row carries the same address.
+    served = sorted({r["metrics"] for r in rows if r.get("metrics")})
+    if served:
+        text += "\n" + "\n".join(f"metrics: http://{a}/metrics" for a in served)
+    return text
 
 
 def flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:

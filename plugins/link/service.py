@@ -46,10 +46,11 @@ import trio
 from msgq_trio.client.bus import Bus, connect
 from msgq_trio.client.queue import Consumer, Queue, QueueMessage
 from msgq_trio.errors import ConnectError, ConnectionLost, MsgqError, RequestTimeout, RpcError
+from msgq_trio.ops.metrics import Exposition, MetricsServer, open_listeners
 
 from .settings import LinkConfig, LinkSettings
 
-__all__ = ["Link", "LinkDown", "serve"]
+__all__ = ["Link", "LinkDown", "render_metrics", "serve"]
 
 log = logging.getLogger("msgq_trio.plugins.link")
 
@@ -348,34 +349,92 @@ class Link:
                 await m.ack()
 
 
+#: help text of the counter families, by ``Link.counters`` key (``msgq_link_<key>_total``).
+COUNTER_HELP = {
+    "forwarded": "messages acked downstream (stored, consumed or duplicate there)",
+    "stored_downstream": "forwarded messages the downstream queue stored",
+    "consumed_downstream": "forwarded messages a downstream consumer acked before storing",
+    "duplicates_downstream": "forwarded messages the downstream queue already had",
+    "retries": "deliveries from the upstream queue that were redeliveries",
+    "sessions": "downstream sessions that came up",
+    "failures": "sessions that failed or could not be set up",
+    "given_back": "messages nacked to the upstream queue at failures",
+    "out_of_order": "sessions restarted for an older message after a newer one",
+}
+assert set(COUNTER_HELP) == set(COUNTERS)
+
+
+def render_metrics(links: list[Link], now: float | None = None) -> str:
+    """The links' state as Prometheus text (format 0.0.4), one sample per link per family
+    (label ``link``; ``msgq_link_up`` also carries ``from_queue``, ``to_queue`` and
+    ``address`` to join on). Counters are since the plugin process started."""
+    now = time.time() if now is None else now
+    ex = Exposition()
+    ex.family("msgq_link_up", "gauge", "1 while the link's downstream session is up, else 0",
+              [({"link": ln.name, "from_queue": ln.cfg.from_queue,
+                 "to_queue": ln.cfg.target_queue, "address": ln.cfg.address},
+                int(ln.state == "up")) for ln in links])
+    ex.family("msgq_link_state_seconds", "gauge",
+              "seconds the link has been in its current state (up, connecting, down)",
+              [({"link": ln.name}, max(0.0, now - ln.since)) for ln in links])
+    ex.family("msgq_link_in_flight", "gauge",
+              "messages the link holds: received from upstream, not yet acked downstream",
+              [({"link": ln.name}, len(ln.held)) for ln in links])
+    for key, help_text in COUNTER_HELP.items():
+        ex.family(f"msgq_link_{key}", "counter", help_text,
+                  [({"link": ln.name}, ln.counters[key]) for ln in links])
+    return ex.text()
+
+
 async def serve(socket: Path, settings: LinkSettings, *,
                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Run every configured link and answer ``status`` on ``settings.group`` until the
-    connection to this broker ends.
+    connection to this broker ends; with ``settings.metrics``, serve ``/metrics`` too.
 
     Resource handling: every connection (one for status, one upstream and one
-    downstream per link) is closed on return; messages a link held are nacked upstream
-    (or redelivered by the upstream queue when the process dies).
+    downstream per link) and the metrics listeners are closed on return; messages a link
+    held are nacked upstream (or redelivered by the upstream queue when the process dies).
+
+    Raises:
+        OSError: the ``metrics`` address cannot be bound (before ready, so the broker's
+            start fails; the message names the key).
     """
     links = [Link(name, cfg, socket) for name, cfg in settings.links.items()]
+    listeners: list[trio.SocketListener] = []
+    shown = ""
+    if settings.metrics:
+        # Bound before ready: a port in use or a host not of this machine fails the
+        # plugin's (and so the broker's) start instead of a link without its metrics.
+        try:
+            listeners, shown = await open_listeners(settings.metrics)
+        except OSError as exc:
+            raise OSError(f"[plugins.link] metrics = {settings.metrics!r}: cannot "
+                          f"listen: {exc}") from None
 
     async def status(_params: Any, _request: Any) -> list[dict[str, Any]]:
-        return [link.status() for link in links]
+        return [{**link.status(), "metrics": shown} for link in links]
 
-    async with connect(socket, "msgq-link") as bus, trio.open_nursery() as n:
-        bus.add_command("status", status)
-        await bus.subscribe(settings.group)
+    try:
+        async with connect(socket, "msgq-link") as bus, trio.open_nursery() as n:
+            bus.add_command("status", status)
+            await bus.subscribe(settings.group)
+            if listeners:
+                n.start_soon(MetricsServer(listeners, lambda: render_metrics(links)).serve)
+                log.info("link plugin: metrics on http://%s/metrics", shown)
 
-        def local_lost(why: str) -> None:
-            log.info("%s", why)
+            def local_lost(why: str) -> None:
+                log.info("%s", why)
+                n.cancel_scope.cancel()
+
+            for link in links:
+                n.start_soon(link.run, local_lost)
+            task_status.started()
+            try:
+                async for _msg in bus:
+                    pass
+            except ConnectionLost as exc:
+                log.info("link plugin: the connection to this broker ended: %s", exc)
             n.cancel_scope.cancel()
-
-        for link in links:
-            n.start_soon(link.run, local_lost)
-        task_status.started()
-        try:
-            async for _msg in bus:
-                pass
-        except ConnectionLost as exc:
-            log.info("link plugin: the connection to this broker ended: %s", exc)
-        n.cancel_scope.cancel()
+    finally:
+        for listener in listeners:  # closed already if the server ran
+            await trio.aclose_forcefully(listener)

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from msgq_trio.core.router import valid_group_name
+from msgq_trio.ops.metrics import parse_listen
 
 __all__ = ["LinkConfig", "LinkSettings", "parse_settings"]
 
@@ -92,16 +93,27 @@ class LinkSettings:
 
     * ``group`` "msgq-link": the group the plugin answers ``status`` on
       (``msgq-trio ctl links``).
+    * ``metrics`` "" (off): ``HOST:PORT`` (port 0: any free one) where the plugin process
+      serves its links' state as Prometheus text at ``/metrics``. Opt-in because it opens
+      a TCP port; the plugin's own endpoint because the broker's (``serve --metrics``)
+      runs in the broker process, which cannot see a plugin process's state. The bound
+      address is in every ``status`` row (``metrics``).
     * ``links``: ``<name>`` -> :class:`LinkConfig`.
     """
 
     group: str = "msgq-link"
+    metrics: str = ""
     links: dict[str, LinkConfig] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         why = valid_group_name(self.group)
         if why or self.group.startswith("msgq."):
             raise ValueError(f"group = {self.group!r}: {why or 'reserved for the broker'}")
+        if self.metrics:
+            try:
+                parse_listen(self.metrics)
+            except ValueError as exc:
+                raise ValueError(f"metrics = {self.metrics!r}: {exc}") from None
         for name in self.links:
             if not name or any(c in name for c in "[]/ \t"):
                 raise ValueError(f"links.{name!r}: a link name must be a plain word")
@@ -150,11 +162,11 @@ def parse_settings(table: Mapping[str, Any]) -> LinkSettings:
                     raise ValueError(f"links.{name} must be a table")
                 links[name] = parse_link(ltable, f"links.{name}.")
             kwargs["links"] = links
-        elif k == "group":
+        elif k in ("group", "metrics"):
             _check(k, v, (str,))
             kwargs[k] = v
         else:
-            raise ValueError(f"unknown key {k!r} (known: group, links)")
+            raise ValueError(f"unknown key {k!r} (known: group, metrics, links)")
     if not kwargs.get("links"):
         raise ValueError("links: configure at least one link ([plugins.link.links.NAME])")
     return LinkSettings(**kwargs)

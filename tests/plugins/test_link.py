@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 import msgq_trio
 from msgq_trio.scenario.chain import DEFAULT_FAULTS, run_chain
@@ -54,13 +57,14 @@ class LocalChain:
     A = queue plugin + link plugin forwarding ``chain`` to B's ``chain``."""
 
     def __init__(self, factory: Factory, tmp: Path, *, a_queue: dict[str, Any] | None = None,
-                 link: dict[str, Any] | None = None, b_queue: dict[str, Any] | None = None
-                 ) -> None:
+                 link: dict[str, Any] | None = None, b_queue: dict[str, Any] | None = None,
+                 plugin: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.paths = {"a": tmp / "a.sock", "b": tmp / "b.sock"}
         self.configs = {"a": tmp / "a.toml", "b": tmp / "b.toml"}
         a = [*_table("plugins.queue", {"dir": str(tmp / "a-store")}),
              *_table('plugins.queue.queues."chain"', a_queue or {}),
+             *_table("plugins.link", plugin or {}),
              *_table("plugins.link.links.tob", {
                  "address": str(self.paths["b"]), "from_queue": "chain",
                  **(link or {})})]
@@ -241,6 +245,90 @@ async def test_fast_consumer_downstream_skips_writes_at_both_hops(
     assert st_a["stored"] <= 300 and st_b["stored"] <= 300
 
 
+def scrape(address: str) -> dict[str, Any]:
+    """GET http://ADDRESS/metrics over real HTTP (urllib, in the caller's thread), parsed
+    with prometheus_client's own parser: family name -> family."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(fams: dict[str, Any], name: str, **labels: str) -> float:
+    """The value of the one sample of family ``name`` whose labels include ``labels``."""
+    found = [s.value for s in fams[name].samples
+             if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, f"{name} {labels}: {fams[name].samples}"
+    return float(found[0])
+
+
+async def test_link_metrics_follow_the_link(chain: Callable[..., LocalChain]) -> None:
+    """``metrics = "127.0.0.1:0"``: the link plugin process serves ``/metrics`` at the
+    address its ``status`` rows and ``ctl links`` name; up is 1 and the counters equal
+    the status figures after forwarding; once B is SIGKILLed, up goes to 0 and the
+    failure is counted."""
+    c = chain(plugin={"metrics": "127.0.0.1:0"})
+    async with msgq_trio.connect(c.address("a"), "p") as p:
+        q = p.queue("chain", producer="p1")
+        for i in range(0, 500, 100):
+            await q.put_many(list(range(i, i + 100)))
+
+        async def drained() -> bool:
+            return bool((await q.stats())["depth"] == 0)
+
+        await eventually(drained)
+    status = await link_status(c)
+    address = status["metrics"]
+    assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+    assert f"link plugin: metrics on http://{address}/metrics" in c.brokers["a"].log()
+    fams = await trio.to_thread.run_sync(scrape, address)
+    up = dict(link="tob", from_queue="chain", to_queue="chain", address=c.address("b"))
+    assert fams["msgq_link_up"].type == "gauge" and sample(fams, "msgq_link_up", **up) == 1
+    assert fams["msgq_link_forwarded"].type == "counter"
+    assert sample(fams, "msgq_link_forwarded", link="tob") == status["forwarded"] == 500
+    assert sample(fams, "msgq_link_stored_downstream", link="tob") == 500
+    assert sample(fams, "msgq_link_sessions", link="tob") == 1
+    assert sample(fams, "msgq_link_in_flight", link="tob") == 0
+    assert sample(fams, "msgq_link_state_seconds", link="tob") >= 0
+    for key in ("consumed_downstream", "duplicates_downstream", "retries", "failures",
+                "given_back", "out_of_order"):
+        assert sample(fams, f"msgq_link_{key}", link="tob") == status[key], key
+    r = await trio.to_thread.run_sync(ctl_links, c)
+    assert r.returncode == 0 and f"metrics: http://{address}/metrics" in r.stdout, r
+
+    await c.signal("b", signal.SIGKILL)
+
+    async def down() -> bool:
+        f = await trio.to_thread.run_sync(scrape, address)
+        return sample(f, "msgq_link_up", link="tob") == 0
+    await eventually(down)
+    fams = await trio.to_thread.run_sync(scrape, address)
+    assert sample(fams, "msgq_link_failures", link="tob") >= 1
+    assert sample(fams, "msgq_link_forwarded", link="tob") == 500
+
+
+async def test_link_metrics_port_in_use_fails_the_start(
+        broker_argv: Callable[..., list[str]], short_tmp: Path) -> None:
+    """A ``metrics`` port another socket holds: the plugin cannot bind it before it is
+    ready, so the broker's start fails, and its log names the key."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = short_tmp / "a.toml"
+        config.write_text("\n".join([
+            *_table("plugins.link", {"metrics": f"127.0.0.1:{port}"}),
+            *_table("plugins.link.links.x", {"address": str(short_tmp / "none.sock"),
+                                             "from_queue": "q"})]) + "\n")
+        argv = broker_argv(short_tmp / "a.sock", "--config", str(config))
+        r = await trio.to_thread.run_sync(lambda: subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, check=False))
+    assert r.returncode != 0 and "listening" not in r.stdout
+    assert f"metrics = '127.0.0.1:{port}': cannot listen" in r.stderr, r.stderr
+    assert "plugin 'link' failed to start" in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 async def test_chain_survives_cut_links_and_upstream_kill(
         chain: Callable[..., LocalChain]) -> None:
@@ -275,6 +363,12 @@ async def test_chain_survives_cut_links_and_upstream_kill(
     ({"links": {"x": {"address": "/s", "from_queue": "q", "colour": 1}}}, "unknown key"),
     ({"links": {"x": {"address": "/s", "from_queue": "q", "token": "a",
                       "token_file": "/t"}}}, "not both"),
+    ({"metrics": "9100", "links": {"x": {"address": "/s", "from_queue": "q"}}},
+     "metrics = '9100': metrics address must be HOST:PORT"),
+    ({"metrics": "127.0.0.1:70000", "links": {"x": {"address": "/s", "from_queue": "q"}}},
+     "metrics = '127.0.0.1:70000': .*0..65535"),
+    ({"metrics": 9100, "links": {"x": {"address": "/s", "from_queue": "q"}}},
+     "metrics = 9100: must be str"),
 ])
 def test_link_settings_refused(table: dict[str, Any], error: str) -> None:
     """Invalid link tables are refused with the key named (the broker's start fails)."""
