@@ -409,6 +409,7 @@ class Bus:
         #: Handler for requests whose command has no handler (set_default_handler).
         self._default_handler: Handler | None = None
         self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
+        self._notify_inline: dict[str, Callable[[Message], None]] = {}
         self._sources: dict[bytes, tuple[str, str]] = {}
         self._targets: dict[str, bytes] = {}
         self._nursery: trio.Nursery | None = None
@@ -1123,6 +1124,15 @@ class Bus:
         delivering it to iteration). Subscribe to the group separately."""
         self._notify_cbs.setdefault(group, []).append(callback)
 
+    def on_notification_inline(self, group: str, callback: Callable[[Message], None]) -> None:
+        """Call ``callback(message)`` for every notification to ``group`` synchronously in
+        the reader, in arrival order with everything else the reader handles (requests
+        to inline commands, see :meth:`add_inline_command`), instead of delivering it to
+        iteration. For a service whose state depends on both: e.g. a request that
+        arrives after a ``disconnected`` event must see the event's effect. ``callback``
+        must not block; an exception it raises is logged. One callback per group."""
+        self._notify_inline[group] = callback
+
     # -- receiving ---------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[Message]:
         """Iterate over received messages and notifications, in arrival order.
@@ -1268,6 +1278,16 @@ class Bus:
         t = frame.type
         if t == _MESSAGE or t == _NOTIFY:
             msg = Message(frame, self._sources)
+            if t == _NOTIFY and self._notify_inline:
+                icb = self._notify_inline.get(frame.target)
+                if icb is not None:
+                    try:
+                        icb(msg)
+                    except Exception:
+                        log.exception("inline notification callback %r raised", icb)
+                    finally:
+                        msg.close()
+                    return
             if t == _NOTIFY and self._notify_cbs:
                 cbs = self._notify_cbs.get(frame.target)
                 if cbs:

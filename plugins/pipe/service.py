@@ -302,20 +302,29 @@ class Service:
                 await self._rearm.wait()
             self._sent(self.engine.expire(trio.current_time()))
 
-    async def membership(self) -> None:
+    def _membership_event(self, msg: Message) -> None:
         """Detach the ends of every client that disconnects (its pending operations go
-        with it; the other side learns: EOF, broken pipe, or a waiting writer)."""
-        async for msg in self.bus:
-            if msg.kind == "notification" and msg.event == "disconnected":
-                body = msg.body
-                lname = body.get("lname") if isinstance(body, dict) else None
-                if isinstance(lname, str):
-                    handles = sorted(self.engine.by_owner.get(lname, ()))
-                    if handles:
-                        self._trace("%s (%s) disconnected (%s): detaching handles %s of "
-                                    "pipes %s", lname, body.get("name"), body.get("reason"),
-                                    handles, sorted({str(self._name(h)) for h in handles}))
-                    self._sent(self.engine.peer_gone(lname))
+        with it; the other side learns: EOF, broken pipe, or a waiting writer).
+
+        Called in the bus reader, in order with the pipe requests: a write that arrives
+        after its pipe's last reader disconnected must find the reader gone."""
+        if msg.event != "disconnected":
+            return
+        body = msg.body
+        lname = body.get("lname") if isinstance(body, dict) else None
+        if isinstance(lname, str):
+            handles = sorted(self.engine.by_owner.get(lname, ()))
+            if handles:
+                self._trace("%s (%s) disconnected (%s): detaching handles %s of "
+                            "pipes %s", lname, body.get("name"), body.get("reason"),
+                            handles, sorted({str(self._name(h)) for h in handles}))
+            self._sent(self.engine.peer_gone(lname))
+
+    async def membership(self) -> None:
+        """Serve until the bus connection ends (membership events are handled in the
+        reader by :meth:`_membership_event`; nothing else is expected here)."""
+        async for _msg in self.bus:
+            pass
 
 
 async def serve(socket: Path, settings: PipeSettings, *,
@@ -354,6 +363,7 @@ async def _serve(socket: Path, settings: PipeSettings, store: QueueStore | None,
             nursery.start_soon(service.flush_loop)
             nursery.start_soon(service.store_retry)
         service.setup()
+        bus.on_notification_inline(MEMBERSHIP, service._membership_event)
         await bus.subscribe(MEMBERSHIP)
         await bus.subscribe(settings.group)
         nursery.start_soon(service.timer)
