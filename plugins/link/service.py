@@ -16,7 +16,9 @@ Rules (docs/QUEUE.md, "Chained queues / links", states them for users):
    ``duplicate`` and not delivered twice.
 3. Order: that deduplication needs each producer's messages in seq order on one
    connection. The link sends them in the order the upstream queue delivers them (its
-   redeliveries keep their order), one ``put_many`` per producer per delivery batch.
+   redeliveries keep their original order, whatever the order of the nacks, and a new
+   session of the link first gets back what the previous one still held), one
+   ``put_many`` per producer per delivery batch.
    Puts are pipelined, so each carries ``after`` (the producer's previous seq sent in
    this session): a put that overtakes a failed one is refused ``out-of-order`` instead
    of raising the producer's mark past messages that never arrived downstream.

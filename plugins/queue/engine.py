@@ -17,7 +17,8 @@ Rules (docs/QUEUE.md states them for users):
    producer's messages in producer order, rule 4); everything else is taken at once.
 3. A message's life: READY -> INFLIGHT (delivered, owned by one consumer) -> DONE (acked
    or removed), INFLIGHT -> READY (nack, consumer gone, ack deadline) with its delivery
-   count, or -> DEAD (max deliveries) -> moved to the dead-letter queue once stored.
+   count (redelivered before anything never delivered, in arrival order), or -> DEAD
+   (max deliveries) -> moved to the dead-letter queue once stored.
 4. Deduplication: per (queue, producer) the highest producer seq accepted; the first put
    of a producer in this run waits for its durable high-water mark from the store, so a
    resend after a crash is recognised even if a consumer is online (no skip-write of a
@@ -31,6 +32,7 @@ call spans an await, none holds a read transaction after it returns.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -149,7 +151,15 @@ class Queue:
         self.opts = opts
         #: the effective ack grace (the queue's option, else the plugin's setting)
         self.grace = default_grace if opts.ack_grace is None else opts.ack_grace
+        #: messages never delivered, in arrival (= mid) order
         self.ready: deque[Msg] = deque()
+        #: messages given back for redelivery, a heap by mid: they go out before
+        #: ``ready`` and in their original order however their nacks arrive (a link's
+        #: give-back comes in several ``nack`` messages, refused delivery batches one by
+        #: one; putting each at the front would send later messages first, and the next
+        #: queue, deduplicating by each producer's highest seq, would take the earlier
+        #: ones for resends and drop them)
+        self.again: list[tuple[int, Msg]] = []
         self.consumers: dict[str, Consumer] = {}
         self.fetchers: dict[str, Consumer] = {}
         #: mid -> message in flight to a push consumer or a fetcher (acked by id, with a
@@ -165,25 +175,26 @@ class Queue:
             ("put", "stored", "writes_skipped", "duplicates", "acked", "delivered",
              "redelivered", "dead_lettered", "refused_full", "out_of_order"), 0)
 
+    def backlog(self) -> int:
+        """Messages waiting for a delivery (some may be done already: skipped when
+        taken)."""
+        return len(self.ready) + len(self.again)
+
+    def take(self) -> Msg | None:
+        """The waiting message with the lowest mid (redeliveries first: every message
+        ever delivered arrived before every one still in ``ready``), or None."""
+        again, ready = self.again, self.ready
+        if again and (not ready or again[0][0] < ready[0].mid):
+            return heapq.heappop(again)[1]
+        return ready.popleft() if ready else None
+
+    def give_back(self, m: Msg) -> None:
+        """``m`` (READY again) waits for redelivery in its original order."""
+        heapq.heappush(self.again, (m.mid, m))
+
     def inflight(self) -> int:
         members = sum(c.inflight for c in self.consumers.values() if c.kind == "member")
         return members + len(self.by_id)
-
-
-def _insert_in_order(ready: deque[Msg], m: Msg) -> None:
-    """Put ``m`` into ``ready`` (kept in queue order, by mid) at its place. Usually the
-    front; else a binary search (nacked messages are few and near the front)."""
-    if not ready or m.mid < ready[0].mid:
-        ready.appendleft(m)
-        return
-    lo, hi = 0, len(ready)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ready[mid].mid < m.mid:
-            lo = mid + 1
-        else:
-            hi = mid
-    ready.insert(lo, m)
 
 
 class Producer:
@@ -372,9 +383,21 @@ class Engine:
 
     # -- delivering -----------------------------------------------------------------------
     def add_consumer(self, q: Queue, c: Consumer) -> None:
+        """Register ``c`` (replacing one of the same name and kind).
+
+        A forwarder (``ids``) consuming again on the same connection (a link's next
+        session) first gets back everything its previous consumer still holds
+        (deliveries in transit, that the client will refuse): they are redelivered
+        before anything later, so the forwarder sees each producer's messages in order
+        (it puts them downstream in the order received; a later seq first would make
+        the next queue drop the earlier ones as resends)."""
         if c.kind == "fetch":
             q.fetchers[c.lname] = c
         else:
+            if c.ids:
+                self.nack_many([m for m in q.by_id.values() if m.owner is not None
+                                and m.owner is not c and m.owner.kind == "push"
+                                and m.owner.lname == c.lname])
             q.consumers[c.lname] = c
         self.dispatch(q)
 
@@ -391,9 +414,9 @@ class Engine:
         self.nack_many([m for m in q.by_id.values() if m.owner and m.owner.lname == lname])
 
     def nack_many(self, msgs: list[Msg]) -> None:
-        """Nack several messages; like :meth:`nack`, each goes back to its place in
-        queue order."""
-        for m in sorted(msgs, key=lambda m: m.mid, reverse=True):
+        """Nack several messages (see ``nack``: whatever the order of the calls, they
+        are redelivered in their original order)."""
+        for m in msgs:
             self.nack(m)
 
     def dispatch(self, q: Queue) -> None:
@@ -423,10 +446,9 @@ class Engine:
         While more messages are ready than a push consumer has credit for, it gets some
         only once a quarter of its window is free (like a TCP window update): refilling
         each single freed slot would cost a frame per message."""
-        ready = q.ready
-        if not ready or not q.consumers:
+        backlog = q.backlog()
+        if not backlog or not q.consumers:
             return
-        backlog = len(ready)
         cons = [c for c in q.consumers.values()
                 if c.kind != "push" or (free := c.window - c.inflight) >= backlog
                 or free >= max(1, c.window // 4)]
@@ -436,13 +458,18 @@ class Engine:
         idle = 0
         batches: dict[Consumer, list[Msg]] = {}
         now = trio.current_time()
-        while ready and idle < n:
+        ready, again = q.ready, q.again
+        while idle < n and (ready or again):
             c = cons[q.rr % n]
             q.rr += 1
             if c.inflight >= c.window:
                 idle += 1
                 continue
-            m = ready.popleft()
+            # Queue.take inlined (the hot loop): redeliveries first, lowest mid first
+            if again and (not ready or again[0][0] < ready[0].mid):
+                m = heapq.heappop(again)[1]
+            else:
+                m = ready.popleft()
             if m.state != READY:
                 q.rr -= 1  # that consumer did not get anything: keep its turn
                 continue
@@ -456,8 +483,7 @@ class Engine:
         """Take up to ``n`` ready messages for the fetcher ``c`` (ack by id before
         ``now + c.ack_timeout``)."""
         out: list[Msg] = []
-        while q.ready and len(out) < n:
-            m = q.ready.popleft()
+        while len(out) < n and (m := q.take()) is not None:
             if m.state != READY:
                 continue
             self._mark_inflight(q, c, m, now)
@@ -499,15 +525,14 @@ class Engine:
         self.dispatch(q)
 
     def nack(self, m: Msg) -> None:
-        """A delivery of ``m`` ended without ack: redeliver it before every later message
-        (its place in queue order), or move it to the dead-letter queue after
-        ``max_deliveries``.
+        """A delivery of ``m`` ended without ack: redeliver it before anything never
+        delivered, in original (arrival) order among the other redeliveries, or move it
+        to the dead-letter queue after ``max_deliveries``.
 
-        Queue order, not simply the front: nacks come in several calls (a link gives
-        back what it held, then its consumer's cancel returns the rest, which is newer),
-        and a link to another broker needs each producer's messages in seq order: the
-        next queue deduplicates by the producer's highest seq, so a newer message
-        forwarded first would make the older ones look like duplicates."""
+        The order matters to a link to another broker: the next queue deduplicates by
+        each producer's highest seq, so a producer's messages must reach it in order, and
+        a link's give-back arrives in several ``nack`` messages (and refused delivery
+        batches one by one), in any order."""
         if m.state != INFLIGHT:
             return
         q = m.queue
@@ -519,7 +544,7 @@ class Engine:
             self._kick()
             return
         m.state = READY
-        _insert_in_order(q.ready, m)
+        q.give_back(m)
         if m.seq is not None:
             q.incr.append(m.seq)
             self._kick()
@@ -844,7 +869,8 @@ class Engine:
     def stats(self, q: Queue) -> dict[str, Any]:
         """A snapshot of ``q``: see docs/QUEUE.md ("Statistics")."""
         c = self.counters
-        ready = sum(1 for m in q.ready if m.state == READY)
+        ready = sum(1 for m in q.ready if m.state == READY) + \
+            sum(1 for _mid, m in q.again if m.state == READY)
         return {
             "queue": q.name,
             "depth": q.live,

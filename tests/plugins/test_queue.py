@@ -178,6 +178,64 @@ async def test_put_after_refuses_a_put_that_overtook_a_missing_one(queue_broker:
         assert (await q.stats())["out_of_order"] == 1
 
 
+async def test_redelivery_keeps_original_order_whatever_the_nack_order(
+        queue_broker: Start) -> None:
+    """Messages given back in several nacks (a link's give-back comes in chunks, refused
+    delivery batches one by one) are redelivered in their original order, before the
+    never-delivered ones, not the last nack first: a link forwards them in the order
+    received and the next queue drops an earlier seq arriving after a later one as a
+    resend (chain acceptance, issue 11)."""
+    b = queue_broker({"ro": {}})
+    async with msgq_trio.connect(b.path, "p") as p:
+        q = p.queue("ro")
+        await q.put_many(list(range(300)))
+
+        async def nack(ids: list[int]) -> None:
+            assert await p.call(q.group, "nack", {"queue": "ro", "ids": ids}) == len(ids)
+
+        got = await q.fetch(300)
+        assert [m.body for m in got] == list(range(300))
+        ids = [m.id for m in got]
+        for lo, hi in ((0, 100), (100, 200), (200, 300)):  # in order, one nack each
+            await nack(ids[lo:hi])
+        await q.put_many(list(range(300, 400)))  # never delivered: after the redeliveries
+        got = await q.fetch(400)
+        assert [m.body for m in got] == list(range(400))
+        ids = [m.id for m in got]
+        for lo, hi in ((200, 400), (0, 100), (100, 200)):  # out of order
+            await nack(ids[lo:hi])
+        got = await q.fetch(400)
+        assert [m.body for m in got] == list(range(400))
+        assert await q.ack(got) == 400
+        assert (await q.stats())["depth"] == 0
+
+
+async def test_forwarder_consuming_again_gets_what_it_held_first(
+        queue_broker: Start) -> None:
+    """A forwarder (``consume(ids=True)``, a link) that consumes again on the same
+    connection first gets back what its previous consumer still held, in order (a
+    link's deliveries in transit at the end of a session), not later messages first."""
+    b = queue_broker({"fw": {}})
+    async with msgq_trio.connect(b.path, "p") as p:
+        q = p.queue("fw", producer="prod")
+        await q.put_many(list(range(30)), first_seq=1)
+        async with p.queue("fw").consume(10, ids=True, ack_timeout=60.0) as k:
+            first = [await k.__anext__() for _ in range(10)]
+        assert [m.producer_seq for m in first] == list(range(1, 11))
+        # the first consumer is gone without acking (its client refuses nothing it
+        # already took): consuming again starts from those, in order
+        got = []
+        with trio.fail_after(20):  # (well before the first consumer's ack deadline)
+            async with p.queue("fw").consume(10, ids=True) as k:
+                async for m in k:
+                    got.append(m)
+                    await m.ack()
+                    if len(got) == 30:
+                        break
+        assert [m.producer_seq for m in got] == list(range(1, 31))
+        assert [m.deliveries for m in got[:10]] == [2] * 10
+
+
 async def test_full_map_refuses_then_recovers(queue_broker: Start) -> None:
     """A full map (growth disabled) answers queue-full, loses nothing that was acked, and
     accepts puts again once consumers drained the queue."""
