@@ -148,8 +148,11 @@ class Link:
                         delay = cfg.retry_min
                     await trio.sleep(delay)
                     delay = min(delay * 2, cfg.retry_max)
-        except ConnectionLost as exc:
-            on_local_lost(f"link {self.name}: the connection to this broker ended: {exc}")
+        except* ConnectionLost as group:
+            # except*: the upstream consumer may raise it inside a session's nursery,
+            # which wraps it in an ExceptionGroup (a traceback at SIGTERM otherwise).
+            first = group.exceptions[0]
+            on_local_lost(f"link {self.name}: the connection to this broker ended: {first}")
 
     def _down(self, why: str) -> None:
         self.counters["failures"] += 1
