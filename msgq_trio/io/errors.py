@@ -184,9 +184,10 @@ class SocketReceiver:
     the trio socket is closed. Cancellation passes through (both awaits are checkpoints).
     """
 
-    __slots__ = ("_ancbufsize", "_drained", "_nbytes", "_raw")
+    __slots__ = ("_ancbufsize", "_drained", "_nbytes", "_raw", "_sock")
 
     def __init__(self, sock: trio.socket.SocketType, nbytes: int, ancbufsize: int) -> None:
+        self._sock = sock
         self._raw = _raw_view(sock)
         self._nbytes = nbytes
         self._ancbufsize = ancbufsize
@@ -195,12 +196,18 @@ class SocketReceiver:
     async def receive(self) -> tuple[bytes, list[int]]:
         """Like :func:`receive_with_fds` (same errors; ``b""`` at EOF)."""
         raw = self._raw
+        if self._sock.fileno() == -1:  # closed while we were away: the number may be reused
+            raise trio.ClosedResourceError("socket was closed")
         if self._drained:
             await trio.lowlevel.wait_readable(raw)
         else:
             await trio.lowlevel.checkpoint()
         nbytes, ancbufsize = self._nbytes, self._ancbufsize
         while True:
+            # The trio socket may have been closed while we waited, and its descriptor
+            # number reused by another connection: never touch it then.
+            if self._sock.fileno() == -1:
+                raise trio.ClosedResourceError("socket was closed")
             with translate_socket_errors():
                 try:
                     data, anc, flags, _addr = raw.recvmsg(nbytes, ancbufsize, _RECV_FLAGS)
