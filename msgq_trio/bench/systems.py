@@ -93,7 +93,7 @@ def _start_msgq(run_dir: Path, _pattern: str, _deadline: float,
 BENCH_TOKEN = "msgq-trio-bench-token"
 
 
-def _start_msgq_tcp(run_dir: Path, _pattern: str, deadline: float, *, tls: bool) -> Service:
+def _start_msgq_tcp(run_dir: Path, _pattern: str, _deadline: float, *, tls: bool) -> Service:
     """msgq_trio with its clients on TCP loopback (token auth, an allow-all rule), over
     TLS with a fresh self-signed P-256 certificate (openssl CLI) when ``tls``."""
     from ..core.access import hash_token
@@ -121,14 +121,10 @@ def _start_msgq_tcp(run_dir: Path, _pattern: str, deadline: float, *, tls: bool)
     conf = run_dir / "broker.toml"
     conf.write_text("\n".join(lines) + "\n")
     path = run_dir / "bus.sock"
+    # start_broker returns once it printed "listening", which comes after every listener
+    # (TCP included) is bound: no port probe (a probe is a failed TLS handshake in the log).
     broker = start_broker(path, "--config", str(conf))
-    svc = Service(addr, [_stop_popen(broker)], [broker.pid])
-    try:
-        wait_port("127.0.0.1", port, min(deadline, time.monotonic() + 15))
-    except BaseException:
-        svc.stop()
-        raise
-    return svc
+    return Service(addr, [_stop_popen(broker)], [broker.pid])
 
 
 def msgq_variant(name: str, description: str, *serve_args: str) -> System:
@@ -224,12 +220,18 @@ def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("msgq_trio", SUBJECT, "worker_msgq",
            "msgq_trio broker process; trio clients (group send, bus.call)", _start_msgq),
+    # Over TCP the small-message columns only (issue 11 asks one-way and round trip):
+    # 4 MiB over TLS alone would take 45 s of the 10-minute run.
     System("msgq_trio-tcp", SUBJECT, "worker_msgq",
            "msgq_trio broker, clients over TCP loopback (token, no TLS)",
-           functools.partial(_start_msgq_tcp, tls=False)),
+           functools.partial(_start_msgq_tcp, tls=False),
+           only=("one-way", "fan-out", "req-reply", "concurrent"),
+           not_run="not run over TCP (time budget)"),
     System("msgq_trio-tls", SUBJECT, "worker_msgq",
            "msgq_trio broker, clients over TLS 1.3 on TCP loopback (token)",
-           functools.partial(_start_msgq_tcp, tls=True)),
+           functools.partial(_start_msgq_tcp, tls=True),
+           only=("one-way", "fan-out", "req-reply", "concurrent"),
+           not_run="not run over TCP (time budget)"),
     System("raw-unix", CEILING, "worker_raw",
            "no broker: AF_UNIX process to process, 4-byte length-prefixed frames",
            _start_raw),
