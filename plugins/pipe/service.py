@@ -30,21 +30,18 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 from msgq_trio.storage.api import NewMessage, QueueStore, StorageError, StorageFull
-from msgq_trio.storage.lmdb_store import LmdbQueueStore
 
 from msgq_trio.client.bus import Bus, Message, connect
 from msgq_trio.errors import ConnectionLost
 
 # The queue plugin's store thread and directory lock serve this store the same way.
-from ..queue import _lock_dir
-from ..queue.writer import StoreThread
+from ..queue.writer import StoreThread, open_store_dir
 from .engine import BAD_REQUEST, Commit, Declared, Done, Engine, EngineError, Limits
 from .settings import PipeSettings
 
@@ -342,16 +339,10 @@ async def serve(socket: Path, settings: PipeSettings, *,
     if not settings.dir:
         await _serve(socket, settings, None, None, task_status)
         return
-    path = Path(settings.dir)
-    await trio.Path(path).mkdir(parents=True, exist_ok=True)
-    lock = await _lock_dir(path)
-    try:
-        store = LmdbQueueStore(path, map_size=settings.map_size,
-                               max_map_size=settings.max_map_size, sync=settings.sync)
-        with store, StoreThread("msgq-pipe-store") as thread:
-            await _serve(socket, settings, store, thread, task_status)
-    finally:
-        os.close(lock)
+    async with open_store_dir(Path(settings.dir), map_size=settings.map_size,
+                              max_map_size=settings.max_map_size, sync=settings.sync,
+                              thread_name="msgq-pipe-store") as (store, thread):
+        await _serve(socket, settings, store, thread, task_status)
 
 
 async def _serve(socket: Path, settings: PipeSettings, store: QueueStore | None,

@@ -11,15 +11,25 @@ spans an ``await``.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import outcome
 import trio
+from msgq_trio.storage.lmdb_store import LmdbQueueStore
 
-__all__ = ["StoreThread"]
+__all__ = ["LOCK_TIMEOUT", "StoreThread", "lock_dir", "open_store_dir"]
+
+#: How long a plugin waits for the previous owner of its store directory (a plugin
+#: process of a killed broker that is still exiting).
+LOCK_TIMEOUT = 30.0
 
 T = TypeVar("T")
 
@@ -71,3 +81,49 @@ class StoreThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def lock_dir(path: Path) -> int:
+    """Take an exclusive lock on ``path/plugin.lock``; returns the fd (closing releases).
+
+    One process owns a store directory at a time (LMDB map growth is not coordinated
+    between processes). A previous plugin process of a killed broker may still be
+    exiting: wait for it.
+
+    Raises:
+        RuntimeError: the lock was not free within LOCK_TIMEOUT (names the file).
+    """
+    fd = os.open(path / "plugin.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    with trio.move_on_after(LOCK_TIMEOUT):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+            await trio.sleep(0.05)
+    os.close(fd)
+    raise RuntimeError(f"{path / 'plugin.lock'} is held by another process for "
+                       f"{LOCK_TIMEOUT} s: is another plugin using this directory?")
+
+
+@asynccontextmanager
+async def open_store_dir(
+    path: Path, *, map_size: int, max_map_size: int, sync: bool, thread_name: str
+) -> AsyncIterator[tuple[LmdbQueueStore, StoreThread]]:
+    """A plugin's store directory, owned: created if missing, locked (:func:`lock_dir`),
+    the LMDB store opened and its one writer thread started.
+
+    Resource handling: the thread is stopped, the store closed and the lock released on
+    every exit.
+    """
+    await trio.Path(path).mkdir(parents=True, exist_ok=True)
+    lock = await lock_dir(path)
+    try:
+        store = LmdbQueueStore(path, map_size=map_size, max_map_size=max_map_size, sync=sync)
+        with store, StoreThread(thread_name) as thread:
+            yield store, thread
+    finally:
+        os.close(lock)
