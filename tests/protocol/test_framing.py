@@ -504,3 +504,49 @@ def test_encode_bytes_message_is_encode_simple_of_the_cbor_bytes(n: int) -> None
     parser.feed(whole)
     frame = parser.next_frame()
     assert frame is not None and frame.body() == payload and frame.source == b"l.7\0me"
+
+
+# -- the small-header cache ------------------------------------------------------------------
+def test_cached_header_is_a_fresh_dict_each_time() -> None:
+    """Frame.header() serves repeated small headers from a cache: what one caller does to
+    its dict must not show in the next frame's header."""
+    frames = [parse_one(join(encode_frame(FrameType.REQUEST, target="g", request_id=i + 1,
+                                          header=encode_cbor({"cmd": "echo", "n": 1}))))
+              for i in range(3)]
+    first = frames[0].header()
+    first["cmd"] = "changed"
+    first["extra"] = True
+    assert frames[1].header() == {"cmd": "echo", "n": 1}
+    assert frames[2].header() == {"cmd": "echo", "n": 1}
+    assert frames[1].header() is not frames[2].header()
+
+
+def test_header_with_nested_values_is_decoded_afresh() -> None:
+    """Headers holding lists or maps are not cached: a shallow copy would share them."""
+    enc = encode_cbor({"to": [["l.1", "a"]]})
+    f1, f2 = (parse_one(join(encode_frame(FrameType.ROUTED, target="l.2", request_id=1,
+                                          header=enc))) for _ in range(2))
+    h1 = f1.header()
+    h1["to"].append(["l.9", "x"])  # type: ignore[attr-defined]
+    assert f2.header() == {"to": [["l.1", "a"]]}
+
+
+def test_header_cache_is_bounded_and_large_frames_work() -> None:
+    """Many distinct headers keep the cache at its cap; a large frame (assembled in a
+    bytearray) decodes its header through the same path."""
+    for i in range(framing._HEADER_CACHE_MAX * 3):
+        f = parse_one(join(encode_frame(FrameType.REQUEST, target="g", request_id=1,
+                                        header=encode_cbor({"cmd": f"c{i}"}))))
+        assert f.header() == {"cmd": f"c{i}"}
+        assert len(framing._header_cache) <= framing._HEADER_CACHE_MAX
+    body = encode_cbor(b"x" * (framing._LARGE_FRAME + 10))
+    data = join(encode_frame(FrameType.REQUEST, target="g", request_id=1,
+                             header=encode_cbor({"cmd": "big"}), body=body))
+    p = FrameParser()
+    f = None
+    for k in range(0, len(data), 65536):  # in pieces: the parser assembles a large frame
+        assert f is None
+        p.feed(data[k : k + 65536])
+        f = p.next_frame()
+    assert f is not None and not isinstance(f.raw, bytes)
+    assert f.header() == {"cmd": "big"} and f.header() == {"cmd": "big"}
