@@ -3,7 +3,9 @@
 Started by :mod:`msgq_trio.plugins.supervisor`. Loads the plugin, runs it, writes
 ``ready`` on stdout once the plugin says it is ready, and exits:
 
-* when the plugin returns or raises (status 0 / 1; the traceback goes to stderr);
+* when the plugin returns or raises (status 0 / 1; the traceback goes to stderr, except
+  for an ``OSError`` or ``lmdb.Error`` (store directory unusable, disk full): one line
+  naming the cause, the traceback at DEBUG);
 * when stdin reaches EOF: the broker, which holds the other end, is gone (even after
   SIGKILL), so the plugin must not outlive it and, e.g., keep its store locked.
 """
@@ -16,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import lmdb
 import trio
 
 from msgq_trio.errors import ConnectError
@@ -38,6 +41,10 @@ async def _watch_parent() -> None:
             continue
 
 
+#: Whether this process told the supervisor it is ready (for the wording of a failure).
+_state = {"ready": False}
+
+
 async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
     plugin = load_plugin(name)
     settings = plugin.check_config(table)
@@ -57,6 +64,7 @@ async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
         await nursery.start(run)
         sys.stdout.write("ready\n")
         sys.stdout.flush()
+        _state["ready"] = True
     return 0
 
 
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     failed: list[BaseException] = []
+    unusable: list[BaseException] = []
     try:
         return trio.run(_main, name, Path(socket), json.loads(raw))
     except* ConnectError as group:
@@ -80,6 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         # the plugin, so one line instead of a traceback (the supervisor, if any is left,
         # restarts it).
         failed.extend(group.exceptions)
+    except* (OSError, lmdb.Error) as group:
+        # The environment refused what the plugin needs (store directory missing or not
+        # writable, LMDB cannot open it): an operator's problem, so one line naming the
+        # cause; the traceback goes to DEBUG for whoever wants it.
+        unusable.extend(group.exceptions)
+    if unusable:
+        exc = unusable[0]
+        what = "stopped" if _state["ready"] else "cannot start"
+        log.error("plugin %s: %s: %s: %s", name, what, type(exc).__name__, exc)
+        log.debug("plugin %s: start failure", name, exc_info=exc)
+        return 1
     log.error("plugin %s: cannot connect to the broker: %s", name, failed[0])
     return 1
 

@@ -123,18 +123,24 @@ class PluginSupervisor:
         try:
             buf = b""
             limit = self.start_timeout if first is not None else float("inf")
+            closed = False
             with trio.move_on_after(limit):
                 while b"ready\n" not in buf:
                     chunk = await proc.stdout.receive_some(4096)
                     if not chunk:
+                        closed = True  # it exited (or closed stdout) before ready
                         break
                     buf += chunk
                 else:
                     ready = True
             if not ready:
-                if proc.returncode is None:
-                    log.error("plugin %s not ready after %.0f s: stopping it", name, limit)
-                    proc.kill()
+                if closed:
+                    # Reap it: its status tells the caller what happened; its own error
+                    # line is already in the log (plugin stderr is the broker's).
+                    with trio.move_on_after(KILL_AFTER):
+                        return await proc.wait(), False
+                log.error("plugin %s not ready after %.0f s: stopping it", name, limit)
+                proc.kill()
                 return await proc.wait(), False
             log.info("plugin %s ready (pid %d)", name, proc.pid)
             if first is not None:

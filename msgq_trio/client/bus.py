@@ -325,6 +325,15 @@ class _Call:
             self._answer_result(frame._replace(fds=()), res, sender)
 
     def _answer(self, frame: Frame, sender: str) -> None:
+        if frame.type == _REPLY and not self.multi:
+            # The common case, without a Result: _answer_result's single-call branch.
+            if self.done.is_set():  # already failed (timeout, connection lost)
+                close_fds(frame.fds)
+                return
+            self.result = frame.body()
+            self.frame = frame
+            self.done.set()
+            return
         if frame.type == _REPLY:
             res = Result(self.target, True, frame.body(), None, sender)
         else:
@@ -763,19 +772,23 @@ class Bus:
             LimitExceeded: the broker's answers. RemoteError: the handler failed
             (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
         """
-        answer = await self.request(
-            target, command, params, timeout=timeout, attachments=attachments, fds=fds
-        )
-        if answer.fds:
+        # request()'s steps without its Message: the result is decoded once, by _Call.
+        rid, call = self._start_call(target, command, params, timeout, attachments, False, fds)
+        await self._wait_out()
+        await self._finish_call(rid, call, timeout)
+        if call.error is not None:
+            raise call.error
+        frame = call.frame
+        if frame is not None and frame.fds:
             log.warning(
                 "answer to %r from %s carried %d file descriptors; call() closes them "
                 "(use request() to receive descriptors)",
                 command,
-                answer.sender,
-                len(answer.fds),
+                _split_source(frame.source, self._sources)[0],
+                len(frame.fds),
             )
-            answer.close()
-        return answer.body
+            close_fds(frame.fds)
+        return call.result
 
     async def request(
         self,

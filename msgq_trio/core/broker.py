@@ -184,11 +184,31 @@ class Broker:
 
     def set_policy(self, settings: AccessSettings, principals: dict[Peer, list[str]]) -> None:
         """Enforce ``settings`` from now on, for connected peers too (their cached
-        decisions are dropped). Memberships and bindings already made stay."""
+        decisions are dropped). A connected peer that holds a membership or a binding the
+        new policy no longer grants is dropped with ``forbidden`` (the message names what
+        was revoked), so a revoked subscription neither keeps receiving nor disappears
+        behind the client's back. The caller acts on ``kicked`` afterwards."""
         self.policy = Policy(settings)
         for peer, names in principals.items():
-            if peer.alive:
-                peer.acl = self.policy.for_peer(names, remote=peer.remote)
+            if not peer.alive:
+                continue
+            acl = peer.acl = self.policy.for_peer(names, remote=peer.remote)
+            if acl is None:
+                continue
+            revoked = [f"subscribe to {g!r}" for g in peer.groups if not acl.allowed(SUBSCRIBE, g)]
+            revoked += [
+                f"bind {g!r}"
+                for g, holder in self.bindings.items()
+                if holder is peer and not acl.allowed(BIND, g)
+            ]
+            if revoked:
+                self.stats["forbidden"] += 1
+                self.kick(
+                    peer,
+                    ErrorCode.FORBIDDEN,
+                    f"the reloaded access policy no longer allows {acl.identity} to "
+                    + ", ".join(revoked),
+                )
 
     def _refuse(self, peer: Peer, verb: str, name: str) -> str:
         """Log a denial with the peer's identity; returns the message for the wire."""

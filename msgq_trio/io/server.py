@@ -376,8 +376,10 @@ class Server:
         )
 
     def apply_access(self, access: AccessSettings) -> None:
-        """Enforce a new access policy, for connected clients too (decisions re-made)."""
+        """Enforce a new access policy, for connected clients too (decisions re-made; a
+        client holding a membership or binding the policy revokes is dropped)."""
         self.core.set_policy(access, {pc.peer: pc.principals for pc in self.conns.values()})
+        self._after_core()
 
     def _cmd_stats(self, _peer: Peer, _params: object) -> dict[str, object]:
         """Broker command ``stats``: process-level figures for operators and fault scenarios."""

@@ -91,7 +91,8 @@ async def lock_dir(path: Path) -> int:
     exiting: wait for it.
 
     Raises:
-        RuntimeError: the lock was not free within LOCK_TIMEOUT (names the file).
+        BlockingIOError: the lock was not free within LOCK_TIMEOUT (names the file; an
+            OSError, so the plugin host reports it in one line).
     """
     fd = os.open(path / "plugin.lock", os.O_RDWR | os.O_CREAT, 0o600)
     with trio.move_on_after(LOCK_TIMEOUT):
@@ -105,8 +106,11 @@ async def lock_dir(path: Path) -> int:
                     raise
             await trio.sleep(0.05)
     os.close(fd)
-    raise RuntimeError(f"{path / 'plugin.lock'} is held by another process for "
-                       f"{LOCK_TIMEOUT} s: is another plugin using this directory?")
+    raise BlockingIOError(
+        errno.EWOULDBLOCK,
+        f"{path / 'plugin.lock'} is held by another process for {LOCK_TIMEOUT} s: "
+        "is another plugin using this directory?",
+    )
 
 
 @asynccontextmanager

@@ -264,6 +264,39 @@ async def test_forbidden_send_subscribe_call_consume(tcp_broker) -> None:
         assert "tcp:alice@127.0.0.1:" in log and what in log, what
 
 
+async def test_policy_reload_drops_clients_holding_revoked_memberships(tcp_broker) -> None:
+    """SIGHUP with rules that no longer let alice subscribe to ok.news: her connection
+    that holds that membership is dropped with ERROR forbidden naming the revoked grant
+    (and the log names her); her other connection, whose membership the new rules still
+    cover, keeps working, and the group no longer lists the dropped one."""
+    b = tcp_broker()
+    async with msgq_trio.connect(b.url, name="news", token=ALICE) as news, \
+            msgq_trio.connect(b.url, name="other", token=ALICE) as other, \
+            msgq_trio.connect(b.path, name="local") as local:
+        await news.subscribe("ok.news")
+        await other.subscribe("ok.other")
+        assert [m.lname for m in await local.members("ok.news")] == [news.lname]
+        cfg = trio.Path(b.bp.argv[b.bp.argv.index("--config") + 1])
+        text = await cfg.read_text()
+        assert 'subscribe = ["ok.*"]' in text
+        await cfg.write_text(text.replace('subscribe = ["ok.*"]', 'subscribe = ["ok.other"]'))
+        b.bp.proc.send_signal(signal.SIGHUP)
+        with pytest.raises(ConnectionLost) as ei:
+            await news.receive(10)
+        assert ei.value.code == "forbidden"
+        assert "subscribe to 'ok.news'" in str(ei.value) and "tcp:alice" in str(ei.value)
+        # The broker removed the membership before it sent the ERROR (same core step).
+        assert await local.members("ok.news") == []
+        # The untouched connection still receives what it subscribed to.
+        await local.send("ok.other", "still here")
+        msg = await other.receive(5)
+        assert msg.body == "still here"
+        with pytest.raises(Forbidden):
+            await other.subscribe("ok.news")
+    log = b.log()
+    assert "tcp:alice@127.0.0.1:" in log and "no longer allows tcp:alice" in log
+
+
 async def test_identity_without_rules_gets_nothing(tcp_broker) -> None:
     """An authenticated TCP identity that no rule names may only ping and ask the
     version: the TCP default is deny."""

@@ -65,6 +65,32 @@ async def test_socket_creator_hands_a_listening_socket_to_a_server(broker: Any) 
                 assert conn.recv(100) == b"hello over a passed socket"
 
 
+async def test_call_closes_descriptors_of_an_answer_and_says_so(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """call() returns only the result: descriptors that came with the answer are closed
+    (none leak in the caller) and a warning names the command and the sender."""
+    async with (
+        msgq_trio.connect(broker.path, name="giver") as giver,
+        msgq_trio.connect(broker.path, name="taker") as taker,
+    ):
+        await giver.subscribe("Giver")
+        r, w = os.pipe()
+        os.close(w)
+
+        @giver.command("give")
+        def give(_params: object) -> msgq_trio.Reply:
+            return msgq_trio.Reply({"ok": 1}, fds=[r])
+
+        before = _fd_count(os.getpid())
+        for _ in range(5):
+            assert await taker.call("Giver", "give") == {"ok": 1}
+        os.close(r)
+        assert await _wait_fds(os.getpid(), before - 1) == before - 1
+    warnings = [m for m in caplog.messages if "call() closes them" in m]
+    assert len(warnings) == 5 and "'give'" in warnings[0] and giver.lname in warnings[0]
+
+
 async def test_each_group_member_gets_its_own_duplicate(broker: Any) -> None:
     """A message to a group carrying a pipe's write end: every member gets a distinct
     descriptor for the same pipe, the sender keeps its own, nothing arrives twice."""

@@ -446,5 +446,8 @@ def test_plugin_that_cannot_start_fails_broker_start(short_tmp: Path, broker_arg
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "plugin 'queue' failed to start" in r.stderr
+    # The cause in one line, not a traceback, and no made-up "not ready after 30 s".
+    assert "plugin queue: cannot start: NotADirectoryError" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "not ready after" not in r.stderr, r.stderr[-3000:]
     assert not (short_tmp / "y.sock").exists()
     assert sys.executable  # the child used the same interpreter (see supervisor argv)
