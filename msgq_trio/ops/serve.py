@@ -112,7 +112,6 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"msgq-trio serve: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     logsetup.install_exception_hooks()
-    _give_back_large_buffers()
     try:
         return trio.run(_serve, config, source)
     except KeyboardInterrupt:
@@ -120,32 +119,6 @@ def serve_main(args: argparse.Namespace) -> int:
     except Exception:
         log.critical("the broker crashed", exc_info=True)
         return EXIT_CRASHED
-
-
-#: Buffers at least this large come from their own mmap and go back to the system when
-#: freed (glibc's M_MMAP_THRESHOLD, fixed here).
-LARGE_BUFFER_MMAP = 1024 * 1024
-
-
-def _give_back_large_buffers() -> None:
-    """Make glibc return the memory of large frames to the system once they are freed.
-
-    Why: glibc raises its mmap threshold to the largest buffer freed so far (up to
-    32 MiB), after which multi-megabyte frames come from the heap, and a heap that other
-    allocations fragment keeps their pages: a broker that once relayed a burst of 8 MiB
-    frames stayed up to ~26 MiB larger for good (scenario sigkill-mid-frame). Fixing the
-    threshold keeps the resident size a function of what is queued now. Other C
-    libraries (no ``mallopt``) are left as they are.
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    m_mmap_threshold = -3  # <malloc.h>
-    if not mallopt(m_mmap_threshold, LARGE_BUFFER_MMAP):
-        log.debug("mallopt(M_MMAP_THRESHOLD) refused; large buffers stay on the heap")
 
 
 def _single(exc: BaseException) -> BaseException:
