@@ -89,3 +89,45 @@ async def test_sync_handler_runs_in_the_reader_async_in_a_task(broker) -> None:
         with pytest.raises(msgq_trio.RemoteError) as ei:
             await caller.call("Svc", "bad")
         assert ei.value.code == "bad-request"
+
+
+async def test_iteration_over_a_backlog_lets_other_tasks_run(broker) -> None:
+    """``async for`` over messages already received takes them without waiting, but still
+    yields to the other tasks of the program every 256 messages (the bus's fairness
+    bound), so a long backlog cannot starve them; every message arrives, in
+    order."""
+    async with msgq_trio.connect(broker.path, name="rx") as rx, \
+            msgq_trio.connect(broker.path, name="tx") as tx:
+        await rx.subscribe("Backlog")
+        n = 3000
+        for i in range(n):
+            await tx.send("Backlog", i)
+        await tx.flush()
+        # Let the receiver's reader take the whole backlog before anyone iterates.
+        await trio.sleep(1.0)
+        ticks = 0
+        longest = run = 0
+
+        async def other_task() -> None:
+            nonlocal ticks, run
+            while True:
+                await trio.lowlevel.checkpoint()
+                ticks += 1
+                run = 0
+
+        got = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+            await trio.lowlevel.checkpoint()
+            async for msg in rx:
+                got.append(msg.body)
+                run += 1
+                longest = max(longest, run)
+                if len(got) == n:
+                    break
+            nursery.cancel_scope.cancel()
+        assert got == list(range(n))
+        assert ticks >= n // 256 - 1
+        # 256 per checkpoint; trio may run this task before the other one in the batch
+        # after a checkpoint, so the other task can see up to two stretches in a row.
+        assert longest <= 2 * 256, longest
