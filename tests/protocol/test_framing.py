@@ -550,3 +550,6 @@ def test_header_cache_is_bounded_and_large_frames_work() -> None:
         f = p.next_frame()
     assert f is not None and not isinstance(f.raw, bytes)
     assert f.header() == {"cmd": "big"} and f.header() == {"cmd": "big"}
+    # The body of a bytearray-backed frame is a bytes object of its own.
+    b = f.body()
+    assert type(b) is bytes and b == b"x" * (framing._LARGE_FRAME + 10)
