@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import signal
 from collections import Counter
 from collections.abc import Sequence
@@ -30,7 +31,14 @@ import trio
 from ..client.bus import connect
 from ..errors import ConnectError, ConnectionLost, MsgqError, RpcError
 
-__all__ = ["DEFAULT_FAULTS", "ChainFault", "ChainReport", "ChainTopology", "run_chain"]
+__all__ = [
+    "DEFAULT_FAULTS",
+    "ChainFault",
+    "ChainReport",
+    "ChainTopology",
+    "run_chain",
+    "signal_broker",
+]
 
 log = logging.getLogger("msgq_trio.scenario.chain")
 
@@ -57,6 +65,27 @@ class ChainTopology(Protocol):
         """Take the network between A and B down (``True``) or up again: only topologies
         whose brokers talk over a network (``cut-net`` faults) need it."""
         ...
+
+
+class _Process(Protocol):
+    """A started process: ``subprocess.Popen`` or a wrapper with the same three names."""
+
+    pid: int
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self) -> int | None: ...
+
+
+async def signal_broker(proc: _Process, sig: int) -> None:
+    """A topology's ``signal`` for a broker process it started: SIGKILL returns once the
+    process is dead (reaped, so a restart finds its store unlocked); any other signal
+    is only sent."""
+    if sig == signal.SIGKILL:
+        proc.send_signal(sig)
+        await trio.to_thread.run_sync(proc.wait)
+    else:
+        os.kill(proc.pid, sig)
 
 
 @attrs.frozen

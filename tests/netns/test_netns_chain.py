@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import trio
 import trustme
 
 from msgq_trio.core.access import hash_token
-from msgq_trio.scenario.chain import ChainFault, run_chain
+from msgq_trio.scenario.chain import ChainFault, run_chain, signal_broker
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="network namespaces need root (CI runs as root)"
@@ -120,12 +119,7 @@ class NetnsChain:
     async def signal(self, target: str, sig: int) -> None:
         if target == "link":
             raise AssertionError("this topology cuts the network instead")
-        b = self.brokers[target]
-        if sig == signal.SIGKILL:
-            b.send_signal(sig)
-            await trio.to_thread.run_sync(b.wait)
-        else:
-            os.kill(b.pid, sig)
+        await signal_broker(self.brokers[target], sig)
 
     async def restart(self, broker: str) -> None:
         await trio.to_thread.run_sync(self.start, broker)

@@ -19,7 +19,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import msgq_trio
-from msgq_trio.scenario.chain import DEFAULT_FAULTS, run_chain
+from msgq_trio.scenario.chain import DEFAULT_FAULTS, run_chain, signal_broker
 
 BrokerProcess = Any  # tests/conftest.py BrokerProcess (conftest modules are not importable)
 Factory = Callable[..., Any]
@@ -95,12 +95,7 @@ class LocalChain:
             assert len(pids) == 1, f"link plugin processes: {pids}"
             os.kill(pids[0], sig)
             return
-        b = self.brokers[target]
-        if sig == signal.SIGKILL:
-            b.send_signal(sig)
-            await trio.to_thread.run_sync(b.wait)
-        else:
-            os.kill(b.pid, sig)
+        await signal_broker(self.brokers[target], sig)
 
     async def restart(self, broker: str) -> None:
         await trio.to_thread.run_sync(self.start, broker)
