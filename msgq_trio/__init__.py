@@ -5,7 +5,8 @@ General layout (each layer imports only the ones above it):
 * ``msgq_trio.protocol`` - sans-I/O wire codec: bytes in, frames out (no trio).
 * ``msgq_trio.core`` - routing, RPC tracking, the broker's logic (no trio, time passed in).
 * ``msgq_trio.io`` - the thin trio layer of the broker daemon.
-* ``msgq_trio.client`` - the trio client (``connect``) and the synchronous client.
+* ``msgq_trio.client`` - the trio client (``connect``), the direct blocking client
+  (``connect_direct``) and the synchronous client.
 * ``msgq_trio.plugins`` / ``msgq_trio.storage`` - the plugins (durable queues, named pipes)
   and the queue's storage backends.
 * ``msgq_trio.ops`` / ``msgq_trio.scenario`` / ``msgq_trio.bench`` / ``msgq_trio.analytics`` -
@@ -15,6 +16,8 @@ General layout (each layer imports only the ones above it):
 __version__ = "0.1.0"
 
 from .client.bus import Bus, Member, Message, Reply, Result, connect
+from .client.direct import DirectBus
+from .client.direct import connect as connect_direct
 from .errors import (
     CommandFailed,
     ConnectError,
@@ -42,6 +45,7 @@ __all__ = [
     "CommandFailed",
     "ConnectError",
     "ConnectionLost",
+    "DirectBus",
     "Forbidden",
     "LimitExceeded",
     "MalformedMessage",
@@ -64,4 +68,5 @@ __all__ = [
     "UsageError",
     "__version__",
     "connect",
+    "connect_direct",
 ]
