@@ -19,6 +19,7 @@ import pytest
 
 from msgq_trio import cli
 from msgq_trio.bench import durable
+from msgq_trio.bench.report import goal_table
 from msgq_trio.bench.run import render, smoke
 from msgq_trio.bench.workloads import WORKLOADS
 
@@ -38,6 +39,22 @@ def test_bench_smoke_measures_every_workload(report: dict[str, Any]) -> None:
                 continue  # a workload a ceiling does not implement
             assert result["status"] == "ok", (system, workload, result)
             assert result["median"] > 0, (system, workload, result)
+
+
+def test_bench_smoke_measures_the_direct_client(report: dict[str, Any]) -> None:
+    """msgq_trio-direct (the blocking client) answers both request/reply workloads with
+    every call checked, and is n/a (with its reason) on the streaming ones; the goal
+    table names the direct client where its figure is the one compared."""
+    results = report["results"]["msgq_trio-direct"]
+    for workload in ("req-reply", "concurrent"):
+        assert results[workload]["status"] == "ok", (workload, results[workload])
+        assert results[workload]["median"] > 0
+    for workload in ("one-way", "fan-out", "large"):
+        assert results[workload]["status"] == "n/a", (workload, results[workload])
+    rr = {n: report["results"][n]["req-reply"]["median"]
+          for n in ("msgq_trio", "msgq_trio-direct")}
+    row = next(line for line in goal_table(report).splitlines() if "req/reply" in line)
+    assert ("(direct client)" in row) == (rr["msgq_trio-direct"] < rr["msgq_trio"]), row
 
 
 def test_bench_smoke_measures_the_msgq_only_figures(report: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ EXPECTED = {
     0: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
     1: ["Auth accepted a connection on the socket it was handed"],
     2: ["There are 42 zones"],
-    3: ["line 0", "line 1", "line 2"],
+    3: ["There are 42 zones", "Bad luck happened: no-recipient"],
+    4: ["line 0", "line 1", "line 2"],
 }
 
 

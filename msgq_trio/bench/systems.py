@@ -2,6 +2,8 @@
 
 * ``msgq_trio``: a real broker process (``python -m msgq_trio serve``, via
   :func:`msgq_trio.demo.start_broker`) on a Unix socket in the run's directory;
+* ``msgq_trio-direct``: the same broker, with the direct blocking client
+  (:func:`msgq_trio.connect_direct`) on the request/reply workloads;
 * ``raw-unix`` (ceiling): no broker; clients talk process to process;
 * ``py-relay`` (ceiling): the minimal Python relay of :mod:`msgq_trio.bench.relay`;
 * ``nats``: ``nats-server`` on a free loopback port (NATS has no Unix socket listener),
@@ -220,6 +222,12 @@ def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("msgq_trio", SUBJECT, "worker_msgq",
            "msgq_trio broker process; trio clients (group send, bus.call)", _start_msgq),
+    # The direct client is for calls (a blocking thread per connection, a syscall per
+    # send): the two request/reply columns.
+    System("msgq_trio-direct", SUBJECT, "worker_msgq_direct",
+           "msgq_trio broker process; direct blocking clients (connect_direct, bus.call)",
+           _start_msgq, only=("req-reply", "concurrent"),
+           not_run="not run: the direct client is for calls"),
     # Over TCP the small-message columns only (issue 11 asks one-way and round trip):
     # 4 MiB over TLS alone would take 45 s of the 10-minute run.
     System("msgq_trio-tcp", SUBJECT, "worker_msgq",
@@ -250,7 +258,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            # (pamqp framing in Python); 200,000 messages would take a minute or more.
            not_run="not run: the Python AMQP client costs ~300 µs CPU a message"),
 )}
-DEFAULT_SYSTEMS = ["msgq_trio", "raw-unix", "py-relay"]
+DEFAULT_SYSTEMS = ["msgq_trio", "msgq_trio-direct", "raw-unix", "py-relay"]
 PEER_SYSTEMS = ["nats", "redis", "zeromq"]
 #: msgq_trio over TCP and TLS (``--peers`` runs them too: NATS is measured over TCP).
 TCP_SYSTEMS = ["msgq_trio-tcp", "msgq_trio-tls"]
