@@ -112,6 +112,10 @@ class Broker:
         #: no-recipient, refused, forwarded, discarded, logged, broker. None = capture off,
         #: which costs one attribute test per frame.
         self.tap: Callable[[Peer | None, Frame, str, int], None] | None = None
+        #: Optional companion of ``tap`` for a :class:`Run`: ``tap_run(sender, run,
+        #: outcome, recipients)`` must show the tap's sinks what ``tap`` would see for each
+        #: of its frames, without a Frame per message. None: ``tap`` per frame.
+        self.tap_run: Callable[[Peer, Run, str, int], None] | None = None
         #: Called as ``on_disconnect(peer, reason)`` once per peer when it is forgotten
         #: (operations: lifetime counters for metrics, ending a dump). None = nothing.
         self.on_disconnect: Callable[[Peer, str], None] | None = None
@@ -459,8 +463,11 @@ class Broker:
     def _tap_run(self, peer: Peer, run: Run, n: int) -> None:
         """Show every frame of a delivered ``run`` to the capture tap (capture is on)."""
         assert self.tap is not None
-        tap = self.tap
         outcome = "delivered" if n else "no-recipient"
+        if self.tap_run is not None:
+            self.tap_run(peer, run, outcome, n)
+            return
+        tap = self.tap
         for frame in run.frames():
             tap(peer, frame, outcome, n)
 

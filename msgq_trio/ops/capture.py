@@ -41,7 +41,7 @@ from ..core.broker import Broker
 from ..core.peers import Peer
 from ..core.router import MEMBERSHIP_GROUP
 from ..protocol.codes import Flag, FrameType
-from ..protocol.framing import Frame, encode_cbor, encode_frame
+from ..protocol.framing import PREFIX, PREFIX_SIZE, Frame, Run, encode_cbor, encode_frame
 from .logsetup import TRAFFIC
 
 log = logging.getLogger("msgq_trio.capture")
@@ -55,6 +55,7 @@ _KIND_OF: dict[int, str] = {
     FrameType.MESSAGE: "message",
 }
 _NOTIFY = FrameType.NOTIFY
+_MESSAGE = int(FrameType.MESSAGE)
 _BROKER_SOURCE = b"l.0\0msgq"
 #: Fixed per-record cost counted against ``buffer_bytes`` besides header and body bytes.
 _RECORD_OVERHEAD = 200
@@ -314,11 +315,10 @@ def _fragment(c: Captured, on_behalf: str | None) -> tuple[str, str]:
     return frag
 
 
-def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int) -> bytes:
-    """``encode_line(make_record(seq, c, body_mode), max_bytes)``, byte for byte, with a
-    fast path for the common record: no header to decode and no body to write."""
-    if c.header or (body_mode != "none" and c.body is not None):
-        return encode_line(make_record(seq, c, body_mode), max_bytes)
+def _fast_parts(c: Captured) -> tuple[str, str]:
+    """The fast record's text around its ``size`` value: the line is
+    ``{"ts":TS,"seq":SEQ,`` + mid + ``SIZE`` + post. Only for records without a header
+    to decode or a body to write."""
     kind = c.kind
     on_behalf = None
     if c.source and not c.source.startswith(b"l.0\0"):
@@ -329,15 +329,55 @@ def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int) -> bytes:
     request_id = "null" if rid is None or not (kind == "command" or is_answer) else str(rid)
     reply_to = str(rid) if (is_answer and rid is not None) else "null"
     all_ = "true" if kind == "command" and c.flags & Flag.ALL else "false"
-    line = (
-        f'{{"ts":{round(c.ts, 6)!r},"seq":{seq},{head},"request_id":{request_id},'
-        f'"reply_to":{reply_to},"all":{all_},"size":{c.size},"attachments":{c.n_blobs},'
-        f'"fds":{c.n_fds},"outcome":{outcome},"recipients":{c.recipients},"command":null,'
-        f'"event":null,"code":null,"error_message":null,"body":null,"body_encoding":null}}\n'
-    ).encode()
+    return (
+        f'{head},"request_id":{request_id},"reply_to":{reply_to},"all":{all_},"size":',
+        f',"attachments":{c.n_blobs},"fds":{c.n_fds},"outcome":{outcome},'
+        f'"recipients":{c.recipients},"command":null,"event":null,"code":null,'
+        f'"error_message":null,"body":null,"body_encoding":null}}\n',
+    )
+
+
+def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int) -> bytes:
+    """``encode_line(make_record(seq, c, body_mode), max_bytes)``, byte for byte, with a
+    fast path for the common record: no header to decode and no body to write."""
+    if c.header or (body_mode != "none" and c.body is not None):
+        return encode_line(make_record(seq, c, body_mode), max_bytes)
+    mid, post = _fast_parts(c)
+    line = f'{{"ts":{round(c.ts, 6)!r},"seq":{seq},{mid}{c.size}{post}'.encode()
     if len(line) > max_bytes:
         return encode_line(make_record(seq, c, body_mode), max_bytes)
     return line
+
+
+def record_lines(items: list[tuple[int, Captured]], body_mode: str, max_bytes: int) -> list[bytes]:
+    """``[record_line(seq, c, body_mode, max_bytes) for seq, c in items]``, byte for byte.
+
+    Why: a burst of one-way messages from one sender to one group is a run of records
+    that differ only in ``seq``, ``ts`` and ``size``; their constant text is built once
+    per run instead of once per record (the capture shares the broker's CPU and GIL, and
+    issue 4 requires that capture on does not halve throughput).
+    """
+    out: list[bytes] = []
+    append = out.append
+    last: Captured | None = None
+    mid = post = ts_text = ""
+    last_ts = -1.0
+    for seq, c in items:
+        if c.header or (body_mode != "none" and c.body is not None):
+            append(encode_line(make_record(seq, c, body_mode), max_bytes))
+            continue
+        # Same record apart from ts and size (and seq): reuse the parts.
+        if last is None or c[1:9] != last[1:9] or c[10:] != last[10:]:
+            mid, post = _fast_parts(c)
+            last = c
+        if c.ts != last_ts:
+            last_ts = c.ts
+            ts_text = repr(round(c.ts, 6))
+        line = f'{{"ts":{ts_text},"seq":{seq},{mid}{c.size}{post}'.encode()
+        if len(line) > max_bytes:
+            line = encode_line(make_record(seq, c, body_mode), max_bytes)
+        append(line)
+    return out
 
 
 # -- files --------------------------------------------------------------------------------
@@ -573,6 +613,7 @@ class TapHub:
         ]
         self._want_body = any(s.body != "none" for s in sinks)
         self.core.tap = self._tap if sinks else None
+        self.core.tap_run = self._tap_run if sinks else None
 
     def _tap(self, sender: Peer | None, frame: Frame, outcome: str, recipients: int) -> None:
         ftype = frame.type
@@ -604,6 +645,41 @@ class TapHub:
                     frame.n_fds,
                 )
             offer(item)
+
+    def _tap_run(self, sender: Peer, run: Run, outcome: str, recipients: int) -> None:
+        """``_tap`` for each frame of a run of one-way MESSAGEs from ``sender`` to one
+        target, without a Frame per message: the filters are asked once per run, and each
+        record is one tuple built from the run's shared fields plus the frame's size and
+        flags (and its header when it has one). All records of a run share one timestamp:
+        its frames came in one receive."""
+        if self._want_body:
+            for frame in run.frames():
+                self._tap(sender, frame, outcome, recipients)
+            return
+        target, lname, name = run.target, sender.lname, sender.name
+        offers = [offer for match, offer in self._sinks if match("message", lname, name, target)]
+        if not offers:
+            return
+        raw = run.raw
+        end = len(raw)
+        pos = 0
+        unpack = PREFIX.unpack_from
+        new = tuple.__new__
+        ts = time.time()
+        recipients = int(recipients)
+        while pos < end:
+            (length, _t, flags, tlen, slen, _nb, _nf, _r, _rid, hlen, _bl) = unpack(raw, pos)
+            size = 4 + length
+            if hlen:
+                start = pos + PREFIX_SIZE + tlen + slen
+                header = raw[start : start + hlen]
+            else:
+                header = b""
+            item = new(Captured, (ts, "message", lname, name, b"", target, _MESSAGE, flags, 0,
+                                  size, outcome, recipients, header, None, 0, 0))
+            for offer in offers:
+                offer(item)
+            pos += size
 
     # -- file capture ---------------------------------------------------------------------
     def start_capture(self, settings: CaptureSettings) -> dict[str, Any]:
@@ -726,7 +802,7 @@ class TapHub:
         total = fc.buffer.dropped_total
 
         def work() -> tuple[int, int]:
-            lines = [record_line(seq, c, body, max_bytes) for seq, c in items]
+            lines = record_lines(items, body, max_bytes)
             if dropped:
                 lines.append(encode_line(dropped_record(seq_after, dropped, total), max_bytes))
             return len(items), fc.writer.write(lines)

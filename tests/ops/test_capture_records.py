@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from msgq_trio.ops.capture import Captured, encode_line, make_record, record_line
+from msgq_trio.ops.capture import Captured, encode_line, make_record, record_line, record_lines
 
 names = st.text(max_size=40)
 captured = st.builds(
@@ -43,3 +43,59 @@ def test_record_line_matches_the_general_encoder(
     assert line == encode_line(make_record(seq, c, body_mode), max_bytes)
     assert line.endswith(b"\n")
     assert isinstance(json.loads(line), dict)
+
+
+@given(st.lists(st.tuples(captured, st.integers(1, 2**40)), max_size=8),
+       st.lists(st.integers(0, 7), max_size=30), st.sampled_from(["none", "json"]),
+       st.sampled_from([65_536, 300]), st.floats(0, 4e9, allow_nan=False),
+       st.integers(32, 2**20))
+def test_record_lines_matches_record_line_on_runs(
+    base: list[tuple[Captured, int]], picks: list[int], body_mode: str, max_bytes: int,
+    ts: float, size: int,
+) -> None:
+    """The batch encoder writes exactly record_line's lines, also for runs of records that
+    share everything but seq, ts and size (its cache) and for records that differ in any
+    one field from the one before."""
+    if not base:
+        return
+    items = []
+    for i, k in enumerate(picks):
+        c, seq = base[k % len(base)]
+        if i % 3 == 0:  # same record as a neighbour but a new ts and size
+            c = c._replace(ts=ts, size=size + i)
+        items.append((seq + i, c))
+    assert record_lines(items, body_mode, max_bytes) == [
+        record_line(seq, c, body_mode, max_bytes) for seq, c in items]
+
+
+def test_tap_run_shows_the_same_records_as_tapping_each_frame() -> None:
+    """A run of one-way MESSAGEs (some with a user header) is captured as the same records
+    (all but the timestamp) as its frames tapped one by one, through the same filter."""
+    from msgq_trio.config import Limits
+    from msgq_trio.core.broker import Broker
+    from msgq_trio.ops.capture import TapHub, TrafficFilter
+    from msgq_trio.protocol.codes import FrameType
+    from msgq_trio.protocol.framing import FrameParser, Run, encode_cbor, encode_simple
+
+    core = Broker(Limits(), version="test")
+    peer = core.connect("pub", pid=1, uid=0, gid=0, now=0.0)
+    hub = TapHub(core, lambda: None, lambda: 0)
+    data = b"".join(
+        encode_simple(FrameType.MESSAGE, b"Stats", encode_cbor(i),
+                      encode_cbor({"n": i}) if i % 4 == 0 else b"", flags=i % 2,
+                      source=peer.stamp)
+        for i in range(40))
+    parser = FrameParser()
+    parser.feed(data)
+    [run] = parser.frames_and_runs(peer.stamp)
+    assert isinstance(run, Run) and run.count == 40
+    for flt, expect in ((TrafficFilter(), 40), (TrafficFilter(targets=["Other"]), 0)):
+        by_run: list[Captured] = []
+        by_frame: list[Captured] = []
+        hub._sinks = [(flt.match, by_run.append)]
+        hub._tap_run(peer, run, "delivered", 3)
+        hub._sinks = [(flt.match, by_frame.append)]
+        for frame in run.frames():
+            hub._tap(peer, frame, "delivered", 3)
+        assert len(by_run) == expect
+        assert [c._replace(ts=0.0) for c in by_run] == [c._replace(ts=0.0) for c in by_frame]
