@@ -52,7 +52,7 @@ from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_simple
-from .bus import RECEIVE_SIZE, SEND_BUFFER, Member, Message, _split_source
+from .bus import RECEIVE_SIZE, SEND_BUFFER, Member, Message, _split_source, request_header
 
 log = logging.getLogger("msgq_trio.client.direct")
 
@@ -74,9 +74,6 @@ _MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
     int(FrameType.ROUTED),
     int(FrameType.GOODBYE),
 )
-_CMD_HEADERS: dict[str, bytes] = {}
-_CMD_HEADERS_MAX = 256
-
 Handler = Callable[[Any], Any]
 
 
@@ -440,19 +437,8 @@ class DirectBus:
             ConnectionLost: the broker went away.
         """
         self._check_open()
-        if type(command) is not str:
-            raise UsageError(f"command must be a str, not {type(command).__name__}")
         try:
-            if timeout is None:
-                head = _CMD_HEADERS.get(command)
-                if head is None:
-                    head = encode_cbor({"cmd": command})
-                    if len(_CMD_HEADERS) < _CMD_HEADERS_MAX:
-                        _CMD_HEADERS[command] = head
-            else:
-                if timeout <= 0:
-                    raise UsageError("timeout must be positive")
-                head = encode_cbor({"cmd": command, "timeout": float(timeout)})
+            head = request_header(command, timeout)
             body = encode_cbor(params) if params is not None else b""
             self._next_rid += 1
             rid = self._next_rid
