@@ -62,8 +62,9 @@ log = logging.getLogger("msgq_trio.client.direct")
 DEFAULT_MAX_BUFFERED = 64 * 1024 * 1024
 #: How long close() waits for the broker's GOODBYE (the trio client's value).
 CLOSE_WAIT = 2.0
-#: Most descriptors taken with one receive (the broker's default max_fds_per_message).
-_MAX_FDS = 16
+#: Descriptors one receive can take until WELCOME gives the broker's
+#: ``max_fds_per_message`` (its default, Linux's SCM_MAX_FD).
+_MAX_FDS = 253
 
 _MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
     int(FrameType.MESSAGE),
@@ -159,6 +160,11 @@ class DirectBus:
         self.lname = str(header["lname"])
         self._stamp = f"{self.lname}\0{self.name or 'anonymous'}".encode()
         self.broker_version = str(header.get("broker", ""))
+        limits = header.get("limits")
+        if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
+            # A message may carry that many; a smaller buffer would truncate them (and
+            # the kernel's MSG_CTRUNC ends the connection).
+            self._ancsize = ancillary_size(limits["max_fds_per_message"])
 
     def close(self) -> None:
         """Say GOODBYE, wait briefly for the broker's, close the socket. Idempotent."""

@@ -332,3 +332,37 @@ def test_direct_bus_is_exported(broker) -> None:
     connect: Callable[..., DirectBus] = msgq_trio.connect_direct
     with connect(broker.path) as bus:
         assert bus.lname.startswith("l.")
+
+
+def test_receives_descriptors_sent_by_a_trio_client(broker) -> None:
+    """A message carrying file descriptors (SCM_RIGHTS) reaches a direct client with its
+    own working duplicates; a descriptor it does not take is closed with the message."""
+    r, w = os.pipe()
+    try:
+        with msgq_trio.connect_direct(broker.path, name="sink") as sink:
+            sink.subscribe("Fds")
+
+            async def send() -> None:
+                async with msgq_trio.connect(broker.path, name="src") as src:
+                    await src.send("Fds", "pipe", fds=[w])
+                    await src.send("Fds", "dropped", fds=[w, w, w])
+                    await src.flush()
+
+            trio.run(send)
+            msg = sink.receive(timeout=10)
+            assert msg.body == "pipe" and len(msg.fds) == 1
+            [mine] = msg.take_fds()
+            assert mine != w
+            os.write(mine, b"hello")
+            os.close(mine)
+            assert os.read(r, 5) == b"hello"
+            second = sink.receive(timeout=10)
+            assert second.body == "dropped" and len(second.fds) == 3
+            dups = list(second.fds)
+            second.close()
+            for fd in dups:
+                with pytest.raises(OSError):
+                    os.fstat(fd)
+    finally:
+        os.close(r)
+        os.close(w)
