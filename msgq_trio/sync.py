@@ -4,6 +4,8 @@
 in a background thread; every method blocks the calling thread until the loop has done
 the work and raises the same exceptions as the async client (``NoRecipient``,
 ``RecipientGone``, ``RequestTimeout``, ``RemoteError``, ``ConnectionLost``...).
+:func:`msgq_trio.connect_direct` is the leaner alternative for calls and messages: no
+background thread, the calling thread does the socket I/O (``client/direct.py``).
 """
 
 from __future__ import annotations

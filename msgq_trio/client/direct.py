@@ -2,9 +2,10 @@
 
 No event loop and no background thread: ``call()`` writes the request and reads the
 socket itself until the answer is there. For synchronous programs (command-line tools,
-scripts, a component written without async) and for the lowest round-trip latency: a
-trio client costs two scheduler passes and ~100 us of CPU per call on the benchmark
-machine, this one ~45 us (BENCHMARKS.md). :func:`msgq_trio.sync.connect` is the full
+scripts, a component written without async) and for the lowest round-trip latency: in
+the benchmark a requester and a responder on it spend ~50 us of CPU each per call against
+~90 us on the trio client, and the round trip is a fifth shorter (BENCHMARKS.md, "The
+round trip, measured hop by hop"). :func:`msgq_trio.sync.connect` is the full
 synchronous API (queues, pipes, handlers in worker threads) over a background trio loop;
 this one covers what a component needs on the hot path: calls, one-way messages,
 subscriptions and serving commands. Unix sockets only.
