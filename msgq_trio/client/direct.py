@@ -127,6 +127,7 @@ class DirectBus:
         self._lost: ConnectionLost | None = None
         self._closed = False
         self._goodbye = False
+        self._goodbye_reason: str | None = None
 
     # -- connection ------------------------------------------------------------------
     def _handshake(self, timeout: float) -> None:
@@ -233,7 +234,7 @@ class DirectBus:
         view = memoryview(data)
         while True:
             try:
-                n = sock.send(view, _DONTWAIT)
+                n = sock.send(view, _SEND_FLAGS)
             except BlockingIOError:
                 n = 0
             except OSError as exc:
@@ -252,6 +253,10 @@ class DirectBus:
                 raise self._fail(f"connection to the broker failed: {exc}") from exc
             if got and got[0][1] & select.POLLIN:
                 self._read(0)
+                if self._lost is not None:
+                    # EOF while our write waits (a broker shutting down says GOODBYE,
+                    # closes its side and reads no more): polling on would spin.
+                    raise ConnectionLost(str(self._lost), code=self._lost.code)
 
     def _read(self, timeout: float | None) -> bool:
         """Receive once (waiting up to ``timeout`` s, None = forever, 0 = not at all) and
@@ -291,9 +296,19 @@ class DirectBus:
             conn.receive_data(bytes(view[:n]), fds)
             for ev in conn.events():
                 if ev is EOF:
-                    self._fail("the broker closed the connection")
+                    reason = self._goodbye_reason
+                    self._fail(
+                        f"the broker closed the connection ({reason})" if reason
+                        else "the broker closed the connection",
+                        code=reason,
+                    )
                     break
                 assert isinstance(ev, Frame)
+                if ev.type == _GOODBYE:
+                    # Kept now: the EOF right behind it may end a write before the
+                    # GOODBYE is dispatched, and the reason belongs in that error.
+                    said = ev.header().get("reason")
+                    self._goodbye_reason = str(said) if said else None
                 self._frames.append(ev)
                 self._frames_bytes += len(ev.raw)
         except ProtocolError as exc:
@@ -575,6 +590,9 @@ class DirectBus:
 
 
 _DONTWAIT = pysocket.MSG_DONTWAIT
+#: MSG_NOSIGNAL: a broken connection is an EPIPE error here, never a SIGPIPE (Python
+#: ignores SIGPIPE, but an embedding program may not).
+_SEND_FLAGS = _DONTWAIT | pysocket.MSG_NOSIGNAL
 _RECV_FLAGS = pysocket.MSG_CMSG_CLOEXEC | _DONTWAIT
 
 

@@ -366,3 +366,50 @@ def test_receives_descriptors_sent_by_a_trio_client(broker) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_eof_while_a_write_waits_ends_it(short_tmp) -> None:
+    """A broker that says GOODBYE, closes its side and reads no more (what a shutting-down
+    broker does for its grace period) while the client's write waits for socket space:
+    send() raises ConnectionLost at once instead of waiting (or spinning) until the
+    socket is closed. The peer here speaks the protocol by hand (no broker could be
+    held in that state on cue)."""
+    import socket as pysocket
+
+    from msgq_trio.protocol.codes import PROTOCOL_VERSION, FrameType
+    from msgq_trio.protocol.connection import Connection, Role
+
+    path = short_tmp / "fake.sock"
+    listener = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    done = threading.Event()
+
+    def fake_broker() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            proto = Connection(Role.BROKER)
+            while not proto.events():
+                proto.receive_data(conn.recv(65536))
+            conn.sendall(b"".join(proto.send(FrameType.WELCOME, header={
+                "version": PROTOCOL_VERSION, "lname": "l.1", "broker": "fake"})))
+            time.sleep(0.5)  # the client fills both socket buffers meanwhile
+            conn.sendall(b"".join(proto.send(FrameType.GOODBYE,
+                                             header={"reason": "broker-shutdown"})))
+            conn.shutdown(pysocket.SHUT_WR)
+            done.wait(20)  # keep the socket open, unread, like a broker's grace period
+
+    t = threading.Thread(target=fake_broker, daemon=True)
+    t.start()
+    try:
+        with msgq_trio.connect_direct(path, name="writer", send_buffer=65536) as bus:
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionLost) as lost:
+                for _ in range(10_000):
+                    bus.send("G", b"x" * 65536)
+            assert time.monotonic() - t0 < 5.0
+            assert lost.value.code == "broker-shutdown"
+    finally:
+        done.set()
+        t.join(10)
+        listener.close()
