@@ -101,6 +101,33 @@ _KIND: dict[int, str] = {
 }
 
 
+def read_welcome(
+    frame: Frame, name: str
+) -> tuple[dict[str, object], str, bytes, int | None]:
+    """The broker's answer to HELLO: (WELCOME's header, our lname, our stamp, the
+    broker's ``max_fds_per_message`` or None).
+
+    Raises:
+        ConnectError: the broker refused the connection (an ERROR frame; ``code`` says
+            why: ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...).
+        RemoteProtocolError: the header is not well-formed CBOR.
+    """
+    header = frame.header()
+    if frame.type == _ERROR:
+        raise ConnectError(
+            f"broker refused the connection: {header.get('message')}",
+            code=str(header.get("code")),
+        )
+    lname = str(header["lname"])
+    # The broker names an empty HELLO name "anonymous" (io/server.py).
+    stamp = f"{lname}\0{name or 'anonymous'}".encode()
+    limits = header.get("limits")
+    max_fds = None
+    if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
+        max_fds = limits["max_fds_per_message"]
+    return header, lname, stamp, max_fds
+
+
 def request_header(command: str, timeout: float | None) -> bytes:
     """The CBOR header of a REQUEST for ``command`` (and the caller's ``timeout``).
 
@@ -483,20 +510,11 @@ class Bus:
                 if ev is NEED_DATA:
                     continue
                 assert isinstance(ev, Frame)
-                header = ev.header()
-                if ev.type == _ERROR:
-                    raise ConnectError(
-                        f"broker refused the connection: {header.get('message')}",
-                        code=str(header.get("code")),
-                    )
-                self.lname = str(header["lname"])
-                # The broker names an empty HELLO name "anonymous" (io/server.py).
-                self._stamp = f"{self.lname}\0{self.name or 'anonymous'}".encode()
+                header, self.lname, self._stamp, max_fds = read_welcome(ev, self.name)
                 self.broker_version = str(header.get("broker", ""))
                 self._welcome = header
-                limits = header.get("limits")
-                if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
-                    self._max_fds = limits["max_fds_per_message"]
+                if max_fds is not None:
+                    self._max_fds = max_fds
                 return  # frames that came right behind WELCOME stay buffered for the reader
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc

@@ -53,7 +53,15 @@ from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_simple
-from .bus import RECEIVE_SIZE, SEND_BUFFER, Member, Message, _split_source, request_header
+from .bus import (
+    RECEIVE_SIZE,
+    SEND_BUFFER,
+    Member,
+    Message,
+    _split_source,
+    read_welcome,
+    request_header,
+)
 
 log = logging.getLogger("msgq_trio.client.direct")
 
@@ -153,20 +161,15 @@ class DirectBus:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
         ev = self._frames.popleft()
         self._frames_bytes -= len(ev.raw)
-        header = ev.header()
-        if ev.type == _ERROR:
-            raise ConnectError(
-                f"broker refused the connection: {header.get('message')}",
-                code=str(header.get("code")),
-            )
-        self.lname = str(header["lname"])
-        self._stamp = f"{self.lname}\0{self.name or 'anonymous'}".encode()
+        try:
+            header, self.lname, self._stamp, max_fds = read_welcome(ev, self.name)
+        except RemoteProtocolError as exc:
+            raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
         self.broker_version = str(header.get("broker", ""))
-        limits = header.get("limits")
-        if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
+        if max_fds is not None:
             # A message may carry that many; a smaller buffer would truncate them (and
             # the kernel's MSG_CTRUNC ends the connection).
-            self._ancsize = ancillary_size(limits["max_fds_per_message"])
+            self._ancsize = ancillary_size(max_fds)
 
     def close(self) -> None:
         """Say GOODBYE, wait briefly for the broker's, close the socket. Idempotent."""
