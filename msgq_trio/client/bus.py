@@ -546,6 +546,14 @@ class Bus:
         self._drained.unpark_all()
         self._in_taken.unpark_all()
 
+    @property
+    def lost(self) -> ConnectionLost | None:
+        """None while the connection is up; once it ended (the broker dropped us or shut
+        down, the socket broke, or the bus was closed), the :class:`ConnectionLost` that
+        calls raise, whose ``code`` says why. For a component that only sends and would
+        not otherwise notice that the broker refused its last message."""
+        return self._lost
+
     def _check_open(self) -> None:
         if self._lost is not None:
             raise self._lost

@@ -263,6 +263,11 @@ class LibraryRole:
             n.cancel_scope.cancel()
         if lost is not None:
             raise lost
+        if bus.lost is not None:
+            # The connection ended after the activity finished, while the role waited for
+            # stop: the broker refused its last message (a flush can return before the
+            # broker's ERROR arrives) or went away. Counted like a loss during activity.
+            raise bus.lost
 
 
 class Publisher(LibraryRole):

@@ -195,6 +195,27 @@ async def test_dropped_client_learns_the_reason_when_busy(broker_factory) -> Non
     assert codes == ["frame-too-large"] * 8
 
 
+async def test_bus_lost_tells_a_sender_that_never_reads(broker_factory) -> None:
+    """A client that only sends learns that the broker dropped it for its last frame from
+    ``bus.lost`` (code frame-too-large), without a receive or a further call; ``lost`` is
+    None while the connection is up."""
+    # 512 KiB: over the broker's limit, under the client's OUT_HIGH_WATER (1 MiB), so
+    # send() returns at once and nothing else would tell the client.
+    b = broker_factory("--max-frame-size", "262144")
+    async with msgq_trio.connect(b.path, name="sender") as bus:
+        assert bus.lost is None
+        await bus.send("Nobody", "small")
+        await bus.flush()
+        assert bus.lost is None
+        await bus.send("Nobody", "too big", attachments=[bytes(512 * 1024)])
+        with trio.fail_after(5):
+            while bus.lost is None:  # what a sender checks now and then  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert bus.lost.code == "frame-too-large"
+        with pytest.raises(ConnectionLost):
+            await bus.send("Nobody", "after")
+
+
 async def test_sigkilled_client_is_cleaned_up(broker, spawn_client) -> None:
     """A client process killed with SIGKILL leaves its groups, its lname stops resolving,
     and the broker reports it disconnected with reason connection-lost."""
