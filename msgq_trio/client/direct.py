@@ -48,7 +48,7 @@ from ..errors import (
     UsageError,
     rpc_error_from_wire,
 )
-from ..io.errors import _take_fds, ancillary_size, close_fds, set_send_buffer
+from ..io.errors import _scratch, _take_fds, ancillary_size, close_fds, set_send_buffer
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -118,7 +118,6 @@ class DirectBus:
         self._stamp = b""
         self._sources: dict[bytes, tuple[str, str]] = {}
         self._targets: dict[str, bytes] = {}
-        self._buf = memoryview(bytearray(RECEIVE_SIZE))
         self._poll_in = select.poll()
         self._poll_in.register(self._fd, select.POLLIN)
         self._ancsize = ancillary_size(_MAX_FDS)
@@ -286,7 +285,7 @@ class DirectBus:
                     return False
             except OSError as exc:
                 raise self._fail(f"connection to the broker failed: {exc}") from exc
-        view = self._buf
+        view = _scratch(RECEIVE_SIZE)  # the thread's receive buffer, shared with trio's
         try:
             n, anc, flags, _addr = sock.recvmsg_into((view,), self._ancsize, _RECV_FLAGS)
         except BlockingIOError:
