@@ -23,6 +23,11 @@ def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None
         raise ValueError(f"{attr.name} must be a non-negative integer, got {value!r}")
 
 
+def _non_negative_number(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{attr.name} must be a number >= 0, got {value!r}")
+
+
 @attrs.frozen
 class Limits:
     """Bounds the broker enforces. Each is checked before memory is spent.
@@ -70,6 +75,16 @@ class Limits:
       2,388 MB/s). The kernel only charges it while bytes are in flight, and it is capped
       by ``net.core.wmem_max``. It is on top of ``out_soft_limit``: a stopped reader holds up
       to that plus twice this much for its senders.
+    * ``busy_poll`` 0 s (off): after each read from any client the broker keeps polling its
+      sockets for this long instead of sleeping in ``epoll_wait``, so the next frame (the
+      callee's answer, the caller's next request) is taken without a wake-up. A sleeping
+      broker is woken about 20 us after a client's write on this VM, twice per round
+      trip; 100 us took the direct client's round trip p50 from 222 to 143 us (BENCHMARKS.md,
+      "Busy polling"). The price is CPU: up to ``busy_poll`` of one core after every read,
+      so at most rate x busy_poll of a core (a full core under steady request/reply), and
+      never more than ``busy_poll`` after the last read. Linux's ``SO_BUSY_POLL`` and
+      Aeron's busy-spin idle strategy make the same trade; off by default because a bus
+      beside DNS servers on two cores should not burn CPU unasked.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -87,6 +102,8 @@ class Limits:
     max_fds_queued: int = attrs.field(default=1024, validator=_positive)
     socket_send_buffer: int = attrs.field(default=1 * MiB, validator=_non_negative)
 
+    busy_poll: float = attrs.field(default=0.0, validator=_non_negative_number)
+
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be <= {ABSOLUTE_MAX_FRAME_SIZE}")
@@ -97,6 +114,9 @@ class Limits:
             )
         if self.out_soft_limit > self.out_hard_limit:
             raise ValueError("out_soft_limit must not exceed out_hard_limit")
+        if self.busy_poll > 1:
+            # More is a misconfiguration: a core burnt for a second after every read.
+            raise ValueError(f"busy_poll must be at most 1 s, got {self.busy_poll!r}")
 
 
 def default_socket_path() -> Path:

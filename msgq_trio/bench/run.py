@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     return _exit_status(report)
 
 
-def smoke(systems: Sequence[str] = ("msgq_trio", "msgq_trio-direct", "raw-unix"),
+def smoke(systems: Sequence[str] = ("msgq_trio", "msgq_trio-direct",
+                                    "msgq_trio-direct-busy-poll", "raw-unix"),
           workloads: Sequence[str] | None = None,
           sections: Sequence[str] = SECTIONS,
           msgq_durable_rows: Sequence[str] = ("msgq_trio", "msgq_trio +consumer"),

@@ -461,6 +461,9 @@ class Operations:
                  sum(p.outq_bytes for p in core.peers.values()))
         e.family("msgq_groups", "gauge", "Groups with at least one member.",
                  len(core.router.groups))
+        e.family("msgq_busy_poll_passes", "counter",
+                 "Event-loop passes spent polling without sleeping (limits.busy_poll).",
+                 server.busy_polls)
         e.family("msgq_capture_active", "gauge", "1 while a capture writes to files.",
                  1 if self.hub.file is not None else 0)
         e.family("msgq_capture_records_written", "counter",

@@ -80,9 +80,12 @@ def calc(bus: DirectBus) -> None:
         return bus.call(params["to"], "add", params["args"])
 
 
-def test_call_between_direct_clients(broker) -> None:
+@pytest.mark.parametrize("flags", [(), ("--busy-poll", "0.0001")], ids=["default", "busy-poll"])
+def test_call_between_direct_clients(broker_factory, flags) -> None:
     """call() returns the handler's result through a group, the lname, G[0] and G[?];
-    handler exceptions come back as the codes the trio client uses."""
+    handler exceptions come back as the codes the trio client uses. Also through a broker
+    that busy-polls (limits.busy_poll, as the benchmark's msgq_trio-busy-poll rows)."""
+    broker = broker_factory(*flags)
     with msgq_trio.connect_direct(broker.path, name="calc") as c, \
             msgq_trio.connect_direct(broker.path, name="user") as u:
         calc(c)
