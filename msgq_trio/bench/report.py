@@ -405,6 +405,10 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
         if max(med) / max(min(med), 1e-9) > 10:  # else the peers are slivers
             ax.set_yscale("log")
         ax.tick_params(axis="x", labelsize=8)
+        if len(names) > 7:  # long system names overlap side by side
+            ax.tick_params(axis="x", labelrotation=30)
+            for label in ax.get_xticklabels():
+                label.set_horizontalalignment("right")
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=100)
