@@ -1298,10 +1298,12 @@ class Bus:
         try:
             while True:
                 if received:
+                    # A view the next receive overwrites: the parser copies it right here.
                     data, fds = await receive()
+                    eof = not data
                     conn.receive_data(data, fds)
                 else:
-                    data, received = b"-", True
+                    eof, received = False, True
                 inq, sources = self._in, self._sources
                 self._deferring = True
                 self._answered = 0
@@ -1329,7 +1331,7 @@ class Bus:
                     self._in_wake.unpark_all()
                 if conn.error_pending:
                     conn.events()  # raises the protocol error that followed valid frames
-                if not data:
+                if eof:
                     self._broker_goodbye.set()
                     self._fail_all(ConnectionLost("the broker closed the connection"))
                     return

@@ -295,7 +295,7 @@ class DirectBus:
         try:
             fds = _take_fds(anc, flags) if anc else []
             conn = self._conn
-            conn.receive_data(bytes(view[:n]), fds)
+            conn.receive_data(view[:n], fds)  # the parser copies it
             for ev in conn.events():
                 if ev is EOF:
                     reason = self._goodbye_reason

@@ -150,11 +150,13 @@ async def receive_with_fds(
 
 
 def _drain_fds(
-    raw: pysocket.socket, data: bytes, fds: list[int], nbytes: int, ancbufsize: int
+    raw: pysocket.socket, data: bytes | memoryview, fds: list[int], nbytes: int,
+    ancbufsize: int,
 ) -> tuple[bytes, list[int]]:
     """Descriptors arrived with ``data``: read what else is queued at once (see
     :func:`receive_with_fds`). Closes every descriptor on error."""
-    chunks, total = [data], len(data)
+    chunks: list[bytes | memoryview] = [data]
+    total = len(data)
     try:
         for _ in range(FD_DRAIN_ROUNDS):
             try:
@@ -189,6 +191,13 @@ class SocketReceiver:
     makes it yield (``checkpoint``) and read at once. For a request/reply ping-pong that
     is a fifth of each hop's Python work.
 
+    The bytes come back as a ``memoryview`` into the thread's scratch buffer (see
+    :func:`_scratch`): valid only until the caller's next ``await``, when another receive
+    in this thread may overwrite it. The caller must hand it to something that copies
+    (``Connection.receive_data``: the parser appends it to its own buffer) before it
+    yields. Why: a ``bytes`` copy of every receive was a copy the parser made again, and
+    for a large frame a fresh 256 KiB object (and its page faults) per read.
+
     The receiver holds a second socket object on the same descriptor: the owner must call
     :meth:`close` (it only detaches; the trio socket still owns the descriptor) before
     the trio socket is closed. Cancellation passes through (both awaits are checkpoints).
@@ -203,8 +212,9 @@ class SocketReceiver:
         self._ancbufsize = ancbufsize
         self._drained = True
 
-    async def receive(self) -> tuple[bytes, list[int]]:
-        """Like :func:`receive_with_fds` (same errors; ``b""`` at EOF)."""
+    async def receive(self) -> tuple[bytes | memoryview, list[int]]:
+        """Like :func:`receive_with_fds` (same errors; empty at EOF), but the data is a
+        view valid until the caller's next ``await`` (see the class docstring)."""
         raw = self._raw
         if self._sock.fileno() == -1:  # closed while we were away: the number may be reused
             raise trio.ClosedResourceError("socket was closed")
@@ -219,27 +229,20 @@ class SocketReceiver:
             if self._sock.fileno() == -1:
                 raise trio.ClosedResourceError("socket was closed")
             try:
-                if self._drained:
-                    # Most likely a short read: into the thread's scratch buffer, then
-                    # copy out what came (see _scratch).
-                    view = _scratch(nbytes)
-                    n, anc, flags, _addr = raw.recvmsg_into((view,), ancbufsize, _RECV_FLAGS)
-                    data = bytes(view[:n])
-                else:
-                    # The last read filled the buffer: a large transfer, and this read will
-                    # likely be full too, so the kernel copies straight into its object.
-                    data, anc, flags, _addr = raw.recvmsg(nbytes, ancbufsize, _RECV_FLAGS)
+                view = _scratch(nbytes)
+                n, anc, flags, _addr = raw.recvmsg_into((view,), ancbufsize, _RECV_FLAGS)
+                data = view[:n]
                 break
             except BlockingIOError:
                 pass
             except OSError as exc:
                 raise translated(exc) from exc
             await trio.lowlevel.wait_readable(raw)  # the readiness was spurious
-        self._drained = len(data) < nbytes
+        self._drained = n < nbytes
         if not anc:
             return data, []
         fds = _take_fds(anc, flags)
-        if fds and len(data) < nbytes:
+        if fds and n < nbytes:
             return _drain_fds(raw, data, fds, nbytes, ancbufsize)
         return data, fds
 
@@ -260,9 +263,9 @@ def _scratch(nbytes: int) -> memoryview:
     Why: ``recvmsg(256 KiB)`` allocates a 256 KiB object for every receive and shrinks
     it to what arrived. Above glibc's mmap threshold that is mmap + mremap + munmap and a
     fresh page fault per receive: three of a broker hop's seven syscalls (strace of the
-    request/reply workload). Receiving into one reused buffer and copying out the few
-    bytes that came costs one small allocation instead. Safe to share within a thread:
-    the copy is taken before the receiving task can yield.
+    request/reply workload). Receiving into one reused buffer costs nothing of the kind,
+    and the parser copies what came into its own buffer anyway. Safe to share within a
+    thread: every user hands the bytes to the parser (which copies) before it can yield.
     """
     view: memoryview | None = getattr(_scratch_local, "view", None)
     if view is None or len(view) < nbytes:

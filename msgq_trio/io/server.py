@@ -734,8 +734,12 @@ class Server:
             rx.close()
 
     async def _read_loop(
-        self, pc: PeerConnection, receive: Callable[[], Awaitable[tuple[bytes, list[int]]]]
+        self,
+        pc: PeerConnection,
+        receive: Callable[[], Awaitable[tuple[bytes | memoryview, list[int]]]],
     ) -> bool:
+        # ``receive`` may return a view into a buffer the next receive reuses: it goes to
+        # conn.receive_data (which copies) before this task yields (SocketReceiver).
         conn, peer, core = pc.conn, pc.peer, self.core
         handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout

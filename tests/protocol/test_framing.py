@@ -210,6 +210,31 @@ def test_large_frame_in_64k_chunks() -> None:
     assert p.buffered == 0
 
 
+@pytest.mark.parametrize("step", [1, 7, 4096, 64 * 1024, 256 * 1024])
+def test_feed_copies_so_the_receive_buffer_can_be_reused(step: int) -> None:
+    """The I/O layer receives into one reused buffer and passes the parser a view of it
+    (io/errors.SocketReceiver): whatever ``feed`` keeps must be a copy, so overwriting the
+    buffer after each feed (the next receive) changes no frame, small or large."""
+    blob = bytes(range(256)) * (300 * 1024 // 256)  # above _LARGE_FRAME: assembled apart
+    frames = [
+        join(encode_frame(FrameType.MESSAGE, target="G", body=encode_cbor(i), source=b"l.1"))
+        for i in range(50)
+    ]
+    frames.insert(20, join(encode_frame(FrameType.MESSAGE, target="Big", blobs=[blob])))
+    data = b"".join(frames)
+    scratch = bytearray(max(step, 1))
+    p = FrameParser()
+    got: list[Frame] = []
+    for i in range(0, len(data), step):
+        chunk = data[i : i + step]
+        scratch[: len(chunk)] = chunk
+        p.feed(memoryview(scratch)[: len(chunk)])
+        scratch[:] = b"\xee" * len(scratch)  # the next receive overwrites it
+        got.extend(p.frames())
+    assert [bytes(f.raw) for f in got] == frames
+    assert bytes(got[20].blobs()[0]) == blob
+
+
 # -- limits -----------------------------------------------------------------------------------
 def test_absurd_length_prefix_is_refused_without_allocating() -> None:
     """A 4 GiB length prefix is refused as FRAME_TOO_LARGE from the first 4 bytes alone, and
