@@ -79,7 +79,7 @@ class Limits:
       sockets for this long instead of sleeping in ``epoll_wait``, so the next frame (the
       callee's answer, the caller's next request) is taken without a wake-up. A sleeping
       broker is woken about 20 us after a client's write on this VM, twice per round
-      trip; 100 us took the direct client's round trip p50 from 214 to 140 us (BENCHMARKS.md,
+      trip; 100 us took the direct client's round trip p50 from 222 to 138 us (BENCHMARKS.md,
       "Busy polling"). The price is CPU: up to ``busy_poll`` of one core after every read,
       so at most rate x busy_poll of a core (a full core under steady request/reply), and
       never more than ``busy_poll`` after the last read. Linux's ``SO_BUSY_POLL`` and

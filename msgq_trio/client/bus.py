@@ -1293,12 +1293,15 @@ class Bus:
     async def _reader(self) -> None:
         conn = self._conn
         rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._max_fds))
-        receive = rx.receive_into
+        receive = rx.receive
         received = False  # first pass: frames buffered behind WELCOME
         try:
             while True:
                 if received:
-                    eof = not await receive(conn)
+                    # A view the next receive overwrites: the parser copies it right here.
+                    data, fds = await receive()
+                    eof = not data
+                    conn.receive_data(data, fds)
                 else:
                     eof, received = False, True
                 inq, sources = self._in, self._sources

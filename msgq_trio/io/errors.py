@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import trio
 
 from ..protocol.codes import ErrorCode
-from ..protocol.connection import Connection
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import FdBuffer
 
@@ -213,18 +212,9 @@ class SocketReceiver:
         self._ancbufsize = ancbufsize
         self._drained = True
 
-    async def receive(
-        self, into: memoryview | None = None
-    ) -> tuple[bytes | memoryview, list[int]]:
+    async def receive(self) -> tuple[bytes | memoryview, list[int]]:
         """Like :func:`receive_with_fds` (same errors; empty at EOF), but the data is a
-        view valid until the caller's next ``await`` (see the class docstring).
-
-        ``into``: receive into this buffer instead (a large frame's own buffer,
-        ``Connection.receive_buffer``); the data is then a view of it. At most ``nbytes``
-        go in per call there too: receives of up to 2 MiB (what a sender's socket holds)
-        took the worst latency of small calls through the broker from 7 to 25-29 ms
-        while 64 MiB frames passed (scenario big-message-64mib).
-        """
+        view valid until the caller's next ``await`` (see the class docstring)."""
         raw = self._raw
         if self._sock.fileno() == -1:  # closed while we were away: the number may be reused
             raise trio.ClosedResourceError("socket was closed")
@@ -239,7 +229,7 @@ class SocketReceiver:
             if self._sock.fileno() == -1:
                 raise trio.ClosedResourceError("socket was closed")
             try:
-                view = _scratch(nbytes) if into is None else into[:nbytes]
+                view = _scratch(nbytes)
                 n, anc, flags, _addr = raw.recvmsg_into((view,), ancbufsize, _RECV_FLAGS)
                 data = view[:n]
                 break
@@ -248,39 +238,13 @@ class SocketReceiver:
             except OSError as exc:
                 raise translated(exc) from exc
             await trio.lowlevel.wait_readable(raw)  # the readiness was spurious
-        self._drained = n < len(view)
+        self._drained = n < nbytes
         if not anc:
             return data, []
         fds = _take_fds(anc, flags)
-        if fds and into is None and n < nbytes:
+        if fds and n < nbytes:
             return _drain_fds(raw, data, fds, nbytes, ancbufsize)
         return data, fds
-
-    async def receive_into(self, conn: Connection) -> int:
-        """Receive once and hand what came to ``conn``: in place, into the buffer of the
-        large frame it is assembling (``Connection.receive_buffer``: no copy), else via
-        ``conn.receive_data`` (which copies from the scratch buffer). Returns the number
-        of bytes received, 0 at EOF (``conn`` knows it too). Same errors as
-        :meth:`receive`, and those of ``conn`` (a protocol error); if the receive fails
-        or is cancelled, the lent buffer is given back with nothing received.
-        """
-        target = conn.receive_buffer()
-        if target is None:
-            data, fds = await self.receive()
-            conn.receive_data(data, fds)
-            return len(data)
-        try:
-            data, fds = await self.receive(target)
-        except BaseException:
-            target.release()
-            conn.return_buffer()
-            raise
-        n = len(data)
-        if isinstance(data, memoryview):
-            data.release()  # a slice of the frame's buffer: it cannot grow while one lives
-        target.release()
-        conn.received_into(n, fds)
-        return n
 
     def close(self) -> None:
         """Let go of the descriptor (without closing it). Idempotent."""

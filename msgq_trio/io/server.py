@@ -724,27 +724,22 @@ class Server:
         """Read and route until EOF (False) or the client's GOODBYE (True)."""
         stream = pc.stream
         if isinstance(stream, trio.SSLStream):
-            tls_receive = self._tls_receiver(stream)
-
-            async def receive_tls(conn: Connection) -> int:
-                data, fds = await tls_receive()
-                conn.receive_data(data, fds)
-                return len(data)
-
-            return await self._read_loop(pc, receive_tls)
+            return await self._read_loop(pc, self._tls_receiver(stream))
         rx = SocketReceiver(
             stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
         )
         try:
-            return await self._read_loop(pc, rx.receive_into)
+            return await self._read_loop(pc, rx.receive)
         finally:
             rx.close()
 
     async def _read_loop(
-        self, pc: PeerConnection, receive: Callable[[Connection], Awaitable[int]]
+        self,
+        pc: PeerConnection,
+        receive: Callable[[], Awaitable[tuple[bytes | memoryview, list[int]]]],
     ) -> bool:
-        # ``receive(conn)`` receives once and hands the bytes to conn (in place for a large
-        # frame: SocketReceiver.receive_into); it returns the count, 0 at EOF.
+        # ``receive`` may return a view into a buffer the next receive reuses: it goes to
+        # conn.receive_data (which copies) before this task yields (SocketReceiver).
         conn, peer, core = pc.conn, pc.peer, self.core
         handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout
@@ -754,26 +749,25 @@ class Server:
         while True:
             if received:
                 if conn.in_frame:
-                    n = -1
                     with trio.move_on_after(idle_in_frame) as cs:
-                        n = await receive(conn)
-                    if cs.cancelled_caught and n < 0:
+                        data, fds = await receive()
+                    if cs.cancelled_caught:
                         raise RemoteProtocolError(
                             f"stalled in the middle of a frame for {idle_in_frame} s "
                             "(idle_in_frame_timeout)",
                             ErrorCode.PROTOCOL_ERROR,
                         )
                 else:
-                    n = await receive(conn)
-                if not n:
-                    # EOF: descriptors that came with it are the connection's orphans,
-                    # closed with it (Connection.close).
+                    data, fds = await receive()
+                if not data:
+                    close_fds(fds)
                     if conn.in_frame:
                         log.info(
                             "client %s closed the connection in the middle of a frame",
                             peer.describe(),
                         )
                     return False
+                conn.receive_data(data, fds)
             received = True
             now = trio.current_time()
             self._last_read = now
