@@ -272,6 +272,11 @@ CLIENT_SCRIPT = textwrap.dedent('''
                     await bus.subscribe(g)
             out(json.dumps({"pid": os.getpid(), "lnames": [b.lname for b in buses]}))
             out("ready")
+            flood = cfg.get("flood")
+            if flood:  # send to flood["target"] without end: a sender the broker must pause
+                chunk = bytes(flood["size"])
+                while True:
+                    await buses[0].send(flood["target"], None, attachments=[chunk])
             await trio.sleep_forever()
 
     trio.run(main)
@@ -318,8 +323,10 @@ class ClientProcess:
 @pytest.fixture
 def spawn_client(broker_factory: Callable[..., BrokerProcess],
                  short_tmp: Path) -> Iterator[Callable[..., ClientProcess]]:
-    """``spawn(socket, name=..., groups=(), commands={}, count=1)`` starts a helper client
-    process and waits until all its connections are subscribed and serving.
+    """``spawn(socket, name=..., groups=(), commands={}, count=1, flood=None)`` starts a
+    helper client process and waits until all its connections are subscribed and serving.
+    With ``flood={"target": T, "size": N}`` its first connection then sends N-byte
+    attachments to T without end.
 
     Depends on ``broker_factory`` so that helpers are killed before brokers are stopped.
     """
@@ -327,9 +334,9 @@ def spawn_client(broker_factory: Callable[..., BrokerProcess],
 
     def spawn(socket: Path, *, name: str = "helper", groups: tuple[str, ...] | list[str] = (),
               commands: dict[str, str] | None = None, count: int = 1,
-              timeout: float = 30.0) -> ClientProcess:
+              flood: dict[str, Any] | None = None, timeout: float = 30.0) -> ClientProcess:
         cfg = {"socket": str(socket), "name": name, "groups": list(groups),
-               "commands": commands or {}, "count": count}
+               "commands": commands or {}, "count": count, "flood": flood}
         log_path = short_tmp / f"client{len(procs)}.log"
         with open(log_path, "wb") as err:
             proc = subprocess.Popen([PY, "-c", CLIENT_SCRIPT, json.dumps(cfg)],

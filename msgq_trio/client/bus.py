@@ -43,6 +43,7 @@ from ..io.errors import (
     send_buffers,
     set_send_buffer,
     translate_socket_errors,
+    unconsumed_bytes,
 )
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role
@@ -69,6 +70,10 @@ _CMD_HEADERS: dict[str, bytes] = {}
 _CMD_HEADERS_MAX = 256
 _FLAG_ALL = int(Flag.ALL)
 RECEIVE_SIZE = 256 * 1024
+#: Closing waits this long for the broker's GOODBYE; longer while bytes we sent are still
+#: unread by the broker (see close_patience: its reads of a sender it has paused for
+#: backpressure resume as receivers drain; bytes it never read are lost with the socket).
+CLOSE_WAIT = 2.0
 #: ``send`` waits for the writer once this many bytes are queued (bounds client memory
 #: while letting a fast publisher batch hundreds of frames per send_all).
 OUT_HIGH_WATER = 1024 * 1024
@@ -126,6 +131,18 @@ def read_welcome(
     if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
         max_fds = limits["max_fds_per_message"]
     return header, lname, stamp, max_fds
+
+
+def close_patience(header: dict[str, object]) -> float:
+    """How long a closing client waits for the broker's GOODBYE while the broker takes
+    none of its bytes: CLOSE_WAIT plus the broker's ``slow_consumer_timeout`` (WELCOME
+    ``limits``), the longest the broker lets a receiver hold up a sender it paused;
+    CLOSE_WAIT alone if the broker does not say."""
+    limits = header.get("limits")
+    t = limits.get("slow_consumer_timeout") if isinstance(limits, dict) else None
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 3600:
+        return CLOSE_WAIT + float(t)
+    return CLOSE_WAIT
 
 
 def request_header(command: str, timeout: float | None) -> bytes:
@@ -435,6 +452,14 @@ class _Call:
 Handler = Callable[..., Any]
 
 
+def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
+    """The socket under a client stream (a SocketStream, or TLS over one)."""
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    assert isinstance(stream, trio.SocketStream)
+    return stream.socket
+
+
 class Bus:
     """A connection to the broker. Create it with :func:`connect`.
 
@@ -479,6 +504,7 @@ class Bus:
         self._lost: ConnectionLost | None = None
         self._since_yield = 0
         self._broker_goodbye = trio.Event()
+        self._close_patience = CLOSE_WAIT
         self._writing = False
         # True while the reader handles one receive's frames: answers that handlers give
         # meanwhile are queued and written together after the batch (one write for a
@@ -511,6 +537,7 @@ class Bus:
                     continue
                 assert isinstance(ev, Frame)
                 header, self.lname, self._stamp, max_fds = read_welcome(ev, self.name)
+                self._close_patience = close_patience(header)
                 self.broker_version = str(header.get("broker", ""))
                 self._welcome = header
                 if max_fds is not None:
@@ -522,17 +549,35 @@ class Bus:
             raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
 
     async def _close(self) -> None:
-        """Flush queued frames, say GOODBYE, wait (briefly) for the broker's, close."""
+        """Flush queued frames, say GOODBYE, wait for the broker's, close.
+
+        The wait ends after CLOSE_WAIT s, or while bytes we sent are still unread by the
+        broker, after :func:`close_patience` s in which it took none of them (it may be
+        pausing our reads for backpressure: what it has not read when the socket closes
+        is lost; it logs and counts that).
+        """
         if self._closed:
             return
         self._closed = True
         if self._lost is None:
-            with trio.move_on_after(2.0):
-                try:
-                    self._queue(self._conn.send(_GOODBYE))
-                except LocalProtocolError:
-                    pass
-                await self._broker_goodbye.wait()
+            try:
+                self._queue(self._conn.send(_GOODBYE))
+            except LocalProtocolError:
+                pass
+            fd = _socket_of(self._stream).fileno()
+            clock = trio.current_time
+            left, since = self._out_bytes + unconsumed_bytes(fd), clock()
+            while self._lost is None:
+                with trio.move_on_after(CLOSE_WAIT):
+                    await self._broker_goodbye.wait()
+                    break
+                before, left = left, self._out_bytes + unconsumed_bytes(fd)
+                if not left:
+                    break
+                if left < before:
+                    since = clock()  # the broker is still reading us
+                elif clock() - since >= self._close_patience:
+                    break
         await trio.aclose_forcefully(self._stream)
         self._fail_all(ConnectionLost("the bus was closed"))
 
@@ -1293,15 +1338,12 @@ class Bus:
     async def _reader(self) -> None:
         conn = self._conn
         rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._max_fds))
-        receive = rx.receive
+        receive = rx.receive_into
         received = False  # first pass: frames buffered behind WELCOME
         try:
             while True:
                 if received:
-                    # A view the next receive overwrites: the parser copies it right here.
-                    data, fds = await receive()
-                    eof = not data
-                    conn.receive_data(data, fds)
+                    eof = not await receive(conn)
                 else:
                     eof, received = False, True
                 inq, sources = self._in, self._sources
@@ -1615,8 +1657,10 @@ async def connect(
             optionally a client certificate); default the system's trust store.
         server_hostname: the name the broker's certificate must carry (default the host).
 
-    Resource handling: leaving the block flushes queued frames, says GOODBYE, closes the
-    socket and cancels handler tasks; pending calls fail with ConnectionLost.
+    Resource handling: leaving the block flushes queued frames, says GOODBYE, waits for
+    the broker's (until CLOSE_WAIT s pass in which the broker took none of our bytes: it
+    may be pausing our reads for backpressure), closes the socket and cancels handler
+    tasks; pending calls fail with ConnectionLost.
 
     Raises:
         ConnectError: no broker at the address, TLS failed, or it refused the handshake

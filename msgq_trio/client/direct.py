@@ -48,7 +48,14 @@ from ..errors import (
     UsageError,
     rpc_error_from_wire,
 )
-from ..io.errors import _scratch, _take_fds, ancillary_size, close_fds, set_send_buffer
+from ..io.errors import (
+    _scratch,
+    _take_fds,
+    ancillary_size,
+    close_fds,
+    set_send_buffer,
+    unconsumed_bytes,
+)
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -59,6 +66,7 @@ from .bus import (
     Member,
     Message,
     _split_source,
+    close_patience,
     read_welcome,
     request_header,
 )
@@ -95,7 +103,8 @@ class DirectBus:
     method is waiting for the socket; a handler may itself call :meth:`call`.
 
     Resource handling: :meth:`close` (or leaving the ``with`` block) says GOODBYE, waits
-    up to ``CLOSE_WAIT`` s for the broker's, and closes the socket and the descriptors
+    for the broker's (until ``CLOSE_WAIT`` s pass in which the broker took none of our
+    bytes), and closes the socket and the descriptors
     of messages never received. After the connection is lost every method raises
     :class:`~msgq_trio.errors.ConnectionLost`.
     """
@@ -134,6 +143,7 @@ class DirectBus:
         self._lost: ConnectionLost | None = None
         self._closed = False
         self._goodbye = False
+        self._close_patience = CLOSE_WAIT
         self._goodbye_reason: str | None = None
 
     # -- connection ------------------------------------------------------------------
@@ -162,6 +172,7 @@ class DirectBus:
         self._frames_bytes -= len(ev.raw)
         try:
             header, self.lname, self._stamp, max_fds = read_welcome(ev, self.name)
+            self._close_patience = close_patience(header)
         except RemoteProtocolError as exc:
             raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
         self.broker_version = str(header.get("broker", ""))
@@ -171,7 +182,10 @@ class DirectBus:
             self._ancsize = ancillary_size(max_fds)
 
     def close(self) -> None:
-        """Say GOODBYE, wait briefly for the broker's, close the socket. Idempotent."""
+        """Say GOODBYE, wait for the broker's, close the socket. Idempotent.
+
+        The wait ends after ``CLOSE_WAIT`` s in which the broker took none of our bytes
+        (it may be pausing our reads for backpressure: bytes it never read are lost)."""
         if self._closed:
             return
         self._closed = True
@@ -179,11 +193,22 @@ class DirectBus:
             if self._lost is None:
                 try:
                     self._write(b"".join(self._conn.send(FrameType.GOODBYE)))
-                    deadline = time.monotonic() + CLOSE_WAIT
+                    now = time.monotonic()
+                    deadline, since = now + CLOSE_WAIT, now
+                    unread = unconsumed_bytes(self._sock.fileno())
                     while self._lost is None and not self._goodbye:
                         left = deadline - time.monotonic()
                         if left <= 0:
-                            break
+                            # The broker may be pausing our reads (backpressure): wait on
+                            # while it still takes our bytes (unread ones die with us).
+                            before, unread = unread, unconsumed_bytes(self._sock.fileno())
+                            now = time.monotonic()
+                            if unread < before:
+                                since = now
+                            if not unread or now - since >= self._close_patience:
+                                break
+                            deadline = now + CLOSE_WAIT
+                            continue
                         self._read(left)
                         # Frames after our GOODBYE are moot; only the broker's counts.
                         while self._frames:

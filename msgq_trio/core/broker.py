@@ -135,9 +135,12 @@ class Broker:
         #: routing costs one truth test more when nothing is bound.
         self.bindings: dict[str, Peer] = {}
         # Broker-wide counters of rare events; per-message counts live on each Peer.
-        # no_recipient counts one-way messages and requests that reached nobody.
+        # no_recipient counts one-way messages and requests that reached nobody;
+        # discarded_frames, frames of a client that hung up while its reads were paused
+        # by backpressure and that were never delivered (io/server.py).
         self.stats = {
             "no_recipient": 0,
+            "discarded_frames": 0,
             "late_answers": 0,
             "timeouts": 0,
             "dropped_peers": 0,
@@ -247,6 +250,9 @@ class Broker:
                 "max_pending_requests": lim.max_pending_requests,
                 "request_timeout": lim.request_timeout,
                 "max_fds_per_message": lim.max_fds_per_message,
+                # How long a paused sender may see no progress before the receiver that
+                # holds it up is dropped: a closing client waits that long for GOODBYE.
+                "slow_consumer_timeout": lim.slow_consumer_timeout,
             },
         }
 

@@ -45,6 +45,7 @@ from .errors import (
     SocketReceiver,
     ancillary_size,
     close_fds,
+    hung_up,
     receive_with_fds,
     send_buffers,
     set_send_buffer,
@@ -66,6 +67,12 @@ _DIRECT_SEND_MAX = 256 * 1024
 #: the resident size grew by TRIM_GROWTH bytes since the last trim.
 TRIM_INTERVAL = 2.0
 TRIM_GROWTH = 8 * 1024 * 1024
+#: While a sender's reads are paused by backpressure its EOF sits behind unread data, so
+#: the broker looks at the socket's poll state this often (one poll(2) of a few
+#: microseconds): a client that dies while paused is dropped, and the calls pending on it
+#: fail, within this time rather than when its receivers have drained (which can take
+#: slow_consumer_timeout per receiver).
+HANGUP_POLL_INTERVAL = 0.02
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -167,6 +174,10 @@ def prepare_socket_path(path: Path) -> None:
     raise BrokerAlreadyRunning(f"a broker is already running on {path}")
 
 
+class _HungUp(Exception):
+    """A paused sender's client closed its socket (Server._await_progress)."""
+
+
 class _Wakeup:
     """A level-triggered flag a single task waits on (cheaper than a new Event per wait)."""
 
@@ -218,6 +229,12 @@ class PeerConnection:
         self.writing = False
         #: -1 for TLS: bytes must go through the SSL object, never straight to the fd.
         self.fd = -1 if isinstance(stream, trio.SSLStream) else stream.socket.fileno()
+        #: The socket's descriptor, also under TLS: only polled, for a hang-up while paused.
+        self.sock_fd = (
+            stream.transport_stream.socket.fileno()
+            if isinstance(stream, trio.SSLStream)
+            else self.fd
+        )
         #: Identities the access policy matched (re-matched on a policy change).
         self.principals = principals or []
         # Heartbeat bookkeeping (TCP only): received-byte count and write progress seen at
@@ -228,6 +245,8 @@ class PeerConnection:
         self.hb_progress = 0
         self.writes = 0
         self.paused = False
+        #: While paused: when to look at the socket for a hang-up next (HANGUP_POLL_INTERVAL).
+        self.next_hangup_check = 0.0
 
     def kick(self, code: ErrorCode, message: str) -> None:
         """Close this connection because the core dropped the client."""
@@ -416,6 +435,7 @@ class Server:
             "pending_requests": len(core.rpc),
             "groups": len(core.router.groups),
             "queued_bytes": sum(p.outq_bytes for p in core.peers.values()),
+            "paused_readers": sum(1 for pc in self.conns.values() if pc.paused),
             "uptime": trio.current_time() - self.started_at,
             "busy_poll_passes": self.busy_polls,
             "counters": dict(core.stats),
@@ -724,22 +744,27 @@ class Server:
         """Read and route until EOF (False) or the client's GOODBYE (True)."""
         stream = pc.stream
         if isinstance(stream, trio.SSLStream):
-            return await self._read_loop(pc, self._tls_receiver(stream))
+            tls_receive = self._tls_receiver(stream)
+
+            async def receive_tls(conn: Connection) -> int:
+                data, fds = await tls_receive()
+                conn.receive_data(data, fds)
+                return len(data)
+
+            return await self._read_loop(pc, receive_tls)
         rx = SocketReceiver(
             stream.socket, RECEIVE_SIZE, ancillary_size(self.limits.max_fds_per_message)
         )
         try:
-            return await self._read_loop(pc, rx.receive)
+            return await self._read_loop(pc, rx.receive_into)
         finally:
             rx.close()
 
     async def _read_loop(
-        self,
-        pc: PeerConnection,
-        receive: Callable[[], Awaitable[tuple[bytes | memoryview, list[int]]]],
+        self, pc: PeerConnection, receive: Callable[[Connection], Awaitable[int]]
     ) -> bool:
-        # ``receive`` may return a view into a buffer the next receive reuses: it goes to
-        # conn.receive_data (which copies) before this task yields (SocketReceiver).
+        # ``receive(conn)`` receives once and hands the bytes to conn (in place for a large
+        # frame: SocketReceiver.receive_into); it returns the count, 0 at EOF.
         conn, peer, core = pc.conn, pc.peer, self.core
         handle_many = core.handle_many
         idle_in_frame = self.limits.idle_in_frame_timeout
@@ -749,25 +774,26 @@ class Server:
         while True:
             if received:
                 if conn.in_frame:
+                    n = -1
                     with trio.move_on_after(idle_in_frame) as cs:
-                        data, fds = await receive()
-                    if cs.cancelled_caught:
+                        n = await receive(conn)
+                    if cs.cancelled_caught and n < 0:
                         raise RemoteProtocolError(
                             f"stalled in the middle of a frame for {idle_in_frame} s "
                             "(idle_in_frame_timeout)",
                             ErrorCode.PROTOCOL_ERROR,
                         )
                 else:
-                    data, fds = await receive()
-                if not data:
-                    close_fds(fds)
+                    n = await receive(conn)
+                if not n:
+                    # EOF: descriptors that came with it are the connection's orphans,
+                    # closed with it (Connection.close).
                     if conn.in_frame:
                         log.info(
                             "client %s closed the connection in the middle of a frame",
                             peer.describe(),
                         )
                     return False
-                conn.receive_data(data, fds)
             received = True
             now = trio.current_time()
             self._last_read = now
@@ -792,8 +818,10 @@ class Server:
                         frames = frames[done:]
                         try:
                             self._after_core()
-                            pc.paused = True
+                            self._pause(pc)
                             await self._wait_for_room(pc)
+                        except _HungUp:
+                            return await self._discard_unread(pc, receive, frames)
                         except BaseException:
                             core.discard_frames(frames)
                             raise
@@ -812,25 +840,106 @@ class Server:
             if conn.error_pending:
                 conn.events()  # raises the protocol error that followed the valid frames
             if core.blocked:
-                pc.paused = True
+                self._pause(pc)
                 try:
                     await self._wait_for_receivers(pc)
+                except _HungUp:
+                    return await self._discard_unread(pc, receive, [])
                 finally:
                     pc.paused = False
+
+    async def _discard_unread(
+        self,
+        pc: PeerConnection,
+        receive: Callable[[Connection], Awaitable[int]],
+        held: list[Frame | Run],
+    ) -> bool:
+        """``pc``'s client hung up while its reads were paused: count and drop what it sent
+        that the broker had not delivered, log it, and return False (connection lost).
+
+        That is ``held`` (frames waiting for room at receivers) plus what is left in the
+        socket, read to EOF here: a closed peer can send no more, so that is bounded by
+        its socket buffer, and parsing it tells whether it died in the middle of a frame.
+        These frames are discarded as a dead receiver's queue is: delivering them would
+        keep the dead client's calls pending until its receivers drained. Descriptors
+        they carry are closed; ``stats.counters.discarded_frames`` counts them.
+        """
+        conn, core = pc.conn, self.core
+        frames = list(held)
+        unreadable = ""
+        try:
+            with trio.move_on_after(self.limits.idle_in_frame_timeout):
+                while True:
+                    n = await receive(conn)
+                    frames.extend(
+                        e
+                        for e in conn.events_with_runs(pc.peer.stamp)
+                        if isinstance(e, (Frame, Run))
+                    )
+                    if not n:
+                        break
+        except trio.BrokenResourceError as exc:
+            unreadable = f"; the rest was unreadable: {exc}"
+        except RemoteProtocolError as exc:
+            unreadable = f"; the rest was invalid: {exc}"
+        count = sum(f.count if isinstance(f, Run) else 1 for f in frames)
+        size = sum(len(f.raw) for f in frames)
+        log.warning(
+            "client %s closed the connection%s while its reads were paused by backpressure: "
+            "discarding %d frames (%d bytes) it sent that were not delivered yet%s",
+            pc.peer.describe(),
+            " in the middle of a frame" if conn.in_frame else "",
+            count,
+            size,
+            unreadable,
+        )
+        core.stats["discarded_frames"] += count
+        core.discard_frames(frames)
+        pc.closing_reason = pc.closing_reason or "connection-lost"
+        return False
+
+    def _pause(self, pc: PeerConnection) -> None:
+        """Mark ``pc``'s reader paused by backpressure (heartbeats and stats see it)."""
+        pc.paused = True
+        pc.next_hangup_check = trio.current_time() + HANGUP_POLL_INTERVAL
+
+    async def _await_progress(self, pc: PeerConnection, rpc: PeerConnection) -> bool:
+        """Paused sender ``pc`` waits for write progress on receiver ``rpc``.
+
+        Returns True on progress, False after ``slow_consumer_timeout`` without any.
+        Meanwhile ``pc``'s socket is polled for a hang-up every HANGUP_POLL_INTERVAL (its
+        EOF is behind the data we are not reading).
+
+        Raises:
+            _HungUp: ``pc``'s client closed the connection (see :meth:`_discard_unread`).
+        """
+        deadline = trio.current_time() + self.limits.slow_consumer_timeout
+        while True:
+            now = trio.current_time()
+            if now >= pc.next_hangup_check:
+                pc.next_hangup_check = now + HANGUP_POLL_INTERVAL
+                if hung_up(pc.sock_fd):
+                    raise _HungUp
+            with trio.move_on_at(min(deadline, pc.next_hangup_check)) as cs:
+                await rpc.progress.park()
+            if not cs.cancelled_caught:
+                return True
+            if trio.current_time() >= deadline:
+                return False
 
     async def _wait_for_receivers(self, pc: PeerConnection) -> None:
         """Backpressure: stop reading from this sender while a receiver it fed is over its
         soft limit. A receiver that makes no write progress for ``slow_consumer_timeout``
-        is dropped (slow-consumer), so a stopped reader cannot pause its senders forever."""
+        is dropped (slow-consumer), so a stopped reader cannot pause its senders forever.
+        A sender that hangs up meanwhile is dropped (see :meth:`_await_progress`)."""
         blocked = list(self.core.blocked)
         self.core.blocked.clear()
         soft = self.limits.out_soft_limit
         for r in blocked:
             rpc = self.conns.get(r)
             while rpc is not None and r.alive and r.outq_bytes > soft and pc.peer.alive:
-                with trio.move_on_after(self.limits.slow_consumer_timeout) as cs:
-                    await rpc.progress.park()
-                if cs.cancelled_caught and r.alive and r.outq_bytes > soft:
+                progressed = await self._await_progress(pc, rpc)
+                if not progressed and r.alive and r.outq_bytes > soft:
                     self.core.kick(
                         r,
                         ErrorCode.SLOW_CONSUMER,
@@ -843,7 +952,8 @@ class Server:
         """Wait until every receiver of ``pc``'s held frame can take it (or is gone).
 
         A receiver that makes no write progress for ``slow_consumer_timeout`` is dropped
-        (slow-consumer); one that drains, however slowly, is waited for.
+        (slow-consumer); one that drains, however slowly, is waited for. A sender that
+        hangs up meanwhile is dropped (see :meth:`_await_progress`).
         """
         core = self.core
         held, size, nfds = core.held, core.held_size, core.held_fds
@@ -858,9 +968,8 @@ class Server:
                 and pc.peer.alive
                 and (r.outq_bytes > room or (nfds and r.outq_fds > max_fds))
             ):
-                with trio.move_on_after(self.limits.slow_consumer_timeout) as cs:
-                    await rpc.progress.park()
-                if cs.cancelled_caught and r.alive:
+                progressed = await self._await_progress(pc, rpc)
+                if not progressed and r.alive:
                     self.core.kick(
                         r,
                         ErrorCode.SLOW_CONSUMER,

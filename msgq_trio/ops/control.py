@@ -448,9 +448,11 @@ class Operations:
         e.family(
             "msgq_messages_dropped", "counter",
             "Messages not delivered, by reason (no-recipient: nobody there; late-answer: "
-            "an answer nobody waits for).",
+            "an answer nobody waits for; sender-gone: sent by a client that hung up while "
+            "its reads were paused by backpressure, not delivered yet).",
             [({"reason": "no-recipient"}, core.stats.get("no_recipient", 0)),
-             ({"reason": "late-answer"}, core.stats.get("late_answers", 0))],
+             ({"reason": "late-answer"}, core.stats.get("late_answers", 0)),
+             ({"reason": "sender-gone"}, core.stats.get("discarded_frames", 0))],
         )
         e.family("msgq_request_timeouts", "counter",
                  "Requests answered 'timeout' by the broker's deadline.",
@@ -459,6 +461,10 @@ class Operations:
                  len(core.rpc))
         e.family("msgq_queued_bytes", "gauge", "Bytes queued in the broker for clients.",
                  sum(p.outq_bytes for p in core.peers.values()))
+        e.family("msgq_paused_readers", "gauge",
+                 "Clients whose reads are paused by backpressure (a receiver they feed is "
+                 "over out_soft_limit or has no room for their next frame).",
+                 sum(1 for pc in server.conns.values() if pc.paused))
         e.family("msgq_groups", "gauge", "Groups with at least one member.",
                  len(core.router.groups))
         e.family("msgq_busy_poll_passes", "counter",

@@ -125,6 +125,11 @@ class Connection:
         return self._rx_offset
 
     @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet returned in frames (a partial frame, or whole ones)."""
+        return self._parser.buffered
+
+    @property
     def in_frame(self) -> bool:
         """True while a frame has started arriving and is not complete."""
         return self._parser.in_frame
@@ -149,6 +154,35 @@ class Connection:
             raise LocalProtocolError("data received after EOF")
         self._rx_offset += len(data)
         self._parser.feed(data)
+
+    def receive_buffer(self) -> memoryview | None:
+        """Where to receive the next bytes in place, or None (receive anywhere and call
+        :meth:`receive_data`): a view of the rest of a large frame in progress (see
+        :meth:`FrameParser.receive_buffer`). After receiving into it, release the view and
+        call :meth:`received_into` before anything else."""
+        if self.state is State.ERROR or self._eof or self._pending_error is not None:
+            return None
+        return self._parser.receive_buffer()
+
+    def received_into(self, n: int, fds: Sequence[int] = ()) -> None:
+        """``n`` bytes (and ``fds``) arrived in the view :meth:`receive_buffer` lent;
+        ``n == 0`` means EOF. The same contract as :meth:`receive_data` otherwise."""
+        self._parser.advance(n)
+        if fds:
+            self._fd_batches.append([self._rx_offset, self._rx_offset + n, list(fds)])
+        if self.state is State.ERROR:
+            self._orphan_all()
+            raise LocalProtocolError("connection is in the ERROR state")
+        if n == 0:
+            self._eof = True
+            return
+        self._rx_offset += n
+
+    def return_buffer(self) -> None:
+        """Give back the view :meth:`receive_buffer` lent, with nothing received (the
+        receive failed or was cancelled). Idempotent."""
+        if self._parser.lent:
+            self._parser.advance(0)
 
     def take_orphan_fds(self) -> list[int]:
         """Descriptors that no frame owns (to be closed by the caller). After an error or

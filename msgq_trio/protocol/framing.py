@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
 import cbor2
@@ -46,10 +46,42 @@ DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
 ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
 #: Frames at least this big are assembled in a buffer of their own instead of the shared
 #: receive buffer, so a multi-megabyte frame is not moved again with every chunk. That
-#: buffer grows with the bytes that actually arrive, never from the claimed length: a
-#: client that announces 64 MiB and sends 1 byte costs 1 byte (scenario
+#: buffer grows with the bytes that actually arrive, never from the claimed length: its
+#: size is at most max(_LARGE_FRAME, 2 x the bytes received), and the part not yet
+#: received is never written (see _resize), so its pages cost no resident memory: a
+#: client that announces 64 MiB and sends 1 byte costs about 1 page (scenario
 #: near-max-length-prefixes).
 _LARGE_FRAME = 256 * 1024
+
+
+def _resize_by_writing(buf: bytearray, size: int) -> None:
+    buf.extend(bytes(size - len(buf)))
+
+
+def _resizer() -> Callable[[bytearray, int], None]:
+    """Grow a bytearray without writing the new bytes (``PyByteArray_Resize``).
+
+    Why: the I/O layer receives a large frame straight into its buffer
+    (:meth:`FrameParser.receive_buffer`); zero-filling the part still to come would
+    touch every page once more and, above all, make a claimed-but-unsent frame cost
+    resident memory. Outside CPython: an ordinary zero-filled extend.
+    """
+    try:
+        import ctypes
+
+        fn = ctypes.pythonapi.PyByteArray_Resize
+    except (ImportError, AttributeError):
+        return _resize_by_writing
+    fn.argtypes = [ctypes.py_object, ctypes.c_ssize_t]
+    fn.restype = ctypes.c_int
+
+    def resize(buf: bytearray, size: int) -> None:
+        fn(buf, size)  # ctypes.pythonapi raises the Python error it sets (BufferError...)
+
+    return resize
+
+
+_resize = _resizer()
 #: :attr:`FrameParser.seen` bit: a frame declares descriptors (frame types are < 32).
 SEEN_FDS = 1 << 32
 _SEEN_ALL = (1 << 33) - 1  # after an error: make no claim about the frames returned
@@ -469,7 +501,17 @@ class FrameParser:
     the same error (the connection must be closed).
     """
 
-    __slots__ = ("_buf", "_error", "_large", "_large_total", "_pos", "max_frame_size", "seen")
+    __slots__ = (
+        "_buf",
+        "_error",
+        "_large",
+        "_large_fill",
+        "_large_lent",
+        "_large_total",
+        "_pos",
+        "max_frame_size",
+        "seen",
+    )
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
@@ -477,8 +519,13 @@ class FrameParser:
         self.max_frame_size = max_frame_size
         self._buf = bytearray()
         self._pos = 0
+        # A frame of at least _LARGE_FRAME bytes in progress: its buffer (len = capacity,
+        # only the first _large_fill bytes received), its full length, and whether
+        # receive_buffer() lent a view of it that advance() has not taken back.
         self._large: bytearray | None = None
+        self._large_fill = 0
         self._large_total = 0
+        self._large_lent = False
         #: What the last :meth:`frames` / :meth:`frames_and_runs` returned: bit ``1 << t``
         #: for each frame type ``t`` among them, plus :data:`SEEN_FDS` if any frame declares
         #: descriptors. Lets the connection's state check skip a per-frame loop.
@@ -492,7 +539,7 @@ class FrameParser:
         """Bytes received but not yet returned as frames (for idle-in-frame checks)."""
         n = len(self._buf) - self._pos
         if self._large is not None:
-            n += len(self._large)
+            n += self._large_fill
         return n
 
     @property
@@ -506,20 +553,80 @@ class FrameParser:
         return self.buffered > 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Append received bytes. ``b""`` (EOF) is not special here: the caller handles EOF."""
-        large = self._large
-        if large is not None:
-            need = self._large_total - len(large)
+        """Append received bytes (copied: ``data`` may be reused by the caller at once).
+        ``b""`` (EOF) is not special here: the caller handles EOF."""
+        if self._large is not None:
+            need = self._large_total - self._large_fill
             if need >= len(data):
-                large += data
+                self._large_put(data)
             else:
-                large += memoryview(data)[:need]
+                self._large_put(memoryview(data)[:need])
                 self._buf += memoryview(data)[need:]
             return
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
         self._buf += data
+
+    def receive_buffer(self) -> memoryview | None:
+        """Where the next received bytes should go, if they belong to a large frame in
+        progress: a writable, non-empty view of the rest of its buffer (at most the bytes
+        the frame still lacks). None otherwise: receive anywhere and :meth:`feed` them.
+
+        After receiving ``n`` bytes into it, release the view (and every slice of it: the
+        buffer cannot grow while one is alive) and call :meth:`advance` (``n`` may be 0);
+        nothing else may be called in between. This saves the copy that :meth:`feed`
+        makes: the kernel writes the frame's bytes in place.
+        """
+        large = self._large
+        if large is None or self._error is not None or self._large_fill == self._large_total:
+            return None  # (a complete frame waits to be taken: never lend an empty view)
+        if self._large_lent:
+            raise LocalProtocolError("receive_buffer() called twice without advance()")
+        fill = self._large_fill
+        if fill == len(large):
+            self._large_grow()
+        self._large_lent = True
+        return memoryview(large)[fill:]
+
+    @property
+    def lent(self) -> bool:
+        """True between :meth:`receive_buffer` (returning a view) and :meth:`advance`."""
+        return self._large_lent
+
+    def advance(self, n: int) -> None:
+        """``n`` bytes were written at the start of the view :meth:`receive_buffer` lent.
+
+        Raises:
+            LocalProtocolError: no view is lent, or ``n`` exceeds it.
+        """
+        if not self._large_lent or self._large is None:
+            raise LocalProtocolError("advance() without receive_buffer()")
+        if not 0 <= n <= len(self._large) - self._large_fill:
+            raise LocalProtocolError(f"advance({n}) beyond the lent buffer")
+        self._large_lent = False
+        self._large_fill += n
+
+    def _large_put(self, data: bytes | bytearray | memoryview) -> None:
+        large = self._large
+        assert large is not None
+        fill, n = self._large_fill, len(data)
+        while fill + n > len(large):
+            self._large_grow()
+        large[fill : fill + n] = data
+        self._large_fill = fill + n
+
+    def _large_grow(self) -> None:
+        """Double the large frame's buffer (at least _LARGE_FRAME, at most the frame)."""
+        large = self._large
+        assert large is not None
+        _resize(large, min(self._large_total, max(2 * len(large), _LARGE_FRAME)))
+
+    def _start_large(self, part: bytes | bytearray | memoryview, total: int) -> None:
+        large = bytearray()
+        self._large, self._large_fill, self._large_total = large, 0, total
+        _resize(large, min(total, max(2 * len(part), _LARGE_FRAME)))
+        self._large_put(part)
 
     def next_frame(self) -> Frame | None:
         """Return the next complete frame, or None when more bytes are needed.
@@ -531,11 +638,11 @@ class FrameParser:
             self._raise()
         large = self._large
         if large is not None:
-            if len(large) < self._large_total:
+            if self._large_fill < self._large_total:
                 return None
             self._large = None
-            self._large_total = 0
-            return self._parse(large)
+            self._large_total = self._large_fill = 0
+            return self._parse(large)  # grown to at most the frame: exactly its bytes
         buf = self._buf
         pos = self._pos
         avail = len(buf) - pos
@@ -553,9 +660,8 @@ class FrameParser:
         total = 4 + length
         if avail < total:
             if total >= _LARGE_FRAME:
-                # Move the partial frame into a buffer of its own; later feeds extend it.
-                self._large = buf[pos:]
-                self._large_total = total
+                # Move the partial frame into a buffer of its own; later bytes go there.
+                self._start_large(memoryview(buf)[pos:], total)
                 buf.clear()
                 self._pos = 0
             else:
@@ -721,7 +827,8 @@ class FrameParser:
         self._buf = bytearray()
         self._pos = 0
         self._large = None
-        self._large_total = 0
+        self._large_fill = self._large_total = 0
+        self._large_lent = False
         if self._error is None:
             self._error = RemoteProtocolError("the connection is closed")
 

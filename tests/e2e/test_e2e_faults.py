@@ -4,6 +4,7 @@ oversized frames) is dropped alone while the others keep working."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import struct
 import time
@@ -263,3 +264,125 @@ async def test_stopped_consumer_is_dropped_and_senders_resume(broker_factory,
         assert 0.9 <= dropped_after < 8.0
         assert await pusher.call("msgq", "ping") == "pong"
         await still_exchanging(left, right)
+
+
+async def test_sender_killed_while_paused_is_dropped_and_its_callers_fail_fast(
+        broker_factory, spawn_client) -> None:
+    """A client whose reads the broker has paused (it floods a stopped subscriber) is
+    SIGKILLed while a call to it is pending. Its EOF sits behind data the broker is not
+    reading, yet the broker sees the hang-up: the caller gets recipient-gone, not the
+    call's timeout, and the client's disconnection is announced long before
+    --slow-consumer-timeout (60 s) would drop the stopped subscriber. The frames it sent
+    that were never delivered are counted in the log and in the broker's counters."""
+    b = broker_factory("--out-soft-limit", "1048576", "--slow-consumer-timeout", "60")
+    async with bystanders(b.path) as (left, right, watcher):
+        sink = spawn_client(b.path, name="sink", groups=["Sink"])
+        os.kill(sink.pid, signal.SIGSTOP)
+        flooder = spawn_client(b.path, name="flooder", commands={"work": "hang"},
+                               flood={"target": "Sink", "size": 65536})
+        with trio.fail_after(10):
+            # polls the broker's own figure: no event announces a pause
+            while (await left.call("msgq", "stats"))["paused_readers"] < 1:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        outcome: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await left.call(flooder.lname, "work", {}, timeout=20)
+            except msgq_trio.RpcError as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            assert await flooder.areadline() == f"got {flooder.lname} work {{}}"
+            assert (await left.call("msgq", "stats"))["paused_readers"] == 1
+            flooder.sigkill()
+            assert await disconnect_reason(watcher, flooder.lname) == "connection-lost"
+        assert [type(e) for e in outcome] == [msgq_trio.RecipientGone]
+        stats = await left.call("msgq", "stats")
+        assert stats["paused_readers"] == 0
+        found = re.search(r"client l\.\d+ \(name='flooder'.*\) closed the connection.* "
+                          r"while its reads were paused by backpressure: discarding (\d+) "
+                          r"frames \((\d+) bytes\)", b.log())
+        assert found, b.log()
+        assert int(found[1]) >= 1 and int(found[2]) >= 65536 * int(found[1])
+        assert stats["counters"]["discarded_frames"] == int(found[1])
+        await still_exchanging(left, right)
+        os.kill(sink.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("client", ["trio", "direct"])
+async def test_publisher_closing_while_paused_loses_nothing(broker_factory, raw_peer,
+                                                             client: str) -> None:
+    """A publisher sends to a receiver that does not read for 4 s (twice the client's
+    2 s GOODBYE wait) until the broker pauses its reads, sends two more messages (they
+    stay unread in its socket) and closes. Its close waits while the broker has its bytes
+    unread (up to the broker's slow_consumer_timeout without progress, told in WELCOME):
+    every message arrives once the receiver reads again, and none is discarded."""
+    b = broker_factory("--out-soft-limit", "1048576", "--slow-consumer-timeout", "8")
+    size = 65536
+    async with raw_peer(b.path) as sink, msgq_trio.connect(b.path, name="obs") as obs:
+        assert (await sink.hello("sink")).type == FrameType.WELCOME
+        await sink.send_frame(FrameType.REQUEST, target="msgq", request_id=1,
+                              header=encode_cbor({"cmd": "subscribe"}),
+                              body=encode_cbor({"group": "Sink"}))
+        reply = await sink.receive_frame()
+        assert reply is not None and reply.type == FrameType.REPLY
+        sent, closed = trio.Event(), trio.Event()
+        count = 0
+
+        async def paused() -> bool:
+            await trio.sleep(0.01)  # let the broker read what was just written
+            return bool((await obs.call("msgq", "stats"))["paused_readers"])
+
+        async def publish_trio() -> None:
+            nonlocal count
+            async with msgq_trio.connect(b.path, name="pub") as pub:
+                extra = 2
+                while extra:
+                    await pub.send("Sink", [count, bytes(size)])
+                    await pub.flush()
+                    count += 1
+                    if extra < 2 or await paused():
+                        extra -= 1
+                sent.set()
+            closed.set()
+
+        def publish_direct() -> None:
+            nonlocal count
+            with msgq_trio.connect_direct(b.path, name="pub") as pub:
+                extra = 2
+                while extra:
+                    pub.send("Sink", [count, bytes(size)])
+                    count += 1
+                    if extra < 2 or trio.from_thread.run(paused):
+                        extra -= 1
+                trio.from_thread.run_sync(sent.set)
+
+        async def publish() -> None:
+            if client == "trio":
+                await publish_trio()
+            else:
+                await trio.to_thread.run_sync(publish_direct)
+                closed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish)
+            with trio.fail_after(10):
+                await sent.wait()
+            await trio.sleep(4.0)
+            assert not closed.is_set()  # still waiting for the broker's GOODBYE
+            assert (await obs.call("msgq", "stats"))["paused_readers"] == 1
+            got = []
+            with trio.fail_after(30):
+                while len(got) < count:
+                    frame = await sink.receive_frame()
+                    assert frame is not None
+                    if frame.type == FrameType.MESSAGE:
+                        body = frame.body()
+                        assert isinstance(body, list) and len(body[1]) == size
+                        got.append(body[0])
+        assert closed.is_set() and got == list(range(count))
+        stats = await obs.call("msgq", "stats")
+        assert stats["counters"]["discarded_frames"] == 0
+    assert "while its reads were paused" not in b.log()

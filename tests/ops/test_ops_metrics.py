@@ -61,6 +61,8 @@ async def test_metrics_endpoint_parses_and_counts(broker_factory, raw_peer) -> N
         assert value("msgq_pending_requests") == 0
         assert value("msgq_capture_records_dropped") == 0
         assert value("msgq_messages_dropped", reason="no-recipient") >= 0
+        assert value("msgq_messages_dropped", reason="sender-gone") == 0
+        assert value("msgq_paused_readers") == 0
         assert value("msgq_build_info", version=msgq_trio.__version__) == 1
         for name in ("msgq_queued_bytes", "msgq_request_timeouts", "msgq_control_refusals",
                      "msgq_uptime_seconds", "process_open_fds", "msgq_dump_clients"):

@@ -268,3 +268,35 @@ def test_mutated_valid_frames_raise_only_remote_protocol_error(data: bytes,
     """Valid frames (after a HELLO) with random byte flips, insertions, deletions and
     overwritten length fields only ever raise RemoteProtocolError."""
     check_only_remote_errors(split(data, cuts))
+
+
+@SETTINGS
+@given(specs=st.lists(frame_specs(), min_size=1, max_size=6),
+       # Receives of at least 512 bytes: byte-sized ones are the feed path's (tested
+       # above) and would make each example take seconds.
+       sizes=st.lists(st.integers(512, 600_000), min_size=1, max_size=12))
+def test_receiving_in_place_decodes_to_the_same_frames(specs: list[dict[str, Any]],
+                                                        sizes: list[int]) -> None:
+    """As the I/O layer does: while a large frame is in progress, bytes are received
+    straight into the view ``receive_buffer()`` lends (then ``advance``), otherwise fed;
+    receives of random sizes (cycled) decode to exactly the original frames."""
+    data = b"".join(encode_spec(s) for s in specs)
+    p = FrameParser()
+    got: list[dict[str, Any]] = []
+    pos, i = 0, 0
+    while pos < len(data):
+        size = sizes[i % len(sizes)]
+        i += 1
+        view = p.receive_buffer()
+        if view is None:
+            p.feed(data[pos : pos + size])
+            pos += min(size, len(data) - pos)
+        else:
+            n = min(size, len(view), len(data) - pos)
+            view[:n] = data[pos : pos + n]
+            view.release()
+            p.advance(n)
+            pos += n
+        got.extend(decoded(f) for f in p.frames())
+    assert got == [expected(s) for s in specs]
+    assert p.buffered == 0 and p.receive_buffer() is None

@@ -578,3 +578,38 @@ def test_header_cache_is_bounded_and_large_frames_work() -> None:
     # The body of a bytearray-backed frame is a bytes object of its own.
     b = f.body()
     assert type(b) is bytes and b == b"x" * (framing._LARGE_FRAME + 10)
+
+
+def test_large_frame_buffer_grows_with_what_arrives() -> None:
+    """A large frame's buffer is at most max(256 KiB, 2 x the bytes received), whatever
+    its prefix claims, and a view lent by receive_buffer() must be given back by advance()
+    before the next one (misuse is the caller's error, LocalProtocolError)."""
+    frame = join(encode_frame(FrameType.MESSAGE, target="Big", blobs=[b"z" * (3 << 20)]))
+    p = FrameParser()
+    p.feed(frame[:100])
+    assert p.frames() == [] and p.buffered == 100
+    view = p.receive_buffer()
+    assert view is not None and len(view) == framing._LARGE_FRAME - 100
+    lent = len(view)
+    with pytest.raises(LocalProtocolError):
+        p.receive_buffer()  # the first view is still lent
+    view.release()
+    with pytest.raises(LocalProtocolError):
+        p.advance(lent + 1)
+    p.advance(0)
+    with pytest.raises(LocalProtocolError):
+        p.advance(0)  # nothing lent
+    pos = 100
+    while pos < len(frame):
+        view = p.receive_buffer()
+        assert view is not None
+        capacity = pos + len(view)
+        assert capacity <= max(framing._LARGE_FRAME, 2 * pos)  # bounded by what arrived
+        n = min(len(view), 100_000)
+        view[:n] = frame[pos : pos + n]
+        view.release()
+        p.advance(n)
+        pos += n
+    assert p.receive_buffer() is None
+    [f] = p.frames()
+    assert bytes(f.raw) == frame and len(f.raw) == len(frame)
