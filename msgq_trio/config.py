@@ -75,16 +75,19 @@ class Limits:
       2,388 MB/s). The kernel only charges it while bytes are in flight, and it is capped
       by ``net.core.wmem_max``. It is on top of ``out_soft_limit``: a stopped reader holds up
       to that plus twice this much for its senders.
-    * ``busy_poll`` 0 s (off): after each read from any client the broker keeps polling its
-      sockets for this long instead of sleeping in ``epoll_wait``, so the next frame (the
-      callee's answer, the caller's next request) is taken without a wake-up. A sleeping
-      broker is woken about 20 us after a client's write on this VM, twice per round
-      trip; 100 us took the direct client's round trip p50 from 222 to 138 us (BENCHMARKS.md,
-      "Busy polling"). The price is CPU: up to ``busy_poll`` of one core after every read,
-      so at most rate x busy_poll of a core (a full core under steady request/reply), and
-      never more than ``busy_poll`` after the last read. Linux's ``SO_BUSY_POLL`` and
-      Aeron's busy-spin idle strategy make the same trade; off by default because a bus
-      beside DNS servers on two cores should not burn CPU unasked.
+    * ``busy_poll`` 200 us: the longest the broker keeps polling its sockets after a read
+      instead of sleeping in ``epoll_wait``, so that the next frame (the callee's answer,
+      the caller's next request) is taken without a wake-up (about 20 us on this VM, two
+      per round trip). Adaptive, by KVM's halt-polling rule (``Server._adapt_busy_poll``):
+      the window opens while reads come within ``busy_poll`` of each other and closes
+      when they do not, so an idle or lightly used bus never polls (100 calls/s: 2.5 % of
+      a core with it and without). While calls come back to back it took the direct
+      client's round trip p50 from 209 to 137 us, spending 140 instead of 106 us of broker
+      CPU per call; the worst case is steady traffic with reads just under 200 us apart
+      (5,000 one-way messages/s: 30 % of a core instead of 15 %). BENCHMARKS.md,
+      "Busy polling". 0 turns it off; off anyway where the broker may run on one CPU
+      only. 200 us and not 100: a sleeping broker sees the reads of a round trip ~110 us
+      apart, so a 100 us limit never opens the window.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -102,7 +105,7 @@ class Limits:
     max_fds_queued: int = attrs.field(default=1024, validator=_positive)
     socket_send_buffer: int = attrs.field(default=1 * MiB, validator=_non_negative)
 
-    busy_poll: float = attrs.field(default=0.0, validator=_non_negative_number)
+    busy_poll: float = attrs.field(default=0.0002, validator=_non_negative_number)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:

@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def smoke(systems: Sequence[str] = ("msgq_trio", "msgq_trio-direct",
-                                    "msgq_trio-direct-busy-poll", "raw-unix"),
+                                    "msgq_trio-direct-no-busy-poll", "raw-unix"),
           workloads: Sequence[str] | None = None,
           sections: Sequence[str] = SECTIONS,
           msgq_durable_rows: Sequence[str] = ("msgq_trio", "msgq_trio +consumer"),

@@ -4,10 +4,11 @@
   :func:`msgq_trio.demo.start_broker`) on a Unix socket in the run's directory;
 * ``msgq_trio-direct``: the same broker, with the direct blocking client
   (:func:`msgq_trio.connect_direct`) on the request/reply workloads;
-* ``msgq_trio-busy-poll`` and ``msgq_trio-direct-busy-poll``: the same two clients on the
-  request/reply workloads, the broker started with ``--busy-poll`` :data:`BUSY_POLL` (it
-  polls instead of sleeping for that long after each read, at a price in CPU); the goal
-  table shows them in rows of their own, never in place of the default configuration;
+* ``msgq_trio-no-busy-poll`` and ``msgq_trio-direct-no-busy-poll``: the same two clients
+  on the request/reply workloads, the broker started with ``--busy-poll 0`` (it sleeps
+  in ``epoll_wait`` after every read instead of polling while frames come back to back,
+  which it does by default); the goal table shows them in rows of their own, beside the
+  default configuration's;
 * ``raw-unix`` (ceiling): no broker; clients talk process to process;
 * ``py-relay`` (ceiling): the minimal Python relay of :mod:`msgq_trio.bench.relay`;
 * ``nats``: ``nats-server`` on a free loopback port (NATS has no Unix socket listener),
@@ -223,9 +224,6 @@ def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
     return Service({**svc.addr, "ns": run_dir.name}, [], list(svc.pids))
 
 
-#: ``limits.busy_poll`` of the busy-poll variants, in seconds: longer than the broker's wait
-#: between a request and its answer, or an answer and the next request (~50 us here).
-BUSY_POLL = "0.0001"
 _CALLS_ONLY = ("req-reply", "concurrent")
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -237,15 +235,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "msgq_trio broker process; direct blocking clients (connect_direct, bus.call)",
            _start_msgq, only=_CALLS_ONLY,
            not_run="not run: the direct client is for calls"),
-    # limits.busy_poll trades CPU for latency: the call columns only, beside the default.
-    System("msgq_trio-busy-poll", SUBJECT, "worker_msgq",
-           f"msgq_trio broker with --busy-poll {BUSY_POLL}; trio clients",
-           functools.partial(_start_msgq, serve_args=("--busy-poll", BUSY_POLL)),
-           only=_CALLS_ONLY, not_run="not run: busy polling is for calls"),
-    System("msgq_trio-direct-busy-poll", SUBJECT, "worker_msgq_direct",
-           f"msgq_trio broker with --busy-poll {BUSY_POLL}; direct blocking clients",
-           functools.partial(_start_msgq, serve_args=("--busy-poll", BUSY_POLL)),
-           only=_CALLS_ONLY, not_run="not run: busy polling is for calls"),
+    # limits.busy_poll off: the call columns only, beside the default (on).
+    System("msgq_trio-no-busy-poll", SUBJECT, "worker_msgq",
+           "msgq_trio broker with --busy-poll 0; trio clients",
+           functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
+           only=_CALLS_ONLY, not_run="not run: busy polling matters for calls"),
+    System("msgq_trio-direct-no-busy-poll", SUBJECT, "worker_msgq_direct",
+           "msgq_trio broker with --busy-poll 0; direct blocking clients",
+           functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
+           only=_CALLS_ONLY, not_run="not run: busy polling matters for calls"),
     # Over TCP the small-message columns only (issue 11 asks one-way and round trip):
     # 4 MiB over TLS alone would take 45 s of the 10-minute run.
     System("msgq_trio-tcp", SUBJECT, "worker_msgq",
@@ -276,8 +274,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            # (pamqp framing in Python); 200,000 messages would take a minute or more.
            not_run="not run: the Python AMQP client costs ~300 µs CPU a message"),
 )}
-DEFAULT_SYSTEMS = ["msgq_trio", "msgq_trio-direct", "msgq_trio-busy-poll",
-                   "msgq_trio-direct-busy-poll", "raw-unix", "py-relay"]
+DEFAULT_SYSTEMS = ["msgq_trio", "msgq_trio-direct", "msgq_trio-no-busy-poll",
+                   "msgq_trio-direct-no-busy-poll", "raw-unix", "py-relay"]
 PEER_SYSTEMS = ["nats", "redis", "zeromq"]
 #: msgq_trio over TCP and TLS (``--peers`` runs them too: NATS is measured over TCP).
 TCP_SYSTEMS = ["msgq_trio-tcp", "msgq_trio-tls"]

@@ -288,11 +288,16 @@ class Server:
         self._timer_wake = _Wakeup()
         self._timer_target = math.inf
         # limits.busy_poll: the time of the last read, the polling task's wake-up, whether
-        # it polls now, and how many loop passes it has made (stats: its CPU is visible).
+        # it polls now, how many loop passes it has made (stats: its CPU is visible), the
+        # limit in force (0 on one CPU) and the adaptive window (_adapt_busy_poll).
         self._last_read = -math.inf
         self._busy_poll_wake = _Wakeup()
         self._busy_polling = False
         self.busy_polls = 0
+        self._busy_poll_limit = 0.0
+        self.busy_poll_window = 0.0
+        self._cpus = len(os.sched_getaffinity(0))
+        self._set_busy_poll(self.limits.busy_poll)
         self._listener: trio.SocketListener | None = None
         self._shutting_down = False
         self._handlers: trio.Nursery | None = None
@@ -334,6 +339,8 @@ class Server:
                     log.info(
                         "broker %s listening on %s (pid %d)", __version__, self.path, os.getpid()
                     )
+                    if self.limits.busy_poll and self._cpus < 2:
+                        log.info("busy polling off: this broker may run on one CPU only")
                     for a in self.tcp_addresses:
                         log.info(
                             "listening on %s://%s", "tls" if self._ssl_context else "tcp", a
@@ -406,6 +413,15 @@ class Server:
         """
         self.limits = limits
         self.core.limits = limits
+        self._set_busy_poll(limits.busy_poll)
+
+    def _set_busy_poll(self, limit: float) -> None:
+        """Put ``limits.busy_poll`` in force: off where this process may run on one CPU
+        only (a spinning broker would only delay the clients it waits for)."""
+        if self._cpus < 2:
+            limit = 0.0
+        self._busy_poll_limit = limit
+        self.busy_poll_window = min(self.busy_poll_window, limit)
 
     def apply_tcp(self, tcp: TcpSettings) -> None:
         """New tokens and heartbeat settings (listeners and TLS files stay until restart):
@@ -438,6 +454,7 @@ class Server:
             "paused_readers": sum(1 for pc in self.conns.values() if pc.paused),
             "uptime": trio.current_time() - self.started_at,
             "busy_poll_passes": self.busy_polls,
+            "busy_poll_window": self.busy_poll_window,
             "counters": dict(core.stats),
         }
 
@@ -796,9 +813,9 @@ class Server:
                     return False
             received = True
             now = trio.current_time()
+            if not self._busy_polling and self._busy_poll_limit:
+                self._adapt_busy_poll(now)
             self._last_read = now
-            if not self._busy_polling and self.limits.busy_poll:
-                self._busy_poll_wake.set()
             try:
                 # Runs also with capture on: Broker.handle_many taps each of their frames.
                 events = conn.events_with_runs(peer.stamp)
@@ -1116,18 +1133,40 @@ class Server:
             elif rss < floor:
                 floor = rss
 
+    def _adapt_busy_poll(self, now: float) -> None:
+        """A read came while the loop was asleep: adapt the polling window, then poll.
+
+        KVM's halt-polling rule: if this read came within ``limits.busy_poll`` of the
+        previous one, polling that long would have caught it without a wake-up, so the
+        window grows (to a quarter of the limit, then doubling, up to the limit); if not,
+        polling would have been wasted, so it halves (to 0 below a quarter). So the broker
+        polls while frames come back to back (request, answer, next request) and not for
+        traffic spaced wider than the limit: CPU is spent only where it buys latency.
+        """
+        limit = self._busy_poll_limit
+        window = self.busy_poll_window
+        if now - self._last_read <= limit:
+            window = min(limit, max(2 * window, limit / 4))
+        else:
+            window /= 2
+            if window < limit / 4:
+                window = 0.0
+        self.busy_poll_window = window
+        if window:
+            self._busy_poll_wake.set()
+
     async def _busy_poll_task(self) -> None:
-        """``limits.busy_poll``: for that long after the last read, keep this trio loop
-        running (every pass polls the sockets without sleeping), so the next frame is
-        taken without the ~20 us wake-up of a sleeping process. Parked, costing nothing,
-        while it is 0 or once no read came for that long."""
+        """``limits.busy_poll``: for ``busy_poll_window`` after the last read, keep this
+        trio loop running (every pass polls the sockets without sleeping), so the next
+        frame is taken without the ~20 us wake-up of a sleeping process. Parked, costing
+        nothing, while the window is 0 or once no read came for that long."""
         clock = trio.current_time
         checkpoint = trio.lowlevel.checkpoint
         while True:
             await self._busy_poll_wake.wait()
             self._busy_polling = True
             try:
-                while clock() - self._last_read < self.limits.busy_poll:
+                while clock() - self._last_read < self.busy_poll_window:
                     self.busy_polls += 1
                     await checkpoint()
             finally:

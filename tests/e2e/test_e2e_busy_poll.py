@@ -32,30 +32,78 @@ async def poke(bus: msgq_trio.Bus) -> None:
     await bus.version()
 
 
-async def test_busy_poll_spins_after_a_read_then_sleeps(broker_factory) -> None:
+MULTI_CPU = len(os.sched_getaffinity(0)) > 1
+needs_two_cpus = pytest.mark.skipif(not MULTI_CPU, reason="busy polling is off on one CPU")
+
+
+async def stats(bus: msgq_trio.Bus) -> dict[str, object]:
+    return await bus.call("msgq", "stats")  # type: ignore[no-any-return]
+
+
+@needs_two_cpus
+async def test_busy_poll_spins_while_reads_come_close_then_sleeps(broker_factory) -> None:
+    """Reads 0.3 s apart (within the 0.8 s limit) grow the window (0.2, then 0.4 s, which
+    catches them): the broker then spins after a read (most of a core, in its CPU time),
+    and sleeps once no read came for the window. Every call is a read, stats included."""
     b = broker_factory("--busy-poll", "0.8")
     async with msgq_trio.connect(b.path, name="poller") as bus:
-        await trio.sleep(1.0)  # the handshake's window is over
+        await trio.sleep(1.0)  # the handshake's reads are long past
         assert await cpu_during(b.pid, 0.5) < 0.1  # idle: asleep
-        passes = (await bus.call("msgq", "stats"))["busy_poll_passes"]
+        for _ in range(4):
+            await poke(bus)
+            await trio.sleep(0.3)
+        st = await stats(bus)
+        assert st["busy_poll_window"] == pytest.approx(0.4)
         await poke(bus)
         # Within the window the broker runs without sleeping: most of a core.
-        assert await cpu_during(b.pid, 0.6) >= 0.2
-        await trio.sleep(0.5)  # past 0.8 s after the last read
+        assert await cpu_during(b.pid, 0.3) >= 0.15
+        await trio.sleep(0.6)  # past 0.4 s after the last read
         assert await cpu_during(b.pid, 0.5) < 0.1
-        assert (await bus.call("msgq", "stats"))["busy_poll_passes"] > passes + 100
+        assert (await stats(bus))["busy_poll_passes"] > st["busy_poll_passes"] + 100
 
 
-async def test_busy_poll_off_by_default_and_set_at_runtime(broker_factory) -> None:
+@needs_two_cpus
+async def test_busy_poll_stops_for_reads_spaced_wider_than_the_limit(broker_factory) -> None:
+    """Reads 0.5 s apart (the limit is 0.2 s): polling after them would be wasted, so the
+    window shrinks to 0 and the broker sleeps between them. Every call is a read, stats
+    included, so stats are read 0.5 s after the last call too."""
+    b = broker_factory("--busy-poll", "0.2")
+    async with msgq_trio.connect(b.path, name="poller") as bus:
+        for _ in range(3):  # reads close together: the window opens
+            await poke(bus)
+        assert (await stats(bus))["busy_poll_window"] > 0
+        for _ in range(3):
+            await trio.sleep(0.5)
+            await poke(bus)
+        await trio.sleep(0.5)
+        st = await stats(bus)
+        assert st["busy_poll_window"] == 0
+        for _ in range(3):
+            await trio.sleep(0.5)
+            await poke(bus)
+        await trio.sleep(0.5)
+        assert (await stats(bus))["busy_poll_passes"] == st["busy_poll_passes"]
+
+
+async def test_busy_poll_on_by_default_and_set_at_runtime(broker_factory) -> None:
+    """On by default (100 us) where the broker has two CPUs or more; 0 turns it off at
+    once; more than 1 s is refused."""
     b = broker_factory()
     async with msgq_trio.connect(b.path, name="poller") as bus:
-        for _ in range(20):
+        for _ in range(200):
             await poke(bus)
-        assert await cpu_during(b.pid, 0.4) < 0.1
-        assert (await bus.call("msgq", "stats"))["busy_poll_passes"] == 0
-        r = await bus.call("msgq", "config-set", {"key": "limits.busy_poll", "value": 0.8})
+        passes = (await stats(bus))["busy_poll_passes"]
+        if MULTI_CPU:
+            assert passes > 0
+        else:
+            assert passes == 0
+            assert "busy polling off: this broker may run on one CPU only" in b.log()
+        r = await bus.call("msgq", "config-set", {"key": "limits.busy_poll", "value": 0})
         assert r["changed"][0]["applies"] == "now"
-        await poke(bus)
-        assert await cpu_during(b.pid, 0.6) >= 0.2
+        passes = (await stats(bus))["busy_poll_passes"]
+        for _ in range(200):
+            await poke(bus)
+        assert (await stats(bus))["busy_poll_passes"] == passes
+        assert (await stats(bus))["busy_poll_window"] == 0
         with pytest.raises(msgq_trio.RemoteError, match="busy_poll must be at most 1 s"):
             await bus.call("msgq", "config-set", {"key": "limits.busy_poll", "value": 5})
