@@ -297,22 +297,25 @@ class DirectBus:
         if self._lost is not None:
             return False
         sock = self._sock
-        # Wait in poll(), not in a blocking receive: a task blocked in recvmsg sleeps on
-        # the socket's one wait queue, and the broker's every read from the other end
-        # (freeing send-buffer space) wakes it for nothing; that wake-up cost the
-        # broker's recvmsg 13.7 us instead of 5.2 (timed in the broker, request/reply
-        # with direct clients). poll() registers for input only.
-        if timeout is None or timeout > 0:
+        how = _RECV_FLAGS
+        if timeout is None:
+            # Wait in the receive itself (the socket is blocking; every other call passes
+            # MSG_DONTWAIT). A sleeper in recvmsg is woken with the kernel's sync hint,
+            # which the broker's write pays less for than a poll() sleeper's wake-up:
+            # request/reply p50 125-129 instead of 139-153 us, broker CPU per call 128-134
+            # instead of 146-156 us (BENCHMARKS.md, "Waiting in the receive"). It is also
+            # woken, for nothing, when the broker reads what we sent (send-buffer space
+            # on the same wait queue); that costs less than it saves.
+            how = _RECV_WAIT_FLAGS
+        elif timeout > 0:
             try:
-                if not self._poll_in.poll(
-                    None if timeout is None else max(1, math.ceil(timeout * 1000))
-                ):
+                if not self._poll_in.poll(max(1, math.ceil(timeout * 1000))):
                     return False
             except OSError as exc:
                 raise self._fail(f"connection to the broker failed: {exc}") from exc
         view = _scratch(RECEIVE_SIZE)  # the thread's receive buffer, shared with trio's
         try:
-            n, anc, flags, _addr = sock.recvmsg_into((view,), self._ancsize, _RECV_FLAGS)
+            n, anc, flags, _addr = sock.recvmsg_into((view,), self._ancsize, how)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -621,6 +624,7 @@ _DONTWAIT = pysocket.MSG_DONTWAIT
 #: ignores SIGPIPE, but an embedding program may not).
 _SEND_FLAGS = _DONTWAIT | pysocket.MSG_NOSIGNAL
 _RECV_FLAGS = pysocket.MSG_CMSG_CLOEXEC | _DONTWAIT
+_RECV_WAIT_FLAGS = pysocket.MSG_CMSG_CLOEXEC
 
 
 def connect(
@@ -661,7 +665,9 @@ def connect(
             sock.connect(target)
         except OSError as exc:
             raise ConnectError(f"cannot connect to the broker at {target}: {exc}") from exc
-        sock.setblocking(False)  # every method waits in poll(), never in a socket call
+        # Blocking, for _read's waits without a timeout; every other socket call passes
+        # MSG_DONTWAIT (and waits, if at all, in poll()).
+        sock.settimeout(None)
         set_send_buffer(sock, send_buffer)
         bus = DirectBus(
             sock,
