@@ -78,16 +78,16 @@ class Limits:
     * ``busy_poll`` 200 us: the longest the broker keeps polling its sockets after a read
       instead of sleeping in ``epoll_wait``, so that the next frame (the callee's answer,
       the caller's next request) is taken without a wake-up (about 20 us on this VM, two
-      per round trip). Adaptive, by KVM's halt-polling rule (``Server._adapt_busy_poll``):
-      the window opens while reads come within ``busy_poll`` of each other and closes
-      when they do not, so an idle or lightly used bus never polls (100 calls/s: 2.5 % of
-      a core with it and without). While calls come back to back it took the direct
-      client's round trip p50 from 209 to 137 us, spending 140 instead of 106 us of broker
-      CPU per call; the worst case is steady traffic with reads just under 200 us apart
-      (5,000 one-way messages/s: 30 % of a core instead of 15 %). BENCHMARKS.md,
-      "Busy polling". 0 turns it off; off anyway where the broker may run on one CPU
-      only. 200 us and not 100: a sleeping broker sees the reads of a round trip ~110 us
-      apart, so a 100 us limit never opens the window.
+      per round trip). Adaptive, after KVM's halt polling (``Server._adapt_busy_poll``):
+      two reads in a row within ``busy_poll`` of the one before open the window, one
+      later closes it; so the broker polls while frames come back to back, and not for a
+      quiet bus or calls paced apart (1,000 calls/s: 14 % of a core with it, 15 %
+      without). Back to back it took the direct client's round trip p50 from 212 to
+      125 us, for 130 instead of 116 us of broker CPU per call; the worst case is steady
+      traffic with reads just under 200 us apart (5,000 one-way messages/s: 32 % of a
+      core instead of 21 %). BENCHMARKS.md, "Busy polling". 0 turns it off; off anyway
+      where the broker may run on one CPU only. 200 us and not 100: a sleeping broker
+      sees the reads of a round trip ~110 us apart, so a 100 us limit never opens.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)

@@ -296,6 +296,7 @@ class Server:
         self.busy_polls = 0
         self._busy_poll_limit = 0.0
         self.busy_poll_window = 0.0
+        self._last_gap_short = False
         self._cpus = len(os.sched_getaffinity(0))
         self._set_busy_poll(self.limits.busy_poll)
         self._listener: trio.SocketListener | None = None
@@ -1136,24 +1137,23 @@ class Server:
     def _adapt_busy_poll(self, now: float) -> None:
         """A read came while the loop was asleep: adapt the polling window, then poll.
 
-        KVM's halt-polling rule: if this read came within ``limits.busy_poll`` of the
-        previous one, polling that long would have caught it without a wake-up, so the
-        window grows (to a quarter of the limit, then doubling, up to the limit); if not,
-        polling would have been wasted, so it halves (to 0 below a quarter). So the broker
-        polls while frames come back to back (request, answer, next request) and not for
-        traffic spaced wider than the limit: CPU is spent only where it buys latency.
+        After KVM's halt polling: a read that came within ``limits.busy_poll`` of the
+        previous one would have been caught by polling that long. Two such reads in a row
+        grow the window (to a quarter of the limit, then doubling, up to the limit); one
+        that came later closes it. Reads caught while polling change nothing (they are
+        within the window). So the broker polls while frames come back to back (request,
+        answer, next request: every gap short) and not for traffic spaced wider than the
+        limit, nor for calls paced apart (an answer's short gap, then the next request's
+        long one): CPU is spent only where it buys latency.
         """
         limit = self._busy_poll_limit
-        window = self.busy_poll_window
-        if now - self._last_read <= limit:
-            window = min(limit, max(2 * window, limit / 4))
-        else:
-            window /= 2
-            if window < limit / 4:
-                window = 0.0
-        self.busy_poll_window = window
-        if window:
+        short = now - self._last_read <= limit
+        if not short:
+            self.busy_poll_window = 0.0
+        elif self._last_gap_short:
+            self.busy_poll_window = min(limit, max(2 * self.busy_poll_window, limit / 4))
             self._busy_poll_wake.set()
+        self._last_gap_short = short
 
     async def _busy_poll_task(self) -> None:
         """``limits.busy_poll``: for ``busy_poll_window`` after the last read, keep this

@@ -42,9 +42,10 @@ async def stats(bus: msgq_trio.Bus) -> dict[str, object]:
 
 @needs_two_cpus
 async def test_busy_poll_spins_while_reads_come_close_then_sleeps(broker_factory) -> None:
-    """Reads 0.3 s apart (within the 0.8 s limit) grow the window (0.2, then 0.4 s, which
-    catches them): the broker then spins after a read (most of a core, in its CPU time),
-    and sleeps once no read came for the window. Every call is a read, stats included."""
+    """Reads 0.3 s apart (within the 0.8 s limit): from the second short gap in a row the
+    window grows (0.2, then 0.4 s, which catches them); the broker then spins after a
+    read (most of a core, in its CPU time), and sleeps once no read came for the window.
+    Every call is a read, stats included."""
     b = broker_factory("--busy-poll", "0.8")
     async with msgq_trio.connect(b.path, name="poller") as bus:
         await trio.sleep(1.0)  # the handshake's reads are long past
@@ -83,6 +84,25 @@ async def test_busy_poll_stops_for_reads_spaced_wider_than_the_limit(broker_fact
             await poke(bus)
         await trio.sleep(0.5)
         assert (await stats(bus))["busy_poll_passes"] == st["busy_poll_passes"]
+
+
+@needs_two_cpus
+async def test_busy_poll_stays_closed_for_calls_paced_apart(broker_factory) -> None:
+    """Calls paced apart give the broker pairs of reads: one after a long gap, one right
+    after it. A single short gap does not open the window (two in a row do), so the
+    broker never polls for such traffic."""
+    b = broker_factory("--busy-poll", "0.2")
+    async with msgq_trio.connect(b.path, name="poller") as bus:
+        await trio.sleep(0.5)
+        st = await stats(bus)
+        for _ in range(4):
+            await trio.sleep(0.5)
+            await poke(bus)  # after a long gap: the window closes
+            await poke(bus)  # one short gap
+        await trio.sleep(0.5)
+        after = await stats(bus)
+        assert after["busy_poll_passes"] == st["busy_poll_passes"]
+        assert after["busy_poll_window"] == 0
 
 
 async def test_busy_poll_on_by_default_and_set_at_runtime(broker_factory) -> None:
