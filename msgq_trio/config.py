@@ -83,7 +83,7 @@ class Limits:
       later closes it; so the broker polls while frames come back to back, and not for a
       quiet bus or calls paced apart (1,000 calls/s: 14 % of a core with it, 15 %
       without). Back to back it took the direct client's round trip p50 from 212 to
-      125 us, for 130 instead of 116 us of broker CPU per call; the worst case is steady
+      126 us, and the broker polls all the time (one vCPU); the worst case is steady
       traffic with reads just under 200 us apart (5,000 one-way messages/s: 32 % of a
       core instead of 21 %). BENCHMARKS.md, "Busy polling". 0 turns it off; off anyway
       where the broker may run on one CPU only. 200 us and not 100: a sleeping broker
