@@ -392,6 +392,16 @@ class RawPeer:
             self.lname = str(frame.header()["lname"])
         return frame
 
+    async def subscribe(self, group: str, request_id: int = 1) -> None:
+        """Ask the broker to subscribe this peer to ``group``; the next frame must be the
+        REPLY (call it before anything else can arrive)."""
+        await self.send_frame(FrameType.REQUEST, target="msgq", request_id=request_id,
+                              header=encode_cbor({"cmd": "subscribe"}),
+                              body=encode_cbor({"group": group}))
+        reply = await self.receive_frame()
+        assert reply is not None and reply.type == FrameType.REPLY, reply
+        assert reply.request_id == request_id
+
     async def receive_frame(self, timeout: float = 10.0) -> Frame | None:
         """The next frame, or None at EOF. Fails the test after ``timeout``."""
         with trio.fail_after(timeout):

@@ -323,11 +323,7 @@ async def test_publisher_closing_while_paused_loses_nothing(broker_factory, raw_
     size = 65536
     async with raw_peer(b.path) as sink, msgq_trio.connect(b.path, name="obs") as obs:
         assert (await sink.hello("sink")).type == FrameType.WELCOME
-        await sink.send_frame(FrameType.REQUEST, target="msgq", request_id=1,
-                              header=encode_cbor({"cmd": "subscribe"}),
-                              body=encode_cbor({"group": "Sink"}))
-        reply = await sink.receive_frame()
-        assert reply is not None and reply.type == FrameType.REPLY
+        await sink.subscribe("Sink")
         sent, closed = trio.Event(), trio.Event()
         count = 0
 

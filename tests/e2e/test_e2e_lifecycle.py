@@ -99,11 +99,7 @@ async def test_goodbye_is_the_last_frame_at_shutdown(broker, raw_peer) -> None:
         async with msgq_trio.connect(broker.path, name="callee") as callee, \
                 msgq_trio.connect(broker.path, name="flooder") as flooder:
             assert (await caller.hello("caller")).type == FrameType.WELCOME
-            await caller.send_frame(FrameType.REQUEST, target="msgq", request_id=1,
-                                    header=encode_cbor({"cmd": "subscribe"}),
-                                    body=encode_cbor({"group": "Flood"}))
-            reply = await caller.receive_frame()
-            assert reply is not None and reply.type == FrameType.REPLY
+            await caller.subscribe("Flood")
             started = trio.Event()
 
             @callee.command("hang")
