@@ -1078,8 +1078,9 @@ class Server:
         host died, or the network path did: a Unix socket would have told us at once).
 
         Not counted as silence: intervals in which our reader was paused by backpressure
-        (we were not listening), or in which a backlog queued for it kept draining (its
-        stack is taking data; the slow-consumer rule judges that case).
+        (we were not listening; the client is pinged anyway, so that a dead one answers
+        with a reset the paused reader notices), or in which a backlog queued for it kept
+        draining (its stack is taking data; the slow-consumer rule judges that case).
         """
         while True:
             interval = self.tcp.heartbeat_interval
@@ -1091,7 +1092,16 @@ class Server:
                 rx = pc.conn.received_bytes
                 draining = peer.outq_bytes > 0 and pc.writes != pc.hb_progress
                 pc.hb_progress = pc.writes
-                if rx != pc.hb_rx or pc.paused or draining:
+                if pc.paused:
+                    # Its silence is ours, but it is pinged all the same: over TCP a
+                    # dead client's FIN waits behind the data we are not reading (a
+                    # zero window), while its kernel answers our ping with a reset,
+                    # which _await_progress's hang-up poll sees.
+                    pc.hb_rx = rx
+                    pc.hb_missed = 0
+                    self.core.heartbeat(peer)
+                    continue
+                if rx != pc.hb_rx or draining:
                     pc.hb_rx = rx
                     pc.hb_missed = 0
                     continue

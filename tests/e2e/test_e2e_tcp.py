@@ -436,6 +436,46 @@ async def test_sigstopped_tcp_client_dropped_and_its_calls_fail(
     assert "heartbeat" in b.log() and "tcp:alice@" in b.log()
 
 
+async def test_tcp_sender_killed_while_paused_fails_its_callers_fast(
+    tcp_broker, spawn_client, monkeypatch
+) -> None:
+    """Over TCP, as on the Unix socket: a client the broker has paused (it floods a
+    stopped subscriber) is SIGKILLed with a call pending on it. Its FIN sits behind the
+    data the broker is not reading, and heartbeats leave a paused client alone, yet the
+    caller gets recipient-gone within the call's 5 s (without the hang-up poll the
+    broker would see the FIN only after slow_consumer_timeout, 10 s, drops the
+    subscriber)."""
+    b = tcp_broker(rules=[{"who": ["tcp:alice"], "subscribe": ["*"], "send": ["*"],
+                           "call": ["*"]}])
+    monkeypatch.setenv("MSGQ_TRIO_TOKEN", ALICE)
+    sink = spawn_client(b.path, name="sink", groups=["Sink"])
+    os.kill(sink.pid, signal.SIGSTOP)
+    try:
+        flooder = spawn_client(b.url, name="flooder", commands={"work": "hang"},
+                               flood={"target": "Sink", "size": 65536})
+        async with msgq_trio.connect(b.path, name="caller") as caller:
+            with trio.fail_after(10):
+                # polls the broker's own figure: no event announces a pause
+                while (await caller.call("msgq", "stats"))["paused_readers"] < 1:  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            outcome: list[BaseException] = []
+
+            async def call() -> None:
+                try:
+                    await caller.call(flooder.lname, "work", {}, timeout=5)
+                except msgq_trio.RpcError as exc:
+                    outcome.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                assert await flooder.areadline() == f"got {flooder.lname} work {{}}"
+                flooder.sigkill()
+            assert [type(e) for e in outcome] == [RecipientGone]
+    finally:
+        os.kill(sink.pid, signal.SIGCONT)
+    assert "closed the connection" in b.log() and "paused by backpressure" in b.log()
+
+
 async def test_sigstopped_broker_detected_by_tcp_client(tcp_broker) -> None:
     """The broker stops (SIGSTOP): a TCP client's pending call and its receive fail with
     ConnectionLost code heartbeat-timeout within a few heartbeat intervals."""
