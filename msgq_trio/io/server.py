@@ -921,29 +921,31 @@ class Server:
         pc.paused = True
         pc.next_hangup_check = trio.current_time() + HANGUP_POLL_INTERVAL
 
-    async def _await_progress(self, pc: PeerConnection, rpc: PeerConnection) -> bool:
-        """Paused sender ``pc`` waits for write progress on receiver ``rpc``.
+    async def _await_progress(
+        self, pc: PeerConnection, rpc: PeerConnection, deadline: float
+    ) -> bool | None:
+        """Paused sender ``pc`` waits for write progress on receiver ``rpc``, until
+        ``deadline`` at most, and looks at its own socket for a hang-up every
+        HANGUP_POLL_INTERVAL meanwhile (its EOF is behind the data we are not reading).
 
-        Returns True on progress, False after ``slow_consumer_timeout`` without any.
-        Meanwhile ``pc``'s socket is polled for a hang-up every HANGUP_POLL_INTERVAL (its
-        EOF is behind the data we are not reading).
+        Returns True on progress, None when it woke only to look for a hang-up, False
+        once ``deadline`` has passed. Whatever it returns, the caller re-checks its
+        condition before waiting again: a wake-up given while this task was between two
+        waits would otherwise be lost.
 
         Raises:
             _HungUp: ``pc``'s client closed the connection (see :meth:`_discard_unread`).
         """
-        deadline = trio.current_time() + self.limits.slow_consumer_timeout
-        while True:
-            now = trio.current_time()
-            if now >= pc.next_hangup_check:
-                pc.next_hangup_check = now + HANGUP_POLL_INTERVAL
-                if hung_up(pc.sock_fd):
-                    raise _HungUp
-            with trio.move_on_at(min(deadline, pc.next_hangup_check)) as cs:
-                await rpc.progress.park()
-            if not cs.cancelled_caught:
-                return True
-            if trio.current_time() >= deadline:
-                return False
+        now = trio.current_time()
+        if now >= pc.next_hangup_check:
+            pc.next_hangup_check = now + HANGUP_POLL_INTERVAL
+            if hung_up(pc.sock_fd):
+                raise _HungUp
+        with trio.move_on_at(min(deadline, pc.next_hangup_check)) as cs:
+            await rpc.progress.park()
+        if not cs.cancelled_caught:
+            return True
+        return False if trio.current_time() >= deadline else None
 
     async def _wait_for_receivers(self, pc: PeerConnection) -> None:
         """Backpressure: stop reading from this sender while a receiver it fed is over its
@@ -953,11 +955,15 @@ class Server:
         blocked = list(self.core.blocked)
         self.core.blocked.clear()
         soft = self.limits.out_soft_limit
+        patience = self.limits.slow_consumer_timeout
         for r in blocked:
             rpc = self.conns.get(r)
+            deadline = trio.current_time() + patience
             while rpc is not None and r.alive and r.outq_bytes > soft and pc.peer.alive:
-                progressed = await self._await_progress(pc, rpc)
-                if not progressed and r.alive and r.outq_bytes > soft:
+                progressed = await self._await_progress(pc, rpc, deadline)
+                if progressed:
+                    deadline = trio.current_time() + patience
+                elif progressed is False and r.alive and r.outq_bytes > soft:
                     self.core.kick(
                         r,
                         ErrorCode.SLOW_CONSUMER,
@@ -978,16 +984,20 @@ class Server:
         core.held = []
         room = self.limits.out_hard_limit - size
         max_fds = self.limits.max_fds_queued - nfds
+        patience = self.limits.slow_consumer_timeout
         for r in held:
             rpc = self.conns.get(r)
+            deadline = trio.current_time() + patience
             while (
                 rpc is not None
                 and r.alive
                 and pc.peer.alive
                 and (r.outq_bytes > room or (nfds and r.outq_fds > max_fds))
             ):
-                progressed = await self._await_progress(pc, rpc)
-                if not progressed and r.alive:
+                progressed = await self._await_progress(pc, rpc, deadline)
+                if progressed:
+                    deadline = trio.current_time() + patience
+                elif progressed is False and r.alive:
                     self.core.kick(
                         r,
                         ErrorCode.SLOW_CONSUMER,
