@@ -81,11 +81,12 @@ class Limits:
       per round trip). Adaptive, after KVM's halt polling (``Server._adapt_busy_poll``):
       two reads in a row within ``busy_poll`` of the one before open the window, one
       later closes it; so the broker polls while frames come back to back, and not for a
-      quiet bus or calls paced apart (1,000 calls/s: 14 % of a core with it, 15 %
-      without). Back to back it took the direct client's round trip p50 from 212 to
-      126 us, and the broker polls all the time (one vCPU); the worst case is steady
-      traffic with reads just under 200 us apart (5,000 one-way messages/s: 32 % of a
-      core instead of 21 %). BENCHMARKS.md, "Busy polling". 0 turns it off; off anyway
+      quiet bus or calls paced apart (1,000 calls/s: 14.0 % of a core with it, 13.8 %
+      without). Back to back it took the direct client's round trip p50 from 222 to
+      132 us, and the broker polls all the time (one vCPU, yielding it to any other
+      runnable process after each pass); the worst case is steady traffic with reads
+      just under 200 us apart (5,000 one-way messages/s: 25 % of a core instead of
+      17 %). BENCHMARKS.md, "Busy polling". 0 turns it off; off anyway
       where the broker may run on one CPU only. 200 us and not 100: a sleeping broker
       sees the reads of a round trip ~110 us apart, so a 100 us limit never opens.
     """
