@@ -362,6 +362,37 @@ def spawn_client(broker_factory: Callable[..., BrokerProcess],
         cp.close()
 
 
+async def _call_paused_then_kill(caller: Any, flooder: ClientProcess,
+                                 timeout: float) -> list[BaseException]:
+    """Wait until the broker has paused a reader (its stats: no event announces a
+    pause), call ``flooder``'s ``work`` command (a ``hang`` handler), SIGKILL the flooder
+    once the request reached it, and return what the call raised."""
+    with trio.fail_after(10):
+        while (await caller.call("msgq", "stats"))["paused_readers"] < 1:  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    outcome: list[BaseException] = []
+
+    async def call() -> None:
+        try:
+            await caller.call(flooder.lname, "work", {}, timeout=timeout)
+        except Exception as exc:
+            outcome.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        assert await flooder.areadline() == f"got {flooder.lname} work {{}}"
+        assert (await caller.call("msgq", "stats"))["paused_readers"] == 1
+        flooder.sigkill()
+    return outcome
+
+
+@pytest.fixture
+def call_paused_then_kill() -> Callable[..., Any]:
+    """``await call_paused_then_kill(caller_bus, flooder, timeout)``: see
+    :func:`_call_paused_then_kill` (a flooder is a ``spawn_client(..., flood=...)``)."""
+    return _call_paused_then_kill
+
+
 # -- raw-socket peers (fault injection below the client library) ------------------------------
 class RawPeer:
     """A client that speaks the wire protocol by hand over a real socket.

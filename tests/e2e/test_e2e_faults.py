@@ -269,7 +269,7 @@ async def test_stopped_consumer_is_dropped_and_senders_resume(broker_factory,
 
 
 async def test_sender_killed_while_paused_is_dropped_and_its_callers_fail_fast(
-        broker_factory, spawn_client) -> None:
+        broker_factory, spawn_client, call_paused_then_kill) -> None:
     """A client whose reads the broker has paused (it floods a stopped subscriber) is
     SIGKILLed while a call to it is pending. Its EOF sits behind data the broker is not
     reading, yet the broker sees the hang-up: the caller gets recipient-gone, not the
@@ -282,24 +282,8 @@ async def test_sender_killed_while_paused_is_dropped_and_its_callers_fail_fast(
         os.kill(sink.pid, signal.SIGSTOP)
         flooder = spawn_client(b.path, name="flooder", commands={"work": "hang"},
                                flood={"target": "Sink", "size": 65536})
-        with trio.fail_after(10):
-            # polls the broker's own figure: no event announces a pause
-            while (await left.call("msgq", "stats"))["paused_readers"] < 1:  # noqa: ASYNC110
-                await trio.sleep(0.02)
-        outcome: list[BaseException] = []
-
-        async def call() -> None:
-            try:
-                await left.call(flooder.lname, "work", {}, timeout=20)
-            except msgq_trio.RpcError as exc:
-                outcome.append(exc)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(call)
-            assert await flooder.areadline() == f"got {flooder.lname} work {{}}"
-            assert (await left.call("msgq", "stats"))["paused_readers"] == 1
-            flooder.sigkill()
-            assert await disconnect_reason(watcher, flooder.lname) == "connection-lost"
+        outcome = await call_paused_then_kill(left, flooder, timeout=20)
+        assert await disconnect_reason(watcher, flooder.lname) == "connection-lost"
         assert [type(e) for e in outcome] == [msgq_trio.RecipientGone]
         stats = await left.call("msgq", "stats")
         assert stats["paused_readers"] == 0

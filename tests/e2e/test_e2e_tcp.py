@@ -437,7 +437,7 @@ async def test_sigstopped_tcp_client_dropped_and_its_calls_fail(
 
 
 async def test_tcp_sender_killed_while_paused_fails_its_callers_fast(
-    tcp_broker, spawn_client, monkeypatch
+    tcp_broker, spawn_client, call_paused_then_kill, monkeypatch
 ) -> None:
     """Over TCP, as on the Unix socket: a client the broker has paused (it floods a
     stopped subscriber) is SIGKILLed with a call pending on it. Its FIN sits behind the
@@ -454,22 +454,7 @@ async def test_tcp_sender_killed_while_paused_fails_its_callers_fast(
         flooder = spawn_client(b.url, name="flooder", commands={"work": "hang"},
                                flood={"target": "Sink", "size": 65536})
         async with msgq_trio.connect(b.path, name="caller") as caller:
-            with trio.fail_after(10):
-                # polls the broker's own figure: no event announces a pause
-                while (await caller.call("msgq", "stats"))["paused_readers"] < 1:  # noqa: ASYNC110
-                    await trio.sleep(0.02)
-            outcome: list[BaseException] = []
-
-            async def call() -> None:
-                try:
-                    await caller.call(flooder.lname, "work", {}, timeout=5)
-                except msgq_trio.RpcError as exc:
-                    outcome.append(exc)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(call)
-                assert await flooder.areadline() == f"got {flooder.lname} work {{}}"
-                flooder.sigkill()
+            outcome = await call_paused_then_kill(caller, flooder, timeout=5)
             assert [type(e) for e in outcome] == [RecipientGone]
     finally:
         os.kill(sink.pid, signal.SIGCONT)
