@@ -1658,9 +1658,9 @@ async def connect(
         server_hostname: the name the broker's certificate must carry (default the host).
 
     Resource handling: leaving the block flushes queued frames, says GOODBYE, waits for
-    the broker's (until CLOSE_WAIT s pass in which the broker took none of our bytes: it
-    may be pausing our reads for backpressure), closes the socket and cancels handler
-    tasks; pending calls fail with ConnectionLost.
+    the broker's (CLOSE_WAIT s, longer while the broker still takes our bytes: it may be
+    pausing our reads for backpressure; see ``close_patience``), closes the socket and
+    cancels handler tasks; pending calls fail with ConnectionLost.
 
     Raises:
         ConnectError: no broker at the address, TLS failed, or it refused the handshake

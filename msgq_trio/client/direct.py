@@ -103,9 +103,9 @@ class DirectBus:
     method is waiting for the socket; a handler may itself call :meth:`call`.
 
     Resource handling: :meth:`close` (or leaving the ``with`` block) says GOODBYE, waits
-    for the broker's (until ``CLOSE_WAIT`` s pass in which the broker took none of our
-    bytes), and closes the socket and the descriptors
-    of messages never received. After the connection is lost every method raises
+    for the broker's (``CLOSE_WAIT`` s, longer while the broker still takes our bytes;
+    see :func:`msgq_trio.client.bus.close_patience`), and closes the socket and the
+    descriptors of messages never received. After the connection is lost every method raises
     :class:`~msgq_trio.errors.ConnectionLost`.
     """
 
@@ -184,8 +184,9 @@ class DirectBus:
     def close(self) -> None:
         """Say GOODBYE, wait for the broker's, close the socket. Idempotent.
 
-        The wait ends after ``CLOSE_WAIT`` s in which the broker took none of our bytes
-        (it may be pausing our reads for backpressure: bytes it never read are lost)."""
+        The wait ends after ``CLOSE_WAIT`` s, or while bytes we sent are still unread by
+        the broker, after ``close_patience`` s in which it took none of them (it may be
+        pausing our reads for backpressure: bytes it never read are lost)."""
         if self._closed:
             return
         self._closed = True
@@ -303,9 +304,10 @@ class DirectBus:
             # MSG_DONTWAIT). A sleeper in recvmsg is woken with the kernel's sync hint,
             # which the broker's write pays less for than a poll() sleeper's wake-up:
             # request/reply p50 125-129 instead of 139-153 us, broker CPU per call 128-134
-            # instead of 146-156 us (BENCHMARKS.md, "Waiting in the receive"). It is also
-            # woken, for nothing, when the broker reads what we sent (send-buffer space
-            # on the same wait queue); that costs less than it saves.
+            # instead of 146-156 us (BENCHMARKS.md, "The direct client waits in the
+            # receive"). It is also woken, for nothing, when the broker reads what we
+            # sent (send-buffer space on the same wait queue); that costs less than it
+            # saves.
             how = _RECV_WAIT_FLAGS
         elif timeout > 0:
             try:
