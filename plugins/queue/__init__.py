@@ -17,7 +17,7 @@ from msgq_trio.client.bus import connect
 
 from .engine import Engine
 from .service import Service
-from .settings import QueueSettings, parse_settings
+from .settings import QueueSettings, max_store_size_for, parse_settings
 from .writer import open_store_dir
 
 __all__ = ["PLUGIN", "QueuePlugin"]
@@ -42,9 +42,13 @@ class QueuePlugin:
         Resource handling: the store, its thread and the directory lock are released on
         every exit; nothing acked is lost by an exit at any point (it is committed).
         """
-        async with open_store_dir(Path(settings.dir), map_size=settings.map_size,
-                                  max_map_size=settings.max_map_size, sync=settings.sync,
+        await trio.Path(settings.dir).mkdir(parents=True, exist_ok=True)
+        bound = max_store_size_for(settings.dir, settings.max_store_size, settings.map_size)
+        async with open_store_dir(Path(settings.dir), map_size=min(settings.map_size, bound),
+                                  max_map_size=bound, sync=settings.sync,
                                   thread_name="msgq-queue-store") as (store, thread):
+            log.info("queue plugin: store %s, at most %d MiB%s", settings.dir, bound >> 20,
+                     "" if settings.max_store_size else " (90 % of the free space)")
             engine = Engine(store, thread, settings)
             await engine.recover()
             for name, opts in settings.queues.items():

@@ -53,8 +53,9 @@ READY, INFLIGHT, DONE, DEAD = range(4)
 #: bound group (CBOR body).
 KIND_BODY, KIND_REQUEST, KIND_MESSAGE = b"B"[0], b"R"[0], b"M"[0]
 
-#: Messages read per ``read_range`` call at recovery (one short read transaction each).
-RECOVER_CHUNK = 10_000
+#: Most messages one page-in reads (one short read transaction on the store thread; at
+#: 1 KiB bodies about a millisecond here, so a commit queued behind it waits little).
+PAGE = 1000
 
 
 class Waiter:
@@ -106,7 +107,7 @@ class Msg:
     """One message of one queue while the plugin holds it."""
 
     __slots__ = ("data", "deadline", "deliveries", "in_batch", "mid", "owner", "producer",
-                 "pseq", "queue", "sent", "seq", "state", "waiter")
+                 "pseq", "queue", "sent", "seq", "spilled", "state", "waiter")
 
     def __init__(self, mid: int, queue: Queue, data: bytes, producer: str, pseq: int,
                  seq: int | None, deliveries: int, waiter: Waiter | None) -> None:
@@ -123,6 +124,9 @@ class Msg:
         self.deadline = 0.0
         self.sent = 0.0  # when its current delivery started
         self.in_batch = False
+        #: accepted while its queue pages from the store: it waits for its commit in
+        #: ``pending`` only, and leaves memory once stored (read back in seq order later)
+        self.spilled = False
 
 
 class Consumer:
@@ -166,14 +170,37 @@ class Queue:
         #: deadline); deliveries to bound-group members are requests and are not here.
         self.by_id: dict[int, Msg] = {}
         self.rr = 0
+        #: messages and body bytes of the queue, in memory or only on disk
         self.live = 0
         self.bytes = 0
+        #: messages (and their bytes) this queue holds in memory: ready, given back, in
+        #: flight, or waiting for their commit. Bounded by the ``resident_*`` settings:
+        #: past them new messages are spilled (kept only until stored)
+        self.resident = 0
+        self.resident_bytes = 0
+        #: stored messages exist that are not in memory: ready messages are paged in from
+        #: the store in seq order (``Engine.refill``), and new ones are spilled so they
+        #: come after them
+        self.spilled = False
+        #: the next seq a page-in reads from (every live stored message below it is in
+        #: memory, or was acked and its delete is not committed yet)
+        self.disk_next = 0
+        #: seq -> stored live message held in memory: a page-in skips them
+        self.mem: dict[int, Msg] = {}
+        #: seqs acked whose delete is not committed yet: a page-in skips them too
+        self.deleting: set[int] = set()
+        #: spilled messages not committed yet, and a count of spills: a page-in that found
+        #: the end of the stored messages ends spilling only if neither changed meanwhile
+        self.unstored_spilled = 0
+        self.spill_epoch = 0
+        self.refilling: trio.Event | None = None
         self.deletes: list[int] = []
         self.incr: list[int] = []
         self.to_dlq: list[Msg] = []
         self.stats = dict.fromkeys(
             ("put", "stored", "writes_skipped", "duplicates", "acked", "delivered",
-             "redelivered", "dead_lettered", "refused_full", "out_of_order"), 0)
+             "redelivered", "dead_lettered", "refused_full", "out_of_order", "paged_in"),
+            0)
 
     def backlog(self) -> int:
         """Messages waiting for a delivery (some may be done already: skipped when
@@ -195,6 +222,27 @@ class Queue:
     def inflight(self) -> int:
         members = sum(c.inflight for c in self.consumers.values() if c.kind == "member")
         return members + len(self.by_id)
+
+    def admit(self, m: Msg) -> None:
+        """``m`` (READY) enters memory at the end of ``ready``."""
+        self.ready.append(m)
+        self.resident += 1
+        self.resident_bytes += len(m.data)
+        if m.seq is not None:
+            self.mem[m.seq] = m
+
+    def forget(self, m: Msg) -> None:
+        """``m`` is done (acked, dropped as a duplicate, refused, moved): it leaves the
+        queue's counts and memory."""
+        self.live -= 1
+        self.bytes -= len(m.data)
+        self.resident -= 1
+        self.resident_bytes -= len(m.data)
+        if m.seq is not None:
+            self.mem.pop(m.seq, None)
+        if m.spilled:
+            m.spilled = False
+            self.unstored_spilled -= 1
 
 
 class Producer:
@@ -243,25 +291,18 @@ class Engine:
 
     # -- queues ---------------------------------------------------------------------------
     async def recover(self) -> None:
-        """Load every stored message of every stored queue into memory (READY, with its
-        durable delivery count). Call once, before serving."""
+        """Open every stored queue: its counts come from the store's metadata (one
+        lookup per queue), its messages stay on disk and are paged in when a consumer
+        wants them, so start-up takes the same time whatever the backlog. Call once,
+        before serving."""
         names = await self.thread.run(self.store.queues)
         for name in names:
             q = self.queues.get(name) or self._new_queue(name, QueueOptions())
-            start = 0
-            while True:
-                chunk = await self.thread.run(self.store.read_range, name, start, RECOVER_CHUNK)
-                for sm in chunk:
-                    m = Msg(self._mid(), q, sm.body, sm.producer, sm.producer_seq, sm.seq,
-                            sm.delivery_count, None)
-                    q.ready.append(m)
-                    q.live += 1
-                    q.bytes += len(sm.body)
-                if len(chunk) < RECOVER_CHUNK:
-                    break
-                start = chunk[-1].seq + 1
+            st = await self.thread.run(self.store.stats, name)
+            q.live, q.bytes = st.depth, st.bytes
+            q.spilled = st.depth > 0
             if q.live:
-                log.info("queue %s: recovered %d messages", name, q.live)
+                log.info("queue %s: %d messages (%d bytes) stored", name, q.live, q.bytes)
 
     def _new_queue(self, name: str, opts: QueueOptions) -> Queue:
         q = Queue(name, opts, self.settings.ack_grace)
@@ -362,7 +403,23 @@ class Engine:
         self._next_mid = mid
         p.hwm = hwm
         self.pending.extend(new)
-        q.ready.extend(new)
+        settings = self.settings
+        if not q.spilled and (q.resident >= settings.resident_messages
+                              or q.resident_bytes >= settings.resident_bytes):
+            q.spilled = True
+            log.info("queue %s: %d messages (%d bytes) in memory: new ones wait on disk",
+                     q.name, q.resident, q.resident_bytes)
+        if q.spilled:
+            # Kept only until stored: they reach consumers by a page-in, after the
+            # stored messages before them.
+            for m in new:
+                m.spilled = True
+            q.unstored_spilled += len(new)
+            q.spill_epoch += 1
+        else:
+            q.ready.extend(new)
+        q.resident += len(new)
+        q.resident_bytes += nbytes
         q.live += len(new)
         q.bytes += nbytes
         q.stats["put"] += len(items)
@@ -447,7 +504,11 @@ class Engine:
         only once a quarter of its window is free (like a TCP window update): refilling
         each single freed slot would cost a frame per message."""
         backlog = q.backlog()
-        if not backlog or not q.consumers:
+        if not q.consumers:
+            return
+        if not backlog:
+            if q.spilled and q.refilling is None:
+                self.refill_soon(q)
             return
         cons = [c for c in q.consumers.values()
                 if c.kind != "push" or (free := c.window - c.inflight) >= backlog
@@ -478,6 +539,80 @@ class Engine:
             batches.setdefault(c, []).append(m)
         for c, msgs in batches.items():
             self.deliver(q, c, msgs)
+        if q.spilled and q.refilling is None and q.backlog() < PAGE // 2:
+            self.refill_soon(q)
+
+    # -- paging -----------------------------------------------------------------------
+    def refill_soon(self, q: Queue) -> None:
+        """Page in ``q``'s next stored messages in the background (one at a time per
+        queue); deliveries follow when they arrive."""
+        if q.refilling is None and q.spilled and self.nursery is not None:
+            q.refilling = trio.Event()
+            self.nursery.start_soon(self._refill, q)
+
+    async def refill(self, q: Queue) -> None:
+        """Page in ``q``'s next stored messages (if it has any on disk only) and return
+        once that read is done."""
+        self.refill_soon(q)
+        if q.refilling is not None:
+            await q.refilling.wait()
+
+    async def _refill(self, q: Queue) -> None:
+        """One page-in: read the stored messages from ``q.disk_next`` on, as many as
+        ``resident_*`` leave room for (at most ``PAGE`` per read), into ``ready`` in seq
+        order.
+
+        Skips what memory holds already (stored while not spilled, redeliveries) and
+        what was acked but whose delete is not committed (reading on past them). Each
+        read runs on the store thread after every commit submitted before it, in one
+        short read transaction, so it sees every message those commits stored. Ends
+        spilling when it read to the end of the stored messages and nothing was spilled
+        meanwhile (new messages then go to memory again, after these)."""
+        done = q.refilling
+        assert done is not None
+        admitted = 0
+        settings = self.settings
+        try:
+            while q.spilled:
+                room = min(PAGE, settings.resident_messages - q.resident)
+                if q.live:
+                    # bodies of this queue's average size that fit in the bytes bound
+                    room = min(room, (settings.resident_bytes - q.resident_bytes)
+                               // max(1, q.bytes // q.live))
+                if room <= 0 or admitted >= PAGE:
+                    return  # memory is full of this queue's messages: acks make room
+                epoch, unstored = q.spill_epoch, q.unstored_spilled
+                try:
+                    chunk = await self.thread.run(self.store.read_range, q.name,
+                                                  q.disk_next, room)
+                except StorageError as exc:
+                    log.error("queue %s: cannot read stored messages: %s (will retry)",
+                              q.name, exc)
+                    await trio.sleep(0.1)
+                    return
+                mem, deleting = q.mem, q.deleting
+                for sm in chunk:
+                    if sm.seq in mem or sm.seq in deleting:
+                        continue
+                    q.admit(Msg(self._mid(), q, sm.body, sm.producer, sm.producer_seq,
+                                sm.seq, sm.delivery_count, None))
+                    admitted += 1
+                if chunk:
+                    q.disk_next = chunk[-1].seq + 1
+                if len(chunk) < room:
+                    if unstored == 0 and epoch == q.spill_epoch:
+                        q.spilled = False
+                        log.info("queue %s: every stored message is in memory again",
+                                 q.name)
+                    return
+        finally:
+            q.stats["paged_in"] += admitted
+            q.refilling = None
+            done.set()
+            # Nothing read: the next page-in comes from the next commit (it stores what
+            # was spilled) or ack (it makes room), not from this dispatch in a loop.
+            if admitted:
+                self.dispatch(q)
 
     def fetch(self, q: Queue, c: Consumer, n: int, now: float) -> list[Msg]:
         """Take up to ``n`` ready messages for the fetcher ``c`` (ack by id before
@@ -510,12 +645,12 @@ class Engine:
         q = m.queue
         self._release(q, m)
         m.state = DONE
-        q.live -= 1
-        q.bytes -= len(m.data)
+        q.forget(m)
         q.stats["acked"] += 1
         self._changed.set()
         if m.seq is not None:
             q.deletes.append(m.seq)
+            q.deleting.add(m.seq)
             self._kick()
         elif not m.in_batch:
             q.stats["writes_skipped"] += 1
@@ -758,6 +893,9 @@ class Engine:
         for err in res["errors"]:
             log.error("queue store: %s (will retry)", err)
         failed = res["failed"]
+        for name, seqs in deletes.items():
+            if name not in failed["deletes"]:
+                self.queues[name].deleting.difference_update(seqs)
         for name, seqs in failed["deletes"].items():
             self.queues[name].deletes.extend(seqs)
         for name, seqs in failed["incr"].items():
@@ -773,16 +911,18 @@ class Engine:
                 assert m.seq is not None
                 new_seq = mapping.get(m.seq)
                 m.state = DONE
-                q.live -= 1
-                q.bytes -= len(m.data)
+                q.forget(m)
                 q.stats["dead_lettered"] += 1
                 if new_seq is None:
                     continue  # it was not stored any more (acked meanwhile)
-                dm = Msg(self._mid(), target, m.data, m.producer, m.pseq, new_seq,
-                         m.deliveries, None)
-                target.ready.append(dm)
                 target.live += 1
-                target.bytes += len(dm.data)
+                target.bytes += len(m.data)
+                if not target.spilled and target.resident < self.settings.resident_messages \
+                        and target.resident_bytes < self.settings.resident_bytes:
+                    target.admit(Msg(self._mid(), target, m.data, m.producer, m.pseq,
+                                     new_seq, m.deliveries, None))
+                else:
+                    target.spilled = True  # it is stored: a page-in reads it
                 log.warning("queue %s: message %d moved to %s after %d deliveries",
                             name, m.pseq, dlq, m.deliveries)
             self.dispatch(target)
@@ -804,8 +944,7 @@ class Engine:
                         if m.state != DONE:
                             self._release(q, m)
                             m.state = DONE
-                            q.live -= 1
-                            q.bytes -= len(m.data)
+                            q.forget(m)
                         w, m.waiter = m.waiter, None
                         if w is not None:
                             w.one("duplicate")
@@ -813,10 +952,17 @@ class Engine:
                     n += 1
                     m.seq = seq
                     q.stats["stored"] += 1
-                    if m.state == DONE:
+                    if m.spilled:
+                        # Stored: it leaves memory; a page-in reads it back in its turn.
+                        m.spilled = False
+                        q.unstored_spilled -= 1
+                        q.resident -= 1
+                        q.resident_bytes -= len(m.data)
+                    elif m.state == DONE:
                         q.deletes.append(seq)  # acked while its commit ran
-                    elif m.state == DEAD:
-                        pass  # moved by the next commit (it is in to_dlq)
+                        q.deleting.add(seq)
+                    else:
+                        q.mem[seq] = m  # READY, in flight, or DEAD (moved next commit)
                     w, m.waiter = m.waiter, None
                     if w is not None:
                         stored_by[w] = stored_by.get(w, 0) + 1
@@ -859,8 +1005,7 @@ class Engine:
             if m.state != DONE:
                 self._release(q, m)
                 m.state = DONE
-                q.live -= 1
-                q.bytes -= len(m.data)
+                q.forget(m)
             w, m.waiter = m.waiter, None
             if w is not None:
                 w.fail(code, f"queue {q.name!r} cannot store the message: {why}")
@@ -869,14 +1014,16 @@ class Engine:
     def stats(self, q: Queue) -> dict[str, Any]:
         """A snapshot of ``q``: see docs/QUEUE.md ("Statistics")."""
         c = self.counters
-        ready = sum(1 for m in q.ready if m.state == READY) + \
-            sum(1 for _mid, m in q.again if m.state == READY)
+        inflight = q.inflight()
         return {
             "queue": q.name,
             "depth": q.live,
             "bytes": q.bytes,
-            "ready": ready,
-            "in_flight": q.inflight(),
+            "ready": max(0, q.live - inflight - len(q.to_dlq)),
+            "in_flight": inflight,
+            "resident": q.resident,
+            "resident_bytes": q.resident_bytes,
+            "paging": q.spilled,
             "consumers": len(q.consumers),
             "ack_grace": q.grace,
             **q.stats,

@@ -316,9 +316,21 @@ class Service:
                 c = Consumer(request.sender, "fetch", 1 << 62, timeout)
                 self.engine.add_consumer(q, c)
             got = self.engine.fetch(q, c, n, trio.current_time())
+            if not got and q.spilled:
+                # Nothing in memory but stored messages on disk: answer after a page-in.
+                self.nursery.start_soon(self._fetch_paged, request, q, c, n)
+                return
             self.bus.answer(request, [[m.mid, m.data[1:], m.deliveries] for m in got])
 
         self._inline(request, run)
+
+    async def _fetch_paged(self, request: Message, q: Queue, c: Consumer, n: int) -> None:
+        await self.engine.refill(q)
+        got = self.engine.fetch(q, c, n, trio.current_time())
+        try:
+            self.bus.answer(request, [[m.mid, m.data[1:], m.deliveries] for m in got])
+        except ConnectionLost:
+            self.engine.nack_many(got)
 
     def _ack_ids(self, request: Message, ack: bool) -> None:
         def run(params: Any) -> None:

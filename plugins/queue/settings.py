@@ -5,6 +5,7 @@ Every default carries its reason; docs/QUEUE.md has the same table for operators
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +13,7 @@ import attrs
 
 from msgq_trio.core.router import valid_group_name
 
-__all__ = ["QueueOptions", "QueueSettings", "parse_settings"]
+__all__ = ["QueueOptions", "QueueSettings", "max_store_size_for", "parse_settings"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -73,11 +74,21 @@ class QueueSettings:
     * ``dir`` (required): the LMDB environment's directory (created if missing). No
       default on purpose: durable data must live where the operator decided.
     * ``group`` "msgq-queue": the bus group the plugin answers queue commands on.
-    * ``map_size`` 64 MiB: initial LMDB map; the file grows only as data does.
-    * ``max_map_size`` 1 GiB: the map doubles up to this; ``max_map_size == map_size``
-      disables growth (a full map then answers ``queue-full``). The whole queue content
-      is also held in the plugin's memory (no paging yet: docs/QUEUE.md, "Known
-      limits"), so this bounds memory too.
+    * ``map_size`` 64 MiB: initial LMDB map (at most ``max_store_size``); the file grows
+      only as data does.
+    * ``max_store_size`` 0 = derived at start: the most the store's file may grow to
+      (the map doubles up to it); at the bound puts are refused ``queue-full``. The
+      derived value is the store's current size plus 90 % of the free space of its
+      file system at start (``max_store_size_for``): a backlog may use the disk, but
+      never fills it to the last byte, so the other tenth is left for logs and the
+      rest of the system. ``max_map_size`` is its former name, still accepted.
+    * ``resident_messages`` 10,000 and ``resident_bytes`` 32 MiB per queue: the most
+      messages (bodies) a queue keeps in the plugin's memory: ready for delivery, in
+      flight, or waiting for their commit. Past them new messages are only stored and
+      read back from the store in pages as consumers take them. 10,000 is one full
+      commit (``max_batch``) and keeps a consumer fed for tens of milliseconds at
+      200,000 msgs/s while the next page is read; 32 MiB holds 10,000 bodies of 3 KiB
+      and half of one 64 MiB frame, the largest a client sends by default.
     * ``sync`` true: fsync every commit (ack 1 means on disk). false is for benchmarks
       and tests of everything but durability.
     * ``max_batch`` 10,000 messages per commit: LMDB here gives ~600,000 puts/s at 1,000
@@ -101,7 +112,9 @@ class QueueSettings:
     dir: str
     group: str = "msgq-queue"
     map_size: int = 64 * MiB
-    max_map_size: int = 1 * GiB
+    max_store_size: int = 0
+    resident_messages: int = 10_000
+    resident_bytes: int = 32 * MiB
     sync: bool = True
     max_batch: int = 10_000
     max_delay: float = 0.0
@@ -114,10 +127,17 @@ class QueueSettings:
         why = valid_group_name(self.group)
         if why or self.group.startswith("msgq."):
             raise ValueError(f"group = {self.group!r}: {why or 'reserved for the broker'}")
-        if self.map_size < 1 * MiB or self.max_map_size < self.map_size:
+        if self.map_size < 1 * MiB or (self.max_store_size and self.max_store_size < 1 * MiB):
             raise ValueError(
-                f"map_size = {self.map_size}, max_map_size = {self.max_map_size}: need "
-                "1 MiB <= map_size <= max_map_size"
+                f"map_size = {self.map_size}, max_store_size = {self.max_store_size}: "
+                "need map_size >= 1 MiB and max_store_size >= 1 MiB (or 0: derived from "
+                "the free space); the initial map is the smaller of the two"
+            )
+        if self.resident_messages < 1 or self.resident_bytes < 1 * MiB:
+            raise ValueError(
+                f"resident_messages = {self.resident_messages}, resident_bytes = "
+                f"{self.resident_bytes}: need resident_messages >= 1, resident_bytes >= "
+                "1 MiB"
             )
         if self.max_batch < 1:
             raise ValueError(f"max_batch = {self.max_batch}: must be >= 1")
@@ -131,7 +151,8 @@ class QueueSettings:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "dir": (str,), "group": (str,), "map_size": (int,), "max_map_size": (int,),
+    "dir": (str,), "group": (str,), "map_size": (int,), "max_store_size": (int,),
+    "max_map_size": (int,), "resident_messages": (int,), "resident_bytes": (int,),
     "sync": (bool,), "max_batch": (int,), "max_delay": (int, float),
     "ack_grace": (int, float),
 }
@@ -145,6 +166,21 @@ def _check(key: str, value: object, types: tuple[type, ...]) -> None:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         names = " or ".join(t.__name__ for t in types)
         raise ValueError(f"{key} = {value!r}: must be {names}")
+
+
+def max_store_size_for(directory: str, configured: int, map_size: int) -> int:
+    """The store's bound: ``configured`` if set, else the size of ``directory``'s store
+    file now plus 90 % of its file system's free space (at least ``map_size``), in whole
+    MiB. Raises OSError if ``directory`` cannot be examined."""
+    if configured:
+        return configured
+    st = os.statvfs(directory)
+    try:
+        current = os.stat(os.path.join(directory, "data.mdb")).st_size
+    except FileNotFoundError:
+        current = 0
+    free = st.f_bavail * st.f_frsize
+    return max(map_size, (current + free * 9 // 10) // MiB * MiB)
 
 
 def parse_options(table: Mapping[str, Any], where: str = "") -> QueueOptions:
@@ -176,7 +212,9 @@ def parse_settings(table: Mapping[str, Any]) -> QueueSettings:
         if k not in _TYPES:
             raise ValueError(f"unknown key {k!r} (known: {', '.join([*_TYPES, 'queues'])})")
         _check(k, v, _TYPES[k])
-        kwargs[k] = v
+        if k == "max_map_size" and "max_store_size" in table:
+            raise ValueError("give max_store_size or its former name max_map_size, not both")
+        kwargs["max_store_size" if k == "max_map_size" else k] = v
     if "dir" not in kwargs:
         raise ValueError("dir is required (the store's directory)")
     return QueueSettings(**kwargs)

@@ -240,7 +240,7 @@ async def test_full_map_refuses_then_recovers(queue_broker: Start) -> None:
     """A full map (growth disabled) answers queue-full, loses nothing that was acked, and
     accepts puts again once consumers drained the queue."""
     mib = 1 << 20
-    b = queue_broker({"full": {}}, map_size=mib, max_map_size=mib)
+    b = queue_broker({"full": {}}, map_size=mib, max_store_size=mib)
     body = b"x" * 4000
     async with msgq_trio.connect(b.path, "p") as p:
         q = p.queue("full")
