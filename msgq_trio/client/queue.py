@@ -7,6 +7,7 @@ or ``fetch`` (pull) and ``ack`` each message (ack 2).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -17,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 import cbor2
 import trio
 
-from ..errors import ConnectionLost, UsageError
+from ..errors import ConnectionLost, MsgqError, UsageError
 
 if TYPE_CHECKING:
     from .bus import Bus, Message
 
 __all__ = ["DEFAULT_GROUP", "Consumer", "Queue", "QueueMessage"]
+
+log = logging.getLogger("msgq_trio.client.queue")
 
 #: The queue plugin's group (its ``group`` setting's default).
 DEFAULT_GROUP = "msgq-queue"
@@ -53,8 +56,8 @@ class QueueMessage:
             ``consume(ids=True)``, else None.
     """
 
-    __slots__ = ("_bus", "_consumer", "_decoded", "_done", "_raw", "_value", "deliveries",
-                 "id", "producer", "producer_seq", "queue")
+    __slots__ = ("_bus", "_consumer", "_decoded", "_done", "_gen", "_raw", "_value",
+                 "deliveries", "id", "producer", "producer_seq", "queue")
 
     def __init__(self, bus: Bus, queue: str, mid: int, raw: bytes, deliveries: int,
                  consumer: Consumer | None, producer: str | None = None,
@@ -70,6 +73,8 @@ class QueueMessage:
         self._done = False
         self._decoded = False
         self._value: Any = None
+        #: the consumer's generation when it arrived (see ``Consumer._reattach``)
+        self._gen = consumer._gen if consumer is not None else 0
 
     @property
     def raw(self) -> bytes:
@@ -98,7 +103,7 @@ class QueueMessage:
             return
         self._done = True
         if self._consumer is not None:
-            self._consumer._settle(self.id, ok)
+            self._consumer._settle(self.id, ok, self._gen)
             await trio.lowlevel.checkpoint()
         else:
             await self._bus.call(_group(self._bus), "ack" if ok else "nack",
@@ -110,6 +115,19 @@ class QueueMessage:
 
 def _group(_bus: Bus) -> str:
     return DEFAULT_GROUP
+
+
+def _on_event(bus: Bus, msg: Message) -> None:
+    """A notification on ``<group>.events``: a plugin process that ``started`` after the
+    one a consumer of ``bus`` consumes from means that one is gone: consume again."""
+    body = msg.body
+    if msg.event != "started" or not isinstance(body, dict):
+        return
+    instance = body.get("instance")
+    if not isinstance(instance, str):
+        return
+    for consumer in list(_consumers.get(bus, {}).values()):
+        consumer._plugin_started(instance)
 
 
 def _on_deliver(bus: Bus, request: Message) -> None:
@@ -145,6 +163,11 @@ class Consumer:
 
     Error handling: when the connection ends, the iteration yields what was already
     received, then raises ``ConnectionLost`` (the plugin redelivers everything unacked).
+    When the queue plugin restarts (the broker's supervisor restarts it after a crash),
+    the consumer consumes again from the new plugin process: messages received from the
+    old one and not yet taken are dropped, acks of those taken are ignored, and the new
+    process delivers them again (``reattached`` counts this). If consuming again fails,
+    the iteration raises that error.
 
     Resource handling: ``aclose()`` (or leaving ``async with``) tells the plugin to stop
     pushing and refuses deliveries still arriving (they are redelivered); messages taken
@@ -159,7 +182,9 @@ class Consumer:
         self._window = window
         self._ack_timeout = ack_timeout
         self._ids = ids
-        self._lost: ConnectionLost | None = None
+        #: why the iteration ends with an error: the connection's end, or a failed
+        #: consume after a plugin restart
+        self._lost: MsgqError | None = None
         self._send, self._recv = trio.open_memory_channel[QueueMessage](window)
         self._started = False
         self._closed = False
@@ -173,8 +198,16 @@ class Consumer:
         #: refills a consumer's credit in quarter windows too); fewer wait for the
         #: consumer to run out of messages, or ACK_DELAY.
         self._ack_batch = max(1, window // 4)
+        #: the plugin process consumed from (its ``consume`` answer), None before that
+        self._instance: str | None = None
+        #: raised at each re-attach: acks of messages from an earlier generation are
+        #: dropped (their plugin process is gone; the new one redelivers them)
+        self._gen = 0
+        self.reattached = 0
 
-    def _settle(self, mid: int, ok: bool) -> None:
+    def _settle(self, mid: int, ok: bool, gen: int) -> None:
+        if gen != self._gen:
+            return  # delivered by a plugin process that is gone
         (self._acks if ok else self._nacks).append(mid)
         if len(self._acks) + len(self._nacks) >= self._ack_batch:
             self._q._bus._spawn(self._flush)
@@ -207,15 +240,55 @@ class Consumer:
             raise UsageError(f"this bus already consumes {name!r}")
         if not table:
             bus.add_inline_command(DELIVER, lambda r: _on_deliver(bus, r))
+            # Told when a plugin process starts: one that restarted has forgotten its
+            # consumers (subscribed before consuming, so no restart after our
+            # ``consume`` goes unseen).
+            events = f"{self._q.group}.events"
+            bus.on_notification_inline(events, lambda m: _on_event(bus, m))
+            await bus.subscribe(events)
         table[name] = self
-        params: dict[str, Any] = {"queue": name, "window": self._window}
+        self._started = True
+        bus._spawn(self._watch_lost)
+        await self._consume()
+
+    async def _consume(self) -> None:
+        params: dict[str, Any] = {"queue": self._q.name, "window": self._window}
         if self._ack_timeout is not None:
             params["ack_timeout"] = self._ack_timeout
         if self._ids:
             params["ids"] = True
-        self._started = True
-        bus._spawn(self._watch_lost)
-        await bus.call(self._q.group, "consume", params)
+        answer = await self._q._bus.call(self._q.group, "consume", params)
+        if isinstance(answer, dict) and isinstance(answer.get("instance"), str):
+            self._instance = answer["instance"]
+
+    def _plugin_started(self, instance: str) -> None:
+        if self._closed or self._instance is None or instance == self._instance:
+            return
+        self._instance = instance
+        self._q._bus._spawn(self._reattach)
+
+    async def _reattach(self) -> None:
+        """The plugin process this consumer consumed from is gone and another started:
+        drop what it delivered but the iteration did not take yet (not acked, so the new
+        process delivers it again, unless it was never stored: then its producer was
+        not answered and resends it), forget its pending acks, consume again. If that
+        fails the iteration ends with the error."""
+        self._gen += 1
+        self.reattached += 1
+        dropped = _drain(self._recv)
+        self._acks.clear()
+        self._nacks.clear()
+        log.warning("queue %s: the queue plugin restarted; consuming again (%d received "
+                    "messages dropped: they are redelivered)", self._q.name, len(dropped))
+        try:
+            await self._consume()
+        except MsgqError as exc:
+            if self._closed:
+                return
+            log.error("queue %s: cannot consume again after the plugin restarted: %s",
+                      self._q.name, exc)
+            self._lost = exc
+            self._send.close()
 
     async def _watch_lost(self) -> None:
         """End the iteration when the connection ends: the messages already received

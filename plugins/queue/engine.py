@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -279,7 +280,10 @@ class Engine:
         self.deliver: Deliver = lambda q, c, msgs: None
         self._dirty: set[Queue] = set()
         self.nursery: trio.Nursery | None = None
-        self._next_mid = 1
+        # Delivery ids start at a random point: an ack for a delivery of an earlier
+        # plugin process (a consumer that did not see the restart yet) must not match a
+        # message this process delivered.
+        self._next_mid = int.from_bytes(os.urandom(5), "big") << 16
         self._wake = trio.Event()
         self._changed = trio.Event()  # an ack, nack or put: the grace wait looks again
         self._flushing = False

@@ -81,6 +81,10 @@ class Service:
         self.nursery = nursery
         self.bound: dict[str, Queue] = {}
         self.boot = f"bound.{uuid.uuid4().hex[:16]}"
+        #: this plugin process: consumers compare it with the ``started`` notifications
+        #: on ``<group>.events`` to see a restart (their deliveries then came from a
+        #: process that is gone, and they consume again)
+        self.instance = uuid.uuid4().hex
         self._bound_seq = 0
         engine.deliver = self._deliver
         engine.nursery = nursery
@@ -105,6 +109,9 @@ class Service:
             if q.opts.bind:
                 await self.bind(q)
         await bus.subscribe(self.engine.settings.group)
+        # Consumers of a previous plugin process wait for this to consume again.
+        await bus.notify(f"{self.engine.settings.group}.events", "started",
+                         {"instance": self.instance})
 
     async def bind(self, q: Queue) -> None:
         group = q.opts.bind
@@ -286,7 +293,7 @@ class Service:
             return
         self.engine.ack(m, answer)
 
-    async def _consume(self, params: Any, request: Message) -> bool:
+    async def _consume(self, params: Any, request: Message) -> dict[str, str]:
         q = self._check(params)
         window = _int(params, "window", 1, lo=1)
         timeout = _num(params, "ack_timeout", q.opts.ack_timeout)
@@ -294,7 +301,7 @@ class Service:
         self.engine.add_consumer(q, Consumer(request.sender, "push", window, timeout, ids))
         log.info("queue %s: consumer %s (%s) window %d", q.name, request.sender,
                  request.sender_name, window)
-        return True
+        return {"instance": self.instance}
 
     async def _cancel(self, params: Any, request: Message) -> bool:
         q = self._check(params)
