@@ -45,6 +45,7 @@ processes (LMDB's ``MapResizedError`` is not handled).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 from collections.abc import Callable, Collection, Sequence
@@ -92,6 +93,46 @@ _MSG_HEAD = struct.Struct(">QH")
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+#: Message bytes read, written or deleted between two releases of the map's pages
+#: (``release_mapped_pages``): a process's resident memory then stays within about this
+#: much of the store file however much of it a backlog passes through.
+RELEASE_EVERY = 32 * MiB
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MADV_DONTNEED = 4
+
+
+def release_mapped_pages(path: str) -> int:
+    """Drop this process's page-table entries for every mapping of ``path``
+    (``madvise(MADV_DONTNEED)``); returns the bytes of mappings released.
+
+    Why: LMDB reads through a read-only shared map of the data file, and every page a
+    read or a B-tree update touched stays counted in the process's RSS until unmapped: a
+    queue draining a 4 GiB backlog would show 4 GiB resident although none of it is the
+    process's own memory. Dropping the entries is safe for a read-only shared file
+    mapping (writemap is off, so it holds no dirty page): the pages stay in the page
+    cache and the next access maps them again. Call it between transactions (the store
+    serialises its calls and copies every value out, so no pointer into the map lives).
+    Linux only; elsewhere (no /proc/self/maps) it releases nothing.
+    """
+    real = os.path.realpath(path)
+    released = 0
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5].rstrip("\n") != real:
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                         _MADV_DONTNEED) == 0:
+            released += end - start
+    return released
 
 
 def _translate(exc: lmdb.Error) -> StorageError:
@@ -244,6 +285,7 @@ class LmdbQueueStore(LockedStore):
                 raise _translate(exc) from exc
             raise
         self._counters: dict[str, Counters] = {}
+        self._traffic = 0
 
     # -- properties -----------------------------------------------------------------
 
@@ -348,6 +390,14 @@ class LmdbQueueStore(LockedStore):
             raise _translate(exc) from exc
         return True
 
+    def _account(self, nbytes: int) -> None:
+        """Count the message bytes a call read, wrote or deleted; past
+        ``RELEASE_EVERY``, release the pages of the map this process touched."""
+        self._traffic += nbytes
+        if self._traffic >= RELEASE_EVERY:
+            self._traffic = 0
+            release_mapped_pages(os.path.join(self._path, "data.mdb"))
+
     def _grow(self) -> bool:
         if self._map_size >= self._max_map_size:
             return False
@@ -447,7 +497,9 @@ class LmdbQueueStore(LockedStore):
             self._check_open()
             if not items:
                 return []
-            return self._write(lambda txn: self._append(txn, items, names))
+            result = self._write(lambda txn: self._append(txn, items, names))
+            self._account(sum(len(item.body) for item in items))
+            return result
 
     def _append(
         self, txn: _Txn, items: Sequence[NewMessage], names: dict[str, bytes]
@@ -528,10 +580,14 @@ class LmdbQueueStore(LockedStore):
                 if not removed and not moved:
                     return _Outcome(0, set(), counters)
                 if removed:
+                    freed[0] = self._load_meta(txn, queue).bytes - meta.bytes
                     self._store_meta(txn, meta)
                 return _Outcome(removed, {queue}, counters)
 
-            return self._write(body)
+            freed = [0]
+            result = self._write(body)
+            self._account(freed[0])
+            return result
 
     def _load_cursor(self, txn: _Txn, key: bytes) -> int:
         stored = txn.get(key, db=self._meta_db)
@@ -588,7 +644,9 @@ class LmdbQueueStore(LockedStore):
                             break
                 return found
 
-            return self._read(body)
+            messages = self._read(body)
+            self._account(sum(len(m.body) for m in messages))
+            return messages
 
     def increment_delivery(self, queue: str, seqs: Collection[int]) -> dict[int, int]:
         wanted = check_seqs(seqs)

@@ -307,3 +307,44 @@ def test_without_sync_no_fsyncs_are_counted_but_data_persists(tmp_path: Path) ->
         assert (stats.batches, stats.fsyncs) == (1, 0)
     with LmdbQueueStore(path) as store:
         assert [m.producer_seq for m in store.read_range("q", 0, ALL)] == [1, 2, 3]
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (from /proc/self/smaps)."""
+    real, total, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == real
+            elif inside and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_mapped_pages_are_released_as_a_backlog_passes(tmp_path: Path) -> None:
+    """Reading and deleting 160 MiB of messages leaves at most about RELEASE_EVERY of the
+    store file resident in this process (LMDB's map would otherwise keep every page it
+    touched), and the data read back is intact."""
+    from msgq_trio.storage import NewMessage
+    from msgq_trio.storage.lmdb_store import RELEASE_EVERY
+
+    body = bytes(range(256)) * 64  # 16 KiB
+    n = 160 * MiB // len(body)
+    with LmdbQueueStore(tmp_path / "store", map_size=512 * MiB, max_map_size=512 * MiB,
+                        sync=False) as store:
+        store.declare_queue("q")
+        for lo in range(0, n, 500):
+            store.append_batch([NewMessage("q", "p", i + 1, body)
+                                for i in range(lo, min(n, lo + 500))])
+        data = tmp_path / "store" / "data.mdb"
+        peak, start, seen = 0, 0, 0
+        while chunk := store.read_range("q", start, 500):
+            assert all(m.body == body for m in chunk)
+            seen += len(chunk)
+            store.delete_batch("q", [m.seq for m in chunk])
+            start = chunk[-1].seq + 1
+            peak = max(peak, _mapped_rss(data))
+        assert seen == n
+        assert peak <= RELEASE_EVERY + 16 * MiB, f"{peak >> 20} MiB of the map resident"
