@@ -7,7 +7,7 @@ argument writes nothing, whichever backend runs it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -71,6 +71,20 @@ def check_items(items: Sequence[NewMessage]) -> dict[str, bytes]:
         if not isinstance(item.body, bytes):
             raise TypeError(f"item {index}: body must be bytes, not {type(item.body).__name__}")
     return names
+
+
+def check_marks(marks: Mapping[tuple[str, str], int] | None) -> dict[tuple[str, str], int]:
+    """Check the ``marks`` of an ``append_batch`` call; returns them as a dict."""
+    if marks is None:
+        return {}
+    out: dict[tuple[str, str], int] = {}
+    for key, value in marks.items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise TypeError(f"mark key {key!r} must be a (queue, producer) tuple")
+        encode_name(key[0], "mark queue")
+        encode_name(key[1], "mark producer")
+        out[key] = check_int(value, f"mark of {key!r}", 1)
+    return out
 
 
 @attrs.define

@@ -28,7 +28,7 @@ Vocabulary used by every docstring below:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Protocol, Self
 
@@ -184,7 +184,9 @@ class QueueStore(Protocol):
         """Return the names of all declared queues, sorted by code point."""
         ...
 
-    def append_batch(self, items: Sequence[NewMessage]) -> list[int | None]:
+    def append_batch(
+        self, items: Sequence[NewMessage], marks: Mapping[tuple[str, str], int] | None = None
+    ) -> list[int | None]:
         """Store ``items`` in one transaction with one durable commit (group commit).
 
         Items are taken in order. An item whose ``producer_seq`` is at or below the
@@ -192,14 +194,19 @@ class QueueStore(Protocol):
         item of the same batch -- is a duplicate and is skipped; every other item gets
         the next seq of its queue and raises the high-water mark to its ``producer_seq``.
 
+        ``marks`` maps (queue, producer) to a producer_seq: after the items, in the same
+        transaction, each such high-water mark is raised to it (never lowered). The queue
+        plugin records so the messages consumed without ever being stored, so a resend of
+        one after a crash is still recognised.
+
         Returns:
             One entry per item, in order: the seq assigned, or None for a duplicate.
         Raises:
             UnknownQueue: an item names an undeclared queue.
-            ValueError, TypeError: an item is malformed (see ``NewMessage``).
+            ValueError, TypeError: an item or a mark is malformed (see ``NewMessage``).
             StorageFull: no room; nothing was stored.
-        Durable when it returns: the stored messages and the new high-water marks. An
-        empty batch, or one made only of duplicates, writes and syncs nothing.
+        Durable when it returns: the stored messages and the new high-water marks. A
+        call that stores nothing and raises no mark writes and syncs nothing.
         """
         ...
 

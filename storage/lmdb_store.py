@@ -48,7 +48,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
 
 import attrs
@@ -59,6 +59,7 @@ from ._common import (
     LockedStore,
     check_int,
     check_items,
+    check_marks,
     check_seqs,
     encode_name,
 )
@@ -490,22 +491,32 @@ class LmdbQueueStore(LockedStore):
             # UTF-8 byte order is code point order, so the cache sorts like the database.
             return sorted(self._qids)
 
-    def append_batch(self, items: Sequence[NewMessage]) -> list[int | None]:
+    def append_batch(
+        self, items: Sequence[NewMessage], marks: Mapping[tuple[str, str], int] | None = None
+    ) -> list[int | None]:
         items = list(items)  # read twice below; a one-shot iterable would append nothing
         names = check_items(items)
+        raised = check_marks(marks)
+        for _queue, producer in raised:
+            names.setdefault(producer, producer.encode("utf-8"))
         with self._lock:
             self._check_open()
-            if not items:
+            if not items and not raised:
                 return []
-            result = self._write(lambda txn: self._append(txn, items, names))
+            result = self._write(lambda txn: self._append(txn, items, names, raised))
             self._account(sum(len(item.body) for item in items))
             return result
 
     def _append(
-        self, txn: _Txn, items: Sequence[NewMessage], names: dict[str, bytes]
+        self,
+        txn: _Txn,
+        items: Sequence[NewMessage],
+        names: dict[str, bytes],
+        raised: dict[tuple[str, str], int],
     ) -> _Outcome[list[int | None]]:
         # Resolve every queue before storing anything; UnknownQueue aborts the batch.
-        queues = list(dict.fromkeys(item.queue for item in items))
+        queues = list(dict.fromkeys([*(item.queue for item in items),
+                                     *(queue for queue, _producer in raised)]))
         for name in queues:
             self._qid(name)
         metas = {name: self._load_meta(txn, name) for name in queues}
@@ -535,9 +546,22 @@ class LmdbQueueStore(LockedStore):
             records.append((_MSG_KEY.pack(meta.qid, seq), value))
             counters[item.queue].appended += 1
             result.append(seq)
-        if not records:
+        marked: set[str] = set()
+        for (queue, producer), high in raised.items():
+            mark = marks.get((queue, producer))
+            if mark is None:
+                key = _U32.pack(metas[queue].qid) + names[producer]
+                stored = txn.get(key, db=self._producers_db)
+                low = 0 if stored is None else _decode_u64(stored, "producer mark")
+                mark = marks[queue, producer] = _Mark(key, low)
+            if high > mark.high:
+                mark.high = high
+                mark.changed = True
+                marked.add(queue)
+        if not records and not marked:
             return _Outcome(result, set(), counters)
-        self._put_messages(txn, records)
+        if records:
+            self._put_messages(txn, records)
         for mark in marks.values():
             if mark.changed and not txn.put(mark.key, _U64.pack(mark.high), db=self._producers_db):
                 raise StorageCorrupt(f"LMDB refused the producer mark {mark.key!r}")
@@ -545,7 +569,7 @@ class LmdbQueueStore(LockedStore):
         for name in changed_queues:
             self._store_meta(txn, metas[name])
             counters[name].batches = 1
-        return _Outcome(result, changed_queues, counters)
+        return _Outcome(result, changed_queues | marked, counters)
 
     def delete_batch(
         self, queue: str, seqs: Collection[int], *, cursor: int | None = None

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from ._common import Counters, LockedStore, check_int, check_items, check_seqs, encode_name
+from ._common import (
+    Counters,
+    LockedStore,
+    check_int,
+    check_items,
+    check_marks,
+    check_seqs,
+    encode_name,
+)
 from .api import (
     NewMessage,
     QueueStats,
@@ -113,15 +121,20 @@ class MemoryQueueStore(LockedStore):
             self._check_open()
             return sorted(self._state.queues)
 
-    def append_batch(self, items: Sequence[NewMessage]) -> list[int | None]:
+    def append_batch(
+        self, items: Sequence[NewMessage], marks: Mapping[tuple[str, str], int] | None = None
+    ) -> list[int | None]:
         items = list(items)  # read twice below; a one-shot iterable would append nothing
         check_items(items)
+        raised = check_marks(marks)
         with self._lock:
             self._check_open()
             # Resolve every queue first: an unknown queue must fail the batch before any
             # item is stored.
             for item in items:
                 self._queue(item.queue)
+            for queue_name, _producer in raised:
+                self._queue(queue_name)
             result: list[int | None] = []
             delta: dict[str, Counters] = {}
             for item in items:
@@ -137,9 +150,17 @@ class MemoryQueueStore(LockedStore):
                 queue.producers[item.producer] = item.producer_seq
                 counters.appended += 1
                 result.append(seq)
+            marked: set[str] = set()
+            for (queue_name, producer), high in raised.items():
+                queue = self._state.queues[queue_name]
+                if high > queue.producers.get(producer, 0):
+                    queue.producers[producer] = high
+                    marked.add(queue_name)
+                    delta.setdefault(queue_name, Counters())
             for name, counters in delta.items():
                 if counters.appended:
                     counters.batches = 1
+                if counters.appended or name in marked:
                     counters.fsyncs = 1
                 self._count(name).add(counters)
             return result

@@ -245,6 +245,38 @@ class QueueStoreConformance:
 
     # -- deduplication --------------------------------------------------------------
 
+    def test_marks_raise_high_water_marks_durably_with_the_batch(
+        self, store: QueueStore, open_store: Opener, path: Path
+    ) -> None:
+        """``marks`` raise (never lower) producers' marks in the batch's transaction:
+        after it, a resend at or below the mark is a duplicate, also after a restart."""
+        store.declare_queue("other")
+        assert store.append_batch(batch("q", "p", range(1, 3))) == [1, 2]
+        # p's 3 and 4 were consumed unstored; q2's 9 likewise; a lower mark changes nothing
+        assert store.append_batch(
+            [msg("q", "p", 5)], marks={("q", "p"): 4, ("q", "q2"): 9, ("other", "p"): 1}
+        ) == [3]
+        assert store.producer_state("q", "p") == 5  # the item's seq is above the mark
+        assert store.append_batch([], marks={("q", "q2"): 3}) == []
+        store = self.reopen(store, open_store, path)
+        assert store.producer_state("q", "q2") == 9
+        assert store.producer_state("other", "p") == 1
+        assert store.append_batch([msg("q", "q2", 9), msg("q", "q2", 10)]) == [None, 4]
+        assert seqs_of(store.read_range("q", 0, ALL)) == [1, 2, 3, 4]
+        before = store.stats("q").fsyncs
+        store.append_batch([], marks={("q", "p"): 2})  # below: nothing to write
+        assert store.stats("q").fsyncs == before
+
+    def test_marks_are_checked_before_anything_is_written(self, store: QueueStore) -> None:
+        for bad, error in (({("q", ""): 1}, ValueError), ({("q", "p"): 0}, ValueError),
+                           ({"q": 1}, TypeError)):
+            with pytest.raises(error):
+                store.append_batch([msg("q", "p", 1)], marks=bad)  # type: ignore[arg-type]
+        with pytest.raises(UnknownQueue):
+            store.append_batch([msg("q", "p", 1)], marks={("nope", "p"): 1})
+        assert store.producer_state("q", "p") == 0
+        assert store.read_range("q", 0, ALL) == []
+
     def test_resends_are_skipped_and_reported(self, store: QueueStore) -> None:
         store.declare_queue("other")
         assert store.append_batch(batch("q", "p", range(1, 4))) == [1, 2, 3]
