@@ -13,7 +13,7 @@ import socket
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import cbor2
 import trio
@@ -37,6 +37,10 @@ NACK = "nack"
 #: work on; it is sent at once when the consumer runs out): 2 ms is well below any ack
 #: deadline and the queue's ack_grace (50 ms), and lets ~100 acks share a frame.
 ACK_DELAY = 0.002
+
+#: Iteration over a consumer and acks yield to other tasks at least every this many
+#: messages (the trio client's iteration uses the same rule).
+FAIRNESS = 256
 
 #: Per bus: queue name -> its active push consumer.
 _consumers: weakref.WeakKeyDictionary[Bus, dict[str, Consumer]] = weakref.WeakKeyDictionary()
@@ -102,9 +106,13 @@ class QueueMessage:
             await trio.lowlevel.checkpoint()
             return
         self._done = True
-        if self._consumer is not None:
-            self._consumer._settle(self.id, ok, self._gen)
-            await trio.lowlevel.checkpoint()
+        consumer = self._consumer
+        if consumer is not None:
+            consumer._settle(self.id, ok, self._gen)
+            consumer._acked_since_yield += 1
+            if consumer._acked_since_yield >= FAIRNESS:
+                consumer._acked_since_yield = 0
+                await trio.lowlevel.checkpoint()
         else:
             await self._bus.call(_group(self._bus), "ack" if ok else "nack",
                                  {"queue": self.queue, "ids": [self.id]})
@@ -204,6 +212,9 @@ class Consumer:
         #: dropped (their plugin process is gone; the new one redelivers them)
         self._gen = 0
         self.reattached = 0
+        #: messages returned / acked since the last checkpoint (see ``FAIRNESS``)
+        self._since_yield = 0
+        self._acked_since_yield = 0
 
     def _settle(self, mid: int, ok: bool, gen: int) -> None:
         if gen != self._gen:
@@ -305,14 +316,33 @@ class Consumer:
     async def __anext__(self) -> QueueMessage:
         if not self._started:
             await self._start()
-        if (self._acks or self._nacks) and not self._recv.statistics().current_buffer_used:
-            await self._flush()  # about to wait: the plugin needs our acks to send more
+        # A message already received is returned without a trip through the scheduler,
+        # with a full checkpoint every FAIRNESS messages (as Bus iteration does): the
+        # iteration stays cancellable and fair, and a busy consumer does not pay a
+        # schedule point per message.
+        if self._since_yield < FAIRNESS - 1:
+            try:
+                m = self._recv.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            except trio.EndOfChannel:
+                return self._ended()
+            else:
+                self._since_yield += 1
+                return m
+        self._since_yield = 0
+        if self._acks or self._nacks:
+            # About to wait (or at a checkpoint): the plugin needs our acks to send more.
+            await self._flush()
         try:
             return await self._recv.receive()
         except trio.EndOfChannel:
-            if self._lost is not None and not self._closed:
-                raise self._lost from None
-            raise StopAsyncIteration from None
+            return self._ended()
+
+    def _ended(self) -> NoReturn:
+        if self._lost is not None and not self._closed:
+            raise self._lost from None
+        raise StopAsyncIteration from None
 
     def take_ready(self, limit: int) -> list[QueueMessage]:
         """Up to ``limit`` messages already received, without waiting (possibly none):
