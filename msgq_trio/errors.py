@@ -114,7 +114,7 @@ class LimitExceeded(RpcError):
 
 
 class QueueFull(RpcError):
-    """The queue plugin's store is full (``max_map_size`` reached): the message was not
+    """The queue plugin's store is full (``max_store_size`` reached): the message was not
     stored and will not be delivered. Retry once consumers have drained the queue."""
 
     code = ErrorCode.QUEUE_FULL.value

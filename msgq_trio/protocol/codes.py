@@ -65,7 +65,7 @@ class ErrorCode(enum.StrEnum):
     SLOW_CONSUMER = "slow-consumer"
     DROPPED = "dropped"  # an operator dropped this client (control command ``drop``)
     # -- answered by the queue plugin (docs/QUEUE.md) -------------------------------------
-    #: The queue store's map is full and may not grow (``max_map_size``): the message was
+    #: The queue store's map is full and may not grow (``max_store_size``): the message was
     #: not stored; retry after consumers drained the queue.
     QUEUE_FULL = "queue-full"
     # -- answered by the pipe plugin (docs/PIPES.md) --------------------------------------
