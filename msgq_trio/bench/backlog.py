@@ -101,18 +101,27 @@ class Broker:
         return self.proc.pid
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            # the plugin sees its stdin close and exits; its store lock goes with it
+        """SIGKILL the broker; its plugin sees its stdin close and exits (the next
+        plugin waits for the store's lock until it has)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self._close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.kill()
+            self._close()
+
+    def _close(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 async def _fill(sock: Path, messages: int, size: int) -> float:
@@ -152,7 +161,7 @@ async def _drain(sock: Path, messages: int, plugin: int) -> dict[str, Any]:
                     raise RuntimeError(f"message {i} arrived where {expected} was due")
                 expected += 1
                 await m.ack()
-                if expected % 100_000 == 0:
+                if expected % 100_000 == 0 or expected == messages:
                     s = _status(plugin)
                     peak_anon = max(peak_anon, s.get("RssAnon", 0))
                     peak_rss = max(peak_rss, s.get("VmRSS", 0))
