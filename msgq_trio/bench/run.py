@@ -398,7 +398,8 @@ def render(report: dict[str, Any], *, markdown: bool = False) -> str:
                       f"RSS {b['fill_peak_rss_mib']:.0f} MiB",
                       f"restart (SIGKILL of the broker, start on the same store, to "
                       f"listening): {b['restart_with_backlog_s']:.2f} s "
-                      f"(empty store: {b['start_empty_s']:.2f} s)",
+                      f"(empty store: {b['start_empty_s']:.2f} s), once the killed "
+                      f"broker's plugin had exited ({b['old_plugin_exit_s']:.2f} s)",
                       f"drain: {b['drain_msgs_per_s']:,.0f} msgs/s, every message once and "
                       f"in order; plugin RSS at most {b['drain_rss_mib']:.0f} MiB "
                       f"({b['drain_rss_anon_mib']:.0f} MiB anonymous)"))]
