@@ -7,7 +7,8 @@ Started by :mod:`msgq_trio.plugins.supervisor`. Loads the plugin, runs it, write
   for an ``OSError`` or ``lmdb.Error`` (store directory unusable, disk full): one line
   naming the cause, the traceback at DEBUG);
 * when stdin reaches EOF: the broker, which holds the other end, is gone (even after
-  SIGKILL), so the plugin must not outlive it and, e.g., keep its store locked.
+  SIGKILL), so the plugin must not outlive it and, e.g., keep its store locked: it
+  exits at once (``os._exit``), without closing its connections to the dead broker.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
         async def watch() -> None:
             await _watch_parent()
             log.info("plugin %s: the broker is gone, exiting", name)
-            nursery.cancel_scope.cancel()
+            # At once, as if killed: a graceful close would wait for the dead broker's
+            # GOODBYE on each connection (seconds; up to 2 s + slow_consumer_timeout while
+            # bytes sit unread), and the restarted broker's plugin waits for this one's
+            # store lock meanwhile. Nothing is lost: every write a plugin answered is
+            # committed, and its stores survive a kill -9 by design.
+            sys.stderr.flush()
+            os._exit(0)
 
         async def run(*, task_status: trio.TaskStatus[None]) -> None:
             await plugin.run(socket, settings, task_status=task_status)
