@@ -101,6 +101,11 @@ GiB = 1 << 30
 #: much of the store file however much of it a backlog passes through.
 RELEASE_EVERY = 32 * MiB
 
+#: A commit that fails while its file system has less than this free is reported as
+#: ``StorageFull``: more than one commit of the queue plugin (``max_batch`` small
+#: messages, about 1 MiB) needs, so a nearly full disk is not mistaken for a healthy one.
+FS_FULL_BELOW = 16 * MiB
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _MADV_DONTNEED = 4
 
@@ -363,6 +368,11 @@ class LmdbQueueStore(LockedStore):
                 ) from None
             except lmdb.Error as exc:
                 txn.abort()
+                if self._file_system_full():
+                    raise StorageFull(
+                        f"the file system of {self._path!r} is full ({exc}); nothing was "
+                        "written"
+                    ) from exc
                 raise _translate(exc) from exc
             except BaseException:
                 txn.abort()
@@ -390,6 +400,16 @@ class LmdbQueueStore(LockedStore):
         except lmdb.Error as exc:
             raise _translate(exc) from exc
         return True
+
+    def _file_system_full(self) -> bool:
+        """Whether the store's file system has less than ``FS_FULL_BELOW`` free: LMDB
+        reports a write that found no room as an I/O error (the errno is not kept), so
+        a failed commit on a nearly full file system is taken for a full store."""
+        try:
+            st = os.statvfs(self._path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < FS_FULL_BELOW
 
     def _account(self, nbytes: int) -> None:
         """Count the message bytes a call read, wrote or deleted; past

@@ -348,3 +348,39 @@ def test_mapped_pages_are_released_as_a_backlog_passes(tmp_path: Path) -> None:
             peak = max(peak, _mapped_rss(data))
         assert seen == n
         assert peak <= RELEASE_EVERY + 16 * MiB, f"{peak >> 20} MiB of the map resident"
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs (needs root, as CI and the development machines run)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_full_file_system_is_storage_full_and_recovers(small_fs: Path) -> None:
+    """A file system that fills before the map's bound gives StorageFull (the queue
+    plugin answers queue-full), not an I/O error; nothing of the failed call is stored,
+    and after deletes the store takes writes again. (The failed commit leaves room for
+    the deletes here because it needed 100 KiB; LMDB needs some free space even to
+    delete, which is why the plugin's default bound keeps a tenth of the disk free.)"""
+    from msgq_trio.storage import NewMessage
+
+    with LmdbQueueStore(small_fs / "s", map_size=MiB, max_map_size=64 * MiB) as store:
+        store.declare_queue("q")
+        stored = 0
+        with pytest.raises(StorageFull, match="file system"):
+            for i in range(10_000):
+                store.append_batch([NewMessage("q", "p", i * 100 + k + 1, b"x" * 1000)
+                                    for k in range(100)])
+                stored += 100
+        assert stored > 0
+        assert store.stats("q").depth == stored
+        assert store.delete_batch("q", range(1, stored + 1)) == stored
+        assert store.append_batch([NewMessage("q", "p", 10**6, b"again")]) == [stored + 1]
