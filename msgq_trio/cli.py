@@ -1,5 +1,5 @@
 """Command line: ``msgq-trio serve | ctl | dump | send | call | listen | members | pipe |
-demo | bench | scenario | analyze``."""
+queue | demo | bench | scenario | analyze``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import trio
 
 from . import __version__
 from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
+from .ops.queue_cli import add_queue_arguments
 from .ops.serve import add_serve_arguments
 
 log = logging.getLogger("msgq_trio.cli")
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cli_arguments(p)
 
+    p = sub.add_parser("queue", help="the queue plugin's durable queues: ls, stats, peek, "
+                       "purge (docs/QUEUE.md)")
+    add_queue_arguments(p)
+
     p = sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
     p.add_argument("--socket", "-s", type=Path, default=None)
 
@@ -162,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .client.pipe import run_cli
 
             return trio.run(run_cli, args)
+        if args.cmd == "queue":
+            from .ops.queue_cli import run_queue
+
+            return trio.run(run_queue, args)
         if args.cmd == "demo":
             from .demo import run_demo
 

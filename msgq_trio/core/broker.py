@@ -128,11 +128,12 @@ class Broker:
             "bind": self._cmd_bind,
             "unbind": self._cmd_unbind,
         }
-        #: Transparent insertion (docs/QUEUE.md): group -> the peer bound to it. A MESSAGE,
-        #: NOTIFY or REQUEST to the group (or ``G[N]``/``G[?]``) from anyone but that peer
-        #: goes to that peer alone; the binder itself reaches the real members. Empty in a
-        #: broker without bindings, and every routing path tests it for emptiness first, so
-        #: routing costs one truth test more when nothing is bound.
+        #: Transparent insertion (docs/QUEUE.md): group -> the peer bound to it. A MESSAGE
+        #: or single-answer REQUEST to the group (or ``G[?]``) from anyone but that peer
+        #: goes to that peer alone (``_binder`` says what is not redirected, and why); the
+        #: binder itself reaches the real members. Empty in a broker without bindings, and
+        #: every routing path tests it for emptiness first, so routing costs one truth test
+        #: more when nothing is bound.
         self.bindings: dict[str, Peer] = {}
         # Broker-wide counters of rare events; per-message counts live on each Peer.
         # no_recipient counts one-way messages and requests that reached nobody;
@@ -350,6 +351,16 @@ class Broker:
                     f"notification to {frame.target!r}: notifications go to groups only",
                     ErrorCode.FORBIDDEN,
                 )
+            if frame.fds and self.bindings:
+                binder = self._binder(peer, frame)
+                if binder is not None:
+                    # A one-way message cannot be answered: refused like a forbidden one
+                    # (the sender is dropped with a final ERROR), never stored without its
+                    # descriptors behind the sender's back. handle() closes them.
+                    self.kick(peer, ErrorCode.FORBIDDEN, self._no_fds_to(binder, frame.target))
+                    if self.tap is not None:
+                        self.tap(peer, frame, "refused", 0)
+                    return True
             n = self._deliver_oneway(peer, frame)
             if n < 0:
                 peer.msgs_in -= 1  # counted when it is handed in again
@@ -520,24 +531,46 @@ class Broker:
     def _deliver_oneway(self, peer: Peer, frame: Frame) -> int:
         router = self.router
         if self.bindings:
-            binder = self._binder(peer, frame.target)
+            binder = self._binder(peer, frame)
             if binder is not None:
                 return self._deliver(peer, frame, (binder,), None)
         skip = peer if router.parse_target(frame.target)[0] == GROUP else None
         return self._deliver(peer, frame, router.resolve(frame.target, None), skip)
 
-    def _binder(self, peer: Peer, target: str) -> Peer | None:
-        """The peer bound to ``target``'s group if ``peer`` is not that peer, else None.
+    def _binder(self, peer: Peer, frame: Frame) -> Peer | None:
+        """The peer that takes ``frame`` instead of its target's members, or None.
 
-        Only group targets (``G``, ``G[N]``, ``G[?]``) can be bound; lnames never are, so
-        the binder's own forwarding to ``l.N`` and answers are never redirected."""
-        kind, base, _ = self.router.parse_target(target)
-        if kind == DIRECT or kind == BROKER or kind == RESERVED:
+        Redirected to the group's binder: a MESSAGE, or a REQUEST without the ALL flag,
+        to a bound group ``G`` or ``G[?]`` from anyone but the binder: what a queue can
+        store and later hand to the group (or to one member) as the sender addressed it.
+        Never redirected, because a stored copy could not keep their meaning:
+
+        * NOTIFY: a fire-and-forget broadcast to whoever is subscribed now;
+        * ``G[N]``: one named instance (a queue cannot hold a message for a process that
+          may never return, and its forwarding would lose the index);
+        * an ALL request (``call_all``): one answer per member, which one stored request
+          cannot give;
+        * lnames, ``msgq`` and ``msgq.*``: so the binder's own forwarding to ``l.N`` and
+          every answer reach their target.
+        """
+        kind, base, _ = self.router.parse_target(frame.target)
+        if kind != GROUP and kind != ANYCAST:
+            return None
+        if frame.type == _NOTIFY or frame.flags & _FLAG_ALL:
             return None
         binder = self.bindings.get(base)
         if binder is None or binder is peer:
             return None
         return binder
+
+    def _no_fds_to(self, binder: Peer, target: str) -> str:
+        """The refusal of descriptors sent to a bound group (the binder stores what it
+        takes, and a descriptor cannot be stored): names the binding and the way round."""
+        base = self.router.parse_target(target)[1]
+        return (
+            f"{target!r} is bound to {binder.describe()}, which stores its traffic: file "
+            f"descriptors cannot be stored; send them to one member ({base}[N] or its lname)"
+        )
 
     def _deliver(
         self,
@@ -722,8 +755,15 @@ class Broker:
                 peer, rid, ErrorCode.FORBIDDEN, f"{frame.target!r} is published by the broker only"
             )
             return "refused", 0
-        binder = self._binder(peer, frame.target) if self.bindings else None
+        binder = self._binder(peer, frame) if self.bindings else None
         if binder is not None:
+            if frame.fds:
+                # Refused here, before the binder could store the request without them;
+                # handle() closes the descriptors the broker received.
+                self._reply_error(
+                    peer, rid, ErrorCode.BAD_REQUEST, self._no_fds_to(binder, frame.target)
+                )
+                return "refused", 0
             recipients = [binder]
         else:
             recipients = list(router.resolve(frame.target, peer if kind == GROUP else None))
@@ -974,8 +1014,9 @@ class Broker:
         ]
 
     def _cmd_bind(self, peer: Peer, params: object) -> bool:
-        """``bind {"group"}``: from now on frames to the group from anyone but ``peer`` go
-        to ``peer`` (transparent insertion of a queue; docs/QUEUE.md). Returns False if
+        """``bind {"group"}``: from now on messages and single-answer requests to the group
+        (or ``G[?]``) from anyone but ``peer`` go to ``peer``, the rest as before (see
+        ``_binder``; transparent insertion of a queue, docs/QUEUE.md). Returns False if
         ``peer`` already held the binding. The binding ends with ``unbind`` or when
         ``peer`` disconnects.
 

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import trio
@@ -99,6 +99,33 @@ class Exposition:
                 self.lines.append(f"{sample_name}{{{lbl}}} {_number(value)}")
             else:
                 self.lines.append(f"{sample_name} {_number(value)}")
+
+    def histogram(
+        self,
+        name: str,
+        help_text: str,
+        bounds: Sequence[float],
+        counts: Sequence[int],
+        total: float,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        """One histogram family: ``counts[i]`` observations fell in bucket ``i`` (values
+        ``<= bounds[i]``, above the previous bound; ``counts`` has one more entry, for
+        ``+Inf``); ``total`` is their sum. Written cumulatively, as Prometheus wants."""
+        if len(counts) != len(bounds) + 1:
+            raise ValueError("a histogram needs one count per bound plus one for +Inf")
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} histogram")
+        base = ",".join(f'{k}="{_escape(v)}"' for k, v in (labels or {}).items())
+        sep = "," if base else ""
+        running = 0
+        for bound, n in zip([*bounds, math.inf], counts, strict=True):
+            running += n
+            le = "+Inf" if math.isinf(bound) else _number(float(bound))
+            self.lines.append(f'{name}_bucket{{{base}{sep}le="{le}"}} {running}')
+        suffix = f"{{{base}}}" if base else ""
+        self.lines.append(f"{name}_sum{suffix} {_number(float(total))}")
+        self.lines.append(f"{name}_count{suffix} {running}")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"

@@ -14,8 +14,10 @@ from typing import Any
 import trio
 
 from msgq_trio.client.bus import connect
+from msgq_trio.ops.metrics import MetricsServer, open_listeners
 
 from .engine import Engine
+from .metrics import AgeTracker, render_metrics
 from .service import Service
 from .settings import QueueSettings, max_store_size_for, parse_settings
 from .writer import open_store_dir
@@ -37,10 +39,17 @@ class QueuePlugin:
         self, socket: Path, settings: QueueSettings, *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Open the store, recover, connect, serve until the bus connection ends.
+        """Open the store, recover, connect, serve until the bus connection ends; with
+        ``settings.metrics``, serve ``/metrics`` too (plugins/queue/metrics.py).
 
-        Resource handling: the store, its thread and the directory lock are released on
-        every exit; nothing acked is lost by an exit at any point (it is committed).
+        Resource handling: the store, its thread, the directory lock and the metrics
+        listeners are released on every exit; nothing acked is lost by an exit at any
+        point (it is committed).
+
+        Raises:
+            OSError: the store directory is unusable, or the ``metrics`` address cannot
+                be bound (both before ready, so the broker's start fails; the message
+                names the key).
         """
         await trio.Path(settings.dir).mkdir(parents=True, exist_ok=True)
         bound = max_store_size_for(settings.dir, settings.max_store_size, settings.map_size)
@@ -53,18 +62,40 @@ class QueuePlugin:
             await engine.recover()
             for name, opts in settings.queues.items():
                 await engine.declare(name, opts)
-            async with connect(socket, "msgq-queue") as bus, \
-                    connect(socket, "msgq-queue-binder") as binder, \
-                    trio.open_nursery() as nursery:
-                service = Service(engine, bus, binder, nursery)
-                nursery.start_soon(engine.flush_loop)
-                nursery.start_soon(engine.reaper)
-                nursery.start_soon(service.forwarder)
-                await service.setup()
-                task_status.started()
-                await service.serve()
-                log.info("queue plugin: the bus connection ended")
-                nursery.cancel_scope.cancel()
+            listeners: list[trio.SocketListener] = []
+            shown = ""
+            if settings.metrics:
+                # Bound before ready: a port in use or a host not of this machine fails
+                # the plugin's (and so the broker's) start, not just its metrics.
+                try:
+                    listeners, shown = await open_listeners(settings.metrics)
+                except OSError as exc:
+                    raise OSError(f"[plugins.queue] metrics = {settings.metrics!r}: "
+                                  f"cannot listen: {exc}") from None
+            ages = AgeTracker(engine)
+            try:
+                if listeners:
+                    await ages.sample()  # before any commit: what is stored now is "recovered"
+                async with connect(socket, "msgq-queue") as bus, \
+                        connect(socket, "msgq-queue-binder") as binder, \
+                        trio.open_nursery() as nursery:
+                    service = Service(engine, bus, binder, nursery)
+                    nursery.start_soon(engine.flush_loop)
+                    nursery.start_soon(engine.reaper)
+                    nursery.start_soon(service.forwarder)
+                    if listeners:
+                        nursery.start_soon(ages.run)
+                        nursery.start_soon(MetricsServer(
+                            listeners, lambda: render_metrics(engine, ages)).serve)
+                        log.info("queue plugin: metrics on http://%s/metrics", shown)
+                    await service.setup()
+                    task_status.started()
+                    await service.serve()
+                    log.info("queue plugin: the bus connection ended")
+                    nursery.cancel_scope.cancel()
+            finally:
+                for listener in listeners:  # closed already if the server ran
+                    await trio.aclose_forcefully(listener)
 
 
 PLUGIN = QueuePlugin()

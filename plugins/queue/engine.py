@@ -36,12 +36,13 @@ import heapq
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
 from msgq_trio.storage.api import NewMessage, QueueStore, StorageError, StorageFull
 
+from .metrics import Histogram
 from .settings import QueueOptions, QueueSettings
 from .writer import StoreThread
 
@@ -289,9 +290,14 @@ class Engine:
         self._flushing = False
         self._flushed_mid = 0  # every message with a lower mid was flushed or skipped
         self._dup_waiters: list[tuple[int, _DupCount]] = []
+        #: (queue, producer) -> highest producer seq consumed without being written and
+        #: not yet recorded in the store (``_take_marks``)
+        self._consumed: dict[tuple[str, str], int] = {}
         self.counters = dict.fromkeys(
             ("commits", "fsyncs", "batches", "batch_max", "batch_sum", "storage_full"), 0)
         self.last_batch = 0
+        #: seconds per store commit (``flush_loop``), for the metrics endpoint (metrics.py)
+        self.commit_seconds = Histogram()
 
     # -- queues ---------------------------------------------------------------------------
     async def recover(self) -> None:
@@ -658,9 +664,58 @@ class Engine:
             self._kick()
         elif not m.in_batch:
             q.stats["writes_skipped"] += 1
+            # Never written: its producer seq goes to the store as a mark instead, so a
+            # resend after a crash is still a duplicate (rule 4).
+            key = (q.name, m.producer)
+            if m.pseq > self._consumed.get(key, 0):
+                self._consumed[key] = m.pseq
+                self._kick()
         w, m.waiter = m.waiter, None
         if w is not None:
             w.one("consumed", answer)
+        self.dispatch(q)
+
+    def ack_many(self, q: Queue, msgs: list[Msg]) -> None:
+        """Ack 2 of several messages of ``q``, as ``ack`` of each (without an answer),
+        with one wake-up of the commit and one dispatch: a consumer's acks arrive in
+        batches, and this is the per-message cost of the path where nothing is
+        written."""
+        consumed = self._consumed
+        by_id = q.by_id
+        name = q.name
+        kick = False
+        acked = skipped = 0
+        for m in msgs:
+            if m.state == DONE:
+                continue  # a late or repeated ack
+            c = m.owner
+            if c is not None:
+                c.inflight -= 1
+                m.owner = None
+                if c.kind != "member":
+                    by_id.pop(m.mid, None)
+            m.state = DONE
+            q.forget(m)
+            acked += 1
+            if m.seq is not None:
+                q.deletes.append(m.seq)
+                q.deleting.add(m.seq)
+                kick = True
+            elif not m.in_batch:
+                skipped += 1
+                key = (name, m.producer)  # a mark instead of a write, as in ``ack``
+                if m.pseq > consumed.get(key, 0):
+                    consumed[key] = m.pseq
+                    kick = True
+            w = m.waiter
+            if w is not None:
+                m.waiter = None
+                w.one("consumed")
+        q.stats["acked"] += acked
+        q.stats["writes_skipped"] += skipped
+        self._changed.set()
+        if kick:
+            self._kick()
         self.dispatch(q)
 
     def nack(self, m: Msg) -> None:
@@ -725,7 +780,36 @@ class Engine:
     def _has_work(self) -> bool:
         if self.pending:
             return True
-        return any(q.deletes or q.incr or q.to_dlq for q in self.queues.values())
+        return self._store_work()
+
+    def _store_work(self) -> bool:
+        """Something other than new messages waits for a commit."""
+        return bool(self._consumed) or any(q.deletes or q.incr or q.to_dlq
+                                           for q in self.queues.values())
+
+    def _take_marks(self, waiting: Iterable[Msg]) -> dict[tuple[str, str], int]:
+        """The marks of consumed, never written messages that can go to the store now:
+        a producer's mark may not pass a message of its own still waiting for a commit
+        (the store would take that one for a resend and drop it), so it stops below the
+        lowest such one and the rest waits for a later commit. ``waiting``: the messages
+        left in ``pending`` by this commit."""
+        if not self._consumed:
+            return {}
+        low: dict[tuple[str, str], int] = {}
+        consumed = self._consumed
+        for m in waiting:
+            key = (m.queue.name, m.producer)
+            if m.state != DONE and key in consumed and m.pseq < low.get(key, m.pseq + 1):
+                low[key] = m.pseq
+        marks: dict[tuple[str, str], int] = {}
+        for key, high in list(consumed.items()):
+            below = low.get(key)
+            if below is None or below > high:
+                marks[key] = high
+                del consumed[key]
+            elif below > 1:
+                marks[key] = below - 1
+        return marks
 
     async def flush_loop(self) -> None:
         """Commit forever (rule 2); see the module docstring."""
@@ -777,8 +861,11 @@ class Engine:
             items = take
             for m in items:
                 m.in_batch = True
-            if not items and not any(q.deletes or q.incr or q.to_dlq
-                                     for q in self.queues.values()):
+            # What this commit leaves in pending: the held messages, and past max_batch
+            # the rest (only then is pending longer than what was held).
+            marks = self._take_marks(held if len(pending) == len(held) else pending)
+            if not items and not marks and not any(q.deletes or q.incr or q.to_dlq
+                                                   for q in self.queues.values()):
                 # Only young in-flight messages (and what waits behind them) pending:
                 # wait for an ack, a nack, a put, or the oldest one's grace to end.
                 self._flushed_mid = self.pending[0].mid - 1 if self.pending else \
@@ -805,12 +892,18 @@ class Engine:
             move_seqs = {name: (dlq, [m.seq for m in ms if m.seq is not None])
                          for name, (dlq, ms) in moves.items()}
             self._flushing = True
+            started = trio.current_time()  # the commit's latency: commit_seconds
             try:
-                res = await self.thread.run(self._commit, new, deletes, incr, move_seqs)
+                res = await self.thread.run(self._commit, new, deletes, incr, move_seqs,
+                                            marks)
             finally:
                 self._flushing = False
+            self.commit_seconds.observe(trio.current_time() - started)
+            if res["seqs"] is None and marks:
+                for key, high in marks.items():  # not written: the next commit tries
+                    self._consumed[key] = max(high, self._consumed.get(key, 0))
             self._apply(items, res, deletes, incr, moves)
-            if res["errors"]:
+            if res["errors"] or res["full"] is not None or res.get("error"):
                 await trio.sleep(0.1)  # failed store calls are retried, not in a busy loop
 
     async def _grace(self) -> None:
@@ -825,7 +918,7 @@ class Engine:
             live = deque(m for m in self.pending if m.state != DONE)
             if len(live) != len(self.pending):
                 self.pending = live
-            if not live or any(q.deletes or q.incr or q.to_dlq for q in self.queues.values()):
+            if not live or self._store_work():
                 return
             now = trio.current_time()
             wake = float("inf")
@@ -844,6 +937,7 @@ class Engine:
         deletes: dict[str, list[int]],
         incr: dict[str, list[int]],
         moves: dict[str, tuple[str, list[int]]],
+        marks: dict[tuple[str, str], int],
     ) -> dict[str, Any]:
         """One group commit, on the store thread (rule 2). Never raises for storage
         errors: reports them so the trio side decides what to retry."""
@@ -875,10 +969,10 @@ class Engine:
         out["moved"] = moved
         out["seqs"] = None
         out["full"] = None
-        if new:
+        if new or marks:
             try:
-                out["seqs"] = store.append_batch(new)
-                if any(s is not None for s in out["seqs"]):
+                out["seqs"] = store.append_batch(new, marks)
+                if marks or any(s is not None for s in out["seqs"]):
                     out["fsyncs"] += 1
             except StorageFull as exc:
                 out["full"] = str(exc)
@@ -1038,7 +1132,122 @@ class Engine:
             "batch_mean": c["batch_sum"] / c["batches"] if c["batches"] else 0.0,
             "batch_last": self.last_batch,
             "storage_full": c["storage_full"],
+            "marks_pending": len(self._consumed),
         }
+
+    # -- operator commands ----------------------------------------------------------------
+    async def purge(self, q: Queue) -> int:
+        """Remove every message of ``q`` that no consumer holds and that is not waiting
+        for its commit; return how many (the ``purge`` command, plugins/queue/admin.py).
+
+        Kept: messages in flight (push, fetch, bound-group member; their ack or nack
+        works as before), moving to the dead-letter queue, and not stored yet (their
+        producer still waits for ack 1: removing them would leave it unanswered).
+        Messages put while the purge runs may be removed or kept.
+
+        Removed, durably when this returns: ready stored messages in memory (marked
+        DONE, forgotten, deleted from the store), and every message only on disk
+        (paged-out backlog), read page by page from ``disk_next`` and deleted in chunks
+        of at most 10,000. ``live``/``bytes`` drop by exactly what was removed (the sizes
+        read), so they stay right although commits run meanwhile; the store's own depth
+        would also count acked messages whose delete is not committed yet.
+
+        Each store call is one short job on the store thread; no read transaction spans
+        an await. Page-ins of ``q`` wait meanwhile (the purge holds ``q.refilling``), so
+        a message found only on disk stays only on disk until its delete: it cannot
+        reach a consumer first. A page read is used only if no commit's results arrived
+        between its read and its use other than the one that ran before it (a commit
+        stores messages into memory under seqs the page already shows): else it is read
+        again.
+
+        Raises:
+            StorageError: a store call failed; what was removed before stays removed and
+                counted (stored messages already forgotten are deleted by the next
+                commits).
+        """
+        chunk_max = 10_000  # seqs per delete_batch: bounds one write transaction
+        while q.refilling is not None:  # a page-in or another purge of q is running
+            await q.refilling.wait()
+        q.refilling = hold = trio.Event()
+        store, name = self.store, q.name
+        removed = 0
+
+        async def delete(seqs: list[int]) -> int:
+            n: int = await self.thread.run(store.delete_batch, name, seqs)
+            if n:
+                self.counters["fsyncs"] += 1  # a durable commit like the flush loop's
+            if n != len(seqs):
+                log.error("queue %s: purge deleted %d of %d stored messages (the others "
+                          "were gone already)", name, n, len(seqs))
+            return n
+
+        try:
+            # 1. Ready stored messages in memory: gone from memory at once (no consumer
+            # gets them from here on), then from the store.
+            seqs: list[int] = []
+            for m in [m for m in q.mem.values() if m.state == READY]:
+                m.state = DONE
+                q.forget(m)
+                assert m.seq is not None
+                seqs.append(m.seq)
+            q.ready = deque(m for m in q.ready if m.state == READY)
+            q.again = [(mid, m) for mid, m in q.again if m.state == READY]
+            heapq.heapify(q.again)
+            removed += len(seqs)
+            q.deleting.update(seqs)  # page-ins and peeks skip them until deleted
+            for i in range(0, len(seqs), chunk_max):
+                part = seqs[i:i + chunk_max]
+                try:
+                    await delete(part)
+                except StorageError:
+                    q.deletes.extend(seqs[i:])  # the commits retry them
+                    self._kick()
+                    raise
+                q.deleting.difference_update(part)
+            # 2. Messages only on disk (a paged queue's backlog): seqs >= disk_next that
+            # memory does not hold (in flight, dead) and that are not being deleted.
+            if q.spilled:
+                start = q.disk_next
+                chosen: list[int] = []
+                chosen_bytes = 0
+                while True:
+                    while True:
+                        flushing, commits = self._flushing, self.counters["commits"]
+                        page = await self.thread.run(store.read_range, name, start, PAGE)
+                        if flushing:  # that commit ran before the read: apply it first
+                            while self.counters["commits"] == commits:
+                                await trio.lowlevel.checkpoint()
+                        if self.counters["commits"] == commits + flushing:
+                            break
+                    # Memory is now as the page was read: spilled messages waiting for a
+                    # commit now were not stored yet then.
+                    epoch, unstored = q.spill_epoch, q.unstored_spilled
+                    for sm in page:
+                        if sm.seq not in q.mem and sm.seq not in q.deleting:
+                            chosen.append(sm.seq)
+                            chosen_bytes += len(sm.body)
+                    if page:
+                        start = page[-1].seq + 1
+                    end = len(page) < PAGE
+                    if chosen and (end or len(chosen) + PAGE > chunk_max):
+                        n = await delete(chosen)
+                        q.live -= n
+                        q.bytes -= chosen_bytes
+                        removed += n
+                        chosen, chosen_bytes = [], 0
+                    if end:
+                        break
+                # Everything stored below ``start`` is in memory or deleted now.
+                q.disk_next = start
+                if unstored == 0 and epoch == q.spill_epoch:
+                    # Nothing spilled was waiting for its commit when the last page was
+                    # read, nor since: no message is only on disk any more.
+                    q.spilled = False
+        finally:
+            q.refilling = None
+            hold.set()
+            self.dispatch(q)
+        return removed
 
 
 class _DupCount:

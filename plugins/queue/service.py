@@ -15,18 +15,22 @@ unknown queue ``bad-request`` ("declare it first"); a full store ``queue-full``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
 
 import cbor2
 import trio
 
 from msgq_trio.client.bus import Bus, Message
-from msgq_trio.errors import CommandFailed, ConnectionLost, RpcError
+from msgq_trio.errors import CommandFailed, ConnectionLost, MalformedMessage, RpcError
+from msgq_trio.io.errors import close_fds
 from msgq_trio.protocol.codes import ErrorCode
 
+from . import admin
 from .engine import KIND_MESSAGE, Consumer, Engine, Msg, Queue, Waiter
 from .settings import parse_options
 
@@ -103,6 +107,8 @@ class Service:
                           ("cancel", self._cancel), ("stats", self._stats),
                           ("producer_state", self._producer_state), ("queues", self._queues)):
             bus.add_command(name, afn)
+        for name, handler in admin.commands(self.engine):  # peek, purge (admin.py)
+            bus.add_command(name, handler)
         self.binder.set_default_handler(self._bound_request)
         await bus.subscribe("msgq.membership")
         for q in list(self.engine.queues.values()):
@@ -244,13 +250,17 @@ class Service:
                 self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
                 return
             for m in msgs:
+                stored = decode_bound(m.data)
                 if m.data[0] == KIND_MESSAGE:
-                    # One-way message: forwarded to the whole group (as the producer sent
-                    # it); no consumer ack exists, so it is done once handed to the broker.
-                    self._forward.send_nowait((q.opts.bind, cbor2.loads(m.data[1:]), m))
+                    # One-way message: forwarded to the group, or to one member if the
+                    # producer sent it to G[?], as the producer sent it; no consumer ack
+                    # exists, so it is done once handed to the broker.
+                    target = f"{q.opts.bind}[?]" if stored.anycast else q.opts.bind
+                    self._forward.send_nowait((target, stored, m))
                     continue
-                cmd, params = cbor2.loads(m.data[1:])
-                wait = self.binder.start_call(c.lname, cmd, params, timeout=c.ack_timeout)
+                cmd, params = stored.value
+                wait = _start_call(self.binder, c.lname, cmd, params, c.ack_timeout,
+                                   stored.attachments)
                 self.nursery.start_soon(self._delivery, q, c, m, wait)
         except ConnectionLost:
             return  # the plugin is going away; the messages stay stored
@@ -269,13 +279,27 @@ class Service:
             self.engine.nack_many([m for m in msgs if m.owner is c])
 
     async def forwarder(self) -> None:
-        """Send one-way messages of bound queues in queue order, then ack them."""
-        async for group, body, m in self._forward_recv:
-            try:
-                await self.binder.send(group, body)
-            except ConnectionLost:
-                return
-            self.engine.ack(m)
+        """Send one-way messages of bound queues (each a :class:`Stored`, to its group or
+        ``G[?]``) in queue order, with their attachments, then ack them.
+
+        A dispatch hands messages over as one batch per member, so with two members
+        they come interleaved (0, 2, 4, then 1, 3, 5); but each goes to the whole group,
+        whose members must see a producer's messages in the order sent. So everything
+        handed over at once (a dispatch runs without a checkpoint) is sent in message id
+        order, which is arrival order; a later dispatch hands over later messages."""
+        recv = self._forward_recv
+        async for first in recv:
+            batch = [first]
+            with contextlib.suppress(trio.WouldBlock):
+                while True:
+                    batch.append(recv.receive_nowait())
+            batch.sort(key=lambda item: item[2].mid)
+            for target, stored, m in batch:
+                try:
+                    await self.binder.send(target, stored.value, stored.attachments)
+                except ConnectionLost:
+                    return
+                self.engine.ack(m)
 
     async def _delivery(self, q: Queue, c: Consumer, m: Msg,
                         wait: Callable[[], Awaitable[Any]]) -> None:
@@ -354,21 +378,20 @@ class Service:
     def _settle(self, q: Queue, lname: str, ids: list[Any], ack: bool) -> int:
         """Ack or nack the messages ``ids`` of ``q`` that ``lname`` holds; returns how
         many it held (others were redelivered meanwhile, or are not its own)."""
-        n = 0
         by_id = q.by_id
-        nacked = []
+        held = []
         for mid in ids:
             m = by_id.get(mid) if isinstance(mid, int) else None
             if m is None or m.owner is None or m.owner.lname != lname:
                 continue
+            held.append(m)
+        if held:
+            held = list(dict.fromkeys(held))  # an id given twice counts once
             if ack:
-                self.engine.ack(m)
+                self.engine.ack_many(q, held)
             else:
-                nacked.append(m)
-            n += 1
-        if nacked:
-            self.engine.nack_many(nacked)
-        return n
+                self.engine.nack_many(held)
+        return len(held)
 
     def _acks(self, msg: Message) -> None:
         """One-way ``{"ack"|"nack": queue, "ids": [...]}`` from a push consumer."""
@@ -443,15 +466,23 @@ class Service:
         self.engine.put(q, self.boot, [(self._bound_seq, data)], waiter)
 
     async def _bound_request(self, params: Any, request: Message) -> Any:
-        """A request to a bound group: store it, answer once it is durable (ack 1), or
-        with the member's own answer if a member answered before the commit."""
+        """A request to a bound group: store it with its attachments, answer once it is
+        durable (ack 1), or with the member's own answer if a member answered before the
+        commit. One carrying file descriptors is answered ``bad-request`` (a descriptor
+        cannot be stored; the broker already refuses them, core ``_binder``), and the
+        client library closes them."""
         group = _base(request.target)
         q = self.bound.get(group)
         if q is None:
             raise CommandFailed(str(ErrorCode.NO_RECIPIENT), f"{group!r} is not bound here")
+        if request.fds:
+            raise CommandFailed(BAD, f"{request.sender} ({request.sender_name}): queue "
+                                f"{q.name!r} bound to {group!r} cannot store file "
+                                "descriptors")
         done = trio.Event()
         waiter = Waiter(1, lambda _w: done.set())
-        self._bound_put(q, b"R" + cbor2.dumps([request.command, params]), waiter)
+        self._bound_put(q, encode_bound(b"R", [request.command, params],
+                                        request.attachments), waiter)
         await done.wait()
         if waiter.error:
             raise CommandFailed(*waiter.error)
@@ -460,10 +491,23 @@ class Service:
         return {"queued": q.name}
 
     def _bound_message(self, msg: Message) -> None:
+        """A one-way message to a bound group (``G`` or ``G[?]``): stored with its
+        attachments and whether it went to ``G[?]``. One that cannot be stored (file
+        descriptors, which the broker already refuses; a malformed body) is dropped with
+        a WARNING naming the sender: it cannot be answered."""
         q = self.bound.get(_base(msg.target))
         if q is None:
             return
-        self._bound_put(q, b"M" + cbor2.dumps(msg.body), Waiter(1, lambda _w: None))
+        try:
+            if msg.fds:
+                raise ValueError("it carries file descriptors, which cannot be stored")
+            data = encode_bound(b"M", msg.body, msg.attachments, msg.target.endswith("[?]"))
+        except (MalformedMessage, ValueError) as exc:
+            log.warning("queue %s: dropping a message from %s (%s) to %r: %s", q.name,
+                        msg.sender, msg.sender_name, msg.target, exc)
+            msg.close()
+            return
+        self._bound_put(q, data, Waiter(1, lambda _w: None))
 
     def _membership(self, msg: Message) -> None:
         p = msg.body
@@ -484,3 +528,77 @@ class Service:
                     q, Consumer(lname, "member", q.opts.window, q.opts.ack_timeout))
             else:
                 q.consumers.pop(lname, None)
+
+
+# -- stored values of bound groups (see Service._bound_request/_bound_message) ----------------
+class Stored(NamedTuple):
+    """A request or one-way message to a bound group, decoded from its stored value."""
+
+    #: ``[cmd, params]`` of a request, the body of a one-way message
+    value: Any
+    #: the binary attachments it came with, delivered with it
+    attachments: list[bytes]
+    #: a one-way message sent to ``G[?]``: forwarded to one member, not the group
+    anycast: bool
+
+
+def encode_bound(kind: bytes, value: Any, attachments: Sequence[bytes | memoryview] = (),
+                 anycast: bool = False) -> bytes:
+    """The stored value: ``kind`` (``b"R"`` request, ``b"M"`` message), CBOR ``value``,
+    then, only if there are any, a second CBOR item: the map of extensions
+    ``{"attachments"?: [bytes...], "anycast"?: true}``.
+
+    Appended after the value rather than inside it, because a message body may be any
+    CBOR value (a list of two included), so only the end of the first item tells them
+    apart. Values stored before extensions existed are the first part alone and decode
+    unchanged (:func:`decode_bound`).
+
+    Raises:
+        ValueError: ``value`` cannot be encoded as CBOR (the client decoded it, so only
+            values cbor2 cannot write back, such as undecodable tags, end up here).
+    """
+    ext: dict[str, Any] = {}
+    if attachments:
+        ext["attachments"] = [bytes(a) for a in attachments]
+    if anycast:
+        ext["anycast"] = True
+    try:
+        head = kind + cbor2.dumps(value)
+    except (cbor2.CBOREncodeError, TypeError) as exc:
+        raise ValueError(f"cannot be stored: {exc}") from exc
+    return head + cbor2.dumps(ext) if ext else head
+
+
+def decode_bound(data: bytes) -> Stored:
+    """The inverse of :func:`encode_bound` (the kind byte is skipped); values without
+    extensions, including every one stored before they existed, have none."""
+    fp = io.BytesIO(data)
+    fp.seek(1)
+    decoder = cbor2.CBORDecoder(fp)
+    value = decoder.decode()
+    if fp.tell() >= len(data):
+        return Stored(value, [], False)
+    ext = decoder.decode()
+    if not isinstance(ext, dict):
+        ext = {}
+    return Stored(value, list(ext.get("attachments", ())), ext.get("anycast") is True)
+
+
+def _start_call(bus: Bus, target: str, command: str, params: Any, timeout: float,
+                attachments: list[bytes]) -> Callable[[], Awaitable[Any]]:
+    """:meth:`Bus.start_call` with ``attachments``: sent now, in call order, ``wait()``
+    gives the result. ``Bus.start_call`` takes no attachments, so a request with some
+    takes the same steps through the client's internals (as client/pipe.py does)."""
+    if not attachments:
+        return bus.start_call(target, command, params, timeout=timeout)
+    rid, call = bus._start_call(target, command, params, timeout, attachments, False)
+
+    async def wait() -> Any:
+        await bus._finish_call(rid, call, timeout)
+        if call.error is not None:
+            raise call.error
+        if call.frame is not None and call.frame.fds:
+            close_fds(call.frame.fds)  # the ack is the answer; descriptors in it are unused
+        return call.result
+
+    return wait

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from msgq_trio.core.router import valid_group_name
+from msgq_trio.ops.metrics import parse_listen
 
 __all__ = ["QueueOptions", "QueueSettings", "max_store_size_for", "parse_settings"]
 
@@ -106,6 +107,12 @@ class QueueSettings:
       consumer takes ~2 ms alone, up to ~30 ms with 16 producers saturating the 2 cores;
       50 ms covers that, below seed 003's "say 100 ms". 0 disables it (then only acks
       racing a running commit skip writes).
+    * ``metrics`` "" (off): ``HOST:PORT`` (port 0: any free one; ``[::1]:PORT`` for
+      IPv6) where the plugin process serves its queues as Prometheus text at
+      ``/metrics`` (plugins/queue/metrics.py). Opt-in because it opens a TCP port; the
+      plugin's own endpoint because the broker's (``serve --metrics``) runs in the
+      broker process, which cannot see a plugin process's queues. Bound before the
+      plugin is ready, so a port that cannot be bound fails the broker's start.
     * ``queues``: ``<name>`` -> :class:`QueueOptions` table, declared at start.
     """
 
@@ -119,6 +126,7 @@ class QueueSettings:
     max_batch: int = 10_000
     max_delay: float = 0.0
     ack_grace: float = 0.05
+    metrics: str = ""
     queues: dict[str, QueueOptions] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -145,6 +153,11 @@ class QueueSettings:
             raise ValueError(f"ack_grace = {self.ack_grace}: must be >= 0")
         if self.max_delay < 0:
             raise ValueError(f"max_delay = {self.max_delay}: must be >= 0")
+        if self.metrics:
+            try:
+                parse_listen(self.metrics)
+            except ValueError as exc:
+                raise ValueError(f"metrics = {self.metrics!r}: {exc}") from None
         bound = [o.bind for o in self.queues.values() if o.bind]
         if len(bound) != len(set(bound)):
             raise ValueError("two queues bind the same group")
@@ -154,7 +167,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dir": (str,), "group": (str,), "map_size": (int,), "max_store_size": (int,),
     "max_map_size": (int,), "resident_messages": (int,), "resident_bytes": (int,),
     "sync": (bool,), "max_batch": (int,), "max_delay": (int, float),
-    "ack_grace": (int, float),
+    "ack_grace": (int, float), "metrics": (str,),
 }
 _QTYPES: dict[str, tuple[type, ...]] = {
     "bind": (str,), "max_deliveries": (int,), "dead_letter": (str,),

@@ -100,3 +100,23 @@ async def test_page_in_skips_acked_messages_whose_delete_is_not_committed(rig: R
     assert q.deleting == {m.seq for m in first}
     await rig.settle()
     assert rig.bodies() == [b"1", b"2", b"3", b"4", b"5", b"6"]
+
+
+async def test_mark_of_a_consumed_message_never_passes_an_unwritten_earlier_one(
+        rig: Rig) -> None:
+    """A message consumed before it was written raises its producer's durable mark, but
+    not past an earlier message of that producer still waiting for its commit: the
+    store would take that one for a resend and drop it."""
+    engine, q, store = rig.engine, rig.q, rig.engine.store
+    await rig.put(b"1", b"2")
+    engine.add_consumer(q, rig.c)
+    await rig.settle()
+    m1, m2 = rig.delivered
+    engine.ack(m2)                       # consumed, never written
+    assert engine._take_marks(engine.pending) == {}  # 1 still waits for its commit
+    engine.nack(m1)                      # redelivered, still unwritten
+    rig.nursery.start_soon(engine.flush_loop)
+    await rig.settle()
+    assert [m.producer_seq for m in store.read_range("q", 0, 10)] == [1]
+    assert store.producer_state("q", "p") == 2
+    assert engine._consumed == {}
