@@ -157,6 +157,24 @@ async def open_listeners(spec: str) -> tuple[list[trio.SocketListener], str]:
     return listeners, shown
 
 
+async def open_plugin_listeners(plugin: str, spec: str
+                                ) -> tuple[list[trio.SocketListener], str]:
+    """:func:`open_listeners` for a plugin's ``metrics`` setting (none if ``spec`` is
+    empty). Called before the plugin is ready, so a port in use or a host not of this
+    machine fails the plugin's start, and so the broker's, instead of a plugin running
+    without its metrics.
+
+    Raises:
+        OSError: naming ``[plugins.<plugin>] metrics`` and why it cannot listen.
+    """
+    if not spec:
+        return [], ""
+    try:
+        return await open_listeners(spec)
+    except OSError as exc:
+        raise OSError(f"[plugins.{plugin}] metrics = {spec!r}: cannot listen: {exc}") from None
+
+
 class MetricsServer:
     """Serves ``render()`` at ``/metrics`` on already-bound listeners."""
 

@@ -48,7 +48,7 @@ import trio
 from msgq_trio.client.bus import Bus, connect
 from msgq_trio.client.queue import Consumer, Queue, QueueMessage
 from msgq_trio.errors import ConnectError, ConnectionLost, MsgqError, RequestTimeout, RpcError
-from msgq_trio.ops.metrics import Exposition, MetricsServer, open_listeners
+from msgq_trio.ops.metrics import Exposition, MetricsServer, open_plugin_listeners
 
 from .settings import LinkConfig, LinkSettings
 
@@ -405,16 +405,7 @@ async def serve(socket: Path, settings: LinkSettings, *,
             start fails; the message names the key).
     """
     links = [Link(name, cfg, socket) for name, cfg in settings.links.items()]
-    listeners: list[trio.SocketListener] = []
-    shown = ""
-    if settings.metrics:
-        # Bound before ready: a port in use or a host not of this machine fails the
-        # plugin's (and so the broker's) start instead of a link without its metrics.
-        try:
-            listeners, shown = await open_listeners(settings.metrics)
-        except OSError as exc:
-            raise OSError(f"[plugins.link] metrics = {settings.metrics!r}: cannot "
-                          f"listen: {exc}") from None
+    listeners, shown = await open_plugin_listeners("link", settings.metrics)
 
     async def status(_params: Any, _request: Any) -> list[dict[str, Any]]:
         return [{**link.status(), "metrics": shown} for link in links]

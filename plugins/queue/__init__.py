@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from msgq_trio.client.bus import connect
-from msgq_trio.ops.metrics import MetricsServer, open_listeners
+from msgq_trio.ops.metrics import MetricsServer, open_plugin_listeners
 
 from .engine import Engine
 from .metrics import AgeTracker, render_metrics
@@ -62,16 +62,7 @@ class QueuePlugin:
             await engine.recover()
             for name, opts in settings.queues.items():
                 await engine.declare(name, opts)
-            listeners: list[trio.SocketListener] = []
-            shown = ""
-            if settings.metrics:
-                # Bound before ready: a port in use or a host not of this machine fails
-                # the plugin's (and so the broker's) start, not just its metrics.
-                try:
-                    listeners, shown = await open_listeners(settings.metrics)
-                except OSError as exc:
-                    raise OSError(f"[plugins.queue] metrics = {settings.metrics!r}: "
-                                  f"cannot listen: {exc}") from None
+            listeners, shown = await open_plugin_listeners("queue", settings.metrics)
             ages = AgeTracker(engine)
             try:
                 if listeners:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+from plugin_helpers import eventually, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio import sync
@@ -21,13 +22,6 @@ from msgq_trio.errors import QueueFull, RemoteError
 Start = Callable[..., Any]
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``cond`` until true (state in another process: nothing to wait on)."""
-    with trio.fail_after(timeout):
-        while True:
-            if cond():
-                return
-            await trio.sleep(0.02)
 
 
 async def test_put_fetch_ack_and_survives_kill(queue_broker: Start, short_tmp: Path) -> None:
@@ -411,9 +405,8 @@ async def test_plugin_restarted_after_crash(queue_broker: Start) -> None:
     b = queue_broker({"pc": {}})
     async with msgq_trio.connect(b.path, "p") as p:
         assert await p.queue("pc").put("kept") == "stored"
-    pid = int(re.findall(r"plugin queue ready \(pid (\d+)\)", b.log())[-1])
-    os.kill(pid, signal.SIGKILL)
-    await eventually(lambda: len(re.findall(r"plugin queue ready", b.log())) >= 2, 20)
+    os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
+    await eventually(lambda: len(ready_plugin_pids(b.log())) >= 2, 20)
     assert "plugin queue exited with status -9; restarting" in b.log()
     async with msgq_trio.connect(b.path, "c") as c:
         assert [m.body for m in await c.queue("pc").fetch(5)] == ["kept"]

@@ -5,7 +5,6 @@ HTTP, and the purge's races in-process on the memory store (each taken on purpos
 from __future__ import annotations
 
 import base64
-import inspect
 import json
 import re
 import socket
@@ -23,9 +22,8 @@ import trio
 from msgq_trio.plugins.queue.admin import peek
 from msgq_trio.plugins.queue.engine import Consumer, Engine, Msg, Queue, Waiter
 from msgq_trio.plugins.queue.metrics import AgeTracker
-from msgq_trio.plugins.queue.settings import QueueSettings, parse_settings
-from msgq_trio.plugins.queue.writer import StoreThread
-from msgq_trio.storage.memory import MemoryQueueStore
+from msgq_trio.plugins.queue.settings import parse_settings
+from plugin_helpers import engine_on_memory_store, eventually
 from prometheus_client.parser import text_string_to_metric_families
 
 import msgq_trio
@@ -55,16 +53,6 @@ async def acli_json(sock: Path, *argv: str) -> Any:
     return json.loads(r.stdout)
 
 
-async def eventually(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Poll ``cond`` (sync or async) until truthy: state in another process."""
-    with trio.fail_after(timeout):
-        while True:
-            value = cond()
-            if inspect.isawaitable(value):
-                value = await value
-            if value:
-                return value
-            await trio.sleep(0.05)
 
 
 def body(i: int) -> str:
@@ -402,20 +390,13 @@ class Rig:
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    settings = QueueSettings(dir="unused", resident_messages=4, resident_bytes=1 << 20,
-                             ack_grace=0)
-    with MemoryQueueStore() as store, StoreThread() as thread:
-        engine = Engine(store, thread, settings)
-        async with trio.open_nursery() as nursery:
-            engine.nursery = nursery
-            await engine.declare("q", None)
-            r = Rig(engine, nursery)
-            try:
-                yield r
-            finally:
-                for gate in r.gates:
-                    gate.set()
-                nursery.cancel_scope.cancel()
+    async with engine_on_memory_store() as (engine, nursery):
+        r = Rig(engine, nursery)
+        try:
+            yield r
+        finally:
+            for gate in r.gates:
+                gate.set()
 
 
 async def test_purge_keeps_messages_waiting_for_their_commit(rig: Rig) -> None:

@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 from msgq_trio.plugins.queue.engine import Consumer, Engine, Msg, Queue, Waiter
-from msgq_trio.plugins.queue.settings import QueueSettings
-from msgq_trio.plugins.queue.writer import StoreThread
-from msgq_trio.storage.memory import MemoryQueueStore
+from plugin_helpers import engine_on_memory_store
 
 
 class Rig:
@@ -46,15 +44,8 @@ class Rig:
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    settings = QueueSettings(dir="unused", resident_messages=4, resident_bytes=1 << 20,
-                             ack_grace=0)
-    with MemoryQueueStore() as store, StoreThread() as thread:
-        engine = Engine(store, thread, settings)
-        async with trio.open_nursery() as nursery:
-            engine.nursery = nursery
-            await engine.declare("q", None)
-            yield Rig(engine, engine.queues["q"], nursery)
-            nursery.cancel_scope.cancel()
+    async with engine_on_memory_store() as (engine, nursery):
+        yield Rig(engine, engine.queues["q"], nursery)
 
 
 async def test_spilling_ends_only_when_nothing_spilled_is_waiting_for_its_commit(

@@ -19,8 +19,8 @@ from typing import Any
 
 import cbor2
 import pytest
-import trio
 from msgq_trio.plugins.queue.service import Stored, decode_bound, encode_bound
+from plugin_helpers import eventually
 
 import msgq_trio
 from msgq_trio.errors import ConnectionLost, MalformedMessage, RemoteError
@@ -33,13 +33,6 @@ Start = Callable[..., Any]
 BIG = bytes(range(256)) * 1024
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll ``cond`` until true (state in another process: nothing to wait on)."""
-    with trio.fail_after(timeout):
-        while True:
-            if cond():
-                return
-            await trio.sleep(0.02)
 
 
 @dataclass

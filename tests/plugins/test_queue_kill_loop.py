@@ -5,12 +5,12 @@ no client waits without an answer or an error for longer than the bound below.""
 from __future__ import annotations
 
 import os
-import re
 import signal
 from collections.abc import Callable
 from typing import Any
 
 import trio
+from plugin_helpers import eventually, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio.errors import ConnectionLost, RpcError
@@ -40,15 +40,10 @@ class World:
         self.generation += 1
 
     async def kill_plugin(self) -> None:
-        log = self.broker.log()
-        pid = int(re.findall(r"plugin queue ready \(pid (\d+)\)", log)[-1])
-        before = log.count("plugin queue ready")
-        os.kill(pid, signal.SIGKILL)
-        with trio.fail_after(SILENCE_BOUND):
-            while True:
-                if self.broker.log().count("plugin queue ready") > before:
-                    return
-                await trio.sleep(0.05)
+        before = ready_plugin_pids(self.broker.log())
+        os.kill(before[-1], signal.SIGKILL)
+        await eventually(lambda: len(ready_plugin_pids(self.broker.log())) > len(before),
+                         SILENCE_BOUND)
 
 
 async def test_producer_and_consumer_across_plugin_and_broker_kills(

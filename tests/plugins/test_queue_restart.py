@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 from collections.abc import Callable
 from typing import Any
 
 import trio
+from plugin_helpers import eventually, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio.errors import RpcError
@@ -16,17 +16,8 @@ from msgq_trio.errors import RpcError
 Start = Callable[..., Any]
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll ``cond`` until true (state in another process: nothing to wait on)."""
-    with trio.fail_after(timeout):
-        while True:
-            if cond():
-                return
-            await trio.sleep(0.02)
 
 
-def plugin_pids(log: str) -> list[int]:
-    return [int(p) for p in re.findall(r"plugin queue ready \(pid (\d+)\)", log)]
 
 
 async def put_until_stored(q: Any, body: Any, seq: int) -> None:
@@ -59,8 +50,8 @@ async def test_push_consumer_goes_on_after_the_plugin_is_killed(queue_broker: St
             for i in range(50):
                 await put_until_stored(q, i, i + 1)
             await eventually(lambda: len(got) == 50)
-            os.kill(plugin_pids(b.log())[-1], signal.SIGKILL)
-            await eventually(lambda: len(plugin_pids(b.log())) == 2)
+            os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
+            await eventually(lambda: len(ready_plugin_pids(b.log())) == 2)
             for i in range(50, 100):
                 await put_until_stored(q, i, i + 1)
             await eventually(lambda: len(got) == 100)
@@ -76,7 +67,7 @@ async def test_pending_put_fails_when_the_plugin_dies(queue_broker: Start) -> No
     async with msgq_trio.connect(b.path, "p") as p:
         q = p.queue("k")
         await q.declare()
-        pid = plugin_pids(b.log())[-1]
+        pid = ready_plugin_pids(b.log())[-1]
         os.kill(pid, signal.SIGSTOP)  # SIGKILL below ends it stopped or not
         failed: list[RpcError] = []
 
