@@ -165,10 +165,11 @@ def run_bench(systems: list[str], workloads: list[str], *, quick: bool, repeat: 
     unusable: dict[str, str] = {}
     main_on = "main" in sections
     rabbitmq = rabbitmq or "rabbitmq" in systems
+    requested = systems  # the durable section's peers, with or without the main table
     systems = systems if main_on else []
     durable_rows = list(msgq_durable_rows) + [
         p for p in durable.PEER_ROWS
-        if p in systems or (p == "rabbitmq" and rabbitmq)] if "durable" in sections else []
+        if p in requested or (p == "rabbitmq" and rabbitmq)] if "durable" in sections else []
     peers = sorted({s for s in systems if SYSTEMS[s].kind == PEER}
                    | {p for p in durable_rows if p in durable.PEER_ROWS})
     if peers:
