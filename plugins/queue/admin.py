@@ -35,7 +35,8 @@ from msgq_trio.client.bus import Message
 from msgq_trio.errors import CommandFailed
 from msgq_trio.protocol.codes import ErrorCode
 
-from .engine import KIND_BODY, KIND_MESSAGE, KIND_REQUEST, PAGE, READY, Engine, Queue
+from .engine import Engine
+from .model import KIND_BODY, KIND_MESSAGE, KIND_REQUEST, PAGE, READY, Queue
 
 __all__ = ["MAX_PEEK", "commands", "peek", "purge"]
 

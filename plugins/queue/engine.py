@@ -1,4 +1,4 @@
-"""The queue engine: messages in memory, group commit to the store, delivery, redelivery.
+"""The queue engine: group commit to the store, delivery, redelivery, paging.
 
 Rules (docs/QUEUE.md states them for users):
 
@@ -22,9 +22,18 @@ Rules (docs/QUEUE.md states them for users):
 4. Deduplication: per (queue, producer) the highest producer seq accepted; the first put
    of a producer in this run waits for its durable high-water mark from the store, so a
    resend after a crash is recognised even if a consumer is online (no skip-write of a
-   duplicate).
+   duplicate). A message consumed before it was written raises that mark in the store
+   with the next commit (``_take_marks``; never past an earlier message of the same
+   producer still waiting for its commit, which the store would then drop).
 5. Storage full: every message of the failed append is removed and its producer gets
    ``queue-full``; deletes still run, so the queue works again once drained.
+6. Memory: each queue holds at most ``resident_messages`` / ``resident_bytes`` in memory
+   (ready, in flight, waiting for a commit). Past them the queue *spills*: new messages
+   wait for their commit in ``pending`` only and then leave memory; ``_refill`` reads
+   stored messages back in seq order as consumers take them, skipping those memory
+   holds and those acked but not yet deleted, and ends spilling once a read reached the
+   end of the store with nothing spilled waiting for its commit. Start-up reads each
+   queue's counts, not its messages (``recover``).
 
 Everything here runs on the trio thread except the store calls (``StoreThread``); no store
 call spans an await, none holds a read transaction after it returns.
@@ -36,231 +45,31 @@ import heapq
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import trio
 from msgq_trio.storage.api import NewMessage, QueueStore, StorageError, StorageFull
 
 from .metrics import Histogram
+from .model import (
+    DEAD,
+    DONE,
+    INFLIGHT,
+    PAGE,
+    READY,
+    Consumer,
+    Deliver,
+    DupCount,
+    Msg,
+    Producer,
+    Queue,
+    Waiter,
+)
 from .settings import QueueOptions, QueueSettings
 from .writer import StoreThread
 
 log = logging.getLogger("msgq_trio.plugins.queue")
-
-READY, INFLIGHT, DONE, DEAD = range(4)
-
-#: Body kinds (first byte of the stored value): a queue-API body (CBOR, as the producer
-#: encoded it), a request to a bound group (CBOR [cmd, params]), a one-way message to a
-#: bound group (CBOR body).
-KIND_BODY, KIND_REQUEST, KIND_MESSAGE = b"B"[0], b"R"[0], b"M"[0]
-
-#: Most messages one page-in reads (one short read transaction on the store thread; at
-#: 1 KiB bodies about a millisecond here, so a commit queued behind it waits little).
-PAGE = 1000
-
-
-class Waiter:
-    """Ack 1 bookkeeping of one put request (one or many messages).
-
-    ``callback(waiter)`` runs once every message is accounted for, or at the first
-    failure (``error`` set).
-    """
-
-    __slots__ = ("answer", "callback", "consumed", "duplicates", "error", "remaining", "stored")
-
-    def __init__(self, n: int, callback: Callable[[Waiter], None]) -> None:
-        self.remaining = n
-        self.stored = self.consumed = self.duplicates = 0
-        self.error: tuple[str, str] | None = None
-        self.answer: Any = None
-        self.callback: Callable[[Waiter], None] | None = callback
-
-    def one(self, how: str, answer: Any = None) -> None:
-        if how == "stored":
-            self.stored += 1
-        elif how == "consumed":
-            self.consumed += 1
-            self.answer = answer
-        else:
-            self.duplicates += 1
-        self.remaining -= 1
-        if self.remaining <= 0:
-            self._finish()
-
-    def stored_n(self, k: int) -> None:
-        """``k`` of its messages are durable."""
-        self.stored += k
-        self.remaining -= k
-        if self.remaining <= 0:
-            self._finish()
-
-    def fail(self, code: str, message: str) -> None:
-        self.error = (code, message)
-        self._finish()
-
-    def _finish(self) -> None:
-        cb, self.callback = self.callback, None
-        if cb is not None:
-            cb(self)
-
-
-class Msg:
-    """One message of one queue while the plugin holds it."""
-
-    __slots__ = ("data", "deadline", "deliveries", "in_batch", "mid", "owner", "producer",
-                 "pseq", "queue", "sent", "seq", "spilled", "state", "waiter")
-
-    def __init__(self, mid: int, queue: Queue, data: bytes, producer: str, pseq: int,
-                 seq: int | None, deliveries: int, waiter: Waiter | None) -> None:
-        self.mid = mid
-        self.queue = queue
-        self.data = data
-        self.producer = producer
-        self.pseq = pseq
-        self.seq = seq
-        self.deliveries = deliveries
-        self.waiter = waiter
-        self.state = READY
-        self.owner: Consumer | None = None
-        self.deadline = 0.0
-        self.sent = 0.0  # when its current delivery started
-        self.in_batch = False
-        #: accepted while its queue pages from the store: it waits for its commit in
-        #: ``pending`` only, and leaves memory once stored (read back in seq order later)
-        self.spilled = False
-
-
-class Consumer:
-    """A receiver of deliveries: a push consumer (``consume``), a member of a bound group,
-    or a fetcher (``fetch``; window unlimited, acks by id, deadline per message)."""
-
-    __slots__ = ("ack_timeout", "ids", "inflight", "kind", "lname", "window")
-
-    def __init__(self, lname: str, kind: str, window: int, ack_timeout: float,
-                 ids: bool = False) -> None:
-        self.lname = lname
-        self.kind = kind  # "push", "member" or "fetch"
-        self.window = window
-        self.ack_timeout = ack_timeout
-        self.inflight = 0
-        #: deliveries carry each message's producer name and producer seq (a link to
-        #: another broker forwards them, so the next queue deduplicates resends)
-        self.ids = ids
-
-
-class Queue:
-    """The in-memory state of one durable queue."""
-
-    def __init__(self, name: str, opts: QueueOptions, default_grace: float) -> None:
-        self.name = name
-        self.opts = opts
-        #: the effective ack grace (the queue's option, else the plugin's setting)
-        self.grace = default_grace if opts.ack_grace is None else opts.ack_grace
-        #: messages never delivered, in arrival (= mid) order
-        self.ready: deque[Msg] = deque()
-        #: messages given back for redelivery, a heap by mid: they go out before
-        #: ``ready`` and in their original order however their nacks arrive (a link's
-        #: give-back comes in several ``nack`` messages, refused delivery batches one by
-        #: one; putting each at the front would send later messages first, and the next
-        #: queue, deduplicating by each producer's highest seq, would take the earlier
-        #: ones for resends and drop them)
-        self.again: list[tuple[int, Msg]] = []
-        self.consumers: dict[str, Consumer] = {}
-        self.fetchers: dict[str, Consumer] = {}
-        #: mid -> message in flight to a push consumer or a fetcher (acked by id, with a
-        #: deadline); deliveries to bound-group members are requests and are not here.
-        self.by_id: dict[int, Msg] = {}
-        self.rr = 0
-        #: messages and body bytes of the queue, in memory or only on disk
-        self.live = 0
-        self.bytes = 0
-        #: messages (and their bytes) this queue holds in memory: ready, given back, in
-        #: flight, or waiting for their commit. Bounded by the ``resident_*`` settings:
-        #: past them new messages are spilled (kept only until stored)
-        self.resident = 0
-        self.resident_bytes = 0
-        #: stored messages exist that are not in memory: ready messages are paged in from
-        #: the store in seq order (``Engine.refill``), and new ones are spilled so they
-        #: come after them
-        self.spilled = False
-        #: the next seq a page-in reads from (every live stored message below it is in
-        #: memory, or was acked and its delete is not committed yet)
-        self.disk_next = 0
-        #: seq -> stored live message held in memory: a page-in skips them
-        self.mem: dict[int, Msg] = {}
-        #: seqs acked whose delete is not committed yet: a page-in skips them too
-        self.deleting: set[int] = set()
-        #: spilled messages not committed yet, and a count of spills: a page-in that found
-        #: the end of the stored messages ends spilling only if neither changed meanwhile
-        self.unstored_spilled = 0
-        self.spill_epoch = 0
-        self.refilling: trio.Event | None = None
-        self.deletes: list[int] = []
-        self.incr: list[int] = []
-        self.to_dlq: list[Msg] = []
-        self.stats = dict.fromkeys(
-            ("put", "stored", "writes_skipped", "duplicates", "acked", "delivered",
-             "redelivered", "dead_lettered", "refused_full", "out_of_order", "paged_in"),
-            0)
-
-    def backlog(self) -> int:
-        """Messages waiting for a delivery (some may be done already: skipped when
-        taken)."""
-        return len(self.ready) + len(self.again)
-
-    def take(self) -> Msg | None:
-        """The waiting message with the lowest mid (redeliveries first: every message
-        ever delivered arrived before every one still in ``ready``), or None."""
-        again, ready = self.again, self.ready
-        if again and (not ready or again[0][0] < ready[0].mid):
-            return heapq.heappop(again)[1]
-        return ready.popleft() if ready else None
-
-    def give_back(self, m: Msg) -> None:
-        """``m`` (READY again) waits for redelivery in its original order."""
-        heapq.heappush(self.again, (m.mid, m))
-
-    def inflight(self) -> int:
-        members = sum(c.inflight for c in self.consumers.values() if c.kind == "member")
-        return members + len(self.by_id)
-
-    def admit(self, m: Msg) -> None:
-        """``m`` (READY) enters memory at the end of ``ready``."""
-        self.ready.append(m)
-        self.resident += 1
-        self.resident_bytes += len(m.data)
-        if m.seq is not None:
-            self.mem[m.seq] = m
-
-    def forget(self, m: Msg) -> None:
-        """``m`` is done (acked, dropped as a duplicate, refused, moved): it leaves the
-        queue's counts and memory."""
-        self.live -= 1
-        self.bytes -= len(m.data)
-        self.resident -= 1
-        self.resident_bytes -= len(m.data)
-        if m.seq is not None:
-            self.mem.pop(m.seq, None)
-        if m.spilled:
-            m.spilled = False
-            self.unstored_spilled -= 1
-
-
-class Producer:
-    """Deduplication state of one (queue, producer): None until the store answered."""
-
-    __slots__ = ("held", "hwm")
-
-    def __init__(self) -> None:
-        self.hwm: int | None = None
-        self.held: list[tuple[list[tuple[int, bytes]], Waiter, int | None]] = []
-
-
-#: ``deliver(queue, consumer, msgs)``: start delivering ``msgs`` (in queue order) to one
-#: consumer; the service sends the frames and later calls ``ack``/``nack``.
-Deliver = Callable[[Queue, Consumer, list[Msg]], None]
-
 
 class Engine:
     """All queues of one plugin process.
@@ -289,7 +98,7 @@ class Engine:
         self._changed = trio.Event()  # an ack, nack or put: the grace wait looks again
         self._flushing = False
         self._flushed_mid = 0  # every message with a lower mid was flushed or skipped
-        self._dup_waiters: list[tuple[int, _DupCount]] = []
+        self._dup_waiters: list[tuple[int, DupCount]] = []
         #: (queue, producer) -> highest producer seq consumed without being written and
         #: not yet recorded in the store (``_take_marks``)
         self._consumed: dict[tuple[str, str], int] = {}
@@ -440,7 +249,7 @@ class Engine:
                     waiter.one("duplicate")
             else:
                 # Answered once what arrived before it is flushed (rule 1).
-                self._dup_waiters.append((self._next_mid - 1, _DupCount(waiter, dups)))
+                self._dup_waiters.append((self._next_mid - 1, DupCount(waiter, dups)))
         self._kick()
         self.dispatch(q)
 
@@ -1248,17 +1057,3 @@ class Engine:
             hold.set()
             self.dispatch(q)
         return removed
-
-
-class _DupCount:
-    """Answers ``n`` duplicates of one waiter at once when resolved."""
-
-    __slots__ = ("n", "waiter")
-
-    def __init__(self, waiter: Waiter, n: int) -> None:
-        self.waiter = waiter
-        self.n = n
-
-    def resolve(self) -> None:
-        for _ in range(self.n):
-            self.waiter.one("duplicate")

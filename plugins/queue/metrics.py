@@ -31,7 +31,8 @@ from msgq_trio.storage.api import QueueStore, StorageError
 from msgq_trio.ops.metrics import Exposition
 
 if TYPE_CHECKING:
-    from .engine import Engine, Queue
+    from .engine import Engine
+    from .model import Queue
 
 __all__ = ["COMMIT_BUCKETS", "SAMPLE_PERIOD", "AgeTracker", "Histogram", "render_metrics"]
 

@@ -31,7 +31,8 @@ from msgq_trio.io.errors import close_fds
 from msgq_trio.protocol.codes import ErrorCode
 
 from . import admin
-from .engine import KIND_MESSAGE, Consumer, Engine, Msg, Queue, Waiter
+from .engine import Engine
+from .model import KIND_MESSAGE, Consumer, Msg, Queue, Waiter
 from .settings import parse_options
 
 log = logging.getLogger("msgq_trio.plugins.queue")
