@@ -491,9 +491,14 @@ class Engine:
         written."""
         consumed = self._consumed
         by_id = q.by_id
+        mem = q.mem
         name = q.name
         kick = False
-        acked = skipped = 0
+        acked = skipped = nbytes = 0
+        # Waiters are told once per batch with their count (a put_many of 500 acked in
+        # one batch costs one call, not 500), and the queue's counts change once
+        # (``Queue.forget`` for the whole batch: a delivered message is never spilled).
+        waiters: dict[Waiter, int] = {}
         for m in msgs:
             if m.state == DONE:
                 continue  # a late or repeated ack
@@ -504,11 +509,13 @@ class Engine:
                 if c.kind != "member":
                     by_id.pop(m.mid, None)
             m.state = DONE
-            q.forget(m)
             acked += 1
-            if m.seq is not None:
-                q.deletes.append(m.seq)
-                q.deleting.add(m.seq)
+            nbytes += len(m.data)
+            seq = m.seq
+            if seq is not None:
+                mem.pop(seq, None)
+                q.deletes.append(seq)
+                q.deleting.add(seq)
                 kick = True
             elif not m.in_batch:
                 skipped += 1
@@ -519,7 +526,13 @@ class Engine:
             w = m.waiter
             if w is not None:
                 m.waiter = None
-                w.one("consumed")
+                waiters[w] = waiters.get(w, 0) + 1
+        q.live -= acked
+        q.resident -= acked
+        q.bytes -= nbytes
+        q.resident_bytes -= nbytes
+        for w, k in waiters.items():
+            w.consumed_n(k)
         q.stats["acked"] += acked
         q.stats["writes_skipped"] += skipped
         self._changed.set()

@@ -69,6 +69,13 @@ class Waiter:
         if self.remaining <= 0:
             self._finish()
 
+    def consumed_n(self, k: int) -> None:
+        """``k`` of its messages were consumed (acked) before they were written."""
+        self.consumed += k
+        self.remaining -= k
+        if self.remaining <= 0:
+            self._finish()
+
     def fail(self, code: str, message: str) -> None:
         self.error = (code, message)
         self._finish()
