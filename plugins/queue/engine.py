@@ -222,21 +222,37 @@ class Engine:
         self._next_mid = mid
         p.hwm = hwm
         self.pending.extend(new)
-        settings = self.settings
-        if not q.spilled and (q.resident >= settings.resident_messages
-                              or q.resident_bytes >= settings.resident_bytes):
-            q.spilled = True
-            log.info("queue %s: %d messages (%d bytes) in memory: new ones wait on disk",
-                     q.name, q.resident, q.resident_bytes)
-        if q.spilled:
+        spill = new
+        if not q.spilled:
+            # As many as the bounds leave room for go to memory, the rest (and, from now
+            # on, everything new) is spilled.
+            settings = self.settings
+            room_n = settings.resident_messages - q.resident
+            room_b = settings.resident_bytes - q.resident_bytes
+            k = 0
+            if room_n >= len(new) and room_b >= nbytes:
+                k = len(new)
+            else:
+                for m in new:
+                    room_b -= len(m.data)
+                    if k >= room_n or room_b < 0:
+                        break
+                    k += 1
+            if k:
+                q.ready.extend(new if k == len(new) else new[:k])
+            spill = new[k:] if k < len(new) else []
+            if spill:
+                q.spilled = True
+                log.info("queue %s: %d messages (%d bytes) in memory: new ones wait on "
+                         "disk", q.name, q.resident + k, q.resident_bytes + nbytes
+                         - sum(len(m.data) for m in spill))
+        if spill:
             # Kept only until stored: they reach consumers by a page-in, after the
             # stored messages before them.
-            for m in new:
+            for m in spill:
                 m.spilled = True
-            q.unstored_spilled += len(new)
+            q.unstored_spilled += len(spill)
             q.spill_epoch += 1
-        else:
-            q.ready.extend(new)
         q.resident += len(new)
         q.resident_bytes += nbytes
         q.live += len(new)

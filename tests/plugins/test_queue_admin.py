@@ -32,7 +32,7 @@ import msgq_trio
 Start = Callable[..., Any]
 
 #: Small memory bounds: a queue pages to disk past 100 messages.
-PAGING = {"resident_messages": 100, "resident_bytes": 1 << 20}
+PAGING = {"resident_messages": 200, "resident_bytes": 1 << 20}
 
 
 def cli(sock: Path, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -62,8 +62,8 @@ def body(i: int) -> str:
 
 
 async def fill_paged(bus: msgq_trio.Bus, n_memory: int = 200, n_total: int = 1000) -> None:
-    """Put ``n_total`` messages into ``q``: the first ``n_memory`` in one put (memory takes
-    a whole put while under its bound), the rest in puts of 100, which go to disk only."""
+    """Put ``n_total`` messages into ``q``: the first ``n_memory`` (the memory bound of
+    ``PAGING``) in one put, the rest in puts of 100, which go to disk only."""
     q = bus.queue("q", producer="p1")
     await q.put_many([body(i) for i in range(n_memory)])
     for lo in range(n_memory, n_total, 100):
