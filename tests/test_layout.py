@@ -1,6 +1,7 @@
 """Packaging layout: every package directory is listed in pyproject.toml, and the mapped
 top-level directories (plugins/, storage/) are only importable as msgq_trio.plugins /
-msgq_trio.storage, never as generic top-level modules."""
+msgq_trio.storage, never as generic top-level modules. scenarios/ is installed as data
+(msgq_trio/scenarios/*.toml in the wheel), not as an importable package."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: top-level directory -> the package name it is installed as
 MAPPED = {"msgq_trio": "msgq_trio", "plugins": "msgq_trio.plugins", "storage": "msgq_trio.storage"}
+#: data-only packages (no code, no __init__.py): installed name -> top-level directory
+DATA_PACKAGES = {"msgq_trio.scenarios": "scenarios"}
 
 
 def setuptools_config() -> dict[str, object]:
@@ -45,14 +48,17 @@ def test_listed_packages_exist() -> None:
     """Every package listed in pyproject.toml is a directory with an __init__.py."""
     listed = setuptools_config()["packages"]
     found = package_dirs()
-    assert [p for p in listed if p not in found] == []  # type: ignore[union-attr]
+    data = [p for p in listed if p in DATA_PACKAGES]  # type: ignore[union-attr]
+    assert [p for p in listed if p not in found and p not in data] == []  # type: ignore[union-attr]
+    for p in data:
+        assert list((ROOT / DATA_PACKAGES[p]).glob("*.toml")), p
 
 
 def test_package_dir_mapping() -> None:
     """plugins/ and storage/ are mapped to msgq_trio.plugins and msgq_trio.storage."""
     mapping = setuptools_config()["package-dir"]
     assert mapping == {"msgq_trio": "msgq_trio", "msgq_trio.plugins": "plugins",
-                       "msgq_trio.storage": "storage"}
+                       "msgq_trio.storage": "storage", **DATA_PACKAGES}
 
 
 def run_outside_repo(code: str) -> subprocess.CompletedProcess[str]:
@@ -79,7 +85,8 @@ def test_no_generic_top_level_modules_installed() -> None:
 
 def test_every_package_imports_from_outside() -> None:
     """Every package listed in pyproject.toml imports by its installed name from /tmp."""
-    packages = [p for p in setuptools_config()["packages"]]  # type: ignore[union-attr]
+    packages = [p for p in setuptools_config()["packages"]  # type: ignore[union-attr]
+                if p not in DATA_PACKAGES]
     r = run_outside_repo("import importlib, sys\n"
                          f"for p in {packages!r}:\n"
                          "    importlib.import_module(p)\n")

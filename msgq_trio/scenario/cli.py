@@ -22,11 +22,17 @@ from .runner import Interrupted, run_scenario
 
 
 def default_dir() -> Path:
-    """``scenarios/`` in the current directory, else the one next to the package source."""
+    """``scenarios/`` in the current directory, else the scenarios installed with the
+    package (``msgq_trio/scenarios/``, package data of a wheel), else the ``scenarios/``
+    of the source checkout this package runs from (an editable install)."""
     here = Path("scenarios")
     if here.is_dir():
         return here
-    return Path(__file__).resolve().parents[2] / "scenarios"
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "scenarios"
+    if installed.is_dir():
+        return installed
+    return package.parent / "scenarios"
 
 
 def all_scenarios(directory: Path | None = None) -> list[Path]:
