@@ -1,50 +1,120 @@
-"""Command line: ``msgq-trio serve | ctl | dump | send | call | listen | members | pipe |
-queue | demo | bench | scenario | analyze``."""
+"""The msgq-trio command line: serve, ctl, dump, send, call, notify, listen, reply, members,
+pipe, queue, token, demo, bench, scenario, analyze.
+
+Broker address: -s/--socket takes a socket path or a tcp://HOST:PORT / tls://HOST:PORT URL
+(default $MSGQ_TRIO_SOCKET, else the per-user socket). Remote brokers: --token (or
+$MSGQ_TRIO_TOKEN), --tls-ca (or $MSGQ_TRIO_TLS_CA), --tls-cert/--tls-key for a client
+certificate. These flags and --log-level go before or after the subcommand.
+
+Exit status: 0 done; 1 the command failed (one "error:" line on stderr says why); 2 bad
+usage or input (e.g. a body that is not JSON); 130 interrupted (Ctrl-C); 141 the reader
+of standard output went away (| head).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from . import __version__
-from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
+from .ops.ctl_client import (
+    CliUsageError,
+    add_ctl_arguments,
+    add_dump_arguments,
+    connect_options,
+)
 from .ops.queue_cli import add_queue_arguments
 from .ops.serve import add_serve_arguments
 
 log = logging.getLogger("msgq_trio.cli")
 
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+#: 128 + SIGINT and 128 + SIGPIPE: what a shell reports for a program those signals end,
+#: so scripts see the same status as with other command line tools.
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
-def _add_socket(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--socket",
-        "-s",
-        type=Path,
-        default=None,
-        help="broker socket (default: $MSGQ_TRIO_SOCKET or the per-user path)",
-    )
+#: Subcommands with their own argument parser: everything after the name is theirs
+#: (argparse's REMAINDER would reject a first argument that looks like an option).
+_DELEGATED = ("bench", "scenario", "analyze")
+#: Subcommands that talk to a broker as a client: they take --token and the TLS flags.
+_CLIENTS = ("ctl", "dump", "send", "call", "notify", "listen", "reply", "members", "pipe",
+            "queue")
+#: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
+#: a flag given before the subcommand is not reset by the subcommand's copy).
+GLOBAL_DEFAULTS: dict[str, Any] = {
+    "log_level": None, "socket": None, "token": None, "tls_ca": None, "tls_cert": None,
+    "tls_key": None,
+}
+
+
+def plain(doc: str | None) -> str:
+    """A docstring as --help text: reST literals (````x````) and roles (``:func:`x```)
+    shown as plain text."""
+    import re
+
+    text = doc or ""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def _add_global_flags(p: argparse.ArgumentParser, *, client: bool) -> None:
+    """--log-level and --socket (and for clients --token, --tls-*), default SUPPRESS.
+    A parser that already has one of them (e.g. its own -s) keeps its own."""
+
+    def add(*names: str, **kw: Any) -> None:
+        try:
+            p.add_argument(*names, default=argparse.SUPPRESS, **kw)
+        except argparse.ArgumentError:
+            pass  # already defined by this parser
+
+    add("--log-level", choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC"],
+        help="default INFO (serve: log.level of the configuration file); TRAFFIC logs "
+        "every frame the broker routes")
+    add("--socket", "-s", metavar="ADDRESS",
+        help="broker socket path, or tcp://HOST:PORT / tls://HOST:PORT (default: "
+        "$MSGQ_TRIO_SOCKET or the per-user path)")
+    if not client:
+        return
+    add("--token", metavar="TOKEN",
+        help="credential for a TCP/TLS broker (default $MSGQ_TRIO_TOKEN; `msgq-trio token` "
+        "makes one)")
+    add("--tls-ca", metavar="PEM",
+        help="CA bundle to trust a tls:// broker with (default $MSGQ_TRIO_TLS_CA, else the "
+        "system's trust store)")
+    add("--tls-cert", metavar="PEM",
+        help="client certificate chain for tls:// (default $MSGQ_TRIO_TLS_CERT)")
+    add("--tls-key", metavar="PEM",
+        help="its private key (default $MSGQ_TRIO_TLS_KEY; default: in --tls-cert)")
+
+
+def _subparsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every parser below ``p`` (the choices of its subparsers, recursively)."""
+    for action in p._actions:  # argparse has no public walk over subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                yield child
+                yield from _subparsers(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="msgq-trio", description=__doc__)
+    """The parser of ``msgq-trio`` (delegated subcommands only show their help line)."""
+    parser = argparse.ArgumentParser(
+        prog="msgq-trio", description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"msgq-trio {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC"],
-        help="default INFO (serve: log.level of the configuration file); TRAFFIC logs "
-        "every frame the broker routes",
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the broker daemon")
-    _add_socket(p)
     add_serve_arguments(p)
 
     p = sub.add_parser(
@@ -61,80 +131,140 @@ def build_parser() -> argparse.ArgumentParser:
     add_dump_arguments(p)
 
     p = sub.add_parser("send", help="send one message (body: JSON)")
-    _add_socket(p)
-    p.add_argument("target")
-    p.add_argument("body", nargs="?", default="null")
+    p.add_argument("target", help="a group or an lname (l.N)")
+    p.add_argument("body", nargs="?", default="null",
+                   help="the message body as JSON (default null; a string needs quotes: "
+                   "'\"text\"')")
 
     p = sub.add_parser("call", help="call a command and print its result as JSON")
-    _add_socket(p)
-    p.add_argument("target")
-    p.add_argument("command")
-    p.add_argument("params", nargs="?", default="null", help="JSON")
-    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("target", help="the group (or lname) that answers the command")
+    p.add_argument("command", help="the command's name")
+    p.add_argument("params", nargs="?", default="null", help="parameters as JSON (default null)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the answer (default: the broker's request "
+                   "deadline)")
 
     p = sub.add_parser("notify", help="publish a notification")
-    _add_socket(p)
-    p.add_argument("group")
-    p.add_argument("event")
-    p.add_argument("params", nargs="?", default="null", help="JSON")
+    p.add_argument("group", help="the group to notify")
+    p.add_argument("event", help="the event's name")
+    p.add_argument("params", nargs="?", default="null", help="parameters as JSON (default null)")
 
     p = sub.add_parser("listen", help="subscribe to groups and print what arrives")
-    _add_socket(p)
-    p.add_argument("groups", nargs="+")
+    p.add_argument("groups", nargs="+", help="groups to subscribe to")
     p.add_argument("--count", type=int, default=0, help="exit after N messages")
 
+    p = sub.add_parser("reply", help="answer a command from the shell: print each request "
+                       "(JSON line) and answer it with RESULT")
+    p.add_argument("group", help="the group to join (callers call GROUP COMMAND)")
+    p.add_argument("command", help="the command to answer")
+    p.add_argument("result", nargs="?", default="null", help="the answer as JSON (default null)")
+    p.add_argument("--count", type=int, default=0, help="exit after answering N requests")
+
     p = sub.add_parser("members", help="list the members of a group")
-    _add_socket(p)
-    p.add_argument("group")
+    p.add_argument("group", help="the group")
+    p.add_argument("--json", action="store_true", help="one JSON array of members")
 
     p = sub.add_parser("pipe", help="named pipe: 'write NAME' sends stdin, 'read NAME' "
                        "prints it (docs/PIPES.md)")
-    _add_socket(p)
     from .client.pipe import add_cli_arguments
 
     add_cli_arguments(p)
+    for action in p._actions:  # its positionals are defined with the pipe client
+        if action.dest == "action" and not action.help:
+            action.help = "write: stdin into the pipe; read: the pipe to stdout"
 
     p = sub.add_parser("queue", help="the queue plugin's durable queues: ls, stats, peek, "
                        "purge (docs/QUEUE.md)")
     add_queue_arguments(p)
 
-    p = sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
-    p.add_argument("--socket", "-s", type=Path, default=None)
+    sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
+    for name, text in (
+        ("bench", "benchmark msgq_trio next to a raw socket ceiling"),
+        ("scenario", "run fault scenarios (scenarios/*.toml)"),
+        ("analyze", "analyse captures and scenario results on Spark (needs the 'spark' "
+         "extra)"),
+    ):
+        p = sub.add_parser(name, help=f"{text} (msgq-trio {name} --help)")
+        p.add_argument("args", nargs=argparse.REMAINDER,
+                       help=f"arguments of msgq-trio {name} (its own --help)")
 
-    p = sub.add_parser("bench", help="benchmark msgq_trio next to a raw socket ceiling")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-
-    p = sub.add_parser("scenario", help="run fault scenarios (scenarios/*.toml)")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-
-    p = sub.add_parser("analyze", help="analyse captures and scenario results on Spark "
-                       "(needs the 'spark' extra)")
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    _add_global_flags(parser, client=True)
+    for name, child in sub.choices.items():
+        _add_global_flags(child, client=name in _CLIENTS)
+        for grandchild in _subparsers(child):
+            _add_global_flags(grandchild, client=name in _CLIENTS)
     return parser
 
 
-#: Subcommands with their own argument parser: everything after the name is theirs
-#: (argparse's REMAINDER would reject a first argument that looks like an option).
-_DELEGATED = ("bench", "scenario", "analyze")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``msgq-trio``; returns the exit status."""
+    """Entry point of ``msgq-trio``; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here for buffered output
+        return status
+    except BaseException as exc:
+        return _exit_status(exc)
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _exit_status(exc: BaseException) -> int:
+    """The status for an exception that ended the command, or re-raise it (a bug).
+
+    Ctrl-C and a closed standard output end a command, quietly, even when trio wrapped
+    them in exception groups; SystemExit (argparse) keeps its status."""
+    leaves = list(_leaves(exc))
+    if all(isinstance(e, KeyboardInterrupt) for e in leaves):
+        return EXIT_INTERRUPTED
+    if all(isinstance(e, (BrokenPipeError, KeyboardInterrupt)) for e in leaves):
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+    raise exc
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's final flush would raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _delegate(name: str, argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    if name == "bench":
+        from .bench.run import main as bench_main
+
+        return int(bench_main(argv))
+    if name == "analyze":  # pyspark is imported only when a job runs
+        from .analytics.cli import main as analyze_main
+
+        return int(analyze_main(argv))
+    from .scenario.cli import main as scenario_main
+
+    return int(scenario_main(argv))
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in _DELEGATED:
-        logging.basicConfig(level=logging.WARNING)
-        if argv[0] == "bench":
-            from .bench.run import main as bench_main
-
-            return int(bench_main(argv[1:]))
-        if argv[0] == "analyze":  # pyspark is imported only when a job runs
-            from .analytics.cli import main as analyze_main
-
-            return int(analyze_main(argv[1:]))
-        from .scenario.cli import main as scenario_main
-
-        return int(scenario_main(argv[1:]))
-    args = build_parser().parse_args(argv)
+        return _delegate(argv[0], argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd in _DELEGATED:  # global flags came first: `msgq-trio -s X scenario list`
+        return _delegate(args.cmd, args.args)
+    for key, value in GLOBAL_DEFAULTS.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
     if args.cmd == "token":
         import secrets
 
@@ -154,60 +284,72 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if level == "TRAFFIC" else getattr(logging, level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    prog = f"msgq-trio {args.cmd}"
     try:
-        if args.cmd == "ctl":
-            from .ops.ctl_client import run_ctl
-
-            return trio.run(run_ctl, args)
-        if args.cmd == "dump":
-            from .ops.ctl_client import run_dump
-
-            return trio.run(run_dump, args)
-        if args.cmd == "pipe":
-            from .client.pipe import run_cli
-
-            return trio.run(run_cli, args)
-        if args.cmd == "queue":
-            from .ops.queue_cli import run_queue
-
-            return trio.run(run_queue, args)
         if args.cmd == "demo":
             from .demo import run_demo
 
-            return run_demo(args.socket)
-        if args.cmd == "bench":
-            from .bench.run import main as bench_main
+            return run_demo(Path(args.socket) if args.socket else None)
+        runner: Callable[[argparse.Namespace], Awaitable[int]]
+        if args.cmd == "ctl":
+            from .ops.ctl_client import run_ctl as runner
+        elif args.cmd == "dump":
+            from .ops.ctl_client import run_dump as runner
+        elif args.cmd == "queue":
+            from .ops.queue_cli import run_queue as runner
+        elif args.cmd == "pipe":
+            runner = _pipe_command
+        else:
+            runner = _client_command
+        return trio.run(runner, args)
+    except CliUsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
-            return int(bench_main(args.args))
-        if args.cmd == "scenario":
-            from .scenario.cli import main as scenario_main
 
-            return scenario_main(args.args)
-        return trio.run(_client_command, args)
-    except KeyboardInterrupt:
-        return 130
+def _json_arg(text: str, what: str) -> Any:
+    """``text`` parsed as JSON, or CliUsageError naming the argument (exit status 2)."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        hint = "" if text[:1] in ('{', '[', '"') else (
+            f"; a string needs quotes, e.g. '\"{text[:20]}\"'")
+        raise CliUsageError(f"{what} is not JSON ({exc}): {text[:60]!r}{hint}") from None
 
 
 async def _client_command(args: argparse.Namespace) -> int:
     from . import connect
     from .errors import MsgqError, RpcError
 
+    # Checked before connecting: bad input is the caller's fault, not the broker's.
+    body = params = result = None
+    if args.cmd == "send":
+        body = _json_arg(args.body, "BODY")
+    elif args.cmd in ("call", "notify"):
+        params = _json_arg(args.params, "PARAMS")
+    elif args.cmd == "reply":
+        result = _json_arg(args.result, "RESULT")
     try:
-        async with connect(args.socket, name=f"msgq-trio-{args.cmd}") as bus:
+        async with connect(args.socket, name=f"msgq-trio-{args.cmd}",
+                           **connect_options(args)) as bus:
             if args.cmd == "send":
-                await bus.send(args.target, json.loads(args.body))
+                await bus.send(args.target, body)
                 await bus.flush()
             elif args.cmd == "call":
-                result = await bus.call(
-                    args.target, args.command, json.loads(args.params), timeout=args.timeout
-                )
-                print(json.dumps(result, default=_json_default))
+                value = await bus.call(args.target, args.command, params, timeout=args.timeout)
+                print(json.dumps(value, default=_json_default))
             elif args.cmd == "notify":
-                await bus.notify(args.group, args.event, json.loads(args.params))
+                await bus.notify(args.group, args.event, params)
                 await bus.flush()
             elif args.cmd == "members":
-                for m in await bus.members(args.group):
+                members = await bus.members(args.group)
+                if args.json:
+                    print(json.dumps([{"lname": m.lname, "name": m.name, "pid": m.pid}
+                                      for m in members]))
+                for m in [] if args.json else members:
                     print(f"{m.lname}\t{m.name}\tpid={m.pid}")
+            elif args.cmd == "reply":
+                await _reply(bus, args, result)
             elif args.cmd == "listen":
                 for g in args.groups:
                     await bus.subscribe(g)
@@ -234,11 +376,88 @@ async def _client_command(args: argparse.Namespace) -> int:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         if exc.data is not None:
             print(json.dumps(exc.data, default=_json_default), file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except MsgqError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return 0
+
+
+async def _reply(bus: Any, args: argparse.Namespace, result: Any) -> None:
+    """``reply GROUP COMMAND RESULT``: join GROUP, print each COMMAND request as a JSON
+    line ({from, name, params}) and answer it with RESULT; ``--count`` N: stop after N."""
+    done = trio.Event()
+    answered = 0
+
+    def handle(params: Any, request: Any) -> Any:
+        nonlocal answered
+        print(json.dumps({"from": request.sender, "name": request.sender_name,
+                          "params": params}, default=_json_default), flush=True)
+        answered += 1
+        if args.count and answered >= args.count:
+            done.set()
+        return result
+
+    bus.add_command(args.command, handle)
+    await bus.subscribe(args.group)
+    print(f"# answering {args.group} {args.command} as {bus.lname}", file=sys.stderr,
+          flush=True)
+    await done.wait()
+    await bus.flush()  # the last answer leaves before the connection closes
+
+
+async def _pipe_command(args: argparse.Namespace) -> int:
+    """``pipe write NAME`` / ``pipe read NAME`` (docs/PIPES.md). Exit status 0, 1 on a
+    pipe error (one ``error:`` line; the hint when no pipe plugin runs), 3 on timeout."""
+    from . import connect
+    from .client.pipe import DEFAULT_GROUP, Pipe
+    from .errors import ConnectionLost, MsgqError, NoRecipient, PipeTimeout
+
+    try:
+        async with connect(args.socket, name=f"msgq-trio-pipe-{args.action}",
+                           **connect_options(args)) as bus:
+            pipe = Pipe(bus, args.name)
+            if args.action == "write":
+                w = await pipe.open_writer(readers=args.readers,
+                                           on_reader_gone=args.on_reader_gone,
+                                           persistent=args.persistent or None)
+                async with w:
+                    while True:
+                        data = await trio.to_thread.run_sync(os.read, 0, w.max_chunk * 4)
+                        if not data:
+                            break
+                        if args.timeout is None:
+                            await w.send_all(data)
+                        else:
+                            await w.write(data, args.timeout)
+                    await w.flush(args.timeout)
+            else:
+                r = await pipe.open_reader(readers=args.readers,
+                                           persistent=args.persistent or None)
+                async with r:
+                    while True:
+                        data = await r.read(None, args.timeout)
+                        if not data:
+                            break
+                        await trio.to_thread.run_sync(_write_all, 1, data)
+    except NoRecipient:
+        print(f"error: the pipe plugin is not running (nobody answers on group "
+              f"{DEFAULT_GROUP!r}): start the broker with --plugin pipe", file=sys.stderr)
+        return EXIT_FAILED
+    except PipeTimeout as exc:
+        print(f"error: timeout: {exc}", file=sys.stderr)
+        return 3
+    except (MsgqError, ConnectionLost) as exc:
+        code = getattr(exc, "code", None)
+        print(f"error: {code}: {exc}" if code else f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _json_default(value: Any) -> Any:

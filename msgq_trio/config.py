@@ -138,6 +138,66 @@ def default_socket_path() -> Path:
     return Path(f"/tmp/msgq-trio-{os.getuid()}") / "bus.sock"
 
 
+def default_state_dir() -> Path:
+    """Where the broker's plugins keep durable state when ``state_dir`` is not set.
+
+    ``$STATE_DIRECTORY`` (set by systemd for a unit with ``StateDirectory=``; its first
+    entry), else ``/var/lib/msgq-trio`` for root (a system bus), else
+    ``$XDG_STATE_HOME/msgq-trio`` (``~/.local/state/msgq-trio``). Never the socket's
+    directory: that is usually a tmpfs (``/run``, ``$XDG_RUNTIME_DIR``) emptied at boot,
+    and a durable queue must outlive a reboot.
+    """
+    env = os.environ.get("STATE_DIRECTORY", "")
+    if env:
+        return Path(env.split(":")[0])
+    if os.getuid() == 0:
+        return Path("/var/lib/msgq-trio")
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "msgq-trio"
+
+
+def parse_socket_mode(text: str) -> int | None:
+    """``socket_mode`` as permission bits: ``"0660"`` -> 0o660, ``""`` -> None (umask).
+
+    Raises:
+        ValueError: not 3 or 4 octal digits, or bits beyond 0777.
+    """
+    if text == "":
+        return None
+    t = text[2:] if text.startswith("0o") else text
+    if not 3 <= len(t) <= 4 or any(c not in "01234567" for c in t) or int(t, 8) > 0o777:
+        raise ValueError(f"socket_mode must be octal permission bits like \"0660\"; got {text!r}")
+    return int(t, 8)
+
+
+def resolve_group(text: str) -> int | None:
+    """``socket_group`` as a gid: a group name or a number; ``""`` -> None (keep the
+    broker's group).
+
+    Raises:
+        ValueError: no such group on this host.
+    """
+    import grp
+
+    if text == "":
+        return None
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"socket_group {text!r}: no such group on this host") from None
+
+
+def _socket_mode(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
+    parse_socket_mode(value)
+
+
+def _socket_group(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
+    resolve_group(value)
+
+
 # -- operations settings (configuration file, docs/CONFIG.md) ---------------------------------
 
 #: Log levels, most to least severe. TRAFFIC (below DEBUG) logs every frame routed.
@@ -432,11 +492,18 @@ class AccessSettings:
 class BrokerConfig:
     """Everything ``msgq-trio serve`` reads from its configuration file and flags.
 
-    ``socket`` "" means :func:`default_socket_path`. ``socket`` and ``metrics.listen`` take
-    effect at start only; everything else can change at runtime (docs/CONFIG.md).
+    ``socket`` "" means :func:`default_socket_path`. ``socket_mode`` "" leaves the socket
+    file's permission bits to the umask; ``"0660"`` with ``socket_group`` lets that
+    group's members connect (a shared system bus, docs/DEPLOY.md). ``state_dir`` ""
+    means :func:`default_state_dir`: the queue plugin's store defaults to
+    ``<state_dir>/queue``. These, ``socket`` and ``metrics.listen`` take effect at start
+    only; everything else can change at runtime (docs/CONFIG.md).
     """
 
     socket: str = ""
+    socket_mode: str = attrs.field(default="", validator=_socket_mode)
+    socket_group: str = attrs.field(default="", validator=_socket_group)
+    state_dir: str = ""
     limits: Limits = attrs.field(factory=Limits)
     log: LogSettings = attrs.field(factory=LogSettings)
     control: ControlSettings = attrs.field(factory=ControlSettings)

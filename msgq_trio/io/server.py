@@ -25,7 +25,7 @@ import socket as pysocket
 import ssl
 import stat
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -264,6 +264,13 @@ class Server:
         limits: bounds (see :class:`msgq_trio.config.Limits`).
         tcp: TCP/TLS listeners, tokens and heartbeats (docs/SECURITY.md); None = Unix only.
         access: the access policy; None = no rules.
+        activated: listening sockets handed over by the service manager (socket
+            activation, docs/DEPLOY.md): an AF_UNIX one is served instead of binding
+            ``path`` (and its file is left to the manager on exit), AF_INET/AF_INET6 ones
+            beside ``tcp.listen``. The server owns (and closes) them.
+        socket_mode: permission bits of the socket file the server binds (None: as the
+            umask makes them). Connecting needs write permission on the file.
+        socket_gid: group of that file (None: the broker's group).
     """
 
     def __init__(
@@ -273,8 +280,17 @@ class Server:
         *,
         tcp: TcpSettings | None = None,
         access: AccessSettings | None = None,
+        activated: Sequence[pysocket.socket] = (),
+        socket_mode: int | None = None,
+        socket_gid: int | None = None,
     ) -> None:
         self.path = Path(path)
+        self._activated = list(activated)
+        self._socket_mode = socket_mode
+        self._socket_gid = socket_gid
+        #: False when the socket file came from socket activation: the service manager
+        #: created it and keeps it for the next start, so the broker must not remove it.
+        self._owns_path = True
         self.limits = limits or Limits()
         self.tcp = tcp or TcpSettings()
         self.core = Broker(self.limits, version=__version__)
@@ -315,14 +331,31 @@ class Server:
         Raises:
             BrokerAlreadyRunning: a live broker answers on the path.
         """
-        if self.tcp.listen and self.tcp.certfile:
+        unix = [s for s in self._activated if s.family == pysocket.AF_UNIX]
+        inet = [s for s in self._activated if s.family != pysocket.AF_UNIX]
+        if (self.tcp.listen or inet) and self.tcp.certfile:
             self._ssl_context = server_ssl_context(self.tcp)
-        prepare_socket_path(self.path)
-        sock = trio.socket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        for s in inet:
+            self._adopt_tcp(s)
+        if unix:
+            # The service manager bound and listens already: clients may be queued on it.
+            self._owns_path = False
+            sock = trio.socket.from_stdlib_socket(unix[0])
+            self.path = Path(os.fsdecode(unix[0].getsockname()))
+        else:
+            prepare_socket_path(self.path)
+            sock = trio.socket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
         try:
-            with translate_socket_errors():
-                await sock.bind(str(self.path))
-                sock.listen(512)
+            if not unix:
+                with translate_socket_errors():
+                    await sock.bind(str(self.path))
+                    # Before listen(): until then a connect is refused, so no client
+                    # ever reaches the socket under the umask's permissions.
+                    if self._socket_gid is not None:
+                        os.chown(self.path, -1, self._socket_gid)
+                    if self._socket_mode is not None:
+                        os.chmod(self.path, self._socket_mode)
+                    sock.listen(512)
             self._listener = trio.SocketListener(sock)
             for addr in self.tcp.listen:
                 await self._open_tcp(addr)
@@ -367,7 +400,17 @@ class Server:
             self.tcp_addresses.append(f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}")
         self._tcp_listeners.extend(listeners)
 
+    def _adopt_tcp(self, sock: pysocket.socket) -> None:
+        """Serve a TCP listener handed over by socket activation (see tcp_addresses)."""
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        bound = sock.getsockname()
+        h = bound[0]
+        self.tcp_addresses.append(f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}")
+        self._tcp_listeners.append(listener)
+
     def _unlink_socket(self) -> None:
+        if not self._owns_path:
+            return
         try:
             self.path.unlink()
         except FileNotFoundError:

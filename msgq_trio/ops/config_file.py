@@ -32,6 +32,7 @@ from ..config import (
     LogSettings,
     MetricsSettings,
     TcpSettings,
+    default_state_dir,
 )
 
 #: Section name -> settings class; each class's attrs fields are the section's keys.
@@ -44,12 +45,20 @@ SECTIONS: dict[str, type[Any]] = {
     "tcp": TcpSettings,
 }
 #: Keys outside any section.
-TOP_LEVEL: dict[str, str] = {"socket": "str"}
+TOP_LEVEL: dict[str, str] = {
+    "socket": "str", "socket_mode": "str", "socket_group": "str", "state_dir": "str",
+}
+#: Plugins whose ``dir`` (their store) defaults to ``<state_dir>/<name>`` when their table
+#: leaves it out, so ``serve --plugin queue`` needs no configuration file.
+STATE_DIR_PLUGINS = ("queue",)
 
 #: Keys read once at start: a changed value is reported, not applied, until a restart.
 RESTART_ONLY = frozenset(
     {
         "socket",
+        "socket_mode",
+        "socket_group",
+        "state_dir",
         "metrics.listen",
         "tcp.listen",
         "tcp.certfile",
@@ -199,13 +208,20 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         if name == "plugins":
-            kwargs[name] = build_plugins(value)
+            kwargs[name] = build_plugins(_with_state_dirs(value, data.get("state_dir")))
         elif name == "access":
             kwargs[name] = build_access(value)
         elif name in SECTIONS:
             kwargs[name] = build_section(name, SECTIONS[name], value)
         elif name in TOP_LEVEL:
-            kwargs[name] = _coerce(name, TOP_LEVEL[name], value)
+            checked = _coerce(name, TOP_LEVEL[name], value)
+            field = attrs.fields_dict(BrokerConfig)[name]
+            if field.validator is not None:
+                try:
+                    field.validator(None, field, checked)
+                except ValueError as exc:
+                    raise ConfigError(f"{name} = {show(value)}: {exc}", name, value) from None
+            kwargs[name] = checked
         else:
             hint = difflib.get_close_matches(name, [*TOP_LEVEL, *SECTIONS], n=1)
             raise ConfigError(
@@ -214,6 +230,21 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
                 value,
             )
     return BrokerConfig(**kwargs)
+
+
+def _with_state_dirs(table: object, state_dir: object) -> object:
+    """``[plugins]`` with ``dir`` filled in for :data:`STATE_DIR_PLUGINS` that lack it:
+    ``<state_dir>/<name>`` (``state_dir`` "" or absent: :func:`default_state_dir`)."""
+    if not isinstance(table, Mapping):
+        return table  # build_plugins names the error
+    out = dict(table)
+    for name in STATE_DIR_PLUGINS:
+        settings = out.get(name)
+        if isinstance(settings, Mapping) and "dir" not in settings:
+            base = Path(state_dir) if isinstance(state_dir, str) and state_dir else (
+                default_state_dir())
+            out[name] = {**settings, "dir": str(base / name)}
+    return out
 
 
 def build_access(table: object) -> AccessSettings:
@@ -309,7 +340,7 @@ def set_in(data: dict[str, Any], key: str, value: object) -> None:
 
 def to_dict(cfg: BrokerConfig) -> dict[str, Any]:
     """The configuration as a nested dict of plain values (lists, not tuples)."""
-    out: dict[str, Any] = {"socket": cfg.socket}
+    out: dict[str, Any] = {name: getattr(cfg, name) for name in TOP_LEVEL}
     for section in SECTIONS:
         inst = getattr(cfg, section)
         out[section] = {

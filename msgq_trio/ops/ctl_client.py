@@ -2,7 +2,11 @@
 
 Each subcommand is one REQUEST to ``msgq`` (see :mod:`msgq_trio.ops.control`), printed as
 a readable table, or as JSON with ``--json``. ``dump`` asks the broker to stream capture
-records to this connection and prints them as they come, like dbus-monitor.
+records to this connection and prints them as they come, like dbus-monitor; its own
+frames (the dump-start command and answer) are left out unless ``--self``.
+
+Also the pieces every client subcommand shares: :func:`connect_options` (``--token``, the
+TLS flags and their environment variables) and :class:`CliUsageError`.
 """
 
 from __future__ import annotations
@@ -10,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -20,11 +24,50 @@ import trio
 from ..config import CAPTURE_BODY_MODES, CAPTURE_KINDS
 
 
+class CliUsageError(Exception):
+    """The command line's input is wrong (the user's fault): exit status 2, one line."""
+
+
+def connect_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``connect()`` keywords from ``--token``, ``--tls-ca``, ``--tls-cert``, ``--tls-key``
+    or, for each flag not given, ``$MSGQ_TRIO_TOKEN``, ``$MSGQ_TRIO_TLS_CA``,
+    ``$MSGQ_TRIO_TLS_CERT``, ``$MSGQ_TRIO_TLS_KEY``. Without CA or certificate the TLS
+    context is left to ``connect`` (the system's trust store).
+
+    Raises:
+        CliUsageError: a CA, certificate or key file that cannot be loaded.
+    """
+
+    def get(flag: str, env: str) -> str | None:
+        value = getattr(args, flag, None)
+        return value if value else os.environ.get(env) or None
+
+    out: dict[str, Any] = {}
+    token = get("token", "MSGQ_TRIO_TOKEN")
+    if token:
+        out["token"] = token
+    ca = get("tls_ca", "MSGQ_TRIO_TLS_CA")
+    cert = get("tls_cert", "MSGQ_TRIO_TLS_CERT")
+    key = get("tls_key", "MSGQ_TRIO_TLS_KEY")
+    if ca or cert:
+        try:
+            ctx = ssl.create_default_context(cafile=ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise CliUsageError(f"--tls-ca {ca}: cannot load the CA bundle: {exc}") from None
+        if cert:
+            try:
+                ctx.load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as exc:
+                raise CliUsageError(
+                    f"--tls-cert {cert}: cannot load the certificate and key: {exc}") from None
+        out["ssl_context"] = ctx
+    return out
+
+
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
-    """--socket / --json / --timeout, accepted before or after the subcommand."""
+    """--json / --timeout, accepted before or after the subcommand (--socket and the
+    other connection flags are added to every parser by the command line's builder)."""
     d = (lambda v: v) if top else (lambda _v: argparse.SUPPRESS)
-    p.add_argument("--socket", "-s", type=Path, default=d(None),
-                   help="broker socket (default: $MSGQ_TRIO_SOCKET or the per-user path)")
     p.add_argument("--json", action="store_true", default=d(False),
                    help="print the broker's answer as JSON")
     p.add_argument("--timeout", type=float, default=d(10.0), help="seconds to wait for answers")
@@ -41,27 +84,28 @@ def add_ctl_arguments(p: argparse.ArgumentParser) -> None:
 
     leaf("clients", "list connected clients")
     q = leaf("drop", "disconnect a client")
-    q.add_argument("lname")
-    q.add_argument("--reason", default=None)
+    q.add_argument("lname", help="the client's lname (l.N, from `ctl clients`)")
+    q.add_argument("--reason", default=None, help="told to the client and logged")
     q = leaf("shutdown", "stop the broker (clients get GOODBYE)")
-    q.add_argument("--reason", default=None)
+    q.add_argument("--reason", default=None, help="logged with the shutdown")
     leaf("stats", "broker statistics")
     q = leaf("links", "state of the link plugin's links to other brokers")
     q.add_argument("--group", default="msgq-link", help="the link plugin's group")
-    cfg = sub.add_parser("config", help="get, set or reload the configuration")
+    cfg = leaf("config", "get, set or reload the configuration")
     csub = cfg.add_subparsers(dest="config_cmd", required=True, metavar="ACTION")
     q = leaf("get", "the running configuration, or one key", csub)
-    q.add_argument("key", nargs="?")
+    q.add_argument("key", nargs="?", help="e.g. limits.request_timeout (default: every key)")
     q = leaf("set", "change one key of the running configuration", csub)
     q.add_argument("key", help="e.g. limits.request_timeout (or just request_timeout)")
     q.add_argument("value", help="JSON (30, true, [1000], \"x\"), or a plain string")
     leaf("reload", "re-read the configuration file (like SIGHUP)", csub)
-    cap = sub.add_parser("capture", help="traffic capture to files")
+    cap = leaf("capture", "traffic capture to files")
     capsub = cap.add_subparsers(dest="capture_cmd", required=True, metavar="ACTION")
     q = leaf("start", "start (or update) the capture", capsub)
     # Absolute: the broker resolves paths against its own working directory, not ours.
-    q.add_argument("--dir", default=None, type=os.path.abspath)
-    q.add_argument("--prefix", default=None)
+    q.add_argument("--dir", default=None, type=os.path.abspath,
+                   help="directory of the capture files (default: capture.dir)")
+    q.add_argument("--prefix", default=None, help="file name prefix (default: capture)")
     _filter_args(q)
     q.add_argument("--max-bytes", type=int, default=None, help="per file")
     q.add_argument("--max-files", type=int, default=None, help="files kept")
@@ -81,10 +125,12 @@ def _filter_args(q: argparse.ArgumentParser) -> None:
 
 
 def add_dump_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", "-s", type=Path, default=None)
     _filter_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line")
-    p.add_argument("--count", type=int, default=0, help="exit after N records")
+    p.add_argument("--count", type=int, default=0,
+                   help="exit after N records (the ones shown: not its own frames)")
+    p.add_argument("--self", action="store_true", dest="show_self",
+                   help="also show this dump's own frames (its dump-start command and answer)")
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -97,6 +143,9 @@ def human_bytes(n: float) -> str:
 
 
 def human_age(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``5h02m``, ``2d03h``; under 10 s with a tenth: ``1.5s``."""
+    if seconds < 10:
+        return f"{max(seconds, 0):.1f}s"
     s = int(seconds)
     if s < 60:
         return f"{s}s"
@@ -175,6 +224,35 @@ def format_pairs(value: Any, sep: str = " = ") -> str:
         return ""
     width = max(len(k) for k, _ in pairs)
     return "\n".join(f"{k.ljust(width)}{sep}{json.dumps(v, default=str)}" for k, v in pairs)
+
+
+def _local_time(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(epoch))
+
+
+def format_stats(stats: dict[str, Any], now: float | None = None) -> str:
+    """``ctl stats``: ``key  value`` lines with human units: byte counts (``*bytes*``) in
+    KiB/MiB, ``uptime`` as a duration, times since the epoch (``*_at``) as local time
+    with their age."""
+    now = time.time() if now is None else now
+    pairs = flatten(stats)
+    width = max((len(k) for k, _ in pairs), default=0)
+    lines = []
+    for key, value in pairs:
+        name = key.rpartition(".")[2]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and name == "uptime":
+            text = human_age(value)
+        elif number and name.endswith("_at") and value > 0:
+            text = f"{_local_time(value)} ({human_age(now - value)} ago)"
+        elif number and "bytes" in name and "records" not in name:
+            text = human_bytes(value)
+        elif number and name == "busy_poll_window":
+            text = f"{value * 1e6:.0f} us"
+        else:
+            text = json.dumps(value, default=str)
+        lines.append(f"{key.ljust(width)}  {text}")
+    return "\n".join(lines)
 
 
 def format_changes(result: dict[str, Any]) -> str:
@@ -257,7 +335,7 @@ async def run_ctl(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, default=str) if args.json else text)
 
     try:
-        async with connect(args.socket, name="msgq-trio-ctl") as bus:
+        async with connect(args.socket, name="msgq-trio-ctl", **connect_options(args)) as bus:
 
             async def call(cmd: str, params: Any = None) -> Any:
                 return await bus.call("msgq", cmd, params, timeout=args.timeout)
@@ -275,7 +353,7 @@ async def run_ctl(args: argparse.Namespace) -> int:
                 emit(r, "broker shutting down")
             elif c == "stats":
                 r = await call("stats")
-                emit(r, format_pairs(r, sep="  "))
+                emit(r, format_stats(r))
             elif c == "links":
                 # Answered by the link plugin (its group), not by the broker.
                 rows = await bus.call(args.group, "status", timeout=args.timeout)
@@ -328,8 +406,9 @@ async def run_dump(args: argparse.Namespace) -> int:
 
     n = 0
     try:
-        async with connect(args.socket, name="msgq-trio-dump") as bus:
+        async with connect(args.socket, name="msgq-trio-dump", **connect_options(args)) as bus:
             await bus.call("msgq", "dump-start", _filter_params(args))
+            own = bus.lname
             print(f"# dumping traffic seen by the broker (this client is {bus.lname})",
                   file=sys.stderr, flush=True)
             async for msg in bus:
@@ -340,6 +419,8 @@ async def run_dump(args: argparse.Namespace) -> int:
                     print(f"# {body['dropped']} records dropped (the broker's dump buffer was "
                           "full)", file=sys.stderr, flush=True)
                 for rec in body["records"]:
+                    if not args.show_self and own in (rec.get("sender"), rec.get("target")):
+                        continue
                     print(json.dumps(rec, default=str) if args.json else format_record(rec),
                           flush=True)
                     n += 1

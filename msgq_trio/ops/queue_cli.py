@@ -15,13 +15,12 @@ import base64
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import cbor2
 
 from ..client.queue import DEFAULT_GROUP
-from .ctl_client import human_bytes, table
+from .ctl_client import connect_options, human_bytes, table
 
 __all__ = ["add_queue_arguments", "format_peek", "format_queues", "format_stats",
            "run_queue"]
@@ -36,11 +35,10 @@ DEFAULT_TIMEOUT = 10.0
 
 
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
-    """--socket / --group / --json / --timeout, accepted before or after the subcommand
-    (the subcommand's copies must not overwrite values given before it)."""
+    """--group / --json / --timeout, accepted before or after the subcommand (the
+    subcommand's copies must not overwrite values given before it; --socket and the other
+    connection flags are added to every parser by the command line's builder)."""
     d = (lambda v: v) if top else (lambda _v: argparse.SUPPRESS)
-    p.add_argument("--socket", "-s", type=Path, default=d(None),
-                   help="broker socket (default: $MSGQ_TRIO_SOCKET or the per-user path)")
     p.add_argument("--group", default=d(DEFAULT_GROUP),
                    help=f"the queue plugin's group (its 'group' setting; {DEFAULT_GROUP})")
     p.add_argument("--json", action="store_true", default=d(False),
@@ -62,13 +60,13 @@ def add_queue_arguments(p: argparse.ArgumentParser) -> None:
 
     leaf("ls", "list the queues: depth, bytes, ready, in flight, consumers, paging")
     q = leaf("stats", "every statistic of one queue")
-    q.add_argument("name")
+    q.add_argument("name", help="the queue")
     q = leaf("peek", "show the first N ready messages without consuming them")
-    q.add_argument("name")
+    q.add_argument("name", help="the queue")
     q.add_argument("n", nargs="?", type=int, default=DEFAULT_PEEK,
                    help=f"how many (default {DEFAULT_PEEK}, at most 1000)")
     q = leaf("purge", "remove every message no consumer holds (needs --yes)")
-    q.add_argument("name")
+    q.add_argument("name", help="the queue")
     q.add_argument("--yes", action="store_true",
                    help="really remove them: purged messages cannot be brought back")
 
@@ -154,7 +152,7 @@ async def run_queue(args: argparse.Namespace) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     try:
-        async with connect(args.socket, name="msgq-trio-queue") as bus:
+        async with connect(args.socket, name="msgq-trio-queue", **connect_options(args)) as bus:
 
             async def call(cmd: str, params: Any = None, wait: float | None = timeout
                            ) -> Any:

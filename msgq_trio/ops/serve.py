@@ -4,20 +4,36 @@ Exit status: 0 after SIGINT/SIGTERM or the ``shutdown`` control command, 1 when 
 broker cannot start (socket in use, not a socket, metrics port or capture directory
 unusable), 2 for an invalid configuration, 70 if the broker itself crashed (logged).
 Signals: SIGINT/SIGTERM shut down gracefully, SIGHUP reloads the configuration.
+
+Under systemd (docs/DEPLOY.md): listening sockets passed by socket activation
+(``LISTEN_FDS``/``LISTEN_PID``) are served instead of binding new ones, and with
+``NOTIFY_SOCKET`` set the broker reports ``READY=1`` once every listener and plugin is
+up, ``STOPPING=1`` when it begins to shut down, ``RELOADING=1`` around SIGHUP, and
+``WATCHDOG=1`` every half ``WATCHDOG_USEC`` while its event loop runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from ..config import LOG_FORMATS, Limits, default_socket_path
+from ..config import (
+    LOG_FORMATS,
+    Limits,
+    default_socket_path,
+    is_loopback,
+    parse_socket_mode,
+    resolve_group,
+)
 from .config_file import ConfigError, ConfigSource
 
 log = logging.getLogger("msgq_trio.serve")
@@ -61,6 +77,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=None, metavar="NAME",
                    help="run plugin NAME (repeat; its [plugins.NAME] table, if any, "
                         "configures it; docs/QUEUE.md)")
+    p.add_argument("--socket-mode", default=None, metavar="MODE",
+                   help="permission bits of the socket file, e.g. 0660 (socket_mode; "
+                        "default: as the umask makes them)")
+    p.add_argument("--socket-group", default=None, metavar="GROUP",
+                   help="group of the socket file, a name or gid (socket_group); with "
+                        "--socket-mode 0660 its members may connect")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="durable state (state_dir; default $STATE_DIRECTORY, "
+                        "/var/lib/msgq-trio for root, else ~/.local/state/msgq-trio)")
+    p.add_argument("--queue-dir", default=None, metavar="DIR",
+                   help="run the queue plugin with its store in DIR (plugins.queue.dir; "
+                        "default <state dir>/queue)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,7 +119,90 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         o["capture.enabled"] = True
     for name in getattr(args, "plugin", None) or ():
         o[f"plugins.{name}"] = {}
+    for key in ("socket_mode", "socket_group", "state_dir"):
+        if getattr(args, key, None) is not None:
+            o[key] = getattr(args, key)
+    if getattr(args, "queue_dir", None) is not None:
+        o["plugins.queue"] = {"dir": os.path.abspath(args.queue_dir)}
     return o
+
+
+# -- systemd ----------------------------------------------------------------------------------
+#: The first descriptor passed by socket activation (SD_LISTEN_FDS_START in sd-daemon.h).
+LISTEN_FDS_START = 3
+
+
+def activated_sockets() -> list[socket.socket]:
+    """The listening sockets passed by socket activation, or [] if none were passed.
+
+    The protocol: ``LISTEN_PID`` is this process's pid and ``LISTEN_FDS`` says how many
+    descriptors start at 3. The variables are removed from the environment and the
+    descriptors marked close-on-exec, so plugin processes inherit neither.
+
+    Raises:
+        RuntimeError: a passed descriptor is not a listening stream socket (a unit
+            misconfiguration: e.g. ``Accept=yes`` or a datagram socket).
+    """
+    pid = os.environ.pop("LISTEN_PID", "")
+    count = os.environ.pop("LISTEN_FDS", "")
+    os.environ.pop("LISTEN_FDNAMES", None)
+    if not pid or not count or pid != str(os.getpid()):
+        return []
+    out = []
+    for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + int(count)):
+        os.set_inheritable(fd, False)
+        sock = socket.socket(fileno=fd)
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+        ):
+            raise RuntimeError(
+                f"socket activation passed descriptor {fd} that is not a listening stream "
+                "socket (the .socket unit needs ListenStream= and Accept=no)"
+            )
+        out.append(sock)
+    if sum(1 for s in out if s.family == socket.AF_UNIX) > 1:
+        raise RuntimeError("socket activation passed more than one Unix socket; the broker "
+                           "serves one (give the .socket unit one ListenStream= path)")
+    return out
+
+
+class Notifier:
+    """sd_notify(3): state changes as datagrams to ``$NOTIFY_SOCKET`` (a path, or an
+    abstract name when it starts with ``@``). Without the variable every call does
+    nothing. The variable is taken out of the environment so that plugin processes
+    cannot report for the broker."""
+
+    def __init__(self) -> None:
+        addr = os.environ.pop("NOTIFY_SOCKET", "")
+        self.address: str | None = ("\0" + addr[1:]) if addr.startswith("@") else (addr or None)
+        usec = os.environ.pop("WATCHDOG_USEC", "")
+        wpid = os.environ.pop("WATCHDOG_PID", "")
+        #: Seconds between WATCHDOG=1 pings: half the manager's timeout, as sd_watchdog_enabled
+        #: advises; None when no watchdog is asked for (or it is for another process).
+        self.watchdog_interval: float | None = None
+        if usec.isdigit() and int(usec) > 0 and (not wpid or wpid == str(os.getpid())):
+            self.watchdog_interval = int(usec) / 2e6
+
+    def notify(self, *fields: str) -> None:
+        """Send ``fields`` (``"READY=1"``, ``"STATUS=..."``) as one datagram; a failure is
+        logged, never raised: the broker serves on whether or not the manager listens."""
+        if self.address is None:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.sendto("\n".join(fields).encode(), self.address)
+        except OSError as exc:
+            log.warning("cannot notify the service manager at %r: %s", self.address, exc)
+
+    async def watchdog(self) -> None:
+        """Ping the watchdog until cancelled (a stuck event loop stops the pings)."""
+        import trio
+
+        if self.watchdog_interval is None:
+            return
+        while True:
+            self.notify("WATCHDOG=1")
+            await trio.sleep(self.watchdog_interval)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -136,7 +247,25 @@ async def _serve(config: Any, source: ConfigSource) -> int:
     from .control import Operations
 
     path = Path(config.socket) if config.socket else default_socket_path()
-    server = Server(path, config.limits, tcp=config.tcp, access=config.access)
+    notifier = Notifier()
+    try:
+        activated = activated_sockets()
+    except (RuntimeError, OSError, ValueError) as exc:
+        print(f"msgq-trio serve: cannot start: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    for s in activated:
+        if s.family != socket.AF_UNIX and not config.tcp.certfile and not (
+            config.tcp.insecure and is_loopback(s.getsockname()[0])
+        ):
+            # The same rule as for tcp.listen (docs/SECURITY.md), for a socket unit.
+            print(f"msgq-trio serve: cannot start: socket activation passed the TCP "
+                  f"listener {s.getsockname()[0]}:{s.getsockname()[1]} but TLS is not "
+                  "configured (tcp.certfile/keyfile; plain TCP only on loopback with "
+                  "tcp.insecure)", file=sys.stderr)
+            return EXIT_CANNOT_START
+    server = Server(path, config.limits, tcp=config.tcp, access=config.access,
+                    activated=activated, socket_mode=parse_socket_mode(config.socket_mode),
+                    socket_gid=resolve_group(config.socket_group))
     listeners = None
     address = None
     if config.metrics.listen:
@@ -172,23 +301,32 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                     print(f"msgq-trio broker listening on {scheme}://{a}", flush=True)
                 if address is not None:
                     print(f"msgq-trio metrics on http://{address}/metrics", flush=True)
+                notifier.notify("READY=1", f"MAINPID={os.getpid()}",
+                                f"STATUS=serving on {server.path}")
+                nursery.start_soon(notifier.watchdog)
 
                 async def on_signal() -> None:
                     async for signum in signals:
                         if signum == signal.SIGHUP:
                             log.info("received SIGHUP: reloading the configuration")
+                            # Type=notify-reload wants MONOTONIC_USEC with RELOADING=1.
+                            now_us = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+                            notifier.notify("RELOADING=1", f"MONOTONIC_USEC={now_us}")
                             try:
                                 ops.reload("SIGHUP")
                             except ConfigError:
                                 pass  # logged by reload; the running configuration stays
+                            notifier.notify("READY=1", f"STATUS=serving on {server.path}")
                             continue
                         log.info("received %s", signal.Signals(signum).name)
+                        notifier.notify("STOPPING=1", "STATUS=shutting down")
                         await server.shutdown()
                         return
 
                 nursery.start_soon(on_signal)
                 # Ends by a signal or by the shutdown control command.
                 await server.shutdown_complete.wait()
+                notifier.notify("STOPPING=1")  # also after the shutdown control command
                 nursery.cancel_scope.cancel()
     except BaseException as group:
         inner = _single(group)
