@@ -209,6 +209,13 @@ class SyncQueue:
                  ) -> dict[str, int]:
         return dict(self._sbus._run(self._q.put_many, bodies, first_seq=first_seq))
 
+    def send(self, body: Any, attachments: Sequence[bytes] = (), *, anycast: bool = False,
+             seq: int | None = None) -> str:
+        """A one-way message to the group the queue is bound to, with a producer ack
+        (:meth:`msgq_trio.client.queue.Queue.send`)."""
+        return str(self._sbus._run(self._q.send, body, attachments, anycast=anycast,
+                                   seq=seq))
+
     def fetch(self, n: int = 1, *, ack_timeout: float | None = None) -> list[SyncQueueMessage]:
         got = self._sbus._run(self._q.fetch, n, ack_timeout=ack_timeout)
         return [SyncQueueMessage(self._sbus, m) for m in got]

@@ -167,11 +167,27 @@ def request_header(command: str, timeout: float | None) -> bytes:
     return encode_cbor({"cmd": command, "timeout": float(timeout)})
 
 
-def _split_source(source: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple[str, str]:
+#: Parsed source sections by their bytes (see :func:`_split_source`), per connection.
+Sources = dict[bytes, tuple[str, str, str, str | None]]
+
+
+def _split_source(source: bytes, cache: Sources) -> tuple[str, str, str, str | None]:
+    """(sender lname, sender name, lname answers go to, relaying binder's name or None).
+
+    A plain stamp is ``lname NUL name``: the sender, who also gets the answers. A
+    relayed stamp (a binder such as the queue plugin forwarding stored traffic,
+    docs/PROTOCOL.md "Source") is ``binder_lname NUL binder_name NUL origin_lname NUL
+    origin_name``: the sender is the origin, answers go to the binder."""
     hit = cache.get(source)
     if hit is None:
         lname, _, name = source.partition(b"\0")
-        hit = (lname.decode(), name.decode())
+        hop = lname.decode()
+        if b"\0" in name:
+            via, _, origin = name.partition(b"\0")
+            olname, _, oname = origin.partition(b"\0")
+            hit = (olname.decode(), oname.decode(), hop, via.decode())
+        else:
+            hit = (hop, name.decode(), hop, None)
         if len(cache) < 65536:
             cache[source] = hit
     return hit
@@ -187,7 +203,7 @@ class Message:
 
     __slots__ = ("_body", "_decoded", "_fds_taken", "_frame", "_header", "_sources")
 
-    def __init__(self, frame: Frame, sources: dict[bytes, tuple[str, str]]) -> None:
+    def __init__(self, frame: Frame, sources: Sources) -> None:
         self._frame = frame
         self._fds_taken = False
         self._sources = sources
@@ -204,6 +220,25 @@ class Message:
     def sender_name(self) -> str:
         """The sender's client name, as stamped by the broker."""
         return _split_source(self._frame.source, self._sources)[1]
+
+    @property
+    def via(self) -> str | None:
+        """The lname of the binder that relayed this message (a queue bound to the group
+        stored it and forwarded it on behalf of ``sender``), or None if it came straight
+        from ``sender``. Answers to a relayed request go to the binder."""
+        hit = _split_source(self._frame.source, self._sources)
+        return hit[2] if hit[3] is not None else None
+
+    @property
+    def via_name(self) -> str | None:
+        """The client name of the relaying binder (``msgq-queue-binder`` for the queue
+        plugin), or None if the message came straight from ``sender``."""
+        return _split_source(self._frame.source, self._sources)[3]
+
+    @property
+    def _reply_to(self) -> str:
+        """Where an answer goes: the sender, or the binder that relayed the request."""
+        return _split_source(self._frame.source, self._sources)[2]
 
     @property
     def kind(self) -> str:
@@ -235,7 +270,7 @@ class Message:
         return self._header
 
     def _malformed(self, section: str, exc: RemoteProtocolError) -> MalformedMessage:
-        lname, name = _split_source(self._frame.source, self._sources)
+        lname, name = _split_source(self._frame.source, self._sources)[:2]
         return MalformedMessage(
             f"{self.kind} from {lname} ({name!r}) to {self.target!r} has a malformed "
             f"{section}: {exc}",
@@ -497,7 +532,8 @@ class Bus:
         self._default_handler: Handler | None = None
         self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
         self._notify_inline: dict[str, Callable[[Message], None]] = {}
-        self._sources: dict[bytes, tuple[str, str]] = {}
+        self._message_inline: Callable[[Message], None] | None = None
+        self._sources: Sources = {}
         self._targets: dict[str, bytes] = {}
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -590,6 +626,14 @@ class Bus:
         self._in_wake.unpark_all()
         self._drained.unpark_all()
         self._in_taken.unpark_all()
+
+    @property
+    def limits(self) -> dict[str, object]:
+        """The broker's limits from WELCOME (``max_frame_size``, ``request_timeout``,
+        ``max_pending_requests``, ...; docs/PROTOCOL.md), empty before the handshake or
+        from a broker that sent none."""
+        limits = self._welcome.get("limits")
+        return dict(limits) if isinstance(limits, dict) else {}
 
     @property
     def lost(self) -> ConnectionLost | None:
@@ -695,6 +739,7 @@ class Bus:
         *,
         header: dict[str, object] | None = None,
         fds: Sequence[int] = (),
+        on_behalf_of: tuple[str, str] | None = None,
     ) -> None:
         """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
 
@@ -703,6 +748,12 @@ class Bus:
         ``attachments`` are binary blobs (no copies, no escaping); ``fds`` are file
         descriptors passed with SCM_RIGHTS: each recipient gets its own duplicate, and the
         caller still owns (and closes) the ones it passed.
+
+        ``on_behalf_of`` (``(lname, name)`` of the original sender) is for a client
+        that holds the binding of ``target``'s group (the queue plugin) and forwards
+        traffic it stored: receivers see that sender, with :attr:`Message.via` naming
+        this client. The broker accepts it only from the binder, to the bound group or
+        its members; from anyone else it is replaced by this client's own identity.
 
         Raises:
             UsageError: the bus is closed, ``body`` cannot be encoded as CBOR, or too many
@@ -716,7 +767,7 @@ class Bus:
             tb = self._targets.get(target)
             if tb is None:
                 tb = self._encode_target(target)
-            if attachments or fds:
+            if attachments or fds or on_behalf_of:
                 pieces = encode_frame(
                     _MESSAGE,
                     target=target,
@@ -724,7 +775,7 @@ class Bus:
                     body=cbor2.dumps(body) if body is not None else b"",
                     blobs=attachments,
                     n_fds=len(fds),
-                    source=self._stamp,
+                    source=self._relay_stamp(on_behalf_of) if on_behalf_of else self._stamp,
                 )
                 self._queue(self._attach_fds(pieces, fds) if fds else pieces)
             elif type(body) is bytes and len(body) >= NO_JOIN and not header:
@@ -745,6 +796,14 @@ class Bus:
             raise UsageError(f"cannot send to {target!r}: {exc}") from exc
         if self._out_bytes > OUT_HIGH_WATER:
             await self._wait_out()
+
+    def _relay_stamp(self, origin: tuple[str, str]) -> bytes:
+        """The relayed stamp for traffic forwarded on behalf of ``origin`` (see
+        :meth:`send`): this client's stamp, NUL, the origin's lname, NUL, its name."""
+        lname, name = origin
+        if "\0" in lname or "\0" in name:
+            raise UsageError(f"on_behalf_of {origin!r}: names cannot contain NUL")
+        return self._stamp + f"\0{lname}\0{name}".encode()
 
     def _encode_target(self, target: str) -> bytes:
         tb = target.encode()
@@ -785,9 +844,11 @@ class Bus:
         attachments: Sequence[Buffer],
         multi: bool,
         fds: Sequence[int] = (),
+        on_behalf_of: tuple[str, str] | None = None,
     ) -> tuple[int, _Call]:
         self._check_open()
         head = request_header(command, timeout)  # UsageError before anything is sent
+        source = self._relay_stamp(on_behalf_of) if on_behalf_of else self._stamp
         self._next_rid += 1
         rid = self._next_rid
         try:
@@ -800,7 +861,7 @@ class Bus:
                 body=encode_cbor(params) if params is not None else b"",
                 blobs=attachments,
                 n_fds=len(fds),
-                source=self._stamp,
+                source=source,
             )
         except LocalProtocolError as exc:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
@@ -899,7 +960,14 @@ class Bus:
         return answer
 
     def start_call(
-        self, target: str, command: str, params: Any = None, *, timeout: float | None = None
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        on_behalf_of: tuple[str, str] | None = None,
     ) -> Callable[[], Awaitable[Any]]:
         """Send a request now, synchronously, and return ``wait()`` for its result.
 
@@ -907,12 +975,15 @@ class Bus:
         doing ``call`` may start in any order), and the caller needs no task until it
         wants the answer (the queue plugin's ordered deliveries). ``await wait()``
         returns the result or raises what :meth:`call` raises; it must be awaited once,
-        or the call's slot stays until the answer arrives.
+        or the call's slot stays until the answer arrives. Descriptors in the answer are
+        closed. ``on_behalf_of``: as in :meth:`send` (the answer still comes here).
 
         Raises:
             UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
         """
-        rid, call = self._start_call(target, command, params, timeout, (), False)
+        rid, call = self._start_call(
+            target, command, params, timeout, attachments, False, on_behalf_of=on_behalf_of
+        )
 
         async def wait() -> Any:
             await self._finish_call(rid, call, timeout)
@@ -1079,7 +1150,7 @@ class Bus:
         try:
             pieces = encode_frame(
                 _REPLY,
-                target=request.sender,
+                target=request._reply_to,
                 request_id=request.request_id,
                 body=encode_cbor(result) if result is not None else b"",
                 blobs=attachments,
@@ -1133,7 +1204,7 @@ class Bus:
                 try:
                     pieces = encode_frame(
                         _REPLY,
-                        target=msg.sender,
+                        target=msg._reply_to,
                         request_id=frame.request_id,
                         body=encode_cbor(result.result) if result.result is not None else b"",
                         blobs=result.attachments,
@@ -1148,7 +1219,7 @@ class Bus:
             else:
                 pieces = encode_frame(
                     _REPLY,
-                    target=msg.sender,
+                    target=msg._reply_to,
                     request_id=frame.request_id,
                     body=encode_cbor(result) if result is not None else b"",
                     source=self._stamp,
@@ -1181,7 +1252,7 @@ class Bus:
     ) -> list[Buffer]:
         return encode_frame(
             _ERROR,
-            target=msg.sender,
+            target=msg._reply_to,
             request_id=msg.request_id,
             header=encode_cbor({"code": str(code), "message": message}),
             body=encode_cbor(data) if data is not None else b"",
@@ -1238,6 +1309,15 @@ class Bus:
         arrives after a ``disconnected`` event must see the event's effect. ``callback``
         must not block; an exception it raises is logged. One callback per group."""
         self._notify_inline[group] = callback
+
+    def on_message_inline(self, callback: Callable[[Message], None] | None) -> None:
+        """Call ``callback(message)`` for every one-way MESSAGE synchronously in the
+        reader, in arrival order with the requests it handles (a plain ``def`` handler
+        runs there too), instead of delivering it to iteration; None restores iteration.
+        For a service that must see one-way messages and requests in the order they were
+        sent (the queue plugin's bound groups). ``callback`` must not block; an
+        exception it raises is logged and the message's descriptors are closed."""
+        self._message_inline = callback
 
     # -- receiving ---------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[Message]:
@@ -1346,7 +1426,7 @@ class Bus:
                     eof = not await receive(conn)
                 else:
                     eof, received = False, True
-                inq, sources = self._in, self._sources
+                inq, sources, inline = self._in, self._sources, self._message_inline
                 self._deferring = True
                 self._answered = 0
                 try:
@@ -1357,8 +1437,11 @@ class Bus:
                             return
                         assert isinstance(ev, Frame)
                         if ev.type == _MESSAGE:  # hot path: straight to the application
-                            inq.append(Message(ev, sources))
-                            self._in_bytes += len(ev.raw)
+                            if inline is None:
+                                inq.append(Message(ev, sources))
+                                self._in_bytes += len(ev.raw)
+                            else:
+                                self._message_inline_call(inline, Message(ev, sources))
                         else:
                             self._dispatch(ev)
                 finally:
@@ -1388,6 +1471,13 @@ class Bus:
         finally:
             rx.close()
             close_fds(conn.take_orphan_fds())
+
+    def _message_inline_call(self, callback: Callable[[Message], None], msg: Message) -> None:
+        try:
+            callback(msg)
+        except Exception:
+            log.exception("inline message callback %r raised", callback)
+            msg.close()
 
     def _dispatch(self, frame: Frame) -> None:
         t = frame.type

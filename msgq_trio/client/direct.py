@@ -65,6 +65,7 @@ from .bus import (
     SEND_BUFFER,
     Member,
     Message,
+    Sources,
     _split_source,
     close_patience,
     read_welcome,
@@ -125,7 +126,7 @@ class DirectBus:
         self._fd = sock.fileno()
         self._conn = Connection(Role.CLIENT, max_frame_size)
         self._stamp = b""
-        self._sources: dict[bytes, tuple[str, str]] = {}
+        self._sources: Sources = {}
         self._targets: dict[str, bytes] = {}
         self._poll_in = select.poll()
         self._poll_in.register(self._fd, select.POLLIN)

@@ -557,6 +557,34 @@ class Queue:
             await self._ensure_declared()
         return await self.start_put(body, seq=seq)()
 
+    async def send(self, body: Any, attachments: Sequence[bytes | memoryview] = (), *,
+                   anycast: bool = False, seq: int | None = None) -> str:
+        """Send a one-way message to the group this queue is bound to (``bind``), with a
+        producer ack: returns once it is durable (``"stored"``), taken by the members
+        before it was written (``"consumed"``), or recognised as a resend
+        (``"duplicate"``, deduplicated by this handle's ``producer`` and ``seq``, across
+        plugin restarts). The members receive it exactly as if it had been sent with
+        ``bus.send(group, body, attachments)`` (``group[?]`` with ``anycast``): one-way,
+        from this client, ``via`` the queue.
+
+        ``seq``: as in :meth:`put` (the same producer's seqs are shared by puts and
+        sends).
+
+        Raises:
+            RemoteError: ``bad-request`` if the queue is not bound to a group (use
+                :meth:`put`), others as :meth:`put`.
+        """
+        if seq is None:
+            await self.prepare()
+            seq = self._take_seqs(1, None)
+        else:
+            await self._ensure_declared()
+        params: dict[str, Any] = {"queue": self.name, "producer": self.producer,
+                                  "seq": seq, "body": cbor2.dumps(body)}
+        if anycast:
+            params["anycast"] = True
+        return str(await self._bus.call(self.group, "send", params, attachments=attachments))
+
     async def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
                        ) -> dict[str, int]:
         """Put ``bodies`` in one frame and one commit; returns ``{"stored", "consumed",

@@ -32,7 +32,12 @@ QUEUE_COMMANDS = {
     "cancel": CONSUME,
     "put": PRODUCE,
     "put_many": PRODUCE,
+    "send": PRODUCE,
     "declare": PRODUCE,
+    # peek reads messages without taking them; purge removes them all, as consuming
+    # every one would.
+    "peek": CONSUME,
+    "purge": CONSUME,
 }
 
 

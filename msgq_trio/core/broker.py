@@ -563,6 +563,38 @@ class Broker:
             return None
         return binder
 
+    def _relayed(self, peer: Peer, frame: Frame) -> bytes:
+        """The source to forward ``frame`` from ``peer`` with: a *relayed stamp* if the
+        binder ``peer`` wrote a valid one, else ``peer.stamp`` (a client's own or forged
+        source is replaced, as always).
+
+        A relayed stamp is ``peer.stamp NUL origin_lname NUL origin_name``: a binder
+        forwarding stored traffic says whom it came from, so members see the original
+        producer, marked as relayed by the binder (docs/PROTOCOL.md "Source"). It is
+        accepted only from the peer that holds the binding of the target's group, to that
+        group (``G``, ``G[?]``, ``G[N]``) or to one of its members by lname: a binder can
+        already see and answer all of that group's traffic, so the origin it states gives
+        it no power over anyone else. Answers still go to the first lname (the binder).
+        """
+        src = bytes(frame.source)
+        head = peer.stamp + b"\0"
+        if not src.startswith(head):
+            return peer.stamp
+        lname, sep, name = src[len(head) :].partition(b"\0")
+        if not sep or not lname.startswith(b"l.") or b"\0" in name:
+            return peer.stamp
+        try:
+            src.decode()
+        except UnicodeDecodeError:
+            return peer.stamp
+        kind, base, index = self.router.parse_target(frame.target)
+        if kind == DIRECT:
+            member = self.router.by_id.get(index)
+            if member is not None and any(self.bindings.get(g) is peer for g in member.groups):
+                return src
+            return peer.stamp
+        return src if self.bindings.get(base) is peer else peer.stamp
+
     def _no_fds_to(self, binder: Peer, target: str) -> str:
         """The refusal of descriptors sent to a bound group (the binder stores what it
         takes, and a descriptor cannot be stored): names the binding and the way round."""
@@ -596,10 +628,13 @@ class Broker:
         soft = self.limits.out_soft_limit
         dirty = self.dirty
         nfds = len(frame.fds)
+        source = peer.stamp
+        if self.bindings and frame.source != source:
+            source = self._relayed(peer, frame)
         if hold:
             # One cheap pass first, so that a held frame is delivered to nobody rather
             # than to some members twice.
-            pieces = stamped(frame, peer.stamp)
+            pieces = stamped(frame, source)
             size = _size(pieces)
             room = hard - size
             max_fds = self.limits.max_fds_queued - nfds
@@ -616,7 +651,7 @@ class Broker:
             if r is skip or r.sealed:
                 continue
             if pieces is None:
-                pieces = stamped(frame, peer.stamp)
+                pieces = stamped(frame, source)
                 size = _size(pieces)
             if r.outq_bytes + size > hard or (
                 nfds and r.outq_fds + nfds > self.limits.max_fds_queued
@@ -804,7 +839,10 @@ class Broker:
             self._send_or_kick(peer, routed, "a routing answer")
             if self.tap is not None:
                 self._tap_broker(routed)
-        pieces = stamped(frame, peer.stamp)
+        source = peer.stamp
+        if self.bindings and frame.source != source:
+            source = self._relayed(peer, frame)
+        pieces = stamped(frame, source)
         delivered: list[Peer] = []
         for r in recipients:
             if r.sealed:

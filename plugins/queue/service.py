@@ -26,13 +26,18 @@ import cbor2
 import trio
 
 from msgq_trio.client.bus import Bus, Message
-from msgq_trio.errors import CommandFailed, ConnectionLost, MalformedMessage, RpcError
-from msgq_trio.io.errors import close_fds
+from msgq_trio.errors import (
+    CommandFailed,
+    ConnectionLost,
+    MalformedMessage,
+    RpcError,
+    UsageError,
+)
 from msgq_trio.protocol.codes import ErrorCode
 
 from . import admin
 from .engine import Engine
-from .model import KIND_MESSAGE, Consumer, Msg, Queue, Waiter
+from .model import KIND_BODY, KIND_REQUEST, Consumer, Msg, Queue, Waiter
 from .settings import parse_options
 
 log = logging.getLogger("msgq_trio.plugins.queue")
@@ -75,6 +80,31 @@ def _base(target: str) -> str:
     return target if i < 0 else target[:i]
 
 
+class _Caller:
+    """A caller of a bound group waiting for the member's answer to its stored request."""
+
+    __slots__ = ("answer", "answered", "event", "inflight")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        #: a member has the request now (set by the forwarder, cleared by a nack)
+        self.inflight = False
+        self.answered = False
+        self.answer: Any = None
+
+
+def _answer_within(request: Message, bus: Bus) -> float:
+    """Seconds after its arrival by which a bound group's caller must have its answer:
+    the request's deadline (its ``timeout``, else the broker's ``request_timeout``)
+    less a tenth of it, at least half a second, so ``{"queued"}`` reaches the caller
+    before the broker answers it ``timeout``."""
+    limits = [float(t) for t in (request.header.get("timeout"),
+                                 bus.limits.get("request_timeout"))
+              if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0]
+    total = min(limits, default=30.0)
+    return max(0.0, total - max(0.5, total / 10))
+
+
 class Service:
     """Wires the engine to the two bus connections. Call :meth:`setup`, then run
     :meth:`serve` until the bus is lost."""
@@ -91,17 +121,20 @@ class Service:
         #: process that is gone, and they consume again)
         self.instance = uuid.uuid4().hex
         self._bound_seq = 0
+        #: Callers of bound groups whose request is stored and not yet answered, by
+        #: its seq as producer :attr:`boot` (see :meth:`_bound_request`).
+        self._callers: dict[int, _Caller] = {}
         engine.deliver = self._deliver
         engine.nursery = nursery
         # One-way messages to bound groups waiting to be forwarded; bounded by the
         # members' credit (each holds a window slot until forwarded), so never full.
         self._forward, self._forward_recv = trio.open_memory_channel[
-            tuple[str, Any, Msg]](1 << 20)
+            tuple[Queue, Consumer, Msg]](1 << 20)
 
     async def setup(self) -> None:
         """Register commands, subscribe, bind the bound queues' groups."""
         bus = self.bus
-        for name, fn in (("put", self._put), ("put_many", self._put_many),
+        for name, fn in (("put", self._put), ("put_many", self._put_many), ("send", self._send),
                          ("ack", self._ack), ("nack", self._nack), ("fetch", self._fetch)):
             bus.add_inline_command(name, fn)
         for name, afn in (("declare", self._declare), ("consume", self._consume),
@@ -110,7 +143,10 @@ class Service:
             bus.add_command(name, afn)
         for name, handler in admin.commands(self.engine):  # peek, purge (admin.py)
             bus.add_command(name, handler)
+        # Both in the binder's reader, in arrival order: a producer's one-way messages
+        # and requests are stored (and so delivered) in the order it sent them.
         self.binder.set_default_handler(self._bound_request)
+        self.binder.on_message_inline(self._bound_message)
         await bus.subscribe("msgq.membership")
         for q in list(self.engine.queues.values()):
             if q.opts.bind:
@@ -197,6 +233,45 @@ class Service:
 
         self._inline(request, run)
 
+    def _send(self, request: Message) -> None:
+        """``send {"queue", "producer", "seq", "body": CBOR bytes, "anycast"?: bool}``
+        with the request's attachments: a one-way message to the group ``queue`` is
+        bound to, stored and forwarded exactly like one sent to the group (``G[?]`` with
+        ``anycast``), but answered at ack 1 (``"stored"``, ``"consumed"``,
+        ``"duplicate"``) and deduplicated by producer and seq, across plugin restarts.
+        Refused ``bad-request`` (nothing stored) for a queue without ``bind``, a body
+        that is not one CBOR item, or file descriptors (closed)."""
+        def run(params: Any) -> None:
+            q = self._queue(params)
+            if not q.opts.bind:
+                raise BadRequest(f"queue {q.name!r} is not bound to a group (option "
+                                 "'bind'): use put")
+            body = params.get("body")
+            if not isinstance(body, bytes):
+                raise BadRequest("params need 'body': CBOR-encoded bytes")
+            producer = _str(params, "producer")
+            seq = _int(params, "seq", lo=1)
+            if request.fds:
+                request.close()
+                raise BadRequest("file descriptors cannot be stored")
+            try:
+                data = encode_bound_raw(b"M", body, request.attachments,
+                                        params.get("anycast") is True,
+                                        (request.sender, request.sender_name))
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+
+            def done(w: Waiter) -> None:
+                if w.error:
+                    self.bus.answer_error(request, w.error[0], w.error[1])
+                else:
+                    self.bus.answer(request, "stored" if w.stored else
+                                    "consumed" if w.consumed else "duplicate")
+
+            self.engine.put(q, producer, [(seq, data)], Waiter(1, done))
+
+        self._inline(request, run)
+
     def _put_many(self, request: Message) -> None:
         def run(params: Any) -> None:
             q = self._queue(params)
@@ -250,19 +325,19 @@ class Service:
                 wait = self.bus.start_call(c.lname, DELIVER, {"queue": q.name, "msgs": rows})
                 self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
                 return
+            # A bound group's member: requests and one-way messages alike go out
+            # through the forwarder, in message id order, so a producer's messages and
+            # requests reach each member in the order they were sent.
+            fwd = self._forward
             for m in msgs:
-                stored = decode_bound(m.data)
-                if m.data[0] == KIND_MESSAGE:
-                    # One-way message: forwarded to the group, or to one member if the
-                    # producer sent it to G[?], as the producer sent it; no consumer ack
-                    # exists, so it is done once handed to the broker.
-                    target = f"{q.opts.bind}[?]" if stored.anycast else q.opts.bind
-                    self._forward.send_nowait((target, stored, m))
-                    continue
-                cmd, params = stored.value
-                wait = _start_call(self.binder, c.lname, cmd, params, c.ack_timeout,
-                                   stored.attachments)
-                self.nursery.start_soon(self._delivery, q, c, m, wait)
+                if m.data[0] == KIND_REQUEST:
+                    slot = self._caller(m)
+                    if slot is not None:
+                        # A member has it from now on: its caller waits for the answer
+                        # even if the commit comes first (which the forwarder may let
+                        # happen before it runs).
+                        slot.inflight = True
+                fwd.send_nowait((q, c, m))
         except ConnectionLost:
             return  # the plugin is going away; the messages stay stored
 
@@ -280,26 +355,63 @@ class Service:
             self.engine.nack_many([m for m in msgs if m.owner is c])
 
     async def forwarder(self) -> None:
-        """Send one-way messages of bound queues (each a :class:`Stored`, to its group or
-        ``G[?]``) in queue order, with their attachments, then ack them.
+        """Send what bound queues deliver to their groups' members, in queue order:
+        a request to the one member it was dispatched to (its answer is the ack, an
+        error the nack: :meth:`_delivery`); a one-way message (``send`` to the group, a
+        queue client's ``send``, or a ``put`` into the bound queue, from a link for
+        example) to the whole group, or to one member if sent to ``G[?]``, acked once
+        handed to the broker. Stored traffic goes out on behalf of its producer
+        (``on_behalf_of``): members see the producer as the sender, the binder as
+        ``via``.
 
         A dispatch hands messages over as one batch per member, so with two members
-        they come interleaved (0, 2, 4, then 1, 3, 5); but each goes to the whole group,
-        whose members must see a producer's messages in the order sent. So everything
-        handed over at once (a dispatch runs without a checkpoint) is sent in message id
-        order, which is arrival order; a later dispatch hands over later messages."""
+        they come interleaved (0, 2, 4, then 1, 3, 5); but a one-way message goes to
+        the whole group, whose members must see a producer's messages in the order
+        sent. So everything handed over at once (a dispatch runs without a checkpoint)
+        is sent in message id order, which is arrival order; a later dispatch hands
+        over later messages."""
         recv = self._forward_recv
+        binder = self.binder
         async for first in recv:
             batch = [first]
             with contextlib.suppress(trio.WouldBlock):
                 while True:
                     batch.append(recv.receive_nowait())
             batch.sort(key=lambda item: item[2].mid)
-            for target, stored, m in batch:
+            for q, c, m in batch:
+                if m.owner is not c:
+                    # Given back meanwhile (the member left): redelivered elsewhere, or
+                    # waiting for a member, in which case its caller need not wait.
+                    slot = self._caller(m)
+                    if slot is not None and m.owner is None:
+                        slot.inflight = False
+                        slot.event.set()
+                    continue
                 try:
-                    await self.binder.send(target, stored.value, stored.attachments)
+                    stored = decode_bound(m.data)
+                except ValueError as exc:
+                    log.warning("queue %s: message %d (producer %s seq %d) cannot be "
+                                "forwarded to %s and is dropped: %s", q.name, m.mid,
+                                m.producer, m.pseq, q.opts.bind, exc)
+                    self.engine.ack(m)
+                    continue
+                try:
+                    if stored.kind == KIND_REQUEST:
+                        cmd, params = stored.value
+                        wait = binder.start_call(
+                            c.lname, cmd, params, timeout=c.ack_timeout,
+                            attachments=stored.attachments, on_behalf_of=stored.origin)
+                        self.nursery.start_soon(self._delivery, q, c, m, wait)
+                        continue
+                    target = f"{q.opts.bind}[?]" if stored.anycast else q.opts.bind
+                    await binder.send(target, stored.value, stored.attachments,
+                                      on_behalf_of=stored.origin)
                 except ConnectionLost:
                     return
+                except UsageError as exc:  # e.g. a stored command name the bus refuses
+                    log.warning("queue %s: message %d (producer %s seq %d) cannot be "
+                                "forwarded to %s and is dropped: %s", q.name, m.mid,
+                                m.producer, m.pseq, q.opts.bind, exc)
                 self.engine.ack(m)
 
     async def _delivery(self, q: Queue, c: Consumer, m: Msg,
@@ -314,8 +426,16 @@ class Service:
             if exc.code in (ErrorCode.RECIPIENT_GONE, ErrorCode.NO_RECIPIENT) and \
                     q.consumers.get(c.lname) is c:
                 del q.consumers[c.lname]
+            slot = self._caller(m)
+            if slot is not None:  # its caller is told {"queued"}: it stays stored
+                slot.inflight = False
+                slot.event.set()
             self.engine.nack(m)
             return
+        slot = self._caller(m)
+        if slot is not None:
+            slot.answer, slot.answered = answer, True
+            slot.event.set()
         self.engine.ack(m, answer)
 
     async def _consume(self, params: Any, request: Message) -> dict[str, str]:
@@ -462,16 +582,29 @@ class Service:
         return sorted(self.engine.queues)
 
     # -- bound groups ---------------------------------------------------------------------
-    def _bound_put(self, q: Queue, data: bytes, waiter: Waiter) -> None:
+    def _bound_put(self, q: Queue, data: bytes, waiter: Waiter) -> int:
+        """Store a bound group's traffic as producer :attr:`boot`; returns its seq."""
         self._bound_seq += 1
         self.engine.put(q, self.boot, [(self._bound_seq, data)], waiter)
+        return self._bound_seq
 
-    async def _bound_request(self, params: Any, request: Message) -> Any:
-        """A request to a bound group: store it with its attachments, answer once it is
-        durable (ack 1), or with the member's own answer if a member answered before the
-        commit. One carrying file descriptors is answered ``bad-request`` (a descriptor
-        cannot be stored; the broker already refuses them, core ``_binder``), and the
-        client library closes them."""
+    def _caller(self, m: Msg) -> _Caller | None:
+        """The caller still waiting for the member's answer to stored request ``m``."""
+        return self._callers.get(m.pseq) if m.producer == self.boot else None
+
+    def _bound_request(self, params: Any, request: Message) -> Awaitable[Any]:
+        """A request to a bound group: stored at once, in the binder's reader (so in
+        arrival order with one-way messages, :meth:`_bound_message`), with its
+        attachments; the returned awaitable answers the caller with the member's own
+        answer if one answers before the commit, or while the caller still waits (the
+        request was in flight to a member when it became durable; until shortly before
+        the caller's deadline); otherwise, once it is durable, ``{"queued":
+        "<queue>"}``: nobody answered yet, the queue delivers it later and that answer
+        is only the queue's ack. A member's error answer is a nack (redelivered), so the
+        caller then gets ``{"queued"}`` too. One carrying file descriptors is answered
+        ``bad-request`` (a descriptor cannot be stored; the broker already refuses them,
+        core ``_binder``), and the client library closes them."""
+        started = trio.current_time()
         group = _base(request.target)
         q = self.bound.get(group)
         if q is None:
@@ -482,14 +615,32 @@ class Service:
                                 "descriptors")
         done = trio.Event()
         waiter = Waiter(1, lambda _w: done.set())
-        self._bound_put(q, encode_bound(b"R", [request.command, params],
-                                        request.attachments), waiter)
-        await done.wait()
-        if waiter.error:
-            raise CommandFailed(*waiter.error)
-        if waiter.consumed:
-            return waiter.answer
-        return {"queued": q.name}
+        slot = _Caller()
+        data = encode_bound(b"R", [request.command, params], request.attachments,
+                            origin=(request.sender, request.sender_name))
+        seq = self._bound_seq + 1
+        self._callers[seq] = slot  # before the put: dispatch may hand it out at once
+        if self._bound_put(q, data, waiter) != seq:
+            raise AssertionError("bound seqs are taken one at a time")
+        deadline = started + _answer_within(request, self.binder)
+
+        async def answer() -> Any:
+            try:
+                await done.wait()
+                if waiter.error:
+                    raise CommandFailed(*waiter.error)
+                if waiter.consumed:
+                    return waiter.answer
+                if slot.inflight and not slot.answered:
+                    with trio.move_on_at(deadline):
+                        await slot.event.wait()
+                if slot.answered:
+                    return slot.answer
+                return {"queued": q.name}
+            finally:
+                del self._callers[seq]
+
+        return answer()
 
     def _bound_message(self, msg: Message) -> None:
         """A one-way message to a bound group (``G`` or ``G[?]``): stored with its
@@ -502,7 +653,8 @@ class Service:
         try:
             if msg.fds:
                 raise ValueError("it carries file descriptors, which cannot be stored")
-            data = encode_bound(b"M", msg.body, msg.attachments, msg.target.endswith("[?]"))
+            data = encode_bound(b"M", msg.body, msg.attachments, msg.target.endswith("[?]"),
+                                (msg.sender, msg.sender_name))
         except (MalformedMessage, ValueError) as exc:
             log.warning("queue %s: dropping a message from %s (%s) to %r: %s", q.name,
                         msg.sender, msg.sender_name, msg.target, exc)
@@ -533,73 +685,101 @@ class Service:
 
 # -- stored values of bound groups (see Service._bound_request/_bound_message) ----------------
 class Stored(NamedTuple):
-    """A request or one-way message to a bound group, decoded from its stored value."""
+    """A message of a bound queue, decoded from its stored value."""
 
-    #: ``[cmd, params]`` of a request, the body of a one-way message
+    #: :data:`KIND_REQUEST`, :data:`KIND_MESSAGE` or :data:`KIND_BODY` (a ``put``: it
+    #: reaches the members as a one-way message)
+    kind: int
+    #: ``[cmd, params]`` of a request, the body of a one-way message or put
     value: Any
     #: the binary attachments it came with, delivered with it
     attachments: list[bytes]
     #: a one-way message sent to ``G[?]``: forwarded to one member, not the group
     anycast: bool
+    #: ``(lname, name)`` of the producer that sent it to the group, None if unknown
+    #: (a put, or stored before origins were kept): members then see the binder
+    origin: tuple[str, str] | None
 
 
 def encode_bound(kind: bytes, value: Any, attachments: Sequence[bytes | memoryview] = (),
-                 anycast: bool = False) -> bytes:
+                 anycast: bool = False, origin: tuple[str, str] | None = None) -> bytes:
     """The stored value: ``kind`` (``b"R"`` request, ``b"M"`` message), CBOR ``value``,
     then, only if there are any, a second CBOR item: the map of extensions
-    ``{"attachments"?: [bytes...], "anycast"?: true}``.
-
-    Appended after the value rather than inside it, because a message body may be any
-    CBOR value (a list of two included), so only the end of the first item tells them
-    apart. Values stored before extensions existed are the first part alone and decode
-    unchanged (:func:`decode_bound`).
+    ``{"attachments"?: [bytes...], "anycast"?: true, "from"?: [lname, name]}``.
 
     Raises:
         ValueError: ``value`` cannot be encoded as CBOR (the client decoded it, so only
             values cbor2 cannot write back, such as undecodable tags, end up here).
     """
+    try:
+        head = kind + cbor2.dumps(value)
+    except (cbor2.CBOREncodeError, TypeError) as exc:
+        raise ValueError(f"cannot be stored: {exc}") from exc
+    return head + _extensions(attachments, anycast, origin)
+
+
+def encode_bound_raw(kind: bytes, encoded: bytes, attachments: Sequence[bytes | memoryview],
+                     anycast: bool, origin: tuple[str, str] | None) -> bytes:
+    """:func:`encode_bound` for a value already CBOR-encoded by the producer (a queue
+    client's ``send``).
+
+    Raises:
+        ValueError: ``encoded`` is not exactly one well-formed CBOR item (the end of the
+            first item is where the extensions start, so it must be checked).
+    """
+    fp = io.BytesIO(encoded)
+    try:
+        cbor2.CBORDecoder(fp).decode()
+    except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+        raise ValueError(f"body is not well-formed CBOR: {exc}") from exc
+    if fp.tell() != len(encoded):
+        raise ValueError(f"body has {len(encoded) - fp.tell()} bytes after its CBOR item")
+    return kind + encoded + _extensions(attachments, anycast, origin)
+
+
+def _extensions(attachments: Sequence[bytes | memoryview], anycast: bool,
+                origin: tuple[str, str] | None) -> bytes:
+    # Appended after the value rather than inside it, because a message body may be any
+    # CBOR value (a list of two included), so only the end of the first item tells them
+    # apart. Values stored before extensions existed are the first part alone and decode
+    # unchanged (decode_bound).
     ext: dict[str, Any] = {}
     if attachments:
         ext["attachments"] = [bytes(a) for a in attachments]
     if anycast:
         ext["anycast"] = True
-    try:
-        head = kind + cbor2.dumps(value)
-    except (cbor2.CBOREncodeError, TypeError) as exc:
-        raise ValueError(f"cannot be stored: {exc}") from exc
-    return head + cbor2.dumps(ext) if ext else head
+    if origin is not None:
+        ext["from"] = list(origin)
+    return cbor2.dumps(ext) if ext else b""
 
 
 def decode_bound(data: bytes) -> Stored:
-    """The inverse of :func:`encode_bound` (the kind byte is skipped); values without
-    extensions, including every one stored before they existed, have none."""
+    """The inverse of :func:`encode_bound`; a put's value (:data:`KIND_BODY`) is its
+    body, without extensions. Values without extensions, including every one stored
+    before they existed, have none.
+
+    Raises:
+        ValueError: the value is not well-formed CBOR, or a request's is not
+            ``[cmd, params]`` with a string ``cmd`` (a put's body is the producer's,
+            unchecked until here).
+    """
+    kind = data[0]
     fp = io.BytesIO(data)
     fp.seek(1)
     decoder = cbor2.CBORDecoder(fp)
-    value = decoder.decode()
-    if fp.tell() >= len(data):
-        return Stored(value, [], False)
-    ext = decoder.decode()
+    try:
+        value = decoder.decode()
+        ext = decoder.decode() if kind != KIND_BODY and fp.tell() < len(data) else {}
+    except (cbor2.CBORDecodeError, ValueError, TypeError, EOFError) as exc:
+        raise ValueError(f"stored value is not well-formed CBOR: {exc}") from exc
+    if kind == KIND_REQUEST and not (isinstance(value, list) and len(value) == 2
+                                     and isinstance(value[0], str)):
+        raise ValueError("stored request is not [cmd, params]")
     if not isinstance(ext, dict):
         ext = {}
-    return Stored(value, list(ext.get("attachments", ())), ext.get("anycast") is True)
-
-
-def _start_call(bus: Bus, target: str, command: str, params: Any, timeout: float,
-                attachments: list[bytes]) -> Callable[[], Awaitable[Any]]:
-    """:meth:`Bus.start_call` with ``attachments``: sent now, in call order, ``wait()``
-    gives the result. ``Bus.start_call`` takes no attachments, so a request with some
-    takes the same steps through the client's internals (as client/pipe.py does)."""
-    if not attachments:
-        return bus.start_call(target, command, params, timeout=timeout)
-    rid, call = bus._start_call(target, command, params, timeout, attachments, False)
-
-    async def wait() -> Any:
-        await bus._finish_call(rid, call, timeout)
-        if call.error is not None:
-            raise call.error
-        if call.frame is not None and call.frame.fds:
-            close_fds(call.frame.fds)  # the ack is the answer; descriptors in it are unused
-        return call.result
-
-    return wait
+    origin = ext.get("from")
+    if not (isinstance(origin, list) and len(origin) == 2
+            and all(isinstance(x, str) and x and "\0" not in x for x in origin)):
+        origin = None
+    return Stored(kind, value, list(ext.get("attachments", ())), ext.get("anycast") is True,
+                  (origin[0], origin[1]) if origin else None)

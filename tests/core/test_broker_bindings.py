@@ -139,3 +139,58 @@ def test_message_with_fds_to_a_bound_group_drops_the_sender(g: Bound) -> None:
     assert "'G' is bound to l.1" in message and "file descriptors" in message
     assert g.closed == [9]
     assert g.received() == {"binder": [], "m0": [], "m1": []}
+
+
+def relayed(by: Peer, origin: bytes = b"l.99\0radius") -> bytes:
+    return by.stamp + b"\0" + origin
+
+
+@pytest.mark.parametrize("target", ["G", "G[?]", "G[1]", "m1"])
+def test_the_binder_may_relay_on_behalf_of_a_producer(g: Bound, target: str) -> None:
+    """A relayed stamp (binder's stamp, NUL, origin lname, NUL, origin name) from the
+    binder to its group, to an instance or anycast of it, or to a member's lname is
+    forwarded as written: members see the producer, via the binder."""
+    to = g.m1.lname if target == "m1" else target
+    g.broker.handle(g.binder, frame(T.MESSAGE, target=to, body=encode_cbor("m"),
+                                    source=relayed(g.binder)), 0.0)
+    if target != "G":  # a single-answer request to G with two members is refused
+        g.broker.handle(g.binder, frame(T.REQUEST, target=to, request_id=5,
+                                        header=encode_cbor({"cmd": "x"}),
+                                        body=encode_cbor("r"), source=relayed(g.binder)), 0.0)
+    got = {p: out(p) for p in (g.m0, g.m1)}
+    frames = [f for fs in got.values() for f in fs]
+    assert len(frames) == 2  # G: the message to each member; else message and request
+    assert all(f.source == relayed(g.binder) for f in frames)
+    if target != "G":
+        # The answer goes to the binder (the first lname), which has the call pending.
+        [callee] = [p for p, fs in got.items() if any(f.type == T.REQUEST for f in fs)]
+        g.broker.handle(callee, frame(T.REPLY, target=g.binder.lname, request_id=5,
+                                      body=encode_cbor("ok")), 0.0)
+        [answer] = out(g.binder)
+        assert (answer.type, answer.body()) == (T.REPLY, "ok")
+
+
+@pytest.mark.parametrize("case", ["not-a-binder", "other-group", "non-member-lname",
+                                  "not-its-stamp", "bad-origin", "bad-utf8"])
+def test_relayed_stamps_are_replaced_where_not_allowed(g: Bound, case: str) -> None:
+    """Anyone but the binder of the target's group, or a malformed origin, gets its own
+    stamp, as with any source a client writes that is not its own (receivers can trust
+    the sender): a relay gives a binder no say over traffic it could not see anyway."""
+    sender, target, source = g.binder, "G", relayed(g.binder)
+    if case == "not-a-binder":
+        sender, source = g.producer, relayed(g.producer)
+    elif case == "other-group":
+        g.call(g.m0, "msgq", "subscribe", {"group": "H"})
+        target = "H"
+    elif case == "non-member-lname":
+        target = g.producer.lname
+    elif case == "not-its-stamp":
+        source = relayed(g.m0)
+    elif case == "bad-origin":
+        source = relayed(g.binder, b"x.99\0radius")
+    else:
+        source = relayed(g.binder, b"l.99\0\xff")
+    g.broker.handle(sender, frame(T.MESSAGE, target=target, body=encode_cbor("m"),
+                                  source=source), 0.0)
+    got = [f for p in (g.m0, g.m1, g.producer, g.binder) for f in out(p)]
+    assert got and all(f.source == sender.stamp for f in got)

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import cbor2
 import pytest
-from msgq_trio.plugins.queue.service import Stored, decode_bound, encode_bound
-from plugin_helpers import eventually
+import trio
+from msgq_trio.plugins.queue.model import KIND_BODY
+from msgq_trio.plugins.queue.service import Stored, decode_bound, encode_bound, encode_bound_raw
+from plugin_helpers import eventually, ready_plugin_pids
 
 import msgq_trio
-from msgq_trio.errors import ConnectionLost, MalformedMessage, RemoteError
+from msgq_trio.errors import ConnectionLost, MalformedMessage, RemoteError, RpcError
 from msgq_trio.protocol.codes import FrameType
 from msgq_trio.protocol.framing import encode_frame
 
@@ -43,9 +46,12 @@ class Member:
     name: str
     bus: msgq_trio.Bus
     requests: list[tuple[Any, list[bytes]]] = field(default_factory=list)
+    #: (sender, sender_name, via_name) of each request, as the member saw them
+    senders: list[tuple[str, str, str | None]] = field(default_factory=list)
 
     def handle(self, params: Any, request: msgq_trio.Message) -> dict[str, Any]:
         self.requests.append((params, [bytes(a) for a in request.attachments]))
+        self.senders.append((request.sender, request.sender_name, request.via_name))
         for fd in request.fds:
             os.write(fd, self.name.encode())
         return {"by": self.name, "params": params, "attachments": len(request.attachments)}
@@ -65,10 +71,11 @@ class Setup:
 
 
 @contextlib.asynccontextmanager
-async def sql_group(queue_broker: Start, bound: bool) -> AsyncIterator[Setup]:
-    """A broker running the queue plugin with queue ``sql`` (bound to ``SQL`` or not),
-    members m0 then m1 of ``SQL`` serving ``x``, and a producer."""
-    b = queue_broker({"sql": {"bind": "SQL"} if bound else {}})
+async def sql_group(queue_broker: Start, bound: bool, **options: Any) -> AsyncIterator[Setup]:
+    """A broker running the queue plugin with queue ``sql`` (bound to ``SQL`` or not,
+    with queue ``options``), members m0 then m1 of ``SQL`` serving ``x``, and a
+    producer."""
+    b = queue_broker({"sql": {"bind": "SQL", **options} if bound else {}})
     async with msgq_trio.connect(b.path, "m0") as b0, \
             msgq_trio.connect(b.path, "m1") as b1, \
             msgq_trio.connect(b.path, "producer") as producer:
@@ -196,10 +203,9 @@ async def test_attachments_reach_the_members(queue_broker: Start, bound: bool) -
         await eventually(lambda: len(s.m0.requests) + len(s.m1.requests) >= 1)
         [(params, attachments)] = s.m0.requests + s.m1.requests
         assert (params, attachments) == ({"n": 2}, [BIG, b"", b"z"])
-        # The member's own answer, or (bound, answered after the commit) the queue's ack.
+        # The member's own answer (with members online, never the queue's ack).
         assert answer in ({"by": "m0", "params": {"n": 2}, "attachments": 3},
-                          {"by": "m1", "params": {"n": 2}, "attachments": 3},
-                          *([{"queued": "sql"}] if bound else []))
+                          {"by": "m1", "params": {"n": 2}, "attachments": 3})
 
 
 async def test_attachments_stored_while_no_member_is_there(queue_broker: Start) -> None:
@@ -312,6 +318,162 @@ async def test_malformed_body(queue_broker: Start, bound: bool) -> None:
                              in s.broker.log())
 
 
+@BOUND
+async def test_members_see_the_producer_as_the_sender(queue_broker: Start,
+                                                      bound: bool) -> None:
+    """Members see the producer (its lname and name) as the sender of its messages and
+    requests, with or without the queue; with it, ``via`` names the queue's binder, and
+    a member's answer to ``sender`` reaches the producer directly."""
+    async with sql_group(queue_broker, bound) as s:
+        p = s.producer
+        await p.send("SQL", "hello")
+        for m in s.members:
+            msg = await m.bus.receive(timeout=10)
+            assert (msg.body, msg.sender, msg.sender_name) == ("hello", p.lname, "producer")
+            if bound:
+                assert msg.via_name == "msgq-queue-binder"
+                assert msg.via is not None and msg.via.startswith("l.")
+                assert msg.via not in (p.lname, s.m0.bus.lname, s.m1.bus.lname)
+            else:
+                assert (msg.via, msg.via_name) == (None, None)
+            await m.bus.send(msg.sender, f"reply from {m.name}")
+        assert sorted([(await p.receive(timeout=10)).body for _ in s.members]) == [
+            "reply from m0", "reply from m1"]
+        answer = await p.call("SQL[?]", "x", {"n": 1})
+        [seen] = s.m0.senders + s.m1.senders
+        assert seen == (p.lname, "producer", "msgq-queue-binder" if bound else None)
+        assert answer["by"] in ("m0", "m1")
+
+
+@BOUND
+async def test_an_answer_after_the_commit_reaches_the_caller(queue_broker: Start,
+                                                              bound: bool) -> None:
+    """A member that answers only after the queue made the request durable (it held it
+    past ``ack_grace``) still answers the caller, as without a queue: the queue waits
+    for that answer while the caller waits. (Before, the caller got ``{"queued"}`` and
+    the member's answer was lost.)"""
+    async with sql_group(queue_broker, bound) as s:
+        release = trio.Event()
+        arrived = trio.Event()
+
+        async def slow(params: Any) -> str:
+            arrived.set()
+            await release.wait()
+            return f"done {params}"
+
+        s.m0.bus.add_command("slow", slow)
+        async with trio.open_nursery() as n:
+            result: list[Any] = []
+
+            async def call() -> None:
+                # Bound: m1 has no "slow" and answers unknown-command, a nack: the queue
+                # redelivers until m0 has it.
+                result.append(await s.producer.call("SQL[?]" if bound else "SQL[0]",
+                                                    "slow", 1))
+
+            n.start_soon(call)
+            await arrived.wait()
+            if bound:
+                q = s.producer.queue("sql")
+                await eventually(lambda: _stored(q))
+            release.set()
+        assert result == ["done 1"]
+
+
+async def _stored(q: Any) -> bool:
+    return bool((await q.stats())["stored"] >= 1)
+
+
+@BOUND
+async def test_order_between_a_producers_messages_and_requests(queue_broker: Start,
+                                                               bound: bool) -> None:
+    """A member gets a producer's one-way messages and requests in the order sent:
+    each request finds exactly the messages sent before it already received (before,
+    with a queue, requests went out as soon as dispatched and overtook messages)."""
+    b = queue_broker({"sql": {"bind": "SQL"} if bound else {}})
+    async with msgq_trio.connect(b.path, "m0") as member, \
+            msgq_trio.connect(b.path, "producer") as producer:
+        seen: list[tuple[int, int]] = []
+
+        def handle(params: Any) -> None:
+            # Handlers run in the reader as frames arrive; messages wait in its inbox.
+            seen.append((params, len(member._in)))
+
+        member.add_command("x", handle)
+        await member.subscribe("SQL")
+        waits = []
+        for i in range(40):
+            if i % 2:
+                waits.append(producer.start_call("SQL", "x", i))
+            else:
+                await producer.send("SQL", i)
+        for w in waits:
+            await w()
+        assert seen == [(i, (i + 1) // 2) for i in range(1, 40, 2)]
+        assert [(await member.receive(timeout=10)).body for _ in range(20)] == list(
+            range(0, 40, 2))
+
+
+@BOUND
+async def test_queue_send_is_acked_and_deduplicated_across_plugin_restarts(
+        queue_broker: Start, bound: bool) -> None:
+    """``bus.queue(q).send(body)`` is the producer ack for a one-way message: it returns
+    once the message is durable, and a resend with the same producer and seq after the
+    plugin was SIGKILLed and restarted is answered ``duplicate``: the first member to
+    join gets each message once, with its attachments, from the producer via the
+    queue. Without a binding it is refused loudly (a plain ``send`` has no ack)."""
+    b = queue_broker({"sql": {"bind": "SQL"} if bound else {}})
+    async with msgq_trio.connect(b.path, "producer") as p:
+        q = p.queue("sql", producer="radius-1")
+        if not bound:
+            with pytest.raises(RemoteError, match="not bound to a group") as info:
+                await q.send("x")
+            assert info.value.code == "bad-request"
+            return
+        assert await q.send({"n": 1}, [b"att"], seq=1) == "stored"
+        assert await q.send({"n": 2}, seq=2) == "stored"
+        os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
+        await eventually(lambda: len(ready_plugin_pids(b.log())) == 2)
+        q2 = p.queue("sql", producer="radius-1")  # a producer that restarted too
+        for seq in (1, 2):
+            assert await resend(q2, {"n": seq}, seq) == "duplicate"
+        assert await q2.send({"n": 3}) == "stored"  # the next seq after the stored ones
+        async with msgq_trio.connect(b.path, "m0") as m0:
+            await m0.subscribe("SQL")
+            for n, attachments in ((1, [b"att"]), (2, []), (3, [])):
+                msg = await m0.receive(timeout=10)
+                assert (msg.body, [bytes(a) for a in msg.attachments]) == ({"n": n},
+                                                                           attachments)
+                assert (msg.sender, msg.via_name) == (p.lname, "msgq-queue-binder")
+            await p.send("SQL", "marker")
+            assert (await m0.receive(timeout=10)).body == "marker"  # no duplicate before
+
+
+async def resend(q: Any, body: Any, seq: int) -> str:
+    """Send with a fixed seq, again after a failure (the plugin may still be binding)."""
+    with trio.fail_after(30):
+        while True:
+            try:
+                return str(await q.send(body, seq=seq))
+            except RpcError:
+                await trio.sleep(0.05)
+
+
+async def test_a_put_into_a_bound_queue_reaches_the_members(queue_broker: Start) -> None:
+    """A ``put`` into a bound queue (a link forwarding into it, say) reaches the group's
+    members as a one-way message whatever its body looks like (a body shaped like a
+    request included), instead of crashing the forwarder."""
+    b = queue_broker({"sql": {"bind": "SQL"}})
+    async with msgq_trio.connect(b.path, "producer") as p, \
+            msgq_trio.connect(b.path, "m0") as m0:
+        await m0.subscribe("SQL")
+        q = p.queue("sql")
+        assert await q.put(["x", {"looks": "like a request"}]) in ("stored", "consumed")
+        assert await q.put("plain") in ("stored", "consumed")
+        assert [(await m0.receive(timeout=10)).body for _ in range(2)] == [
+            ["x", {"looks": "like a request"}], "plain"]
+
+
 # -- the stored value (sans I/O) -----------------------------------------------------------
 @pytest.mark.parametrize("kind, value", [
     (b"R", ["write", {"acct": 1}]),
@@ -321,11 +483,33 @@ async def test_malformed_body(queue_broker: Start, bound: bool) -> None:
 ])
 def test_stored_values_round_trip_and_old_ones_decode(kind: bytes, value: Any) -> None:
     """Values stored before attachments existed (kind + one CBOR item) decode with none;
-    new ones keep attachments and ``G[?]`` whatever the body looks like; a value without
-    extensions is written exactly as before (older plugins read it too)."""
+    new ones keep attachments, ``G[?]`` and the producer whatever the body looks like; a
+    value without extensions is written exactly as before (older plugins read it too)."""
     old = kind + cbor2.dumps(value)
-    assert decode_bound(old) == Stored(value, [], False)
+    assert decode_bound(old) == Stored(kind[0], value, [], False, None)
     assert encode_bound(kind, value) == old
-    new = encode_bound(kind, value, [b"a", memoryview(BIG)], anycast=kind == b"M")
-    assert decode_bound(new) == Stored(value, [b"a", BIG], kind == b"M")
+    new = encode_bound(kind, value, [b"a", memoryview(BIG)], anycast=kind == b"M",
+                       origin=("l.7", "radius"))
+    assert decode_bound(new) == Stored(kind[0], value, [b"a", BIG], kind == b"M",
+                                       ("l.7", "radius"))
     assert cbor2.loads(new[1:]) == value  # what `peek` and an older plugin read
+    raw = encode_bound_raw(kind, cbor2.dumps(value), [], False, ("l.7", "radius"))
+    assert decode_bound(raw) == Stored(kind[0], value, [], False, ("l.7", "radius"))
+
+
+def test_put_bodies_and_malformed_values() -> None:
+    """A put's body (kind ``B``, a put into a bound queue: a link's, say) is its value,
+    never read as extensions; what cannot be forwarded is a ValueError, never a crash of
+    the forwarder: malformed CBOR, a request that is not ``[cmd, params]``, a ``send``
+    body with bytes after its item."""
+    body = cbor2.dumps([{"n": 1}]) + cbor2.dumps({"from": ["l.1", "x"]})
+    assert decode_bound(b"B" + cbor2.dumps("x")) == Stored(KIND_BODY, "x", [], False, None)
+    assert decode_bound(b"B" + body).value == [{"n": 1}]
+    for bad in (b"M\x9f", b"R" + cbor2.dumps({"cmd": "x"}), b"R" + cbor2.dumps([1, 2]),
+                b"B"):
+        with pytest.raises(ValueError):
+            decode_bound(bad)
+    with pytest.raises(ValueError, match="after its CBOR item"):
+        encode_bound_raw(b"M", body, [], False, None)
+    with pytest.raises(ValueError, match="not well-formed"):
+        encode_bound_raw(b"M", b"\x9f", [], False, None)
