@@ -245,6 +245,9 @@ async def test_forbidden_send_subscribe_call_consume(tcp_broker) -> None:
                 await remote.call("msgq-queue", "consume", {"queue": "payroll"})
             with pytest.raises(Forbidden):
                 await remote.call("msgq-queue", "put", {"queue": "payroll", "seq": 1})
+            for cmd in ("send", "peek", "purge"):  # produce / consume / consume
+                with pytest.raises(Forbidden):
+                    await remote.call("msgq-queue", cmd, {"queue": "payroll"})
             # ...while the granted queue passes through to the service.
             assert await remote.call("msgq-queue", "fetch", {"queue": "jobs", "n": 1}) == "done"
             assert calls == [("fetch", {"queue": "jobs", "n": 1})]
