@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -105,6 +106,31 @@ class TrafficFilter:
             "senders": sorted(self.senders),
             "targets": sorted(self.targets),
         }
+
+
+class Origin(NamedTuple):
+    """Which broker process wrote a record: every record carries it, because lnames and
+    request ids restart with each broker lifetime (``l.3``, request 1 again after a
+    restart), so only (instance, lname, request id) names one request in a capture
+    directory that spans restarts (docs/CAPTURE.md)."""
+
+    #: Random per broker process (64 bits, hex): never reused, unlike pids.
+    instance: str
+    #: Unix time the broker's capture service started (at broker start-up).
+    started: float
+
+    @classmethod
+    def new(cls) -> Origin:
+        return cls(secrets.token_hex(8), round(time.time(), 6))
+
+    def fields(self) -> str:
+        """The record's two JSON members, ``"broker_instance":..,"broker_started":..``."""
+        return (f'"broker_instance":{json.dumps(self.instance)},'
+                f'"broker_started":{self.started!r}')
+
+
+#: Records made without a broker (tools, tests): both fields null.
+NO_ORIGIN_FIELDS = '"broker_instance":null,"broker_started":null'
 
 
 class Captured(NamedTuple):
@@ -215,8 +241,10 @@ def _decode(data: bytes) -> Any:
         return None
 
 
-def make_record(seq: int, c: Captured, body_mode: str) -> dict[str, Any]:
-    """The JSON record of one captured frame (docs/CAPTURE.md)."""
+def make_record(seq: int, c: Captured, body_mode: str,
+                origin: Origin | None = None) -> dict[str, Any]:
+    """The JSON record of one captured frame (docs/CAPTURE.md), written by the broker
+    ``origin`` (None: both origin fields null)."""
     kind = c.kind
     header = _decode(c.header) if c.header else {}
     if not isinstance(header, dict):
@@ -253,6 +281,8 @@ def make_record(seq: int, c: Captured, body_mode: str) -> dict[str, Any]:
         "error_message": text("message") if kind == "error" else None,
         "body": None,
         "body_encoding": None,
+        "broker_instance": origin.instance if origin else None,
+        "broker_started": origin.started if origin else None,
     }
     if body_mode != "none" and c.body is not None:
         if body_mode == "base64":
@@ -263,7 +293,8 @@ def make_record(seq: int, c: Captured, body_mode: str) -> dict[str, Any]:
     return rec
 
 
-def dropped_record(seq: int, dropped: int, dropped_total: int) -> dict[str, Any]:
+def dropped_record(seq: int, dropped: int, dropped_total: int,
+                   origin: Origin | None = None) -> dict[str, Any]:
     """Written in place of records the buffer had no room for (never silent)."""
     return {
         "ts": round(time.time(), 6),
@@ -271,6 +302,8 @@ def dropped_record(seq: int, dropped: int, dropped_total: int) -> dict[str, Any]
         "kind": "capture-dropped",
         "dropped": dropped,
         "dropped_total": dropped_total,
+        "broker_instance": origin.instance if origin else None,
+        "broker_started": origin.started if origin else None,
     }
 
 
@@ -315,10 +348,11 @@ def _fragment(c: Captured, on_behalf: str | None) -> tuple[str, str]:
     return frag
 
 
-def _fast_parts(c: Captured) -> tuple[str, str]:
+def _fast_parts(c: Captured, origin_fields: str) -> tuple[str, str]:
     """The fast record's text around its ``size`` value: the line is
     ``{"ts":TS,"seq":SEQ,`` + mid + ``SIZE`` + post. Only for records without a header
-    to decode or a body to write."""
+    to decode or a body to write. ``origin_fields``: :meth:`Origin.fields` (or
+    :data:`NO_ORIGIN_FIELDS`)."""
     kind = c.kind
     on_behalf = None
     if c.source and not c.source.startswith(b"l.0\0"):
@@ -333,24 +367,27 @@ def _fast_parts(c: Captured) -> tuple[str, str]:
         f'{head},"request_id":{request_id},"reply_to":{reply_to},"all":{all_},"size":',
         f',"attachments":{c.n_blobs},"fds":{c.n_fds},"outcome":{outcome},'
         f'"recipients":{c.recipients},"command":null,"event":null,"code":null,'
-        f'"error_message":null,"body":null,"body_encoding":null}}\n',
+        f'"error_message":null,"body":null,"body_encoding":null,{origin_fields}}}\n',
     )
 
 
-def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int) -> bytes:
-    """``encode_line(make_record(seq, c, body_mode), max_bytes)``, byte for byte, with a
-    fast path for the common record: no header to decode and no body to write."""
+def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int,
+                origin: Origin | None = None) -> bytes:
+    """``encode_line(make_record(seq, c, body_mode, origin), max_bytes)``, byte for byte,
+    with a fast path for the common record: no header to decode and no body to write."""
     if c.header or (body_mode != "none" and c.body is not None):
-        return encode_line(make_record(seq, c, body_mode), max_bytes)
-    mid, post = _fast_parts(c)
+        return encode_line(make_record(seq, c, body_mode, origin), max_bytes)
+    mid, post = _fast_parts(c, origin.fields() if origin else NO_ORIGIN_FIELDS)
     line = f'{{"ts":{round(c.ts, 6)!r},"seq":{seq},{mid}{c.size}{post}'.encode()
     if len(line) > max_bytes:
-        return encode_line(make_record(seq, c, body_mode), max_bytes)
+        return encode_line(make_record(seq, c, body_mode, origin), max_bytes)
     return line
 
 
-def record_lines(items: list[tuple[int, Captured]], body_mode: str, max_bytes: int) -> list[bytes]:
-    """``[record_line(seq, c, body_mode, max_bytes) for seq, c in items]``, byte for byte.
+def record_lines(items: list[tuple[int, Captured]], body_mode: str, max_bytes: int,
+                 origin: Origin | None = None) -> list[bytes]:
+    """``[record_line(seq, c, body_mode, max_bytes, origin) for seq, c in items]``, byte
+    for byte.
 
     Why: a burst of one-way messages from one sender to one group is a run of records
     that differ only in ``seq``, ``ts`` and ``size``; their constant text is built once
@@ -359,23 +396,24 @@ def record_lines(items: list[tuple[int, Captured]], body_mode: str, max_bytes: i
     """
     out: list[bytes] = []
     append = out.append
+    origin_fields = origin.fields() if origin else NO_ORIGIN_FIELDS
     last: Captured | None = None
     mid = post = ts_text = ""
     last_ts = -1.0
     for seq, c in items:
         if c.header or (body_mode != "none" and c.body is not None):
-            append(encode_line(make_record(seq, c, body_mode), max_bytes))
+            append(encode_line(make_record(seq, c, body_mode, origin), max_bytes))
             continue
         # Same record apart from ts and size (and seq): reuse the parts.
         if last is None or c[1:9] != last[1:9] or c[10:] != last[10:]:
-            mid, post = _fast_parts(c)
+            mid, post = _fast_parts(c, origin_fields)
             last = c
         if c.ts != last_ts:
             last_ts = c.ts
             ts_text = repr(round(c.ts, 6))
         line = f'{{"ts":{ts_text},"seq":{seq},{mid}{c.size}{post}'.encode()
         if len(line) > max_bytes:
-            line = encode_line(make_record(seq, c, body_mode), max_bytes)
+            line = encode_line(make_record(seq, c, body_mode, origin), max_bytes)
         append(line)
     return out
 
@@ -569,6 +607,8 @@ class TapHub:
         self, core: Broker, after_core: Callable[[], None], soft_limit: Callable[[], int]
     ) -> None:
         self.core = core
+        #: This broker process's identity in every record it writes (restart-safe keys).
+        self.origin = Origin.new()
         self._after_core = after_core
         self._soft_limit = soft_limit
         self.file: FileCapture | None = None
@@ -741,13 +781,18 @@ class TapHub:
         return fc.status()
 
     def capture_status(self) -> dict[str, Any]:
+        """The file capture's status, with the broker identity its records carry."""
         if self.file is not None:
-            return self.file.status()
-        if self._stopping:
-            return self._stopping[-1].status()
-        if self._last is not None:
-            return self._last.status()
-        return {"state": "off"}
+            status = self.file.status()
+        elif self._stopping:
+            status = self._stopping[-1].status()
+        elif self._last is not None:
+            status = self._last.status()
+        else:
+            status = {"state": "off"}
+        status["broker_instance"] = self.origin.instance
+        status["broker_started"] = self.origin.started
+        return status
 
     async def _run_capture(self, fc: FileCapture) -> None:
         buf = fc.buffer
@@ -801,10 +846,13 @@ class TapHub:
         seq_after = fc.buffer.seq
         total = fc.buffer.dropped_total
 
+        origin = self.origin
+
         def work() -> tuple[int, int]:
-            lines = record_lines(items, body, max_bytes)
+            lines = record_lines(items, body, max_bytes, origin)
             if dropped:
-                lines.append(encode_line(dropped_record(seq_after, dropped, total), max_bytes))
+                lines.append(encode_line(dropped_record(seq_after, dropped, total, origin),
+                                         max_bytes))
             return len(items), fc.writer.write(lines)
 
         n, nbytes = await trio.to_thread.run_sync(work)
@@ -854,7 +902,7 @@ class TapHub:
         if not items and not dropped:
             return
         peer = sink.peer
-        records = [make_record(seq, c, sink.body) for seq, c in items]
+        records = [make_record(seq, c, sink.body, self.origin) for seq, c in items]
         for i in range(0, max(len(records), 1), DUMP_BATCH):
             chunk = records[i : i + DUMP_BATCH]
             pieces = encode_frame(
