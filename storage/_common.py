@@ -61,15 +61,19 @@ def check_items(items: Sequence[NewMessage]) -> dict[str, bytes]:
     """
     names: dict[str, bytes] = {}
     for index, item in enumerate(items):
-        if not isinstance(item, NewMessage):
+        if type(item) is not NewMessage and not isinstance(item, NewMessage):
             raise TypeError(f"item {index} is a {type(item).__name__}, not a NewMessage")
-        if item.queue not in names:
-            names[item.queue] = encode_name(item.queue, f"item {index}: queue")
-        if item.producer not in names:
-            names[item.producer] = encode_name(item.producer, f"item {index}: producer")
-        check_int(item.producer_seq, f"item {index}: producer_seq", 1)
-        if not isinstance(item.body, bytes):
-            raise TypeError(f"item {index}: body must be bytes, not {type(item.body).__name__}")
+        queue, producer, producer_seq, body = item
+        if queue not in names:
+            names[queue] = encode_name(queue, f"item {index}: queue")
+        if producer not in names:
+            names[producer] = encode_name(producer, f"item {index}: producer")
+        # The exact-type test first: check_int's full test only for what is not a plain
+        # int in range (it raises for those, bool included).
+        if type(producer_seq) is not int or not 0 < producer_seq < U64_LIMIT:
+            check_int(producer_seq, f"item {index}: producer_seq", 1)
+        if type(body) is not bytes and not isinstance(body, bytes):
+            raise TypeError(f"item {index}: body must be bytes, not {type(body).__name__}")
     return names
 
 
