@@ -41,7 +41,8 @@ def all_scenarios(directory: Path | None = None) -> list[Path]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="msgq-trio scenario", description=__doc__)
+    ap = argparse.ArgumentParser(prog="msgq-trio scenario",
+                                 description=(__doc__ or "").replace("``", ""))
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run scenarios")
     p.add_argument("paths", nargs="*", type=Path, help="scenario files")

@@ -1,0 +1,343 @@
+"""The command line behaves like the anchors (nats, busctl, redis-cli): every test runs
+the real console script (``.venv/bin/msgq-trio``) against a real broker and checks the
+exit status and what reaches stdout and stderr.
+
+Ctrl-C (SIGINT) exits 130 without a traceback; a reader that went away (``| head``)
+exits 141 without one; bad input is one ``error:`` line and exit 2; ``-s`` keeps the
+``//`` of ``tcp://`` URLs; connection flags go before or after the subcommand; ``serve
+--plugin queue`` needs no file; ``pipe`` without the pipe plugin says how to start it;
+``dump --count`` counts what it shows; ``ctl stats`` is readable; ``--help`` is plain
+text and every positional argument has help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from msgq_trio.cli import build_parser
+from msgq_trio.core.access import hash_token
+
+MSGQ = str(Path(sys.executable).with_name("msgq-trio"))
+TIMEOUT = 60.0
+
+
+def run(*argv: str, env: dict[str, str] | None = None,
+        stdout: Any = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    """``msgq-trio ARGV`` to completion (stdin empty)."""
+    return subprocess.run([MSGQ, *argv], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=TIMEOUT, check=False, stdin=subprocess.DEVNULL, env=env)
+
+
+def start(*argv: str, **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([MSGQ, *argv], text=True, **{
+        "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL,
+        **kw})
+
+
+def until(predicate: Callable[[], Any], what: str) -> Any:
+    """Poll ``predicate`` until truthy (TIMEOUT at most: a busy machine is slow)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def members(sock: Path, group: str) -> list[dict[str, Any]]:
+    r = run("members", "--json", "-s", str(sock), group)
+    assert r.returncode == 0, r
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+def assert_quiet(stderr: str) -> None:
+    for marker in ("Traceback", "KeyboardInterrupt", "BrokenPipeError", "ExceptionGroup"):
+        assert marker not in stderr, stderr
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """CLI processes a test starts in the background; killed if still running."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=TIMEOUT)
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------
+def test_ctrl_c_on_listen_and_dump_exits_130_quietly(broker, procs) -> None:
+    """``listen Stats`` and ``dump``, interrupted with SIGINT once they are running:
+    status 130, nothing on stderr but dump's own header line, no traceback."""
+    listen = start("listen", "Stats", "-s", str(broker.path))
+    dump = start("dump", "-s", str(broker.path))
+    procs += [listen, dump]
+    until(lambda: members(broker.path, "Stats"), "listen to subscribe")
+    assert dump.stderr is not None
+    assert dump.stderr.readline().startswith("# dumping")
+    for p in (listen, dump):
+        p.send_signal(signal.SIGINT)
+        _out, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 130, err
+        assert_quiet(err)
+        assert err.strip() == "", err
+
+
+def test_ctrl_c_on_pipe_read_exits_130_quietly(broker_factory, procs) -> None:
+    """``pipe read`` in the middle of a pipe (the writer still open): SIGINT gives 130
+    and no traceback."""
+    b = broker_factory("--plugin", "pipe")
+    reader = start("pipe", "read", "logs", "-s", str(b.path))
+    writer = start("pipe", "write", "logs", "-s", str(b.path), stdin=subprocess.PIPE)
+    procs += [reader, writer]
+    assert writer.stdin is not None and reader.stdout is not None
+    writer.stdin.write("hello\n")
+    writer.stdin.flush()
+    assert reader.stdout.readline() == "hello\n"  # the reader is inside its read loop
+    reader.send_signal(signal.SIGINT)
+    _out, err = reader.communicate(timeout=TIMEOUT)
+    assert reader.returncode == 130, err
+    assert_quiet(err)
+
+
+# -- closed standard output ----------------------------------------------------------------
+def closed_pipe() -> int:
+    """The write end of a pipe whose reader has already gone (``| head`` that ended)."""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+def test_ctl_stats_into_a_closed_pipe_exits_quietly(broker) -> None:
+    """``ctl stats | head -0``: status 141 (as for a program SIGPIPE ends), no
+    BrokenPipeError traceback, nothing on stderr."""
+    w = closed_pipe()
+    try:
+        r = run("ctl", "stats", "-s", str(broker.path), stdout=w)
+    finally:
+        os.close(w)
+    assert r.returncode == 141, r.stderr
+    assert r.stderr == ""
+
+
+def test_dump_json_into_a_closed_pipe_exits_quietly(broker, procs) -> None:
+    """``dump --json | head -1`` after head exited: the first record to print ends dump
+    with 141 and no traceback."""
+    w = closed_pipe()
+    try:
+        dump = start("dump", "--json", "-s", str(broker.path), stdout=w)
+    finally:
+        os.close(w)
+    procs.append(dump)
+    assert dump.stderr is not None
+    assert dump.stderr.readline().startswith("# dumping")
+    assert run("send", "-s", str(broker.path), "Stats", '{"n": 1}').returncode == 0
+    _out, err = dump.communicate(timeout=TIMEOUT)
+    assert dump.returncode == 141, err
+    assert_quiet(err)
+
+
+# -- bad input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["send", "Stats", "hello"],
+    ["call", "G", "x", "{bad"],
+    ["notify", "G", "ev", "[1,"],
+])
+def test_bad_json_is_one_error_line_and_exit_2(broker, argv: list[str]) -> None:
+    """A body or parameters that are not JSON: exit 2 and exactly one line on stderr,
+    ``msgq-trio CMD: error: ... is not JSON ...``; nothing is sent."""
+    r = run(*argv, "-s", str(broker.path))
+    assert r.returncode == 2, r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "not JSON" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+# -- addresses and remote brokers ---------------------------------------------------------------
+def start_tcp_broker(broker_factory: Callable[..., Any], short_tmp: Path,
+                     tcp: str) -> tuple[Any, str]:
+    """A broker with a TCP listener from a configuration file; (broker, its URL)."""
+    conf = short_tmp / "tcp.toml"
+    conf.write_text(f'[tcp]\nlisten = ["127.0.0.1:0"]\ntokens = {{ cli = "{hash_token(TOKEN)}" }}'
+                    f"\n{tcp}\n")
+    b = broker_factory("--config", str(conf))
+    r = until(lambda: re.search(r"listening on (tcp|tls)://(\S+)", b.log()), "TCP listener")
+    return b, f"{r.group(1)}://{r.group(2)}"
+
+
+TOKEN = "cli-token-2b7d91"
+
+
+def test_tcp_url_and_token_flags(broker_factory, short_tmp: Path) -> None:
+    """``-s tcp://127.0.0.1:PORT`` keeps its ``//``; ``--token`` (after the subcommand
+    or before it) or ``$MSGQ_TRIO_TOKEN`` authenticates; without a token the error is
+    one line naming the refusal."""
+    b, url = start_tcp_broker(broker_factory, short_tmp, "insecure = true")
+    assert url.startswith("tcp://")
+    r = run("call", "-s", url, "msgq", "ping", "--token", TOKEN)
+    assert (r.returncode, r.stdout.strip()) == (0, '"pong"'), r
+    r = run("--token", TOKEN, "-s", url, "call", "msgq", "ping")
+    assert r.stdout.strip() == '"pong"', r
+    r = run("call", "-s", url, "msgq", "ping", env={**os.environ, "MSGQ_TRIO_TOKEN": TOKEN})
+    assert r.stdout.strip() == '"pong"', r
+    env = {k: v for k, v in os.environ.items() if k != "MSGQ_TRIO_TOKEN"}
+    r = run("call", "-s", url, "msgq", "ping", env=env)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r
+    assert "must authenticate" in r.stderr
+    # Nobody listens here: the message shows the address as given.
+    port = url.rpartition(":")[2]
+    b.stop()
+    r = run("call", "-s", f"tcp://127.0.0.1:{port}", "msgq", "ping", "--token", TOKEN)
+    assert r.returncode == 1 and f"tcp://127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+def test_tls_ca_flag(broker_factory, short_tmp: Path) -> None:
+    """``tls://`` with ``--tls-ca`` (or ``$MSGQ_TRIO_TLS_CA``) trusts the broker's CA;
+    without it the system trust store refuses the certificate (one error line)."""
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
+        str(short_tmp / "server.pem"))
+    ca.cert_pem.write_to_path(str(short_tmp / "ca.pem"))
+    pem = short_tmp / "server.pem"
+    _b, url = start_tcp_broker(broker_factory, short_tmp,
+                               f'certfile = "{pem}"\nkeyfile = "{pem}"')
+    assert url.startswith("tls://")
+    r = run("call", "msgq", "ping", "-s", url, "--token", TOKEN,
+            "--tls-ca", str(short_tmp / "ca.pem"))
+    assert (r.returncode, r.stdout.strip()) == (0, '"pong"'), r
+    r = run("call", "msgq", "ping", "-s", url, "--token", TOKEN,
+            env={**os.environ, "MSGQ_TRIO_TLS_CA": str(short_tmp / "ca.pem")})
+    assert r.stdout.strip() == '"pong"', r
+    r = run("call", "msgq", "ping", "-s", url, "--token", TOKEN)
+    assert r.returncode == 1 and "TLS" in r.stderr and len(r.stderr.splitlines()) == 1, r
+    r = run("call", "msgq", "ping", "-s", url, "--tls-ca", str(short_tmp / "missing.pem"))
+    assert r.returncode == 2 and "--tls-ca" in r.stderr, r
+
+
+# -- flags anywhere --------------------------------------------------------------------------
+def test_global_flags_after_the_subcommand(broker, short_tmp: Path) -> None:
+    """``ctl config -s SOCK get socket`` and ``ctl -s SOCK config get socket`` and
+    ``-s SOCK ctl config get socket`` all work; ``serve --log-level DEBUG`` is accepted
+    (and logs at DEBUG)."""
+    for argv in (["ctl", "config", "-s", str(broker.path), "get", "socket"],
+                 ["ctl", "-s", str(broker.path), "config", "get", "socket"],
+                 ["-s", str(broker.path), "ctl", "config", "get", "socket"],
+                 ["ctl", "config", "get", "socket", "-s", str(broker.path)]):
+        r = run(*argv)
+        assert (r.returncode, r.stdout.strip()) == (0, json.dumps(str(broker.path))), (argv, r)
+    sock = short_tmp / "debug.sock"
+    log = short_tmp / "debug.log"
+    with open(log, "w") as err:
+        serve = subprocess.Popen([MSGQ, "serve", "--log-level", "DEBUG", "-s", str(sock)],
+                                 stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert serve.stdout is not None
+        assert "listening" in serve.stdout.readline()
+        assert run("call", "-s", str(sock), "msgq", "ping").returncode == 0
+        until(lambda: " DEBUG " in log.read_text(), "a DEBUG line")
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=TIMEOUT)
+    assert serve.returncode == 0, log.read_text()
+
+
+# -- serve --plugin queue without a file ---------------------------------------------------------
+def test_serve_plugin_queue_without_a_dir(broker_factory, short_tmp: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --plugin queue`` keeps the store under the state directory
+    ($STATE_DIRECTORY here, as systemd's StateDirectory= sets it): <state>/queue; a
+    queue put through it is listed by ``queue ls``. ``--queue-dir`` puts it elsewhere."""
+    state = short_tmp / "state"
+    monkeypatch.setenv("STATE_DIRECTORY", str(state))
+    b = broker_factory("--plugin", "queue")
+    r = run("queue", "ls", "-s", str(b.path))
+    assert (r.returncode, r.stdout.strip()) == (0, "no queues"), r
+    assert (state / "queue" / "data.mdb").exists()
+    other = short_tmp / "elsewhere"
+    b2 = broker_factory("--queue-dir", str(other))
+    r = run("queue", "ls", "-s", str(b2.path))
+    assert r.returncode == 0, r
+    assert (other / "data.mdb").exists()
+
+
+# -- pipe without the plugin --------------------------------------------------------------------
+def test_pipe_without_the_plugin_says_how_to_start_it(broker) -> None:
+    """``pipe write logs`` on a broker without the pipe plugin: exit 1 and one line in
+    the common ``error:`` format with the hint ``--plugin pipe``."""
+    r = run("pipe", "write", "logs", "-s", str(broker.path))
+    assert r.returncode == 1, r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: the pipe plugin is not running")
+    assert "--plugin pipe" in lines[0]
+
+
+# -- dump --count ---------------------------------------------------------------------------------
+def test_dump_count_counts_only_other_clients_frames(broker, procs) -> None:
+    """``dump --count 2 --json``: its own dump-start command and answer are not shown
+    and not counted, so the two messages sent after it are what it prints."""
+    dump = start("dump", "--count", "2", "--json", "-s", str(broker.path))
+    procs.append(dump)
+    assert dump.stderr is not None
+    assert dump.stderr.readline().startswith("# dumping")
+    for n in (1, 2):
+        assert run("send", "-s", str(broker.path), "Stats", json.dumps({"n": n})).returncode == 0
+    out, err = dump.communicate(timeout=TIMEOUT)
+    assert dump.returncode == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["kind"], r["sender_name"], r["target"]) for r in records] == [
+        ("message", "msgq-trio-send", "Stats")] * 2, records
+
+
+# -- ctl stats -----------------------------------------------------------------------------------
+def test_ctl_stats_in_human_units(broker) -> None:
+    """``ctl stats``: uptime as a duration (``2.4s``), timestamps as local dates with
+    their age, byte counts with units; ``--json`` keeps the raw numbers."""
+    r = run("ctl", "stats", "-s", str(broker.path))
+    assert r.returncode == 0, r
+    rows = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert re.fullmatch(r"\d+(\.\d)?s|\d+m\d\ds|\d+h\d\dm", rows["uptime"]), rows["uptime"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} \(.+ ago\)",
+                        rows["config.loaded_at"]), rows["config.loaded_at"]
+    assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", rows["rss_bytes"]), rows["rss_bytes"]
+    raw = json.loads(run("ctl", "stats", "--json", "-s", str(broker.path)).stdout)
+    assert isinstance(raw["uptime"], float)
+
+
+# -- help --------------------------------------------------------------------------------------
+def _all_parsers(p: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield p.prog, p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                yield from _all_parsers(child)
+
+
+def test_every_positional_has_help() -> None:
+    """Every positional argument of every subcommand says what it is."""
+    missing = [f"{prog} {a.dest}" for prog, p in _all_parsers(build_parser())
+               for a in p._actions if not a.option_strings and a.nargs != 0
+               and not isinstance(a, argparse._SubParsersAction) and not a.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("argv", [[], ["ctl"], ["serve"], ["dump"], ["scenario"]])
+def test_help_is_plain_text(argv: list[str]) -> None:
+    """``--help`` shows no reST markup (````literal````, ``:func:`x```)."""
+    r = run(*argv, "--help")
+    assert r.returncode == 0, r
+    assert "``" not in r.stdout and ":func:" not in r.stdout and ":mod:" not in r.stdout, (
+        r.stdout)
