@@ -40,6 +40,7 @@ class Peer:
         "outq",
         "outq_bytes",
         "outq_fds",
+        "outq_fds_taken",
         "pending_in",
         "pending_out",
         "pid",
@@ -64,8 +65,13 @@ class Peer:
         self.groups: dict[str, int] = {}
         self.outq: deque[Buffer] = deque()
         self.outq_bytes = 0
-        #: Descriptors held in FdBuffers in ``outq`` (owned by the queue until sent).
+        #: Descriptors the broker holds for this peer: in FdBuffers in ``outq``, and in
+        #: those ``take_outgoing`` handed to the writer until ``sent`` (the writer closes
+        #: them only after the whole batch, which may wait on a full socket). This is what
+        #: ``max_fds_queued`` bounds.
         self.outq_fds = 0
+        #: Of ``outq_fds``: the descriptors in batches taken but not yet ``sent``.
+        self.outq_fds_taken = 0
         self.pending_in: set[tuple[int, int]] = set()
         self.pending_out: set[tuple[int, int]] = set()
         self.alive = True
@@ -93,7 +99,12 @@ class Peer:
         return f"{self.lname} (name={self.name!r} pid={self.pid} uid={self.uid})"
 
     def take_outgoing(self, max_bytes: int = 1 << 62) -> tuple[list[Buffer], int]:
-        """Remove and return queued buffers (at least one, then up to ``max_bytes``)."""
+        """Remove and return queued buffers (at least one, then up to ``max_bytes``).
+
+        The descriptors of taken FdBuffers still count in ``outq_fds`` until :meth:`sent`
+        (or :meth:`drop_queue`): the taker closes them only once the batch is written, so
+        until then the broker still holds them for this peer.
+        """
         out: list[Buffer] = []
         n = 0
         q = self.outq
@@ -102,11 +113,14 @@ class Peer:
             out.append(b)
             n += len(b)
             if type(b) is FdBuffer:
-                self.outq_fds -= len(b.fds)  # the taker owns them now
+                self.outq_fds_taken += len(b.fds)
         return out, n
 
     def drop_queue(self) -> list[int]:
-        """Empty the outgoing queue; returns the descriptors it held (to be closed)."""
+        """Empty the outgoing queue; returns the descriptors it held (to be closed).
+
+        Descriptors of a batch already taken are not among them: their taker closes them.
+        """
         fds: list[int] = []
         if self.outq_fds:
             for b in self.outq:
@@ -115,9 +129,13 @@ class Peer:
         self.outq.clear()
         self.outq_bytes = 0
         self.outq_fds = 0
+        self.outq_fds_taken = 0
         return fds
 
     def sent(self, nbytes: int) -> None:
-        """Account for ``nbytes`` taken by ``take_outgoing`` that reached the socket."""
+        """Account for the batch (``nbytes``) last taken by ``take_outgoing``: it reached
+        the socket and its descriptors are closed."""
         self.outq_bytes -= nbytes
         self.bytes_out += nbytes
+        self.outq_fds -= self.outq_fds_taken
+        self.outq_fds_taken = 0

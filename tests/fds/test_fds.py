@@ -337,3 +337,89 @@ async def test_burst_of_descriptor_messages_keeps_each_fd_with_its_message(broke
         for r, w in pipes:
             os.close(r)
             os.close(w)
+
+
+async def _watch_fd_bound(
+    pid: int, watch: Any, base: int, bound: int, progress: Any
+) -> None:
+    """Sample ``pid``'s open descriptors until a sender is paused and nothing moves for
+    a second; each sample must be within ``base + bound``, and the last ones must be near
+    the bound (the test filled the queue). A sample taken early (a starved machine) can
+    only make the check weaker, never fail it wrongly: the bound holds at all times."""
+    peak = base
+    quiet = 0
+    last = (-1, -1)
+    while quiet < 20:
+        await trio.sleep(0.05)
+        n = _fd_count(pid)
+        peak = max(peak, n)
+        assert n <= base + bound, (
+            f"broker holds {n - base} descriptors over its baseline for one receiver "
+            f"(allowed {bound}; {progress()} messages sent)"
+        )
+        stats = await watch.call("msgq", "stats")
+        now = (n, progress())
+        quiet = quiet + 1 if now == last and stats["paused_readers"] == 1 else 0
+        last = now
+    assert peak >= base + bound // 2, f"the queue never filled (peak {peak - base})"
+
+
+async def test_max_fds_queued_bounds_descriptors_held_for_a_stopped_receiver(
+    broker_factory: Any,
+) -> None:
+    """``max_fds_queued`` bounds every descriptor the broker holds for one receiver,
+    queued or taken by its writer and still open (the writer blocked on the receiver's
+    full socket). A receiver that subscribes and then never reads (SIGSTOPped), a sender
+    sending 4,000 descriptor-carrying messages: the broker's open descriptors never exceed
+    the baseline + ``max_fds_queued`` + a few (the held frame, what its reader has parsed);
+    the sender is held (paused), not refused, and once the receiver reads again every
+    message arrives."""
+    limit = 64
+    # slow_consumer_timeout far beyond the test: the stopped receiver must not be dropped
+    # while the test looks (dropping it is the documented end of a wait, not this case).
+    broker = broker_factory("--max-fds-queued", str(limit), "--slow-consumer-timeout", "600")
+    total = 4_000  # far more than the kernel's socket buffers take (~1,500 here)
+    slack = 8
+    sink = _spawn_receiver(broker.path)
+    r, w = os.pipe()
+    try:
+        assert sink.stdout is not None
+        assert sink.stdout.readline().strip() == "ready"
+        os.kill(sink.pid, signal.SIGSTOP)
+        async with (
+            msgq_trio.connect(broker.path, name="src") as src,
+            msgq_trio.connect(broker.path, name="watch") as watch,
+        ):
+            assert await watch.call("msgq", "ping") == "pong"
+            base = _fd_count(broker.pid)
+            sent = 0
+
+            async def sender() -> None:
+                nonlocal sent
+                for i in range(total):
+                    await src.send("FdSink", i, fds=[w])
+                    sent += 1
+                await src.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender)
+                try:
+                    await _watch_fd_bound(broker.pid, watch, base, limit + slack, lambda: sent)
+                finally:
+                    # Also on failure: closing src waits for its queue to drain.
+                    os.kill(sink.pid, signal.SIGCONT)
+            assert sent == total
+            # Nothing lost: the receiver counts every message (it prints each 1,000th).
+            lines = await trio.to_thread.run_sync(
+                lambda: [sink.stdout.readline().strip() for _ in range(total // 1000)]  # type: ignore[union-attr]
+            )
+            assert lines[-1] == str(total)
+    finally:
+        os.close(r)
+        os.close(w)
+        if sink.poll() is None:
+            os.kill(sink.pid, signal.SIGCONT)
+            sink.kill()
+        sink.wait()
+        if sink.stdout is not None:
+            sink.stdout.close()
