@@ -1,0 +1,130 @@
+"""The package as a user gets it: a non-editable wheel installed in a fresh virtualenv
+(no system site-packages) outside the checkout, then ``msgq-trio serve --plugin queue``,
+``msgq-trio scenario list`` and ``mypy --strict`` on a small user script that uses Bus.
+
+The wheel is built once for the module (``pip wheel --no-deps``; setuptools comes from
+the package index into pip's isolated build environment) and its dependencies are
+installed from the package index (pip's cache makes a second run quick). Without
+network access the module is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 300.0
+#: What pip prints when it cannot reach the package index (then the test is skipped).
+OFFLINE = ("NewConnectionError", "Temporary failure in name resolution",
+           "Network is unreachable", "No matching distribution found")
+
+
+def _pip(*argv: str, python: str = sys.executable, cwd: Path) -> None:
+    r = subprocess.run([python, "-m", "pip", "--disable-pip-version-check", *argv],
+                       capture_output=True, text=True, timeout=TIMEOUT, check=False, cwd=cwd)
+    if r.returncode != 0:
+        if any(m in r.stdout + r.stderr for m in OFFLINE):
+            pytest.skip(f"no package index reachable for pip {argv[0]}: {r.stderr[-300:]}")
+        raise AssertionError(f"pip {' '.join(argv)} failed:\n{r.stdout[-3000:]}\n{r.stderr}")
+
+
+@pytest.fixture(scope="module")
+def venv() -> Iterator[Path]:
+    """A fresh virtualenv under /tmp with the wheel built from this checkout installed
+    (not editable); its bin/ directory."""
+    top = Path(tempfile.mkdtemp(prefix="mqwheel", dir="/tmp"))
+    try:
+        _pip("wheel", "--no-deps", "-w", str(top / "dist"), str(ROOT), cwd=top)
+        (wheel,) = (top / "dist").glob("msgq_trio-*.whl")
+        subprocess.run([sys.executable, "-m", "venv", str(top / "venv")], check=True,
+                       timeout=TIMEOUT, cwd=top)
+        _pip("install", str(wheel), python=str(top / "venv" / "bin" / "python"), cwd=top)
+        yield top / "venv" / "bin"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """An environment that cannot see the checkout (no PYTHONPATH, no virtualenv)."""
+    keep = {k: v for k, v in os.environ.items()
+            if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER")}
+    return {"PATH": "/usr/bin:/bin", **keep, **extra}
+
+
+def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
+    """The package comes from the venv, not the checkout; ``serve --plugin queue``
+    starts without a configuration file (store under $STATE_DIRECTORY/queue) and its
+    queue plugin answers ``queue ls``; ``scenario list`` lists the shipped scenarios
+    from a directory without scenarios/; mypy --strict accepts a user script."""
+    env = clean_env()
+    r = subprocess.run([str(venv / "python"), "-c",
+                        "import msgq_trio, sys; print(msgq_trio.__file__)"],
+                       capture_output=True, text=True, cwd=short_tmp, env=env, check=True)
+    assert r.stdout.startswith(str(venv.parent)), r.stdout
+
+    sock = short_tmp / "bus.sock"
+    log = short_tmp / "serve.log"
+    with open(log, "w") as err:
+        serve = subprocess.Popen(
+            [str(venv / "msgq-trio"), "serve", "--plugin", "queue", "-s", str(sock)],
+            stdout=subprocess.PIPE, stderr=err, text=True, cwd=short_tmp,
+            env=clean_env(STATE_DIRECTORY=str(short_tmp / "state")))
+    try:
+        assert serve.stdout is not None
+        assert "listening" in serve.stdout.readline(), log.read_text()
+        q = subprocess.run([str(venv / "msgq-trio"), "queue", "ls", "-s", str(sock)],
+                           capture_output=True, text=True, cwd=short_tmp, env=env,
+                           timeout=TIMEOUT, check=False)
+        assert (q.returncode, q.stdout.strip()) == (0, "no queues"), (q, log.read_text())
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=TIMEOUT)
+    assert serve.returncode == 0, log.read_text()
+    assert (short_tmp / "state" / "queue" / "data.mdb").exists()
+
+    s = subprocess.run([str(venv / "msgq-trio"), "scenario", "list"], capture_output=True,
+                       text=True, cwd=short_tmp, env=env, timeout=TIMEOUT, check=False)
+    assert s.returncode == 0, s
+    names = [line.split()[0] for line in s.stdout.splitlines()]
+    assert len(names) >= 15 and "broker-sigkill-restart" in names, s.stdout
+
+    user = short_tmp / "user.py"
+    user.write_text(textwrap.dedent('''
+        """A component as a user writes it."""
+        import trio
+
+        import msgq_trio
+        from msgq_trio import Bus
+
+
+        async def ping(bus: Bus) -> str:
+            result = await bus.call("msgq", "ping")
+            return str(result)
+
+
+        async def main() -> None:
+            async with msgq_trio.connect(name="user") as bus:
+                print(await ping(bus))
+
+
+        if __name__ == "__main__":
+            trio.run(main)
+    '''))
+    # This checkout's mypy, looking only at the fresh venv's packages (PEP 561).
+    m = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--python-executable",
+                        str(venv / "python"), "--cache-dir", str(short_tmp / ".mypy"),
+                        str(user)],
+                       capture_output=True, text=True, cwd=short_tmp, timeout=TIMEOUT,
+                       check=False, env={**env, "PATH": os.environ["PATH"]})
+    assert m.returncode == 0, m.stdout + m.stderr
+    assert "Success" in m.stdout
