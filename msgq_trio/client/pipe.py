@@ -166,9 +166,12 @@ class _End:
             raise _translate(call.error, f"pipe {self.name!r}")
         return call
 
+    def _closed_error(self) -> trio.ClosedResourceError:
+        return trio.ClosedResourceError(f"pipe {self.name!r} handle {self.handle} is closed")
+
     def _enter(self) -> None:
         if self._closed:
-            raise trio.ClosedResourceError(f"pipe {self.name!r} handle {self.handle} is closed")
+            raise self._closed_error()
         if self._busy:
             raise trio.BusyResourceError(f"another task is using pipe {self.name!r} "
                                          f"handle {self.handle}")
@@ -235,7 +238,9 @@ class PipeReader(_End, trio.abc.ReceiveStream):
         Raises:
             PipeTimeout: nothing arrived within ``timeout`` seconds (the pipe stays open).
             PipeBroken: the pipe service lost this handle. ConnectionLost: the bus went
-            away. trio.ClosedResourceError / BusyResourceError: closed / concurrent use.
+            away. trio.ClosedResourceError: this reader is closed, also when another
+            task closes it while this call waits (its answer is discarded with the
+            reader). trio.BusyResourceError: another task is reading.
         """
         if n is not None and n < 1:
             raise ValueError("n must be >= 1")
@@ -257,9 +262,18 @@ class PipeReader(_End, trio.abc.ReceiveStream):
                     inflight.append(self._start("pipe.read", params))
                 try:
                     call = await self._wait(inflight[0])
+                except MsgqError as exc:
+                    if self._closed:  # the close answered or failed our read
+                        raise self._closed_error() from exc
+                    raise
                 finally:
-                    if inflight[0][1].done.is_set():
+                    # aclose() from another task may have emptied ``inflight`` meanwhile.
+                    if inflight and inflight[0][1].done.is_set():
                         inflight.popleft()
+                if self._closed:
+                    # Closed by another task while we waited: whatever the answer says,
+                    # the ReceiveStream contract is ClosedResourceError.
+                    raise self._closed_error()
                 body = call.result
                 if "n" in body:
                     assert call.frame is not None
