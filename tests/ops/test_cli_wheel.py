@@ -1,6 +1,7 @@
 """The package as a user gets it: a non-editable wheel installed in a fresh virtualenv
 (no system site-packages) outside the checkout, then ``msgq-trio serve --plugin queue``,
-``msgq-trio scenario list`` and ``mypy --strict`` on a small user script that uses Bus.
+``msgq-trio scenario list`` and ``mypy --strict`` on a small user script that uses Bus;
+and the sdist, which carries the docs, the scenarios and the whole test suite.
 
 The wheel is built once for the module (``pip wheel --no-deps``; setuptools comes from
 the package index into pip's isolated build environment) and its dependencies are
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 from collections.abc import Iterator
@@ -128,3 +130,26 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
                        check=False, env={**env, "PATH": os.environ["PATH"]})
     assert m.returncode == 0, m.stdout + m.stderr
     assert "Success" in m.stdout
+
+
+def test_sdist_carries_docs_scenarios_and_the_whole_test_suite(short_tmp: Path) -> None:
+    """``python -m build --sdist`` (pypa's build, in its own venv): every tracked file
+    under docs/, scenarios/ and tests/ (conftest files included), LICENSE and py.typed
+    are in the archive."""
+    subprocess.run([sys.executable, "-m", "venv", str(short_tmp / "bv")], check=True,
+                   timeout=TIMEOUT)
+    python = str(short_tmp / "bv" / "bin" / "python")
+    _pip("install", "build", python=python, cwd=short_tmp)
+    r = subprocess.run([python, "-m", "build", "--sdist", "-o", str(short_tmp / "dist"),
+                        str(ROOT)], capture_output=True, text=True, timeout=TIMEOUT,
+                       check=False, cwd=short_tmp)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    (sdist,) = (short_tmp / "dist").glob("msgq_trio-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.partition("/")[2] for n in tar.getnames()}
+    tracked = subprocess.run(["git", "ls-files", "docs", "scenarios", "tests"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert len(tracked) > 50
+    missing = sorted(set(tracked) - names)
+    assert missing == [], missing
+    assert {"LICENSE", "msgq_trio/py.typed", "tests/conftest.py"} <= names
