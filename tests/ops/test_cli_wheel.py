@@ -40,13 +40,28 @@ def _pip(*argv: str, python: str = sys.executable, cwd: Path) -> None:
         raise AssertionError(f"pip {' '.join(argv)} failed:\n{r.stdout[-3000:]}\n{r.stderr}")
 
 
+def source_copy(dest: Path) -> Path:
+    """The checkout's files as git sees them in the working tree (tracked, and new files
+    not ignored), copied to ``dest``: a build in the checkout itself would also pick up
+    its leftovers (build/lib, msgq_trio.egg-info/SOURCES.txt lists every file once
+    seen), and hide a file missing from the package data or MANIFEST.in."""
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
+    for name in names.stdout.splitlines():
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def venv() -> Iterator[Path]:
     """A fresh virtualenv under /tmp with the wheel built from this checkout installed
     (not editable); its bin/ directory."""
     top = Path(tempfile.mkdtemp(prefix="mqwheel", dir="/tmp"))
     try:
-        _pip("wheel", "--no-deps", "-w", str(top / "dist"), str(ROOT), cwd=top)
+        src = source_copy(top / "src")
+        _pip("wheel", "--no-deps", "-w", str(top / "dist"), str(src), cwd=top)
         (wheel,) = (top / "dist").glob("msgq_trio-*.whl")
         subprocess.run([sys.executable, "-m", "venv", str(top / "venv")], check=True,
                        timeout=TIMEOUT, cwd=top)
@@ -140,15 +155,16 @@ def test_sdist_carries_docs_scenarios_and_the_whole_test_suite(short_tmp: Path) 
                    timeout=TIMEOUT)
     python = str(short_tmp / "bv" / "bin" / "python")
     _pip("install", "build", python=python, cwd=short_tmp)
+    src = source_copy(short_tmp / "src")
     r = subprocess.run([python, "-m", "build", "--sdist", "-o", str(short_tmp / "dist"),
-                        str(ROOT)], capture_output=True, text=True, timeout=TIMEOUT,
+                        str(src)], capture_output=True, text=True, timeout=TIMEOUT,
                        check=False, cwd=short_tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     (sdist,) = (short_tmp / "dist").glob("msgq_trio-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {n.partition("/")[2] for n in tar.getnames()}
-    tracked = subprocess.run(["git", "ls-files", "docs", "scenarios", "tests"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
+    tracked = [str(p.relative_to(src)) for d in ("docs", "scenarios", "tests")
+               for p in (src / d).rglob("*") if p.is_file()]
     assert len(tracked) > 50
     missing = sorted(set(tracked) - names)
     assert missing == [], missing
