@@ -327,6 +327,52 @@ async def test_unix_clients_unaffected_by_tcp_only_policy(tcp_broker) -> None:
         assert await c.subscribe("anything.at.all")
 
 
+LOCAL_NO_BIND = {"who": ["unix:*"], "send": ["*"], "subscribe": ["*"], "call": ["*"]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "may_bind"),
+    [
+        pytest.param([], {"G", "H"}, id="no-policy"),
+        pytest.param(DEFAULT_RULES, {"G", "H"}, id="tcp-only-policy"),
+        pytest.param([LOCAL_NO_BIND], set(), id="local-rule-without-bind"),
+        pytest.param([{**LOCAL_NO_BIND, "bind": ["G"]}], {"G"}, id="local-rule-bind-G"),
+    ],
+)
+async def test_bind_is_open_without_a_policy_and_needs_a_grant_with_one(
+    tcp_broker, rules: list[dict[str, Any]], may_bind: set[str]
+) -> None:
+    """docs/SECURITY.md's threat model: without a policy (or with one that names no local
+    identity) any local client may bind any group and so divert its messages from the
+    members; a local client a rule names may bind only the groups its ``bind`` grant
+    lists, and a refused bind is answered Forbidden, logged with its identity, and leaves
+    the traffic with the members."""
+    b = tcp_broker(rules=rules)
+    async with msgq_trio.connect(b.path, name="member") as member, \
+            msgq_trio.connect(b.path, name="binder") as binder, \
+            msgq_trio.connect(b.path, name="sender") as sender:
+        for g in ("G", "H", "End"):
+            await member.subscribe(g)
+        for g in ("G", "H"):
+            if g in may_bind:
+                assert await binder.call("msgq", "bind", {"group": g}) is True
+            else:
+                with pytest.raises(Forbidden, match=f"bind.*{g}"):
+                    await binder.call("msgq", "bind", {"group": g})
+        for g in ("G", "H", "End"):
+            await sender.send(g, g)
+        got: list[str] = []
+        with trio.fail_after(10):
+            while not got or got[-1] != "End":
+                got.append((await member.receive()).body)
+        assert got == [g for g in ("G", "H") if g not in may_bind] + ["End"]
+        for g in sorted(may_bind):
+            assert (await binder.receive(5)).body == g
+    for g in {"G", "H"} - may_bind:
+        assert f"forbidden: {binder.lname} (name='binder'" in b.log()
+        assert f"bind {g!r} is not allowed for unix:" in b.log()
+
+
 async def test_control_commands_need_a_control_grant(tcp_broker) -> None:
     """TCP clients may not use control commands unless a rule grants control."""
     b = tcp_broker(rules=[*DEFAULT_RULES, {"who": ["tcp:mallory"], "control": True}])
