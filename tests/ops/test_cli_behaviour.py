@@ -341,3 +341,25 @@ def test_help_is_plain_text(argv: list[str]) -> None:
     assert r.returncode == 0, r
     assert "``" not in r.stdout and ":func:" not in r.stdout and ":mod:" not in r.stdout, (
         r.stdout)
+
+
+# -- reply and members --json -------------------------------------------------------------------
+def test_reply_answers_calls_from_the_shell(broker, procs) -> None:
+    """``reply Svc echo '{"ok": true}' --count 1``: ``members --json Svc`` lists it, a
+    ``call Svc echo`` gets the answer, the request is printed as a JSON line with the
+    caller's name and parameters, and reply exits 0 after one answer."""
+    reply = start("reply", "Svc", "echo", '{"ok": true}', "--count", "1",
+                  "-s", str(broker.path))
+    procs.append(reply)
+    assert reply.stderr is not None
+    assert reply.stderr.readline().startswith("# answering Svc echo")
+    (member,) = members(broker.path, "Svc")
+    assert member["name"] == "msgq-trio-reply" and member["lname"].startswith("l.")
+    r = run("call", "Svc", "echo", '{"x": 1}', "-s", str(broker.path))
+    assert (r.returncode, json.loads(r.stdout)) == (0, {"ok": True}), r
+    out, err = reply.communicate(timeout=TIMEOUT)
+    assert reply.returncode == 0, err
+    assert json.loads(out) == {"from": json.loads(out)["from"], "name": "msgq-trio-call",
+                               "params": {"x": 1}}
+    r = run("call", "Svc", "echo", "-s", str(broker.path))
+    assert r.returncode == 1 and r.stderr.startswith("error: no-recipient"), r
