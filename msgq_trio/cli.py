@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete looks for this marker to offer completion)
 """The msgq-trio command line: serve, ctl, dump, send, call, notify, listen, reply, members,
 pipe, queue, token, demo, bench, scenario, analyze.
 
@@ -9,6 +10,9 @@ certificate. These flags and --log-level go before or after the subcommand.
 Exit status: 0 done; 1 the command failed (one "error:" line on stderr says why); 2 bad
 usage or input (e.g. a body that is not JSON); 130 interrupted (Ctrl-C); 141 the reader
 of standard output went away (| head).
+
+Shell completion: with argcomplete installed (the 'completion' extra), run
+eval "$(register-python-argcomplete msgq-trio)" in bash or zsh.
 """
 
 from __future__ import annotations
@@ -255,10 +259,22 @@ def _delegate(name: str, argv: list[str]) -> int:
     return int(scenario_main(argv))
 
 
+def _complete(parser: argparse.ArgumentParser) -> None:
+    """Answer the shell's completion request and exit (argcomplete's protocol); nothing
+    happens without argcomplete installed."""
+    try:
+        import argcomplete
+    except ImportError:
+        return
+    argcomplete.autocomplete(parser)
+
+
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in _DELEGATED:
         return _delegate(argv[0], argv[1:])
     parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (argcomplete)
+        _complete(parser)
     args = parser.parse_args(argv)
     if args.cmd in _DELEGATED:  # global flags came first: `msgq-trio -s X scenario list`
         return _delegate(args.cmd, args.args)

@@ -363,3 +363,23 @@ def test_reply_answers_calls_from_the_shell(broker, procs) -> None:
                                "params": {"x": 1}}
     r = run("call", "Svc", "echo", "-s", str(broker.path))
     assert r.returncode == 1 and r.stderr.startswith("error: no-recipient"), r
+
+
+# -- shell completion ------------------------------------------------------------------------
+@pytest.mark.parametrize(("line", "expected"), [
+    ("msgq-trio ct", "ctl"),
+    ("msgq-trio ctl config g", "get"),
+    ("msgq-trio call --to", "--token"),
+])
+def test_shell_completion(short_tmp: Path, line: str, expected: str) -> None:
+    """The console script answers bash's completion request (argcomplete's protocol:
+    ``_ARGCOMPLETE``, ``COMP_LINE``, ``COMP_POINT``) with the matching words, and exits
+    0 without running a command."""
+    pytest.importorskip("argcomplete", reason="argcomplete is in the dev extra")
+    out = short_tmp / "completions"
+    env = {**os.environ, "_ARGCOMPLETE": "1", "COMP_LINE": line,
+           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out)}
+    r = run(env=env)
+    assert r.returncode == 0, r
+    words = out.read_text().split("\v")
+    assert [w.strip() for w in words] == [expected], words
