@@ -104,13 +104,12 @@ def test_split_stream_decodes_to_the_same_frames(specs: list[dict[str, Any]],
     assert got == want
     assert p.buffered == 0
 
-    if hasattr(FrameParser, "frames"):
-        p = FrameParser()
-        got = []
-        for piece in pieces:
-            p.feed(piece)
-            got.extend(decoded(f) for f in p.frames())
-        assert got == want
+    p = FrameParser()
+    got = []
+    for piece in pieces:
+        p.feed(piece)
+        got.extend(decoded(f) for f in p.frames())
+    assert got == want
 
     # Through a client connection in READY, restricted to what a broker may send (and to
     # frames without file descriptors: those must arrive alongside via SCM_RIGHTS).
@@ -199,12 +198,10 @@ def feed_connection(pieces: list[bytes], role: Role, batch: bool) -> None:
 
 def check_only_remote_errors(pieces: list[bytes]) -> None:
     plain = feed_parser(pieces, batch=False)
-    if hasattr(FrameParser, "frames"):
-        assert feed_parser(pieces, batch=True) == plain, "frames() and next_frame() disagree"
+    assert feed_parser(pieces, batch=True) == plain, "frames() and next_frame() disagree"
     for role in Role:
         feed_connection(pieces, role, batch=False)
-        if hasattr(Connection, "events"):
-            feed_connection(pieces, role, batch=True)
+        feed_connection(pieces, role, batch=True)
 
 
 @SETTINGS

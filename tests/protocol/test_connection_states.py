@@ -91,9 +91,7 @@ def _events_first(c: Connection) -> object:
     return evs[0]
 
 
-RECEIVE_METHODS: list[Callable[[Connection], object]] = [_next_event]
-if hasattr(Connection, "events"):
-    RECEIVE_METHODS.append(_events_first)
+RECEIVE_METHODS: list[Callable[[Connection], object]] = [_next_event, _events_first]
 
 
 def _rs_id(rs: tuple[Role, State]) -> str:
@@ -238,16 +236,15 @@ def test_goodbye_then_frame_in_one_batch() -> None:
     assert c.next_event().type == T.GOODBYE  # type: ignore[union-attr]
     with pytest.raises(RemoteProtocolError):
         c.next_event()
-    if hasattr(Connection, "events"):
-        c = connection_in(Role.BROKER, State.READY)
-        c.receive_data(data)
-        evs = c.events()
-        assert [e.type for e in evs] == [T.GOODBYE]  # type: ignore[union-attr]
-        with pytest.raises(RemoteProtocolError):
-            c.events()
-        assert c.state is State.ERROR
-        with pytest.raises(LocalProtocolError):
-            c.events()
+    c = connection_in(Role.BROKER, State.READY)
+    c.receive_data(data)
+    evs = c.events()
+    assert [e.type for e in evs] == [T.GOODBYE]  # type: ignore[union-attr]
+    with pytest.raises(RemoteProtocolError):
+        c.events()
+    assert c.state is State.ERROR
+    with pytest.raises(LocalProtocolError):
+        c.events()
 
 
 @pytest.mark.parametrize("role", list(Role))
@@ -275,9 +272,8 @@ def test_error_state_is_sticky() -> None:
         c.receive_data(frame_bytes(T.MESSAGE))
     with pytest.raises(LocalProtocolError):
         c.send(T.MESSAGE)
-    if hasattr(Connection, "events"):
-        with pytest.raises(LocalProtocolError):
-            c.events()
+    with pytest.raises(LocalProtocolError):
+        c.events()
 
 
 def test_fail_enters_error_state() -> None:
@@ -321,8 +317,6 @@ def test_eof_and_need_data() -> None:
 
 def test_events_returns_batch_then_eof() -> None:
     """events() returns every complete frame in order, then EOF when the peer closed."""
-    if not hasattr(Connection, "events"):
-        pytest.skip("Connection.events does not exist (any more)")
     c = connection_in(Role.BROKER, State.READY)
     c.receive_data(b"".join(frame_bytes(T.MESSAGE, target=f"t{i}") for i in range(5)))
     c.receive_data(b"")
@@ -334,8 +328,6 @@ def test_events_returns_batch_then_eof() -> None:
 def test_events_delivers_valid_frames_before_a_violation() -> None:
     """events(): frames before an invalid one are delivered; the violation is raised by the
     next call, and the connection is then in ERROR."""
-    if not hasattr(Connection, "events"):
-        pytest.skip("Connection.events does not exist (any more)")
     c = connection_in(Role.BROKER, State.READY)
     c.receive_data(frame_bytes(T.MESSAGE, target="a") + frame_bytes(T.ROUTED)
                    + frame_bytes(T.MESSAGE, target="b"))

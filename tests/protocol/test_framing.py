@@ -109,9 +109,7 @@ def test_round_trip_empty_sections(ftype: FrameType) -> None:
 
 def test_encode_simple_matches_encode_frame() -> None:
     """The client's fast encoder produces exactly the bytes of encode_frame."""
-    encode_simple = getattr(framing, "encode_simple", None)
-    if encode_simple is None:
-        pytest.skip("framing.encode_simple does not exist (any more)")
+    encode_simple = framing.encode_simple
     for target, body, header, rid, flags in [
         ("G", b"", b"", 0, 0),
         ("Grüppe[?]", encode_cbor({"a": 1}), encode_cbor({"cmd": "c"}), 99, 1),
@@ -165,8 +163,6 @@ def test_many_frames_in_one_buffer_and_byte_by_byte() -> None:
 
 def test_frames_batch_api_matches_next_frame() -> None:
     """FrameParser.frames() (the batch path) returns the same frames as next_frame()."""
-    if not hasattr(FrameParser, "frames"):
-        pytest.skip("FrameParser.frames does not exist (any more)")
     data = b"".join(
         join(encode_frame(FrameType.REQUEST, target=f"t{i}", request_id=i + 1,
                           header=encode_cbor({"cmd": "c"}), body=encode_cbor("x" * i),
@@ -370,12 +366,11 @@ def test_non_utf8_target_after_a_valid_frame() -> None:
     assert p.next_frame().target == "ok"  # type: ignore[union-attr]
     with pytest.raises(RemoteProtocolError):
         p.next_frame()
-    if hasattr(FrameParser, "frames"):
-        p = FrameParser()
-        p.feed(good + bytes(bad))
-        assert [f.target for f in p.frames()] == ["ok"]
-        with pytest.raises(RemoteProtocolError):
-            p.frames()
+    p = FrameParser()
+    p.feed(good + bytes(bad))
+    assert [f.target for f in p.frames()] == ["ok"]
+    with pytest.raises(RemoteProtocolError):
+        p.frames()
 
 
 def _frame_with_header_bytes(header: bytes, body: bytes = b"") -> Frame:
