@@ -14,7 +14,8 @@ from msgq_trio.protocol.codes import FrameType
 async def test_metrics_endpoint_parses_and_counts(broker_factory, raw_peer) -> None:
     """``serve --metrics 127.0.0.1:0``: ``GET /metrics`` is valid exposition text whose
     figures follow the traffic: connections, messages and bytes both ways (including
-    clients that left), disconnects by reason, pending requests, capture drops."""
+    clients that left), disconnects by reason, messages dropped for want of a recipient,
+    pending requests, capture drops."""
     b = broker_factory("--metrics", "127.0.0.1:0")
     async with msgq_trio.connect(b.path, name="m") as bus, \
             msgq_trio.connect(b.path, name="n") as other:
@@ -25,6 +26,9 @@ async def test_metrics_endpoint_parses_and_counts(broker_factory, raw_peer) -> N
             await bus.send("G", {"i": i})
         for _ in range(25):
             await other.receive(timeout=10)
+        for i in range(3):  # a group nobody is in: counted as dropped, no-recipient
+            await bus.send("Nobody", i)
+        await bus.call("msgq", "ping")  # after the three in the broker's order
         async with raw_peer(b.path) as raw:
             assert (await raw.hello("vandal")).type == FrameType.WELCOME
             await raw.send_bytes(b"\x00\x00\x00\x1c" + b"\xee" * 28)
@@ -60,7 +64,7 @@ async def test_metrics_endpoint_parses_and_counts(broker_factory, raw_peer) -> N
         assert value("msgq_disconnects", reason="protocol-error") == 1
         assert value("msgq_pending_requests") == 0
         assert value("msgq_capture_records_dropped") == 0
-        assert value("msgq_messages_dropped", reason="no-recipient") >= 0
+        assert value("msgq_messages_dropped", reason="no-recipient") == 3
         assert value("msgq_messages_dropped", reason="sender-gone") == 0
         assert value("msgq_paused_readers") == 0
         assert value("msgq_build_info", version=msgq_trio.__version__) == 1
