@@ -21,7 +21,7 @@ from msgq_trio import cli
 from msgq_trio.bench import durable
 from msgq_trio.bench.report import goal_table
 from msgq_trio.bench.run import render, smoke
-from msgq_trio.bench.workloads import WORKLOADS
+from msgq_trio.bench.workloads import PUBSUB, QUICK, WORKLOADS
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +29,40 @@ def report() -> dict[str, Any]:
     return smoke()
 
 
+def _check_counts_and_figure(workload: str, run: dict[str, Any]) -> None:
+    """Every message or call the quick mode sends was received or answered exactly once,
+    and the figure is the one computed from those counts and the measured span (what a
+    benchmark that lost, duplicated or miscounted messages would get wrong)."""
+    p = QUICK[workload]
+    if WORKLOADS[workload].pattern == PUBSUB:
+        assert run["received"] == [p["n"]] * p["subs"], run
+        total, span = sum(run["received"]), run["span_seconds"]
+        assert span > 0, run
+        want = (p["n"] - 1) * p["size"] / span / 1e6 if workload == "large" else (total - 1) / span
+    else:
+        assert run["calls"] == p["calls"] * p["conc"] * p["procs"], run
+        if workload == "req-reply":
+            assert 0 < run["p50_us"] <= run["p99_us"] <= run["max_us"], run
+            want = run["p50_us"]
+        else:
+            want = run["calls"] / run["span_seconds"]
+    assert run["value"] == pytest.approx(want), (workload, run)
+
+
 def test_bench_smoke_measures_every_workload(report: dict[str, Any]) -> None:
-    """Quick mode measures every workload for msgq_trio and the raw-socket ceiling, each
-    figure positive, so `msgq-trio bench` cannot rot unnoticed."""
+    """Quick mode measures every workload for msgq_trio and the raw-socket ceiling, so
+    `msgq-trio bench` cannot rot unnoticed: every message arrives exactly once, every
+    call is answered, and each figure (the median of the one run) is computed from those
+    counts."""
     for system in ("msgq_trio", "raw-unix"):
         for workload in WORKLOADS:
             result = report["results"][system][workload]
             if result["status"] == "n/a" and system != "msgq_trio":
                 continue  # a workload a ceiling does not implement
             assert result["status"] == "ok", (system, workload, result)
-            assert result["median"] > 0, (system, workload, result)
+            (run,) = result["runs"]
+            _check_counts_and_figure(workload, run)
+            assert result["median"] == run["value"], (system, workload, result)
 
 
 def test_bench_smoke_measures_the_direct_client(report: dict[str, Any]) -> None:
@@ -48,7 +72,7 @@ def test_bench_smoke_measures_the_direct_client(report: dict[str, Any]) -> None:
     results = report["results"]["msgq_trio-direct"]
     for workload in ("req-reply", "concurrent"):
         assert results[workload]["status"] == "ok", (workload, results[workload])
-        assert results[workload]["median"] > 0
+        _check_counts_and_figure(workload, results[workload]["runs"][0])
     for workload in ("one-way", "fan-out", "large"):
         assert results[workload]["status"] == "n/a", (workload, results[workload])
     rr = {n: report["results"][n]["req-reply"]["median"]
@@ -64,7 +88,7 @@ def test_bench_smoke_measures_the_broker_without_busy_polling(report: dict[str, 
     results = report["results"]["msgq_trio-direct-no-busy-poll"]
     for workload in ("req-reply", "concurrent"):
         assert results[workload]["status"] == "ok", (workload, results[workload])
-        assert results[workload]["median"] > 0
+        _check_counts_and_figure(workload, results[workload]["runs"][0])
     assert results["one-way"]["status"] == "n/a"
     rows = [line for line in goal_table(report).splitlines() if "req/reply" in line]
     assert len(rows) == 2 and "busy polling off" in rows[1], rows
@@ -97,8 +121,8 @@ def test_bench_smoke_measures_the_durable_msgq_rows(report: dict[str, Any]) -> N
     assert set(rows) == {"msgq_trio", "msgq_trio +consumer"}
     for row, summary in rows.items():
         assert summary["status"] == "ok", (row, summary)
-        assert summary["median"] > 0
         run = summary["runs"][0]
+        assert summary["median"] == run["value"] > 0, (row, summary)
         assert run["p99_us"] >= run["p50_us"] > 0, (row, run)
         # With a consumer online, a message taken before its commit is never written.
         assert run["fsyncs"] >= (0 if "consumer" in row else 1), (row, run)
