@@ -95,10 +95,25 @@ def test_a_duplicate_is_named_with_both_deliveries() -> None:
     assert "message p0:2 delivered 2 times" in v.message
     assert "c0 ok deliver p0:2" in v.message and "c1 ok deliver p0:2" in v.message
     # Members of a group each get every message: only a second copy to one is wrong.
-    assert check_no_duplicates(h.ops(), per_process=True) == []
+    assert check_no_duplicates(h.ops(), per="process") == []
     h.deliver("c1", "p0", 2)
-    [v] = check_no_duplicates(h.ops(), per_process=True)
+    [v] = check_no_duplicates(h.ops(), per="process")
     assert len(v.ops) == 2 and {h.ops()[i].process for i in v.ops} == {"c1"}
+
+
+def test_duplicates_per_session_allow_a_redelivery_after_a_crash() -> None:
+    """A consumer that reconnected (a new session) may get a message again (at least
+    once); twice within one session is a duplicate."""
+    h = H()
+    h.send("p0", 1)
+    for session in (1, 2, 2):
+        h.lines.append(Recorder("c0").event("deliver", h.tick(), key="p0:1", producer="p0",
+                                            seq=1, value={"session": session}))
+    [v] = check_no_duplicates(h.ops(), per="session")
+    assert [h.ops()[i].value["session"] for i in v.ops] == [2, 2]
+    assert len(check_no_duplicates(h.ops(), per="process")[0].ops) == 3
+    with pytest.raises(ValueError, match="per must be"):
+        check_no_duplicates(h.ops(), per="member")
 
 
 def test_a_reorder_is_named() -> None:

@@ -209,3 +209,92 @@ def test_cli_usage_and_invalid_files(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert scenario_cli.main(["check", *map(str, SCENARIOS)]) == 0
     assert scenario_cli.main(["list", "--dir", str(SCENARIO_DIR)]) == 0
     assert "callee-sigkill-mid-call" in capsys.readouterr().out
+
+
+# -- user programs (role exec), plugins, history checks ----------------------------------------
+EXEC = '''
+summary = "s"
+fault = "f"
+broker_does = "b"
+[broker]
+plugins = ["queue"]
+[broker.plugin.queue.queues.q]
+[[clients]]
+name = "prog"
+role = "exec"
+params = {{ command = ["{{python}}", "-c", {code}], ready = "{ready}" }}
+[[faults]]
+at = 0.2
+action = "kill-plugin"
+target = "queue"
+[expect.counts]
+"plugin.queue.kills" = "== 1"
+[expect.history]
+silence = 20
+'''
+
+#: A user program: connects with the library's defaults (MSGQ_TRIO_SOCKET), puts into
+#: the queue the scenario's broker runs, joins a group, records a history by hand.
+PROGRAM = """
+import json, os, sys, time, trio, msgq_trio
+def rec(**r):
+    with open(os.environ["MSGQ_TRIO_HISTORY"], "a") as f:
+        f.write(json.dumps({"process": os.environ["MSGQ_TRIO_CLIENT"], "time": time.monotonic(), **r}) + "\\n")
+async def main():
+    async with msgq_trio.connect() as bus:
+        await bus.subscribe("Prog")
+        print("up and ready", flush=True)
+        rec(type="invoke", f="send", id=1, key="k1")
+        assert await bus.queue("q", producer="x").put(1, seq=1) == "stored"
+        rec(type="ok", f="send", id=1, key="k1")
+        BROKEN
+        await trio.sleep(1.0)
+trio.run(main)
+"""
+
+
+def _exec(tmp_path: Path, broken: str = "", ready: str = "line:ready") -> Path:
+    code = PROGRAM.replace("BROKEN", broken or 'rec(type="ok", f="deliver", id=2, key="k1")')
+    # A TOML basic string is a JSON string.
+    return _write(tmp_path, EXEC.format(code=json.dumps(code), ready=ready))
+
+
+@pytest.mark.parametrize("ready", ["line:ready", "member:Prog"])
+def test_exec_program_with_a_plugin_and_a_clean_history_passes(tmp_path: Path,
+                                                               ready: str) -> None:
+    """A user program on a broker running the queue plugin: ready by a stdout line or
+    by joining a group, the plugin killed once and restarted, its history checked."""
+    result = run_scenario(_exec(tmp_path, ready=ready))
+    assert result.passed, result.explain()
+    assert result.metrics["history.ops"] == 3
+    assert {c.check for c in result.checks} >= {"history: lost", "history: duplicates",
+                                                 "history: answered-once", "history: silence"}
+
+
+@pytest.mark.parametrize(("broken", "why"), [
+    ("pass", "history check lost: 1 acked messages were never delivered: #1 prog-0 ok send k1"),
+    ('rec(type="ok", f="deliver", id=2, key="k1"); rec(type="ok", f="deliver", id=3, key="k1")',
+     "history check duplicates: message k1 delivered 2 times"),
+    ('rec(type="invoke", f="call", id=4)', "history check answered-once: call never completed"),
+    ('rec(type="ok", f="deliver", id=2, key="k1"); sys.exit(3)',
+     "program prog#0 (pid"),
+])
+def test_exec_program_breaking_an_invariant_fails_naming_it(tmp_path: Path, broken: str,
+                                                             why: str) -> None:
+    result = run_scenario(_exec(tmp_path, broken))
+    assert not result.passed
+    assert why in result.explain(), result.explain()
+
+
+def test_exec_and_plugin_keys_are_validated(tmp_path: Path) -> None:
+    good = _exec(tmp_path).read_text()
+    for bad, where in [
+        (good.replace('ready = "line:ready"', 'ready = "stdout:ready"'), "params.ready"),
+        (good.replace('plugins = ["queue"]', 'plugins = ["nosuch"]'), "broker.plugins"),
+        (good.replace('target = "queue"', 'target = "pipe"'), "faults[0].target"),
+        (good.replace("silence = 20", "silence = 20\nduplicates_per = \"member\""),
+         "expect.history.duplicates_per"),
+        (good.replace('command = [', 'command = [], x = ['), "params.x"),
+    ]:
+        with pytest.raises(ScenarioError, match=where.replace("[", r"\[")):
+            load_scenario(_write(tmp_path, bad))

@@ -22,10 +22,13 @@ CLIENT_SIGNALS: dict[str, signal.Signals] = {
     "resume-reading": signal.SIGUSR2,
     "release": signal.SIGUSR1,
 }
-CLIENT_ACTIONS: tuple[str, ...] = (*CLIENT_SIGNALS, "start")
+CLIENT_ACTIONS: tuple[str, ...] = (*CLIENT_SIGNALS, "start", "restart")
 BROKER_ACTIONS: tuple[str, ...] = ("kill-broker", "restart-broker", "stop-broker", "cont-broker")
+#: Actions on one of the broker's plugin processes (``target`` names the plugin).
+PLUGIN_ACTIONS: tuple[str, ...] = ("kill-plugin",)
 #: Client faults after which the target is "at fault": its latency is not a healthy one.
-DISRUPTING_ACTIONS: tuple[str, ...] = ("sigkill", "sigstop", "sigterm", "stop-reading", "start")
+DISRUPTING_ACTIONS: tuple[str, ...] = ("sigkill", "sigstop", "sigterm", "stop-reading", "start",
+                                       "restart")
 
 DESCRIPTIONS: dict[str, str] = {
     "sigkill": "SIGKILL the client process(es): a crash, no GOODBYE, sockets just close",
@@ -38,6 +41,11 @@ DESCRIPTIONS: dict[str, str] = {
     "release": "SIGUSR1 to a hold client: it closes its connections",
     "start": "the target gets `go` only now, so the fault it inflicts (half frames, garbage, "
     "a connection storm, an fd flood) strikes at this time",
+    "restart": "SIGKILL the client process(es) and start them again with the same command "
+    "line (a user program's crash and its supervisor's restart); built-in roles get `go` "
+    "once ready",
+    "kill-plugin": "SIGKILL the plugin named by target (queue, pipe, link); the broker's "
+    "supervisor restarts it; plugin.<name>.restart_ms is the time until it is ready again",
     "kill-broker": "SIGKILL the broker (its socket file stays behind, stale)",
     "restart-broker": "start a new broker on the same socket path and flags (SIGKILLing the "
     "old one if it still runs); broker.restart_ms is the time until it listens",

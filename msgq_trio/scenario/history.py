@@ -205,13 +205,23 @@ def check_lost(history: Sequence[Op]) -> list[Violation]:
     return [_violation("lost", f"{len(lost)} acked messages were never delivered", lost)]
 
 
-def check_no_duplicates(history: Sequence[Op], *, per_process: bool = False) -> list[Violation]:
-    """No message is delivered twice: to anyone (a queue's consumers share its messages)
-    or, with ``per_process``, to the same process (a group's members each get one)."""
-    seen: dict[tuple[str, str | None] | str | None, list[Op]] = {}
+def check_no_duplicates(history: Sequence[Op], *, per: str = "all") -> list[Violation]:
+    """No message is delivered twice: to anyone (``per="all"``: a queue's consumers
+    share its messages), to the same process (``"process"``: a group's members each get
+    one), or within one consumer session (``"session"``: the ``session`` in a delivery's
+    ``value``; a redelivery after a crash is at-least-once, a second copy within one
+    session is a duplicate)."""
+    if per not in ("all", "process", "session"):
+        raise ValueError(f"per must be all, process or session, not {per!r}")
+    seen: dict[tuple[str, Any, str | None] | str | None, list[Op]] = {}
     for op in history:
         if op.f == "deliver" and op.type == "ok":
-            seen.setdefault((op.process, op.key) if per_process else op.key, []).append(op)
+            if per == "all":
+                k: tuple[str, Any, str | None] | str | None = op.key
+            else:
+                session = op.value.get("session") if isinstance(op.value, dict) else None
+                k = (op.process, session if per == "session" else None, op.key)
+            seen.setdefault(k, []).append(op)
     out = []
     for ops in seen.values():
         if len(ops) > 1:
@@ -295,7 +305,7 @@ def check_silence(history: Sequence[Op], bound: float, *, until: float | None = 
 
 
 def check(history: Sequence[Op], *, lost: bool = True, duplicates: bool = True,
-          per_process: bool = False, order: bool = False, answered_once: bool = True,
+          duplicates_per: str = "all", order: bool = False, answered_once: bool = True,
           allowed_errors: Iterable[str] = (), silence: float | None = None,
           until: float | None = None, ended: Iterable[str] = ()) -> list[Violation]:
     """The checks a scenario asks for, in this order; an empty list means the history
@@ -305,7 +315,7 @@ def check(history: Sequence[Op], *, lost: bool = True, duplicates: bool = True,
     if lost:
         out += check_lost(history)
     if duplicates:
-        out += check_no_duplicates(history, per_process=per_process)
+        out += check_no_duplicates(history, per=duplicates_per)
     if order:
         out += check_order(history)
     if answered_once:

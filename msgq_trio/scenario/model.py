@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from ..config import Limits
-from .faults import BROKER_ACTIONS, CLIENT_ACTIONS, DISRUPTING_ACTIONS
+from .faults import BROKER_ACTIONS, CLIENT_ACTIONS, DISRUPTING_ACTIONS, PLUGIN_ACTIONS
 
 MiB = 1024 * 1024
 
@@ -168,6 +168,22 @@ ROLES: dict[str, RoleInfo] = {
     ),
 }
 
+# The user's own program (any language): ``command`` (argv; ``{python}`` is this Python,
+# ``{socket}`` the broker's socket, ``{tmp}`` the run's directory, ``{name}`` the process's
+# name), started with the broker's address in MSGQ_TRIO_SOCKET and a history file in
+# MSGQ_TRIO_HISTORY. Ready when a stdout line contains ``ready = "line:TEXT"``, when it
+# joined a group (``"member:GROUP"``: its pid among the members), or at once (""). An
+# active one is done when it exits (with ``exit_status``); a ``service`` runs until the
+# scenario stops it with SIGTERM. ``env``: extra ``NAME=value`` entries.
+ROLES["exec"] = RoleInfo(
+    True,
+    False,
+    False,
+    {"command": [], "ready": "", "service": False, "exit_status": 0, "env": []},
+)
+#: The plugins a scenario's broker may run (``[broker] plugins``).
+PLUGINS = ("queue", "pipe", "link")
+
 GARBAGE_KINDS = (
     "random",
     "random-after-hello",
@@ -206,6 +222,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 _OPS = ("==", "!=", "<=", ">=", "<", ">")
+#: Metric namespaces that are not client names.
+_NAMESPACES = ("broker", "latency", "fault", "scenario", "plugin", "history")
 
 
 def parse_size(value: object, where: str) -> int:
@@ -222,11 +240,14 @@ def parse_size(value: object, where: str) -> int:
 # -- the model ---------------------------------------------------------------------------------
 @attrs.frozen
 class BrokerSpec:
-    """How the broker is started: ``serve`` flags, RLIMIT_NOFILE, log level."""
+    """How the broker is started: ``serve`` flags, RLIMIT_NOFILE, log level, plugins and
+    their settings (``[plugins.NAME]`` of the broker's configuration file; the runner
+    gives the queue plugin a store in the run's directory unless ``dir`` is set)."""
 
     flags: dict[str, int | float] = attrs.Factory(dict)
     nofile: int | None = None
     log_level: str = "INFO"
+    plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)
 
     def argv(self) -> list[str]:
         """The ``serve`` arguments for :attr:`flags` (``--out-soft-limit 1048576`` ...)."""
@@ -249,6 +270,11 @@ class ClientSpec:
     @property
     def info(self) -> RoleInfo:
         return ROLES[self.role]
+
+    @property
+    def active(self) -> bool:
+        """Has finite work: the scenario waits for it (an exec ``service`` has none)."""
+        return self.info.active and not (self.role == "exec" and self.params["service"])
 
 
 @attrs.frozen
@@ -293,6 +319,25 @@ class Expectations:
     log_absent: tuple[str, ...] = ()
     counts: tuple[Check, ...] = ()
     settle_timeout: float = 10.0
+    history: HistoryExpect | None = None
+
+
+@attrs.frozen
+class HistoryExpect:
+    """Invariants checked on the merged history the processes recorded
+    (``[expect.history]``, :mod:`msgq_trio.scenario.history`)."""
+
+    lost: bool = True
+    duplicates: bool = True
+    #: "all" (a queue: nobody gets a message twice), "process" (a group: each member
+    #: once), "session" (once per consumer session: a redelivery after a crash is
+    #: at-least-once, not a duplicate)
+    duplicates_per: str = "all"
+    order: bool = False
+    answered_once: bool = True
+    allowed_errors: tuple[str, ...] = ()
+    #: seconds a process may go without recording an operation (None: not checked)
+    silence: float | None = None
 
 
 @attrs.frozen
@@ -408,6 +453,20 @@ def _resolve_params(role: str, raw: object, where: str) -> dict[str, Any]:
             raise ScenarioError(
                 f"{where}.kinds: unknown kind {bad[0]!r} (known: all, {', '.join(GARBAGE_KINDS)})"
             )
+    if role == "exec":
+        if not out["command"]:
+            raise ScenarioError(f"{where}.command: required: the program's argv")
+        ready = out["ready"]
+        if (ready and not ready.startswith(("line:", "member:"))) or ready in ("line:",
+                                                                                  "member:"):
+            raise ScenarioError(f"{where}.ready: expected \"\", \"line:TEXT\" or "
+                                f"\"member:GROUP\", got {ready!r}")
+        for e in out["env"]:
+            if "=" not in e or not e.split("=", 1)[0]:
+                raise ScenarioError(f"{where}.env: expected NAME=value, got {e!r}")
+        if out["service"] and out["exit_status"]:
+            raise ScenarioError(f"{where}.exit_status: a service is stopped by the "
+                                "scenario; it has no expected exit status")
     if role == "storm" and out["mode"] not in STORM_MODES:
         raise ScenarioError(f"{where}.mode: must be one of {', '.join(STORM_MODES)}")
     if role == "half-frame" and not 0 < out["fraction"] < 1:
@@ -516,8 +575,19 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     log_level = bt.get("log_level", str, "INFO")
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ScenarioError("broker.log_level: must be DEBUG, INFO, WARNING or ERROR")
+    plugin_names = bt.get("plugins", list, [])
+    settings_t = _Table(bt.get("plugin", dict, {}), "broker.plugin")
+    plugins: dict[str, dict[str, Any]] = {}
+    for name in plugin_names:
+        if name not in PLUGINS:
+            raise ScenarioError(f"broker.plugins: unknown plugin {name!r} (known: "
+                                f"{', '.join(PLUGINS)})")
+        # The plugin validates its own settings when the broker starts (a bad one stops
+        # the start, named in the broker's log); here only their shape.
+        plugins[name] = dict(settings_t.get(name, dict, {}))
+    settings_t.finish()
     bt.finish()
-    broker = BrokerSpec(flags, nofile, log_level)
+    broker = BrokerSpec(flags, nofile, log_level, plugins)
 
     raw_clients = top.get("clients", list, required=True)
     if not raw_clients:
@@ -527,10 +597,10 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     for i, rc in enumerate(raw_clients):
         ct = _Table(rc, f"clients[{i}]")
         name = ct.get("name", str, required=True)
-        if not _NAME_RE.match(name) or name in ("broker", "latency", "fault", "scenario"):
+        if not _NAME_RE.match(name) or name in _NAMESPACES:
             raise ScenarioError(
                 f"clients[{i}].name: {name!r} must match {_NAME_RE.pattern} and not be "
-                "broker/latency/fault/scenario"
+                f"{'/'.join(_NAMESPACES)}"
             )
         if name in names:
             raise ScenarioError(f"clients[{i}].name: duplicate client name {name!r}")
@@ -580,13 +650,17 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
             target = base
             if action in DISRUPTING_ACTIONS:
                 disrupted.add(base)
+        elif action in PLUGIN_ACTIONS:
+            if target not in plugins:
+                raise ScenarioError(f"faults[{i}].target: {action!r} needs a plugin the "
+                                    f"broker runs (broker.plugins: {sorted(plugins)})")
         elif action in BROKER_ACTIONS:
             if target is not None:
                 raise ScenarioError(f"faults[{i}].target: broker action {action!r} takes none")
         else:
             raise ScenarioError(
                 f"faults[{i}].action: unknown action {action!r} "
-                f"(known: {', '.join(CLIENT_ACTIONS + BROKER_ACTIONS)})"
+                f"(known: {', '.join(CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS)})"
             )
         faults.append(FaultSpec(fname, at, action, target, index))
     faults.sort(key=lambda f: f.at)
@@ -620,10 +694,10 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     for metric, value in ct2.data.items():
         ct2.used.add(metric)
         base = metric.split(".", 1)[0]
-        if base not in names and base not in ("broker", "latency", "fault", "scenario"):
+        if base not in names and base not in _NAMESPACES:
             raise ScenarioError(
                 f"expect.counts.{metric!r}: unknown metric namespace {base!r} "
-                "(a client name, broker, latency, fault or scenario)"
+                f"(a client name or one of {', '.join(_NAMESPACES)})"
             )
         # A list states several bounds on one metric (TOML forbids repeating the key).
         for v in value if isinstance(value, list) else [value]:
@@ -639,6 +713,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         log_absent=tuple(log_absent),
         counts=tuple(checks),
         settle_timeout=et.number("settle_timeout", 10.0),
+        history=_history_expect(et.get("history", dict, None)),
     )
     et.finish()
     top.finish()
@@ -657,6 +732,29 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         faults=tuple(faults),
         expect=expect,
     )
+
+
+def _history_expect(raw: object) -> HistoryExpect | None:
+    if raw is None:
+        return None
+    t = _Table(raw, "expect.history")
+    per = t.get("duplicates_per", str, "all")
+    if per not in ("all", "process", "session"):
+        raise ScenarioError("expect.history.duplicates_per: must be all, process or session")
+    errors = t.get("allowed_errors", list, [])
+    if not all(isinstance(e, str) for e in errors):
+        raise ScenarioError("expect.history.allowed_errors: expected a list of error codes")
+    out = HistoryExpect(
+        lost=t.get("lost", bool, True),
+        duplicates=t.get("duplicates", bool, True),
+        duplicates_per=per,
+        order=t.get("order", bool, False),
+        answered_once=t.get("answered_once", bool, True),
+        allowed_errors=tuple(errors),
+        silence=t.number("silence", None),
+    )
+    t.finish()
+    return out
 
 
 def is_slow(path: str | Path) -> bool:

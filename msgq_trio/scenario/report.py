@@ -73,6 +73,7 @@ def faults_markdown(records: Sequence[dict[str, Any]]) -> str:
         "broker's configuration, the clients and their behaviour, the faults and when they "
         "strike, and the expected outcome; the runner measures every figure and checks it.",
         "",
+        *_GUIDE.splitlines(),
     ]
     if records:
         passed = sum(bool(r.get("passed")) for r in records)
@@ -265,6 +266,63 @@ def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
 
+
+_GUIDE = """
+## Testing your own system
+
+Your components are programs; a scenario starts them on a real broker, strikes them with
+faults, and checks what your system promises on the operations they recorded. Start from
+`scenarios/durable-queue-kill-loop.toml`, whose two programs are plain scripts
+(`msgq_trio/scenario/examples/`):
+
+```toml
+[broker]
+plugins = ["queue"]               # queue, pipe, link; settings as in the broker's
+[broker.plugin.queue.queues.kl]   # [plugins.NAME] tables (the queue's store defaults to
+                                  # the run's temporary directory)
+[[clients]]
+name = "producer"
+role = "exec"                     # your program, any language
+params = { command = ["{python}", "-m", "myapp.producer", "kl"], ready = "line:ready" }
+# ready: "" (at once), "line:TEXT" (a stdout line contains TEXT), "member:GROUP" (its pid
+# joined GROUP); service = true: runs until the scenario stops it (SIGTERM); otherwise
+# the scenario waits for it to exit with exit_status (0); env = ["NAME=value"]
+
+[[faults]]
+at = 1.0
+action = "kill-plugin"            # also: restart (a program), sigkill, sigstop, sigcont,
+target = "queue"                  # kill-broker, restart-broker, stop-broker, cont-broker
+
+[expect.history]                  # invariants over what the programs recorded
+lost = true                       # every acked send was delivered
+duplicates = true                 # no message delivered twice...
+duplicates_per = "session"        # ...within one consumer session ("all", "process")
+order = false                     # per producer, increasing seq per consumer
+answered_once = true              # every operation completes once, errors documented:
+allowed_errors = []               # codes a failed operation may carry
+silence = 30                      # no program silent longer than this (seconds)
+```
+
+Placeholders in `command` and `env`: `{python}` (the runner's Python), `{socket}` (the
+broker's socket), `{tmp}` (the run's directory), `{name}` (`NAME-I`). Each program gets
+`MSGQ_TRIO_SOCKET` (so `msgq_trio.connect()` with no address finds the broker),
+`MSGQ_TRIO_CLIENT` (its name) and `MSGQ_TRIO_HISTORY`: a file to append its operations
+to, one JSON object per line, from any language:
+
+```json
+{"process": "producer-0", "type": "invoke", "f": "send", "id": 7, "key": "p1:7", "time": 12.5}
+{"process": "producer-0", "type": "ok", "f": "send", "id": 7, "key": "p1:7", "time": 12.6}
+{"process": "consumer-0", "type": "ok", "f": "deliver", "id": 3, "key": "p1:7", "time": 12.6}
+```
+
+`type` is `invoke`, then one completion with the same `id`: `ok` (it happened), `fail`
+(it did not; `error` is the code) or `info` (unknown, e.g. the connection broke); a
+delivery is a single `ok`. `time` is `CLOCK_MONOTONIC` seconds (Python's
+`time.monotonic()`). Python programs can use `msgq_trio.scenario.history.Recorder`. A
+broken invariant fails the scenario and names the operations (`history check lost: 1
+acked messages were never delivered: #1 producer-0 ok send p1:7 at 12.600`); the
+program's stdout is kept in `NAME-I.stdout` and its stderr in `NAME-I.log` (`run --keep`).
+"""
 
 _STATIC = (
     """

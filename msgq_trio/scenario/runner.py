@@ -46,6 +46,7 @@ from .. import __version__
 from ..client.bus import connect
 from ..errors import MsgqError
 from .faults import CLIENT_SIGNALS
+from .history import HistoryError, check, merge, parse
 from .model import ClientSpec, FaultSpec, Scenario, load_scenario
 from .report import machine_info
 
@@ -211,6 +212,8 @@ class _Client:
         self.stopped = False
         self.held = False
         self.other_output: list[str] = []
+        #: a user program (role exec): no control protocol, stdout kept in a file
+        self.is_exec = spec.role == "exec"
 
     @property
     def label(self) -> str:
@@ -329,7 +332,7 @@ class _Run:
                             self.problems.append(f"phase {self.phase!r}: {exc}")
                     if cs.cancelled_caught:
                         late = sorted(
-                            {c.label for c in self.clients if c.spec.info.active and not c.done}
+                            {c.label for c in self.clients if c.spec.active and not c.done}
                         )
                         self.problems.append(
                             f"scenario timed out after {self.sc.timeout:.0f} s in phase "
@@ -426,13 +429,13 @@ class _Run:
         self.phase = "traffic"
         self.t0 = time.monotonic()
         for c in self.clients:
-            if not c.held:
+            if not c.held and not c.is_exec:
                 await c.send("go")
         self._nursery.start_soon(self._run_faults)
         await self._wait_until(
             lambda: (
                 self.faults_done
-                and all(c.done or c.exited or c.killed for c in self.clients if c.spec.info.active)
+                and all(c.done or c.exited or c.killed for c in self.clients if c.spec.active)
             ),
             sc.timeout,
             "the active clients to finish",
@@ -453,6 +456,9 @@ class _Run:
                 c.stopped = False
         for c in self.clients:
             if not c.exited:
+                if c.is_exec:
+                    _signal_group(c.proc, signal.SIGTERM)  # a user program stops on SIGTERM
+                    continue
                 if c.held:  # never released: release it now so it can report
                     await c.send("go")
                 await c.send("stop")
@@ -483,6 +489,8 @@ class _Run:
             str(self.sock),
             *sc.broker.argv(),
         ]
+        if sc.broker.plugins:
+            argv += ["--config", str(self._plugin_config())]
         t = time.monotonic()
         with _log_file(self.broker_log, "ab") as err:
             proc = await trio.lowlevel.open_process(
@@ -510,6 +518,21 @@ class _Run:
                 f"the broker did not start (stdout {buf!r}):\n{self._read_broker_log()[-3000:]}"
             )
         return time.monotonic() - t
+
+    def _plugin_config(self) -> Path:
+        """The broker's configuration file for the scenario's plugins (the same file for
+        a restarted broker: the queue's store outlives it): ``[plugins.NAME]`` tables,
+        the queue's store in the run's directory unless the scenario names one."""
+        path = self.tmp / "broker.toml"
+        if not path.exists():
+            lines: list[str] = []
+            for name, settings in self.sc.broker.plugins.items():
+                table = dict(settings)
+                if name == "queue":
+                    table.setdefault("dir", str(self.tmp / "queue-store"))
+                lines += _toml_table(f"plugins.{name}", table)
+            path.write_text("\n".join(lines) + "\n")
+        return path
 
     async def _stats(self, timeout: float = 5.0) -> dict[str, Any] | None:
         """The broker's ``stats`` through a short-lived probe connection (None if it does
@@ -583,6 +606,8 @@ class _Run:
 
     # -- clients ----------------------------------------------------------------------------------
     async def _start_client(self, spec: ClientSpec, index: int) -> _Client:
+        if spec.role == "exec":
+            return await self._start_exec(spec, index)
         argv = [
             sys.executable,
             "-m",
@@ -612,6 +637,61 @@ class _Run:
         self._nursery.start_soon(self._read_client, c)
         return c
 
+    async def _start_exec(self, spec: ClientSpec, index: int) -> _Client:
+        """Start a user program: its argv with the placeholders filled in, the broker's
+        address and its history file in the environment, stdout read by the runner (and
+        kept in ``NAME-I.stdout``), stderr in ``NAME-I.log``."""
+        name = f"{spec.name}-{index}"
+        history = self.tmp / "history" / f"{name}.jsonl"
+        history.parent.mkdir(exist_ok=True)
+        fill = {"python": sys.executable, "socket": str(self.sock), "tmp": str(self.tmp),
+                "name": name}
+        def filled(arg: str) -> str:
+            # Only these placeholders: any other brace (JSON in an argument) stays.
+            for key, value in fill.items():
+                arg = arg.replace("{" + key + "}", value)
+            return arg
+
+        argv = [filled(arg) for arg in spec.params["command"]]
+        env = dict(os.environ, MSGQ_TRIO_SOCKET=str(self.sock),
+                   MSGQ_TRIO_HISTORY=str(history), MSGQ_TRIO_CLIENT=name)
+        for entry in spec.params["env"]:
+            k, _, v = entry.partition("=")
+            env[k] = filled(v)
+        log_path = self.tmp / f"{name}.log"
+        try:
+            with _log_file(log_path, "ab") as err:
+                proc = await trio.lowlevel.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                    env=env, start_new_session=True)
+        except OSError as exc:
+            raise _Abort(f"cannot start {name}: {argv!r}: {exc}") from None
+        c = _Client(spec, index, proc, log_path)
+        ready = spec.params["ready"]
+        c.ready = not ready
+        self.clients.append(c)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._read_client, c)
+        if ready.startswith("member:"):
+            self._nursery.start_soon(self._watch_member, c, ready.partition(":")[2])
+        return c
+
+    async def _watch_member(self, c: _Client, group: str) -> None:
+        """Mark ``c`` ready once its process (or a child of it: a shell wrapper) is a
+        member of ``group``."""
+        while not c.ready and not c.exited:
+            try:
+                with trio.fail_after(5):
+                    async with connect(self.sock, name="scenario-probe") as bus:
+                        pids = {m.pid for m in await bus.members(group)}
+            except (MsgqError, trio.TooSlowError, OSError):
+                pids = set()
+            if pids & _family(c.proc.pid):
+                c.ready = True
+                self._notify()
+                return
+            await trio.sleep(0.1)
+
     async def _read_client(self, c: _Client) -> None:
         """Parse the client's stdout lines until EOF, then reap it."""
         stream = c.proc.stdout
@@ -633,6 +713,14 @@ class _Run:
         self._notify()
 
     def _client_line(self, c: _Client, line: str) -> None:
+        if c.is_exec:
+            with open(self.tmp / f"{c.spec.name}-{c.index}.stdout", "a") as out:
+                out.write(line + "\n")
+            ready = c.spec.params["ready"]
+            if not c.ready and ready.startswith("line:") and ready[5:] in line:
+                c.ready = True
+                self._notify()
+            return
         try:
             msg = json.loads(line)
         except ValueError:
@@ -676,6 +764,9 @@ class _Run:
             self._notify()
 
     async def _apply(self, f: FaultSpec, entry: dict[str, Any]) -> None:
+        if f.action == "kill-plugin":
+            await self._kill_plugin(str(f.target), entry)
+            return
         if f.action in ("kill-broker", "stop-broker", "cont-broker", "restart-broker"):
             b = self.broker
             assert b is not None
@@ -704,6 +795,9 @@ class _Run:
         ]
         entry["pids"] = [c.proc.pid for c in targets]
         for c in targets:
+            if f.action == "restart":
+                await self._restart_client(c)
+                continue
             if c.exited:
                 continue
             if f.action == "start":
@@ -720,6 +814,45 @@ class _Run:
             elif f.action == "sigcont":
                 c.stopped = False
         self._notify()
+
+    async def _restart_client(self, c: _Client) -> None:
+        """SIGKILL ``c`` (if it still runs) and start the same process again; a built-in
+        role gets ``go`` once it is ready."""
+        if not c.exited:
+            _signal_group(c.proc, signal.SIGKILL)
+            await c.proc.wait()
+        c.killed = True
+        new = await self._start_client(c.spec, c.index)
+        if not await self._wait_until(lambda: new.ready or new.exited, CLIENT_READY_TIMEOUT,
+                                      f"{new.label} to be ready after its restart"):
+            raise _Abort(f"{new.label} was not ready after its restart")
+        if not new.is_exec:
+            await new.send("go")
+        n = f"{c.spec.name}.restarts"
+        self.metrics[n] = self.metrics.get(n, 0) + 1
+
+    async def _kill_plugin(self, name: str, entry: dict[str, Any]) -> None:
+        """SIGKILL the broker's ``name`` plugin process and wait until its supervisor
+        reports a new one ready (``plugin NAME ready (pid N)`` in the broker's log)."""
+        pattern = re.compile(rf"plugin {re.escape(name)} ready \(pid (\d+)\)")
+        before = pattern.findall(self._read_broker_log())
+        if not before:
+            raise _Abort(f"plugin {name!r} never became ready (nothing to kill)")
+        pid = int(before[-1])
+        entry["pids"] = [pid]
+        t = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not await self._wait_until(
+            lambda: len(pattern.findall(self._read_broker_log())) > len(before),
+            BROKER_START_TIMEOUT, f"the {name} plugin to be restarted",
+        ):
+            raise _Abort(f"the broker did not restart plugin {name!r}")
+        key = f"plugin.{name}"
+        self.metrics[f"{key}.restart_ms"] = round((time.monotonic() - t) * 1000, 1)
+        self.metrics[f"{key}.kills"] = self.metrics.get(f"{key}.kills", 0) + 1
 
     # -- cleanup ----------------------------------------------------------------------------------
     async def _cleanup(self) -> None:
@@ -775,6 +908,10 @@ class _Run:
                 if c.killed:
                     continue
                 rc = c.proc.returncode
+                if c.is_exec:
+                    if not self._exec_ended_well(c):
+                        failures += 1
+                    continue
                 err = c.report.get("error") if c.report else None
                 if c.report is None or rc != 0 or err:
                     failures += 1
@@ -816,6 +953,52 @@ class _Run:
         m["scenario.client_failures"] = failures
         if healthy_n:
             m.update(_latency_metrics("latency", healthy_samples, healthy_n, healthy_max))
+
+    def _exec_ended_well(self, c: _Client) -> bool:
+        """A user program ended as its spec says: an active one with ``exit_status``, a
+        service by the scenario's SIGTERM (or 0); otherwise a problem naming it."""
+        rc = c.proc.returncode
+        if c.spec.active:
+            ok = bool(rc == c.spec.params["exit_status"])
+            want = f"exit status {c.spec.params['exit_status']}"
+        else:
+            ok = rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+            want = "to stop on SIGTERM"
+        if not ok:
+            self.problems.append(
+                f"program {c.label} (pid {c.proc.pid}) ended with {rc}, expected {want}\n"
+                f"{c.stderr_tail()}")
+        return ok
+
+    def _history(self) -> list[CheckResult]:
+        """Check the merged history of every process (``expect.history``); each
+        violation is a problem naming its operations."""
+        e = self.sc.expect.history
+        if e is None:
+            return []
+        histories = []
+        for path in sorted((self.tmp / "history").glob("*.jsonl")):
+            try:
+                histories.append(parse(path.read_text().splitlines(), path.name))
+            except (OSError, HistoryError) as exc:
+                self.problems.append(f"history {path.name}: {exc}")
+        ops = merge(histories)
+        self.metrics["history.ops"] = len(ops)
+        ended = {f"{c.spec.name}-{c.index}" for c in self.clients if c.killed}
+        found = check(ops, lost=e.lost, duplicates=e.duplicates,
+                      duplicates_per=e.duplicates_per, order=e.order,
+                      answered_once=e.answered_once, allowed_errors=e.allowed_errors,
+                      silence=e.silence, until=ops[-1].time if ops else None, ended=ended)
+        for v in found:
+            self.problems.append(f"history check {v.check}: {v.message}")
+        out = []
+        for name, on in (("lost", e.lost), ("duplicates", e.duplicates), ("order", e.order),
+                         ("answered-once", e.answered_once), ("silence", e.silence is not None)):
+            if on:
+                n = sum(v.check == name for v in found)
+                out.append(CheckResult(f"history: {name}", "0 violations", n, n == 0))
+        out.append(CheckResult("history: operations recorded", "> 0", len(ops), bool(ops)))
+        return out
 
     def _client_records(self) -> list[dict[str, Any]]:
         out = []
@@ -886,7 +1069,42 @@ class _Run:
                 self.problems.append(f"check {chk}: unknown metric {exc.args[0]!r}")
                 continue
             add(str(chk), f"{chk.op} {_fmt(rhs)}", actual, _compare(actual, chk.op, rhs))
+        checks += self._history()
         return checks
+
+
+def _family(pid: int) -> set[int]:
+    """``pid`` and its descendants (a program started through a shell is its child)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
+    """``[name]`` and its keys in TOML (nested tables as ``[name.key]``): the values a
+    scenario's ``broker.plugin`` tables hold (strings, numbers, booleans, lists)."""
+    lines = [f"[{name}]"]
+    nested = []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            nested.append((k, v))
+        else:
+            lines.append(f"{json.dumps(k)} = {json.dumps(v)}")
+    for k, v in nested:
+        lines += _toml_table(f"{name}.{json.dumps(k)}", v)
+    return lines
 
 
 class _Abort(Exception):

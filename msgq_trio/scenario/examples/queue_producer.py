@@ -1,0 +1,64 @@
+"""A producer that must not lose a message: ``python -m
+msgq_trio.scenario.examples.queue_producer QUEUE N [--producer NAME] [--rate R]``.
+
+Puts the integers 1..N into the durable queue QUEUE with its own producer name and the
+integer as producer seq, at most R per second; a put that fails or whose answer is lost
+(broker or plugin killed) is sent again with the same seq until it is acked (the queue
+answers ``duplicate`` if the first one was stored). After a restart it goes on from the
+queue's record of its highest seq. Prints ``ready`` once connected; exits 0 when all N
+are acked. History: ``send`` invoke, then ok (acked) or info (outcome unknown).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import trio
+
+import msgq_trio
+from msgq_trio.errors import ConnectError, ConnectionLost, RpcError
+
+from ._history import History
+
+RETRY = 0.05
+
+
+async def main(queue: str, n: int, producer: str, rate: float) -> None:
+    h = History()
+    seq = 0
+    ready = False
+    while seq < n:
+        try:
+            async with msgq_trio.connect(name=f"producer-{producer}") as bus:
+                q = bus.queue(queue, producer=producer)
+                if not ready:
+                    seq = await q.producer_state()  # after a restart: where it was
+                    print("ready", flush=True)
+                    ready = True
+                while seq < n:
+                    key = f"{producer}:{seq + 1}"
+                    op = h.invoke("send", key=key, producer=producer, seq=seq + 1)
+                    try:
+                        answer = await q.put(seq + 1, seq=seq + 1)
+                    except (RpcError, ConnectionLost) as exc:
+                        h.complete(op, "info", "send", key=key, error=type(exc).__name__)
+                        if isinstance(exc, ConnectionLost):
+                            raise
+                        await trio.sleep(RETRY)
+                        continue
+                    h.complete(op, "ok", "send", key=key, value=answer)
+                    seq += 1
+                    if rate:
+                        await trio.sleep(1 / rate)
+        except (ConnectionLost, ConnectError, RpcError, OSError):
+            await trio.sleep(RETRY)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("queue")
+    p.add_argument("n", type=int)
+    p.add_argument("--producer", default="p1")
+    p.add_argument("--rate", type=float, default=0.0)
+    a = p.parse_args()
+    trio.run(main, a.queue, a.n, a.producer, a.rate)
