@@ -88,6 +88,17 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
                         "import msgq_trio, sys; print(msgq_trio.__file__)"],
                        capture_output=True, text=True, cwd=short_tmp, env=env, check=True)
     assert r.stdout.startswith(str(venv.parent)), r.stdout
+    # The license as an SPDX expression (PEP 639), with the LICENSE file in the metadata.
+    r = subprocess.run([str(venv / "python"), "-c",
+                        "from importlib.metadata import metadata, files\n"
+                        "m = metadata('msgq-trio')\n"
+                        "print(m['License-Expression'], m.get_all('License-File'))\n"
+                        "print(sorted(str(f) for f in files('msgq-trio') "
+                        "if f.name == 'LICENSE'))"],
+                       capture_output=True, text=True, cwd=short_tmp, env=env, check=True)
+    expression, licenses = r.stdout.splitlines()
+    assert expression == "MIT ['LICENSE']", r.stdout
+    assert licenses.endswith(".dist-info/licenses/LICENSE']"), r.stdout
 
     sock = short_tmp / "bus.sock"
     log = short_tmp / "serve.log"
