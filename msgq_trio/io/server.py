@@ -349,12 +349,10 @@ class Server:
             if not unix:
                 with translate_socket_errors():
                     await sock.bind(str(self.path))
-                    # Before listen(): until then a connect is refused, so no client
-                    # ever reaches the socket under the umask's permissions.
-                    if self._socket_gid is not None:
-                        os.chown(self.path, -1, self._socket_gid)
-                    if self._socket_mode is not None:
-                        os.chmod(self.path, self._socket_mode)
+                # Before listen(): until then a connect is refused, so no client ever
+                # reaches the socket under the umask's permissions.
+                self._set_permissions()
+                with translate_socket_errors():
                     sock.listen(512)
             self._listener = trio.SocketListener(sock)
             for addr in self.tcp.listen:
@@ -399,6 +397,22 @@ class Server:
             h = bound[0]
             self.tcp_addresses.append(f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}")
         self._tcp_listeners.extend(listeners)
+
+    def _set_permissions(self) -> None:
+        """Give the bound socket file ``socket_gid`` and ``socket_mode``.
+
+        Raises:
+            OSError: not allowed (a group the broker's user is not in), naming the setting.
+        """
+        try:
+            if self._socket_gid is not None:
+                os.chown(self.path, -1, self._socket_gid)
+            if self._socket_mode is not None:
+                os.chmod(self.path, self._socket_mode)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot set socket_group {self._socket_gid} / socket_mode "
+                          f"{self._socket_mode and oct(self._socket_mode)} on {self.path}: "
+                          f"{exc.strerror}") from exc
 
     def _adopt_tcp(self, sock: pysocket.socket) -> None:
         """Serve a TCP listener handed over by socket activation (see tcp_addresses)."""
