@@ -44,8 +44,11 @@ async def stats(bus: msgq_trio.Bus) -> dict[str, object]:
 async def test_busy_poll_spins_while_reads_come_close_then_sleeps(broker_factory) -> None:
     """Reads 0.3 s apart (within the 0.8 s limit): from the second short gap in a row the
     window grows (0.2, then 0.4 s, which catches them); the broker then spins after a
-    read (most of a core, in its CPU time), and sleeps once no read came for the window.
-    Every call is a read, stats included."""
+    read (its poll passes climb), and sleeps once no read came for the window (no pass,
+    next to no CPU time). Every call is a read, stats included.
+
+    Nothing here depends on how much CPU a busy machine gives the broker: passes are
+    counted, not CPU time, and only an idle broker's CPU time is bounded (from above)."""
     b = broker_factory("--busy-poll", "0.8")
     async with msgq_trio.connect(b.path, name="poller") as bus:
         await trio.sleep(1.0)  # the handshake's reads are long past
@@ -54,13 +57,17 @@ async def test_busy_poll_spins_while_reads_come_close_then_sleeps(broker_factory
             await poke(bus)
             await trio.sleep(0.3)
         st = await stats(bus)
-        assert st["busy_poll_window"] == pytest.approx(0.4)
+        # 0.4 s; 0.8 s if the stats call came after the window closed on a slow machine
+        # (a read the polling did not catch is a third short gap).
+        assert st["busy_poll_window"] in (pytest.approx(0.4), pytest.approx(0.8))
         await poke(bus)
-        # Within the window the broker runs without sleeping: most of a core.
-        assert await cpu_during(b.pid, 0.3) >= 0.15
-        await trio.sleep(0.6)  # past 0.4 s after the last read
-        assert await cpu_during(b.pid, 0.5) < 0.1
+        await trio.sleep(0.2)
+        # Within the window the broker runs without sleeping: pass after pass.
         assert (await stats(bus))["busy_poll_passes"] > st["busy_poll_passes"] + 100
+        await trio.sleep(1.0)  # past the window after the last read
+        quiet = (await stats(bus))["busy_poll_passes"]
+        assert await cpu_during(b.pid, 0.5) < 0.1
+        assert (await stats(bus))["busy_poll_passes"] == quiet
 
 
 @needs_two_cpus
@@ -106,18 +113,28 @@ async def test_busy_poll_stays_closed_for_calls_paced_apart(broker_factory) -> N
 
 
 async def test_busy_poll_on_by_default_and_set_at_runtime(broker_factory) -> None:
-    """On by default (100 us) where the broker has two CPUs or more; 0 turns it off at
-    once; more than 1 s is refused."""
+    """On by default (200 us) where the broker has two CPUs or more (off on one, and the
+    log says so); set at runtime, a limit takes effect at once: 1 s (the largest allowed)
+    makes back-to-back calls open the window, 0 closes it and no pass follows; more than
+    1 s is refused.
+
+    Whether reads come within 200 us of each other depends on how busy the machine is,
+    so the default limit's effect is not asserted here (test_e2e_direct.py measures calls
+    through it); 1 s separates back-to-back calls from the limit by a wide margin."""
     b = broker_factory()
     async with msgq_trio.connect(b.path, name="poller") as bus:
-        for _ in range(200):
+        assert await bus.call("msgq", "config-get", {"key": "limits.busy_poll"}) == 0.0002
+        off_line = "busy polling off: this broker may run on one CPU only"
+        assert (off_line in b.log()) == (not MULTI_CPU)
+        r = await bus.call("msgq", "config-set", {"key": "limits.busy_poll", "value": 1.0})
+        assert r["changed"][0]["applies"] == "now"
+        for _ in range(20):
             await poke(bus)
-        passes = (await stats(bus))["busy_poll_passes"]
+        st = await stats(bus)
         if MULTI_CPU:
-            assert passes > 0
+            assert st["busy_poll_passes"] > 0 and st["busy_poll_window"] > 0
         else:
-            assert passes == 0
-            assert "busy polling off: this broker may run on one CPU only" in b.log()
+            assert st["busy_poll_passes"] == 0
         r = await bus.call("msgq", "config-set", {"key": "limits.busy_poll", "value": 0})
         assert r["changed"][0]["applies"] == "now"
         passes = (await stats(bus))["busy_poll_passes"]
