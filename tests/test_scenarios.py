@@ -239,13 +239,14 @@ PROGRAM = """
 import json, os, sys, time, trio, msgq_trio
 def rec(**r):
     with open(os.environ["MSGQ_TRIO_HISTORY"], "a") as f:
-        f.write(json.dumps({"process": os.environ["MSGQ_TRIO_CLIENT"], "time": time.monotonic(), **r}) + "\\n")
+        r.update(process=os.environ["MSGQ_TRIO_CLIENT"], time=time.monotonic())
+        f.write(json.dumps(r) + "\\n")
 async def main():
     async with msgq_trio.connect() as bus:
         await bus.subscribe("Prog")
         print("up and ready", flush=True)
         rec(type="invoke", f="send", id=1, key="k1")
-        assert await bus.queue("q", producer="x").put(1, seq=1) == "stored"
+        assert await bus.queue("q", producer="x").put(1, seq=1) in ("stored", "duplicate")
         rec(type="ok", f="send", id=1, key="k1")
         BROKEN
         await trio.sleep(1.0)
@@ -284,6 +285,44 @@ def test_exec_program_breaking_an_invariant_fails_naming_it(tmp_path: Path, brok
     result = run_scenario(_exec(tmp_path, broken))
     assert not result.passed
     assert why in result.explain(), result.explain()
+
+
+def test_a_restarted_program_is_a_new_process_in_the_history(tmp_path: Path) -> None:
+    """The restart fault SIGKILLs a program and starts it again: a new process in the
+    history (``prog-0.1``: its ids start again), and the killed one may leave an
+    operation open while the new one may not."""
+    code = PROGRAM.replace("BROKEN", 'rec(type="ok", f="deliver", id=2, key="k1"); '
+                           'rec(type="invoke", f="call", id=3); await trio.sleep(60)')
+    p = _write(tmp_path, f"""
+summary = "s"
+fault = "f"
+broker_does = "b"
+timeout = 60
+[broker]
+plugins = ["queue"]
+[broker.plugin.queue.queues.q]
+[[clients]]
+name = "prog"
+role = "exec"
+[clients.params]
+command = ["{{python}}", "-c", {json.dumps(code)}]
+ready = "line:ready"
+service = true
+[[faults]]
+at = 0.5
+action = "restart"
+target = "prog"
+[expect.counts]
+"prog.restarts" = "== 1"
+[expect.history]
+""")
+    result = run_scenario(p)
+    explained = result.explain()
+    assert not result.passed
+    assert result.metrics["prog.restarts"] == 1, explained
+    assert "call never completed: #" in explained and "prog-0.1 invoke call" in explained
+    assert "prog-0 invoke call" not in explained, explained
+    assert result.metrics["history.ops"] == 8  # 4 operations per process
 
 
 def test_exec_and_plugin_keys_are_validated(tmp_path: Path) -> None:

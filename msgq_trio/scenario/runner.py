@@ -214,6 +214,9 @@ class _Client:
         self.other_output: list[str] = []
         #: a user program (role exec): no control protocol, stdout kept in a file
         self.is_exec = spec.role == "exec"
+        #: its process name in the history (MSGQ_TRIO_CLIENT)
+        self.history_name = f"{spec.name}-{index}"
+        self.generation = 0
 
     @property
     def label(self) -> str:
@@ -605,9 +608,9 @@ class _Run:
         self.metrics["broker.socket_removed"] = int(not _exists(self.sock))
 
     # -- clients ----------------------------------------------------------------------------------
-    async def _start_client(self, spec: ClientSpec, index: int) -> _Client:
+    async def _start_client(self, spec: ClientSpec, index: int, generation: int = 0) -> _Client:
         if spec.role == "exec":
-            return await self._start_exec(spec, index)
+            return await self._start_exec(spec, index, generation)
         argv = [
             sys.executable,
             "-m",
@@ -637,11 +640,13 @@ class _Run:
         self._nursery.start_soon(self._read_client, c)
         return c
 
-    async def _start_exec(self, spec: ClientSpec, index: int) -> _Client:
+    async def _start_exec(self, spec: ClientSpec, index: int, generation: int = 0) -> _Client:
         """Start a user program: its argv with the placeholders filled in, the broker's
         address and its history file in the environment, stdout read by the runner (and
-        kept in ``NAME-I.stdout``), stderr in ``NAME-I.log``."""
-        name = f"{spec.name}-{index}"
+        kept in ``NAME-I.stdout``), stderr in ``NAME-I.log``. A restarted program is a new
+        process in the history (``NAME-I.G``, G its restarts): its operation ids start
+        again, and what the killed one left open stays open."""
+        name = f"{spec.name}-{index}" + (f".{generation}" if generation else "")
         history = self.tmp / "history" / f"{name}.jsonl"
         history.parent.mkdir(exist_ok=True)
         fill = {"python": sys.executable, "socket": str(self.sock), "tmp": str(self.tmp),
@@ -667,6 +672,7 @@ class _Run:
         except OSError as exc:
             raise _Abort(f"cannot start {name}: {argv!r}: {exc}") from None
         c = _Client(spec, index, proc, log_path)
+        c.history_name = name
         ready = spec.params["ready"]
         c.ready = not ready
         self.clients.append(c)
@@ -822,7 +828,8 @@ class _Run:
             _signal_group(c.proc, signal.SIGKILL)
             await c.proc.wait()
         c.killed = True
-        new = await self._start_client(c.spec, c.index)
+        new = await self._start_client(c.spec, c.index, c.generation + 1)
+        new.generation = c.generation + 1
         if not await self._wait_until(lambda: new.ready or new.exited, CLIENT_READY_TIMEOUT,
                                       f"{new.label} to be ready after its restart"):
             raise _Abort(f"{new.label} was not ready after its restart")
@@ -984,7 +991,7 @@ class _Run:
                 self.problems.append(f"history {path.name}: {exc}")
         ops = merge(histories)
         self.metrics["history.ops"] = len(ops)
-        ended = {f"{c.spec.name}-{c.index}" for c in self.clients if c.killed}
+        ended = {c.history_name for c in self.clients if c.killed}
         found = check(ops, lost=e.lost, duplicates=e.duplicates,
                       duplicates_per=e.duplicates_per, order=e.order,
                       answered_once=e.answered_once, allowed_errors=e.allowed_errors,
