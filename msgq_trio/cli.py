@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -71,6 +71,14 @@ def plain(doc: str | None) -> str:
     return text.replace("``", "")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line (the usage itself is in --help), exit 2;
+    subcommands' parsers are of this class too (argparse copies the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_global_flags(p: argparse.ArgumentParser, *, client: bool) -> None:
     """--log-level and --socket (and for clients --token, --tls-*), default SUPPRESS.
     A parser that already has one of them (e.g. its own -s) keeps its own."""
@@ -112,7 +120,7 @@ def _subparsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``msgq-trio`` (delegated subcommands only show their help line)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="msgq-trio", description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"msgq-trio {__version__}")

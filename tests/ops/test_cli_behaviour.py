@@ -166,6 +166,22 @@ def test_bad_json_is_one_error_line_and_exit_2(broker, argv: list[str]) -> None:
     assert r.stdout == ""
 
 
+@pytest.mark.parametrize("argv", [
+    ["call", "G"],
+    ["ctl", "config", "frob"],
+    ["queue", "peek"],
+    ["listen", "G", "--count", "many"],
+])
+def test_usage_errors_are_one_line_and_exit_2(argv: list[str]) -> None:
+    """A missing argument, an unknown action or a malformed flag value: exit 2 and one
+    line naming the subcommand and pointing at its --help (no usage dump)."""
+    r = run(*argv)
+    assert r.returncode == 2, r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"msgq-trio {argv[0]}"), r.stderr
+    assert "error:" in lines[0] and "--help" in lines[0]
+
+
 # -- addresses and remote brokers ---------------------------------------------------------------
 def start_tcp_broker(broker_factory: Callable[..., Any], short_tmp: Path,
                      tcp: str) -> tuple[Any, str]:
