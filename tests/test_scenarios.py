@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -337,3 +338,57 @@ def test_exec_and_plugin_keys_are_validated(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ScenarioError, match=where.replace("[", r"\[")):
             load_scenario(_write(tmp_path, bad))
+
+
+SEEDED = """
+summary = "s"
+fault = "f"
+broker_does = "b"
+[[clients]]
+name = "prog"
+role = "exec"
+params = { command = ["{python}", "-c", "import os, sys; sys.exit(int(os.environ['MSGQ_TRIO_SEED']) % 7)"], exit_status = 5 }
+"""  # noqa: E501
+
+
+def test_cli_repeat_seed_and_junit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--repeat 3 --seed 4`` runs with seeds 4, 5, 6 (MSGQ_TRIO_SEED of the programs;
+    here the program's exit status: only seed 5 passes), each printed and recorded;
+    ``--junit`` has one testcase per run, failures with what failed."""
+    p = _write(tmp_path, SEEDED)
+    junit, results = tmp_path / "junit.xml", tmp_path / "r.jsonl"
+    status = scenario_cli.main(["run", str(p), "--repeat", "3", "--seed", "4", "--junit",
+                                str(junit), "--results", str(results)])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert [line.split()[0] for line in out.splitlines() if "seed" in line.split()[-2:]] == [
+        "FAIL", "PASS", "FAIL"]
+    assert [json.loads(x)["seed"] for x in results.read_text().splitlines()] == [4, 5, 6]
+    suite = ET.parse(junit).getroot()
+    assert (suite.get("tests"), suite.get("failures")) == ("3", "2")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == ["sc[seed=4]", "sc[seed=5]", "sc[seed=6]"]
+    failure = cases[0].find("failure")
+    assert failure is not None and "ended with 4, expected exit status 5" in (failure.text or "")
+    assert cases[1].find("failure") is None
+    with pytest.raises(SystemExit) as info:
+        scenario_cli.main(["run", str(p), "--repeat", "0"])
+    assert info.value.code == 2
+
+
+def test_cli_new_writes_a_template_that_runs(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``scenario new NAME`` writes NAME.toml: a commented template that validates and
+    passes as written (a user program restarted under a built-in caller), and is never
+    overwritten."""
+    assert scenario_cli.main(["new", "mine", "--dir", str(tmp_path)]) == 0
+    path = tmp_path / "mine.toml"
+    text = path.read_text()
+    assert text.startswith("# A fault scenario") and 'role = "exec"' in text
+    sc = load_scenario(path)
+    assert [c.role for c in sc.clients] == ["exec", "caller"]
+    result = run_scenario(path)
+    assert result.passed, result.explain()
+    assert scenario_cli.main(["new", "mine", "--dir", str(tmp_path)]) == 2
+    assert "exists; not overwritten" in capsys.readouterr().err
+    assert path.read_text() == text

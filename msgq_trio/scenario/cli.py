@@ -1,17 +1,20 @@
-"""``msgq-trio scenario run|list|check|report``: the command line of the fault runner.
+"""``msgq-trio scenario run|list|check|report|new``: the command line of the fault runner.
 
-``run`` prints one line per scenario (verdict, duration, key figures), the failed checks
-of a failing one, appends JSON records with ``--results`` and regenerates docs/FAULTS.md
-with ``--faults-md``. Exit status: 0 all passed, 1 a scenario failed, 2 invalid
-scenario file or usage.
+``run`` prints one line per scenario (verdict, duration, key figures, seed), the failed
+checks of a failing one, appends JSON records with ``--results``, writes JUnit XML with
+``--junit`` and regenerates docs/FAULTS.md with ``--faults-md``; ``--repeat N`` runs each
+N times with seeds ``--seed``, +1, ... ``new NAME`` writes a commented template. Exit
+status: 0 all passed, 1 a scenario failed, 2 invalid scenario file or usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, default=None, help="append JSON Lines records")
     p.add_argument("--faults-md", type=Path, default=None, help="regenerate this FAULTS.md")
     p.add_argument("--keep", action="store_true", help="keep temporary directories")
+    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                   help="run each scenario N times (seeds --seed, --seed + 1, ...)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="MSGQ_TRIO_SEED of the first run (default: random, printed)")
+    p.add_argument("--junit", type=Path, default=None, metavar="FILE",
+                   help="write JUnit XML (one testcase per run) for CI systems")
+    p = sub.add_parser("new", help="write a commented scenario template")
+    p.add_argument("name", help="scenario name (NAME.toml)")
+    p.add_argument("--dir", type=Path, default=Path("."), help="where to write it (.)")
     p = sub.add_parser("list", help="list scenarios")
     p.add_argument("--dir", type=Path, default=None)
     p = sub.add_parser("check", help="validate scenario files without running them")
@@ -62,9 +74,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``msgq-trio scenario``; returns the exit status."""
     args = _build_parser().parse_args(argv)
+    if args.cmd == "new":
+        return _new(args.name, args.dir)
     if args.cmd == "list":
         for path in all_scenarios(args.dir):
             try:
@@ -92,6 +113,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.faults_md} from {len(records)} records")
         return 0
     return _run(args)
+
+
+def junit_xml(records: Sequence[dict[str, Any]]) -> str:
+    """JUnit XML for CI systems: one ``testcase`` per run (name with its seed), a
+    ``failure`` with the failed checks and the runner's problems."""
+    failures = sum(not r.get("passed") for r in records)
+    suite = ET.Element("testsuite", name="msgq-trio scenarios", tests=str(len(records)),
+                       failures=str(failures), errors="0",
+                       time=f"{sum(float(r.get('duration_s', 0)) for r in records):.3f}")
+    for r in records:
+        case = ET.SubElement(suite, "testcase", classname="msgq_trio.scenarios",
+                             name=f"{r['scenario']}[seed={r.get('seed')}]",
+                             time=f"{float(r.get('duration_s', 0)):.3f}")
+        if not r.get("passed"):
+            bad = [f"check failed: {c['check']} (expected {c['expected']}, got {c['actual']})"
+                   for c in r.get("checks", []) if not c.get("ok")]
+            bad += list(r.get("problems", []))
+            fail = ET.SubElement(case, "failure", message=(bad or ["failed"])[0][:200])
+            fail.text = "\n".join(bad)
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+TEMPLATE = """\
+# A fault scenario (docs/FAULTS.md, "Testing your own system"). Check it with
+#   msgq-trio scenario check {name}.toml
+# and run it with
+#   msgq-trio scenario run {name}.toml --keep
+summary = "What happens and what must hold, in one line."
+fault = "The fault, in a few words"
+broker_does = "What the system does about it"
+timeout = 60
+
+[broker]
+# plugins = ["queue"]                  # queue, pipe, link
+# [broker.plugin.queue.queues.jobs]    # their settings ([plugins.NAME] of the broker)
+
+[[clients]]
+name = "service"
+role = "exec"                          # your program; {{python}} is this Python
+[clients.params]                       # ready once it joined its group; runs until the
+ready = "member:Service"               # scenario ends (SIGTERM)
+service = true
+command = ["{{python}}", "-c", '''
+import trio, msgq_trio
+async def main():
+    async with msgq_trio.connect(name="service") as bus:   # MSGQ_TRIO_SOCKET
+        bus.add_command("ping", lambda params: "pong")
+        await bus.subscribe("Service")
+        await trio.sleep_forever()
+trio.run(main)
+''']
+
+[[clients]]
+name = "caller"
+role = "caller"                        # a built-in role: calls Service at a steady rate
+params = {{ target = "Service", command = "ping", rate = 100.0, duration = 3.0, reconnect = true }}
+
+[[faults]]
+at = 1.0
+action = "restart"                     # SIGKILL the program and start it again
+target = "service"
+
+[expect.counts]
+"caller.ok" = ">= 100"
+"service.restarts" = "== 1"
+
+# [expect.history]                     # if your programs append their operations to
+# lost = true                          # $MSGQ_TRIO_HISTORY (docs/FAULTS.md)
+# silence = 10
+"""
+
+
+def _new(name: str, directory: Path) -> int:
+    path = directory / f"{name}.toml"
+    if path.exists():
+        print(f"msgq-trio scenario new: {path} exists; not overwritten", file=sys.stderr)
+        return 2
+    path.write_text(TEMPLATE.format(name=name))
+    print(f"wrote {path}")
+    return 0
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -135,9 +237,11 @@ def _run(args: argparse.Namespace) -> int:
         f"({machine['nproc']} x {machine['cpu_model']}, {machine['python']})",
         flush=True,
     )
-    for p in paths:
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "big") >> 1
+    runs = [(p, seed + k) for p in paths for k in range(args.repeat)]
+    for p, run_seed in runs:
         try:
-            result = run_scenario(p, keep_tmp=args.keep)
+            result = run_scenario(p, keep_tmp=args.keep, seed=run_seed)
         except Interrupted as exc:
             print(f"msgq-trio scenario run: interrupted ({exc}); cleaned up", flush=True)
             return 143
@@ -156,9 +260,12 @@ def _run(args: argparse.Namespace) -> int:
                 out.write(json.dumps(rec) + "\n")
     elapsed = time.monotonic() - t
     print(
-        f"{len(paths) - len(failed)} passed, {len(failed)} failed in {elapsed:.0f} s"
+        f"{len(runs) - len(failed)} passed, {len(failed)} failed in {elapsed:.0f} s"
         + (f": {', '.join(failed)}" if failed else "")
     )
+    if args.junit is not None:
+        args.junit.write_text(junit_xml(records))
+        print(f"wrote {args.junit}")
     if args.faults_md is not None:
         if args.all:
             md_records = records

@@ -258,6 +258,7 @@ _RECORD = [
         "list of str",
         "runner-level failures (client crashed, phase timed out, ...)",
     ),
+    ("`seed`", "int", "MSGQ_TRIO_SEED the run gave its programs (`run --seed` replays it)"),
 ]
 
 
@@ -335,10 +336,16 @@ _STATIC = (
     msgq-trio scenario report results.jsonl --faults-md docs/FAULTS.md   # from records
     msgq-trio scenario list                           # names, slow flag, summaries
     msgq-trio scenario check scenarios/*.toml         # validate files only
+    msgq-trio scenario new my-system                  # a commented template to start from
+    msgq-trio scenario run my-system.toml --repeat 20 --junit junit.xml   # CI: 20 seeds
+    msgq-trio scenario run my-system.toml --seed 1234 # replay the run that printed seed 1234
 
 `run` prints one line per scenario (PASS/FAIL, duration, broker RSS peak, p99/max latency
-of the healthy clients, the key figures) and, for a failure, every failed check and the
-broker log tail; it exits 1 if any scenario failed, 2 for an invalid file or usage.
+of the healthy clients, the key figures, the seed) and, for a failure, every failed check
+and the broker log tail; it exits 1 if any scenario failed, 2 for an invalid file or usage.
+The seed (random unless `--seed`; `--repeat N` runs seeds S, S+1, ...) reaches user
+programs as `MSGQ_TRIO_SEED`: a program that draws its choices from it replays a failure.
+`--junit FILE` writes one JUnit `testcase` per run for CI systems.
 `--results FILE` appends one JSON record per scenario run; `--faults-md FILE` rewrites this
 document from the records of the run (with `--all`) or, for a partial run, from the
 newest record of each scenario in `--results` plus this run.

@@ -87,6 +87,8 @@ class ScenarioResult:
     clients: tuple[dict[str, Any], ...]
     faults: tuple[dict[str, Any], ...]
     broker_log_tail: str
+    #: given to the user programs as MSGQ_TRIO_SEED: the same seed replays their choices
+    seed: int = 0
 
     @property
     def failures(self) -> list[str]:
@@ -123,6 +125,7 @@ class ScenarioResult:
                 f"p99 {_fmt(m['latency.p99_ms'])} ms max {_fmt(m.get('latency.max_ms'))} ms"
             )
         parts += [f"{k}={_fmt(v)}" for k, v in self.key_figures().items()]
+        parts.append(f"seed {self.seed}")
         return "  ".join(parts)
 
     def explain(self) -> str:
@@ -155,6 +158,7 @@ class ScenarioResult:
             "metrics": dict(sorted(self.metrics.items())),
             "checks": [attrs.asdict(c) for c in self.checks],
             "problems": list(self.problems),
+            "seed": self.seed,
         }
 
 
@@ -177,7 +181,8 @@ class Interrupted(Exception):
     """The run was stopped by SIGTERM or SIGHUP (after cleaning up everything it started)."""
 
 
-def run_scenario(path: str | Path, *, keep_tmp: bool = False) -> ScenarioResult:
+def run_scenario(path: str | Path, *, keep_tmp: bool = False,
+                 seed: int | None = None) -> ScenarioResult:
     """Load and run one scenario file; never raises for a failing scenario (the result
     says why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file
     and :class:`Interrupted` when SIGTERM/SIGHUP stopped the run.
@@ -187,7 +192,8 @@ def run_scenario(path: str | Path, *, keep_tmp: bool = False) -> ScenarioResult:
     SIGHUP and Ctrl-C (KeyboardInterrupt is re-raised after the cleanup).
     """
     scenario = load_scenario(path)
-    run = _Run(scenario, keep_tmp=keep_tmp)
+    run = _Run(scenario, keep_tmp=keep_tmp,
+               seed=seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1)
     result = trio.run(run.run)
     if run.interrupted is not None:
         raise Interrupted(f"{signal.Signals(run.interrupted).name} during {scenario.name}")
@@ -277,8 +283,9 @@ def _proc_status(pid: int) -> dict[str, int]:
 
 # -- one run -------------------------------------------------------------------------------------
 class _Run:
-    def __init__(self, scenario: Scenario, *, keep_tmp: bool) -> None:
+    def __init__(self, scenario: Scenario, *, keep_tmp: bool, seed: int = 0) -> None:
         self.sc = scenario
+        self.seed = seed
         self.keep_tmp = keep_tmp
         self.tmp = Path(tempfile.mkdtemp(prefix="mqs-", dir="/tmp"))
         self.sock = self.tmp / "bus.sock"
@@ -377,6 +384,7 @@ class _Run:
             clients=tuple(self._client_records()),
             faults=tuple(self.fault_log),
             broker_log_tail="\n".join(log_text.splitlines()[-40:]),
+            seed=self.seed,
         )
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
@@ -659,7 +667,8 @@ class _Run:
 
         argv = [filled(arg) for arg in spec.params["command"]]
         env = dict(os.environ, MSGQ_TRIO_SOCKET=str(self.sock),
-                   MSGQ_TRIO_HISTORY=str(history), MSGQ_TRIO_CLIENT=name)
+                   MSGQ_TRIO_HISTORY=str(history), MSGQ_TRIO_CLIENT=name,
+                   MSGQ_TRIO_SEED=str(self.seed))
         for entry in spec.params["env"]:
             k, _, v = entry.partition("=")
             env[k] = filled(v)
