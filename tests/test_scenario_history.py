@@ -17,6 +17,7 @@ from msgq_trio.scenario.history import (
     check_lost,
     check_no_duplicates,
     check_order,
+    check_reaches_each,
     check_silence,
     merge,
     parse,
@@ -186,3 +187,21 @@ def test_the_recorder_refuses_a_second_completion() -> None:
     r.complete(op_id, "ok", "call", 1.0)
     with pytest.raises(ValueError, match="not open"):
         r.complete(op_id, "fail", "call", 2.0)
+
+
+def test_a_broadcast_that_missed_a_live_member_is_named() -> None:
+    """Acked config versions reach every member running from the send to the end; one
+    killed (ended) or started after the send is not owed it."""
+    h = H()
+    for p in ("auth-0", "auth-1", "auth-2"):
+        h.lines.append(Recorder(p).event("start", h.tick()))
+    h.send("cfg", 1)
+    for p in ("auth-0", "auth-1", "auth-2"):
+        h.deliver(p, "cfg", 1)
+    h.send("cfg", 2)
+    h.deliver("auth-0", "cfg", 2)  # auth-1 missed it, auth-2 was killed
+    h.lines.append(Recorder("auth-3").event("start", h.tick()))  # started after: not owed
+    [v] = check_reaches_each(h.ops(), ["auth-"], ended=["auth-2"])
+    assert "cfg:2 was acked but never reached auth-1:" in v.message
+    assert check_reaches_each(h.ops(), ["auth-"], ended=["auth-1", "auth-2"]) == []
+    assert check_reaches_each(h.ops(), ["stats-"]) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -392,3 +393,28 @@ def test_cli_new_writes_a_template_that_runs(tmp_path: Path,
     assert scenario_cli.main(["new", "mine", "--dir", str(tmp_path)]) == 2
     assert "exists; not overwritten" in capsys.readouterr().err
     assert path.read_text() == text
+
+
+@pytest.mark.parametrize(("flag", "why"), [
+    ("--swallow", "history check answered-once: call failed with an undocumented error "
+                  "'timeout' (documented: ['recipient-gone']): #"),
+    # By the last version every server has joined; auth-1 is the one the scenario kills
+    # (then it is not owed anything), auth-1.1 its restart (owed it if it joined first).
+    ("--drop-config", r"history check reaches-each: config:20 was acked but never reached "
+                      r"auth-0, (auth-1\.1, )?auth-2: #\d+ cfgmgr-0 ok send config:20"),
+])
+def test_the_example_system_broken_is_caught_naming_the_operations(
+        tmp_path: Path, flag: str, why: str) -> None:
+    """The example DNS system's scenario with a deliberately broken auth server (one that
+    swallows queries, one that acks a config push without applying it) fails, and the
+    failure names the operations that break the promise."""
+    text = (SCENARIO_DIR / "example-dns-auth-restart.toml").read_text()
+    text = text.replace('"msgq_trio.scenario.examples.auth"]',
+                        f'"msgq_trio.scenario.examples.auth", "{flag}"]')
+    text = text.replace('"200", "--rate", "100", "--timeout", "10"',
+                        '"20", "--rate", "100", "--timeout", "0.5"')
+    assert '"0.5"' in text
+    result = run_scenario(_write(tmp_path, text))
+    assert not result.passed
+    assert re.search(why if flag == "--drop-config" else re.escape(why), result.explain()), \
+        result.explain()

@@ -45,6 +45,7 @@ __all__ = [
     "check_lost",
     "check_no_duplicates",
     "check_order",
+    "check_reaches_each",
     "check_silence",
     "merge",
     "parse",
@@ -205,6 +206,38 @@ def check_lost(history: Sequence[Op]) -> list[Violation]:
     return [_violation("lost", f"{len(lost)} acked messages were never delivered", lost)]
 
 
+def check_reaches_each(history: Sequence[Op], prefixes: Iterable[str], *,
+                       ended: Iterable[str] = ()) -> list[Violation]:
+    """Every acked message reached every process whose name starts with one of
+    ``prefixes`` (a group's members: ``auth-`` for ``auth-0``, ``auth-1``...) that was
+    running when the message was sent (its invoke) and to the end: a broadcast the system
+    promises to every live member. A process runs from its first recorded operation (a
+    member records one once it joined) until the end, unless it is in ``ended``."""
+    pre = tuple(prefixes)
+    gone = set(ended)
+    first: dict[str, float] = {}
+    got: dict[str, set[str | None]] = {}
+    invoked: dict[tuple[str, int], float] = {}
+    for op in history:
+        if op.type == "invoke":
+            invoked[op.process, op.id] = op.time
+        if op.process.startswith(pre):
+            first.setdefault(op.process, op.time)
+            if op.f == "deliver" and op.type == "ok":
+                got.setdefault(op.process, set()).add(op.key)
+    members = [p for p in first if p not in gone]
+    out = []
+    for op in history:
+        if op.f != "send" or op.type != "ok":
+            continue
+        sent = invoked.get((op.process, op.id), op.time)
+        missing = [p for p in members if first[p] <= sent and op.key not in got.get(p, ())]
+        if missing:
+            out.append(_violation("reaches-each", f"{op.key} was acked but never reached "
+                                  f"{', '.join(sorted(missing))}", [op]))
+    return out
+
+
 def check_no_duplicates(history: Sequence[Op], *, per: str = "all") -> list[Violation]:
     """No message is delivered twice: to anyone (``per="all"``: a queue's consumers
     share its messages), to the same process (``"process"``: a group's members each get
@@ -307,13 +340,17 @@ def check_silence(history: Sequence[Op], bound: float, *, until: float | None = 
 def check(history: Sequence[Op], *, lost: bool = True, duplicates: bool = True,
           duplicates_per: str = "all", order: bool = False, answered_once: bool = True,
           allowed_errors: Iterable[str] = (), silence: float | None = None,
-          until: float | None = None, ended: Iterable[str] = ()) -> list[Violation]:
+          until: float | None = None, ended: Iterable[str] = (),
+          reaches_each: Iterable[str] = ()) -> list[Violation]:
     """The checks a scenario asks for, in this order; an empty list means the history
     keeps every invariant checked."""
     ended = list(ended)
     out: list[Violation] = []
     if lost:
         out += check_lost(history)
+    prefixes = list(reaches_each)
+    if prefixes:
+        out += check_reaches_each(history, prefixes, ended=ended)
     if duplicates:
         out += check_no_duplicates(history, per=duplicates_per)
     if order:

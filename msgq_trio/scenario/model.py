@@ -338,6 +338,9 @@ class HistoryExpect:
     allowed_errors: tuple[str, ...] = ()
     #: seconds a process may go without recording an operation (None: not checked)
     silence: float | None = None
+    #: client names whose every running process must receive every acked message (a
+    #: broadcast to a group's members)
+    reaches_each: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -713,7 +716,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         log_absent=tuple(log_absent),
         counts=tuple(checks),
         settle_timeout=et.number("settle_timeout", 10.0),
-        history=_history_expect(et.get("history", dict, None)),
+        history=_history_expect(et.get("history", dict, None), names),
     )
     et.finish()
     top.finish()
@@ -734,7 +737,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     )
 
 
-def _history_expect(raw: object) -> HistoryExpect | None:
+def _history_expect(raw: object, clients: set[str]) -> HistoryExpect | None:
     if raw is None:
         return None
     t = _Table(raw, "expect.history")
@@ -752,7 +755,11 @@ def _history_expect(raw: object) -> HistoryExpect | None:
         answered_once=t.get("answered_once", bool, True),
         allowed_errors=tuple(errors),
         silence=t.number("silence", None),
+        reaches_each=tuple(t.get("reaches_each", list, [])),
     )
+    unknown = [c for c in out.reaches_each if c not in clients]
+    if unknown:
+        raise ScenarioError(f"expect.history.reaches_each: no client named {unknown[0]!r}")
     t.finish()
     return out
 

@@ -1004,11 +1004,13 @@ class _Run:
         found = check(ops, lost=e.lost, duplicates=e.duplicates,
                       duplicates_per=e.duplicates_per, order=e.order,
                       answered_once=e.answered_once, allowed_errors=e.allowed_errors,
-                      silence=e.silence, until=ops[-1].time if ops else None, ended=ended)
+                      silence=e.silence, until=ops[-1].time if ops else None, ended=ended,
+                      reaches_each=[f"{name}-" for name in e.reaches_each])
         for v in found:
             self.problems.append(f"history check {v.check}: {v.message}")
         out = []
-        for name, on in (("lost", e.lost), ("duplicates", e.duplicates), ("order", e.order),
+        for name, on in (("lost", e.lost), ("reaches-each", bool(e.reaches_each)),
+                         ("duplicates", e.duplicates), ("order", e.order),
                          ("answered-once", e.answered_once), ("silence", e.silence is not None)):
             if on:
                 n = sum(v.check == name for v in found)
