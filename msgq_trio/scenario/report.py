@@ -272,9 +272,12 @@ _GUIDE = """
 ## Testing your own system
 
 Your components are programs; a scenario starts them on a real broker, strikes them with
-faults, and checks what your system promises on the operations they recorded. Start from
-`scenarios/durable-queue-kill-loop.toml`, whose two programs are plain scripts
-(`msgq_trio/scenario/examples/`):
+faults, and checks what your system promises on the operations they recorded. Start
+with `msgq-trio scenario new my-system` (a template that runs as written), or from the
+shipped examples, whose programs are plain scripts (`msgq_trio/scenario/examples/`):
+`example-dns-auth-restart` (three auth servers, a config manager, a resolver on the
+blocking client; one server SIGKILLed and restarted) and `durable-queue-kill-loop` (a
+producer and a consumer of a durable queue while the plugin and the broker are killed):
 
 ```toml
 [broker]
@@ -296,6 +299,8 @@ target = "queue"                  # kill-broker, restart-broker, stop-broker, co
 
 [expect.history]                  # invariants over what the programs recorded
 lost = true                       # every acked send was delivered
+reaches_each = ["auth"]           # ...to every process of these clients that was running
+                                  # when it was sent (a broadcast to a group's members)
 duplicates = true                 # no message delivered twice...
 duplicates_per = "session"        # ...within one consumer session ("all", "process")
 order = false                     # per producer, increasing seq per consumer
