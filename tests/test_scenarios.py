@@ -418,3 +418,57 @@ def test_the_example_system_broken_is_caught_naming_the_operations(
     assert not result.passed
     assert re.search(why if flag == "--drop-config" else re.escape(why), result.explain()), \
         result.explain()
+
+
+ARMED = """
+import json, os, time, trio, msgq_trio
+def rec(**r):
+    with open(os.environ["MSGQ_TRIO_HISTORY"], "a") as f:
+        r.update(process=os.environ["MSGQ_TRIO_CLIENT"], time=time.monotonic())
+        f.write(json.dumps(r) + "\\n")
+async def main():
+    async with msgq_trio.connect() as bus:
+        rec(type="ok", f="start", id=1)
+        print("ready", flush=True)
+        if os.environ["MSGQ_TRIO_CLIENT"].endswith(".1"):
+            await trio.sleep(60)  # the restarted one never arms
+        await trio.sleep(0.5)
+        rec(type="ok", f="armed", id=2)
+        print("armed", flush=True)
+        await trio.sleep(60)
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("when", ["line:prog:armed", "ops:2"])
+def test_a_fault_triggered_by_an_event_waits_for_it(tmp_path: Path, when: str) -> None:
+    """``when`` holds a fault until its event (a program's stdout line, N recorded
+    operations): the restart strikes after the program armed, not at ``at = 0``."""
+    p = _write(tmp_path, f"""
+summary = "s"
+fault = "f"
+broker_does = "b"
+[[clients]]
+name = "prog"
+role = "exec"
+params = {{ command = ["{{python}}", "-c", {json.dumps(ARMED)}], ready = "line:ready", service = true }}
+[[faults]]
+at = 0
+when = "{when}"
+action = "restart"
+target = "prog"
+[expect.history]
+""")  # noqa: E501
+    result = run_scenario(p)
+    assert result.passed, result.explain()
+    # start + armed by prog-0 (the restart came after it armed), start by prog-0.1
+    assert result.metrics["history.ops"] == 3, result.explain()
+
+
+def test_fault_triggers_are_validated(tmp_path: Path) -> None:
+    base = MINIMAL + '[[faults]]\nat = 0\naction = "sigkill"\ntarget = "sub"\nwhen = "{}"\n'
+    assert load_scenario(_write(tmp_path, base.format("member:Feed>=2"))).faults[0].when == (
+        "member", "Feed", 2)
+    for bad in ("member:", "line:nobody:x", "line:sub", "ops:many", "soon"):
+        with pytest.raises(ScenarioError, match=r"faults\[0\]\.when"):
+            load_scenario(_write(tmp_path, base.format(bad)))

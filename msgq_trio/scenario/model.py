@@ -280,13 +280,37 @@ class ClientSpec:
 @attrs.frozen
 class FaultSpec:
     """``action`` at ``at`` seconds after the start of traffic, on ``target`` (a client
-    name, or ``name#i`` for its i-th process; None for broker actions)."""
+    name, or ``name#i`` for its i-th process; None for broker actions); with ``when``,
+    not before that event either (:func:`parse_when`)."""
 
     name: str
     at: float
     action: str
     target: str | None
     index: int | None
+    when: tuple[str, str, int] | None = None
+
+
+def parse_when(text: str, clients: set[str], where: str) -> tuple[str, str, int]:
+    """A fault's trigger: ``member:GROUP`` or ``member:GROUP>=N`` (the group has N
+    members, default 1), ``line:CLIENT:TEXT`` (a stdout line of a program of CLIENT
+    contains TEXT), ``ops:N`` (the programs recorded N operations in their histories).
+    Returns (kind, argument, count)."""
+    kind, _, rest = text.partition(":")
+    if kind == "member" and rest:
+        group, _, n = rest.partition(">=")
+        if group and (not n or n.strip().isdigit()):
+            return ("member", group.strip(), int(n) if n else 1)
+    elif kind == "line":
+        client, sep, needle = rest.partition(":")
+        if sep and needle and client in clients:
+            return ("line", f"{client}:{needle}", 1)
+        if client not in clients:
+            raise ScenarioError(f"{where}: no client named {client!r}")
+    elif kind == "ops" and rest.strip().isdigit():
+        return ("ops", "", int(rest))
+    raise ScenarioError(f"{where}: expected member:GROUP[>=N], line:CLIENT:TEXT or ops:N, "
+                        f"got {text!r}")
 
 
 @attrs.frozen
@@ -633,7 +657,9 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
             raise ScenarioError(f"faults[{i}].name: {fname!r} is invalid or a duplicate")
         fault_names.add(fname)
         target = ft.get("target", str, None)
+        when_text = ft.get("when", str, None)
         ft.finish()
+        when = parse_when(when_text, names, f"faults[{i}].when") if when_text else None
         index: int | None = None
         if action in CLIENT_ACTIONS:
             if target is None:
@@ -665,7 +691,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
                 f"faults[{i}].action: unknown action {action!r} "
                 f"(known: {', '.join(CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS)})"
             )
-        faults.append(FaultSpec(fname, at, action, target, index))
+        faults.append(FaultSpec(fname, at, action, target, index, when))
     faults.sort(key=lambda f: f.at)
 
     clients = tuple(

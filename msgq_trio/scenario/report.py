@@ -296,6 +296,9 @@ params = { command = ["{python}", "-m", "myapp.producer", "kl"], ready = "line:r
 at = 1.0
 action = "kill-plugin"            # also: restart (a program), sigkill, sigstop, sigcont,
 target = "queue"                  # kill-broker, restart-broker, stop-broker, cont-broker
+when = "ops:500"                  # optional, and not before: "member:GROUP>=N",
+                                  # "line:CLIENT:TEXT" (a program printed it), "ops:N"
+                                  # (N operations recorded)
 
 [expect.history]                  # invariants over what the programs recorded
 lost = true                       # every acked send was delivered

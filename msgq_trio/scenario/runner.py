@@ -731,6 +731,8 @@ class _Run:
         if c.is_exec:
             with open(self.tmp / f"{c.spec.name}-{c.index}.stdout", "a") as out:
                 out.write(line + "\n")
+            if len(c.other_output) < 10_000:  # for line: triggers; the file has them all
+                c.other_output.append(line)
             ready = c.spec.params["ready"]
             if not c.ready and ready.startswith("line:") and ready[5:] in line:
                 c.ready = True
@@ -760,6 +762,8 @@ class _Run:
                 delay = self.t0 + f.at - time.monotonic()
                 if delay > 0:
                     await trio.sleep(delay)
+                if f.when is not None:
+                    await self._when(f.when)
                 at_ms = (time.monotonic() - self.t0) * 1000
                 self.metrics[f"fault.{f.name}.at_ms"] = round(at_ms, 1)
                 entry: dict[str, Any] = {
@@ -777,6 +781,28 @@ class _Run:
         finally:
             self.faults_done = True
             self._notify()
+
+    async def _when(self, when: tuple[str, str, int]) -> None:
+        """Wait for a fault's trigger (bounded by the scenario's timeout); polled every
+        50 ms, since the events happen in other processes."""
+        kind, arg, n = when
+        while True:
+            if kind == "member":
+                try:
+                    with trio.fail_after(5):
+                        async with connect(self.sock, name="scenario-probe") as bus:
+                            if len(await bus.members(arg)) >= n:
+                                return
+                except (MsgqError, trio.TooSlowError, OSError):
+                    pass
+            elif kind == "line":
+                client, _, needle = arg.partition(":")
+                if any(needle in line for c in self.clients if c.spec.name == client
+                       for line in c.other_output):
+                    return
+            elif sum(_count_lines(p) for p in (self.tmp / "history").glob("*.jsonl")) >= n:
+                return
+            await trio.sleep(0.05)
 
     async def _apply(self, f: FaultSpec, entry: dict[str, Any]) -> None:
         if f.action == "kill-plugin":
@@ -1089,6 +1115,14 @@ class _Run:
             add(str(chk), f"{chk.op} {_fmt(rhs)}", actual, _compare(actual, chk.op, rhs))
         checks += self._history()
         return checks
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+    except OSError:
+        return 0
 
 
 def _family(pid: int) -> set[int]:
