@@ -127,7 +127,7 @@ def test_no_recipient_and_usage_errors(broker) -> None:
         for target in ["Nobody", "l.999999", "Nobody[?]", "Nobody[3]"]:
             with pytest.raises(NoRecipient):
                 u.call(target, "x")
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0  # not the 300 s request timeout
         with pytest.raises(UsageError):
             u.call("Nobody", 42)  # type: ignore[arg-type]
         with pytest.raises(UsageError):
@@ -246,7 +246,7 @@ def test_callee_sigkill_fails_the_call_fast(broker, spawn_client) -> None:
             caller.call("Victim", "work", 1)
         t.join(10)
         assert gone.value.sender == victim.lname
-        assert time.monotonic() - killed[0] < 2.0
+        assert time.monotonic() - killed[0] < 10.0  # not the 300 s request timeout
         with pytest.raises(NoRecipient):
             caller.call("Victim", "work", 2)
 
@@ -262,7 +262,7 @@ def test_call_timeout_is_the_brokers(broker_factory) -> None:
         t0 = time.monotonic()
         with pytest.raises(RequestTimeout) as timed_out:
             caller.call("Hole", "anything", timeout=0.5)
-        assert 0.4 < time.monotonic() - t0 < 3.0
+        assert 0.4 < time.monotonic() - t0 < 10.0  # not the 300 s default
         assert timed_out.value.code == "timeout"
 
 
@@ -277,7 +277,7 @@ def test_broker_shutdown_and_no_broker(broker, short_tmp) -> None:
         t0 = time.monotonic()
         with pytest.raises(ConnectionLost) as lost:
             u.receive(timeout=20)
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 15.0  # ended by the shutdown, not the timeout
         assert lost.value.code == "broker-shutdown"
         with pytest.raises(ConnectionLost):
             u.call("G", "x")
@@ -410,7 +410,7 @@ def test_eof_while_a_write_waits_ends_it(short_tmp) -> None:
             with pytest.raises(ConnectionLost) as lost:
                 for _ in range(10_000):
                     bus.send("G", b"x" * 65536)
-            assert time.monotonic() - t0 < 5.0
+            assert time.monotonic() - t0 < 15.0  # not the fake broker's 20 s
             assert lost.value.code == "broker-shutdown"
     finally:
         done.set()

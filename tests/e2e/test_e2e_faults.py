@@ -136,8 +136,8 @@ async def test_stalled_frame_is_dropped(broker_factory, raw_peer) -> None:
             frame = raw_frame(FrameType.MESSAGE, target="Right", body=encode_cbor("x" * 100))
             await raw.send_bytes(frame[:50])
             t0 = trio.current_time()
-            frames = await raw.frames_until_eof(timeout=5)
-            assert 0.4 <= trio.current_time() - t0 < 4.0
+            frames = await raw.frames_until_eof(timeout=20)
+            assert 0.4 <= trio.current_time() - t0 < 20.0  # not the 30 s default
             assert [f.header().get("code") for f in frames] == ["protocol-error"]
         assert await disconnect_reason(watcher, raw.lname) == "protocol-error"
         await still_exchanging(left, right)

@@ -94,13 +94,15 @@ async def test_sigkill_callee_fails_100_pending_calls_at_once(broker, spawn_clie
             assert outcomes == []
             t0 = trio.current_time()
             victim.sigkill()
-            with trio.fail_after(5):
+            with trio.fail_after(30):
                 await all_done.wait()
             elapsed = trio.current_time() - t0
     assert len(outcomes) == 100
     assert all(isinstance(o, RecipientGone) for o in outcomes), outcomes[:3]
     assert all(o.sender == victim.lname for o in outcomes)  # type: ignore[union-attr]
-    assert elapsed < 2.0
+    # "At once" against the 300 s request timeout; bounds only catch a wait for a
+    # timeout, with room for a loaded machine.
+    assert elapsed < 10.0
 
 
 @pytest.mark.parametrize("target", ["EmptyGroup", "l.999999", "Solo[5]", "EmptyGroup[?]",
@@ -114,7 +116,7 @@ async def test_no_recipient_at_once(broker, target: str) -> None:
         t0 = trio.current_time()
         with pytest.raises(NoRecipient) as ei:
             await caller.call(target, "anything")
-        assert trio.current_time() - t0 < 1.0
+        assert trio.current_time() - t0 < 10.0  # not the 300 s request timeout
         assert ei.value.code == "no-recipient"
 
 
@@ -155,7 +157,7 @@ async def test_black_hole_times_out_at_broker_deadline(broker_factory) -> None:
         with pytest.raises(RequestTimeout) as ei:
             await asker.call("Hole", "swallow")
         elapsed = trio.current_time() - t0
-        assert 0.45 <= elapsed < 2.0, elapsed
+        assert 0.45 <= elapsed < 10.0, elapsed  # not the 300 s default
         assert ei.value.code == "timeout"
         assert ei.value.sender == hole.lname
     lines = [ln for ln in b.log().splitlines() if " ERROR " in ln]
@@ -174,7 +176,7 @@ async def test_caller_timeout(broker) -> None:
         t0 = trio.current_time()
         with pytest.raises(RequestTimeout):
             await asker.call(hole.lname, "swallow", timeout=0.3)
-        assert 0.25 <= trio.current_time() - t0 < 1.2
+        assert 0.25 <= trio.current_time() - t0 < 10.0  # not the broker's 300 s
 
 
 async def test_handler_errors_map_to_codes(broker) -> None:

@@ -47,7 +47,7 @@ def test_sigkill_writer_mid_transfer_gives_eof_after_buffered_data(
     line = wait_line(reader, "read", 10)
     assert line.endswith(" ok"), line
     assert int(line.split()[1]) >= 16 * MiB
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10
     assert reader.wait(10) == 0
     assert pipe_stats(b.path, "k1")["exists"] is False
 
@@ -66,7 +66,7 @@ def test_sigkill_reader_mid_transfer_breaks_the_writer(
     t0 = time.monotonic()
     line = wait_line(writer, "error", 10)
     assert "PipeBroken" in line, line
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10
     assert writer.wait(10) == 1
     assert pipe_stats(b.path, "k2")["exists"] is False
 
