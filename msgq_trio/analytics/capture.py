@@ -1,8 +1,8 @@
 """Traffic capture analysis (record format: docs/CAPTURE.md; figures: docs/ANALYTICS.md).
 
 Everything is DataFrame operations on the records; only small aggregates (per-kind
-totals, top-N lists, histogram bins, per-second series of a bounded number of points)
-are ever collected into the driver.
+totals, top-N lists, histogram bins, series of a bounded number of points) are ever
+collected into the driver.
 
 How a request ends (one row per ``command`` record in the ``requests`` table, column
 ``status``):
@@ -21,12 +21,19 @@ How a request ends (one row per ``command`` record in the ``requests`` table, co
 A ``call_all`` command expects one reply per recipient; it is ``never-answered`` when
 some never came, ``callee-error`` when one was an error, else ``answered``.
 
-Pairing: a reply answers the command with ``command.sender == reply.target`` and
-``command.request_id == reply.reply_to``. The broker's ``no-recipient`` error is the
-exception (its target is the original target, not the caller): the command's own
-``outcome == "no-recipient"`` says it was answered so, and those error records are not
-paired. Request ids are unique per caller lname, and lnames per broker lifetime: analyse
-captures of one broker lifetime at a time (a restarted broker reuses lnames).
+Pairing: a reply answers the command with the same ``broker_instance``,
+``command.sender == reply.target`` and ``command.request_id == reply.reply_to``. The
+broker's ``no-recipient`` error is the exception (its target is the original target, not
+the caller): the command's own ``outcome == "no-recipient"`` says it was answered so, and
+those error records are not paired. Request ids are unique per caller lname, and lnames
+per broker lifetime: a restarted broker reuses both, so every key of a request or a
+connection includes ``broker_instance`` (the broker process that wrote the record;
+``""`` for captures older than that field, which must then hold one lifetime).
+
+Driver memory: only one-row summaries, aggregates over a fixed set of values (kinds,
+statuses, histogram bins, plot buckets) and top-N rows (``top``) are collected. Every
+per-key table (per sender, target, caller, connection, (target, command)) is returned as
+a DataFrame for Spark to write, however many connections the capture holds.
 
 Latency (``latency_ms``) is reply ts minus command ts for replies by the callee (and the
 broker's answers to its own commands); the broker records a request after routing it, so
@@ -37,12 +44,12 @@ for groups below 10,000 values, within 0.01 % of the rank above.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .storage import expand_inputs, is_local
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -54,6 +61,8 @@ ON_BEHALF_CODES = ("recipient-gone", "timeout")
 PERCENTILE_ACCURACY = 10_000
 #: At most this many points per series in the HTML plots (the Parquet tables keep 1 s).
 MAX_PLOT_POINTS = 600
+#: What names one request in a capture that may span broker restarts (module docstring).
+REQUEST_KEY = ["broker_instance", "caller", "request_id"]
 
 
 def capture_schema() -> Any:
@@ -70,45 +79,36 @@ def capture_schema() -> Any:
         ("size", i), ("attachments", i), ("fds", i), ("outcome", s), ("recipients", s),
         ("command", s), ("event", s), ("code", s), ("error_message", s), ("body", s),
         ("body_encoding", s), ("dropped", i), ("dropped_total", i),
+        ("broker_instance", s), ("broker_started", d),
     ]
     return T.StructType([T.StructField(n, t, True) for n, t in fields])
 
 
 def expand_paths(paths: Iterable[str | os.PathLike[str]], pattern: str = "*.jsonl") -> list[str]:
-    """Files named by ``paths``: a directory stands for its ``pattern`` files, a glob for
-    its matches (sorted). Raises FileNotFoundError for a path that names nothing.
-    Non-local URLs (``hdfs://``, ``s3a://``...) are passed to Spark as they are."""
-    out: list[str] = []
-    for p in map(str, paths):
-        if "://" in p and not p.startswith("file://"):
-            out.append(p)
-            continue
-        if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, pattern)))
-        elif any(c in p for c in "*?["):
-            found = sorted(glob.glob(p))
-        else:
-            found = [p] if os.path.exists(p) else []
-        if not found:
-            raise FileNotFoundError(f"no {pattern} files at {p}")
-        out.extend(str(Path(f).resolve()) for f in found)
-    return out
+    """The input URIs of ``paths`` (:func:`msgq_trio.analytics.storage.expand_inputs`)."""
+    return expand_inputs(paths, pattern)
 
 
 def read_capture(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
-    """The capture records of ``paths`` (files, directories, globs) as a DataFrame with
-    :func:`capture_schema`, ``recipients`` as a long, ``second`` (the 1 s bucket, unix
-    seconds) and ``file`` (the source file). Malformed lines (a file cut mid-line) become
-    rows with every field null and are dropped."""
+    """The capture records of ``paths`` (local files, directories, globs, or URIs Spark
+    reads itself: a remote directory stands for its ``*.jsonl`` files) as a DataFrame
+    with :func:`capture_schema`, ``recipients`` as a long, ``broker_instance`` never null
+    (``""`` for records older than the field), ``second`` (the 1 s bucket, unix seconds)
+    and ``file`` (the source file). Malformed lines (a file cut mid-line) become rows
+    with every field null and are dropped."""
     from pyspark.sql import functions as F
 
-    df = spark.read.schema(capture_schema()).option("mode", "PERMISSIVE").json(
-        expand_paths(paths))
+    uris = expand_paths(paths)
+    reader = spark.read.schema(capture_schema()).option("mode", "PERMISSIVE")
+    if not all(is_local(u) for u in uris):
+        reader = reader.option("pathGlobFilter", "*.jsonl")
+    df = reader.json(uris)
     rec = F.col("recipients")
     return (
         df.where(F.col("kind").isNotNull())
         .withColumn("recipients", F.when(rec == "true", F.lit(1)).when(rec == "false", F.lit(0))
                     .otherwise(rec.cast("long")))
+        .withColumn("broker_instance", F.coalesce(F.col("broker_instance"), F.lit("")))
         .withColumn("second", F.floor("ts").cast("long"))
         .withColumn("file", F.col("_metadata.file_path"))  # input_file_name() is deprecated
     )
@@ -126,19 +126,20 @@ def requests_table(df: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     cmds = df.where(F.col("kind") == "command").select(
-        F.col("sender").alias("caller"), F.col("sender_name").alias("caller_name"),
+        "broker_instance", F.col("sender").alias("caller"),
+        F.col("sender_name").alias("caller_name"),
         "request_id", "target", "command", F.col("all").alias("call_all"), "recipients",
         "outcome", F.col("ts").alias("cmd_ts"), F.col("seq").alias("cmd_seq"),
         F.col("file").alias("cmd_file"),
     )
     replies = replies_of(df)
-    joined = cmds.join(replies, on=["caller", "request_id"], how="left")
+    joined = cmds.join(replies, on=REQUEST_KEY, how="left")
     callee = (F.col("replier") != BROKER) | (F.col("outcome") == "broker")
     on_behalf = (F.col("replier") == BROKER) & F.coalesce(
         F.col("code").isin(*ON_BEHALF_CODES), F.lit(False))
     grouped = joined.groupBy(
-        "caller", "caller_name", "request_id", "target", "command", "call_all", "recipients",
-        "outcome", "cmd_ts", "cmd_seq", "cmd_file",
+        "broker_instance", "caller", "caller_name", "request_id", "target", "command",
+        "call_all", "recipients", "outcome", "cmd_ts", "cmd_seq", "cmd_file",
     ).agg(
         F.count("reply_kind").alias("replies"),
         F.sum(F.when(callee & (F.col("reply_kind") == "answer"), 1).otherwise(0))
@@ -182,7 +183,7 @@ def requests_table(df: DataFrame) -> DataFrame:
 
 
 def replies_of(df: DataFrame) -> DataFrame:
-    """Answers and errors that can be paired: keyed by (caller, request_id), with the
+    """Answers and errors that can be paired: keyed by :data:`REQUEST_KEY`, with the
     replier, its kind, code, ts. The broker's ``no-recipient`` errors are left out
     (module docstring)."""
     from pyspark.sql import functions as F
@@ -192,8 +193,9 @@ def replies_of(df: DataFrame) -> DataFrame:
         # eqNullSafe: answers have a null code, and a null condition drops the row
         & ~((F.col("sender") == BROKER) & F.col("code").eqNullSafe("no-recipient"))
     ).select(
-        F.col("target").alias("caller"), F.col("reply_to").alias("request_id"),
-        F.col("sender").alias("replier"), F.col("sender_name").alias("replier_name"),
+        "broker_instance", F.col("target").alias("caller"),
+        F.col("reply_to").alias("request_id"), F.col("sender").alias("replier"),
+        F.col("sender_name").alias("replier_name"),
         F.col("kind").alias("reply_kind"), "code", "on_behalf_of",
         F.col("ts").alias("reply_ts"),
     )
@@ -204,12 +206,13 @@ def latency_pairs(df: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     cmds = df.where(F.col("kind") == "command").select(
-        F.col("sender").alias("caller"), "request_id", "target", "command", "outcome",
-        F.col("ts").alias("cmd_ts"),
+        "broker_instance", F.col("sender").alias("caller"), "request_id", "target",
+        "command", "outcome", F.col("ts").alias("cmd_ts"),
     )
-    pairs = cmds.join(replies_of(df), on=["caller", "request_id"], how="inner")
+    pairs = cmds.join(replies_of(df), on=REQUEST_KEY, how="inner")
     return pairs.where((F.col("replier") != BROKER) | (F.col("outcome") == "broker")).select(
-        "target", "command", "caller", "request_id", "replier", "reply_kind", "code",
+        "broker_instance", "target", "command", "caller", "request_id", "replier",
+        "reply_kind", "code", "cmd_ts",
         _ms(F.greatest(F.col("reply_ts") - F.col("cmd_ts"), F.lit(0.0))).alias("latency_ms"),
     )
 
@@ -239,43 +242,29 @@ def _rows(df: DataFrame) -> list[dict[str, Any]]:
     return [r.asDict() for r in df.collect()]
 
 
-def _top(rows: list[dict[str, Any]], n: int, *keys: str) -> list[dict[str, Any]]:
-    """The first ``n`` rows by ``keys`` descending (ties: the row's other values)."""
-    return sorted(rows, key=lambda r: tuple(-(r[k] or 0) for k in keys)
-                  + tuple(str(v) for v in r.values()))[:n]
-
-
-def _sum_by(rows: list[dict[str, Any]], keys: Sequence[str],
-            values: Sequence[str]) -> list[dict[str, Any]]:
-    out: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r in rows:
-        k = tuple(r[c] for c in keys)
-        acc = out.setdefault(k, {**{c: r[c] for c in keys}, **dict.fromkeys(values, 0)})
-        for v in values:
-            acc[v] += r[v] or 0
-    return list(out.values())
+def _top(df: DataFrame, n: int, *order: Column | str) -> list[dict[str, Any]]:
+    """The first ``n`` rows of ``df`` in ``order``: a Spark ``limit``, so the driver gets
+    ``n`` rows however large ``df`` is."""
+    return _rows(df.orderBy(*order).limit(n))
 
 
 def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | None = None,
                     ) -> tuple[dict[str, DataFrame], dict[str, Any]]:
     """The analysis of the capture records ``df`` (from :func:`read_capture`).
 
-    Returns ``(tables, figures)``: ``tables`` are the DataFrames that grow with the data
-    (traffic per second, every request, requests never answered, slow-consumer signals
-    per second), to be written by Spark; ``figures`` are small collected aggregates
-    (totals, per kind, per sender and target, latency per (target, command), errors by
-    code and party, request outcomes, plot series), whose lists under ``tables_small``
-    are written as tables too. ``top`` bounds the top-N lists of the report.
-
-    About ten Spark jobs in all: a fixed cost per job dominates small captures, so
-    aggregates are collected at the finest small grain once and summed in Python.
+    Returns ``(tables, figures)``: ``tables`` are DataFrames, every per-key table among
+    them (per second, request, sender, target, caller, (target, command), client), for
+    Spark to write; ``figures`` are what the driver collected: one-row totals, aggregates
+    over fixed small sets (kinds, request statuses, error codes, histogram bins, at most
+    :data:`MAX_PLOT_POINTS` plot buckets per kind) and the first ``top`` rows of each
+    per-key table. The driver's memory does not grow with the number of connections.
     """
     from pyspark.sql import functions as F
 
     step = step or df.sparkSession.sparkContext.setJobDescription
     df = df.persist()
     tables: dict[str, DataFrame] = {}
-    small: dict[str, list[dict[str, Any]]] = {}
+    desc = F.desc
 
     step("capture: totals")
     totals = df.agg(
@@ -284,33 +273,45 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
         F.sum(F.when(F.col("kind") == "capture-dropped", F.col("dropped")).otherwise(0))
         .alias("capture_dropped"),
         F.countDistinct("file").alias("files"),
+        F.countDistinct("broker_instance").alias("broker_instances"),
     ).first()
     assert totals is not None
     fig: dict[str, Any] = totals.asDict()
     fig["capture_dropped"] = int(fig["capture_dropped"] or 0)
     fig["bytes"] = int(fig["bytes"] or 0)
+    fig["top"] = top
+
+    brokers = df.groupBy("broker_instance").agg(
+        F.min("broker_started").alias("broker_started"), F.count("*").alias("records"),
+        F.min("ts").alias("first_ts"), F.max("ts").alias("last_ts"))
+    tables["brokers"] = brokers
+    fig["brokers"] = _top(brokers, top, "broker_started", "first_ts")
 
     frames = df.where(F.col("kind") != "capture-dropped")
     tables["traffic_per_second"] = frames.groupBy(
-        "second", "kind", "sender", "sender_name", "target"
+        "second", "kind", "broker_instance", "sender", "sender_name", "target"
     ).agg(F.count("*").alias("frames"), F.sum("size").alias("bytes"))
 
-    step("capture: traffic per sender and kind")
-    by_sender_kind = _rows(frames.groupBy("sender", "sender_name", "kind").agg(
+    step("capture: traffic per kind")
+    per_kind = frames.groupBy("kind").agg(F.count("*").alias("frames"),
+                                          F.sum("size").alias("bytes"))
+    tables["per_kind"] = per_kind
+    fig["per_kind"] = _rows(per_kind.orderBy("kind"))
+
+    step("capture: top senders")
+    senders = frames.groupBy("broker_instance", "sender", "sender_name").agg(
         F.count("*").alias("frames"), F.sum("size").alias("bytes"),
-        F.countDistinct("target").alias("targets")))
-    small["per_kind"] = sorted(_sum_by(by_sender_kind, ["kind"], ["frames", "bytes"]),
-                               key=lambda r: r["kind"])
-    fig["per_kind"] = small["per_kind"]
-    small["senders"] = _top(_sum_by(by_sender_kind, ["sender", "sender_name"],
-                                    ["frames", "bytes"]), len(by_sender_kind), "bytes",
-                            "frames")
-    fig["top_senders"] = small["senders"][:top]
-    step("capture: traffic per target")
-    small["targets"] = _top(_rows(frames.groupBy("target").agg(
+        F.countDistinct("target").alias("targets")).persist()
+    tables["senders"] = senders
+    fig["top_senders"] = _top(senders, top, desc("bytes"), desc("frames"),
+                              "broker_instance", "sender")
+    step("capture: top targets")
+    targets = frames.groupBy("broker_instance", "target").agg(
         F.count("*").alias("frames"), F.sum("size").alias("bytes"),
-        F.countDistinct("sender").alias("senders"))), 1 << 62, "bytes", "frames")
-    fig["top_targets"] = small["targets"][:top]
+        F.countDistinct("sender").alias("senders")).persist()
+    tables["targets"] = targets
+    fig["top_targets"] = _top(targets, top, desc("bytes"), desc("frames"),
+                              "broker_instance", "target")
 
     # traffic over time for the plot: at most MAX_PLOT_POINTS buckets per kind
     span = 0.0 if fig["first_ts"] is None else fig["last_ts"] - fig["first_ts"]
@@ -325,34 +326,41 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
         .orderBy("bucket", "kind"))
 
     step("capture: pairing requests")
-    requests = requests_table(df)
+    requests = requests_table(df).persist()
     tables["requests"] = requests
     tables["never_answered"] = requests.where(F.col("status") == "never-answered").select(
-        "cmd_ts", "caller", "caller_name", "request_id", "target", "command", "reason",
-        "expected_replies", "callee_answers", "callee_errors",
+        "cmd_ts", "broker_instance", "caller", "caller_name", "request_id", "target",
+        "command", "reason", "expected_replies", "callee_answers", "callee_errors",
     )
-    outcomes = _rows(requests.groupBy("status", "reason", "target", "command", "caller",
-                                      "caller_name").agg(F.count("*").alias("requests")))
-    small["request_outcomes"] = outcomes
-    fig["request_status"] = sorted(
-        _sum_by(outcomes, ["status", "reason"], ["requests"]),
-        key=lambda r: (r["status"], r["reason"] or ""))
+    tables["request_outcomes"] = requests.groupBy(
+        "status", "reason", "target", "command", "broker_instance", "caller", "caller_name"
+    ).agg(F.count("*").alias("requests"))
+    # statuses are four and reasons are error codes: a small set
+    fig["request_status"] = _rows(requests.groupBy("status", "reason").agg(
+        F.count("*").alias("requests")).orderBy("status", F.coalesce("reason", F.lit(""))))
     by_status = {s: 0 for s in ("answered", "callee-error", "broker-error", "never-answered")}
     for r in fig["request_status"]:
         by_status[r["status"]] = by_status.get(r["status"], 0) + r["requests"]
     fig["requests"] = {"total": sum(by_status.values()), **by_status}
+    step("capture: requests never answered")
     fig["never_answered_by_target"] = _top(
-        _sum_by([r for r in outcomes if r["status"] == "never-answered"],
-                ["target", "command", "reason"], ["requests"]), top, "requests")
-    small["failed_requests_by_caller"] = _top(
-        _sum_by([r for r in outcomes if r["status"] != "answered"],
-                ["caller", "caller_name", "status", "reason"], ["requests"]),
-        len(outcomes), "requests")
+        requests.where(F.col("status") == "never-answered")
+        .groupBy("target", "command", "reason").agg(F.count("*").alias("requests")),
+        top, desc("requests"), "target", "command", "reason")
+    failed = requests.where(F.col("status") != "answered").groupBy(
+        "broker_instance", "caller", "caller_name", "status", "reason"
+    ).agg(F.count("*").alias("requests"))
+    tables["failed_requests_by_caller"] = failed
+    fig["failed_requests_by_caller"] = _top(failed, top, desc("requests"), "broker_instance",
+                                            "caller", "status", "reason")
 
     step("capture: latency percentiles")
-    pairs = latency_pairs(df)
-    small["latency"] = _top(_rows(latency_table(pairs)), 1 << 62, "replies")
-    fig["latency"] = small["latency"][:top]
+    pairs = latency_pairs(df).persist()
+    latency = latency_table(pairs).persist()
+    tables["latency"] = latency
+    fig["latency"] = _top(latency, top, desc("replies"), "target", "command")
+    overall = latency_overall(pairs).first()
+    fig["latency_overall"] = overall.asDict() if overall is not None else {}
     # histogram: 10 log-spaced bins per decade from 1 µs; 0 goes in the first bin
     step("capture: latency histogram")
     bin_col = F.floor(F.log10(F.greatest(F.col("latency_ms"), F.lit(0.001))) * 10).cast("int")
@@ -363,35 +371,49 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
     party = (F.when(F.col("sender") != BROKER, F.lit("callee"))
              .when(F.col("on_behalf_of").isNotNull(), F.lit("broker-for-callee"))
              .otherwise(F.lit("broker")))
-    by_party = _rows(frames.where(F.col("kind") == "error").withColumn("party", party)
-                     .groupBy("code", "party", "sender", "sender_name", "on_behalf_of")
-                     .agg(F.count("*").alias("errors")))
-    for r in by_party:
-        r["from_callees"] = r["errors"] if r["party"] == "callee" else 0
-        r["from_broker"] = 0 if r["party"] == "callee" else r["errors"]
-    small["errors_by_code"] = _top(
-        _sum_by(by_party, ["code"], ["errors", "from_callees", "from_broker"]),
-        len(by_party), "errors")
-    fig["errors_by_code"] = small["errors_by_code"]
-    small["errors_by_party"] = _top(
-        [{k: r[k] for k in ("code", "party", "sender", "sender_name", "on_behalf_of",
-                            "errors")} for r in by_party], len(by_party), "errors")
-    fig["errors_by_party"] = small["errors_by_party"][:top]
+    errors = frames.where(F.col("kind") == "error").withColumn("party", party)
+    by_code = errors.groupBy("code").agg(
+        F.count("*").alias("errors"),
+        F.sum(F.when(F.col("party") == "callee", 1).otherwise(0)).alias("from_callees"),
+        F.sum(F.when(F.col("party") != "callee", 1).otherwise(0)).alias("from_broker"))
+    tables["errors_by_code"] = by_code
+    fig["errors_by_code"] = _top(by_code, top, desc("errors"), "code")
+    by_party = errors.groupBy("code", "party", "broker_instance", "sender", "sender_name",
+                              "on_behalf_of").agg(F.count("*").alias("errors")).persist()
+    tables["errors_by_party"] = by_party
+    fig["errors_by_party"] = _top(by_party, top, desc("errors"), "code", "party",
+                                  "broker_instance", "sender", "on_behalf_of")
 
     step("capture: slow consumers")
     slow = slow_consumer_signals(df)
     tables["slow_consumers_per_second"] = slow
-    small["slow_consumers"] = _top(_rows(
-        slow.groupBy("signal", "client")
-        .agg(F.sum("count").alias("count"), F.min("second").alias("first_second"),
-             F.max("second").alias("last_second"))), 1 << 62, "count")
-    fig["slow_consumers"] = small["slow_consumers"][:top]
-    fig["tables_small"] = small
+    per_client = slow.groupBy("signal", "broker_instance", "client").agg(
+        F.sum("count").alias("count"), F.min("second").alias("first_second"),
+        F.max("second").alias("last_second")).persist()
+    tables["slow_consumers"] = per_client
+    fig["slow_consumers"] = _top(per_client, top, desc("count"), "signal", "broker_instance",
+                                 "client")
+    fig["slow_consumer_signals"] = _rows(
+        per_client.groupBy("signal").agg(F.sum("count").alias("count"),
+                                         F.count("*").alias("clients")).orderBy("signal"))
     return tables, fig
 
 
+def latency_overall(pairs: DataFrame) -> DataFrame:
+    """One row over every callee reply: replies, p50/p95/p99/max latency in ms."""
+    from pyspark.sql import functions as F
+
+    return pairs.agg(
+        F.count("*").alias("replies"),
+        F.percentile_approx("latency_ms", [0.5, 0.95, 0.99], PERCENTILE_ACCURACY).alias("p"),
+        F.max("latency_ms").alias("max_ms"),
+    ).select("replies", F.col("p")[0].alias("p50_ms"), F.col("p")[1].alias("p95_ms"),
+             F.col("p")[2].alias("p99_ms"), "max_ms")
+
+
 def slow_consumer_signals(df: DataFrame) -> DataFrame:
-    """Per second and client: what the capture shows of slow consumers. Signals:
+    """Per second, broker instance and client: what the capture shows of slow consumers.
+    Signals:
     ``receiver-full`` (a request refused because the callee's queue was over
     out_hard_limit; client = that callee), ``slow-consumer`` (an ERROR with that code,
     or a ``disconnected`` membership event whose captured body gives that reason; client
@@ -419,7 +441,6 @@ def slow_consumer_signals(df: DataFrame) -> DataFrame:
     amount = F.when(F.col("kind") == "capture-dropped", F.col("dropped")).otherwise(F.lit(1))
     return (
         df.withColumn("signal", signal).where(F.col("signal").isNotNull())
-        .groupBy("second", "signal", client.alias("client"))
+        .groupBy("second", "signal", "broker_instance", client.alias("client"))
         .agg(F.sum(amount).alias("count"))
-        .orderBy("second", "signal", "client")
     )

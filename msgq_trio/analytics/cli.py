@@ -1,10 +1,14 @@
-"""``msgq-trio analyze capture|scenarios``: run an analysis, write the report.
+"""``msgq-trio analyze capture|scenarios|live``: run an analysis, write the report.
 
-Output directory layout: ``report.html`` (self-contained), ``summary.json`` (the figures
-of the report), ``tables/<name>/`` (Parquet, or CSV with ``--format csv``), written by
-Spark so they scale with the data. The terminal gets a summary table on stdout and
-progress lines on stderr while Spark works. Exit status: 0, 2 for usage errors or
-missing input, 3 when pyspark or Java is missing.
+Output location (``--out``, a local directory or a URI Spark can write: ``file://``,
+``hdfs://``, ``s3a://``): ``report.html`` (self-contained), ``summary.json`` (the
+figures of the report), ``tables/<name>/`` (Parquet, or CSV with ``--format csv``), all
+written through Spark (tables) and its Hadoop file system layer (the two files), so they
+scale with the data and land wherever the cluster writes. The terminal gets a summary
+table on stdout and progress lines on stderr while Spark works. ``live`` keeps a
+dashboard current instead (:mod:`msgq_trio.analytics.live`). Exit status: 0; 2 for usage
+errors or missing local input; 3 when pyspark or Java is missing; 4 when Spark could not
+read the input or write the output (its error is printed, naming the location).
 """
 
 from __future__ import annotations
@@ -12,17 +16,25 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import SparkUnavailable
+from .storage import join, to_uri, write_text
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+
+def _conf(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--conf wants KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,25 +43,36 @@ def build_parser() -> argparse.ArgumentParser:
         description="Analyse traffic captures and scenario results on Spark "
         "(docs/ANALYTICS.md).")
     sub = p.add_subparsers(dest="what", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out", required=True, type=Path, help="output directory")
-    common.add_argument("--master", default=None,
-                        help="Spark master URL (default $MSGQ_TRIO_SPARK_MASTER or local[*]; "
-                        "under spark-submit: its --master)")
+    spark_opts = argparse.ArgumentParser(add_help=False)
+    spark_opts.add_argument("--master", default=None,
+                            help="Spark master URL (default $MSGQ_TRIO_SPARK_MASTER or "
+                            "local[*]; under spark-submit: its --master)")
+    spark_opts.add_argument("--conf", action="append", type=_conf, default=[],
+                            metavar="KEY=VALUE",
+                            help="a Spark setting (repeatable), e.g. spark.driver.memory=512m")
+    common = argparse.ArgumentParser(add_help=False, parents=[spark_opts])
+    common.add_argument("--out", required=True,
+                        help="output directory: a local path or a URI Spark writes "
+                        "(file://, hdfs://, s3a://)")
     common.add_argument("--format", choices=["parquet", "csv"], default="parquet",
                         help="table format (default parquet)")
     common.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     c = sub.add_parser("capture", parents=[common], help="traffic capture files (*.jsonl)")
-    c.add_argument("paths", nargs="+", help="capture files, directories or globs")
+    c.add_argument("paths", nargs="+",
+                   help="capture files, directories or globs, or URIs Spark reads")
     c.add_argument("--top", type=int, default=20, help="rows of the top-N lists (default 20)")
     s = sub.add_parser("scenarios", parents=[common], help="scenario result records (*.jsonl)")
-    s.add_argument("paths", nargs="+", help="result files, directories or globs")
+    s.add_argument("paths", nargs="+",
+                   help="result files, directories or globs, or URIs Spark reads")
     s.add_argument("--baseline", nargs="+", default=None,
                    help="result files to compare against (regressions)")
     s.add_argument("--rss-ratio", type=float, default=0.2,
                    help="RSS regression threshold, relative (default 0.2)")
     s.add_argument("--latency-ratio", type=float, default=0.5,
                    help="p99 latency regression threshold, relative (default 0.5)")
+    from .live import add_live_parser
+
+    add_live_parser(sub, spark_opts)
     return p
 
 
@@ -107,40 +130,37 @@ class Progress:
         self._thread.join(timeout=5)
 
 
-def write_tables(tables: dict[str, DataFrame], out: Path, fmt: str,
+def write_tables(tables: dict[str, DataFrame], out: str, fmt: str,
                  progress: Progress | None) -> None:
     """Write each Spark table to ``out/tables/<name>/`` (a directory of part files,
-    overwritten) with Spark, so they scale with the data."""
+    overwritten) with Spark, so they scale with the data and go where Spark writes."""
     for name, df in tables.items():
         if progress:
             progress.step(f"writing table {name}")
         w = df.write.mode("overwrite")
-        path = str(out / "tables" / name)
+        path = join(out, "tables", name)
         if fmt == "csv":
             w.option("header", True).csv(path)
         else:
             w.parquet(path)
 
 
-def write_small_tables(tables: dict[str, list[dict[str, Any]]], out: Path, fmt: str) -> None:
-    """Write collected aggregates to ``out/tables/<name>.parquet`` (pyarrow) or ``.csv``:
-    no Spark job for a table already in the driver."""
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    for name, rows in tables.items():
-        path = out / "tables" / f"{name}.{fmt}"
-        if fmt == "csv":
-            import csv
+def prepare_output(spark: SparkSession, out: str) -> None:
+    """Create ``out`` through Spark's file system layer before any work, so a location
+    Spark cannot write fails at once, not after the analysis."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    path = jvm.org.apache.hadoop.fs.Path(out)
+    path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).mkdirs(path)
 
-            cols = list(rows[0]) if rows else []
-            with open(path, "w", newline="") as f:
-                wr = csv.DictWriter(f, fieldnames=cols)
-                wr.writeheader()
-                wr.writerows(rows)
-        else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist(rows), path)
+def spark_figures(spark: SparkSession) -> dict[str, Any]:
+    """Where the figures were computed: master, version and the settings that shape the
+    job (as given by --master / --conf / spark-submit)."""
+    conf = spark.sparkContext.getConf()
+    return {"master": spark.sparkContext.master, "version": spark.version,
+            "shuffle_partitions": spark.conf.get("spark.sql.shuffle.partitions"),
+            "driver_memory": conf.get("spark.driver.memory", None)}
 
 
 def _json_default(v: Any) -> Any:
@@ -149,57 +169,87 @@ def _json_default(v: Any) -> Any:
     return str(v)
 
 
-def run_capture(spark: SparkSession, paths: Sequence[str], out: Path, *, fmt: str = "parquet",
-                top: int = 20, progress: Progress | None = None) -> dict[str, Any]:
-    """Analyse the captures ``paths`` into ``out``; returns the figures (summary.json)."""
+def run_capture(spark: SparkSession, paths: Sequence[str], out: str | os.PathLike[str], *,
+                fmt: str = "parquet", top: int = 20,
+                progress: Progress | None = None) -> dict[str, Any]:
+    """Analyse the captures ``paths`` into ``out`` (a local path or a URI); returns the
+    figures (summary.json)."""
     from .capture import analyze_capture, expand_paths, read_capture
     from .report import capture_html
 
+    out = to_uri(os.fspath(out))
     files = expand_paths(paths)
+    prepare_output(spark, out)
     if progress:
-        progress.step(f"reading {len(files)} capture file(s)")
+        progress.step(f"reading {len(files)} capture location(s)")
     tables, fig = analyze_capture(read_capture(spark, files), top=top,
                                   step=progress.step if progress else None)
-    out.mkdir(parents=True, exist_ok=True)
-    write_small_tables(fig.pop("tables_small"), out, fmt)
     write_tables(tables, out, fmt, progress)
-    fig["sources"] = files
-    (out / "summary.json").write_text(json.dumps(fig, indent=1, default=_json_default))
-    (out / "report.html").write_text(capture_html(fig, files, str(out / "tables")))
+    fig["sources"] = files[:top]
+    fig["source_count"] = len(files)
+    fig["out"] = out
+    fig["spark"] = spark_figures(spark)
+    write_text(spark, join(out, "summary.json"),
+               json.dumps(fig, indent=1, default=_json_default))
+    write_text(spark, join(out, "report.html"), capture_html(fig, files, join(out, "tables")))
     return fig
 
 
-def run_scenarios(spark: SparkSession, paths: Sequence[str], out: Path, *,
+def run_scenarios(spark: SparkSession, paths: Sequence[str], out: str | os.PathLike[str], *,
                   baseline: Sequence[str] | None = None, fmt: str = "parquet",
                   rss_ratio: float = 0.2, latency_ratio: float = 0.5,
                   progress: Progress | None = None) -> dict[str, Any]:
-    """Analyse the scenario results ``paths`` (against ``baseline``) into ``out``."""
+    """Analyse the scenario results ``paths`` (against ``baseline``) into ``out`` (a
+    local path or a URI)."""
     from .capture import expand_paths
     from .report import scenarios_html
     from .scenarios import analyze_scenarios, read_results
 
+    out = to_uri(os.fspath(out))
     files = expand_paths(paths)
     base_files = expand_paths(baseline) if baseline else None
+    prepare_output(spark, out)
     if progress:
-        progress.step(f"reading {len(files)} result file(s)"
-                      + (f" and {len(base_files)} baseline file(s)" if base_files else ""))
+        progress.step(f"reading {len(files)} result location(s)"
+                      + (f" and {len(base_files)} baseline location(s)" if base_files else ""))
     cur = read_results(spark, files, "current")
     base = read_results(spark, base_files, "baseline") if base_files else None
     tables, fig = analyze_scenarios(cur, base, rss_ratio=rss_ratio,
                                     latency_ratio=latency_ratio,
                                     step=progress.step if progress else None)
-    out.mkdir(parents=True, exist_ok=True)
-    write_small_tables(tables, out, fmt)
+    write_tables(tables, out, fmt, progress)
     fig["sources"] = files
     fig["baseline_sources"] = base_files or []
-    (out / "summary.json").write_text(json.dumps(fig, indent=1, default=_json_default))
-    (out / "report.html").write_text(scenarios_html(fig, files, str(out / "tables")))
+    fig["out"] = out
+    fig["spark"] = spark_figures(spark)
+    write_text(spark, join(out, "summary.json"),
+               json.dumps(fig, indent=1, default=_json_default))
+    write_text(spark, join(out, "report.html"),
+               scenarios_html(fig, files, join(out, "tables")))
     return fig
+
+
+def spark_error(exc: BaseException) -> str | None:
+    """The first line of a JVM-side error (py4j or Spark's own), or None when ``exc``
+    is not one (a bug of ours: let it propagate)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if not names & {"Py4JJavaError", "PySparkException", "CapturedException"}:
+        return None
+    text = str(exc).strip()
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith(("An error occurred while calling", "at ")):
+            return line
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``msgq-trio analyze``; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.what == "live":
+        from .live import main_live
+
+        return main_live(args)
     from .capture import expand_paths
 
     try:
@@ -209,34 +259,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"msgq-trio analyze: {exc}", file=sys.stderr)
         return 2
-    from .session import spark_session
+    from .session import analysis_session
 
     t0 = time.monotonic()
+    if not args.quiet:
+        print("[   0.0s] starting Spark", file=sys.stderr, flush=True)
+    out = to_uri(args.out)
     try:
-        if not args.quiet:
-            print("[   0.0s] starting Spark", file=sys.stderr, flush=True)
-        spark = spark_session(args.master)
+        with analysis_session(args.master, dict(args.conf)) as spark:
+            progress = None if args.quiet else Progress(spark).start()
+            try:
+                if args.what == "capture":
+                    from .report import capture_text
+
+                    fig = run_capture(spark, args.paths, out, fmt=args.format, top=args.top,
+                                      progress=progress)
+                    text = capture_text(fig)
+                else:
+                    from .report import scenarios_text
+
+                    fig = run_scenarios(spark, args.paths, out, baseline=args.baseline,
+                                        fmt=args.format, rss_ratio=args.rss_ratio,
+                                        latency_ratio=args.latency_ratio, progress=progress)
+                    text = scenarios_text(fig)
+            finally:
+                if progress:
+                    progress.stop()
     except SparkUnavailable as exc:
         print(f"msgq-trio analyze: {exc}", file=sys.stderr)
         return 3
-    progress = None if args.quiet else Progress(spark).start()
-    try:
-        if args.what == "capture":
-            from .report import capture_text
-
-            fig = run_capture(spark, args.paths, args.out, fmt=args.format, top=args.top,
-                              progress=progress)
-            text = capture_text(fig)
-        else:
-            from .report import scenarios_text
-
-            fig = run_scenarios(spark, args.paths, args.out, baseline=args.baseline,
-                                fmt=args.format, rss_ratio=args.rss_ratio,
-                                latency_ratio=args.latency_ratio, progress=progress)
-            text = scenarios_text(fig)
-    finally:
-        if progress:
-            progress.stop()
+    except Exception as exc:
+        reason = spark_error(exc)
+        if reason is None:
+            raise
+        print(f"msgq-trio analyze: Spark could not read the input or write {out}: {reason}",
+              file=sys.stderr)
+        return 4
     print(text)
-    print(f"\nreport: {args.out / 'report.html'}  ({time.monotonic() - t0:.1f} s)")
+    print(f"\nreport: {join(out, 'report.html')}  ({time.monotonic() - t0:.1f} s)")
     return 0

@@ -1,9 +1,10 @@
-"""The self-contained HTML reports (inline SVG plots, no scripts, no external files) and
-the terminal summaries, rendered from the small collected figures of an analysis.
+"""The self-contained HTML reports (matplotlib charts inlined as SVG, no scripts, no
+external files) and the terminal summaries, rendered from the small collected figures of
+an analysis.
 
-Pure Python, no Spark: the figures are dicts of plain values. Every table has an ``id``
-and a header row; numbers are written by :func:`fmt` (ints as they are, floats with 3
-decimals) so a reader, or a test, finds exactly the figures of ``summary.json``.
+No Spark: the figures are dicts of plain values. Every table has an ``id`` and a header
+row; numbers are written by :func:`fmt` (ints as they are, floats with 3 decimals) so a
+reader, or a test, finds exactly the figures of ``summary.json``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-#: colours of the plotted series, in order (colour-blind safe palette, Okabe-Ito)
-COLOURS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442",
-           "#000000")
-W, H, PAD_L, PAD_B, PAD_T, PAD_R = 760, 260, 70, 40, 28, 150
+from . import charts
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1100px; }
@@ -26,7 +24,6 @@ th, td { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; }
 th { background: #f0f0f0; }
 td.t, th.t { text-align: left; }
 figure { margin: 0.5em 0 1.5em; }
-svg text { font-size: 11px; font-family: system-ui, sans-serif; }
 .note { color: #555; font-size: 0.9em; }
 """
 
@@ -69,36 +66,6 @@ def table(tid: str, columns: Sequence[str], rows: Iterable[dict[str, Any]],
     return "".join(out)
 
 
-def _nice_max(v: float) -> float:
-    if v <= 0:
-        return 1.0
-    mag = 10.0 ** math.floor(math.log10(v))
-    for m in (1.0, 2.0, 2.5, 5.0, 10.0):
-        if v <= m * mag:
-            return m * mag
-    return 10 * mag
-
-
-def _svg_open(sid: str, title: str) -> list[str]:
-    return [f'<svg id="{e(sid)}" xmlns="http://www.w3.org/2000/svg" width="{W}" '
-            f'height="{H}" viewBox="0 0 {W} {H}" role="img">',
-            f"<title>{e(title)}</title>",
-            f'<text x="{PAD_L}" y="16">{e(title)}</text>']
-
-
-def _axes(ymax: float, ylabel: str) -> list[str]:
-    x0, y0, x1, y1 = PAD_L, H - PAD_B, W - PAD_R, PAD_T
-    out = [f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="#444"/>',
-           f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="#444"/>']
-    for i in range(5):
-        v = ymax * i / 4
-        y = y0 - (y0 - y1) * i / 4
-        out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{e(_short(v))}</text>')
-    out.append(f'<text x="12" y="{(y0 + y1) / 2:.1f}" transform="rotate(-90 12 '
-               f'{(y0 + y1) / 2:.1f})" text-anchor="middle">{e(ylabel)}</text>')
-    return out
-
-
 def _short(v: float) -> str:
     if v >= 1e9:
         return f"{v / 1e9:.3g}G"
@@ -107,93 +74,6 @@ def _short(v: float) -> str:
     if v >= 1e3:
         return f"{v / 1e3:.3g}k"
     return f"{v:.3g}"
-
-
-def svg_lines(sid: str, title: str, series: dict[str, list[tuple[float, float]]],
-              ylabel: str, xlabel: str) -> str:
-    """A line plot: one polyline per series (x ascending), legend on the right."""
-    out = _svg_open(sid, title)
-    xs = [x for pts in series.values() for x, _ in pts]
-    ys = [y for pts in series.values() for _, y in pts]
-    xmin, xmax = (min(xs), max(xs)) if xs else (0.0, 1.0)
-    xspan = (xmax - xmin) or 1.0
-    ymax = _nice_max(max(ys) if ys else 1.0)
-    out += _axes(ymax, ylabel)
-    x0, y0, x1, y1 = PAD_L, H - PAD_B, W - PAD_R, PAD_T
-    for i, (name, pts) in enumerate(sorted(series.items())):
-        colour = COLOURS[i % len(COLOURS)]
-        coords = " ".join(
-            f"{x0 + (x1 - x0) * (x - xmin) / xspan:.1f},{y0 - (y0 - y1) * y / ymax:.1f}"
-            for x, y in pts)
-        if len(pts) == 1:  # a single bucket: a dot, a polyline would be invisible
-            cx, cy = coords.split(",")
-            out.append(f'<circle class="series" data-series="{e(name)}" cx="{cx}" cy="{cy}" '
-                       f'r="3" fill="{colour}"/>')
-        else:
-            out.append(f'<polyline class="series" data-series="{e(name)}" fill="none" '
-                       f'stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
-        ly = PAD_T + 14 * i + 8
-        out.append(f'<rect x="{x1 + 10}" y="{ly - 8}" width="10" height="10" fill="{colour}"/>'
-                   f'<text x="{x1 + 24}" y="{ly + 1}">{e(name)}</text>')
-    out.append(f'<text x="{x0}" y="{H - 8}">{e(xlabel)}</text>')
-    out.append(f'<text x="{x1}" y="{H - 8}" text-anchor="end">+{xspan:.0f} s</text>')
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def svg_bars(sid: str, title: str, bars: Sequence[tuple[str, int | float]], ylabel: str) -> str:
-    """A bar chart (histogram): one ``rect class="bar"`` per (label, value)."""
-    out = _svg_open(sid, title)
-    ymax = _nice_max(max((v for _, v in bars), default=1.0))
-    out += _axes(ymax, ylabel)
-    x0, y0, x1, y1 = PAD_L, H - PAD_B, W - PAD_R, PAD_T
-    n = max(len(bars), 1)
-    bw = (x1 - x0) / n
-    for i, (label, v) in enumerate(bars):
-        h = (y0 - y1) * v / ymax
-        x = x0 + i * bw
-        out.append(f'<rect class="bar" data-label="{e(label)}" data-value="{e(fmt(v))}" '
-                   f'x="{x + 1:.1f}" y="{y0 - h:.1f}" width="{max(bw - 2, 1):.1f}" '
-                   f'height="{h:.1f}" fill="{COLOURS[0]}"><title>{e(label)}: {e(fmt(v))}'
-                   f"</title></rect>")
-        if n <= 40 or i % max(1, n // 20) == 0:
-            out.append(f'<text x="{x + bw / 2:.1f}" y="{y0 + 14}" text-anchor="middle">'
-                       f"{e(label)}</text>")
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def svg_boxes(sid: str, title: str, boxes: Sequence[tuple[str, Sequence[float | None]]],
-              ylabel: str) -> str:
-    """Box plots: per label (min, p25, p50, p75, max); a label without data is skipped."""
-    data = [(lab, q) for lab, q in boxes if all(v is not None for v in q)]
-    out = _svg_open(sid, title)
-    ymax = _nice_max(max((float(q[4]) for _, q in data if q[4] is not None), default=1.0))
-    out += _axes(ymax, ylabel)
-    x0, y0, x1, y1 = PAD_L, H - PAD_B, W - PAD_R, PAD_T
-    n = max(len(data), 1)
-    bw = (x1 - x0) / n
-
-    def y(v: float | None) -> float:
-        return y0 - (y0 - y1) * float(v or 0) / ymax
-
-    for i, (label, q) in enumerate(data):
-        cx = x0 + (i + 0.5) * bw
-        half = min(bw * 0.3, 20)
-        out.append(
-            f'<g class="box" data-label="{e(label)}" data-median="{e(fmt(q[2]))}">'
-            f"<title>{e(label)}: min {fmt(q[0])}, p25 {fmt(q[1])}, median {fmt(q[2])}, "
-            f"p75 {fmt(q[3])}, max {fmt(q[4])}</title>"
-            f'<line x1="{cx:.1f}" y1="{y(q[0]):.1f}" x2="{cx:.1f}" y2="{y(q[4]):.1f}" '
-            f'stroke="#444"/>'
-            f'<rect x="{cx - half:.1f}" y="{y(q[3]):.1f}" width="{2 * half:.1f}" '
-            f'height="{max(y(q[1]) - y(q[3]), 1):.1f}" fill="{COLOURS[5]}" stroke="#444"/>'
-            f'<line x1="{cx - half:.1f}" y1="{y(q[2]):.1f}" x2="{cx + half:.1f}" '
-            f'y2="{y(q[2]):.1f}" stroke="#000" stroke-width="2"/></g>')
-        out.append(f'<text x="{cx:.1f}" y="{y0 + 14}" text-anchor="middle">'
-                   f"{e(label[:18])}</text>")
-    out.append("</svg>")
-    return "\n".join(out)
 
 
 def page(title: str, body: Sequence[str]) -> str:
@@ -226,6 +106,12 @@ def capture_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -
              f"{e(utc(fig['first_ts']))} to {e(utc(fig['last_ts']))}. "
              f"Tables: <code>{e(tables_dir)}</code>. Records the capture lost "
              f"(capture-dropped): {fig['capture_dropped']}.</p>")
+    b.append("<h2>Broker lifetimes</h2>")
+    b.append(f'<p class="note">{fig["broker_instances"]} broker instance(s) wrote this '
+             "capture; requests and connections are keyed by instance (lnames and request "
+             f"ids restart with each broker). First {fig['top']} shown.</p>")
+    b.append(table("brokers", ("broker_instance", "broker_started", "records", "first_ts",
+                               "last_ts"), fig["brokers"]))
     b.append("<h2>Requests</h2>")
     b.append('<p class="note">answered: the callee replied; callee-error: it replied with '
              "an error; broker-error: the broker refused the request (never delivered); "
@@ -240,14 +126,19 @@ def capture_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -
     b.append('<p class="note">Replies by the callee only, reply ts - request ts, ms.</p>')
     b.append(table("latency", ("target", "command", "replies", "p50_ms", "p95_ms", "p99_ms",
                                "max_ms"), fig["latency"]))
+    b.append(table("latency-overall", ("replies", "p50_ms", "p95_ms", "p99_ms", "max_ms"),
+                   [fig["latency_overall"]] if fig["latency_overall"] else [],
+                   caption="Every callee reply"))
     hist = [(histogram_label(r["bin"]), r["n"]) for r in fig["latency_histogram"]]
-    b.append("<figure>" + svg_bars("latency-histogram", "Latency distribution (ms, log bins)",
-                                   hist, "replies") + "</figure>")
+    b.append("<figure>" + charts.bars("latency-histogram",
+                                      "Latency distribution (ms, log bins)", hist,
+                                      "replies") + "</figure>")
     b.append("<h2>Errors</h2>")
     b.append(table("errors-by-code", ("code", "errors", "from_callees", "from_broker"),
                    fig["errors_by_code"]))
-    b.append(table("errors-by-party", ("code", "party", "sender", "sender_name",
-                                       "on_behalf_of", "errors"), fig["errors_by_party"]))
+    b.append(table("errors-by-party", ("code", "party", "broker_instance", "sender",
+                                       "sender_name", "on_behalf_of", "errors"),
+                   fig["errors_by_party"]))
     b.append("<h2>Traffic</h2>")
     b.append(table("per-kind", ("kind", "frames", "bytes"), fig["per_kind"]))
     width = fig["plot_bucket_s"]
@@ -257,22 +148,27 @@ def capture_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -
     for r in fig["traffic_series"]:
         frames.setdefault(r["kind"], []).append((r["bucket"] - t0, r["frames"] / width))
         nbytes.setdefault(r["kind"], []).append((r["bucket"] - t0, r["bytes"] / width))
-    b.append("<figure>" + svg_lines("traffic-frames", f"Frames per second by kind "
-                                    f"({width} s buckets)", frames, "frames/s",
-                                    f"from {utc(t0)}") + "</figure>")
-    b.append("<figure>" + svg_lines("traffic-bytes", f"Bytes per second by kind "
-                                    f"({width} s buckets)", nbytes, "bytes/s",
-                                    f"from {utc(t0)}") + "</figure>")
+    b.append("<figure>" + charts.lines("traffic-frames", f"Frames per second by kind "
+                                       f"({width} s buckets)", frames, "frames/s",
+                                       f"seconds from {utc(t0)}") + "</figure>")
+    b.append("<figure>" + charts.lines("traffic-bytes", f"Bytes per second by kind "
+                                       f"({width} s buckets)", nbytes, "bytes/s",
+                                       f"seconds from {utc(t0)}") + "</figure>")
     b.append("<h2>Top talkers</h2>")
-    b.append(table("top-senders", ("sender", "sender_name", "frames", "bytes", "targets"),
-                   fig["top_senders"]))
-    b.append(table("top-targets", ("target", "frames", "bytes", "senders"), fig["top_targets"]))
+    b.append(f'<p class="note">The first {fig["top"]} of each; the full tables are '
+             "<code>senders</code> and <code>targets</code>.</p>")
+    b.append(table("top-senders", ("broker_instance", "sender", "sender_name", "frames",
+                                   "bytes", "targets"), fig["top_senders"]))
+    b.append(table("top-targets", ("broker_instance", "target", "frames", "bytes", "senders"),
+                   fig["top_targets"]))
     b.append("<h2>Slow consumers</h2>")
     b.append('<p class="note">What the capture shows: requests refused receiver-full, '
              "slow-consumer drops, answers discarded, records the capture lost. Queued bytes "
              "are not captured (see <code>msgq-trio ctl stats</code>).</p>")
-    b.append(table("slow-consumers", ("signal", "client", "count", "first_second",
-                                      "last_second"), fig["slow_consumers"]))
+    b.append(table("slow-consumer-signals", ("signal", "count", "clients"),
+                   fig["slow_consumer_signals"]))
+    b.append(table("slow-consumers", ("signal", "broker_instance", "client", "count",
+                                      "first_second", "last_second"), fig["slow_consumers"]))
     return page("msgq-trio capture report", b)
 
 
@@ -281,7 +177,8 @@ def capture_text(fig: dict[str, Any]) -> str:
     req = fig["requests"]
     lines = [
         f"records {fig['records']}  files {fig['files']}  bytes {fig['bytes']}  "
-        f"capture-dropped {fig['capture_dropped']}",
+        f"capture-dropped {fig['capture_dropped']}  broker instances "
+        f"{fig['broker_instances']}",
         f"{utc(fig['first_ts'])} .. {utc(fig['last_ts'])}",
         "",
         _text_table(REQUEST_COLUMNS, [req]),
@@ -334,8 +231,8 @@ def scenarios_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str)
                   else r["scenario"],
                   [r[f"{key}_{q}"] for q in ("min", "p25", "p50", "p75", "max")])
                  for r in fig["per_scenario"]]
-        b.append("<figure>" + svg_boxes(f"box-{key}", f"{title} across runs ({unit})", boxes,
-                                        unit) + "</figure>")
+        b.append("<figure>" + charts.boxes(f"box-{key}", f"{title} across runs ({unit})",
+                                           boxes, unit) + "</figure>")
     b.append("<h2>Per version</h2>")
     b.append(table("per-version", ("result_set", "scenario", "version", "runs", "passed",
                                    "pass_rate", "rss_peak_mib_p50", "latency_p99_ms_p50"),

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .capture import PERCENTILE_ACCURACY, expand_paths
+from .storage import is_local
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -56,8 +57,11 @@ def read_results(spark: SparkSession, paths: Sequence[str], result_set: str) -> 
     absent). Lines that are not records (no ``scenario``) are dropped."""
     from pyspark.sql import functions as F
 
-    df = spark.read.schema(record_schema()).option("mode", "PERMISSIVE").json(
-        expand_paths(paths))
+    uris = expand_paths(paths)
+    reader = spark.read.schema(record_schema()).option("mode", "PERMISSIVE")
+    if not all(is_local(u) for u in uris):  # a remote directory: its *.jsonl files
+        reader = reader.option("pathGlobFilter", "*.jsonl")
+    df = reader.json(uris)
     return (
         df.where(F.col("scenario").isNotNull())
         .withColumn("result_set", F.lit(result_set))
@@ -131,10 +135,11 @@ def regressions(summary: DataFrame, rss_ratio: float = 0.2,
 def analyze_scenarios(current: DataFrame, baseline: DataFrame | None = None, *,
                       rss_ratio: float = 0.2, latency_ratio: float = 0.5,
                       step: Callable[[str], None] | None = None,
-                      ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+                      ) -> tuple[dict[str, DataFrame], dict[str, Any]]:
     """The report's tables and figures. Every table is an aggregate per scenario (and
-    version, check): collected, small whatever the number of runs; ``tables`` maps a
-    table name to its rows, ``figures`` holds them and the totals."""
+    version, check): small whatever the number of runs, so the figures hold them all;
+    ``tables`` maps a table name to its DataFrame (for Spark to write), ``figures``
+    holds their collected rows and the totals."""
     from pyspark.sql import functions as F
 
     step = step or current.sparkSession.sparkContext.setJobDescription
@@ -162,5 +167,7 @@ def analyze_scenarios(current: DataFrame, baseline: DataFrame | None = None, *,
         step("scenarios: regressions")
         reg = regressions(summary, rss_ratio, latency_ratio)
         fig["regressions"] = [r.asDict() for r in reg.collect()]
-    names = ("per_scenario", "per_version", "failed_checks", "regressions")
-    return {n: fig[n] for n in names if n in fig}, fig
+    tables = {"per_scenario": summary, "per_version": by_version, "failed_checks": fails}
+    if baseline is not None:
+        tables["regressions"] = reg
+    return tables, fig

@@ -11,6 +11,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,46 +56,64 @@ def check_requirements() -> None:
 
 
 def spark_session(master: str | None = None, app_name: str = "msgq-trio analyze",
-                  shuffle_partitions: int | None = None) -> SparkSession:
+                  shuffle_partitions: int | None = None,
+                  conf: Mapping[str, str] | None = None) -> SparkSession:
     """A SparkSession for ``master`` (default: ``$MSGQ_TRIO_SPARK_MASTER`` or
-    ``local[*]``); under spark-submit the master it was given is kept.
+    ``local[*]``); under spark-submit the master it was given is kept. ``conf``: Spark
+    settings (``--conf KEY=VALUE``), applied last so they override ours.
 
     Sets PYSPARK_PYTHON to this interpreter when unset (executors must run the same
     Python as the driver), quiets the JVM's logging to errors and turns off Spark's own
-    console progress bar (the command line prints its own). Local mode binds the driver
-    to 127.0.0.1: it needs no network. Reuses a session already running in this process.
+    console progress bar (the command line prints its own). Local mode (``local[N]``,
+    ``local-cluster[...]``) binds the driver to 127.0.0.1: it needs no network. Reuses a
+    session already running in this process (``conf`` is then not applied).
     """
     check_requirements()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
+    if SparkContext._active_spark_context is not None:  # running, made in another thread
+        return SparkSession.builder.getOrCreate()
     master = master or os.environ.get("MSGQ_TRIO_SPARK_MASTER") or None
-    # spark-submit starts the JVM first and hands pyspark its gateway: its --master wins
-    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
-    builder = SparkSession.builder.appName(app_name)
-    if not under_submit:
+    # spark-submit starts the JVM first and hands pyspark its gateway: its --master and
+    # --conf settings (and spark-defaults.conf) win over our defaults below
+    given: dict[str, str] = {}
+    if "PYSPARK_GATEWAY_PORT" in os.environ:
+        from pyspark import SparkConf
+
+        SparkContext._ensure_initialized()  # joins spark-submit's JVM: its settings
+        given = dict(SparkConf().getAll())
+    else:
         master = master or "local[*]"
+    builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
+    effective = master or given.get("spark.master", "")
     log4j = Path(tempfile.gettempdir(), "msgq-trio-spark-log4j2.properties")
     if not log4j.exists() or log4j.read_text() != _LOG4J:
         log4j.write_text(_LOG4J)
-    builder = (
-        builder.config("spark.ui.showConsoleProgress", "false")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j}")
-        # the report's tables are small aggregates: few shuffle partitions are faster
-        # locally; a cluster run can override it with --conf / spark-defaults.
-        .config("spark.sql.shuffle.partitions",
-                str(shuffle_partitions or (8 if (master or "").startswith("local") else 200)))
-        .config("spark.sql.session.timeZone", "UTC")
-    )
-    if master and master.startswith("local"):
-        builder = builder.config("spark.driver.host", "127.0.0.1").config(
-            "spark.driver.bindAddress", "127.0.0.1")
+    ours = {
+        "spark.ui.showConsoleProgress": "false",
+        "spark.ui.enabled": "false",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={log4j}",
+        # the report's tables are aggregates: few shuffle partitions are faster on one
+        # machine (local[N], local-cluster[...]); a cluster keeps Spark's default
+        "spark.sql.shuffle.partitions":
+            str(shuffle_partitions or (8 if effective.startswith("local") else 200)),
+        "spark.sql.session.timeZone": "UTC",
+    }
+    if effective.startswith("local"):
+        ours["spark.driver.host"] = "127.0.0.1"
+        ours["spark.driver.bindAddress"] = "127.0.0.1"
+    for key, value in ours.items():
+        if key not in given:
+            builder = builder.config(key, value)
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
     try:
         spark = builder.getOrCreate()
     except Exception as exc:  # the JVM did not start: usually Java itself
@@ -101,3 +121,22 @@ def spark_session(master: str | None = None, app_name: str = "msgq-trio analyze"
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
+
+@contextmanager
+def analysis_session(master: str | None = None, conf: Mapping[str, str] | None = None,
+                     app_name: str = "msgq-trio analyze") -> Iterator[SparkSession]:
+    """:func:`spark_session` for one command, stopped when the block ends however it ends
+    (an unstopped session leaves a cluster's executors to be relaunched and logs errors
+    at exit). A session that was already running in this process is reused and left
+    running: its owner stops it."""
+    check_requirements()
+    from pyspark import SparkContext
+
+    # the context, not SparkSession.getActiveSession(): that one is per thread
+    existing = SparkContext._active_spark_context
+    spark = spark_session(master, app_name=app_name, conf=conf)
+    try:
+        yield spark
+    finally:
+        if existing is None:
+            spark.stop()

@@ -1,13 +1,17 @@
 """Helpers of the analytics tests (imported as ``analytics_helpers``): strict HTML parsing of the
-reports and the nearest-rank percentile the report's figures are checked against."""
+reports, what their charts drew, and the nearest-rank percentile the report's figures are
+checked against."""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import html5lib
+import trio
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -37,10 +41,18 @@ def table_rows(doc: Any, tid: str) -> list[dict[str, str]]:
 
 
 def svg(doc: Any, sid: str) -> Any:
-    """The inline ``<svg id=sid>`` element; fails if it is missing."""
+    """The inline ``<svg id=sid>`` element (a matplotlib chart); fails if it is missing."""
     found = [s for s in doc.iter(f"{SVG}svg") if s.get("id") == sid]
     assert len(found) == 1, f"expected one svg #{sid}, found {len(found)}"
     return found[0]
+
+
+def drawn(doc: Any, sid: str, kind: str) -> list[str]:
+    """The names of the ``kind`` ("series" or "bar") elements drawn in chart ``sid``
+    (msgq_trio.analytics.charts gives each the id ``<sid>-<kind>-<name>``)."""
+    prefix = f"{sid}-{kind}-"
+    return sorted(g.get("id")[len(prefix):] for g in svg(doc, sid).iter(f"{SVG}g")
+                  if (g.get("id") or "").startswith(prefix))
 
 
 def nearest_rank(values: list[float], p: float) -> float:
@@ -54,3 +66,18 @@ def cell(v: Any) -> str:
     from msgq_trio.analytics.report import fmt
 
     return fmt(v)
+
+
+async def poll(check: Callable[[], bool | Awaitable[bool]], timeout: float,
+               interval: float = 0.05) -> None:
+    """Wait until ``check()`` is true, asking every ``interval`` s, for things that give no
+    event to wait on (a broker's status, a file another process writes); TooSlowError
+    after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        for _ in range(1 << 62):
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return
+            await trio.sleep(interval)

@@ -1,5 +1,6 @@
 """Fixtures of the analytics tests: one SparkSession for the whole session (its JVM
-takes several seconds to start), local mode with two cores."""
+takes several seconds to start), ``local[*]``: the master a user gets by default, whose
+figures the local-cluster test compares against."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    """A local[2] SparkSession (msgq_trio.analytics.session), stopped at the end."""
+    """A local[*] SparkSession (msgq_trio.analytics.session), stopped at the end."""
     from msgq_trio.analytics.session import spark_session
 
-    s = spark_session("local[2]", app_name="msgq-trio tests", shuffle_partitions=4)
+    s = spark_session("local[*]", app_name="msgq-trio tests", shuffle_partitions=4)
     yield s
     s.stop()
