@@ -1,4 +1,5 @@
-"""Every ```python example in README.md runs as written against a real broker."""
+"""Every ```python example in README.md runs as written against a real broker, and the
+README's test command is the one CI and the loaded-machine helper run."""
 
 from __future__ import annotations
 
@@ -42,3 +43,23 @@ def test_readme_example_runs(broker_factory: Any, index: int) -> None:
     assert result.returncode == 0, result.stderr
     for line in EXPECTED[index]:
         assert line in result.stdout, result.stdout
+
+
+def test_ci_and_the_stress_helper_run_the_readmes_test_command() -> None:
+    """.ci/run calls the README's test command verbatim (a user and CI run the same
+    suite, the same way); tests/stress/loaded.py takes its pytest part from the README."""
+    sys.path.insert(0, str(README.parent / "tests" / "stress"))
+    try:
+        import loaded
+    finally:
+        sys.path.pop(0)
+    command = loaded.readme_test_command(README.read_text())
+    assert "-m pytest" in command.split("&&")[-1]
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert command in ci, f".ci/run does not run the README's command {command!r}"
+    cwd = os.getcwd()
+    os.chdir(README.parent)
+    try:
+        assert loaded.default_command() == ["bash", "-c", command.split("&&")[-1].strip()]
+    finally:
+        os.chdir(cwd)

@@ -6,7 +6,7 @@ starts one burner per core (``stress-ng --cpu N`` when installed, Debian package
 row, prints each run's wall time and exit status, and stops the burners, also when
 interrupted. Exit status: 0 when every run passed, else the first failing run's status.
 
-    python3 tests/stress/loaded.py                      # the README's pytest command, once
+    python3 tests/stress/loaded.py                      # the README's pytest part, once
     python3 tests/stress/loaded.py --runs 3             # the acceptance: three in a row
     python3 tests/stress/loaded.py -- .venv/bin/python -m pytest tests/e2e -q
 
@@ -23,10 +23,25 @@ import subprocess
 import sys
 import time
 
+#: How the README's test command starts (README.md, tests/test_readme.py checks it).
+README_COMMAND_START = "python3 -m venv .venv && .venv/bin/pip install -e '.[dev"
+
+
+def readme_test_command(readme: str) -> str:
+    """The README's test command: its indented line that creates the venv with the dev
+    extra. Raises LookupError if the README has none."""
+    for line in readme.splitlines():
+        if line.strip().startswith(README_COMMAND_START):
+            return line.strip()
+    raise LookupError(f"README.md has no line starting with {README_COMMAND_START!r}")
+
 
 def default_command() -> list[str]:
-    """The pytest part of the README's test command (the install step is done once)."""
-    return [os.path.join(".venv", "bin", "python"), "-m", "pytest"]
+    """The pytest part of the README's test command (the install step is done once),
+    run by bash as the README's reader would."""
+    with open("README.md", encoding="utf-8") as f:
+        pytest_part = readme_test_command(f.read()).split("&&")[-1].strip()
+    return ["bash", "-c", pytest_part]
 
 
 def start_burners(n: int) -> list[subprocess.Popen[bytes]]:
@@ -68,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     # As in the README's command: Spark's Python workers are the venv's interpreter.
     env.setdefault("PYSPARK_PYTHON", os.path.abspath(os.path.join(".venv", "bin", "python")))
+    print(f"loaded.py: command: {' '.join(command)}", flush=True)
     burners = start_burners(args.burners)
     print(f"loaded.py: {args.burners} CPU burner(s) running "
           f"({'stress-ng' if shutil.which('stress-ng') else 'python'})", flush=True)
