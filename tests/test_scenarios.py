@@ -38,6 +38,8 @@ def test_there_are_enough_scenarios() -> None:
 
 @pytest.mark.parametrize("path", [_param(p) for p in SCENARIOS])
 def test_scenario(path: Path) -> None:
+    if load_scenario(path).broker.queue_disk is not None and os.geteuid() != 0:
+        pytest.skip("mounting the queue store's tmpfs (broker.queue_disk) needs root")
     result = run_scenario(path)
     out = os.environ.get("MSGQ_TRIO_SCENARIO_RESULTS")
     if out:
@@ -472,3 +474,20 @@ def test_fault_triggers_are_validated(tmp_path: Path) -> None:
     for bad in ("member:", "line:nobody:x", "line:sub", "ops:many", "soon"):
         with pytest.raises(ScenarioError, match=r"faults\[0\]\.when"):
             load_scenario(_write(tmp_path, base.format(bad)))
+
+
+def test_queue_disk_keys_are_validated(tmp_path: Path) -> None:
+    text = (SCENARIO_DIR / "durable-queue-disk-full.toml").read_text()
+    assert load_scenario(_write(tmp_path, text)).broker.queue_disk == 24 * 1024 * 1024
+    for old, new, where in [
+        ('queue_disk = "24 MiB"', 'queue_disk = "1 MiB"', "broker.queue_disk: at least"),
+        ('plugins = ["queue"]', 'plugins = ["queue", "pipe"]\n', None),
+        ('queue_disk = "24 MiB"\n', "", "needs target"),
+        ('[broker.plugin.queue.queues.df]', '[broker.plugin.queue]\ndir = "/x"', "cannot be set"),
+    ]:
+        bad = text.replace(old, new)
+        if where is None:
+            load_scenario(_write(tmp_path, bad))
+            continue
+        with pytest.raises(ScenarioError, match=where):
+            load_scenario(_write(tmp_path, bad))

@@ -25,7 +25,7 @@ CLIENT_SIGNALS: dict[str, signal.Signals] = {
 CLIENT_ACTIONS: tuple[str, ...] = (*CLIENT_SIGNALS, "start", "restart")
 BROKER_ACTIONS: tuple[str, ...] = ("kill-broker", "restart-broker", "stop-broker", "cont-broker")
 #: Actions on one of the broker's plugin processes (``target`` names the plugin).
-PLUGIN_ACTIONS: tuple[str, ...] = ("kill-plugin",)
+PLUGIN_ACTIONS: tuple[str, ...] = ("kill-plugin", "fill-disk", "free-disk")
 #: Client faults after which the target is "at fault": its latency is not a healthy one.
 DISRUPTING_ACTIONS: tuple[str, ...] = ("sigkill", "sigstop", "sigterm", "stop-reading", "start",
                                        "restart")
@@ -46,6 +46,9 @@ DESCRIPTIONS: dict[str, str] = {
     "once ready",
     "kill-plugin": "SIGKILL the plugin named by target (queue, pipe, link); the broker's "
     "supervisor restarts it; plugin.<name>.restart_ms is the time until it is ready again",
+    "fill-disk": "fill the queue store's file system (the tmpfs of broker.queue_disk) to the "
+    "last byte with a filler file: commits fail, producers get queue-full",
+    "free-disk": "delete the filler file: the queue stores again",
     "kill-broker": "SIGKILL the broker (its socket file stays behind, stale)",
     "restart-broker": "start a new broker on the same socket path and flags (SIGKILLing the "
     "old one if it still runs); broker.restart_ms is the time until it listens",

@@ -248,6 +248,9 @@ class BrokerSpec:
     nofile: int | None = None
     log_level: str = "INFO"
     plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    #: bytes of a tmpfs mounted for the queue's store (root only), which the
+    #: ``fill-disk`` / ``free-disk`` faults fill and free; None: the run's directory
+    queue_disk: int | None = None
 
     def argv(self) -> list[str]:
         """The ``serve`` arguments for :attr:`flags` (``--out-soft-limit 1048576`` ...)."""
@@ -613,8 +616,19 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         # the start, named in the broker's log); here only their shape.
         plugins[name] = dict(settings_t.get(name, dict, {}))
     settings_t.finish()
+    queue_disk = None
+    if "queue_disk" in bt.data:
+        bt.used.add("queue_disk")
+        queue_disk = parse_size(bt.data["queue_disk"], "broker.queue_disk")
+        if "queue" not in plugins:
+            raise ScenarioError("broker.queue_disk: needs the queue plugin (broker.plugins)")
+        if "dir" in plugins["queue"]:
+            raise ScenarioError("broker.queue_disk: the runner mounts the store's disk; "
+                                "broker.plugin.queue.dir cannot be set with it")
+        if queue_disk < 4 * MiB:
+            raise ScenarioError("broker.queue_disk: at least 4 MiB (LMDB needs room to start)")
     bt.finish()
-    broker = BrokerSpec(flags, nofile, log_level, plugins)
+    broker = BrokerSpec(flags, nofile, log_level, plugins, queue_disk)
 
     raw_clients = top.get("clients", list, required=True)
     if not raw_clients:
@@ -683,6 +697,10 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
             if target not in plugins:
                 raise ScenarioError(f"faults[{i}].target: {action!r} needs a plugin the "
                                     f"broker runs (broker.plugins: {sorted(plugins)})")
+            if action in ("fill-disk", "free-disk") and (target != "queue"
+                                                         or queue_disk is None):
+                raise ScenarioError(f"faults[{i}]: {action!r} needs target = \"queue\" and "
+                                    "broker.queue_disk")
         elif action in BROKER_ACTIONS:
             if target is not None:
                 raise ScenarioError(f"faults[{i}].target: broker action {action!r} takes none")

@@ -213,6 +213,17 @@ _METRICS = [
     ("`broker.{restarts,restart_ms}`", "broker restarts and the time to listen again"),
     ("`broker.log_{lines,warnings,errors,tracebacks}`", "broker log line counts"),
     ("`fault.NAME.at_ms`", "when the fault struck, ms after traffic started"),
+    ("`CLIENT.restarts`", "restarts of the client's processes by the `restart` fault"),
+    (
+        "`plugin.NAME.{kills,restart_ms}`, `plugin.queue.disk_filled_mib`",
+        "`kill-plugin` faults and the time until the plugin was ready again; what "
+        "`fill-disk` wrote",
+    ),
+    (
+        "`history.ops`, `history.TYPE.F`, `history.error.CODE`",
+        "operations the programs recorded: in all, by type and operation (`history.ok.send`,"
+        " `history.fail.call`), failures by error code (`history.error.queue-full`)",
+    ),
     (
         "`scenario.{duration_s,traffic_s,client_failures}`",
         "run time, traffic phase time, clients that ended badly",
@@ -282,6 +293,8 @@ producer and a consumer of a durable queue while the plugin and the broker are k
 ```toml
 [broker]
 plugins = ["queue"]               # queue, pipe, link; settings as in the broker's
+queue_disk = "24 MiB"             # optional: the store on a tmpfs of this size (root),
+                                  # for the fill-disk / free-disk faults
 [broker.plugin.queue.queues.kl]   # [plugins.NAME] tables (the queue's store defaults to
                                   # the run's temporary directory)
 [[clients]]
@@ -295,7 +308,8 @@ params = { command = ["{python}", "-m", "myapp.producer", "kl"], ready = "line:r
 [[faults]]
 at = 1.0
 action = "kill-plugin"            # also: restart (a program), sigkill, sigstop, sigcont,
-target = "queue"                  # kill-broker, restart-broker, stop-broker, cont-broker
+target = "queue"                  # kill-broker, restart-broker, stop-broker, cont-broker,
+                                  # fill-disk, free-disk (target "queue")
 when = "ops:500"                  # optional, and not before: "member:GROUP>=N",
                                   # "line:CLIENT:TEXT" (a program printed it), "ops:N"
                                   # (N operations recorded)

@@ -24,6 +24,7 @@ every wait is bounded, and the whole run is bounded by the scenario's ``timeout`
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import math
 import os
@@ -302,6 +303,8 @@ class _Run:
         self.final_stats: dict[str, Any] | None = None
         self.faults_done = False
         self._changed = trio.lowlevel.ParkingLot()
+        #: the tmpfs of the queue's store, while mounted
+        self.mounted: Path | None = None
         self._nursery: trio.Nursery | None = None
         self.interrupted: int | None = None
 
@@ -541,9 +544,29 @@ class _Run:
                 table = dict(settings)
                 if name == "queue":
                     table.setdefault("dir", str(self.tmp / "queue-store"))
+                    if self.sc.broker.queue_disk is not None:
+                        self._mount_queue_disk(self.sc.broker.queue_disk)
                 lines += _toml_table(f"plugins.{name}", table)
             path.write_text("\n".join(lines) + "\n")
         return path
+
+    def _mount_queue_disk(self, size: int) -> None:
+        """A tmpfs of ``size`` bytes for the queue's store (unmounted in ``_cleanup``).
+
+        Raises:
+            _Abort: it cannot be mounted (not root, no mount(8)): the scenario fails
+                saying so, it never runs on the normal disk instead.
+        """
+        path = self.tmp / "queue-store"
+        path.mkdir(exist_ok=True)
+        try:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           check=True, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            raise _Abort(f"cannot mount a {size}-byte tmpfs for the queue store (needs "
+                         f"root): {str(detail).strip()}") from None
+        self.mounted = path
 
     async def _stats(self, timeout: float = 5.0) -> dict[str, Any] | None:
         """The broker's ``stats`` through a short-lived probe connection (None if it does
@@ -808,6 +831,9 @@ class _Run:
         if f.action == "kill-plugin":
             await self._kill_plugin(str(f.target), entry)
             return
+        if f.action in ("fill-disk", "free-disk"):
+            self._disk(f.action == "fill-disk")
+            return
         if f.action in ("kill-broker", "stop-broker", "cont-broker", "restart-broker"):
             b = self.broker
             assert b is not None
@@ -873,6 +899,27 @@ class _Run:
         n = f"{c.spec.name}.restarts"
         self.metrics[n] = self.metrics.get(n, 0) + 1
 
+    def _disk(self, fill: bool) -> None:
+        """Fill the queue store's tmpfs to its last byte with a filler file, or delete
+        it; ``plugin.queue.disk_filled_mib`` says how much the filler took."""
+        assert self.mounted is not None
+        filler = self.mounted / "filler"
+        if not fill:
+            filler.unlink(missing_ok=True)
+            return
+        written = 0
+        with open(filler, "ab", buffering=0) as f:
+            for chunk in (1 << 20, 1 << 12):
+                block = bytes(chunk)
+                while True:
+                    try:
+                        written += f.write(block) or 0
+                    except OSError as exc:
+                        if exc.errno != errno.ENOSPC:
+                            raise _Abort(f"fill-disk: {exc}") from None
+                        break
+        self.metrics["plugin.queue.disk_filled_mib"] = round(written / _MIB, 2)
+
     async def _kill_plugin(self, name: str, entry: dict[str, Any]) -> None:
         """SIGKILL the broker's ``name`` plugin process and wait until its supervisor
         reports a new one ready (``plugin NAME ready (pid N)`` in the broker's log)."""
@@ -912,6 +959,11 @@ class _Run:
                     await stream.aclose()
         for c in self.clients:
             c.exited = True
+        if self.mounted is not None:
+            with trio.move_on_after(20):
+                await trio.run_process(["umount", "-l", str(self.mounted)], check=False,
+                                       capture_stdout=True, capture_stderr=True)
+            self.mounted = None
 
     # -- figures and verdict ----------------------------------------------------------------------
     def _read_broker_log(self) -> str:
@@ -1026,6 +1078,11 @@ class _Run:
                 self.problems.append(f"history {path.name}: {exc}")
         ops = merge(histories)
         self.metrics["history.ops"] = len(ops)
+        for op in ops:
+            # history.ok.send, history.fail.send, history.error.queue-full, ...
+            for k in (f"history.{op.type}.{op.f}",
+                      *([f"history.error.{op.error}"] if op.error else [])):
+                self.metrics[k] = self.metrics.get(k, 0) + 1
         ended = {c.history_name for c in self.clients if c.killed}
         found = check(ops, lost=e.lost, duplicates=e.duplicates,
                       duplicates_per=e.duplicates_per, order=e.order,
@@ -1065,6 +1122,7 @@ class _Run:
     def _evaluate(self, log_text: str) -> list[CheckResult]:
         sc, e, m = self.sc, self.sc.expect, self.metrics
         checks: list[CheckResult] = []
+        history = self._history()  # first: its figures (history.*) may be counted below
 
         def add(check: str, expected: str, actual: float | None, ok: bool) -> None:
             checks.append(CheckResult(check, expected, actual, ok))
@@ -1113,7 +1171,7 @@ class _Run:
                 self.problems.append(f"check {chk}: unknown metric {exc.args[0]!r}")
                 continue
             add(str(chk), f"{chk.op} {_fmt(rhs)}", actual, _compare(actual, chk.op, rhs))
-        checks += self._history()
+        checks += history
         return checks
 
 

@@ -1,5 +1,5 @@
 """A consumer of a durable queue: ``python -m msgq_trio.scenario.examples.queue_consumer
-QUEUE N [--producer NAME] [--window W]``.
+QUEUE N [--producer NAME] [--window W] [--delay S]``.
 
 Consumes QUEUE (push, window W), acks each message, until it has seen the integers 1..N
 that the example producer puts; reconnects after a broker restart. Prints ``ready`` once
@@ -20,7 +20,7 @@ from msgq_trio.errors import ConnectError, ConnectionLost, RpcError
 from ._history import History
 
 
-async def main(queue: str, n: int, producer: str, window: int) -> None:
+async def main(queue: str, n: int, producer: str, window: int, delay: float) -> None:
     h = History()
     seen: set[int] = set()
     connection = 0
@@ -33,6 +33,7 @@ async def main(queue: str, n: int, producer: str, window: int) -> None:
                     if not ready:
                         print("ready", flush=True)
                         ready = True
+                        await trio.sleep(delay)  # let a backlog build up first
                     async for m in msgs:
                         seq = m.body
                         h.event("deliver", key=f"{producer}:{seq}", producer=producer,
@@ -52,5 +53,7 @@ if __name__ == "__main__":
     p.add_argument("n", type=int)
     p.add_argument("--producer", default="p1")
     p.add_argument("--window", type=int, default=16)
+    p.add_argument("--delay", type=float, default=0.0,
+                   help="seconds between consuming and taking the first message")
     a = p.parse_args()
-    trio.run(main, a.queue, a.n, a.producer, a.window)
+    trio.run(main, a.queue, a.n, a.producer, a.window, a.delay)

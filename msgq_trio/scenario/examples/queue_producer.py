@@ -6,7 +6,8 @@ integer as producer seq, at most R per second; a put that fails or whose answer 
 (broker or plugin killed) is sent again with the same seq until it is acked (the queue
 answers ``duplicate`` if the first one was stored). After a restart it goes on from the
 queue's record of its highest seq. Prints ``ready`` once connected; exits 0 when all N
-are acked. History: ``send`` invoke, then ok (acked) or info (outcome unknown).
+are acked. History: ``send`` invoke, then ok (acked), fail (``queue-full``: not stored)
+or info (outcome unknown).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import trio
 
 import msgq_trio
-from msgq_trio.errors import ConnectError, ConnectionLost, RpcError
+from msgq_trio.errors import ConnectError, ConnectionLost, QueueFull, RpcError
 
 from ._history import History
 
@@ -40,6 +41,11 @@ async def main(queue: str, n: int, producer: str, rate: float) -> None:
                     op = h.invoke("send", key=key, producer=producer, seq=seq + 1)
                     try:
                         answer = await q.put(seq + 1, seq=seq + 1)
+                    except QueueFull:
+                        # Definite: not stored (the store is full). Resent after a pause.
+                        h.complete(op, "fail", "send", key=key, error="queue-full")
+                        await trio.sleep(RETRY)
+                        continue
                     except (RpcError, ConnectionLost) as exc:
                         h.complete(op, "info", "send", key=key, error=type(exc).__name__)
                         if isinstance(exc, ConnectionLost):
