@@ -444,7 +444,8 @@ class AccessRule:
     """One ``[[access]]`` table: what the identities matching ``who`` may do.
 
     ``who`` are glob patterns over identities: ``tcp:NAME`` (token or certificate CN),
-    ``unix:USER`` and ``uid:N`` (SO_PEERCRED of a Unix client), ``*`` for everyone. Each
+    ``unix:USER``, ``uid:N``, ``gid:N`` (SO_PEERCRED of a Unix client) and ``group:NAME``
+    (every group of that user in the group database), ``*`` for everyone. Each
     verb lists glob patterns over group names (``send``, ``call``, ``subscribe``,
     ``bind``; an lname target is matched as ``l.N``) or queue names (``consume``,
     ``produce``); ``control`` grants the control commands.
@@ -464,9 +465,10 @@ class AccessRule:
             raise ValueError("who must name at least one identity pattern")
         for v in self.who:
             kind = v.partition(":")[0]
-            if v != "*" and kind not in ("tcp", "unix", "uid"):
+            if v != "*" and kind not in ("tcp", "unix", "uid", "gid", "group"):
                 raise ValueError(
-                    f"who entry {v!r} must be '*', 'tcp:NAME', 'unix:USER' or 'uid:N'"
+                    f"who entry {v!r} must be '*', 'tcp:NAME', 'unix:USER', 'uid:N', "
+                    "'gid:N' or 'group:NAME'"
                 )
 
 

@@ -8,7 +8,9 @@ target costs one dict lookup per frame after the first; the globs are matched on
 cache miss. Caches are bounded (cleared when full, like the router's parse cache).
 
 Identities (docs/SECURITY.md): ``tcp:NAME`` (a token's name or a client certificate's CN),
-``unix:USER`` and ``uid:N`` (SO_PEERCRED). ``who`` patterns are globs over these.
+``unix:USER``, ``uid:N`` and ``gid:N`` (SO_PEERCRED), ``group:NAME`` (each group of that
+user in the group database). ``who`` patterns are globs over these; a peer matches a
+rule if any of its identities matches any pattern.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class Policy:
         self.queue_group = settings.queue_group
 
     def for_peer(self, principals: list[str], *, remote: bool) -> Access | None:
-        """The Access of a peer known as ``principals`` (e.g. ``["unix:bob", "uid:1000"]``).
+        """The Access of a peer known as ``principals`` (e.g. ``["unix:bob", "uid:1000",
+        "gid:1000", "group:bob", "group:audio"]``; the first is the identity shown).
 
         None = unrestricted: a Unix peer that no rule names. A TCP peer no rule names
         gets an Access that grants nothing (a network identity gets only what is granted).

@@ -17,6 +17,7 @@ serve_listeners, hypercorn's trio server):
 from __future__ import annotations
 
 import errno
+import grp
 import logging
 import math
 import os
@@ -114,11 +115,40 @@ def server_ssl_context(tcp: TcpSettings) -> ssl.SSLContext:
     return ctx
 
 
-def _user_name(uid: int) -> str:
+def _group_name(gid: int) -> str:
     try:
-        return pwd.getpwuid(uid).pw_name
+        return grp.getgrgid(gid).gr_name
     except (KeyError, OverflowError):
-        return str(uid)
+        return str(gid)
+
+
+def unix_principals(uid: int, gid: int) -> list[str]:
+    """The identities the access policy matches for a Unix client with SO_PEERCRED
+    ``uid``/``gid``: ``unix:USER``, ``uid:N``, ``gid:N`` (the primary gid the kernel
+    reports) and ``group:NAME`` for that gid and for every group of the user in the
+    database, as a login gets them (``os.getgrouplist(user, passwd gid)``); a uid
+    without a passwd entry has only the group of its gid. Names that the database does
+    not know appear as numbers (``unix:1234``, ``group:1234``).
+
+    The groups come from the database, not from the peer process: SO_PEERCRED carries no
+    supplementary groups, so a process that dropped its groups with setgroups() still
+    counts as in them, and one given extra groups by its parent does not (docs/SECURITY.md).
+    Like the passwd lookup, these are NSS calls on the broker's thread, once per
+    connection.
+    """
+    try:
+        pw: pwd.struct_passwd | None = pwd.getpwuid(uid)
+    except (KeyError, OverflowError):
+        pw = None
+    gids = [gid]
+    if pw is not None:
+        try:
+            gids += os.getgrouplist(pw.pw_name, pw.pw_gid)
+        except OSError:
+            pass  # the database failed: the peer's own gid still stands
+    groups = dict.fromkeys(f"group:{_group_name(g)}" for g in gids)
+    user = pw.pw_name if pw is not None else str(uid)
+    return [f"unix:{user}", f"uid:{uid}", f"gid:{gid}", *groups]
 
 
 def _peer_address(stream: Stream) -> str:
@@ -627,7 +657,7 @@ class Server:
                 if isinstance(hello_pid, int) and not isinstance(hello_pid, bool):
                     pid = hello_pid
             else:
-                principals = [f"unix:{_user_name(uid)}", f"uid:{uid}"]
+                principals = unix_principals(uid, gid)
             peer = self.core.connect(
                 name,
                 pid=pid,
