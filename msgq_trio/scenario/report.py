@@ -341,7 +341,13 @@ to, one JSON object per line, from any language:
 `type` is `invoke`, then one completion with the same `id`: `ok` (it happened), `fail`
 (it did not; `error` is the code) or `info` (unknown, e.g. the connection broke); a
 delivery is a single `ok`. `time` is `CLOCK_MONOTONIC` seconds (Python's
-`time.monotonic()`). Python programs can use `msgq_trio.scenario.history.Recorder`. A
+`time.monotonic()`). Python programs can use `msgq_trio.scenario.history.Recorder`.
+
+A second broker is a program too: `link-chain-two-brokers` runs broker B as an exec
+service (`msgq-trio serve --socket {tmp}/b.sock ...`, ready on its `listening` line), the
+link plugin of the scenario's broker points at `{tmp}/b.sock` (placeholders work in
+plugin settings), B's consumer gets `env = ["MSGQ_TRIO_SOCKET={tmp}/b.sock"]`, and the
+`restart` fault crashes and restarts B on its store. A
 broken invariant fails the scenario and names the operations (`history check lost: 1
 acked messages were never delivered: #1 producer-0 ok send p1:7 at 12.600`); the
 program's stdout is kept in `NAME-I.stdout` and its stderr in `NAME-I.log` (`run --keep`).

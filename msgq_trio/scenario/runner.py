@@ -540,8 +540,9 @@ class _Run:
         path = self.tmp / "broker.toml"
         if not path.exists():
             lines: list[str] = []
+            fill = {"python": sys.executable, "socket": str(self.sock), "tmp": str(self.tmp)}
             for name, settings in self.sc.broker.plugins.items():
-                table = dict(settings)
+                table = _fill_strings(dict(settings), fill)
                 if name == "queue":
                     table.setdefault("dir", str(self.tmp / "queue-store"))
                     if self.sc.broker.queue_disk is not None:
@@ -1173,6 +1174,21 @@ class _Run:
             add(str(chk), f"{chk.op} {_fmt(rhs)}", actual, _compare(actual, chk.op, rhs))
         checks += history
         return checks
+
+
+def _fill_strings(value: Any, fill: dict[str, str]) -> Any:
+    """``value`` with the placeholders ``{python}``, ``{socket}``, ``{tmp}`` filled in
+    every string it holds (a link's ``address`` to a second broker in the run's
+    directory, say); nothing else in braces is touched."""
+    if isinstance(value, str):
+        for key, v in fill.items():
+            value = value.replace("{" + key + "}", v)
+        return value
+    if isinstance(value, dict):
+        return {k: _fill_strings(v, fill) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_strings(v, fill) for v in value]
+    return value
 
 
 def _count_lines(path: Path) -> int:
