@@ -1,8 +1,17 @@
-"""Prometheus text exposition (format 0.0.4) over a minimal trio HTTP responder.
+"""Prometheus metrics endpoints: families built with prometheus_client, served over trio.
 
-Opt-in (``serve --metrics HOST:PORT`` / ``metrics.listen``): it opens a TCP port. One
-``GET /metrics`` per connection, answered and closed; anything else gets 404/405. The
-request is read with a 5 s deadline and an 8 KiB cap, so a stuck scraper costs one task.
+Opt-in (``serve --metrics HOST:PORT`` / ``metrics.listen``, a plugin's ``metrics``): it
+opens a TCP port. prometheus_client names, checks and encodes the families (text 0.0.4,
+or OpenMetrics when the scraper's ``Accept`` asks for it) and adds its process collector;
+the families' figures are read from the broker's (or plugin's) state on its trio thread,
+once per scrape.
+
+The HTTP side stays a small trio handler rather than prometheus_client's
+``start_http_server``: that one runs in its own thread, so every scrape would read the
+broker's state (peers, router, queues) from another thread while the trio thread changes
+it. Here collection and the state it reads share one thread. One ``GET /metrics`` (or
+``HEAD``) per connection, answered and closed; anything else gets 404/405. The request
+is read with a 5 s deadline and an 8 KiB cap, so a stuck scraper costs one task.
 """
 
 from __future__ import annotations
@@ -15,6 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..core.peers import Peer
 
@@ -57,27 +70,44 @@ class TrafficTotals:
         return out
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class Rendered(str):
+    """The text an :class:`Exposition` renders (Prometheus format 0.0.4) that also
+    carries the families it was made from, so :class:`MetricsServer` can encode the
+    same figures in the format a scraper asks for (OpenMetrics) and add the process
+    collector's, without the callers of :meth:`Exposition.text` changing type."""
+
+    families: tuple[Metric, ...] = ()
 
 
-def _number(v: float) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
+class _Families(Collector):
+    """A fixed list of families as a prometheus_client collector."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def _registry(*collectors: Collector) -> CollectorRegistry:
+    # auto_describe=False: registering does not collect (nothing is read twice), and a
+    # fresh registry per scrape holds no state between scrapes.
+    registry = CollectorRegistry(auto_describe=False)
+    for c in collectors:
+        registry.register(c)
+    return registry
 
 
 class Exposition:
-    """Builds the text: one HELP and TYPE line per family, then its samples."""
+    """Collects metric families (prometheus_client ``Metric`` objects) and renders them.
+
+    The figures come from the caller's own state on its own thread (the broker's trio
+    thread); prometheus_client only names, checks and encodes them. A family is a
+    ``counter`` or a ``gauge`` (:meth:`family`) or a ``histogram`` (:meth:`histogram`).
+    """
 
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.families: list[Metric] = []
 
     def family(
         self,
@@ -86,19 +116,22 @@ class Exposition:
         help_text: str,
         samples: Iterable[tuple[dict[str, str], float]] | float,
     ) -> None:
-        # Counters are named ``..._total`` in HELP/TYPE and samples alike (what
-        # prometheus_client itself writes in format 0.0.4).
+        """Add one family of ``mtype`` ``"counter"`` or ``"gauge"``: ``samples`` is one
+        value (no labels) or ``(labels, value)`` pairs. A counter's samples are named
+        ``NAME_total`` (what the 0.0.4 text and OpenMetrics both write).
+
+        Raises:
+            ValueError: an unknown ``mtype`` or a name Prometheus does not allow.
+        """
+        if mtype not in ("counter", "gauge"):
+            raise ValueError(f"metric type must be counter or gauge, got {mtype!r}")
+        metric = Metric(name, help_text, mtype)
         sample_name = name + "_total" if mtype == "counter" else name
-        self.lines.append(f"# HELP {sample_name} {help_text}")
-        self.lines.append(f"# TYPE {sample_name} {mtype}")
         if isinstance(samples, (int, float)):
             samples = [({}, samples)]
         for labels, value in samples:
-            if labels:
-                lbl = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                self.lines.append(f"{sample_name}{{{lbl}}} {_number(value)}")
-            else:
-                self.lines.append(f"{sample_name} {_number(value)}")
+            metric.add_sample(sample_name, dict(labels), float(value))
+        self.families.append(metric)
 
     def histogram(
         self,
@@ -111,24 +144,29 @@ class Exposition:
     ) -> None:
         """One histogram family: ``counts[i]`` observations fell in bucket ``i`` (values
         ``<= bounds[i]``, above the previous bound; ``counts`` has one more entry, for
-        ``+Inf``); ``total`` is their sum. Written cumulatively, as Prometheus wants."""
+        ``+Inf``); ``total`` is their sum. Written cumulatively, as Prometheus wants.
+
+        Raises:
+            ValueError: ``counts`` is not one longer than ``bounds``.
+        """
         if len(counts) != len(bounds) + 1:
             raise ValueError("a histogram needs one count per bound plus one for +Inf")
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} histogram")
-        base = ",".join(f'{k}="{_escape(v)}"' for k, v in (labels or {}).items())
-        sep = "," if base else ""
+        keys = sorted(labels or {})
+        fam = HistogramMetricFamily(name, help_text, labels=keys)
         running = 0
+        buckets: list[tuple[str, float]] = []
         for bound, n in zip([*bounds, math.inf], counts, strict=True):
             running += n
-            le = "+Inf" if math.isinf(bound) else _number(float(bound))
-            self.lines.append(f'{name}_bucket{{{base}{sep}le="{le}"}} {running}')
-        suffix = f"{{{base}}}" if base else ""
-        self.lines.append(f"{name}_sum{suffix} {_number(float(total))}")
-        self.lines.append(f"{name}_count{suffix} {running}")
+            le = "+Inf" if math.isinf(bound) else repr(float(bound))
+            buckets.append((le, float(running)))
+        fam.add_metric([(labels or {})[k] for k in keys], buckets, float(total))
+        self.families.append(fam)
 
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+    def text(self) -> Rendered:
+        """The families as Prometheus text format 0.0.4 (``generate_latest``)."""
+        out = Rendered(generate_latest(_registry(_Families(self.families))).decode())
+        out.families = tuple(self.families)
+        return out
 
 
 def parse_listen(spec: str) -> tuple[str, int]:
@@ -176,15 +214,51 @@ async def open_plugin_listeners(plugin: str, spec: str
 
 
 class MetricsServer:
-    """Serves ``render()`` at ``/metrics`` on already-bound listeners."""
+    """Serves ``render()`` at ``/metrics`` on already-bound listeners, with the process
+    collector's families (``process_cpu_seconds_total``, ``process_resident_memory_bytes``,
+    ``process_open_fds``, ...) of this process added.
 
-    def __init__(self, listeners: list[trio.SocketListener], render: Callable[[], str]) -> None:
+    The format follows the scraper's ``Accept`` header (prometheus_client's
+    ``choose_encoder``): OpenMetrics 1.0 when asked for, else text 0.0.4. A family of
+    ``render()`` that the process collector also yields (same name) is left out in favour
+    of the collector's, so each name appears once; where /proc is missing the collector
+    yields nothing and ``render()``'s own stand in.
+
+    Args:
+        listeners: bound TCP listeners (:func:`open_listeners`).
+        render: called on the trio thread once per scrape; an :meth:`Exposition.text`
+            result (a plain string is served as it is, format 0.0.4 whatever was asked).
+        process: add the process collector (default True).
+    """
+
+    def __init__(self, listeners: list[trio.SocketListener], render: Callable[[], str],
+                 *, process: bool = True) -> None:
         self.listeners = listeners
         self.render = render
         self.scrapes = 0
+        # Not registered anywhere: read only when a scrape asks (ProcessCollector reads
+        # /proc/self, a few small files; the trio thread can afford that per scrape).
+        self._process = ProcessCollector(registry=None) if process else None
 
     async def serve(self) -> None:
         await trio.serve_listeners(self._handle, self.listeners)
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """One scrape: the body and its content type for an ``Accept`` header value."""
+        self.scrapes += 1
+        rendered = self.render()
+        families: tuple[Metric, ...] | None = getattr(rendered, "families", None)
+        if families is None:
+            return rendered.encode(), CONTENT_TYPE
+        collectors: list[Collector] = []
+        names: set[str] = set()
+        if self._process is not None:
+            process = list(self._process.collect())
+            names = {m.name for m in process}
+            collectors.append(_Families(process))
+        collectors.insert(0, _Families(m for m in families if m.name not in names))
+        encoder, ctype = choose_encoder(accept or "")
+        return encoder(_registry(*collectors)), ctype
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
         try:
@@ -192,28 +266,29 @@ class MetricsServer:
                 data = b""
                 while b"\r\n\r\n" not in data and b"\n\n" not in data:
                     if len(data) > _MAX_REQUEST:
-                        await self._respond(stream, 431, "request too large\n")
+                        await self._respond(stream, 431, b"request too large\n")
                         return
                     chunk = await stream.receive_some(4096)
                     if not chunk:
                         break
                     data += chunk
-                parts = data.split(b"\n", 1)[0].split()
+                request_line, _, rest = data.partition(b"\n")
+                parts = request_line.split()
                 if len(parts) < 2:
-                    await self._respond(stream, 400, "bad request\n")
+                    await self._respond(stream, 400, b"bad request\n")
                     return
                 method, target = parts[0], parts[1].split(b"?", 1)[0]
                 if method not in (b"GET", b"HEAD"):
-                    await self._respond(stream, 405, "only GET\n", head=False)
+                    await self._respond(stream, 405, b"only GET\n", head=False)
                 elif target == b"/metrics":
-                    self.scrapes += 1
-                    await self._respond(stream, 200, self.render(), head=method == b"HEAD",
-                                        ctype=CONTENT_TYPE)
+                    body, ctype = self.exposition(_header(rest, b"accept"))
+                    await self._respond(stream, 200, body, head=method == b"HEAD",
+                                        ctype=ctype)
                 elif target == b"/":
-                    await self._respond(stream, 200, "msgq-trio broker: see /metrics\n",
+                    await self._respond(stream, 200, b"msgq-trio: see /metrics\n",
                                         head=method == b"HEAD")
                 else:
-                    await self._respond(stream, 404, "not found: try /metrics\n")
+                    await self._respond(stream, 404, b"not found: try /metrics\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # the scraper went away
         except Exception:
@@ -225,21 +300,29 @@ class MetricsServer:
     async def _respond(
         stream: trio.abc.Stream,
         status: int,
-        body: str,
+        body: bytes,
         *,
         head: bool = False,
         ctype: str = "text/plain; charset=utf-8",
     ) -> None:
         reasons = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
                    431: "Request Header Fields Too Large"}
-        payload = body.encode()
         head_bytes = (
             f"HTTP/1.1 {status} {reasons.get(status, 'Error')}\r\n"
             f"Content-Type: {ctype}\r\n"
-            f"Content-Length: {len(payload)}\r\n"
+            f"Content-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n"
         ).encode()
-        await stream.send_all(head_bytes if head else head_bytes + payload)
+        await stream.send_all(head_bytes if head else head_bytes + body)
+
+
+def _header(headers: bytes, name: bytes) -> str | None:
+    """The value of header ``name`` (lower case) in a raw header block, or None."""
+    for line in headers.split(b"\n"):
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip().decode("latin-1")
+    return None
 
 
 def process_figures() -> dict[str, Any]:

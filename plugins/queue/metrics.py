@@ -186,7 +186,9 @@ class AgeTracker:
 def render_metrics(engine: Engine, ages: AgeTracker, now: float | None = None) -> str:
     """The engine's queues as Prometheus text (format 0.0.4): one sample per queue per
     family (label ``queue``), then the plugin-wide store figures. Counters count since
-    the plugin process started."""
+    the plugin process started. The result carries its families, so the endpoint
+    (``msgq_trio.ops.metrics.MetricsServer``) also answers in OpenMetrics and adds the
+    plugin process's ``process_*`` families."""
     now = trio.current_time() if now is None else now
     queues = sorted(engine.queues.values(), key=lambda q: q.name)
     stats = [(q, engine.stats(q)) for q in queues]

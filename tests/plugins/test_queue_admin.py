@@ -25,6 +25,9 @@ from msgq_trio.plugins.queue.metrics import AgeTracker
 from msgq_trio.plugins.queue.model import Consumer, Msg, Queue, Waiter
 from msgq_trio.plugins.queue.settings import parse_settings
 from plugin_helpers import engine_on_memory_store, eventually
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 import msgq_trio
@@ -305,6 +308,54 @@ async def test_metrics_endpoint_matches_stats(queue_broker: Start) -> None:
     age = sample(fams, "msgq_queue_oldest_age_seconds", queue="q")
     assert age >= 1.2 - 1e-3, age  # (two processes' readings of one monotonic clock)
     assert sample(fams, "msgq_queue_oldest_age_seconds", queue="idle") == 0
+
+
+def scrape_openmetrics(address: str) -> dict[str, Any]:
+    """GET /metrics asking for OpenMetrics, parsed with prometheus_client's strict
+    OpenMetrics parser: family name -> family."""
+    req = urllib.request.Request(f"http://{address}/metrics",
+                                 headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text"), \
+            r.headers["Content-Type"]
+        text = r.read().decode()
+    return {f.name: f for f in openmetrics_families(text)}
+
+
+async def test_metrics_openmetrics_and_process(queue_broker: Start) -> None:
+    """Asked for OpenMetrics, the plugin's endpoint answers in it: the queue gauges, the
+    store counters and the commit histogram (buckets up to ``+Inf`` equal to its count),
+    plus the plugin process's own ``process_*`` families."""
+    b = queue_broker({"q": {}}, metrics="127.0.0.1:0")
+    m = re.search(r"queue plugin: metrics on http://(127\.0\.0\.1:\d+)/metrics", b.log())
+    assert m, b.log()[-3000:]
+    async with msgq_trio.connect(b.path, "p") as p:
+        q = p.queue("q")
+        await q.put_many(["a", "b", "c"])
+        st = await q.stats()
+
+        async def committed() -> dict[str, Any] | None:
+            fams = await trio.to_thread.run_sync(scrape_openmetrics, m.group(1))
+            commits = [s.value for s in fams["msgq_queue_commits"].samples
+                       if s.name == "msgq_queue_commits_total"]
+            return fams if commits and commits[0] > 0 else None
+
+        fams = await eventually(committed)
+    depth = fams["msgq_queue_depth"]
+    assert depth.type == "gauge"
+    assert [(s.labels, s.value) for s in depth.samples] == [({"queue": "q"}, st["depth"])]
+    assert st["depth"] == 3
+    hist = fams["msgq_queue_commit_seconds"]
+    assert hist.type == "histogram"
+    by_name: dict[str, list[Any]] = {}
+    for s in hist.samples:
+        by_name.setdefault(s.name, []).append(s)
+    count = by_name["msgq_queue_commit_seconds_count"][0].value
+    inf = [s.value for s in by_name["msgq_queue_commit_seconds_bucket"]
+           if s.labels["le"] == "+Inf"]
+    assert inf == [count] and count > 0
+    assert fams["process_resident_memory_bytes"].samples[0].value > 1 << 20
+    assert "process_cpu_seconds" in fams
 
 
 async def test_metrics_port_in_use_fails_the_start(broker_argv: Callable[..., list[str]],
