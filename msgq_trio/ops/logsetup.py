@@ -1,8 +1,17 @@
 """Logging for the broker: stdlib logging with structured client fields.
 
 * Destinations: stderr (default), a file (``log.file``, reopened when rotated away, like
-  ``WatchedFileHandler``), syslog/journald through ``/dev/log`` (``log.syslog``). A syslog
-  socket that is missing is reported on stderr once and the log falls back to stderr.
+  ``WatchedFileHandler``), syslog/journald through ``/dev/log`` (``log.syslog``), or
+  journald's native protocol with every field as a journal field (``syslog_address =
+  "journal"`` or ``"journal:PATH"``). A syslog socket that is missing is reported on
+  stderr once and the log falls back to stderr.
+* Never blocking: the root logger gets one :class:`BoundedQueueHandler`, which only puts
+  the record on a bounded queue; a ``QueueListener`` thread writes to the destinations. A
+  slow syslog daemon, a full disk or a stderr pipe nobody reads stalls that thread, not
+  the broker's event loop. When the queue is full a record is dropped and counted
+  (:func:`dropped_records`), and a WARNING saying how many were lost goes in as soon as
+  there is room again. The listener is stopped (and the queue written out) when the
+  logging is replaced and at interpreter exit.
 * Fields: every record gets ``lname``, ``client``, ``pid``, ``uid`` (and ``group``,
   ``reason``, ``code`` when known). Code in this package passes them with ``extra=``; the
   broker's own lines name clients with ``Peer.describe()`` (``l.3 (name='x' pid=1
@@ -18,11 +27,17 @@
 from __future__ import annotations
 
 import ast
+import atexit
+import copy
+import errno
 import json
 import logging
 import logging.handlers
 import os
+import queue
 import re
+import socket
+import struct
 import sys
 import threading
 import time
@@ -46,9 +61,21 @@ _DESCRIBE = re.compile(
 )
 _BEFORE_HELLO = re.compile(r"pid=(-?\d+) uid=(-?\d+) \(before HELLO\)")
 
-#: Handlers this module installed on the root logger (replaced on reconfiguration).
-_installed: list[logging.Handler] = []
+#: Records the log queue holds before it drops (``MSGQ_TRIO_LOG_QUEUE_RECORDS`` overrides).
+#: 10,000 lines of ~200 bytes are 2 MB: enough for a burst such as every client of a
+#: large bus being dropped at once, small enough that a destination stalled for good
+#: does not grow the broker without bound.
+QUEUE_RECORDS = 10_000
+#: Environment variable that sets the queue's size (a positive integer).
+QUEUE_RECORDS_ENV = "MSGQ_TRIO_LOG_QUEUE_RECORDS"
+#: journald's native socket (``syslog_address = "journal"``).
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+
+#: The front handler this module installed on the root logger, and its listener
+#: (replaced on reconfiguration).
+_installed: list[PreparedLogging] = []
 _lock = threading.Lock()
+_atexit_registered = False
 
 
 def peer_fields(peer: Peer) -> dict[str, object]:
@@ -175,35 +202,233 @@ class SyslogHandler(_QuietErrors, logging.handlers.SysLogHandler):
     pass
 
 
+class JournalHandler(_QuietErrors, logging.Handler):
+    """journald's native protocol: one datagram per record of ``FIELD=value`` lines to
+    ``path``, so every structured field is a journal field (``journalctl
+    MSGQ_LNAME=l.3``): ``MESSAGE`` (the formatted line), ``PRIORITY``,
+    ``SYSLOG_FACILITY``, ``SYSLOG_IDENTIFIER`` (msgq-trio), ``SYSLOG_PID``, ``LOGGER``,
+    ``CODE_FILE``/``CODE_LINE``/``CODE_FUNC``, ``THREAD_NAME`` and ``MSGQ_<FIELD>`` for
+    each of :data:`FIELDS` the record has. A record too large for one datagram is sent
+    again with its MESSAGE cut to :data:`JOURNAL_MESSAGE_MAX` bytes (journald's own
+    client would pass a memfd instead; a log line that long is rare here).
+    """
+
+    def __init__(self, path: str, facility: int) -> None:
+        super().__init__()
+        self.path = path
+        self.facility = facility
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def fields(self, record: logging.LogRecord, message: str) -> list[tuple[str, str]]:
+        out = [
+            ("MESSAGE", message),
+            ("PRIORITY", str(_journal_priority(record.levelno))),
+            ("SYSLOG_FACILITY", str(self.facility)),
+            ("SYSLOG_IDENTIFIER", "msgq-trio"),
+            ("SYSLOG_PID", str(os.getpid())),
+            ("LOGGER", record.name),
+            ("CODE_FILE", record.pathname),
+            ("CODE_LINE", str(record.lineno)),
+            ("CODE_FUNC", record.funcName),
+            ("THREAD_NAME", record.threadName or ""),
+        ]
+        out += [(f"MSGQ_{k.upper()}", str(v)) for k, v in _fields(record).items()]
+        return out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            try:
+                self.sock.sendto(journal_datagram(self.fields(record, message)), self.path)
+            except OSError as exc:
+                if exc.errno != errno.EMSGSIZE:
+                    raise
+                cut = message.encode()[:JOURNAL_MESSAGE_MAX].decode(errors="ignore")
+                self.sock.sendto(journal_datagram(self.fields(record, cut + " [cut]")),
+                                 self.path)
+        except Exception:
+            self.handleError(record)
+
+    def close(self) -> None:
+        self.sock.close()
+        super().close()
+
+
+#: A MESSAGE longer than this is cut when the whole record does not fit one datagram.
+JOURNAL_MESSAGE_MAX = 32 * 1024
+
+
+def _journal_priority(levelno: int) -> int:
+    # syslog severities: crit 2, err 3, warning 4, notice 5, info 6, debug 7.
+    if levelno >= logging.CRITICAL:
+        return 2
+    if levelno >= logging.ERROR:
+        return 3
+    if levelno >= logging.WARNING:
+        return 4
+    if levelno >= logging.INFO:
+        return 6
+    return 7
+
+
+def journal_datagram(fields: list[tuple[str, str]]) -> bytes:
+    """Encode ``(NAME, value)`` pairs in journald's native format: ``NAME=value\n``, or
+    for a value with a newline ``NAME\n``, its length as 64-bit little-endian, the value
+    and ``\n``."""
+    out = bytearray()
+    for name, value in fields:
+        data = value.encode("utf-8", errors="replace")
+        if b"\n" in data:
+            out += name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += name.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+class BoundedQueueHandler(logging.handlers.QueueHandler):
+    """Puts records on a bounded queue and never waits: when the queue is full the record
+    is dropped and counted; the next record that finds room is preceded by one WARNING
+    saying how many were lost.
+
+    The record is made self-contained first (message rendered, ``args`` cleared), since
+    the listener thread formats it later while the broker may change the objects the
+    arguments refer to; the traceback (``exc_info``) is kept for the destination's
+    formatter.
+    """
+
+    def __init__(self, q: queue.Queue[logging.LogRecord]) -> None:
+        super().__init__(q)
+        self.capacity = q.maxsize
+        #: Records dropped since this handler was installed.
+        self.dropped = 0
+        self._unreported = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record = copy.copy(record)
+        record.msg = record.getMessage()
+        record.args = None
+        return record
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        # Called with the handler's lock held (Handler.handle), so the counters and the
+        # order notice-then-record need no lock of their own.
+        q = self.queue
+        if self._unreported:
+            try:
+                q.put_nowait(self._notice(self._unreported))
+            except queue.Full:
+                pass
+            else:
+                self._unreported = 0
+        try:
+            q.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+            self._unreported += 1
+
+    def _notice(self, n: int) -> logging.LogRecord:
+        record = logging.LogRecord(
+            "msgq_trio.ops", logging.WARNING, __file__, 0,
+            "%d log records dropped: the log queue (%d records) was full because a log "
+            "destination is slower than the broker logs", (n, self.capacity), None)
+        return self.prepare(record)
+
+
+#: Seconds :func:`shutdown` waits for the listener to write out the queue at exit: a
+#: destination stalled for good must not keep the broker from exiting (systemd's stop
+#: timeout is 90 s; the rest of the shutdown needs its share).
+STOP_TIMEOUT = 5.0
+
+
+class QueueListener(logging.handlers.QueueListener):
+    """The stdlib listener with a stop that cannot hang: the end marker is put with a
+    timeout (the queue may be full) and the thread joined with one (a destination may
+    never return). The thread is a daemon, so one left behind does not stop the exit."""
+
+    def stop_within(self, timeout: float) -> bool:
+        """Stop after the records queued so far are written; False if that did not finish
+        within ``timeout`` seconds (the thread is then left to the interpreter's exit)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        deadline = time.monotonic() + timeout
+        try:
+            self.queue.put(self._sentinel, timeout=timeout)  # type: ignore[attr-defined]
+        except queue.Full:
+            return False
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
+
 class LogFileError(OSError):
     """The log file cannot be opened (the configuration is refused)."""
 
 
 @attrs.define
 class PreparedLogging:
-    """Handlers built for some settings, not installed yet (see :func:`prepare`)."""
+    """Handlers built for some settings, not installed yet (see :func:`prepare`).
+
+    ``handlers`` are the destinations; ``front`` is the one handler the root logger gets
+    and ``listener`` the thread that feeds the destinations from its queue (started by
+    :func:`install`).
+    """
 
     settings: LogSettings
     handlers: list[logging.Handler]
     #: Destinations that failed and were replaced by stderr (a missing syslog socket).
     problems: list[str]
+    front: BoundedQueueHandler
+    listener: QueueListener
 
     def discard(self) -> None:
+        """Close handlers that were never installed."""
         for h in self.handlers:
             h.close()
 
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Write out what is queued (waiting at most ``timeout`` seconds), stop the
+        listener thread, close the destinations (unless the thread is still writing)."""
+        if self.listener.stop_within(timeout):
+            self.discard()
 
-def prepare(settings: LogSettings) -> PreparedLogging:
+
+def queue_records() -> tuple[int, str | None]:
+    """The log queue's size: ``$MSGQ_TRIO_LOG_QUEUE_RECORDS`` or :data:`QUEUE_RECORDS`,
+    and a problem to report if the variable is set but not a positive integer (the
+    default is used then)."""
+    raw = os.environ.get(QUEUE_RECORDS_ENV, "")
+    if not raw:
+        return QUEUE_RECORDS, None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        return QUEUE_RECORDS, (f"{QUEUE_RECORDS_ENV}={raw!r} is not a positive integer; "
+                               f"the log queue holds {QUEUE_RECORDS} records")
+    return n, None
+
+
+def prepare(settings: LogSettings, *, capacity: int | None = None) -> PreparedLogging:
     """Build the handlers for ``settings`` without touching the running logging.
+
+    ``capacity`` is the log queue's size in records (default :func:`queue_records`).
 
     Raises:
         LogFileError: ``log.file`` cannot be opened for appending.
 
     A syslog socket that is missing is not an error: it becomes a problem to report and
-    the log goes to stderr.
+    the log goes to stderr; so does a malformed ``$MSGQ_TRIO_LOG_QUEUE_RECORDS``.
     """
     handlers: list[logging.Handler] = []
     problems: list[str] = []
+    if capacity is None:
+        capacity, problem = queue_records()
+        if problem:
+            problems.append(problem)
     if settings.file:
         try:
             handlers.append(FileHandler(settings.file, encoding="utf-8"))
@@ -213,19 +438,24 @@ def prepare(settings: LogSettings) -> PreparedLogging:
             ) from None
     if settings.syslog:
         address = settings.syslog_address
-        if address.startswith("/") and not os.path.exists(address):
-            problems.append(f"syslog requested but {address} does not exist (no syslog daemon "
+        journal = address == "journal" or address.startswith("journal:")
+        path = (address.partition(":")[2] or JOURNAL_SOCKET) if journal else address
+        if path.startswith("/") and not os.path.exists(path):
+            problems.append(f"syslog requested but {path} does not exist (no syslog daemon "
                             "or journald socket)")
         else:
             try:
                 facility = logging.handlers.SysLogHandler.facility_names[settings.syslog_facility]
-                target: str | tuple[str, int] = address
-                if not address.startswith("/"):
-                    host, _, port = address.rpartition(":")
-                    target = (host, int(port))
-                h = SyslogHandler(address=target, facility=facility)
-                h.ident = f"msgq-trio[{os.getpid()}]: "
-                handlers.append(h)
+                if journal:
+                    handlers.append(JournalHandler(path, facility))
+                else:
+                    target: str | tuple[str, int] = address
+                    if not address.startswith("/"):
+                        host, _, port = address.rpartition(":")
+                        target = (host, int(port))
+                    h = SyslogHandler(address=target, facility=facility)
+                    h.ident = f"msgq-trio[{os.getpid()}]: "
+                    handlers.append(h)
             except (OSError, ValueError) as exc:
                 problems.append(f"cannot log to syslog at {address}: {exc}")
     if not handlers:
@@ -233,11 +463,15 @@ def prepare(settings: LogSettings) -> PreparedLogging:
     formatter: logging.Formatter = (
         JsonFormatter() if settings.format == "json" else TextFormatter()
     )
-    identity = IdentityFilter()
     for handler in handlers:
         handler.setFormatter(formatter)
-        handler.addFilter(identity)
-    return PreparedLogging(settings, handlers, problems)
+    q: queue.Queue[logging.LogRecord] = queue.Queue(maxsize=capacity)
+    front = BoundedQueueHandler(q)
+    # The identity fields are read from the record's arguments, which prepare() then
+    # renders away: the filter runs on the front handler, before the queue.
+    front.addFilter(IdentityFilter())
+    listener = QueueListener(q, *handlers, respect_handler_level=True)
+    return PreparedLogging(settings, handlers, problems, front, listener)
 
 
 def level_number(name: str) -> int:
@@ -253,28 +487,58 @@ def configure(settings: LogSettings) -> list[str]:
     return install(prepare(settings))
 
 
-def install(prepared: PreparedLogging) -> list[str]:
-    """Make prepared handlers the root logger's; returns problems (reported on stderr and
-    in the log). Safe at runtime: the new handlers are in place before the old close."""
-    handlers, problems, settings = prepared.handlers, prepared.problems, prepared.settings
+def dropped_records() -> int:
+    """Log records dropped because the log queue was full, since the current logging was
+    installed (0 before :func:`install`)."""
+    with _lock:
+        return _installed[0].front.dropped if _installed else 0
+
+
+def shutdown() -> None:
+    """Write out the queued records and stop the listener (registered with atexit by
+    :func:`install`; safe to call more than once)."""
     root = logging.getLogger()
     with _lock:
         old = list(_installed)
-        for h in handlers:
-            root.addHandler(h)
-        for h in old:
-            root.removeHandler(h)
-            h.close()
-        _installed[:] = handlers
+        _installed.clear()
+        for prepared in old:
+            root.removeHandler(prepared.front)
+    for prepared in old:
+        prepared.stop()
+
+
+def install(prepared: PreparedLogging) -> list[str]:
+    """Make prepared handlers the root logger's; returns problems (reported on stderr and
+    in the log). Safe at runtime: the new handlers are in place before the old close, and
+    the old listener writes out its queue before it stops."""
+    global _atexit_registered
+    handlers, problems, settings = prepared.handlers, prepared.problems, prepared.settings
+    root = logging.getLogger()
+    prepared.listener.start()
+    with _lock:
+        old = list(_installed)
+        root.addHandler(prepared.front)
+        for o in old:
+            root.removeHandler(o.front)
+        _installed[:] = [prepared]
         # Handlers a plain basicConfig() installed before us would print twice.
         for h in list(root.handlers):
-            if h not in handlers and type(h) is logging.StreamHandler:
+            if h is not prepared.front and type(h) is logging.StreamHandler:
                 root.removeHandler(h)
+        if not _atexit_registered:
+            # Runs before logging's own atexit flush (atexit is last-in, first-out).
+            atexit.register(shutdown)
+            _atexit_registered = True
+    for o in old:
+        # Not on this (the event loop's) thread: a stalled old destination may take the
+        # whole STOP_TIMEOUT to give up.
+        threading.Thread(target=o.stop, name="msgq-log-stop", daemon=True).start()
     root.setLevel(level_number(settings.level))
-    fell_back = bool(problems) and all(isinstance(h, StderrHandler) for h in handlers)
+    fell_back = settings.syslog and all(isinstance(h, StderrHandler) for h in handlers)
     for p in problems:
         # Said on stderr too: the log may not go where the operator looks for it.
-        sys.stderr.write(f"msgq-trio: {p}" + ("; logging to stderr instead\n" if fell_back
+        instead = fell_back and "syslog" in p
+        sys.stderr.write(f"msgq-trio: {p}" + ("; logging to stderr instead\n" if instead
                                               else "\n"))
         logging.getLogger("msgq_trio.ops").error("%s", p)
     return problems

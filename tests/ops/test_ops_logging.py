@@ -115,6 +115,7 @@ def test_uncaught_exceptions_go_through_logging(tmp_path: Path, capsys: Any) -> 
         except ValueError:
             sys.excepthook(*sys.exc_info())  # what the interpreter does at the top level
     finally:
+        logsetup.shutdown()  # writes out the log queue before the file is read
         for h in list(root.handlers):
             if h not in saved[0]:
                 root.removeHandler(h)
@@ -122,7 +123,6 @@ def test_uncaught_exceptions_go_through_logging(tmp_path: Path, capsys: Any) -> 
         root.setLevel(saved[1])
         sys.excepthook, threading.excepthook = saved[2], saved[3]
         logging.captureWarnings(False)
-        logsetup._installed.clear()
     text = log_file.read_text()
     assert "uncaught exception in thread worker-7" in text and "kaboom in a thread" in text
     assert "uncaught exception" in text and "kaboom at the top" in text
