@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+from msgq_trio.config import AccessRule
+from msgq_trio.io.server import unix_principals
+
+needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: the test connects as another uid (nobody)")
 
-NOBODY = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else -1
+NOBODY = pwd.getpwnam("nobody").pw_uid
 NOGROUP = 65534
 DAEMON = 1
 
@@ -88,6 +91,7 @@ def start_with_rule(short_tmp: Path, broker_factory: Callable[..., object]
     return start
 
 
+@needs_root
 def test_group_rule_grants_by_the_group_database(
         start_with_rule: Callable[[str], Path]) -> None:
     """``group:nogroup`` grants nobody the subscription whether its process runs with gid
@@ -101,6 +105,7 @@ def test_group_rule_grants_by_the_group_database(
     assert subscribe_as(other, NOGROUP) == "forbidden"
 
 
+@needs_root
 def test_primary_gid_counts_as_a_group_and_as_gid(
         start_with_rule: Callable[[str], Path]) -> None:
     """The SO_PEERCRED gid: ``gid:1`` and ``group:daemon`` match nobody running with gid
@@ -113,6 +118,7 @@ def test_primary_gid_counts_as_a_group_and_as_gid(
     assert subscribe_as(by_group, NOGROUP) == "forbidden"
 
 
+@needs_root
 def test_rule_for_another_gid_refuses(start_with_rule: Callable[[str], Path]) -> None:
     """Without a rule naming one of its identities nobody gets only ``unix:*``'s grants:
     ``gid:65534`` grants, ``gid:1`` does not."""
@@ -120,3 +126,26 @@ def test_rule_for_another_gid_refuses(start_with_rule: Callable[[str], Path]) ->
     assert subscribe_as(granted, NOGROUP) == "subscribed"
     refused = start_with_rule(f"gid:{DAEMON}")
     assert subscribe_as(refused, NOGROUP) == "forbidden"
+
+
+def test_unix_principals_from_the_databases() -> None:
+    """nobody running with gid daemon: user, uid, the kernel's gid, that gid's group and
+    the passwd entry's group; a uid the passwd database lacks: only its gid's group, and
+    numbers where no name is known."""
+    assert unix_principals(NOBODY, DAEMON)[:5] == [
+        "unix:nobody", f"uid:{NOBODY}", f"gid:{DAEMON}", "group:daemon", "group:nogroup"]
+    unknown = 3_999_999
+    with pytest.raises(KeyError):
+        pwd.getpwuid(unknown)
+    assert unix_principals(unknown, NOGROUP) == [
+        f"unix:{unknown}", f"uid:{unknown}", f"gid:{NOGROUP}", "group:nogroup"]
+    assert unix_principals(unknown, unknown) == [
+        f"unix:{unknown}", f"uid:{unknown}", f"gid:{unknown}", f"group:{unknown}"]
+
+
+def test_who_kinds() -> None:
+    """``gid:`` and ``group:`` are accepted in ``who``; an unknown kind is refused with
+    the list of the valid ones."""
+    assert AccessRule(who=["gid:1", "group:wheel"]).who == ("gid:1", "group:wheel")
+    with pytest.raises(ValueError, match="'gid:N' or 'group:NAME'"):
+        AccessRule(who=["grp:wheel"])
