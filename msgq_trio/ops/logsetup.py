@@ -488,8 +488,8 @@ def configure(settings: LogSettings) -> list[str]:
 
 
 def dropped_records() -> int:
-    """Log records dropped because the log queue was full, since the current logging was
-    installed (0 before :func:`install`)."""
+    """Log records dropped because the log queue was full since the first :func:`install`
+    (a reconfiguration carries the count over)."""
     with _lock:
         return _installed[0].front.dropped if _installed else 0
 
@@ -517,6 +517,7 @@ def install(prepared: PreparedLogging) -> list[str]:
     prepared.listener.start()
     with _lock:
         old = list(_installed)
+        prepared.front.dropped += sum(o.front.dropped for o in old)
         root.addHandler(prepared.front)
         for o in old:
             root.removeHandler(o.front)
