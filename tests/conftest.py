@@ -103,6 +103,22 @@ class BrokerProcess:
         """Everything the broker wrote to stderr so far (its log)."""
         return self.log_path.read_text(errors="replace")
 
+    def log_with(self, *needles: str, timeout: float = 10.0) -> str:
+        """The log once it contains every one of ``needles``: the broker writes its log
+        from a listener thread, so a line about an event can land a little after the
+        event is visible to a client. Fails (naming what is missing) after ``timeout``.
+        A blocking wait of milliseconds: the broker is another process."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            missing = [n for n in needles if n not in text]
+            if not missing:
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"broker log lacks {missing!r} after {timeout} s:\n"
+                                     + "\n".join(text.splitlines()[-30:]))
+            time.sleep(0.02)
+
     def send_signal(self, sig: int) -> None:
         self.expect_exit = True
         self.proc.send_signal(sig)

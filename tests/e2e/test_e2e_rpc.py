@@ -160,7 +160,7 @@ async def test_black_hole_times_out_at_broker_deadline(broker_factory) -> None:
         assert 0.45 <= elapsed < 10.0, elapsed  # not the 300 s default
         assert ei.value.code == "timeout"
         assert ei.value.sender == hole.lname
-    lines = [ln for ln in b.log().splitlines() if " ERROR " in ln]
+    lines = [ln for ln in b.log_with(" ERROR ", f"{hole.lname} (").splitlines() if " ERROR " in ln]
     assert any(f"{asker.lname} (" in ln and f"{hole.lname} (" in ln for ln in lines), lines
 
 

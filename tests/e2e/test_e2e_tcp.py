@@ -85,6 +85,9 @@ class TcpBroker:
     def log(self) -> str:
         return self.bp.log()
 
+    def log_with(self, *needles: str, timeout: float = 10.0) -> str:
+        return self.bp.log_with(*needles, timeout=timeout)
+
 
 DEFAULT_RULES: list[dict[str, Any]] = [
     {
@@ -449,7 +452,7 @@ async def test_tls_token_and_client_certificate(tcp_broker, pki) -> None:
                                          ssl_context=client_ctx(pki["ca"])):
                 pass
         assert ei.value.code == "unauthenticated"
-    assert "TLS handshake failed" in b.log()
+    b.log_with("TLS handshake failed")
 
 
 # -- heartbeats ----------------------------------------------------------------------------
@@ -487,7 +490,7 @@ async def test_sigstopped_tcp_client_dropped_and_its_calls_fail(
                 os.kill(helper.pid, signal.SIGCONT)
         assert isinstance(outcome[0], RecipientGone)
         assert waited >= 1.0  # not before the misses were counted (3 x 0.5 s)
-    assert "heartbeat" in b.log() and "tcp:alice@" in b.log()
+    b.log_with("heartbeat", "tcp:alice@")
 
 
 async def test_tcp_sender_killed_while_paused_fails_its_callers_fast(
@@ -512,7 +515,7 @@ async def test_tcp_sender_killed_while_paused_fails_its_callers_fast(
             assert [type(e) for e in outcome] == [RecipientGone]
     finally:
         os.kill(sink.pid, signal.SIGCONT)
-    assert "closed the connection" in b.log() and "paused by backpressure" in b.log()
+    b.log_with("closed the connection", "paused by backpressure")
 
 
 async def test_sigstopped_broker_detected_by_tcp_client(tcp_broker) -> None:
