@@ -51,12 +51,15 @@ EXIT_BROKEN_PIPE = 141
 #: (argparse's REMAINDER would reject a first argument that looks like an option).
 _DELEGATED = ("bench", "scenario", "analyze")
 #: Subcommands that talk to a broker as a client: they take --token and the TLS flags.
-_CLIENTS = ("ctl", "dump", "send", "call", "notify", "listen", "reply", "members", "pipe",
-            "queue")
+_CLIENTS = ("ctl", "dump", "send", "call", "notify", "listen", "reply", "members", "pipe", "queue")
 #: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
 #: a flag given before the subcommand is not reset by the subcommand's copy).
 GLOBAL_DEFAULTS: dict[str, Any] = {
-    "log_level": None, "socket": None, "token": None, "tls_ca": None, "tls_cert": None,
+    "log_level": None,
+    "socket": None,
+    "token": None,
+    "tls_ca": None,
+    "tls_cert": None,
     "tls_key": None,
 }
 
@@ -89,24 +92,43 @@ def _add_global_flags(p: argparse.ArgumentParser, *, client: bool) -> None:
         except argparse.ArgumentError:
             pass  # already defined by this parser
 
-    add("--log-level", choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC"],
+    add(
+        "--log-level",
+        choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC"],
         help="default INFO (serve: log.level of the configuration file); TRAFFIC logs "
-        "every frame the broker routes")
-    add("--socket", "-s", metavar="ADDRESS",
+        "every frame the broker routes",
+    )
+    add(
+        "--socket",
+        "-s",
+        metavar="ADDRESS",
         help="broker socket path, or tcp://HOST:PORT / tls://HOST:PORT (default: "
-        "$MSGQ_TRIO_SOCKET or the per-user path)")
+        "$MSGQ_TRIO_SOCKET or the per-user path)",
+    )
     if not client:
         return
-    add("--token", metavar="TOKEN",
+    add(
+        "--token",
+        metavar="TOKEN",
         help="credential for a TCP/TLS broker (default $MSGQ_TRIO_TOKEN; `msgq-trio token` "
-        "makes one)")
-    add("--tls-ca", metavar="PEM",
+        "makes one)",
+    )
+    add(
+        "--tls-ca",
+        metavar="PEM",
         help="CA bundle to trust a tls:// broker with (default $MSGQ_TRIO_TLS_CA, else the "
-        "system's trust store)")
-    add("--tls-cert", metavar="PEM",
-        help="client certificate chain for tls:// (default $MSGQ_TRIO_TLS_CERT)")
-    add("--tls-key", metavar="PEM",
-        help="its private key (default $MSGQ_TRIO_TLS_KEY; default: in --tls-cert)")
+        "system's trust store)",
+    )
+    add(
+        "--tls-cert",
+        metavar="PEM",
+        help="client certificate chain for tls:// (default $MSGQ_TRIO_TLS_CERT)",
+    )
+    add(
+        "--tls-key",
+        metavar="PEM",
+        help="its private key (default $MSGQ_TRIO_TLS_KEY; default: in --tls-cert)",
+    )
 
 
 def _subparsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
@@ -121,8 +143,10 @@ def _subparsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``msgq-trio`` (delegated subcommands only show their help line)."""
     parser = _Parser(
-        prog="msgq-trio", description=plain(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="msgq-trio",
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"msgq-trio {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
@@ -144,17 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("send", help="send one message (body: JSON)")
     p.add_argument("target", help="a group or an lname (l.N)")
-    p.add_argument("body", nargs="?", default="null",
-                   help="the message body as JSON (default null; a string needs quotes: "
-                   "'\"text\"')")
+    p.add_argument(
+        "body",
+        nargs="?",
+        default="null",
+        help="the message body as JSON (default null; a string needs quotes: '\"text\"')",
+    )
 
     p = sub.add_parser("call", help="call a command and print its result as JSON")
     p.add_argument("target", help="the group (or lname) that answers the command")
     p.add_argument("command", help="the command's name")
     p.add_argument("params", nargs="?", default="null", help="parameters as JSON (default null)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for the answer (default: the broker's request "
-                   "deadline)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the answer (default: the broker's request deadline)",
+    )
 
     p = sub.add_parser("notify", help="publish a notification")
     p.add_argument("group", help="the group to notify")
@@ -165,8 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("groups", nargs="+", help="groups to subscribe to")
     p.add_argument("--count", type=int, default=0, help="exit after N messages")
 
-    p = sub.add_parser("reply", help="answer a command from the shell: print each request "
-                       "(JSON line) and answer it with RESULT")
+    p = sub.add_parser(
+        "reply",
+        help="answer a command from the shell: print each request "
+        "(JSON line) and answer it with RESULT",
+    )
     p.add_argument("group", help="the group to join (callers call GROUP COMMAND)")
     p.add_argument("command", help="the command to answer")
     p.add_argument("result", nargs="?", default="null", help="the answer as JSON (default null)")
@@ -176,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("group", help="the group")
     p.add_argument("--json", action="store_true", help="one JSON array of members")
 
-    p = sub.add_parser("pipe", help="named pipe: 'write NAME' sends stdin, 'read NAME' "
-                       "prints it (docs/PIPES.md)")
+    p = sub.add_parser(
+        "pipe", help="named pipe: 'write NAME' sends stdin, 'read NAME' prints it (docs/PIPES.md)"
+    )
     from .client.pipe import add_cli_arguments
 
     add_cli_arguments(p)
@@ -185,20 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "action" and not action.help:
             action.help = "write: stdin into the pipe; read: the pipe to stdout"
 
-    p = sub.add_parser("queue", help="the queue plugin's durable queues: ls, stats, peek, "
-                       "purge (docs/QUEUE.md)")
+    p = sub.add_parser(
+        "queue", help="the queue plugin's durable queues: ls, stats, peek, purge (docs/QUEUE.md)"
+    )
     add_queue_arguments(p)
 
     sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
     for name, text in (
         ("bench", "benchmark msgq_trio next to a raw socket ceiling"),
         ("scenario", "run fault scenarios (scenarios/*.toml)"),
-        ("analyze", "analyse captures and scenario results on Spark (needs the 'spark' "
-         "extra)"),
+        ("analyze", "analyse captures and scenario results on Spark (needs the 'spark' extra)"),
     ):
         p = sub.add_parser(name, help=f"{text} (msgq-trio {name} --help)")
-        p.add_argument("args", nargs=argparse.REMAINDER,
-                       help=f"arguments of msgq-trio {name} (its own --help)")
+        p.add_argument(
+            "args", nargs=argparse.REMAINDER, help=f"arguments of msgq-trio {name} (its own --help)"
+        )
 
     _add_global_flags(parser, client=True)
     for name, child in sub.choices.items():
@@ -336,8 +371,11 @@ def _json_arg(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        hint = "" if text[:1] in ('{', '[', '"') else (
-            f"; a string needs quotes, e.g. '\"{text[:20]}\"'")
+        hint = (
+            ""
+            if text[:1] in ("{", "[", '"')
+            else (f"; a string needs quotes, e.g. '\"{text[:20]}\"'")
+        )
         raise CliUsageError(f"{what} is not JSON ({exc}): {text[:60]!r}{hint}") from None
 
 
@@ -354,8 +392,9 @@ async def _client_command(args: argparse.Namespace) -> int:
     elif args.cmd == "reply":
         result = _json_arg(args.result, "RESULT")
     try:
-        async with connect(args.socket, name=f"msgq-trio-{args.cmd}",
-                           **connect_options(args)) as bus:
+        async with connect(
+            args.socket, name=f"msgq-trio-{args.cmd}", **connect_options(args)
+        ) as bus:
             if args.cmd == "send":
                 await bus.send(args.target, body)
                 await bus.flush()
@@ -368,8 +407,11 @@ async def _client_command(args: argparse.Namespace) -> int:
             elif args.cmd == "members":
                 members = await bus.members(args.group)
                 if args.json:
-                    print(json.dumps([{"lname": m.lname, "name": m.name, "pid": m.pid}
-                                      for m in members]))
+                    print(
+                        json.dumps(
+                            [{"lname": m.lname, "name": m.name, "pid": m.pid} for m in members]
+                        )
+                    )
                 for m in [] if args.json else members:
                     print(f"{m.lname}\t{m.name}\tpid={m.pid}")
             elif args.cmd == "reply":
@@ -415,8 +457,13 @@ async def _reply(bus: Any, args: argparse.Namespace, result: Any) -> None:
 
     def handle(params: Any, request: Any) -> Any:
         nonlocal answered
-        print(json.dumps({"from": request.sender, "name": request.sender_name,
-                          "params": params}, default=_json_default), flush=True)
+        print(
+            json.dumps(
+                {"from": request.sender, "name": request.sender_name, "params": params},
+                default=_json_default,
+            ),
+            flush=True,
+        )
         answered += 1
         if args.count and answered >= args.count:
             done.set()
@@ -424,8 +471,7 @@ async def _reply(bus: Any, args: argparse.Namespace, result: Any) -> None:
 
     bus.add_command(args.command, handle)
     await bus.subscribe(args.group)
-    print(f"# answering {args.group} {args.command} as {bus.lname}", file=sys.stderr,
-          flush=True)
+    print(f"# answering {args.group} {args.command} as {bus.lname}", file=sys.stderr, flush=True)
     await done.wait()
     await bus.flush()  # the last answer leaves before the connection closes
 
@@ -438,13 +484,16 @@ async def _pipe_command(args: argparse.Namespace) -> int:
     from .errors import ConnectionLost, MsgqError, NoRecipient, PipeTimeout
 
     try:
-        async with connect(args.socket, name=f"msgq-trio-pipe-{args.action}",
-                           **connect_options(args)) as bus:
+        async with connect(
+            args.socket, name=f"msgq-trio-pipe-{args.action}", **connect_options(args)
+        ) as bus:
             pipe = Pipe(bus, args.name)
             if args.action == "write":
-                w = await pipe.open_writer(readers=args.readers,
-                                           on_reader_gone=args.on_reader_gone,
-                                           persistent=args.persistent or None)
+                w = await pipe.open_writer(
+                    readers=args.readers,
+                    on_reader_gone=args.on_reader_gone,
+                    persistent=args.persistent or None,
+                )
                 async with w:
                     while True:
                         data = await trio.to_thread.run_sync(os.read, 0, w.max_chunk * 4)
@@ -456,8 +505,7 @@ async def _pipe_command(args: argparse.Namespace) -> int:
                             await w.write(data, args.timeout)
                     await w.flush(args.timeout)
             else:
-                r = await pipe.open_reader(readers=args.readers,
-                                           persistent=args.persistent or None)
+                r = await pipe.open_reader(readers=args.readers, persistent=args.persistent or None)
                 async with r:
                     while True:
                         data = await r.read(None, args.timeout)
@@ -465,8 +513,11 @@ async def _pipe_command(args: argparse.Namespace) -> int:
                             break
                         await trio.to_thread.run_sync(_write_all, 1, data)
     except NoRecipient:
-        print(f"error: the pipe plugin is not running (nobody answers on group "
-              f"{DEFAULT_GROUP!r}): start the broker with --plugin pipe", file=sys.stderr)
+        print(
+            f"error: the pipe plugin is not running (nobody answers on group "
+            f"{DEFAULT_GROUP!r}): start the broker with --plugin pipe",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     except PipeTimeout as exc:
         print(f"error: timeout: {exc}", file=sys.stderr)
@@ -481,7 +532,7 @@ async def _pipe_command(args: argparse.Namespace) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _json_default(value: Any) -> Any:

@@ -167,7 +167,7 @@ def parse_socket_mode(text: str) -> int | None:
         return None
     t = text[2:] if text.startswith("0o") else text
     if not 3 <= len(t) <= 4 or any(c not in "01234567" for c in t) or int(t, 8) > 0o777:
-        raise ValueError(f"socket_mode must be octal permission bits like \"0660\"; got {text!r}")
+        raise ValueError(f'socket_mode must be octal permission bits like "0660"; got {text!r}')
     return int(t, 8)
 
 
@@ -204,8 +204,25 @@ def _socket_group(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> Non
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRAFFIC")
 LOG_FORMATS = ("text", "json")
 SYSLOG_FACILITIES = (
-    "kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron",
-    "authpriv", "ftp", "local0", "local1", "local2", "local3", "local4", "local5", "local6",
+    "kern",
+    "user",
+    "mail",
+    "daemon",
+    "auth",
+    "syslog",
+    "lpr",
+    "news",
+    "uucp",
+    "cron",
+    "authpriv",
+    "ftp",
+    "local0",
+    "local1",
+    "local2",
+    "local3",
+    "local4",
+    "local5",
+    "local6",
     "local7",
 )
 #: Capture record kinds (docs/CAPTURE.md): REQUEST, REPLY, ERROR, NOTIFY to a client group,
@@ -351,8 +368,11 @@ def _token_hashes(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None
         if not isinstance(name, str) or not name or len(name) > 255 or "\0" in name:
             raise ValueError(f"{attr.name}: identity names must be 1..255 characters")
         algo, sep, digest = str(h).partition(":")
-        if algo != "sha256" or not sep or len(digest) != 64 or not all(
-            c in "0123456789abcdef" for c in digest
+        if (
+            algo != "sha256"
+            or not sep
+            or len(digest) != 64
+            or not all(c in "0123456789abcdef" for c in digest)
         ):
             raise ValueError(
                 f"{attr.name}.{name} must be 'sha256:' and 64 lowercase hex digits (the hash "
@@ -388,9 +408,7 @@ class TcpSettings:
       processes a dead host should fail calls within seconds, as a Unix disconnect does).
     """
 
-    listen: tuple[str, ...] = attrs.field(
-        default=(), converter=tuple, validator=_listen_addresses
-    )
+    listen: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_listen_addresses)
     certfile: str = ""
     keyfile: str = ""
     client_ca: str = ""

@@ -90,30 +90,69 @@ class SyncBus:
     def lname(self) -> str:
         return self.bus.lname
 
-    def call(self, target: str, command: str, params: Any = None, *,
-             timeout: float | None = None, attachments: Sequence[Buffer] = (),
-             fds: Sequence[int] = ()) -> Any:
+    def call(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        fds: Sequence[int] = (),
+    ) -> Any:
         """Blocking :meth:`msgq_trio.Bus.call`."""
-        return self._run(self.bus.call, target, command, params, timeout=timeout,
-                         attachments=attachments, fds=fds)
+        return self._run(
+            self.bus.call,
+            target,
+            command,
+            params,
+            timeout=timeout,
+            attachments=attachments,
+            fds=fds,
+        )
 
-    def request(self, target: str, command: str, params: Any = None, *,
-                timeout: float | None = None, attachments: Sequence[Buffer] = (),
-                fds: Sequence[int] = ()) -> Message:
+    def request(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        fds: Sequence[int] = (),
+    ) -> Message:
         """Blocking :meth:`msgq_trio.Bus.request`: the whole answer, with its descriptors."""
-        return self._run(self.bus.request, target, command, params,  # type: ignore[no-any-return]
-                         timeout=timeout, attachments=attachments, fds=fds)
+        return self._run(  # type: ignore[no-any-return]
+            self.bus.request,
+            target,
+            command,
+            params,
+            timeout=timeout,
+            attachments=attachments,
+            fds=fds,
+        )
 
-    def call_all(self, group: str, command: str, params: Any = None, *,
-                 timeout: float | None = None) -> list[Result]:
+    def call_all(
+        self, group: str, command: str, params: Any = None, *, timeout: float | None = None
+    ) -> list[Result]:
         return list(self._run(self.bus.call_all, group, command, params, timeout=timeout))
 
-    def call_many(self, requests: Sequence[tuple[str, str] | tuple[str, str, Any]], *,
-                  timeout: float | None = None) -> list[Result]:
+    def call_many(
+        self,
+        requests: Sequence[tuple[str, str] | tuple[str, str, Any]],
+        *,
+        timeout: float | None = None,
+    ) -> list[Result]:
         return list(self._run(self.bus.call_many, requests, timeout=timeout))
 
-    def send(self, target: str, body: Any = None, attachments: Sequence[Buffer] = (), *,
-             fds: Sequence[int] = ()) -> None:
+    def send(
+        self,
+        target: str,
+        body: Any = None,
+        attachments: Sequence[Buffer] = (),
+        *,
+        fds: Sequence[int] = (),
+    ) -> None:
         """Queue a message and wait until it is written to the socket."""
 
         async def send_and_flush() -> None:
@@ -205,16 +244,20 @@ class SyncQueue:
         "duplicate"."""
         return str(self._sbus._run(self._q.put, body, seq=seq))
 
-    def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
-                 ) -> dict[str, int]:
+    def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None) -> dict[str, int]:
         return dict(self._sbus._run(self._q.put_many, bodies, first_seq=first_seq))
 
-    def send(self, body: Any, attachments: Sequence[bytes] = (), *, anycast: bool = False,
-             seq: int | None = None) -> str:
+    def send(
+        self,
+        body: Any,
+        attachments: Sequence[bytes] = (),
+        *,
+        anycast: bool = False,
+        seq: int | None = None,
+    ) -> str:
         """A one-way message to the group the queue is bound to, with a producer ack
         (:meth:`msgq_trio.client.queue.Queue.send`)."""
-        return str(self._sbus._run(self._q.send, body, attachments, anycast=anycast,
-                                   seq=seq))
+        return str(self._sbus._run(self._q.send, body, attachments, anycast=anycast, seq=seq))
 
     def fetch(self, n: int = 1, *, ack_timeout: float | None = None) -> list[SyncQueueMessage]:
         got = self._sbus._run(self._q.fetch, n, ack_timeout=ack_timeout)
@@ -230,8 +273,9 @@ class SyncQueue:
     def producer_state(self) -> int:
         return int(self._sbus._run(self._q.producer_state))
 
-    def consume(self, window: int = 1, *, ack_timeout: float | None = None,
-                timeout: float | None = None) -> Iterator[SyncQueueMessage]:
+    def consume(
+        self, window: int = 1, *, ack_timeout: float | None = None, timeout: float | None = None
+    ) -> Iterator[SyncQueueMessage]:
         """Push consumer: yields messages (ack each with ``m.ack()``). Stops with
         TimeoutError if nothing arrives within ``timeout``; closing the generator (or
         leaving the ``for``) cancels the consumer."""

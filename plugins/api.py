@@ -53,9 +53,7 @@ class Plugin(Protocol):
         """
         ...
 
-    async def run(
-        self, socket: Path, settings: Any, *, task_status: trio.TaskStatus[None]
-    ) -> None:
+    async def run(self, socket: Path, settings: Any, *, task_status: trio.TaskStatus[None]) -> None:
         """Serve until cancelled or the bus connection is lost, in the plugin process.
 
         Call ``task_status.started()`` once the plugin is ready (connected, subscribed,

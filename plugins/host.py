@@ -78,8 +78,7 @@ async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3:
-        print("usage: python -m msgq_trio.plugins.host NAME SOCKET SETTINGS-JSON",
-              file=sys.stderr)
+        print("usage: python -m msgq_trio.plugins.host NAME SOCKET SETTINGS-JSON", file=sys.stderr)
         return 2
     name, socket, raw = args
     logging.basicConfig(

@@ -102,9 +102,7 @@ class PluginSupervisor:
                 return
             if trio.current_time() - began > HEALTHY_AFTER:
                 delay = BACKOFF_INITIAL
-            log.error(
-                "plugin %s exited with status %s; restarting in %.1f s", name, status, delay
-            )
+            log.error("plugin %s exited with status %s; restarting in %.1f s", name, status, delay)
             await trio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
             self.restarts[name] += 1
@@ -113,11 +111,15 @@ class PluginSupervisor:
         self, name: str, table: dict[str, Any], first: trio.TaskStatus[None] | None
     ) -> tuple[int | None, bool]:
         """Run the plugin process once; returns (exit status, whether it got ready)."""
-        argv = [sys.executable, "-m", "msgq_trio.plugins.host", name, str(self.socket),
-                json.dumps(table)]
-        proc = await trio.lowlevel.open_process(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
+        argv = [
+            sys.executable,
+            "-m",
+            "msgq_trio.plugins.host",
+            name,
+            str(self.socket),
+            json.dumps(table),
+        ]
+        proc = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert proc.stdout is not None
         ready = False
         try:

@@ -211,9 +211,7 @@ class QueueStore(Protocol):
         """
         ...
 
-    def delete_batch(
-        self, queue: str, seqs: Collection[int], *, cursor: int | None = None
-    ) -> int:
+    def delete_batch(self, queue: str, seqs: Collection[int], *, cursor: int | None = None) -> int:
         """Remove the messages ``seqs`` (acked) from ``queue`` in one transaction.
 
         Seqs that are not stored (never assigned, already deleted, moved) are ignored and

@@ -135,8 +135,7 @@ def release_mapped_pages(path: str) -> int:
         if len(fields) < 6 or fields[5].rstrip("\n") != real:
             continue
         start, end = (int(x, 16) for x in fields[0].split("-"))
-        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                         _MADV_DONTNEED) == 0:
+        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
             released += end - start
     return released
 
@@ -370,8 +369,7 @@ class LmdbQueueStore(LockedStore):
                 txn.abort()
                 if self._file_system_full():
                     raise StorageFull(
-                        f"the file system of {self._path!r} is full ({exc}); nothing was "
-                        "written"
+                        f"the file system of {self._path!r} is full ({exc}); nothing was written"
                     ) from exc
                 raise _translate(exc) from exc
             except BaseException:
@@ -474,7 +472,8 @@ class LmdbQueueStore(LockedStore):
                 if added != len(records):
                     raise StorageCorrupt(
                         f"{len(records) - added} of {len(records)} new messages were "
-                        "already stored: a queue's next_seq is behind its messages")
+                        "already stored: a queue's next_seq is behind its messages"
+                    )
                 return
             for key, value in records:
                 if key > last:
@@ -543,8 +542,11 @@ class LmdbQueueStore(LockedStore):
         raised: dict[tuple[str, str], int],
     ) -> _Outcome[list[int | None]]:
         # Resolve every queue before storing anything; UnknownQueue aborts the batch.
-        queues = list(dict.fromkeys([*(item.queue for item in items),
-                                     *(queue for queue, _producer in raised)]))
+        queues = list(
+            dict.fromkeys(
+                [*(item.queue for item in items), *(queue for queue, _producer in raised)]
+            )
+        )
         for name in queues:
             self._qid(name)
         metas = {name: self._load_meta(txn, name) for name in queues}
@@ -601,9 +603,7 @@ class LmdbQueueStore(LockedStore):
             counters[name].batches = 1
         return _Outcome(result, changed_queues | marked, counters)
 
-    def delete_batch(
-        self, queue: str, seqs: Collection[int], *, cursor: int | None = None
-    ) -> int:
+    def delete_batch(self, queue: str, seqs: Collection[int], *, cursor: int | None = None) -> int:
         wanted = check_seqs(seqs)
         if cursor is not None:
             check_int(cursor, "cursor", 0)

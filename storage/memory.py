@@ -165,9 +165,7 @@ class MemoryQueueStore(LockedStore):
                 self._count(name).add(counters)
             return result
 
-    def delete_batch(
-        self, queue: str, seqs: Collection[int], *, cursor: int | None = None
-    ) -> int:
+    def delete_batch(self, queue: str, seqs: Collection[int], *, cursor: int | None = None) -> int:
         wanted = check_seqs(seqs)
         if cursor is not None:
             check_int(cursor, "cursor", 0)

@@ -90,8 +90,9 @@ class BrokerProcess:
         expect_exit: set when the test stopped or killed it (teardown then checks nothing).
     """
 
-    def __init__(self, path: Path, proc: subprocess.Popen[bytes], log_path: Path,
-                 argv: list[str]) -> None:
+    def __init__(
+        self, path: Path, proc: subprocess.Popen[bytes], log_path: Path, argv: list[str]
+    ) -> None:
         self.path = path
         self.proc = proc
         self.pid = proc.pid
@@ -115,8 +116,10 @@ class BrokerProcess:
             if not missing:
                 return text
             if time.monotonic() > deadline:
-                raise AssertionError(f"broker log lacks {missing!r} after {timeout} s:\n"
-                                     + "\n".join(text.splitlines()[-30:]))
+                raise AssertionError(
+                    f"broker log lacks {missing!r} after {timeout} s:\n"
+                    + "\n".join(text.splitlines()[-30:])
+                )
             time.sleep(0.02)
 
     def send_signal(self, sig: int) -> None:
@@ -144,8 +147,7 @@ class BrokerProcess:
 
 def make_broker_argv(path: Path, *flags: str, log_level: str = "INFO") -> list[str]:
     """The command line of ``msgq-trio serve`` on ``path`` with extra flags."""
-    return [PY, "-m", "msgq_trio", "--log-level", log_level, "serve", "--socket", str(path),
-            *flags]
+    return [PY, "-m", "msgq_trio", "--log-level", log_level, "serve", "--socket", str(path), *flags]
 
 
 @pytest.fixture
@@ -155,15 +157,15 @@ def broker_argv() -> Callable[..., list[str]]:
     return make_broker_argv
 
 
-def launch_broker(path: Path, *flags: str, log_level: str = "INFO",
-                  prefix: tuple[str, ...] = ()) -> BrokerProcess:
+def launch_broker(
+    path: Path, *flags: str, log_level: str = "INFO", prefix: tuple[str, ...] = ()
+) -> BrokerProcess:
     """Start a broker process and wait until it prints that it is listening. ``prefix``
     is put before the command (``ip netns exec NS``: it execs, so the pid is the broker)."""
     log_path = path.with_name(path.name + ".log")
     argv = [*prefix, *make_broker_argv(path, *flags, log_level=log_level)]
     with open(log_path, "wb") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
     bp = BrokerProcess(path, proc, log_path, argv)
     assert proc.stdout is not None
     reader = LineReader(proc.stdout.fileno())
@@ -177,7 +179,8 @@ def launch_broker(path: Path, *flags: str, log_level: str = "INFO",
         proc.wait(STOP_TIMEOUT)
         bp.close_pipes()
         raise RuntimeError(
-            f"broker did not start (status {proc.returncode}, stdout {line!r}):\n{bp.log()}")
+            f"broker did not start (status {proc.returncode}, stdout {line!r}):\n{bp.log()}"
+        )
     return bp
 
 
@@ -199,20 +202,24 @@ def _finish_broker(b: BrokerProcess) -> list[str]:
                 problems.append(f"broker {b.pid} ignored SIGTERM for {STOP_TIMEOUT} s")
                 return problems
             if rc != 0:
-                problems.append(f"broker {b.pid} exited with status {rc} after SIGTERM:\n"
-                                f"{b.log()[-3000:]}")
+                problems.append(
+                    f"broker {b.pid} exited with status {rc} after SIGTERM:\n{b.log()[-3000:]}"
+                )
             if os.path.lexists(b.path):
                 problems.append(f"broker {b.pid} left its socket file {b.path} behind")
         elif not b.expect_exit:
-            problems.append(f"broker {b.pid} died during the test with status "
-                            f"{b.proc.returncode}:\n{b.log()[-3000:]}")
+            problems.append(
+                f"broker {b.pid} died during the test with status "
+                f"{b.proc.returncode}:\n{b.log()[-3000:]}"
+            )
     finally:
         b.close_pipes()
     log = b.log()
     for marker in ("Traceback", "internal error"):
         if marker in log:
-            problems.append(f"broker {b.pid} logged {marker!r} (a bug in the broker):\n"
-                            f"{log[-3000:]}")
+            problems.append(
+                f"broker {b.pid} logged {marker!r} (a bug in the broker):\n{log[-3000:]}"
+            )
             break
     return problems
 
@@ -229,8 +236,9 @@ def broker_factory(short_tmp: Path) -> Iterator[Callable[..., BrokerProcess]]:
     """
     started: list[BrokerProcess] = []
 
-    def start(*flags: str, path: Path | None = None, log_level: str = "INFO",
-              prefix: tuple[str, ...] = ()) -> BrokerProcess:
+    def start(
+        *flags: str, path: Path | None = None, log_level: str = "INFO", prefix: tuple[str, ...] = ()
+    ) -> BrokerProcess:
         p = path if path is not None else short_tmp / f"b{len(started)}.sock"
         b = launch_broker(p, *flags, log_level=log_level, prefix=prefix)
         started.append(b)
@@ -250,7 +258,7 @@ def broker(broker_factory: Callable[..., BrokerProcess]) -> BrokerProcess:
 
 
 # -- helper client processes (so a test can SIGKILL a real client) ----------------------------
-CLIENT_SCRIPT = textwrap.dedent('''
+CLIENT_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from contextlib import AsyncExitStack
     import trio
@@ -296,7 +304,7 @@ CLIENT_SCRIPT = textwrap.dedent('''
             await trio.sleep_forever()
 
     trio.run(main)
-''')
+""")
 
 
 class ClientProcess:
@@ -306,8 +314,9 @@ class ClientProcess:
     ``hang`` handlers print ``got <lname> <command> <params-json>`` when a request arrives.
     """
 
-    def __init__(self, proc: subprocess.Popen[bytes], lnames: list[str],
-                 reader: LineReader, log_path: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], lnames: list[str], reader: LineReader, log_path: Path
+    ) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.lnames = lnames
@@ -337,8 +346,9 @@ class ClientProcess:
 
 
 @pytest.fixture
-def spawn_client(broker_factory: Callable[..., BrokerProcess],
-                 short_tmp: Path) -> Iterator[Callable[..., ClientProcess]]:
+def spawn_client(
+    broker_factory: Callable[..., BrokerProcess], short_tmp: Path
+) -> Iterator[Callable[..., ClientProcess]]:
     """``spawn(socket, name=..., groups=(), commands={}, count=1, flood=None)`` starts a
     helper client process and waits until all its connections are subscribed and serving.
     With ``flood={"target": T, "size": N}`` its first connection then sends N-byte
@@ -348,16 +358,32 @@ def spawn_client(broker_factory: Callable[..., BrokerProcess],
     """
     procs: list[ClientProcess] = []
 
-    def spawn(socket: Path, *, name: str = "helper", groups: tuple[str, ...] | list[str] = (),
-              commands: dict[str, str] | None = None, count: int = 1,
-              flood: dict[str, Any] | None = None, timeout: float = 30.0) -> ClientProcess:
-        cfg = {"socket": str(socket), "name": name, "groups": list(groups),
-               "commands": commands or {}, "count": count, "flood": flood}
+    def spawn(
+        socket: Path,
+        *,
+        name: str = "helper",
+        groups: tuple[str, ...] | list[str] = (),
+        commands: dict[str, str] | None = None,
+        count: int = 1,
+        flood: dict[str, Any] | None = None,
+        timeout: float = 30.0,
+    ) -> ClientProcess:
+        cfg = {
+            "socket": str(socket),
+            "name": name,
+            "groups": list(groups),
+            "commands": commands or {},
+            "count": count,
+            "flood": flood,
+        }
         log_path = short_tmp / f"client{len(procs)}.log"
         with open(log_path, "wb") as err:
-            proc = subprocess.Popen([PY, "-c", CLIENT_SCRIPT, json.dumps(cfg)],
-                                    stdout=subprocess.PIPE, stderr=err,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [PY, "-c", CLIENT_SCRIPT, json.dumps(cfg)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
         assert proc.stdout is not None
         reader = LineReader(proc.stdout.fileno())
         cp = ClientProcess(proc, [], reader, log_path)
@@ -368,8 +394,10 @@ def spawn_client(broker_factory: Callable[..., BrokerProcess],
         except TimeoutError:
             info = ready = None
         if ready != "ready" or info is None:
-            raise RuntimeError(f"helper client did not start: {info!r} {ready!r}\n"
-                               f"{log_path.read_text(errors='replace')}")
+            raise RuntimeError(
+                f"helper client did not start: {info!r} {ready!r}\n"
+                f"{log_path.read_text(errors='replace')}"
+            )
         cp.lnames = json.loads(info)["lnames"]
         return cp
 
@@ -378,8 +406,9 @@ def spawn_client(broker_factory: Callable[..., BrokerProcess],
         cp.close()
 
 
-async def _call_paused_then_kill(caller: Any, flooder: ClientProcess,
-                                 timeout: float) -> list[BaseException]:
+async def _call_paused_then_kill(
+    caller: Any, flooder: ClientProcess, timeout: float
+) -> list[BaseException]:
     """Wait until the broker has paused a reader (its stats: no event announces a
     pause), call ``flooder``'s ``work`` command (a ``hang`` handler), SIGKILL the flooder
     once the request reached it, and return what the call raised."""
@@ -428,11 +457,13 @@ class RawPeer:
     async def send_frame(self, ftype: int, **kw: Any) -> None:
         await self.stream.send_all(b"".join(bytes(p) for p in encode_frame(ftype, **kw)))
 
-    async def hello(self, name: str = "raw", version: int = PROTOCOL_VERSION,
-                    **extra: Any) -> Frame:
+    async def hello(
+        self, name: str = "raw", version: int = PROTOCOL_VERSION, **extra: Any
+    ) -> Frame:
         """Send HELLO; return the broker's answer (WELCOME or ERROR)."""
-        await self.send_frame(FrameType.HELLO,
-                              header=encode_cbor({"version": version, "name": name, **extra}))
+        await self.send_frame(
+            FrameType.HELLO, header=encode_cbor({"version": version, "name": name, **extra})
+        )
         frame = await self.receive_frame()
         assert frame is not None, "broker closed the connection instead of answering HELLO"
         if frame.type == FrameType.WELCOME:
@@ -442,9 +473,13 @@ class RawPeer:
     async def subscribe(self, group: str, request_id: int = 1) -> None:
         """Ask the broker to subscribe this peer to ``group``; the next frame must be the
         REPLY (call it before anything else can arrive)."""
-        await self.send_frame(FrameType.REQUEST, target="msgq", request_id=request_id,
-                              header=encode_cbor({"cmd": "subscribe"}),
-                              body=encode_cbor({"group": group}))
+        await self.send_frame(
+            FrameType.REQUEST,
+            target="msgq",
+            request_id=request_id,
+            header=encode_cbor({"cmd": "subscribe"}),
+            body=encode_cbor({"group": group}),
+        )
         reply = await self.receive_frame()
         assert reply is not None and reply.type == FrameType.REPLY, reply
         assert reply.request_id == request_id

@@ -16,14 +16,22 @@ pytest.importorskip("sphinx", reason="sphinx is in the dev extra: pip install -e
 
 #: Objects the reference must describe (anchors in the HTML), one per public area.
 EXPECTED = {
-    "client.html": ["msgq_trio.connect", "msgq_trio.Bus.call", "msgq_trio.Bus.subscribe",
-                    "msgq_trio.Message.body", "msgq_trio.connect_direct",
-                    "msgq_trio.DirectBus.call"],
+    "client.html": [
+        "msgq_trio.connect",
+        "msgq_trio.Bus.call",
+        "msgq_trio.Bus.subscribe",
+        "msgq_trio.Message.body",
+        "msgq_trio.connect_direct",
+        "msgq_trio.DirectBus.call",
+    ],
     "sync.html": ["msgq_trio.sync.connect", "msgq_trio.sync.SyncBus"],
     "queue.html": ["msgq_trio.client.queue.Queue", "msgq_trio.client.queue.QueueMessage"],
     "pipe.html": ["msgq_trio.client.pipe.PipeReader", "msgq_trio.client.pipe.PipeWriter"],
-    "errors.html": ["msgq_trio.errors.RpcError", "msgq_trio.errors.NoRecipient",
-                    "msgq_trio.errors.ConnectError"],
+    "errors.html": [
+        "msgq_trio.errors.RpcError",
+        "msgq_trio.errors.NoRecipient",
+        "msgq_trio.errors.ConnectError",
+    ],
 }
 
 
@@ -32,9 +40,26 @@ def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
     ``--keep-going`` lists them all) and the pages hold the public names."""
     out = tmp_path / "html"
     r = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-         "-d", str(tmp_path / "doctrees"), str(ROOT / "docs" / "api"), str(out)],
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(ROOT / "docs" / "api"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-5000:]
     for page, names in EXPECTED.items():
         html = (out / page).read_text()

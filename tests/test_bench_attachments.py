@@ -13,9 +13,26 @@ from pathlib import Path
 def test_attachment_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "attach.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "msgq_trio.bench.attachments", "--blobs", "2", "--fds", "50",
-         "--repeat", "1", "--fair", "--timeout", "60", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, check=False,
+        [
+            sys.executable,
+            "-m",
+            "msgq_trio.bench.attachments",
+            "--blobs",
+            "2",
+            "--fds",
+            "50",
+            "--repeat",
+            "1",
+            "--fair",
+            "--timeout",
+            "60",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())

@@ -21,8 +21,17 @@ def test_backlog_harness_fills_restarts_and_drains(tmp_path: Path) -> None:
 
 
 def test_backlog_section_in_the_report() -> None:
-    report = run_bench([], [], quick=True, repeat=1, timeout=60, install=False,
-                       say=lambda _line: None, sections=["backlog"], backlog_messages=5_000)
+    report = run_bench(
+        [],
+        [],
+        quick=True,
+        repeat=1,
+        timeout=60,
+        install=False,
+        say=lambda _line: None,
+        sections=["backlog"],
+        backlog_messages=5_000,
+    )
     assert report["backlog"]["status"] == "ok", report["backlog"]
     assert report["backlog"]["messages"] == 5_000
     assert "backlog: 5,000 x 1024 B" in render(report)

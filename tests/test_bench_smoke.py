@@ -75,8 +75,7 @@ def test_bench_smoke_measures_the_direct_client(report: dict[str, Any]) -> None:
         _check_counts_and_figure(workload, results[workload]["runs"][0])
     for workload in ("one-way", "fan-out", "large"):
         assert results[workload]["status"] == "n/a", (workload, results[workload])
-    rr = {n: report["results"][n]["req-reply"]["median"]
-          for n in ("msgq_trio", "msgq_trio-direct")}
+    rr = {n: report["results"][n]["req-reply"]["median"] for n in ("msgq_trio", "msgq_trio-direct")}
     rows = [line for line in goal_table(report).splitlines() if "req/reply" in line]
     assert ("(direct client)" in rows[0]) == (rr["msgq_trio-direct"] < rr["msgq_trio"]), rows
     assert "busy polling off" not in rows[0]

@@ -56,8 +56,11 @@ def source_files() -> list[tuple[Path, str]]:
             rel = path.relative_to(directory).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             # The package a module's relative imports are resolved against.
-            pkg = ".".join([package, *parts[:-1]]) if path.name != "__init__.py" else \
-                ".".join([package, *parts])
+            pkg = (
+                ".".join([package, *parts[:-1]])
+                if path.name != "__init__.py"
+                else ".".join([package, *parts])
+            )
             files.append((path, pkg))
     return files
 
@@ -69,38 +72,45 @@ def test_there_are_files_to_check() -> None:
     assert any(p.name == "framing.py" for p, _ in source_files())
 
 
-@pytest.mark.parametrize("path,package", source_files(),
-                         ids=[str(p.relative_to(ROOT)) for p, _ in source_files()])
+@pytest.mark.parametrize(
+    "path,package", source_files(), ids=[str(p.relative_to(ROOT)) for p, _ in source_files()]
+)
 def test_pure_layers_do_not_import_trio_or_io(path: Path, package: str) -> None:
     """No module of msgq_trio/protocol, msgq_trio/core or storage/ imports trio or
     msgq_trio.io, directly or by a relative import, anywhere in the file."""
     assert violations(path.read_text(), package) == []
 
 
-@pytest.mark.parametrize("source,package", [
-    ("import trio", "msgq_trio.core"),
-    ("import trio.lowlevel as ll", "msgq_trio.core"),
-    ("from trio import sleep", "msgq_trio.protocol"),
-    ("def f():\n    import trio\n", "msgq_trio.core"),
-    ("from ..io import server", "msgq_trio.core"),
-    ("from ..io.server import Server", "msgq_trio.protocol"),
-    ("from .. import io", "msgq_trio.core"),
-    ("from msgq_trio.io.errors import coalesce", "msgq_trio.storage"),
-    ("from ..io import x", "msgq_trio.storage"),
-    ("import msgq_trio.io", "msgq_trio.storage"),
-])
+@pytest.mark.parametrize(
+    "source,package",
+    [
+        ("import trio", "msgq_trio.core"),
+        ("import trio.lowlevel as ll", "msgq_trio.core"),
+        ("from trio import sleep", "msgq_trio.protocol"),
+        ("def f():\n    import trio\n", "msgq_trio.core"),
+        ("from ..io import server", "msgq_trio.core"),
+        ("from ..io.server import Server", "msgq_trio.protocol"),
+        ("from .. import io", "msgq_trio.core"),
+        ("from msgq_trio.io.errors import coalesce", "msgq_trio.storage"),
+        ("from ..io import x", "msgq_trio.storage"),
+        ("import msgq_trio.io", "msgq_trio.storage"),
+    ],
+)
 def test_checker_catches_violations(source: str, package: str) -> None:
     """The checker itself flags every spelling of a forbidden import."""
     assert violations(source, package)
 
 
-@pytest.mark.parametrize("source,package", [
-    ("import trio_websocket", "msgq_trio.core"),
-    ("from ..protocol import framing", "msgq_trio.core"),
-    ("from .rpc import PendingReplies", "msgq_trio.core"),
-    ("import msgq_trio.iox", "msgq_trio.core"),
-    ("from . import codes", "msgq_trio.protocol"),
-])
+@pytest.mark.parametrize(
+    "source,package",
+    [
+        ("import trio_websocket", "msgq_trio.core"),
+        ("from ..protocol import framing", "msgq_trio.core"),
+        ("from .rpc import PendingReplies", "msgq_trio.core"),
+        ("import msgq_trio.iox", "msgq_trio.core"),
+        ("from . import codes", "msgq_trio.protocol"),
+    ],
+)
 def test_checker_allows_the_rest(source: str, package: str) -> None:
     """The checker does not flag look-alike or allowed imports."""
     assert violations(source, package) == []

@@ -57,14 +57,25 @@ def test_listed_packages_exist() -> None:
 def test_package_dir_mapping() -> None:
     """plugins/ and storage/ are mapped to msgq_trio.plugins and msgq_trio.storage."""
     mapping = setuptools_config()["package-dir"]
-    assert mapping == {"msgq_trio": "msgq_trio", "msgq_trio.plugins": "plugins",
-                       "msgq_trio.storage": "storage", **DATA_PACKAGES}
+    assert mapping == {
+        "msgq_trio": "msgq_trio",
+        "msgq_trio.plugins": "plugins",
+        "msgq_trio.storage": "storage",
+        **DATA_PACKAGES,
+    }
 
 
 def run_outside_repo(code: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    return subprocess.run([sys.executable, "-c", code], cwd="/tmp", capture_output=True,
-                          text=True, timeout=60, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
 
 
 def test_no_generic_top_level_modules_installed() -> None:
@@ -76,7 +87,8 @@ def test_no_generic_top_level_modules_installed() -> None:
         assert "ModuleNotFoundError" in r.stderr, r.stderr
     r = run_outside_repo(
         "import msgq_trio.storage, msgq_trio.plugins\n"
-        "print(msgq_trio.storage.__file__)\nprint(msgq_trio.plugins.__file__)")
+        "print(msgq_trio.storage.__file__)\nprint(msgq_trio.plugins.__file__)"
+    )
     assert r.returncode == 0, r.stderr
     storage_file, plugins_file = r.stdout.split()
     assert Path(storage_file).resolve() == ROOT / "storage" / "__init__.py"
@@ -85,9 +97,12 @@ def test_no_generic_top_level_modules_installed() -> None:
 
 def test_every_package_imports_from_outside() -> None:
     """Every package listed in pyproject.toml imports by its installed name from /tmp."""
-    packages = [p for p in setuptools_config()["packages"]  # type: ignore[union-attr]
-                if p not in DATA_PACKAGES]
-    r = run_outside_repo("import importlib, sys\n"
-                         f"for p in {packages!r}:\n"
-                         "    importlib.import_module(p)\n")
+    packages = [
+        p
+        for p in setuptools_config()["packages"]  # type: ignore[union-attr]
+        if p not in DATA_PACKAGES
+    ]
+    r = run_outside_repo(
+        f"import importlib, sys\nfor p in {packages!r}:\n    importlib.import_module(p)\n"
+    )
     assert r.returncode == 0, r.stderr

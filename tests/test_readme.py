@@ -37,8 +37,12 @@ def test_readme_example_runs(broker_factory: Any, index: int) -> None:
     broker = broker_factory(*(("--plugin", "pipe") if ".pipe(" in EXAMPLES[index] else ()))
     env = dict(os.environ, MSGQ_TRIO_SOCKET=str(broker.path))
     result = subprocess.run(
-        [sys.executable, "-c", EXAMPLES[index]], env=env, capture_output=True, text=True,
-        timeout=60, check=False,
+        [sys.executable, "-c", EXAMPLES[index]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     for line in EXPECTED[index]:

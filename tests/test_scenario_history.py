@@ -43,20 +43,23 @@ class H:
         key = f"{p}:{seq}"
         op_id, line = self._r(p).invoke("send", self.tick(), key=key, producer=p, seq=seq)
         self.lines.append(line)
-        self.lines.append(self._r(p).complete(op_id, outcome, "send", self.tick(), key=key,
-                                              **kw))
+        self.lines.append(self._r(p).complete(op_id, outcome, "send", self.tick(), key=key, **kw))
 
     def deliver(self, c: str, p: str, seq: int) -> None:
-        self.lines.append(self._r(c).event("deliver", self.tick(), key=f"{p}:{seq}",
-                                           producer=p, seq=seq))
+        self.lines.append(
+            self._r(c).event("deliver", self.tick(), key=f"{p}:{seq}", producer=p, seq=seq)
+        )
 
     def call(self, p: str, *outcomes: tuple[str, str | None]) -> None:
         op_id, line = self._r(p).invoke("call", self.tick())
         self.lines.append(line)
         for outcome, error in outcomes:
             # Written by hand: Recorder refuses a second completion (as it should).
-            self.lines.append(Recorder(p)._line(outcome, "call", op_id, self.tick(),
-                                                {"error": error} if error else {}))
+            self.lines.append(
+                Recorder(p)._line(
+                    outcome, "call", op_id, self.tick(), {"error": error} if error else {}
+                )
+            )
 
     def ops(self) -> list[Op]:
         return parse(self.lines, "test")
@@ -74,8 +77,10 @@ def clean() -> H:
 
 def test_a_clean_history_keeps_every_invariant() -> None:
     ops = clean().ops()
-    assert check(ops, order=True, allowed_errors=["recipient-gone"], silence=1.0,
-                 until=ops[-1].time) == []
+    assert (
+        check(ops, order=True, allowed_errors=["recipient-gone"], silence=1.0, until=ops[-1].time)
+        == []
+    )
 
 
 def test_a_lost_ack_is_named() -> None:
@@ -108,8 +113,11 @@ def test_duplicates_per_session_allow_a_redelivery_after_a_crash() -> None:
     h = H()
     h.send("p0", 1)
     for session in (1, 2, 2):
-        h.lines.append(Recorder("c0").event("deliver", h.tick(), key="p0:1", producer="p0",
-                                            seq=1, value={"session": session}))
+        h.lines.append(
+            Recorder("c0").event(
+                "deliver", h.tick(), key="p0:1", producer="p0", seq=1, value={"session": session}
+            )
+        )
     [v] = check_no_duplicates(h.ops(), per="session")
     assert [h.ops()[i].value["session"] for i in v.ops] == [2, 2]
     assert len(check_no_duplicates(h.ops(), per="process")[0].ops) == 3
@@ -135,15 +143,23 @@ def test_a_double_answer_a_missing_one_and_an_undocumented_error() -> None:
     h.call("p3", ("fail", "internal-error"))
     found = check_answered_once(h.ops(), allowed_errors=["recipient-gone", "timeout"])
     messages = [v.message for v in found]
-    assert any("call completed 2 times" in m and "p1 fail call (timeout)" in m
-               for m in messages), messages
+    assert any("call completed 2 times" in m and "p1 fail call (timeout)" in m for m in messages), (
+        messages
+    )
     assert any("call never completed" in m and "p2 invoke call" in m for m in messages)
     assert any("undocumented error 'internal-error'" in m for m in messages)
     assert len(found) == 3
     # A process the scenario killed may leave an operation open.
-    assert len(check_answered_once(h.ops(), allowed_errors=["recipient-gone", "timeout",
-                                                            "internal-error"],
-                                   ended=["p2"])) == 1
+    assert (
+        len(
+            check_answered_once(
+                h.ops(),
+                allowed_errors=["recipient-gone", "timeout", "internal-error"],
+                ended=["p2"],
+            )
+        )
+        == 1
+    )
 
 
 def test_silence_between_operations_and_at_the_end() -> None:
@@ -157,8 +173,10 @@ def test_silence_between_operations_and_at_the_end() -> None:
     assert any(m.startswith("p0 was silent for 5.0") for m in messages), messages
     assert any(m.startswith("c0 was silent for 5.0") for m in messages), messages
     assert any("p1 was silent for the last" in m for m in messages), messages
-    assert not any("p1 was silent for the last" in v.message
-                   for v in check_silence(ops, 2.0, until=ops[-1].time + 3.0, ended=["p1"]))
+    assert not any(
+        "p1 was silent for the last" in v.message
+        for v in check_silence(ops, 2.0, until=ops[-1].time + 3.0, ended=["p1"])
+    )
 
 
 def test_merge_orders_by_time_and_reindexes() -> None:
@@ -168,13 +186,16 @@ def test_merge_orders_by_time_and_reindexes() -> None:
     assert [(op.index, op.key) for op in merged] == [(0, "k1"), (1, "k2")]
 
 
-@pytest.mark.parametrize("line, why", [
-    ("{not json", "not JSON"),
-    ("[1]", "not a JSON object"),
-    ('{"process":"p","type":"done","f":"x","id":1,"time":0}', "type 'done'"),
-    ('{"process":"p","type":"ok","f":"x","time":0}', "'id' is missing"),
-    ('{"process":"p","type":"ok","f":"x","id":1,"time":0,"seq":"3"}', "'seq' is not"),
-])
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("{not json", "not JSON"),
+        ("[1]", "not a JSON object"),
+        ('{"process":"p","type":"done","f":"x","id":1,"time":0}', "type 'done'"),
+        ('{"process":"p","type":"ok","f":"x","time":0}', "'id' is missing"),
+        ('{"process":"p","type":"ok","f":"x","id":1,"time":0,"seq":"3"}', "'seq' is not"),
+    ],
+)
 def test_malformed_lines_are_refused_with_their_place(line: str, why: str) -> None:
     with pytest.raises(HistoryError, match=why) as info:
         parse(["", line], "roles/p.jsonl")

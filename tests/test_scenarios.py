@@ -216,7 +216,7 @@ def test_cli_usage_and_invalid_files(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 # -- user programs (role exec), plugins, history checks ----------------------------------------
-EXEC = '''
+EXEC = """
 summary = "s"
 fault = "f"
 broker_does = "b"
@@ -235,7 +235,7 @@ target = "queue"
 "plugin.queue.kills" = "== 1"
 [expect.history]
 silence = 20
-'''
+"""
 
 #: A user program: connects with the library's defaults (MSGQ_TRIO_SOCKET), puts into
 #: the queue the scenario's broker runs, joins a group, records a history by hand.
@@ -265,27 +265,36 @@ def _exec(tmp_path: Path, broken: str = "", ready: str = "line:ready") -> Path:
 
 
 @pytest.mark.parametrize("ready", ["line:ready", "member:Prog"])
-def test_exec_program_with_a_plugin_and_a_clean_history_passes(tmp_path: Path,
-                                                               ready: str) -> None:
+def test_exec_program_with_a_plugin_and_a_clean_history_passes(tmp_path: Path, ready: str) -> None:
     """A user program on a broker running the queue plugin: ready by a stdout line or
     by joining a group, the plugin killed once and restarted, its history checked."""
     result = run_scenario(_exec(tmp_path, ready=ready))
     assert result.passed, result.explain()
     assert result.metrics["history.ops"] == 3
-    assert {c.check for c in result.checks} >= {"history: lost", "history: duplicates",
-                                                 "history: answered-once", "history: silence"}
+    assert {c.check for c in result.checks} >= {
+        "history: lost",
+        "history: duplicates",
+        "history: answered-once",
+        "history: silence",
+    }
 
 
-@pytest.mark.parametrize(("broken", "why"), [
-    ("pass", "history check lost: 1 acked messages were never delivered: #1 prog-0 ok send k1"),
-    ('rec(type="ok", f="deliver", id=2, key="k1"); rec(type="ok", f="deliver", id=3, key="k1")',
-     "history check duplicates: message k1 delivered 2 times"),
-    ('rec(type="invoke", f="call", id=4)', "history check answered-once: call never completed"),
-    ('rec(type="ok", f="deliver", id=2, key="k1"); sys.exit(3)',
-     "program prog#0 (pid"),
-])
-def test_exec_program_breaking_an_invariant_fails_naming_it(tmp_path: Path, broken: str,
-                                                             why: str) -> None:
+@pytest.mark.parametrize(
+    ("broken", "why"),
+    [
+        ("pass", "history check lost: 1 acked messages were never delivered: #1 prog-0 ok send k1"),
+        (
+            'rec(type="ok", f="deliver", id=2, key="k1"); '
+            'rec(type="ok", f="deliver", id=3, key="k1")',
+            "history check duplicates: message k1 delivered 2 times",
+        ),
+        ('rec(type="invoke", f="call", id=4)', "history check answered-once: call never completed"),
+        ('rec(type="ok", f="deliver", id=2, key="k1"); sys.exit(3)', "program prog#0 (pid"),
+    ],
+)
+def test_exec_program_breaking_an_invariant_fails_naming_it(
+    tmp_path: Path, broken: str, why: str
+) -> None:
     result = run_scenario(_exec(tmp_path, broken))
     assert not result.passed
     assert why in result.explain(), result.explain()
@@ -295,9 +304,14 @@ def test_a_restarted_program_is_a_new_process_in_the_history(tmp_path: Path) -> 
     """The restart fault SIGKILLs a program and starts it again: a new process in the
     history (``prog-0.1``: its ids start again), and the killed one may leave an
     operation open while the new one may not."""
-    code = PROGRAM.replace("BROKEN", 'rec(type="ok", f="deliver", id=2, key="k1"); '
-                           'rec(type="invoke", f="call", id=3); await trio.sleep(60)')
-    p = _write(tmp_path, f"""
+    code = PROGRAM.replace(
+        "BROKEN",
+        'rec(type="ok", f="deliver", id=2, key="k1"); '
+        'rec(type="invoke", f="call", id=3); await trio.sleep(60)',
+    )
+    p = _write(
+        tmp_path,
+        f"""
 summary = "s"
 fault = "f"
 broker_does = "b"
@@ -319,7 +333,8 @@ target = "prog"
 [expect.counts]
 "prog.restarts" = "== 1"
 [expect.history]
-""")
+""",
+    )
     result = run_scenario(p)
     explained = result.explain()
     assert not result.passed
@@ -335,9 +350,11 @@ def test_exec_and_plugin_keys_are_validated(tmp_path: Path) -> None:
         (good.replace('ready = "line:ready"', 'ready = "stdout:ready"'), "params.ready"),
         (good.replace('plugins = ["queue"]', 'plugins = ["nosuch"]'), "broker.plugins"),
         (good.replace('target = "queue"', 'target = "pipe"'), "faults[0].target"),
-        (good.replace("silence = 20", "silence = 20\nduplicates_per = \"member\""),
-         "expect.history.duplicates_per"),
-        (good.replace('command = [', 'command = [], x = ['), "params.x"),
+        (
+            good.replace("silence = 20", 'silence = 20\nduplicates_per = "member"'),
+            "expect.history.duplicates_per",
+        ),
+        (good.replace("command = [", "command = [], x = ["), "params.x"),
     ]:
         with pytest.raises(ScenarioError, match=where.replace("[", r"\[")):
             load_scenario(_write(tmp_path, bad))
@@ -360,12 +377,27 @@ def test_cli_repeat_seed_and_junit(tmp_path: Path, capsys: pytest.CaptureFixture
     ``--junit`` has one testcase per run, failures with what failed."""
     p = _write(tmp_path, SEEDED)
     junit, results = tmp_path / "junit.xml", tmp_path / "r.jsonl"
-    status = scenario_cli.main(["run", str(p), "--repeat", "3", "--seed", "4", "--junit",
-                                str(junit), "--results", str(results)])
+    status = scenario_cli.main(
+        [
+            "run",
+            str(p),
+            "--repeat",
+            "3",
+            "--seed",
+            "4",
+            "--junit",
+            str(junit),
+            "--results",
+            str(results),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 1
     assert [line.split()[0] for line in out.splitlines() if "seed" in line.split()[-2:]] == [
-        "FAIL", "PASS", "FAIL"]
+        "FAIL",
+        "PASS",
+        "FAIL",
+    ]
     assert [json.loads(x)["seed"] for x in results.read_text().splitlines()] == [4, 5, 6]
     suite = ET.parse(junit).getroot()
     assert (suite.get("tests"), suite.get("failures")) == ("3", "2")
@@ -379,8 +411,9 @@ def test_cli_repeat_seed_and_junit(tmp_path: Path, capsys: pytest.CaptureFixture
     assert info.value.code == 2
 
 
-def test_cli_new_writes_a_template_that_runs(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_new_writes_a_template_that_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``scenario new NAME`` writes NAME.toml: a commented template that validates and
     passes as written (a user program restarted under a built-in caller), and is never
     overwritten."""
@@ -397,29 +430,42 @@ def test_cli_new_writes_a_template_that_runs(tmp_path: Path,
     assert path.read_text() == text
 
 
-@pytest.mark.parametrize(("flag", "why"), [
-    ("--swallow", "history check answered-once: call failed with an undocumented error "
-                  "'timeout' (documented: ['recipient-gone']): #"),
-    # By the last version every server has joined; auth-1 is the one the scenario kills
-    # (then it is not owed anything), auth-1.1 its restart (owed it if it joined first).
-    ("--drop-config", r"history check reaches-each: config:20 was acked but never reached "
-                      r"auth-0, (auth-1\.1, )?auth-2: #\d+ cfgmgr-0 ok send config:20"),
-])
+@pytest.mark.parametrize(
+    ("flag", "why"),
+    [
+        (
+            "--swallow",
+            "history check answered-once: call failed with an undocumented error "
+            "'timeout' (documented: ['recipient-gone']): #",
+        ),
+        # By the last version every server has joined; auth-1 is the one the scenario kills
+        # (then it is not owed anything), auth-1.1 its restart (owed it if it joined first).
+        (
+            "--drop-config",
+            r"history check reaches-each: config:20 was acked but never reached "
+            r"auth-0, (auth-1\.1, )?auth-2: #\d+ cfgmgr-0 ok send config:20",
+        ),
+    ],
+)
 def test_the_example_system_broken_is_caught_naming_the_operations(
-        tmp_path: Path, flag: str, why: str) -> None:
+    tmp_path: Path, flag: str, why: str
+) -> None:
     """The example DNS system's scenario with a deliberately broken auth server (one that
     swallows queries, one that acks a config push without applying it) fails, and the
     failure names the operations that break the promise."""
     text = (SCENARIO_DIR / "example-dns-auth-restart.toml").read_text()
-    text = text.replace('"msgq_trio.scenario.examples.auth"]',
-                        f'"msgq_trio.scenario.examples.auth", "{flag}"]')
-    text = text.replace('"200", "--rate", "100", "--timeout", "10"',
-                        '"20", "--rate", "100", "--timeout", "0.5"')
+    text = text.replace(
+        '"msgq_trio.scenario.examples.auth"]', f'"msgq_trio.scenario.examples.auth", "{flag}"]'
+    )
+    text = text.replace(
+        '"200", "--rate", "100", "--timeout", "10"', '"20", "--rate", "100", "--timeout", "0.5"'
+    )
     assert '"0.5"' in text
     result = run_scenario(_write(tmp_path, text))
     assert not result.passed
-    assert re.search(why if flag == "--drop-config" else re.escape(why), result.explain()), \
+    assert re.search(why if flag == "--drop-config" else re.escape(why), result.explain()), (
         result.explain()
+    )
 
 
 ARMED = """
@@ -446,21 +492,27 @@ trio.run(main)
 def test_a_fault_triggered_by_an_event_waits_for_it(tmp_path: Path, when: str) -> None:
     """``when`` holds a fault until its event (a program's stdout line, N recorded
     operations): the restart strikes after the program armed, not at ``at = 0``."""
-    p = _write(tmp_path, f"""
+    p = _write(
+        tmp_path,
+        f"""
 summary = "s"
 fault = "f"
 broker_does = "b"
 [[clients]]
 name = "prog"
 role = "exec"
-params = {{ command = ["{{python}}", "-c", {json.dumps(ARMED)}], ready = "line:ready", service = true }}
+[clients.params]
+command = ["{{python}}", "-c", {json.dumps(ARMED)}]
+ready = "line:ready"
+service = true
 [[faults]]
 at = 0
 when = "{when}"
 action = "restart"
 target = "prog"
 [expect.history]
-""")  # noqa: E501
+""",
+    )
     result = run_scenario(p)
     assert result.passed, result.explain()
     # start + armed by prog-0 (the restart came after it armed), start by prog-0.1
@@ -470,7 +522,10 @@ target = "prog"
 def test_fault_triggers_are_validated(tmp_path: Path) -> None:
     base = MINIMAL + '[[faults]]\nat = 0\naction = "sigkill"\ntarget = "sub"\nwhen = "{}"\n'
     assert load_scenario(_write(tmp_path, base.format("member:Feed>=2"))).faults[0].when == (
-        "member", "Feed", 2)
+        "member",
+        "Feed",
+        2,
+    )
     for bad in ("member:", "line:nobody:x", "line:sub", "ops:many", "soon"):
         with pytest.raises(ScenarioError, match=r"faults\[0\]\.when"):
             load_scenario(_write(tmp_path, base.format(bad)))
@@ -483,7 +538,7 @@ def test_queue_disk_keys_are_validated(tmp_path: Path) -> None:
         ('queue_disk = "24 MiB"', 'queue_disk = "1 MiB"', "broker.queue_disk: at least"),
         ('plugins = ["queue"]', 'plugins = ["queue", "pipe"]\n', None),
         ('queue_disk = "24 MiB"\n', "", "needs target"),
-        ('[broker.plugin.queue.queues.df]', '[broker.plugin.queue]\ndir = "/x"', "cannot be set"),
+        ("[broker.plugin.queue.queues.df]", '[broker.plugin.queue]\ndir = "/x"', "cannot be set"),
     ]:
         bad = text.replace(old, new)
         if where is None:

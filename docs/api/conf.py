@@ -31,7 +31,6 @@ autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
-napoleon_custom_sections = [("Resource handling", "notes_style"),
-                            ("Error handling", "notes_style")]
+napoleon_custom_sections = [("Resource handling", "notes_style"), ("Error handling", "notes_style")]
 exclude_patterns = ["_build"]
 html_theme = "alabaster"

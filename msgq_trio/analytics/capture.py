@@ -74,12 +74,31 @@ def capture_schema() -> Any:
 
     s, i, d, b = T.StringType(), T.LongType(), T.DoubleType(), T.BooleanType()
     fields = [
-        ("ts", d), ("seq", i), ("kind", s), ("sender", s), ("sender_name", s),
-        ("on_behalf_of", s), ("target", s), ("request_id", i), ("reply_to", i), ("all", b),
-        ("size", i), ("attachments", i), ("fds", i), ("outcome", s), ("recipients", s),
-        ("command", s), ("event", s), ("code", s), ("error_message", s), ("body", s),
-        ("body_encoding", s), ("dropped", i), ("dropped_total", i),
-        ("broker_instance", s), ("broker_started", d),
+        ("ts", d),
+        ("seq", i),
+        ("kind", s),
+        ("sender", s),
+        ("sender_name", s),
+        ("on_behalf_of", s),
+        ("target", s),
+        ("request_id", i),
+        ("reply_to", i),
+        ("all", b),
+        ("size", i),
+        ("attachments", i),
+        ("fds", i),
+        ("outcome", s),
+        ("recipients", s),
+        ("command", s),
+        ("event", s),
+        ("code", s),
+        ("error_message", s),
+        ("body", s),
+        ("body_encoding", s),
+        ("dropped", i),
+        ("dropped_total", i),
+        ("broker_instance", s),
+        ("broker_started", d),
     ]
     return T.StructType([T.StructField(n, t, True) for n, t in fields])
 
@@ -106,8 +125,12 @@ def read_capture(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     rec = F.col("recipients")
     return (
         df.where(F.col("kind").isNotNull())
-        .withColumn("recipients", F.when(rec == "true", F.lit(1)).when(rec == "false", F.lit(0))
-                    .otherwise(rec.cast("long")))
+        .withColumn(
+            "recipients",
+            F.when(rec == "true", F.lit(1))
+            .when(rec == "false", F.lit(0))
+            .otherwise(rec.cast("long")),
+        )
         .withColumn("broker_instance", F.coalesce(F.col("broker_instance"), F.lit("")))
         .withColumn("second", F.floor("ts").cast("long"))
         .withColumn("file", F.col("_metadata.file_path"))  # input_file_name() is deprecated
@@ -126,34 +149,57 @@ def requests_table(df: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     cmds = df.where(F.col("kind") == "command").select(
-        "broker_instance", F.col("sender").alias("caller"),
+        "broker_instance",
+        F.col("sender").alias("caller"),
         F.col("sender_name").alias("caller_name"),
-        "request_id", "target", "command", F.col("all").alias("call_all"), "recipients",
-        "outcome", F.col("ts").alias("cmd_ts"), F.col("seq").alias("cmd_seq"),
+        "request_id",
+        "target",
+        "command",
+        F.col("all").alias("call_all"),
+        "recipients",
+        "outcome",
+        F.col("ts").alias("cmd_ts"),
+        F.col("seq").alias("cmd_seq"),
         F.col("file").alias("cmd_file"),
     )
     replies = replies_of(df)
     joined = cmds.join(replies, on=REQUEST_KEY, how="left")
     callee = (F.col("replier") != BROKER) | (F.col("outcome") == "broker")
     on_behalf = (F.col("replier") == BROKER) & F.coalesce(
-        F.col("code").isin(*ON_BEHALF_CODES), F.lit(False))
+        F.col("code").isin(*ON_BEHALF_CODES), F.lit(False)
+    )
     grouped = joined.groupBy(
-        "broker_instance", "caller", "caller_name", "request_id", "target", "command",
-        "call_all", "recipients", "outcome", "cmd_ts", "cmd_seq", "cmd_file",
+        "broker_instance",
+        "caller",
+        "caller_name",
+        "request_id",
+        "target",
+        "command",
+        "call_all",
+        "recipients",
+        "outcome",
+        "cmd_ts",
+        "cmd_seq",
+        "cmd_file",
     ).agg(
         F.count("reply_kind").alias("replies"),
-        F.sum(F.when(callee & (F.col("reply_kind") == "answer"), 1).otherwise(0))
-        .alias("callee_answers"),
-        F.sum(F.when(callee & (F.col("reply_kind") == "error"), 1).otherwise(0))
-        .alias("callee_errors"),
+        F.sum(F.when(callee & (F.col("reply_kind") == "answer"), 1).otherwise(0)).alias(
+            "callee_answers"
+        ),
+        F.sum(F.when(callee & (F.col("reply_kind") == "error"), 1).otherwise(0)).alias(
+            "callee_errors"
+        ),
         F.sum(F.when(on_behalf, 1).otherwise(0)).alias("broker_on_behalf"),
-        F.sum(F.when((F.col("replier") == BROKER) & ~callee & ~on_behalf, 1).otherwise(0))
-        .alias("broker_refusals"),
-        F.min(F.when(callee & (F.col("reply_kind") == "error"), F.col("code")))
-        .alias("callee_code"),
+        F.sum(F.when((F.col("replier") == BROKER) & ~callee & ~on_behalf, 1).otherwise(0)).alias(
+            "broker_refusals"
+        ),
+        F.min(F.when(callee & (F.col("reply_kind") == "error"), F.col("code"))).alias(
+            "callee_code"
+        ),
         F.min(F.when(on_behalf, F.col("code"))).alias("on_behalf_code"),
-        F.min(F.when((F.col("replier") == BROKER) & ~callee & ~on_behalf, F.col("code")))
-        .alias("refusal_code"),
+        F.min(F.when((F.col("replier") == BROKER) & ~callee & ~on_behalf, F.col("code"))).alias(
+            "refusal_code"
+        ),
         F.max(F.when(callee, F.col("reply_ts"))).alias("last_callee_reply_ts"),
     )
     delivered = F.col("outcome").isin("delivered", "broker")
@@ -168,10 +214,14 @@ def requests_table(df: DataFrame) -> DataFrame:
     )
     reason = (
         F.when(F.col("outcome") == "no-recipient", F.lit("no-recipient"))
-        .when(~delivered | (F.col("broker_refusals") > 0),
-              F.coalesce(F.col("refusal_code"), F.concat(F.lit("refused/"), F.col("outcome"))))
-        .when(callee_replies < expected,
-              F.coalesce(F.col("on_behalf_code"), F.lit("no-reply-in-capture")))
+        .when(
+            ~delivered | (F.col("broker_refusals") > 0),
+            F.coalesce(F.col("refusal_code"), F.concat(F.lit("refused/"), F.col("outcome"))),
+        )
+        .when(
+            callee_replies < expected,
+            F.coalesce(F.col("on_behalf_code"), F.lit("no-reply-in-capture")),
+        )
         .when(F.col("callee_errors") > 0, F.col("callee_code"))
         .otherwise(F.lit(None).cast("string"))
     )
@@ -189,14 +239,19 @@ def replies_of(df: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     return df.where(
-        F.col("kind").isin("answer", "error") & F.col("reply_to").isNotNull()
+        F.col("kind").isin("answer", "error")
+        & F.col("reply_to").isNotNull()
         # eqNullSafe: answers have a null code, and a null condition drops the row
         & ~((F.col("sender") == BROKER) & F.col("code").eqNullSafe("no-recipient"))
     ).select(
-        "broker_instance", F.col("target").alias("caller"),
-        F.col("reply_to").alias("request_id"), F.col("sender").alias("replier"),
+        "broker_instance",
+        F.col("target").alias("caller"),
+        F.col("reply_to").alias("request_id"),
+        F.col("sender").alias("replier"),
         F.col("sender_name").alias("replier_name"),
-        F.col("kind").alias("reply_kind"), "code", "on_behalf_of",
+        F.col("kind").alias("reply_kind"),
+        "code",
+        "on_behalf_of",
         F.col("ts").alias("reply_ts"),
     )
 
@@ -206,13 +261,25 @@ def latency_pairs(df: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     cmds = df.where(F.col("kind") == "command").select(
-        "broker_instance", F.col("sender").alias("caller"), "request_id", "target",
-        "command", "outcome", F.col("ts").alias("cmd_ts"),
+        "broker_instance",
+        F.col("sender").alias("caller"),
+        "request_id",
+        "target",
+        "command",
+        "outcome",
+        F.col("ts").alias("cmd_ts"),
     )
     pairs = cmds.join(replies_of(df), on=REQUEST_KEY, how="inner")
     return pairs.where((F.col("replier") != BROKER) | (F.col("outcome") == "broker")).select(
-        "broker_instance", "target", "command", "caller", "request_id", "replier",
-        "reply_kind", "code", "cmd_ts",
+        "broker_instance",
+        "target",
+        "command",
+        "caller",
+        "request_id",
+        "replier",
+        "reply_kind",
+        "code",
+        "cmd_ts",
         _ms(F.greatest(F.col("reply_ts") - F.col("cmd_ts"), F.lit(0.0))).alias("latency_ms"),
     )
 
@@ -225,14 +292,17 @@ def latency_table(pairs: DataFrame) -> DataFrame:
         pairs.groupBy("target", "command")
         .agg(
             F.count("*").alias("replies"),
-            F.percentile_approx("latency_ms", [0.5, 0.95, 0.99], PERCENTILE_ACCURACY)
-            .alias("p"),
+            F.percentile_approx("latency_ms", [0.5, 0.95, 0.99], PERCENTILE_ACCURACY).alias("p"),
             F.max("latency_ms").alias("max_ms"),
         )
         .select(
-            "target", "command", "replies",
-            F.col("p")[0].alias("p50_ms"), F.col("p")[1].alias("p95_ms"),
-            F.col("p")[2].alias("p99_ms"), "max_ms",
+            "target",
+            "command",
+            "replies",
+            F.col("p")[0].alias("p50_ms"),
+            F.col("p")[1].alias("p95_ms"),
+            F.col("p")[2].alias("p99_ms"),
+            "max_ms",
         )
         .orderBy(F.desc("replies"), "target", "command")
     )
@@ -248,8 +318,11 @@ def _top(df: DataFrame, n: int, *order: Column | str) -> list[dict[str, Any]]:
     return _rows(df.orderBy(*order).limit(n))
 
 
-def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | None = None,
-                    ) -> tuple[dict[str, DataFrame], dict[str, Any]]:
+def analyze_capture(
+    df: DataFrame,
+    top: int = 20,
+    step: Callable[[str], None] | None = None,
+) -> tuple[dict[str, DataFrame], dict[str, Any]]:
     """The analysis of the capture records ``df`` (from :func:`read_capture`).
 
     Returns ``(tables, figures)``: ``tables`` are DataFrames, every per-key table among
@@ -268,10 +341,13 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
 
     step("capture: totals")
     totals = df.agg(
-        F.count("*").alias("records"), F.min("ts").alias("first_ts"),
-        F.max("ts").alias("last_ts"), F.sum("size").alias("bytes"),
-        F.sum(F.when(F.col("kind") == "capture-dropped", F.col("dropped")).otherwise(0))
-        .alias("capture_dropped"),
+        F.count("*").alias("records"),
+        F.min("ts").alias("first_ts"),
+        F.max("ts").alias("last_ts"),
+        F.sum("size").alias("bytes"),
+        F.sum(F.when(F.col("kind") == "capture-dropped", F.col("dropped")).otherwise(0)).alias(
+            "capture_dropped"
+        ),
         F.countDistinct("file").alias("files"),
         F.countDistinct("broker_instance").alias("broker_instances"),
     ).first()
@@ -282,8 +358,11 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
     fig["top"] = top
 
     brokers = df.groupBy("broker_instance").agg(
-        F.min("broker_started").alias("broker_started"), F.count("*").alias("records"),
-        F.min("ts").alias("first_ts"), F.max("ts").alias("last_ts"))
+        F.min("broker_started").alias("broker_started"),
+        F.count("*").alias("records"),
+        F.min("ts").alias("first_ts"),
+        F.max("ts").alias("last_ts"),
+    )
     tables["brokers"] = brokers
     fig["brokers"] = _top(brokers, top, "broker_started", "first_ts")
 
@@ -293,25 +372,40 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
     ).agg(F.count("*").alias("frames"), F.sum("size").alias("bytes"))
 
     step("capture: traffic per kind")
-    per_kind = frames.groupBy("kind").agg(F.count("*").alias("frames"),
-                                          F.sum("size").alias("bytes"))
+    per_kind = frames.groupBy("kind").agg(
+        F.count("*").alias("frames"), F.sum("size").alias("bytes")
+    )
     tables["per_kind"] = per_kind
     fig["per_kind"] = _rows(per_kind.orderBy("kind"))
 
     step("capture: top senders")
-    senders = frames.groupBy("broker_instance", "sender", "sender_name").agg(
-        F.count("*").alias("frames"), F.sum("size").alias("bytes"),
-        F.countDistinct("target").alias("targets")).persist()
+    senders = (
+        frames.groupBy("broker_instance", "sender", "sender_name")
+        .agg(
+            F.count("*").alias("frames"),
+            F.sum("size").alias("bytes"),
+            F.countDistinct("target").alias("targets"),
+        )
+        .persist()
+    )
     tables["senders"] = senders
-    fig["top_senders"] = _top(senders, top, desc("bytes"), desc("frames"),
-                              "broker_instance", "sender")
+    fig["top_senders"] = _top(
+        senders, top, desc("bytes"), desc("frames"), "broker_instance", "sender"
+    )
     step("capture: top targets")
-    targets = frames.groupBy("broker_instance", "target").agg(
-        F.count("*").alias("frames"), F.sum("size").alias("bytes"),
-        F.countDistinct("sender").alias("senders")).persist()
+    targets = (
+        frames.groupBy("broker_instance", "target")
+        .agg(
+            F.count("*").alias("frames"),
+            F.sum("size").alias("bytes"),
+            F.countDistinct("sender").alias("senders"),
+        )
+        .persist()
+    )
     tables["targets"] = targets
-    fig["top_targets"] = _top(targets, top, desc("bytes"), desc("frames"),
-                              "broker_instance", "target")
+    fig["top_targets"] = _top(
+        targets, top, desc("bytes"), desc("frames"), "broker_instance", "target"
+    )
 
     # traffic over time for the plot: at most MAX_PLOT_POINTS buckets per kind
     span = 0.0 if fig["first_ts"] is None else fig["last_ts"] - fig["first_ts"]
@@ -321,23 +415,36 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
     step("capture: traffic over time")
     fig["traffic_series"] = _rows(
         frames.withColumn("bucket", F.floor((F.col("second") - base) / width) * width + base)
-        .groupBy("bucket", "kind").agg(F.count("*").alias("frames"),
-                                       F.sum("size").alias("bytes"))
-        .orderBy("bucket", "kind"))
+        .groupBy("bucket", "kind")
+        .agg(F.count("*").alias("frames"), F.sum("size").alias("bytes"))
+        .orderBy("bucket", "kind")
+    )
 
     step("capture: pairing requests")
     requests = requests_table(df).persist()
     tables["requests"] = requests
     tables["never_answered"] = requests.where(F.col("status") == "never-answered").select(
-        "cmd_ts", "broker_instance", "caller", "caller_name", "request_id", "target",
-        "command", "reason", "expected_replies", "callee_answers", "callee_errors",
+        "cmd_ts",
+        "broker_instance",
+        "caller",
+        "caller_name",
+        "request_id",
+        "target",
+        "command",
+        "reason",
+        "expected_replies",
+        "callee_answers",
+        "callee_errors",
     )
     tables["request_outcomes"] = requests.groupBy(
         "status", "reason", "target", "command", "broker_instance", "caller", "caller_name"
     ).agg(F.count("*").alias("requests"))
     # statuses are four and reasons are error codes: a small set
-    fig["request_status"] = _rows(requests.groupBy("status", "reason").agg(
-        F.count("*").alias("requests")).orderBy("status", F.coalesce("reason", F.lit(""))))
+    fig["request_status"] = _rows(
+        requests.groupBy("status", "reason")
+        .agg(F.count("*").alias("requests"))
+        .orderBy("status", F.coalesce("reason", F.lit("")))
+    )
     by_status = {s: 0 for s in ("answered", "callee-error", "broker-error", "never-answered")}
     for r in fig["request_status"]:
         by_status[r["status"]] = by_status.get(r["status"], 0) + r["requests"]
@@ -345,14 +452,23 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
     step("capture: requests never answered")
     fig["never_answered_by_target"] = _top(
         requests.where(F.col("status") == "never-answered")
-        .groupBy("target", "command", "reason").agg(F.count("*").alias("requests")),
-        top, desc("requests"), "target", "command", "reason")
-    failed = requests.where(F.col("status") != "answered").groupBy(
-        "broker_instance", "caller", "caller_name", "status", "reason"
-    ).agg(F.count("*").alias("requests"))
+        .groupBy("target", "command", "reason")
+        .agg(F.count("*").alias("requests")),
+        top,
+        desc("requests"),
+        "target",
+        "command",
+        "reason",
+    )
+    failed = (
+        requests.where(F.col("status") != "answered")
+        .groupBy("broker_instance", "caller", "caller_name", "status", "reason")
+        .agg(F.count("*").alias("requests"))
+    )
     tables["failed_requests_by_caller"] = failed
-    fig["failed_requests_by_caller"] = _top(failed, top, desc("requests"), "broker_instance",
-                                            "caller", "status", "reason")
+    fig["failed_requests_by_caller"] = _top(
+        failed, top, desc("requests"), "broker_instance", "caller", "status", "reason"
+    )
 
     step("capture: latency percentiles")
     pairs = latency_pairs(df).persist()
@@ -365,37 +481,54 @@ def analyze_capture(df: DataFrame, top: int = 20, step: Callable[[str], None] | 
     step("capture: latency histogram")
     bin_col = F.floor(F.log10(F.greatest(F.col("latency_ms"), F.lit(0.001))) * 10).cast("int")
     fig["latency_histogram"] = _rows(
-        pairs.groupBy(bin_col.alias("bin")).agg(F.count("*").alias("n")).orderBy("bin"))
+        pairs.groupBy(bin_col.alias("bin")).agg(F.count("*").alias("n")).orderBy("bin")
+    )
 
     step("capture: errors")
-    party = (F.when(F.col("sender") != BROKER, F.lit("callee"))
-             .when(F.col("on_behalf_of").isNotNull(), F.lit("broker-for-callee"))
-             .otherwise(F.lit("broker")))
+    party = (
+        F.when(F.col("sender") != BROKER, F.lit("callee"))
+        .when(F.col("on_behalf_of").isNotNull(), F.lit("broker-for-callee"))
+        .otherwise(F.lit("broker"))
+    )
     errors = frames.where(F.col("kind") == "error").withColumn("party", party)
     by_code = errors.groupBy("code").agg(
         F.count("*").alias("errors"),
         F.sum(F.when(F.col("party") == "callee", 1).otherwise(0)).alias("from_callees"),
-        F.sum(F.when(F.col("party") != "callee", 1).otherwise(0)).alias("from_broker"))
+        F.sum(F.when(F.col("party") != "callee", 1).otherwise(0)).alias("from_broker"),
+    )
     tables["errors_by_code"] = by_code
     fig["errors_by_code"] = _top(by_code, top, desc("errors"), "code")
-    by_party = errors.groupBy("code", "party", "broker_instance", "sender", "sender_name",
-                              "on_behalf_of").agg(F.count("*").alias("errors")).persist()
+    by_party = (
+        errors.groupBy("code", "party", "broker_instance", "sender", "sender_name", "on_behalf_of")
+        .agg(F.count("*").alias("errors"))
+        .persist()
+    )
     tables["errors_by_party"] = by_party
-    fig["errors_by_party"] = _top(by_party, top, desc("errors"), "code", "party",
-                                  "broker_instance", "sender", "on_behalf_of")
+    fig["errors_by_party"] = _top(
+        by_party, top, desc("errors"), "code", "party", "broker_instance", "sender", "on_behalf_of"
+    )
 
     step("capture: slow consumers")
     slow = slow_consumer_signals(df)
     tables["slow_consumers_per_second"] = slow
-    per_client = slow.groupBy("signal", "broker_instance", "client").agg(
-        F.sum("count").alias("count"), F.min("second").alias("first_second"),
-        F.max("second").alias("last_second")).persist()
+    per_client = (
+        slow.groupBy("signal", "broker_instance", "client")
+        .agg(
+            F.sum("count").alias("count"),
+            F.min("second").alias("first_second"),
+            F.max("second").alias("last_second"),
+        )
+        .persist()
+    )
     tables["slow_consumers"] = per_client
-    fig["slow_consumers"] = _top(per_client, top, desc("count"), "signal", "broker_instance",
-                                 "client")
+    fig["slow_consumers"] = _top(
+        per_client, top, desc("count"), "signal", "broker_instance", "client"
+    )
     fig["slow_consumer_signals"] = _rows(
-        per_client.groupBy("signal").agg(F.sum("count").alias("count"),
-                                         F.count("*").alias("clients")).orderBy("signal"))
+        per_client.groupBy("signal")
+        .agg(F.sum("count").alias("count"), F.count("*").alias("clients"))
+        .orderBy("signal")
+    )
     return tables, fig
 
 
@@ -407,8 +540,13 @@ def latency_overall(pairs: DataFrame) -> DataFrame:
         F.count("*").alias("replies"),
         F.percentile_approx("latency_ms", [0.5, 0.95, 0.99], PERCENTILE_ACCURACY).alias("p"),
         F.max("latency_ms").alias("max_ms"),
-    ).select("replies", F.col("p")[0].alias("p50_ms"), F.col("p")[1].alias("p95_ms"),
-             F.col("p")[2].alias("p99_ms"), "max_ms")
+    ).select(
+        "replies",
+        F.col("p")[0].alias("p50_ms"),
+        F.col("p")[1].alias("p95_ms"),
+        F.col("p")[2].alias("p99_ms"),
+        "max_ms",
+    )
 
 
 def slow_consumer_signals(df: DataFrame) -> DataFrame:
@@ -426,8 +564,12 @@ def slow_consumer_signals(df: DataFrame) -> DataFrame:
     signal = (
         F.when(F.col("code") == "receiver-full", F.lit("receiver-full"))
         .when(F.col("code") == "slow-consumer", F.lit("slow-consumer"))
-        .when((F.col("kind") == "membership") & (F.col("event") == "disconnected")
-              & (reason == "slow-consumer"), F.lit("slow-consumer"))
+        .when(
+            (F.col("kind") == "membership")
+            & (F.col("event") == "disconnected")
+            & (reason == "slow-consumer"),
+            F.lit("slow-consumer"),
+        )
         .when(F.col("outcome") == "discarded", F.lit("answer-discarded"))
         .when(F.col("kind") == "capture-dropped", F.lit("capture-dropped"))
     )
@@ -440,7 +582,8 @@ def slow_consumer_signals(df: DataFrame) -> DataFrame:
     )
     amount = F.when(F.col("kind") == "capture-dropped", F.col("dropped")).otherwise(F.lit(1))
     return (
-        df.withColumn("signal", signal).where(F.col("signal").isNotNull())
+        df.withColumn("signal", signal)
+        .where(F.col("signal").isNotNull())
         .groupBy("second", "signal", "broker_instance", client.alias("client"))
         .agg(F.sum(amount).alias("count"))
     )

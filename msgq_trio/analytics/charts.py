@@ -17,8 +17,18 @@ from collections.abc import Sequence
 from typing import Any
 
 #: The benchmark's qualitative colours (matplotlib's default cycle, "tab:" names).
-COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-           "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+COLOURS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:gray",
+    "tab:olive",
+    "tab:cyan",
+)
 #: Inches at 100 dpi: about the width of the report's tables.
 FIGSIZE = (7.6, 2.8)
 
@@ -51,16 +61,29 @@ def _gid(sid: str, kind: str, name: str | int) -> str:
     return f"{sid}-{kind}-{re.sub(r'[^A-Za-z0-9_.-]', '_', str(name))}"
 
 
-def lines(sid: str, title: str, series: dict[str, list[tuple[float, float]]],
-          ylabel: str, xlabel: str, *, log_y: bool = False) -> str:
+def lines(
+    sid: str,
+    title: str,
+    series: dict[str, list[tuple[float, float]]],
+    ylabel: str,
+    xlabel: str,
+    *,
+    log_y: bool = False,
+) -> str:
     """A line chart: one line per series (x ascending), legend outside on the right; a
     one-point series is drawn as a dot."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
     for i, (name, pts) in enumerate(sorted(series.items())):
         xs, ys = [x for x, _ in pts], [y for _, y in pts]
-        (line,) = ax.plot(xs, ys, color=COLOURS[i % len(COLOURS)], label=name,
-                          marker="o" if len(pts) == 1 else None, linewidth=1.5)
+        (line,) = ax.plot(
+            xs,
+            ys,
+            color=COLOURS[i % len(COLOURS)],
+            label=name,
+            marker="o" if len(pts) == 1 else None,
+            linewidth=1.5,
+        )
         line.set_gid(_gid(sid, "series", name))
     if log_y and any(y > 0 for pts in series.values() for _, y in pts):
         ax.set_yscale("log")
@@ -91,16 +114,26 @@ def bars(sid: str, title: str, values: Sequence[tuple[str, float]], ylabel: str)
     return _svg(fig, sid)
 
 
-def boxes(sid: str, title: str, data: Sequence[tuple[str, Sequence[float | None]]],
-          ylabel: str) -> str:
+def boxes(
+    sid: str, title: str, data: Sequence[tuple[str, Sequence[float | None]]], ylabel: str
+) -> str:
     """Box plots from precomputed quantiles: per label (min, p25, p50, p75, max), whiskers
     at min and max; a label with a missing quantile is skipped."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
     stats: list[dict[str, Any]] = [
-        {"label": lab[:24], "whislo": q[0], "q1": q[1], "med": q[2], "q3": q[3],
-         "whishi": q[4], "fliers": []}
-        for lab, q in data if all(v is not None for v in q)]
+        {
+            "label": lab[:24],
+            "whislo": q[0],
+            "q1": q[1],
+            "med": q[2],
+            "q3": q[3],
+            "whishi": q[4],
+            "fliers": [],
+        }
+        for lab, q in data
+        if all(v is not None for v in q)
+    ]
     if stats:
         drawn = ax.bxp(stats, showfliers=False, patch_artist=True)
         for i, box in enumerate(drawn["boxes"]):

@@ -40,36 +40,61 @@ def _conf(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msgq-trio analyze",
-        description="Analyse traffic captures and scenario results on Spark "
-        "(docs/ANALYTICS.md).")
+        description="Analyse traffic captures and scenario results on Spark (docs/ANALYTICS.md).",
+    )
     sub = p.add_subparsers(dest="what", required=True)
     spark_opts = argparse.ArgumentParser(add_help=False)
-    spark_opts.add_argument("--master", default=None,
-                            help="Spark master URL (default $MSGQ_TRIO_SPARK_MASTER or "
-                            "local[*]; under spark-submit: its --master)")
-    spark_opts.add_argument("--conf", action="append", type=_conf, default=[],
-                            metavar="KEY=VALUE",
-                            help="a Spark setting (repeatable), e.g. spark.driver.memory=512m")
+    spark_opts.add_argument(
+        "--master",
+        default=None,
+        help="Spark master URL (default $MSGQ_TRIO_SPARK_MASTER or "
+        "local[*]; under spark-submit: its --master)",
+    )
+    spark_opts.add_argument(
+        "--conf",
+        action="append",
+        type=_conf,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting (repeatable), e.g. spark.driver.memory=512m",
+    )
     common = argparse.ArgumentParser(add_help=False, parents=[spark_opts])
-    common.add_argument("--out", required=True,
-                        help="output directory: a local path or a URI Spark writes "
-                        "(file://, hdfs://, s3a://)")
-    common.add_argument("--format", choices=["parquet", "csv"], default="parquet",
-                        help="table format (default parquet)")
+    common.add_argument(
+        "--out",
+        required=True,
+        help="output directory: a local path or a URI Spark writes (file://, hdfs://, s3a://)",
+    )
+    common.add_argument(
+        "--format",
+        choices=["parquet", "csv"],
+        default="parquet",
+        help="table format (default parquet)",
+    )
     common.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     c = sub.add_parser("capture", parents=[common], help="traffic capture files (*.jsonl)")
-    c.add_argument("paths", nargs="+",
-                   help="capture files, directories or globs, or URIs Spark reads")
+    c.add_argument(
+        "paths", nargs="+", help="capture files, directories or globs, or URIs Spark reads"
+    )
     c.add_argument("--top", type=int, default=20, help="rows of the top-N lists (default 20)")
     s = sub.add_parser("scenarios", parents=[common], help="scenario result records (*.jsonl)")
-    s.add_argument("paths", nargs="+",
-                   help="result files, directories or globs, or URIs Spark reads")
-    s.add_argument("--baseline", nargs="+", default=None,
-                   help="result files to compare against (regressions)")
-    s.add_argument("--rss-ratio", type=float, default=0.2,
-                   help="RSS regression threshold, relative (default 0.2)")
-    s.add_argument("--latency-ratio", type=float, default=0.5,
-                   help="p99 latency regression threshold, relative (default 0.5)")
+    s.add_argument(
+        "paths", nargs="+", help="result files, directories or globs, or URIs Spark reads"
+    )
+    s.add_argument(
+        "--baseline", nargs="+", default=None, help="result files to compare against (regressions)"
+    )
+    s.add_argument(
+        "--rss-ratio",
+        type=float,
+        default=0.2,
+        help="RSS regression threshold, relative (default 0.2)",
+    )
+    s.add_argument(
+        "--latency-ratio",
+        type=float,
+        default=0.5,
+        help="p99 latency regression threshold, relative (default 0.5)",
+    )
     from .live import add_live_parser
 
     add_live_parser(sub, spark_opts)
@@ -81,8 +106,9 @@ class Progress:
     the step (the job description), and tasks done / total of the active stages. Polls
     the status tracker from a daemon thread; ``stop()`` ends it."""
 
-    def __init__(self, spark: SparkSession, stream: TextIO | None = None,
-                 interval: float = 1.0) -> None:
+    def __init__(
+        self, spark: SparkSession, stream: TextIO | None = None, interval: float = 1.0
+    ) -> None:
         self._sc = spark.sparkContext
         self._stream = stream or sys.stderr
         self._step = "spark"
@@ -118,9 +144,11 @@ class Progress:
             total = sum(s.numTasks for s in stages if s)
             if not total:
                 continue
-            line = (f"{self._step}: {len(jobs)} job(s), stage(s) "
-                    f"{','.join(str(s.stageId) for s in stages if s)}: "
-                    f"{done}/{total} tasks")
+            line = (
+                f"{self._step}: {len(jobs)} job(s), stage(s) "
+                f"{','.join(str(s.stageId) for s in stages if s)}: "
+                f"{done}/{total} tasks"
+            )
             if line != self._last:
                 self._last = line
                 self._print(line)
@@ -130,8 +158,9 @@ class Progress:
         self._thread.join(timeout=5)
 
 
-def write_tables(tables: dict[str, DataFrame], out: str, fmt: str,
-                 progress: Progress | None) -> None:
+def write_tables(
+    tables: dict[str, DataFrame], out: str, fmt: str, progress: Progress | None
+) -> None:
     """Write each Spark table to ``out/tables/<name>/`` (a directory of part files,
     overwritten) with Spark, so they scale with the data and go where Spark writes."""
     for name, df in tables.items():
@@ -158,9 +187,12 @@ def spark_figures(spark: SparkSession) -> dict[str, Any]:
     """Where the figures were computed: master, version and the settings that shape the
     job (as given by --master / --conf / spark-submit)."""
     conf = spark.sparkContext.getConf()
-    return {"master": spark.sparkContext.master, "version": spark.version,
-            "shuffle_partitions": spark.conf.get("spark.sql.shuffle.partitions"),
-            "driver_memory": conf.get("spark.driver.memory", None)}
+    return {
+        "master": spark.sparkContext.master,
+        "version": spark.version,
+        "shuffle_partitions": spark.conf.get("spark.sql.shuffle.partitions"),
+        "driver_memory": conf.get("spark.driver.memory", None),
+    }
 
 
 def _json_default(v: Any) -> Any:
@@ -169,9 +201,15 @@ def _json_default(v: Any) -> Any:
     return str(v)
 
 
-def run_capture(spark: SparkSession, paths: Sequence[str], out: str | os.PathLike[str], *,
-                fmt: str = "parquet", top: int = 20,
-                progress: Progress | None = None) -> dict[str, Any]:
+def run_capture(
+    spark: SparkSession,
+    paths: Sequence[str],
+    out: str | os.PathLike[str],
+    *,
+    fmt: str = "parquet",
+    top: int = 20,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Analyse the captures ``paths`` into ``out`` (a local path or a URI); returns the
     figures (summary.json)."""
     from .capture import analyze_capture, expand_paths, read_capture
@@ -182,23 +220,30 @@ def run_capture(spark: SparkSession, paths: Sequence[str], out: str | os.PathLik
     prepare_output(spark, out)
     if progress:
         progress.step(f"reading {len(files)} capture location(s)")
-    tables, fig = analyze_capture(read_capture(spark, files), top=top,
-                                  step=progress.step if progress else None)
+    tables, fig = analyze_capture(
+        read_capture(spark, files), top=top, step=progress.step if progress else None
+    )
     write_tables(tables, out, fmt, progress)
     fig["sources"] = files[:top]
     fig["source_count"] = len(files)
     fig["out"] = out
     fig["spark"] = spark_figures(spark)
-    write_text(spark, join(out, "summary.json"),
-               json.dumps(fig, indent=1, default=_json_default))
+    write_text(spark, join(out, "summary.json"), json.dumps(fig, indent=1, default=_json_default))
     write_text(spark, join(out, "report.html"), capture_html(fig, files, join(out, "tables")))
     return fig
 
 
-def run_scenarios(spark: SparkSession, paths: Sequence[str], out: str | os.PathLike[str], *,
-                  baseline: Sequence[str] | None = None, fmt: str = "parquet",
-                  rss_ratio: float = 0.2, latency_ratio: float = 0.5,
-                  progress: Progress | None = None) -> dict[str, Any]:
+def run_scenarios(
+    spark: SparkSession,
+    paths: Sequence[str],
+    out: str | os.PathLike[str],
+    *,
+    baseline: Sequence[str] | None = None,
+    fmt: str = "parquet",
+    rss_ratio: float = 0.2,
+    latency_ratio: float = 0.5,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Analyse the scenario results ``paths`` (against ``baseline``) into ``out`` (a
     local path or a URI)."""
     from .capture import expand_paths
@@ -210,22 +255,26 @@ def run_scenarios(spark: SparkSession, paths: Sequence[str], out: str | os.PathL
     base_files = expand_paths(baseline) if baseline else None
     prepare_output(spark, out)
     if progress:
-        progress.step(f"reading {len(files)} result location(s)"
-                      + (f" and {len(base_files)} baseline location(s)" if base_files else ""))
+        progress.step(
+            f"reading {len(files)} result location(s)"
+            + (f" and {len(base_files)} baseline location(s)" if base_files else "")
+        )
     cur = read_results(spark, files, "current")
     base = read_results(spark, base_files, "baseline") if base_files else None
-    tables, fig = analyze_scenarios(cur, base, rss_ratio=rss_ratio,
-                                    latency_ratio=latency_ratio,
-                                    step=progress.step if progress else None)
+    tables, fig = analyze_scenarios(
+        cur,
+        base,
+        rss_ratio=rss_ratio,
+        latency_ratio=latency_ratio,
+        step=progress.step if progress else None,
+    )
     write_tables(tables, out, fmt, progress)
     fig["sources"] = files
     fig["baseline_sources"] = base_files or []
     fig["out"] = out
     fig["spark"] = spark_figures(spark)
-    write_text(spark, join(out, "summary.json"),
-               json.dumps(fig, indent=1, default=_json_default))
-    write_text(spark, join(out, "report.html"),
-               scenarios_html(fig, files, join(out, "tables")))
+    write_text(spark, join(out, "summary.json"), json.dumps(fig, indent=1, default=_json_default))
+    write_text(spark, join(out, "report.html"), scenarios_html(fig, files, join(out, "tables")))
     return fig
 
 
@@ -272,15 +321,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.what == "capture":
                     from .report import capture_text
 
-                    fig = run_capture(spark, args.paths, out, fmt=args.format, top=args.top,
-                                      progress=progress)
+                    fig = run_capture(
+                        spark, args.paths, out, fmt=args.format, top=args.top, progress=progress
+                    )
                     text = capture_text(fig)
                 else:
                     from .report import scenarios_text
 
-                    fig = run_scenarios(spark, args.paths, out, baseline=args.baseline,
-                                        fmt=args.format, rss_ratio=args.rss_ratio,
-                                        latency_ratio=args.latency_ratio, progress=progress)
+                    fig = run_scenarios(
+                        spark,
+                        args.paths,
+                        out,
+                        baseline=args.baseline,
+                        fmt=args.format,
+                        rss_ratio=args.rss_ratio,
+                        latency_ratio=args.latency_ratio,
+                        progress=progress,
+                    )
                     text = scenarios_text(fig)
             finally:
                 if progress:
@@ -292,8 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = spark_error(exc)
         if reason is None:
             raise
-        print(f"msgq-trio analyze: Spark could not read the input or write {out}: {reason}",
-              file=sys.stderr)
+        print(
+            f"msgq-trio analyze: Spark could not read the input or write {out}: {reason}",
+            file=sys.stderr,
+        )
         return 4
     print(text)
     print(f"\nreport: {join(out, 'report.html')}  ({time.monotonic() - t0:.1f} s)")

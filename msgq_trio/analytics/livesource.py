@@ -121,9 +121,11 @@ class CaptureStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
         done = start.get("files", {})
-        return [FileRange(os.path.join(self.directory, name), done.get(name, 0), length)
-                for name, length in sorted(end["files"].items())
-                if length > done.get(name, 0)]
+        return [
+            FileRange(os.path.join(self.directory, name), done.get(name, 0), length)
+            for name, length in sorted(end["files"].items())
+            if length > done.get(name, 0)
+        ]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, FileRange)
@@ -155,10 +157,12 @@ class CaptureSource(DataSource):
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         path = self.options.get("path")
         if not path:
-            raise ValueError("msgq_capture source: option 'path' (the capture directory) "
-                             "is required")
+            raise ValueError(
+                "msgq_capture source: option 'path' (the capture directory) is required"
+            )
         start = self.options.get("start", "earliest")
         if start not in ("earliest", "latest"):
-            raise ValueError(f"msgq_capture source: start must be earliest or latest, "
-                             f"got {start!r}")
+            raise ValueError(
+                f"msgq_capture source: start must be earliest or latest, got {start!r}"
+            )
         return CaptureStreamReader(path, self.options.get("pattern", "*.jsonl"), start)

@@ -47,14 +47,18 @@ def e(s: Any) -> str:
     return html.escape(str(s), quote=True)
 
 
-def table(tid: str, columns: Sequence[str], rows: Iterable[dict[str, Any]],
-          caption: str | None = None) -> str:
+def table(
+    tid: str, columns: Sequence[str], rows: Iterable[dict[str, Any]], caption: str | None = None
+) -> str:
     """An HTML table with ``id=tid``, header ``columns`` and one row per dict."""
     out = [f'<table id="{e(tid)}">']
     if caption:
         out.append(f"<caption>{e(caption)}</caption>")
-    out.append("<thead><tr>" + "".join(
-        f'<th class="t">{e(c)}</th>' for c in columns) + "</tr></thead><tbody>")
+    out.append(
+        "<thead><tr>"
+        + "".join(f'<th class="t">{e(c)}</th>' for c in columns)
+        + "</tr></thead><tbody>"
+    )
     for r in rows:
         cells = []
         for c in columns:
@@ -78,9 +82,11 @@ def _short(v: float) -> str:
 
 def page(title: str, body: Sequence[str]) -> str:
     """A complete HTML5 document."""
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{e(title)}</title><style>{CSS}</style></head><body>"
-            f"<h1>{e(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{e(title)}</title><style>{CSS}</style></head><body>"
+        f"<h1>{e(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def utc(ts: float | None) -> str:
@@ -101,44 +107,81 @@ REQUEST_COLUMNS = ("total", "answered", "callee-error", "broker-error", "never-a
 def capture_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -> str:
     """The capture report (figures from :func:`msgq_trio.analytics.capture.analyze_capture`)."""
     b: list[str] = []
-    b.append(f'<p class="note">{fig["records"]} records from {fig["files"]} file(s): '
-             f"{e(', '.join(sources[:5]))}{' ...' if len(sources) > 5 else ''}; "
-             f"{e(utc(fig['first_ts']))} to {e(utc(fig['last_ts']))}. "
-             f"Tables: <code>{e(tables_dir)}</code>. Records the capture lost "
-             f"(capture-dropped): {fig['capture_dropped']}.</p>")
+    b.append(
+        f'<p class="note">{fig["records"]} records from {fig["files"]} file(s): '
+        f"{e(', '.join(sources[:5]))}{' ...' if len(sources) > 5 else ''}; "
+        f"{e(utc(fig['first_ts']))} to {e(utc(fig['last_ts']))}. "
+        f"Tables: <code>{e(tables_dir)}</code>. Records the capture lost "
+        f"(capture-dropped): {fig['capture_dropped']}.</p>"
+    )
     b.append("<h2>Broker lifetimes</h2>")
-    b.append(f'<p class="note">{fig["broker_instances"]} broker instance(s) wrote this '
-             "capture; requests and connections are keyed by instance (lnames and request "
-             f"ids restart with each broker). First {fig['top']} shown.</p>")
-    b.append(table("brokers", ("broker_instance", "broker_started", "records", "first_ts",
-                               "last_ts"), fig["brokers"]))
+    b.append(
+        f'<p class="note">{fig["broker_instances"]} broker instance(s) wrote this '
+        "capture; requests and connections are keyed by instance (lnames and request "
+        f"ids restart with each broker). First {fig['top']} shown.</p>"
+    )
+    b.append(
+        table(
+            "brokers",
+            ("broker_instance", "broker_started", "records", "first_ts", "last_ts"),
+            fig["brokers"],
+        )
+    )
     b.append("<h2>Requests</h2>")
-    b.append('<p class="note">answered: the callee replied; callee-error: it replied with '
-             "an error; broker-error: the broker refused the request (never delivered); "
-             "never-answered: delivered, and the callee never replied (reason: the broker's "
-             "answer on its behalf, or no-reply-in-capture).</p>")
+    b.append(
+        '<p class="note">answered: the callee replied; callee-error: it replied with '
+        "an error; broker-error: the broker refused the request (never delivered); "
+        "never-answered: delivered, and the callee never replied (reason: the broker's "
+        "answer on its behalf, or no-reply-in-capture).</p>"
+    )
     b.append(table("requests-summary", REQUEST_COLUMNS, [fig["requests"]]))
     b.append(table("request-status", ("status", "reason", "requests"), fig["request_status"]))
-    b.append(table("never-answered", ("target", "command", "reason", "requests"),
-                   fig["never_answered_by_target"],
-                   caption="Requests never answered by their callee"))
+    b.append(
+        table(
+            "never-answered",
+            ("target", "command", "reason", "requests"),
+            fig["never_answered_by_target"],
+            caption="Requests never answered by their callee",
+        )
+    )
     b.append("<h2>Latency per (target, command)</h2>")
     b.append('<p class="note">Replies by the callee only, reply ts - request ts, ms.</p>')
-    b.append(table("latency", ("target", "command", "replies", "p50_ms", "p95_ms", "p99_ms",
-                               "max_ms"), fig["latency"]))
-    b.append(table("latency-overall", ("replies", "p50_ms", "p95_ms", "p99_ms", "max_ms"),
-                   [fig["latency_overall"]] if fig["latency_overall"] else [],
-                   caption="Every callee reply"))
+    b.append(
+        table(
+            "latency",
+            ("target", "command", "replies", "p50_ms", "p95_ms", "p99_ms", "max_ms"),
+            fig["latency"],
+        )
+    )
+    b.append(
+        table(
+            "latency-overall",
+            ("replies", "p50_ms", "p95_ms", "p99_ms", "max_ms"),
+            [fig["latency_overall"]] if fig["latency_overall"] else [],
+            caption="Every callee reply",
+        )
+    )
     hist = [(histogram_label(r["bin"]), r["n"]) for r in fig["latency_histogram"]]
-    b.append("<figure>" + charts.bars("latency-histogram",
-                                      "Latency distribution (ms, log bins)", hist,
-                                      "replies") + "</figure>")
+    b.append(
+        "<figure>"
+        + charts.bars("latency-histogram", "Latency distribution (ms, log bins)", hist, "replies")
+        + "</figure>"
+    )
     b.append("<h2>Errors</h2>")
-    b.append(table("errors-by-code", ("code", "errors", "from_callees", "from_broker"),
-                   fig["errors_by_code"]))
-    b.append(table("errors-by-party", ("code", "party", "broker_instance", "sender",
-                                       "sender_name", "on_behalf_of", "errors"),
-                   fig["errors_by_party"]))
+    b.append(
+        table(
+            "errors-by-code",
+            ("code", "errors", "from_callees", "from_broker"),
+            fig["errors_by_code"],
+        )
+    )
+    b.append(
+        table(
+            "errors-by-party",
+            ("code", "party", "broker_instance", "sender", "sender_name", "on_behalf_of", "errors"),
+            fig["errors_by_party"],
+        )
+    )
     b.append("<h2>Traffic</h2>")
     b.append(table("per-kind", ("kind", "frames", "bytes"), fig["per_kind"]))
     width = fig["plot_bucket_s"]
@@ -148,27 +191,63 @@ def capture_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -
     for r in fig["traffic_series"]:
         frames.setdefault(r["kind"], []).append((r["bucket"] - t0, r["frames"] / width))
         nbytes.setdefault(r["kind"], []).append((r["bucket"] - t0, r["bytes"] / width))
-    b.append("<figure>" + charts.lines("traffic-frames", f"Frames per second by kind "
-                                       f"({width} s buckets)", frames, "frames/s",
-                                       f"seconds from {utc(t0)}") + "</figure>")
-    b.append("<figure>" + charts.lines("traffic-bytes", f"Bytes per second by kind "
-                                       f"({width} s buckets)", nbytes, "bytes/s",
-                                       f"seconds from {utc(t0)}") + "</figure>")
+    b.append(
+        "<figure>"
+        + charts.lines(
+            "traffic-frames",
+            f"Frames per second by kind ({width} s buckets)",
+            frames,
+            "frames/s",
+            f"seconds from {utc(t0)}",
+        )
+        + "</figure>"
+    )
+    b.append(
+        "<figure>"
+        + charts.lines(
+            "traffic-bytes",
+            f"Bytes per second by kind ({width} s buckets)",
+            nbytes,
+            "bytes/s",
+            f"seconds from {utc(t0)}",
+        )
+        + "</figure>"
+    )
     b.append("<h2>Top talkers</h2>")
-    b.append(f'<p class="note">The first {fig["top"]} of each; the full tables are '
-             "<code>senders</code> and <code>targets</code>.</p>")
-    b.append(table("top-senders", ("broker_instance", "sender", "sender_name", "frames",
-                                   "bytes", "targets"), fig["top_senders"]))
-    b.append(table("top-targets", ("broker_instance", "target", "frames", "bytes", "senders"),
-                   fig["top_targets"]))
+    b.append(
+        f'<p class="note">The first {fig["top"]} of each; the full tables are '
+        "<code>senders</code> and <code>targets</code>.</p>"
+    )
+    b.append(
+        table(
+            "top-senders",
+            ("broker_instance", "sender", "sender_name", "frames", "bytes", "targets"),
+            fig["top_senders"],
+        )
+    )
+    b.append(
+        table(
+            "top-targets",
+            ("broker_instance", "target", "frames", "bytes", "senders"),
+            fig["top_targets"],
+        )
+    )
     b.append("<h2>Slow consumers</h2>")
-    b.append('<p class="note">What the capture shows: requests refused receiver-full, '
-             "slow-consumer drops, answers discarded, records the capture lost. Queued bytes "
-             "are not captured (see <code>msgq-trio ctl stats</code>).</p>")
-    b.append(table("slow-consumer-signals", ("signal", "count", "clients"),
-                   fig["slow_consumer_signals"]))
-    b.append(table("slow-consumers", ("signal", "broker_instance", "client", "count",
-                                      "first_second", "last_second"), fig["slow_consumers"]))
+    b.append(
+        '<p class="note">What the capture shows: requests refused receiver-full, '
+        "slow-consumer drops, answers discarded, records the capture lost. Queued bytes "
+        "are not captured (see <code>msgq-trio ctl stats</code>).</p>"
+    )
+    b.append(
+        table("slow-consumer-signals", ("signal", "count", "clients"), fig["slow_consumer_signals"])
+    )
+    b.append(
+        table(
+            "slow-consumers",
+            ("signal", "broker_instance", "client", "count", "first_second", "last_second"),
+            fig["slow_consumers"],
+        )
+    )
     return page("msgq-trio capture report", b)
 
 
@@ -183,8 +262,10 @@ def capture_text(fig: dict[str, Any]) -> str:
         "",
         _text_table(REQUEST_COLUMNS, [req]),
         "",
-        _text_table(("target", "command", "replies", "p50_ms", "p95_ms", "p99_ms", "max_ms"),
-                    fig["latency"][:10]),
+        _text_table(
+            ("target", "command", "replies", "p50_ms", "p95_ms", "p99_ms", "max_ms"),
+            fig["latency"][:10],
+        ),
         "",
         _text_table(("code", "errors", "from_callees", "from_broker"), fig["errors_by_code"]),
         "",
@@ -204,54 +285,118 @@ def _text_table(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
 
 
 # -- scenarios -------------------------------------------------------------------------------
-SCENARIO_COLUMNS = ("result_set", "scenario", "runs", "passed", "pass_rate", "versions",
-                    "rss_peak_mib_p50", "rss_peak_mib_max", "latency_p99_ms_p50",
-                    "latency_p99_ms_max", "duration_s_p50")
-REGRESSION_COLUMNS = ("scenario", "runs_baseline", "runs_current", "pass_rate_baseline",
-                      "pass_rate_current", "rss_peak_mib_p50_baseline",
-                      "rss_peak_mib_p50_current", "latency_p99_ms_p50_baseline",
-                      "latency_p99_ms_p50_current", "regression")
+SCENARIO_COLUMNS = (
+    "result_set",
+    "scenario",
+    "runs",
+    "passed",
+    "pass_rate",
+    "versions",
+    "rss_peak_mib_p50",
+    "rss_peak_mib_max",
+    "latency_p99_ms_p50",
+    "latency_p99_ms_max",
+    "duration_s_p50",
+)
+REGRESSION_COLUMNS = (
+    "scenario",
+    "runs_baseline",
+    "runs_current",
+    "pass_rate_baseline",
+    "pass_rate_current",
+    "rss_peak_mib_p50_baseline",
+    "rss_peak_mib_p50_current",
+    "latency_p99_ms_p50_baseline",
+    "latency_p99_ms_p50_current",
+    "regression",
+)
 
 
 def scenarios_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -> str:
     """The scenario results report (figures from ``analyze_scenarios``)."""
     b: list[str] = []
-    b.append(f'<p class="note">Result files: {e(", ".join(sources[:5]))}'
-             f"{' ...' if len(sources) > 5 else ''}. Tables: <code>{e(tables_dir)}</code>.</p>")
-    b.append(table("totals", ("result_set", "runs", "passed", "scenarios", "versions",
-                              "first_run", "last_run"), fig["totals"]))
+    b.append(
+        f'<p class="note">Result files: {e(", ".join(sources[:5]))}'
+        f"{' ...' if len(sources) > 5 else ''}. Tables: <code>{e(tables_dir)}</code>.</p>"
+    )
+    b.append(
+        table(
+            "totals",
+            ("result_set", "runs", "passed", "scenarios", "versions", "first_run", "last_run"),
+            fig["totals"],
+        )
+    )
     if "regressions" in fig:
         b.append("<h2>Regressions (current against baseline)</h2>")
         b.append(table("regressions", REGRESSION_COLUMNS, fig["regressions"]))
     b.append("<h2>Per scenario</h2>")
     b.append(table("per-scenario", SCENARIO_COLUMNS, fig["per_scenario"]))
-    for key, title, unit in (("rss_peak_mib", "Broker RSS peak per scenario", "MiB"),
-                             ("latency_p99_ms", "p99 latency of the healthy clients", "ms")):
-        boxes = [(f"{r['scenario']} ({r['result_set']})" if "regressions" in fig
-                  else r["scenario"],
-                  [r[f"{key}_{q}"] for q in ("min", "p25", "p50", "p75", "max")])
-                 for r in fig["per_scenario"]]
-        b.append("<figure>" + charts.boxes(f"box-{key}", f"{title} across runs ({unit})",
-                                           boxes, unit) + "</figure>")
+    for key, title, unit in (
+        ("rss_peak_mib", "Broker RSS peak per scenario", "MiB"),
+        ("latency_p99_ms", "p99 latency of the healthy clients", "ms"),
+    ):
+        boxes = [
+            (
+                f"{r['scenario']} ({r['result_set']})" if "regressions" in fig else r["scenario"],
+                [r[f"{key}_{q}"] for q in ("min", "p25", "p50", "p75", "max")],
+            )
+            for r in fig["per_scenario"]
+        ]
+        b.append(
+            "<figure>"
+            + charts.boxes(f"box-{key}", f"{title} across runs ({unit})", boxes, unit)
+            + "</figure>"
+        )
     b.append("<h2>Per version</h2>")
-    b.append(table("per-version", ("result_set", "scenario", "version", "runs", "passed",
-                                   "pass_rate", "rss_peak_mib_p50", "latency_p99_ms_p50"),
-                   fig["per_version"]))
+    b.append(
+        table(
+            "per-version",
+            (
+                "result_set",
+                "scenario",
+                "version",
+                "runs",
+                "passed",
+                "pass_rate",
+                "rss_peak_mib_p50",
+                "latency_p99_ms_p50",
+            ),
+            fig["per_version"],
+        )
+    )
     b.append("<h2>Failed checks</h2>")
-    b.append(table("failed-checks", ("result_set", "scenario", "check", "failures"),
-                   fig["failed_checks"]))
+    b.append(
+        table(
+            "failed-checks", ("result_set", "scenario", "check", "failures"), fig["failed_checks"]
+        )
+    )
     return page("msgq-trio scenario results report", b)
 
 
 def scenarios_text(fig: dict[str, Any]) -> str:
     """The terminal summary of a scenario results analysis."""
-    parts = [_text_table(("result_set", "runs", "passed", "scenarios", "versions"),
-                         fig["totals"]), "",
-             _text_table(("result_set", "scenario", "runs", "pass_rate", "rss_peak_mib_p50",
-                          "latency_p99_ms_p50"), fig["per_scenario"])]
+    parts = [
+        _text_table(("result_set", "runs", "passed", "scenarios", "versions"), fig["totals"]),
+        "",
+        _text_table(
+            (
+                "result_set",
+                "scenario",
+                "runs",
+                "pass_rate",
+                "rss_peak_mib_p50",
+                "latency_p99_ms_p50",
+            ),
+            fig["per_scenario"],
+        ),
+    ]
     if "regressions" in fig:
         regs = [r for r in fig["regressions"] if r["regression"]]
-        parts += ["", f"regressions: {len(regs)}",
-                  _text_table(("scenario", "regression", "pass_rate_baseline",
-                               "pass_rate_current"), regs)]
+        parts += [
+            "",
+            f"regressions: {len(regs)}",
+            _text_table(
+                ("scenario", "regression", "pass_rate_baseline", "pass_rate_current"), regs
+            ),
+        ]
     return "\n".join(parts)

@@ -37,18 +37,30 @@ def record_schema() -> Any:
     from pyspark.sql import types as T
 
     s, d = T.StringType(), T.DoubleType()
-    check = T.StructType([T.StructField("check", s), T.StructField("expected", s),
-                          T.StructField("actual", s), T.StructField("ok", T.BooleanType())])
-    return T.StructType([
-        T.StructField("schema", s), T.StructField("scenario", s), T.StructField("file", s),
-        T.StructField("passed", T.BooleanType()), T.StructField("started_at", s),
-        T.StructField("duration_s", d), T.StructField("msgq_trio_version", s),
-        T.StructField("machine", T.MapType(s, s)),
-        T.StructField("metrics", T.MapType(s, d)),
-        T.StructField("key_figures", T.MapType(s, d)),
-        T.StructField("checks", T.ArrayType(check)),
-        T.StructField("problems", T.ArrayType(s)),
-    ])
+    check = T.StructType(
+        [
+            T.StructField("check", s),
+            T.StructField("expected", s),
+            T.StructField("actual", s),
+            T.StructField("ok", T.BooleanType()),
+        ]
+    )
+    return T.StructType(
+        [
+            T.StructField("schema", s),
+            T.StructField("scenario", s),
+            T.StructField("file", s),
+            T.StructField("passed", T.BooleanType()),
+            T.StructField("started_at", s),
+            T.StructField("duration_s", d),
+            T.StructField("msgq_trio_version", s),
+            T.StructField("machine", T.MapType(s, s)),
+            T.StructField("metrics", T.MapType(s, d)),
+            T.StructField("key_figures", T.MapType(s, d)),
+            T.StructField("checks", T.ArrayType(check)),
+            T.StructField("problems", T.ArrayType(s)),
+        ]
+    )
 
 
 def read_results(spark: SparkSession, paths: Sequence[str], result_set: str) -> DataFrame:
@@ -73,8 +85,13 @@ def _quantiles(col: Column, name: str) -> list[Column]:
     from pyspark.sql import functions as F
 
     q = F.percentile_approx(col, [0.25, 0.5, 0.75], PERCENTILE_ACCURACY)
-    return [F.min(col).alias(f"{name}_min"), q[0].alias(f"{name}_p25"),
-            q[1].alias(f"{name}_p50"), q[2].alias(f"{name}_p75"), F.max(col).alias(f"{name}_max")]
+    return [
+        F.min(col).alias(f"{name}_min"),
+        q[0].alias(f"{name}_p25"),
+        q[1].alias(f"{name}_p50"),
+        q[2].alias(f"{name}_p75"),
+        F.max(col).alias(f"{name}_max"),
+    ]
 
 
 def per_scenario(df: DataFrame, keys: Sequence[str]) -> DataFrame:
@@ -82,13 +99,16 @@ def per_scenario(df: DataFrame, keys: Sequence[str]) -> DataFrame:
     distribution of each of :data:`FIGURES`."""
     from pyspark.sql import functions as F
 
-    aggs = [F.count("*").alias("runs"),
-            F.sum(F.col("passed").cast("int")).alias("passed"),
-            F.countDistinct("version").alias("versions")]
+    aggs = [
+        F.count("*").alias("runs"),
+        F.sum(F.col("passed").cast("int")).alias("passed"),
+        F.countDistinct("version").alias("versions"),
+    ]
     for metric, name in FIGURES.items():
         aggs += _quantiles(F.col("metrics")[metric], name)
     return (
-        df.groupBy(*keys).agg(*aggs)
+        df.groupBy(*keys)
+        .agg(*aggs)
         .withColumn("pass_rate", F.round(F.col("passed") / F.col("runs"), 4))
         .orderBy(*keys)
     )
@@ -107,8 +127,9 @@ def failed_checks(df: DataFrame) -> DataFrame:
     )
 
 
-def regressions(summary: DataFrame, rss_ratio: float = 0.2,
-                latency_ratio: float = 0.5) -> DataFrame:
+def regressions(
+    summary: DataFrame, rss_ratio: float = 0.2, latency_ratio: float = 0.5
+) -> DataFrame:
     """Current vs baseline per scenario (``summary`` from :func:`per_scenario` keyed by
     result_set, scenario): both sets' pass rate and medians, and ``regression``: a
     comma-separated list of ``pass-rate``, ``rss``, ``latency`` (empty: none)."""
@@ -116,26 +137,35 @@ def regressions(summary: DataFrame, rss_ratio: float = 0.2,
 
     cols = ["scenario", "runs", "pass_rate", "rss_peak_mib_p50", "latency_p99_ms_p50"]
     cur = summary.where(F.col("result_set") == "current").select(
-        *[F.col(c).alias(c if c == "scenario" else f"{c}_current") for c in cols])
+        *[F.col(c).alias(c if c == "scenario" else f"{c}_current") for c in cols]
+    )
     base = summary.where(F.col("result_set") == "baseline").select(
-        *[F.col(c).alias(c if c == "scenario" else f"{c}_baseline") for c in cols])
+        *[F.col(c).alias(c if c == "scenario" else f"{c}_baseline") for c in cols]
+    )
     j = cur.join(base, "scenario", "inner")
     rss_c, rss_b = F.col("rss_peak_mib_p50_current"), F.col("rss_peak_mib_p50_baseline")
     lat_c, lat_b = F.col("latency_p99_ms_p50_current"), F.col("latency_p99_ms_p50_baseline")
     flags = F.array(
         F.when(F.col("pass_rate_current") < F.col("pass_rate_baseline"), F.lit("pass-rate")),
-        F.when((rss_c > rss_b * (1 + rss_ratio)) & (rss_c - rss_b > RSS_MIN_DELTA_MIB),
-               F.lit("rss")),
-        F.when((lat_c > lat_b * (1 + latency_ratio)) & (lat_c - lat_b > LATENCY_MIN_DELTA_MS),
-               F.lit("latency")),
+        F.when(
+            (rss_c > rss_b * (1 + rss_ratio)) & (rss_c - rss_b > RSS_MIN_DELTA_MIB), F.lit("rss")
+        ),
+        F.when(
+            (lat_c > lat_b * (1 + latency_ratio)) & (lat_c - lat_b > LATENCY_MIN_DELTA_MS),
+            F.lit("latency"),
+        ),
     )
     return j.withColumn("regression", F.concat_ws(",", flags)).orderBy("scenario")
 
 
-def analyze_scenarios(current: DataFrame, baseline: DataFrame | None = None, *,
-                      rss_ratio: float = 0.2, latency_ratio: float = 0.5,
-                      step: Callable[[str], None] | None = None,
-                      ) -> tuple[dict[str, DataFrame], dict[str, Any]]:
+def analyze_scenarios(
+    current: DataFrame,
+    baseline: DataFrame | None = None,
+    *,
+    rss_ratio: float = 0.2,
+    latency_ratio: float = 0.5,
+    step: Callable[[str], None] | None = None,
+) -> tuple[dict[str, DataFrame], dict[str, Any]]:
     """The report's tables and figures. Every table is an aggregate per scenario (and
     version, check): small whatever the number of runs, so the figures hold them all;
     ``tables`` maps a table name to its DataFrame (for Spark to write), ``figures``
@@ -153,12 +183,19 @@ def analyze_scenarios(current: DataFrame, baseline: DataFrame | None = None, *,
     by_version = per_scenario(df, ["result_set", "scenario", "version"])
     fig["per_version"] = [r.asDict() for r in by_version.collect()]
     step("scenarios: totals")
-    totals = df.groupBy("result_set").agg(
-        F.count("*").alias("runs"), F.sum(F.col("passed").cast("int")).alias("passed"),
-        F.countDistinct("scenario").alias("scenarios"),
-        F.countDistinct("version").alias("versions"),
-        F.min("started_at").alias("first_run"), F.max("started_at").alias("last_run"),
-    ).orderBy("result_set").collect()
+    totals = (
+        df.groupBy("result_set")
+        .agg(
+            F.count("*").alias("runs"),
+            F.sum(F.col("passed").cast("int")).alias("passed"),
+            F.countDistinct("scenario").alias("scenarios"),
+            F.countDistinct("version").alias("versions"),
+            F.min("started_at").alias("first_run"),
+            F.max("started_at").alias("last_run"),
+        )
+        .orderBy("result_set")
+        .collect()
+    )
     fig["totals"] = [r.asDict() for r in totals]
     step("scenarios: failed checks")
     fails = failed_checks(df)

@@ -55,9 +55,12 @@ def check_requirements() -> None:
         raise SparkUnavailable(f"no 'java' on PATH and no JAVA_HOME. {INSTALL_HINT}")
 
 
-def spark_session(master: str | None = None, app_name: str = "msgq-trio analyze",
-                  shuffle_partitions: int | None = None,
-                  conf: Mapping[str, str] | None = None) -> SparkSession:
+def spark_session(
+    master: str | None = None,
+    app_name: str = "msgq-trio analyze",
+    shuffle_partitions: int | None = None,
+    conf: Mapping[str, str] | None = None,
+) -> SparkSession:
     """A SparkSession for ``master`` (default: ``$MSGQ_TRIO_SPARK_MASTER`` or
     ``local[*]``); under spark-submit the master it was given is kept. ``conf``: Spark
     settings (``--conf KEY=VALUE``), applied last so they override ours.
@@ -102,8 +105,9 @@ def spark_session(master: str | None = None, app_name: str = "msgq-trio analyze"
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={log4j}",
         # the report's tables are aggregates: few shuffle partitions are faster on one
         # machine (local[N], local-cluster[...]); a cluster keeps Spark's default
-        "spark.sql.shuffle.partitions":
-            str(shuffle_partitions or (8 if effective.startswith("local") else 200)),
+        "spark.sql.shuffle.partitions": str(
+            shuffle_partitions or (8 if effective.startswith("local") else 200)
+        ),
         "spark.sql.session.timeZone": "UTC",
     }
     if effective.startswith("local"):
@@ -123,8 +127,11 @@ def spark_session(master: str | None = None, app_name: str = "msgq-trio analyze"
 
 
 @contextmanager
-def analysis_session(master: str | None = None, conf: Mapping[str, str] | None = None,
-                     app_name: str = "msgq-trio analyze") -> Iterator[SparkSession]:
+def analysis_session(
+    master: str | None = None,
+    conf: Mapping[str, str] | None = None,
+    app_name: str = "msgq-trio analyze",
+) -> Iterator[SparkSession]:
     """:func:`spark_session` for one command, stopped when the block ends however it ends
     (an unstopped session leaves a cluster's executors to be relaunched and logs errors
     at exit). A session that was already running in this process is reused and left

@@ -35,9 +35,9 @@ def is_local(location: str) -> bool:
 def local_path(location: str) -> str:
     """The file system path of a local ``location`` (``file:///x`` -> ``/x``)."""
     if location.startswith("file://"):
-        return location[len("file://"):] or "/"
+        return location[len("file://") :] or "/"
     if location.startswith("file:"):
-        return location[len("file:"):]
+        return location[len("file:") :]
     return location
 
 
@@ -55,8 +55,9 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
 
 
-def expand_inputs(locations: Iterable[str | os.PathLike[str]],
-                  pattern: str = "*.jsonl") -> list[str]:
+def expand_inputs(
+    locations: Iterable[str | os.PathLike[str]], pattern: str = "*.jsonl"
+) -> list[str]:
     """The inputs named by ``locations`` as URIs for Spark.
 
     A local directory stands for its ``pattern`` files, a local glob for its matches

@@ -106,8 +106,10 @@ def _worker(role: str, socket_path: str, n: int) -> dict[str, Any]:
     async def rpc() -> dict[str, Any]:
         # Caller and callee on two connections of this process: the round trip crosses
         # the broker twice, queued behind whatever 64 MiB frames it is writing.
-        async with connect(socket_path, name="bench-echo") as callee, \
-                connect(socket_path, name="bench-caller") as caller:
+        async with (
+            connect(socket_path, name="bench-echo") as callee,
+            connect(socket_path, name="bench-caller") as caller,
+        ):
             callee.add_command("echo", lambda p: p)
             await callee.subscribe(ECHO)
             params = {"pad": "x" * 64}
@@ -130,9 +132,12 @@ def _worker(role: str, socket_path: str, n: int) -> dict[str, Any]:
         lat.sort()
         if not lat:
             return {"calls": 0}
-        return {"calls": len(lat), "p50_us": lat[len(lat) // 2] * 1e6,
-                "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
-                "max_us": lat[-1] * 1e6}
+        return {
+            "calls": len(lat),
+            "p50_us": lat[len(lat) // 2] * 1e6,
+            "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+            "max_us": lat[-1] * 1e6,
+        }
 
     if role == "rpc":
         return trio.run(rpc)
@@ -143,8 +148,13 @@ def _worker(role: str, socket_path: str, n: int) -> dict[str, Any]:
 class _Child:
     def __init__(self, argv: list[str], log: Path) -> None:
         with open(log, "wb") as err:
-            self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=err, start_new_session=True)
+            self.p = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+            )
         self.log = log
 
     def line(self, deadline: float) -> str:
@@ -179,29 +189,38 @@ def run_once(kind: str, n: int, timeout: float) -> dict[str, Any]:
         sock = str(Path(d) / "bus.sock")
         py = sys.executable
         me = "msgq_trio.bench.attachments"
-        broker = _Child([py, "-m", "msgq_trio", "--log-level", "WARNING", "serve",
-                         "--socket", sock, "--max-frame-size", str(65 * MiB)],
-                        Path(d) / "broker.log")
+        broker = _Child(
+            [
+                py,
+                "-m",
+                "msgq_trio",
+                "--log-level",
+                "WARNING",
+                "serve",
+                "--socket",
+                sock,
+                "--max-frame-size",
+                str(65 * MiB),
+            ],
+            Path(d) / "broker.log",
+        )
         children = [broker]
         try:
             while not os.path.exists(sock):
                 if time.monotonic() > deadline or broker.p.poll() is not None:
                     raise RuntimeError("broker did not start")
                 time.sleep(0.02)
-            sub = _Child([py, "-m", me, "--role", f"sub-{kind}", sock, str(n)],
-                         Path(d) / "sub.log")
+            sub = _Child([py, "-m", me, "--role", f"sub-{kind}", sock, str(n)], Path(d) / "sub.log")
             children.append(sub)
             if sub.line(deadline) != "READY":
                 raise RuntimeError("subscriber not ready")
             rpc = None
             if fair:
-                rpc = _Child([py, "-m", me, "--role", "rpc", sock, "10000000"],
-                             Path(d) / "rpc.log")
+                rpc = _Child([py, "-m", me, "--role", "rpc", sock, "10000000"], Path(d) / "rpc.log")
                 children.append(rpc)
                 if rpc.line(deadline) != "READY":
                     raise RuntimeError("rpc pair not ready")
-            pub = _Child([py, "-m", me, "--role", f"pub-{kind}", sock, str(n)],
-                         Path(d) / "pub.log")
+            pub = _Child([py, "-m", me, "--role", f"pub-{kind}", sock, str(n)], Path(d) / "pub.log")
             children.append(pub)
             if pub.line(deadline) != "READY":
                 raise RuntimeError("publisher not ready")
@@ -232,13 +251,17 @@ def run_once(kind: str, n: int, timeout: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m msgq_trio.bench.attachments",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m msgq_trio.bench.attachments", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--role", nargs=3, metavar=("ROLE", "SOCKET", "N"), help=argparse.SUPPRESS)
     p.add_argument("--blobs", type=int, default=20, help="64 MiB messages per run (20)")
     p.add_argument("--fds", type=int, default=20_000, help="fd messages per run (20,000)")
-    p.add_argument("--fair", action="store_true",
-                   help="also run the blobs with small RPCs alongside (their p50/p99)")
+    p.add_argument(
+        "--fair",
+        action="store_true",
+        help="also run the blobs with small RPCs alongside (their p50/p99)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0, help="hard limit per run, s")
     p.add_argument("--json", type=Path, help="write the figures here")
@@ -268,17 +291,25 @@ def main(argv: list[str] | None = None) -> int:
                 if k in r:
                     v.append(r[k])
         if values:
-            out[kind] = {"n": n, "unit": unit, "median": statistics.median(values),
-                         "min": min(values), "max": max(values), "runs": values}
-            line = (f"{kind:5} n={n:<6} median {statistics.median(values):,.0f} {unit} "
-                    f"[{min(values):,.0f}-{max(values):,.0f}] over {len(values)} runs")
+            out[kind] = {
+                "n": n,
+                "unit": unit,
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "runs": values,
+            }
+            line = (
+                f"{kind:5} n={n:<6} median {statistics.median(values):,.0f} {unit} "
+                f"[{min(values):,.0f}-{max(values):,.0f}] over {len(values)} runs"
+            )
             if kind == "fair":
                 for k, v in extra.items():
-                    out[kind][k] = {"median": statistics.median(v), "min": min(v),
-                                    "max": max(v)}
+                    out[kind][k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
                 line += "; small calls alongside: " + ", ".join(
                     f"{k} {statistics.median(v):,.0f} [{min(v):,.0f}-{max(v):,.0f}]"
-                    for k, v in extra.items())
+                    for k, v in extra.items()
+                )
             print(line)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

@@ -89,8 +89,9 @@ class Broker:
     def __init__(self, workdir: Path, store: Path) -> None:
         self.sock = workdir / "b.sock"
         self.cfg = workdir / "backlog.toml"
-        self.cfg.write_text(f'[plugins.queue]\ndir = "{store}"\nsync = true\n'
-                            f"[plugins.queue.queues.{QUEUE}]\n")
+        self.cfg.write_text(
+            f'[plugins.queue]\ndir = "{store}"\nsync = true\n[plugins.queue.queues.{QUEUE}]\n'
+        )
         self.log_path = workdir / "broker.log"
         self.proc: subprocess.Popen[str] | None = None
 
@@ -98,9 +99,23 @@ class Broker:
         t0 = time.perf_counter()
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "msgq_trio", "--log-level", "WARNING", "serve",
-                 "--socket", str(self.sock), "--config", str(self.cfg)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "msgq_trio",
+                    "--log-level",
+                    "WARNING",
+                    "serve",
+                    "--socket",
+                    str(self.sock),
+                    "--config",
+                    str(self.cfg),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         elapsed = time.perf_counter() - t0
@@ -166,8 +181,9 @@ async def _drain(sock: Path, messages: int, plugin: int) -> dict[str, Any]:
     async with connect(sock, "backlog-consumer") as bus:
         st = await bus.queue(QUEUE).stats()
         if st["depth"] != messages:
-            raise RuntimeError(f"after the restart the queue holds {st['depth']} messages, "
-                               f"not {messages}")
+            raise RuntimeError(
+                f"after the restart the queue holds {st['depth']} messages, not {messages}"
+            )
         t0 = time.perf_counter()
         async with bus.queue(QUEUE).consume(window=CONSUMER_WINDOW) as msgs:
             async for m in msgs:
@@ -184,9 +200,13 @@ async def _drain(sock: Path, messages: int, plugin: int) -> dict[str, Any]:
                     break
         elapsed = time.perf_counter() - t0
         st = await bus.queue(QUEUE).stats()
-    return {"drain_s": elapsed, "drain_msgs_per_s": messages / elapsed,
-            "drain_rss_anon_mib": peak_anon / 1024, "drain_rss_mib": peak_rss / 1024,
-            "depth_after": st["depth"]}
+    return {
+        "drain_s": elapsed,
+        "drain_msgs_per_s": messages / elapsed,
+        "drain_rss_anon_mib": peak_anon / 1024,
+        "drain_rss_mib": peak_rss / 1024,
+        "depth_after": st["depth"],
+    }
 
 
 def run_backlog(messages: int, size: int, workdir: Path) -> dict[str, Any]:
@@ -241,16 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"backlog: {res['messages']:,} x {res['size']} B = {res['backlog_gib']:.2f} GiB "
-          f"(store file {res['store_gib']:.2f} GiB), no consumer, ack 1 after fsync\n"
-          f"  fill            {res['fill_msgs_per_s']:10,.0f} msgs/s, plugin peak RSS "
-          f"{res['fill_peak_rss_mib']:.0f} MiB\n"
-          f"  restart         {res['restart_with_backlog_s']:.2f} s to listening "
-          f"(empty store: {res['start_empty_s']:.2f} s), after the killed broker's "
-          f"plugin took {res['old_plugin_exit_s']:.2f} s to exit\n"
-          f"  drain           {res['drain_msgs_per_s']:10,.0f} msgs/s, every message once "
-          f"and in order; plugin RSS peak {res['drain_rss_mib']:.0f} MiB "
-          f"(anonymous {res['drain_rss_anon_mib']:.0f} MiB, the rest the mapped store)")
+    print(
+        f"backlog: {res['messages']:,} x {res['size']} B = {res['backlog_gib']:.2f} GiB "
+        f"(store file {res['store_gib']:.2f} GiB), no consumer, ack 1 after fsync\n"
+        f"  fill            {res['fill_msgs_per_s']:10,.0f} msgs/s, plugin peak RSS "
+        f"{res['fill_peak_rss_mib']:.0f} MiB\n"
+        f"  restart         {res['restart_with_backlog_s']:.2f} s to listening "
+        f"(empty store: {res['start_empty_s']:.2f} s), after the killed broker's "
+        f"plugin took {res['old_plugin_exit_s']:.2f} s to exit\n"
+        f"  drain           {res['drain_msgs_per_s']:10,.0f} msgs/s, every message once "
+        f"and in order; plugin RSS peak {res['drain_rss_mib']:.0f} MiB "
+        f"(anonymous {res['drain_rss_anon_mib']:.0f} MiB, the rest the mapped store)"
+    )
     return 0
 
 

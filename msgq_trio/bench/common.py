@@ -172,7 +172,7 @@ class FrameReader:
         """Receive what is available (blocks until something is); 0 means EOF."""
         if len(self.buf) - self.end < _MIN_ROOM:
             self._make_room()
-        n = self.sock.recv_into(memoryview(self.buf)[self.end:])
+        n = self.sock.recv_into(memoryview(self.buf)[self.end :])
         self.end += n
         return n
 
@@ -183,10 +183,10 @@ class FrameReader:
             need = max(need, 4 + LEN.unpack_from(self.buf, self.start)[0])
         if need > len(self.buf):
             new = bytearray(max(need, 2 * len(self.buf)))
-            new[:pending] = memoryview(self.buf)[self.start:self.end]
+            new[:pending] = memoryview(self.buf)[self.start : self.end]
             self.buf = new
         elif self.start:
-            self.buf[:pending] = self.buf[self.start:self.end]
+            self.buf[:pending] = self.buf[self.start : self.end]
         self.start, self.end = 0, pending
 
     def complete(self, expect: int = -1) -> tuple[int, int, int, int]:

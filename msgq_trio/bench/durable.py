@@ -39,8 +39,11 @@ from .systems import Service, _stop_proc
 DURABLE_FULL = {"n": 50_000, "size": 100, "window": 1000}
 DURABLE_QUICK = {"n": 500, "size": 100, "window": 100}
 #: (label, producers, consumer online) of the msgq_trio rows.
-MSGQ_ROWS = {"msgq_trio": (1, False), "msgq_trio x16": (16, False),
-             "msgq_trio +consumer": (1, True)}
+MSGQ_ROWS = {
+    "msgq_trio": (1, False),
+    "msgq_trio x16": (16, False),
+    "msgq_trio +consumer": (1, True),
+}
 PEER_ROWS = ["nats", "redis", "rabbitmq"]
 #: Hard timeout of one durable run: the slowest row (RabbitMQ, 50,000 confirms at ~6k/s)
 #: takes ~10 s here; a row that hangs costs no more than this, once.
@@ -55,8 +58,9 @@ def _start_nats_js(run_dir: Path, deadline: float) -> Service:
         raise RuntimeError("nats-server is not installed")
     port = free_port()
     conf = run_dir / "nats.conf"
-    conf.write_text(f"host: 127.0.0.1\nport: {port}\n"
-                    f"jetstream {{\n  store_dir: \"{run_dir / 'js'}\"\n}}\n")
+    conf.write_text(
+        f'host: 127.0.0.1\nport: {port}\njetstream {{\n  store_dir: "{run_dir / "js"}"\n}}\n'
+    )
     proc = Proc("nats-server", [binary, "-c", str(conf)], run_dir, stdin=False)
     svc = Service({"url": f"nats://127.0.0.1:{port}"}, [_stop_proc(proc)], [proc.popen.pid])
     try:
@@ -72,11 +76,32 @@ def _start_redis_aof(run_dir: Path, deadline: float) -> Service:
     if binary is None:
         raise RuntimeError("redis-server is not installed")
     path = run_dir / "redis.sock"
-    proc = Proc("redis-server", [
-        binary, "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700",
-        "--dir", str(run_dir), "--save", "", "--appendonly", "yes",
-        "--appendfsync", "everysec", "--daemonize", "no", "--loglevel", "warning",
-    ], run_dir, stdin=False)
+    proc = Proc(
+        "redis-server",
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(path),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(run_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ],
+        run_dir,
+        stdin=False,
+    )
     svc = Service({"socket": str(path)}, [_stop_proc(proc)], [proc.popen.pid])
     try:
         wait_unix(path, min(deadline, time.monotonic() + 15), proc)
@@ -113,24 +138,31 @@ def start_rabbitmq(run_dir: Path) -> Service:
         RunTimeout: not accepting within :data:`RABBIT_START_TIMEOUT` seconds.
     """
     epmd_bin = shutil.which("epmd") or next(
-        iter(sorted(Path("/usr/lib/erlang").glob("erts-*/bin/epmd"))), None)
+        iter(sorted(Path("/usr/lib/erlang").glob("erts-*/bin/epmd"))), None
+    )
     if not os.path.exists(RABBIT_BIN) or epmd_bin is None:
         raise RuntimeError("rabbitmq-server is not installed")
     port, dist, epmd_port = free_port(), free_port(), free_port()
     (run_dir / "enabled_plugins").write_text("[].\n")  # no management plugin: faster start
-    env = dict(os.environ, HOME=str(run_dir), ERL_EPMD_PORT=str(epmd_port),
-               RABBITMQ_NODENAME=f"mqbench{port}@localhost",
-               RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", RABBITMQ_NODE_PORT=str(port),
-               RABBITMQ_DIST_PORT=str(dist), RABBITMQ_MNESIA_BASE=str(run_dir / "mnesia"),
-               RABBITMQ_LOG_BASE=str(run_dir / "log"),
-               RABBITMQ_ENABLED_PLUGINS_FILE=str(run_dir / "enabled_plugins"),
-               RABBITMQ_PID_FILE=str(run_dir / "rabbit.pid"),
-               RABBITMQ_CONFIG_FILE=str(run_dir / "rabbitmq"),
-               RABBITMQ_ADVANCED_CONFIG_FILE=str(run_dir / "advanced.config"),
-               # No scheduler busy-waiting: on 2 shared cores, spinning Erlang schedulers
-               # would take the CPU the clients need (RabbitMQ's own advice for shared
-               # hosts).
-               RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+sbwt none +sbwtdcpu none +sbwtdio none")
+    env = dict(
+        os.environ,
+        HOME=str(run_dir),
+        ERL_EPMD_PORT=str(epmd_port),
+        RABBITMQ_NODENAME=f"mqbench{port}@localhost",
+        RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+        RABBITMQ_NODE_PORT=str(port),
+        RABBITMQ_DIST_PORT=str(dist),
+        RABBITMQ_MNESIA_BASE=str(run_dir / "mnesia"),
+        RABBITMQ_LOG_BASE=str(run_dir / "log"),
+        RABBITMQ_ENABLED_PLUGINS_FILE=str(run_dir / "enabled_plugins"),
+        RABBITMQ_PID_FILE=str(run_dir / "rabbit.pid"),
+        RABBITMQ_CONFIG_FILE=str(run_dir / "rabbitmq"),
+        RABBITMQ_ADVANCED_CONFIG_FILE=str(run_dir / "advanced.config"),
+        # No scheduler busy-waiting: on 2 shared cores, spinning Erlang schedulers
+        # would take the CPU the clients need (RabbitMQ's own advice for shared
+        # hosts).
+        RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+sbwt none +sbwtdcpu none +sbwtdio none",
+    )
     # Our own epmd in the foreground: the one erl would start daemonizes and outlives us.
     epmd = Proc("epmd", [str(epmd_bin), "-port", str(epmd_port)], run_dir, stdin=False)
     rabbit = Proc("rabbitmq-server", [RABBIT_BIN], run_dir, stdin=False, env=env)
@@ -145,8 +177,7 @@ def start_rabbitmq(run_dir: Path) -> Service:
                 pass
         epmd.kill(signal.SIGTERM)
 
-    svc = Service({"url": f"amqp://guest:guest@127.0.0.1:{port}/"}, [stop],
-                  [rabbit.popen.pid])
+    svc = Service({"url": f"amqp://guest:guest@127.0.0.1:{port}/"}, [stop], [rabbit.popen.pid])
     try:
         wait_port("127.0.0.1", port, time.monotonic() + RABBIT_START_TIMEOUT, rabbit)
     except BaseException:
@@ -198,8 +229,9 @@ SHARED_RABBIT = SharedRabbit()
 atexit.register(SHARED_RABBIT.close)
 
 
-def run_durable_one(name: str, params: dict[str, int], timeout: float, seed: int,
-                    rabbit: Service | None = None) -> dict[str, Any]:
+def run_durable_one(
+    name: str, params: dict[str, int], timeout: float, seed: int, rabbit: Service | None = None
+) -> dict[str, Any]:
     """One run of the durable workload on ``name`` (a peer or a :data:`MSGQ_ROWS` label).
 
     Never raises for a failed run: returns ``status`` (``ok``, ``timeout``, ``error`` or
@@ -216,15 +248,22 @@ def run_durable_one(name: str, params: dict[str, int], timeout: float, seed: int
         if name in MSGQ_ROWS:
             producers, consumer = MSGQ_ROWS[name]
             role = "msgq-durable"
-            spec.update(addr={}, producers=producers, consumer=consumer,
-                        workdir=str(run_dir / "work"), timeout=max(1.0, timeout - 5))
+            spec.update(
+                addr={},
+                producers=producers,
+                consumer=consumer,
+                workdir=str(run_dir / "work"),
+                timeout=max(1.0, timeout - 5),
+            )
         elif name == "rabbitmq":
             if rabbit is None:
                 raise RuntimeError("rabbitmq-server did not start")
             role, spec["addr"] = "rabbitmq", rabbit.addr
         else:
             starts: dict[str, tuple[str, Callable[[Path, float], Service]]] = {
-                "nats": ("nats-js", _start_nats_js), "redis": ("redis-streams", _start_redis_aof)}
+                "nats": ("nats-js", _start_nats_js),
+                "redis": ("redis-streams", _start_redis_aof),
+            }
             role, start = starts[name]
             service = start(run_dir, deadline)
             spec["addr"] = service.addr
@@ -251,21 +290,33 @@ def run_durable_one(name: str, params: dict[str, int], timeout: float, seed: int
 
 def _figures(res: dict[str, Any], n: int) -> dict[str, Any]:
     if "na" in res:
-        return {"status": "n/a", "value": None, "detail": str(res["na"]),
-                "why": res.get("why", "")}
+        return {"status": "n/a", "value": None, "detail": str(res["na"]), "why": res.get("why", "")}
     if "result" in res:  # msgq_trio: run_durable's dict
         r = res["result"]
-        return {"status": "ok", "value": float(r["msgs_per_s"]), "detail": "",
-                "p50_us": r.get("ack_p50_us"), "p99_us": r.get("ack_p99_us"),
-                "writes_skipped_share": r.get("writes_skipped_share"),
-                "fsyncs": r.get("fsyncs")}
+        return {
+            "status": "ok",
+            "value": float(r["msgs_per_s"]),
+            "detail": "",
+            "p50_us": r.get("ack_p50_us"),
+            "p99_us": r.get("ack_p99_us"),
+            "writes_skipped_share": r.get("writes_skipped_share"),
+            "fsyncs": r.get("fsyncs"),
+        }
     pct = res.get("percentiles_us", {})
-    out = {"acked": res.get("acked"), "p50_us": pct.get("p50"), "p99_us": pct.get("p99"),
-           "max_us": pct.get("p100"), "percentiles_us": pct,
-           # The producer's CPU per acked message: whether the client bounds the figure.
-           "producer_cpu_us": float(res.get("cpu", 0.0)) / max(1, int(res.get("acked", 0)))
-           * 1e6}
+    out = {
+        "acked": res.get("acked"),
+        "p50_us": pct.get("p50"),
+        "p99_us": pct.get("p99"),
+        "max_us": pct.get("p100"),
+        "percentiles_us": pct,
+        # The producer's CPU per acked message: whether the client bounds the figure.
+        "producer_cpu_us": float(res.get("cpu", 0.0)) / max(1, int(res.get("acked", 0))) * 1e6,
+    }
     if res.get("timeout") or int(res.get("acked", 0)) < n:
-        return {**out, "status": "timeout", "value": None,
-                "detail": f"{res.get('acked', 0):,} of {n:,} acked in time"}
+        return {
+            **out,
+            "status": "timeout",
+            "value": None,
+            "detail": f"{res.get('acked', 0):,} of {n:,} acked in time",
+        }
     return {**out, "status": "ok", "value": float(res["msgs_per_s"]), "detail": ""}

@@ -43,8 +43,12 @@ def _percentile(sorted_values: list[float], p: float) -> float:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "msgq_trio.bench.durable_msgq", *args],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "msgq_trio.bench.durable_msgq", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _readline(p: subprocess.Popen[str], what: str) -> str:
@@ -55,8 +59,9 @@ def _readline(p: subprocess.Popen[str], what: str) -> str:
     return line.strip()
 
 
-def run_durable(n: int, size: int, producers: int, consumer: bool, workdir: Path,
-                timeout: float) -> dict[str, Any]:
+def run_durable(
+    n: int, size: int, producers: int, consumer: bool, workdir: Path, timeout: float
+) -> dict[str, Any]:
     """Run one durable benchmark; see the module docstring.
 
     Returns:
@@ -72,13 +77,28 @@ def run_durable(n: int, size: int, producers: int, consumer: bool, workdir: Path
     shutil.rmtree(store, ignore_errors=True)
     sock = workdir / "b.sock"
     cfg = workdir / "durable.toml"
-    cfg.write_text(f'[plugins.queue]\ndir = "{store}"\nsync = true\n'
-                   f'[plugins.queue.queues.{QUEUE}]\n')
+    cfg.write_text(
+        f'[plugins.queue]\ndir = "{store}"\nsync = true\n[plugins.queue.queues.{QUEUE}]\n'
+    )
     log = open(workdir / "broker.log", "w")  # noqa: SIM115 - closed in finally
     broker = subprocess.Popen(
-        [sys.executable, "-m", "msgq_trio", "--log-level", "WARNING", "serve",
-         "--socket", str(sock), "--config", str(cfg)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+        [
+            sys.executable,
+            "-m",
+            "msgq_trio",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--socket",
+            str(sock),
+            "--config",
+            str(cfg),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     procs: list[subprocess.Popen[str]] = []
     deadline = time.monotonic() + timeout
 
@@ -101,8 +121,10 @@ def run_durable(n: int, size: int, producers: int, consumer: bool, workdir: Path
             procs.append(cons)
             _readline(cons, "consumer")  # "ready"
         share = [n // producers + (i < n % producers) for i in range(producers)]
-        prods = [_spawn(["--producer", str(sock), str(k), str(size), str(i)])
-                 for i, k in enumerate(share)]
+        prods = [
+            _spawn(["--producer", str(sock), str(k), str(size), str(i)])
+            for i, k in enumerate(share)
+        ]
         procs += prods
         for p in prods:
             _readline(p, "producer")  # "ready"
@@ -123,8 +145,7 @@ def run_durable(n: int, size: int, producers: int, consumer: bool, workdir: Path
         stats = json.loads(_run_stats(sock))
         if cons is not None:
             _readline(cons, "consumer")  # "done": everything consumed
-        per_msg = sorted(x for lat, w in zip(latencies, weights, strict=True)
-                         for x in [lat] * w)
+        per_msg = sorted(x for lat, w in zip(latencies, weights, strict=True) for x in [lat] * w)
         put = stats["put"] or 1
         return {
             "msgs_per_s": n / elapsed,
@@ -228,20 +249,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.consumer:
         _consumer(args.consumer[0], int(args.consumer[1]))
         return 0
-    print(f"durable queue: n={args.n} size={args.size}, median of {args.runs} runs "
-          f"(ack 1 after fsync; batches of {BATCH}, window {WINDOW})")
+    print(
+        f"durable queue: n={args.n} size={args.size}, median of {args.runs} runs "
+        f"(ack 1 after fsync; batches of {BATCH}, window {WINDOW})"
+    )
     for producers in (1, 16):
         for consumer in (False, True):
-            runs = [run_durable(args.n, args.size, producers, consumer, args.workdir, 300)
-                    for _ in range(args.runs)]
+            runs = [
+                run_durable(args.n, args.size, producers, consumer, args.workdir, 300)
+                for _ in range(args.runs)
+            ]
+
             def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
                 return float(statistics.median(float(r[key]) for r in runs))
 
             share = "-" if not consumer else f"{med('writes_skipped_share'):.1%}"
-            print(f"producers={producers:2d} consumer={'on ' if consumer else 'off'} "
-                  f"msgs/s={med('msgs_per_s'):9.0f} ack p50={med('ack_p50_us') / 1000:7.1f} ms "
-                  f"p99={med('ack_p99_us') / 1000:7.1f} ms fsyncs={med('fsyncs'):.0f} "
-                  f"writes skipped={share}", flush=True)
+            print(
+                f"producers={producers:2d} consumer={'on ' if consumer else 'off'} "
+                f"msgs/s={med('msgs_per_s'):9.0f} ack p50={med('ack_p50_us') / 1000:7.1f} ms "
+                f"p99={med('ack_p99_us') / 1000:7.1f} ms fsyncs={med('fsyncs'):.0f} "
+                f"writes skipped={share}",
+                flush=True,
+            )
     shutil.rmtree(args.workdir, ignore_errors=True)
     return 0
 

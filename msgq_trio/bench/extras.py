@@ -51,8 +51,11 @@ _SETTLE = 1.0
 
 def _fail(exc: BaseException, timeout: float) -> dict[str, Any]:
     if isinstance(exc, RunTimeout):
-        return {"status": "timeout", "value": None,
-                "detail": f"hard timeout {timeout:.0f} s: {exc}"}
+        return {
+            "status": "timeout",
+            "value": None,
+            "detail": f"hard timeout {timeout:.0f} s: {exc}",
+        }
     return {"status": "error", "value": None, "detail": f"{type(exc).__name__}: {exc}"}
 
 
@@ -74,8 +77,12 @@ def run_kill(kills: int, timeout: float, pool_batch: int = KILL_BATCH) -> dict[s
         broker = start_broker(run_dir / "bus.sock")
 
         def spawn(name: str, role: str, **extra: Any) -> Proc:
-            spec = {"role": role, "addr": addr,
-                    "deadline": max(1.0, deadline - time.monotonic()), **extra}
+            spec = {
+                "role": role,
+                "addr": addr,
+                "deadline": max(1.0, deadline - time.monotonic()),
+                **extra,
+            }
             p = Proc.worker(name, "worker_msgq_extra", spec, run_dir)
             procs.append(p)
             return p
@@ -107,16 +114,25 @@ def run_kill(kills: int, timeout: float, pool_batch: int = KILL_BATCH) -> dict[s
         us = {k: v / 1000 for k, v in percentiles(lat_ns).items()}
         out = {"kills": len(lat_ns), "codes": codes}
         if len(lat_ns) < kills:
-            out.update(status="timeout", value=None,
-                       detail=f"{len(lat_ns)} of {kills} kills in {timeout:.0f} s")
+            out.update(
+                status="timeout",
+                value=None,
+                detail=f"{len(lat_ns)} of {kills} kills in {timeout:.0f} s",
+            )
         elif set(codes) != {"recipient-gone"}:
             out.update(status="error", value=None, detail=f"callers saw {codes}")
         else:
-            out.update(status="ok", value=us["p50"], detail="", p50_us=us["p50"],
-                       p99_us=us["p99"], max_us=us["p100"],
-                       mean_us=statistics.fmean(lat_ns) / 1000, percentiles_us=us,
-                       kernel_eof_p50_us=(statistics.median(eof_ns) / 1000
-                                          if eof_ns else None))
+            out.update(
+                status="ok",
+                value=us["p50"],
+                detail="",
+                p50_us=us["p50"],
+                p99_us=us["p99"],
+                max_us=us["p100"],
+                mean_us=statistics.fmean(lat_ns) / 1000,
+                percentiles_us=us,
+                kernel_eof_p50_us=(statistics.median(eof_ns) / 1000 if eof_ns else None),
+            )
     except (RunTimeout, WorkerFailed, RuntimeError, OSError, IndexError, ValueError) as exc:
         out = _fail(exc, timeout)
     finally:
@@ -156,21 +172,29 @@ def run_capture(params: dict[str, int], timeout: float, seed: int) -> dict[str, 
     off = run_one(msgq_variant("msgq_trio", "capture off"), workload, params, timeout, seed)
     cap_dir = Path(tempfile.mkdtemp(prefix="mqc-"))
     try:
-        system = msgq_variant("msgq_trio+capture", "capture on", "--capture-dir",
-                              str(cap_dir / "cap"))
+        system = msgq_variant(
+            "msgq_trio+capture", "capture on", "--capture-dir", str(cap_dir / "cap")
+        )
         on = run_one(system, workload, params, timeout, seed)
         records, dropped = _count_capture(cap_dir / "cap")
     finally:
         shutil.rmtree(cap_dir, ignore_errors=True)
     out: dict[str, Any] = {
-        "off": off.get("value"), "on": on.get("value"),
-        "records_written": records, "records_dropped": dropped,
-        "seconds": round(off["seconds"] + on["seconds"], 3)}
+        "off": off.get("value"),
+        "on": on.get("value"),
+        "records_written": records,
+        "records_dropped": dropped,
+        "seconds": round(off["seconds"] + on["seconds"], 3),
+    }
     if off["status"] != "ok" or on["status"] != "ok":
         bad = off if off["status"] != "ok" else on
         which = "off" if bad is off else "on"
-        return {**out, "status": bad["status"], "value": None,
-                "detail": f"capture {which}: {bad['detail']}"}
+        return {
+            **out,
+            "status": bad["status"],
+            "value": None,
+            "detail": f"capture {which}: {bad['detail']}",
+        }
     return {**out, "status": "ok", "value": on["value"] / off["value"], "detail": ""}
 
 
@@ -182,8 +206,12 @@ def run_idle(clients: int, timeout: float) -> dict[str, Any]:
     deadline = t0 + timeout
     soft, _hard = raise_nofile()  # the broker inherits it
     if soft < clients + 64:
-        return {"status": "n/a", "value": None, "seconds": 0.0,
-                "detail": f"RLIMIT_NOFILE hard limit {soft} < {clients} clients"}
+        return {
+            "status": "n/a",
+            "value": None,
+            "seconds": 0.0,
+            "detail": f"RLIMIT_NOFILE hard limit {soft} < {clients} clients",
+        }
     run_dir = Path(tempfile.mkdtemp(prefix="mqi-"))
     procs: list[Proc] = []
     broker = None
@@ -196,20 +224,37 @@ def run_idle(clients: int, timeout: float) -> dict[str, Any]:
         nprocs = -(-clients // IDLE_PER_PROC)
         for i in range(nprocs):
             share = clients // nprocs + (1 if i < clients % nprocs else 0)
-            procs.append(Proc.worker(f"idle{i}", "worker_msgq_extra", {
-                "role": "idle", "addr": {"socket": str(sock)}, "clients": share,
-                "index": i, "parallel": 64,
-                "deadline": max(1.0, deadline - time.monotonic())}, run_dir))
+            procs.append(
+                Proc.worker(
+                    f"idle{i}",
+                    "worker_msgq_extra",
+                    {
+                        "role": "idle",
+                        "addr": {"socket": str(sock)},
+                        "clients": share,
+                        "index": i,
+                        "parallel": 64,
+                        "deadline": max(1.0, deadline - time.monotonic()),
+                    },
+                    run_dir,
+                )
+            )
         connect_s = max(float(p.wait_line(READY, deadline).split()[1]) for p in procs)
         time.sleep(_SETTLE)
         after = rss_kib(broker.pid)
         client_rss = sum(rss_kib(p.popen.pid) or 0 for p in procs)
         if before is None or after is None:
             raise RuntimeError("broker exited")
-        out = {"status": "ok", "value": (after - before) / clients, "detail": "",
-               "broker_rss_before_kib": before, "broker_rss_after_kib": after,
-               "client_rss_per_connection_kib": client_rss / clients,
-               "connect_seconds": connect_s, "client_processes": nprocs}
+        out = {
+            "status": "ok",
+            "value": (after - before) / clients,
+            "detail": "",
+            "broker_rss_before_kib": before,
+            "broker_rss_after_kib": after,
+            "client_rss_per_connection_kib": client_rss / clients,
+            "connect_seconds": connect_s,
+            "client_processes": nprocs,
+        }
     except (RunTimeout, WorkerFailed, RuntimeError, OSError, IndexError, ValueError) as exc:
         out = _fail(exc, timeout)
     finally:

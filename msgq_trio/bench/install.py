@@ -46,8 +46,7 @@ def _run(cmd: list[str], say: Printer, timeout: float) -> str | None:
     say("bench setup: $ " + " ".join(cmd))
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, env=env, timeout=timeout,
-                              check=False)
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, env=env, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return f"{cmd[0]} timed out after {timeout:.0f} s"
     except OSError as exc:
@@ -62,9 +61,14 @@ def ensure_peers(systems: Iterable[str], say: Printer = print) -> dict[str, str]
     """
     wanted = [s for s in systems if s in PEER_NEEDS]
     unusable: dict[str, str] = {}
-    debs = sorted({deb for s in wanted
-                   for binary, deb, _ in [PEER_NEEDS[s]]
-                   if binary is not None and deb is not None and shutil.which(binary) is None})
+    debs = sorted(
+        {
+            deb
+            for s in wanted
+            for binary, deb, _ in [PEER_NEEDS[s]]
+            if binary is not None and deb is not None and shutil.which(binary) is None
+        }
+    )
     if debs:
         if os.geteuid() != 0:
             reason = f"not root: cannot apt-get install {' '.join(debs)}"
@@ -72,9 +76,12 @@ def ensure_peers(systems: Iterable[str], say: Printer = print) -> dict[str, str]
             reason = "no apt-get on this machine"
         else:
             say(f"bench setup: installing Debian packages: {', '.join(debs)}")
-            reason = (_run(["apt-get", "update"], say, APT_TIMEOUT)
-                      or _run(["apt-get", "install", "-y", "--no-install-recommends", *debs],
-                              say, APT_TIMEOUT)) or ""
+            reason = (
+                _run(["apt-get", "update"], say, APT_TIMEOUT)
+                or _run(
+                    ["apt-get", "install", "-y", "--no-install-recommends", *debs], say, APT_TIMEOUT
+                )
+            ) or ""
         for s in wanted:
             binary = PEER_NEEDS[s][0]
             if binary is not None and shutil.which(binary) is None:
@@ -92,7 +99,8 @@ def ensure_peers(systems: Iterable[str], say: Printer = print) -> dict[str, str]
             for module, pip_name in PEER_NEEDS[s][2]:
                 if not _has_module(module) and s not in unusable:
                     unusable[s] = f"Python module {module} ({pip_name}) missing" + (
-                        f": {pip_failure}" if pip_failure else "")
+                        f": {pip_failure}" if pip_failure else ""
+                    )
     for s in wanted:
         for module, pip_name in OPTIONAL_PIP.get(s, []):
             if s not in unusable and not _has_module(module):
@@ -121,21 +129,20 @@ def missing(systems: Iterable[str]) -> dict[str, str]:
 def peer_versions() -> dict[str, str]:
     """Versions of the peer servers and client libraries that are installed."""
     out: dict[str, str] = {}
-    for name, cmd in (("nats-server", ["nats-server", "--version"]),
-                      ("redis-server", ["redis-server", "--version"]),
-                      ("rabbitmq-server", ["dpkg-query", "-W", "-f", "${Version}",
-                                           "rabbitmq-server"])):
+    for name, cmd in (
+        ("nats-server", ["nats-server", "--version"]),
+        ("redis-server", ["redis-server", "--version"]),
+        ("rabbitmq-server", ["dpkg-query", "-W", "-f", "${Version}", "rabbitmq-server"]),
+    ):
         if shutil.which(cmd[0]):
             try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                                     check=False)
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
                 out[name] = (res.stdout or res.stderr).strip()
             except (OSError, subprocess.TimeoutExpired) as exc:
                 out[name] = f"unknown ({exc})"
     from importlib import metadata
 
-    for dist in ("nats-py", "redis", "hiredis", "pyzmq", "aio-pika", "matplotlib", "trio",
-                 "cbor2"):
+    for dist in ("nats-py", "redis", "hiredis", "pyzmq", "aio-pika", "matplotlib", "trio", "cbor2"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -86,8 +86,13 @@ _RAW_PEER = textwrap.dedent("""
 
 
 def _start(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _done(proc: subprocess.Popen[str]) -> tuple[int, float]:
@@ -104,9 +109,22 @@ def bench_pipe(total: int, chunk: int, tmp: Path) -> float:
     """MB/s through a msgq_trio pipe (broker + pipe plugin + writer + reader processes)."""
     sock = tmp / "bus.sock"
     broker = subprocess.Popen(
-        [sys.executable, "-m", "msgq_trio", "--log-level", "WARNING", "serve", "--socket",
-         str(sock), "--plugin", "pipe"], stdout=subprocess.PIPE, text=True,
-        stdin=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "msgq_trio",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--socket",
+            str(sock),
+            "--plugin",
+            "pipe",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         assert broker.stdout is not None
         if "listening" not in broker.stdout.readline():
@@ -151,8 +169,9 @@ def bench_fifo(total: int, tmp: Path) -> float:
     fifo = tmp / "fifo"
     os.mkfifo(fifo)
     t0 = time.monotonic()
-    reader = subprocess.Popen(["sh", "-c", f"cat {fifo} | wc -c"], stdout=subprocess.PIPE,
-                              text=True)
+    reader = subprocess.Popen(
+        ["sh", "-c", f"cat {fifo} | wc -c"], stdout=subprocess.PIPE, text=True
+    )
     writer = subprocess.Popen(["sh", "-c", f"head -c {total} /dev/zero | cat > {fifo}"])
     out, _ = reader.communicate(timeout=120)
     t1 = time.monotonic()
@@ -185,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                         f.unlink()
                 results.append(fn())
             rows.append((label, max(results), results))
-        print(f"{args.mib} MiB, {args.chunk} KiB writes, best of {args.runs} "
-              f"({os.cpu_count()} CPUs)")
+        print(
+            f"{args.mib} MiB, {args.chunk} KiB writes, best of {args.runs} ({os.cpu_count()} CPUs)"
+        )
         for label, best, results in rows:
             runs = ", ".join(f"{r:.0f}" for r in results)
             print(f"  {label:34s} {best:8.0f} MB/s   (runs: {runs})")

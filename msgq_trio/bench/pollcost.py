@@ -36,8 +36,10 @@ def _cpu_seconds(pid: int) -> float:
 
 async def _paced(sock: Path, rate: float, kind: str, seconds: float) -> tuple[int, float]:
     """Run the paced traffic; (operations done, p50 of their own time in µs)."""
-    async with msgq_trio.connect(sock, name="callee") as callee, \
-            msgq_trio.connect(sock, name="caller") as caller:
+    async with (
+        msgq_trio.connect(sock, name="callee") as callee,
+        msgq_trio.connect(sock, name="caller") as caller,
+    ):
         callee.add_command("echo", lambda params: params)
         await callee.subscribe("Echo")
         period = 1.0 / rate
@@ -77,16 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="paced period per run")
     args = ap.parse_args(argv)
-    print("| traffic | broker CPU, default (busy polling) | broker CPU, --busy-poll 0 "
-          "| p50 µs default / off |")
+    print(
+        "| traffic | broker CPU, default (busy polling) | broker CPU, --busy-poll 0 "
+        "| p50 µs default / off |"
+    )
     print("|---|---|---|---|")
     for rate, kind in CASES:
         on = measure(rate, kind, (), args.seconds)
         off = measure(rate, kind, ("--busy-poll", "0"), args.seconds)
         what = f"{rate:,} {'calls' if kind == 'call' else 'one-way messages'}/s"
-        print(f"| {what} ({on['ops']:,} done) | {on['cpu_share']:.1%} of a core "
-              f"| {off['cpu_share']:.1%} | {on['p50_us']:.0f} / {off['p50_us']:.0f} |",
-              flush=True)
+        print(
+            f"| {what} ({on['ops']:,} done) | {on['cpu_share']:.1%} of a core "
+            f"| {off['cpu_share']:.1%} | {on['p50_us']:.0f} / {off['p50_us']:.0f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -44,16 +44,28 @@ def stderr_tail(path: Path, lines: int = 6) -> str:
 class Proc:
     """One child process in its own process group, speaking the line protocol."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path,
-                 *, stdin: bool = True, env: dict[str, str] | None = None,
-                 pass_fds: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: Path,
+        *,
+        stdin: bool = True,
+        env: dict[str, str] | None = None,
+        pass_fds: Sequence[int] = (),
+    ) -> None:
         self.name = name
         self.stderr_path = log_dir / f"{name}.stderr"
         with open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
-                list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=err, start_new_session=True, env=env,
-                pass_fds=tuple(pass_fds))
+                list(argv),
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+                env=env,
+                pass_fds=tuple(pass_fds),
+            )
         self._buf = b""
         self.lines: list[str] = []
         self._cursor = 0  # lines[:_cursor] were looked at by wait_line
@@ -61,11 +73,16 @@ class Proc:
         self.result: dict[str, Any] | None = None
 
     @classmethod
-    def worker(cls, name: str, module: str, spec: Spec, log_dir: Path,
-               pass_fds: Sequence[int] = ()) -> Proc:
+    def worker(
+        cls, name: str, module: str, spec: Spec, log_dir: Path, pass_fds: Sequence[int] = ()
+    ) -> Proc:
         """Start ``python -m msgq_trio.bench.<module> SPEC_JSON``."""
-        return cls(name, [sys.executable, "-m", f"msgq_trio.bench.{module}",
-                          json.dumps(spec)], log_dir, pass_fds=pass_fds)
+        return cls(
+            name,
+            [sys.executable, "-m", f"msgq_trio.bench.{module}", json.dumps(spec)],
+            log_dir,
+            pass_fds=pass_fds,
+        )
 
     def fileno(self) -> int:
         assert self.popen.stdout is not None
@@ -83,7 +100,7 @@ class Proc:
             self.lines.append(line)
             if line.startswith(RESULT + " ") and self.result is None:
                 try:
-                    self.result = json.loads(line[len(RESULT) + 1:])
+                    self.result = json.loads(line[len(RESULT) + 1 :])
                 except json.JSONDecodeError as exc:
                     self.result = {"error": f"unreadable RESULT line: {exc}"}
 
@@ -263,4 +280,3 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-

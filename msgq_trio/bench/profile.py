@@ -43,9 +43,23 @@ def _profiled(out: Path, rate: int, spy: str) -> tuple[System, list[float]]:
     def start(run_dir: Path, pattern: str, deadline: float) -> Service:
         svc = _start_msgq(run_dir, pattern, deadline)
         proc = subprocess.Popen(
-            [spy, "record", "--pid", str(svc.pids[0]), "--rate", str(rate), "--nonblocking",
-             "--format", "raw", "--output", str(out)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                spy,
+                "record",
+                "--pid",
+                str(svc.pids[0]),
+                "--rate",
+                str(rate),
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--output",
+                str(out),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         started.append(time.monotonic())
 
         def stop() -> None:
@@ -90,9 +104,10 @@ def summarize(stacks: Path, top: int) -> tuple[int, list[str]]:
         own[frames[-1]] += count
         for f in set(frames):
             inclusive[f] += count
-    lines = [f"{waiting:,} samples waiting in epoll (left out); shares of the "
-             f"{total:,} others:",
-             "  self  incl  function (file of the function)"]
+    lines = [
+        f"{waiting:,} samples waiting in epoll (left out); shares of the {total:,} others:",
+        "  self  incl  function (file of the function)",
+    ]
     shown = set()
     for name, n in own.most_common(top):
         shown.add(name)
@@ -121,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=250, help="samples per second")
     p.add_argument("--out", type=Path, help="keep the collapsed stacks here")
     p.add_argument("--top", type=int, default=20)
-    p.add_argument("--clients", action="store_true",
-                   help="also sample every client process of the workload")
+    p.add_argument(
+        "--clients", action="store_true", help="also sample every client process of the workload"
+    )
     args = p.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
@@ -136,16 +152,37 @@ def main(argv: list[str] | None = None) -> int:
         stacks = out_dir / f"{key}.txt"
         system, times = _profiled(stacks, args.rate, spy)
         if args.clients:
-            def spied(name: str, module: str, spec: dict[str, object], log_dir: Path,
-                      pass_fds: tuple[int, ...] = (), key: str = key) -> Proc:
+
+            def spied(
+                name: str,
+                module: str,
+                spec: dict[str, object],
+                log_dir: Path,
+                pass_fds: tuple[int, ...] = (),
+                key: str = key,
+            ) -> Proc:
                 proc = worker(name, module, spec, log_dir, pass_fds)
                 # py-spy ends, and writes its file, when the process it samples exits.
-                spies.append(subprocess.Popen(
-                    [spy, "record", "--pid", str(proc.popen.pid), "--rate", str(args.rate),
-                     "--nonblocking", "--format", "raw",
-                     "--output", str(out_dir / f"{key}-{name}.txt")],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL))
+                spies.append(
+                    subprocess.Popen(
+                        [
+                            spy,
+                            "record",
+                            "--pid",
+                            str(proc.popen.pid),
+                            "--rate",
+                            str(args.rate),
+                            "--nonblocking",
+                            "--format",
+                            "raw",
+                            "--output",
+                            str(out_dir / f"{key}-{name}.txt"),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 return proc
 
             Proc.worker = spied  # type: ignore[method-assign,assignment]
@@ -162,20 +199,25 @@ def main(argv: list[str] | None = None) -> int:
             spies.clear()
         seconds = times[1] - times[0] if len(times) == 2 else 0.0
         w = WORKLOADS[key]
-        figure = (f"{res['value']:,.1f} {w.unit}" if res["status"] == "ok"
-                  else f"{res['status']}: {res['detail']}")
+        figure = (
+            f"{res['value']:,.1f} {w.unit}"
+            if res["status"] == "ok"
+            else f"{res['status']}: {res['detail']}"
+        )
         print(f"== {key}: {figure} (profiled, not a benchmark figure)")
         if not stacks.exists():
             print("   py-spy wrote nothing (ptrace not permitted?)")
             continue
         total, lines = summarize(stacks, args.top)
         busy = total / (args.rate * seconds) if seconds else 0.0
-        print(f"   {total:,} samples over {seconds:.1f} s of broker life ({busy:.0%} of "
-              f"{args.rate}/s)")
+        print(
+            f"   {total:,} samples over {seconds:.1f} s of broker life ({busy:.0%} of "
+            f"{args.rate}/s)"
+        )
         print("\n".join("   " + line for line in lines))
         for client in sorted(out_dir.glob(f"{key}-*.txt")):
             n, lines = summarize(client, args.top // 2)
-            print(f"   -- client {client.stem[len(key) + 1:]}: {n:,} samples")
+            print(f"   -- client {client.stem[len(key) + 1 :]}: {n:,} samples")
             print("\n".join("   " + line for line in lines))
     print(f"collapsed stacks in {out_dir}")
     return 0

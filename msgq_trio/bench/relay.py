@@ -87,7 +87,7 @@ class Relay:
         if not count:
             return
         if not c.role:
-            c.role = bytes(r.buf[start + 4:start + 5])
+            c.role = bytes(r.buf[start + 4 : start + 5])
             if c.role == b"S":
                 self.subs.append(c)
             elif c.role == b"R":
@@ -109,7 +109,7 @@ class Relay:
             cid = _ID.pack(c.id)
             buf = r.buf
             for off, _n in r.frames(start, stop):
-                buf[off + 4:off + 8] = cid
+                buf[off + 4 : off + 8] = cid
             self.responder.sock.sendall(view)
             self.forwarded += count
         elif c.role == b"R":

@@ -32,12 +32,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if failed:
             summary["note"] = f"{len(failed)} of {len(runs)} runs failed: {failed[0]['detail']}"
         elif skipped:
-            summary["note"] = (f"{len(skipped)} of {len(runs)} repetitions skipped: "
-                               f"{skipped[0]['detail']}")
+            summary["note"] = (
+                f"{len(skipped)} of {len(runs)} repetitions skipped: {skipped[0]['detail']}"
+            )
     else:
         last = runs[-1] if runs else {"status": "n/a", "detail": "not run"}
-        summary.update(status=last.get("status", "error"), median=None,
-                       reason=last.get("detail", ""))
+        summary.update(
+            status=last.get("status", "error"), median=None, reason=last.get("detail", "")
+        )
     return summary
 
 
@@ -73,17 +75,20 @@ def reference(results: Results, system: str, wkey: str) -> tuple[str, float] | N
     has a figure): the figure a cell's ratio is against."""
     w = WORKLOADS[wkey]
     for kinds in ((PEER,), ("ceiling",)):
-        cands = [(name, s[wkey]["median"]) for name, s in results.items()
-                 if name != system and SYSTEMS[name].kind in kinds
-                 and s.get(wkey, {}).get("status") == "ok"]
+        cands = [
+            (name, s[wkey]["median"])
+            for name, s in results.items()
+            if name != system
+            and SYSTEMS[name].kind in kinds
+            and s.get(wkey, {}).get("status") == "ok"
+        ]
         if cands:
             pick = max if w.higher_is_better else min
             return pick(cands, key=lambda c: c[1])
     return None
 
 
-def cell(results: Results, system: str, wkey: str, *, ranges: bool = True,
-         width: int = 40) -> str:
+def cell(results: Results, system: str, wkey: str, *, ranges: bool = True, width: int = 40) -> str:
     w = WORKLOADS[wkey]
     s = results[system].get(wkey)
     if s is None:
@@ -102,14 +107,19 @@ def cell(results: Results, system: str, wkey: str, *, ranges: bool = True,
     return text
 
 
-def table(results: Results, systems: list[str], workloads: list[str], *,
-          markdown: bool = False) -> str:
+def table(
+    results: Results, systems: list[str], workloads: list[str], *, markdown: bool = False
+) -> str:
     """One row per system, one column per workload."""
     head = ["system"] + [
         f"{WORKLOADS[k].title} ({WORKLOADS[k].unit}"
-        + (")" if WORKLOADS[k].higher_is_better else ", lower is better)") for k in workloads]
-    rows = [[name] + [cell(results, name, k, width=60 if markdown else 40) for k in workloads]
-            for name in systems]
+        + (")" if WORKLOADS[k].higher_is_better else ", lower is better)")
+        for k in workloads
+    ]
+    rows = [
+        [name] + [cell(results, name, k, width=60 if markdown else 40) for k in workloads]
+        for name in systems
+    ]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -144,8 +154,9 @@ def _fmt_us(v: float) -> str:
     return f"{v:.1f}" if v < 10 else f"{v:,.0f}"
 
 
-def cpu_table(results: Results, systems: list[str], workloads: list[str], *,
-              markdown: bool = False) -> str:
+def cpu_table(
+    results: Results, systems: list[str], workloads: list[str], *, markdown: bool = False
+) -> str:
     """CPU µs per message / delivery / call: broker + all clients (medians of repetitions).
 
     On 2 cores, a throughput figure is bounded by this total: it is where the time goes.
@@ -155,8 +166,11 @@ def cpu_table(results: Results, systems: list[str], workloads: list[str], *,
     for name in systems:
         row = [name]
         for k in workloads:
-            runs = [r["cpu_us_per_unit"] for r in results[name].get(k, {}).get("runs", [])
-                    if r.get("status") == "ok" and "cpu_us_per_unit" in r]
+            runs = [
+                r["cpu_us_per_unit"]
+                for r in results[name].get(k, {}).get("runs", [])
+                if r.get("status") == "ok" and "cpu_us_per_unit" in r
+            ]
             if not runs:
                 row.append("-")
                 continue
@@ -208,11 +222,16 @@ def msgq_only_table(report: dict[str, Any], *, markdown: bool = False) -> str:
     if "kill" in only:
         s = only["kill"]
         n = report.get("msgq_only_params", {}).get("kills", "?")
-        rows.append([f"callee SIGKILL -> caller's recipient-gone, p50 µs ({n} kills a run)",
-                     _range(s), f"p99 {_num(_median_of(s['runs'], 'p99_us'))} µs, max "
-                     f"{_num(_median_of(s['runs'], 'max_us'))} µs; SIGKILL -> EOF on a "
-                     f"socket the callee held: p50 "
-                     f"{_num(_median_of(s['runs'], 'kernel_eof_p50_us'))} µs (medians of runs)"])
+        rows.append(
+            [
+                f"callee SIGKILL -> caller's recipient-gone, p50 µs ({n} kills a run)",
+                _range(s),
+                f"p99 {_num(_median_of(s['runs'], 'p99_us'))} µs, max "
+                f"{_num(_median_of(s['runs'], 'max_us'))} µs; SIGKILL -> EOF on a "
+                f"socket the callee held: p50 "
+                f"{_num(_median_of(s['runs'], 'kernel_eof_p50_us'))} µs (medians of runs)",
+            ]
+        )
     if "capture" in only:
         s = only["capture"]
         on, off = _median_of(s["runs"], "on"), _median_of(s["runs"], "off")
@@ -220,23 +239,33 @@ def msgq_only_table(report: dict[str, Any], *, markdown: bool = False) -> str:
         drop = _median_of(s["runs"], "records_dropped")
         cn = report.get("msgq_only_params", {}).get("capture_n")
         what = f"{cn:,} x 100 B" if cn else "one-way"
-        rows.append([f"one-way ({what}) with capture on / off (ratio of msgs/s)",
-                     _range(s, 2),
-                     f"on {_num(on)} msgs/s, off {_num(off)} msgs/s; "
-                     f"{_num(rec)} records written, {_num(drop)} dropped"])
-    for key in sorted((k for k in only if k.startswith("idle-")),
-                      key=lambda k: int(k.split("-")[1])):
+        rows.append(
+            [
+                f"one-way ({what}) with capture on / off (ratio of msgs/s)",
+                _range(s, 2),
+                f"on {_num(on)} msgs/s, off {_num(off)} msgs/s; "
+                f"{_num(rec)} records written, {_num(drop)} dropped",
+            ]
+        )
+    for key in sorted(
+        (k for k in only if k.startswith("idle-")), key=lambda k: int(k.split("-")[1])
+    ):
         s = only[key]
         clients = int(key.split("-")[1])
         before = _median_of(s["runs"], "broker_rss_before_kib")
         after = _median_of(s["runs"], "broker_rss_after_kib")
         cl = _median_of(s["runs"], "client_rss_per_connection_kib")
         conn = _median_of(s["runs"], "connect_seconds")
-        rows.append([f"broker RSS per idle client, {clients:,} clients (KiB)", _range(s, 1),
-                     f"broker {_num(before and before / 1024, 1)} -> "
-                     f"{_num(after and after / 1024, 1)} MiB; "
-                     f"{_num(conn, 1)} s to connect them; client side "
-                     f"{_num(cl, 1)} KiB per connection"])
+        rows.append(
+            [
+                f"broker RSS per idle client, {clients:,} clients (KiB)",
+                _range(s, 1),
+                f"broker {_num(before and before / 1024, 1)} -> "
+                f"{_num(after and after / 1024, 1)} MiB; "
+                f"{_num(conn, 1)} s to connect them; client side "
+                f"{_num(cl, 1)} KiB per connection",
+            ]
+        )
     return _md_or_text(["figure", "median [min" + DASH + "max]", "detail"], rows, markdown)
 
 
@@ -247,8 +276,10 @@ def _fmt_any(v: float, workload: Workload | None) -> str:
 #: The goal table's msgq_trio figure: the better of these (system, label in the cell).
 GOAL_DEFAULT = (("msgq_trio", ""), ("msgq_trio-direct", " (direct client)"))
 #: Its extra rows: the broker with ``limits.busy_poll`` 0 (off; it is on by default).
-GOAL_NO_BUSY_POLL = (("msgq_trio-no-busy-poll", ""),
-                     ("msgq_trio-direct-no-busy-poll", " (direct client)"))
+GOAL_NO_BUSY_POLL = (
+    ("msgq_trio-no-busy-poll", ""),
+    ("msgq_trio-direct-no-busy-poll", " (direct client)"),
+)
 NO_BUSY_POLL_ROW = ", busy polling off"
 
 
@@ -279,12 +310,30 @@ def goal_table(report: dict[str, Any], *, markdown: bool = False) -> str:
                     mine is None or (v > mine if w.higher_is_better else v < mine)
                 ):
                     mine, client = v, label
-            columns.append((f"{w.title} ({w.unit}){suffix}", key, w.higher_is_better, mine,
-                            nats, redis, client))
+            columns.append(
+                (
+                    f"{w.title} ({w.unit}){suffix}",
+                    key,
+                    w.higher_is_better,
+                    mine,
+                    nats,
+                    redis,
+                    client,
+                )
+            )
     if report.get("durable"):
         d = report["durable"]
-        columns.append(("durable acked publish (msgs/s)", "durable", True,
-                        med(d.get("msgq_trio")), med(d.get("nats")), med(d.get("redis")), ""))
+        columns.append(
+            (
+                "durable acked publish (msgs/s)",
+                "durable",
+                True,
+                med(d.get("msgq_trio")),
+                med(d.get("nats")),
+                med(d.get("redis")),
+                "",
+            )
+        )
     for title, key, higher, mine, nats, redis, client in columns:
         if mine is None:
             continue
@@ -298,18 +347,30 @@ def goal_table(report: dict[str, Any], *, markdown: bool = False) -> str:
             ratio = mine / theirs if higher else theirs / mine
             ahead.append(ratio > 1)
             cells.append(f"{_fmt_any(theirs, workload)} ({fmt_ratio(ratio)}{TIMES})")
-        verdict = ("yes" if ahead and all(ahead) else "no" if ahead else "-")
+        verdict = "yes" if ahead and all(ahead) else "no" if ahead else "-"
         rows.append([title, _fmt_any(mine, workload) + client, *cells, verdict])
-    return _md_or_text(["column", "msgq_trio", "NATS (msgq_trio ahead by)",
-                        "Redis (msgq_trio ahead by)", "ahead of both"], rows, markdown)
+    return _md_or_text(
+        [
+            "column",
+            "msgq_trio",
+            "NATS (msgq_trio ahead by)",
+            "Redis (msgq_trio ahead by)",
+            "ahead of both",
+        ],
+        rows,
+        markdown,
+    )
 
 
 def durable_table(report: dict[str, Any], *, markdown: bool = False) -> str:
     """Durable acked publish: msgs/s with ratio to the best peer, ack latency, and the
     queue plugin's own statistics for the msgq_trio rows."""
     rows_in: dict[str, dict[str, Any]] = report["durable"]
-    peers = {n: s["median"] for n, s in rows_in.items()
-             if not n.startswith("msgq_trio") and s.get("status") == "ok"}
+    peers = {
+        n: s["median"]
+        for n, s in rows_in.items()
+        if not n.startswith("msgq_trio") and s.get("status") == "ok"
+    }
     rows = []
     for name, s in rows_in.items():
         cell = _range(s)
@@ -319,12 +380,30 @@ def durable_table(report: dict[str, Any], *, markdown: bool = False) -> str:
             cell += f" ({fmt_ratio(s['median'] / others[best])}{TIMES} {best})"
         skipped = _median_of(s["runs"], "writes_skipped_share")
         fsyncs = _median_of(s["runs"], "fsyncs")
-        rows.append([name, cell, _num(_median_of(s["runs"], "p50_us")),
-                     _num(_median_of(s["runs"], "p99_us")),
-                     _num(_median_of(s["runs"], "producer_cpu_us"), 1),
-                     "-" if skipped is None else f"{skipped:.0%}", _num(fsyncs)])
-    return _md_or_text(["system", "msgs/s", "ack p50 µs", "ack p99 µs",
-                        "producer CPU µs/msg", "writes skipped", "fsyncs"], rows, markdown)
+        rows.append(
+            [
+                name,
+                cell,
+                _num(_median_of(s["runs"], "p50_us")),
+                _num(_median_of(s["runs"], "p99_us")),
+                _num(_median_of(s["runs"], "producer_cpu_us"), 1),
+                "-" if skipped is None else f"{skipped:.0%}",
+                _num(fsyncs),
+            ]
+        )
+    return _md_or_text(
+        [
+            "system",
+            "msgs/s",
+            "ack p50 µs",
+            "ack p99 µs",
+            "producer CPU µs/msg",
+            "writes skipped",
+            "fsyncs",
+        ],
+        rows,
+        markdown,
+    )
 
 
 def machine_info() -> dict[str, Any]:
@@ -358,13 +437,24 @@ def machine_info() -> dict[str, Any]:
         try:
             # Read-only: --no-optional-locks keeps `status` from refreshing the index.
             git = ["git", "--no-optional-locks", "-C", str(src)]
-            head = subprocess.run([*git, "rev-parse", "--short", "HEAD"],
-                                  capture_output=True, text=True, timeout=10, check=False)
-            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10, check=False)
+            head = subprocess.run(
+                [*git, "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
+            dirty = subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
             if head.returncode == 0:
                 info["msgq_trio_commit"] = head.stdout.strip() + (
-                    " (with uncommitted changes)" if dirty.stdout.strip() else "")
+                    " (with uncommitted changes)" if dirty.stdout.strip() else ""
+                )
         except (OSError, subprocess.TimeoutExpired):
             pass
     return info
@@ -390,8 +480,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     written: list[Path] = []
     colors = {"subject": "tab:red", "ceiling": "tab:gray", "peer": "tab:blue"}
 
-    def bars(name: str, summaries: dict[str, dict[str, Any]], unit: str, title: str,
-             color_of: Any) -> None:
+    def bars(
+        name: str, summaries: dict[str, dict[str, Any]], unit: str, title: str, color_of: Any
+    ) -> None:
         names = [n for n, s in summaries.items() if s.get("status") == "ok"]
         if not names:
             return
@@ -415,14 +506,14 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    def distribution(name: str, curves: dict[str, dict[str, Any]], xlabel: str,
-                     title: str) -> None:
+    def distribution(name: str, curves: dict[str, dict[str, Any]], xlabel: str, title: str) -> None:
         """Percentile curves (x: latency, log scale) of each system's median run."""
         fig, ax = plt.subplots(figsize=(7, 4))
         drawn = False
         for label, s in curves.items():
-            runs = [r for r in s.get("runs", []) if r.get("status") == "ok"
-                    and r.get("percentiles_us")]
+            runs = [
+                r for r in s.get("runs", []) if r.get("status") == "ok" and r.get("percentiles_us")
+            ]
             if not runs:
                 continue
             run = sorted(runs, key=lambda r: r["value"])[len(runs) // 2]  # the median run
@@ -446,23 +537,41 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     for key in workloads:
         w = WORKLOADS[key]
         better = "higher" if w.higher_is_better else "lower"
-        bars(key, {n: results[n].get(key, {}) for n in systems}, w.unit,
-             f"{w.title} ({w.unit}, {better} is better; median, min{DASH}max)",
-             lambda n: colors[SYSTEMS[n].kind])
+        bars(
+            key,
+            {n: results[n].get(key, {}) for n in systems},
+            w.unit,
+            f"{w.title} ({w.unit}, {better} is better; median, min{DASH}max)",
+            lambda n: colors[SYSTEMS[n].kind],
+        )
     if "req-reply" in workloads:
-        distribution("latency", {n: results[n].get("req-reply", {}) for n in systems},
-                     "round trip (µs, log scale)",
-                     "request/reply latency distribution (median run)")
+        distribution(
+            "latency",
+            {n: results[n].get("req-reply", {}) for n in systems},
+            "round trip (µs, log scale)",
+            "request/reply latency distribution (median run)",
+        )
     if report.get("durable"):
         p = report.get("durable_params", {})
-        bars("durable", report["durable"], "msgs/s",
-             f"durable acked publish, {p.get('n', 0):,} x {p.get('size', 0)} B "
-             f"(msgs/s; median, min{DASH}max)",
-             lambda n: colors["subject" if n.startswith("msgq_trio") else "peer"])
-        distribution("durable-latency", report["durable"], "publish to ack (µs, log scale)",
-                     "durable publish ack latency distribution (median run)")
+        bars(
+            "durable",
+            report["durable"],
+            "msgs/s",
+            f"durable acked publish, {p.get('n', 0):,} x {p.get('size', 0)} B "
+            f"(msgs/s; median, min{DASH}max)",
+            lambda n: colors["subject" if n.startswith("msgq_trio") else "peer"],
+        )
+        distribution(
+            "durable-latency",
+            report["durable"],
+            "publish to ack (µs, log scale)",
+            "durable publish ack latency distribution (median run)",
+        )
     if report.get("msgq_only", {}).get("kill"):
-        distribution("kill-to-error", {"msgq_trio": report["msgq_only"]["kill"]},
-                     "callee SIGKILL to caller's recipient-gone (µs, log scale)",
-                     "time to learn that a callee died (median run)")
+        distribution(
+            "kill-to-error",
+            {"msgq_trio": report["msgq_only"]["kill"]},
+            "callee SIGKILL to caller's recipient-gone (µs, log scale)",
+            "time to learn that a callee died (median run)",
+        )
     return written

@@ -87,8 +87,9 @@ def _stop_proc(proc: Proc) -> Callable[[], None]:
     return stop
 
 
-def _start_msgq(run_dir: Path, _pattern: str, _deadline: float,
-                serve_args: tuple[str, ...] = ()) -> Service:
+def _start_msgq(
+    run_dir: Path, _pattern: str, _deadline: float, serve_args: tuple[str, ...] = ()
+) -> Service:
     from ..demo import start_broker
 
     path = run_dir / "bus.sock"
@@ -107,24 +108,53 @@ def _start_msgq_tcp(run_dir: Path, _pattern: str, _deadline: float, *, tls: bool
     from ..demo import start_broker
 
     port = free_port()
-    lines = ["[tcp]", f'listen = ["127.0.0.1:{port}"]',
-             f'tokens = {{ bench = "{hash_token(BENCH_TOKEN)}" }}']
-    addr: dict[str, Any] = {"socket": f"{'tls' if tls else 'tcp'}://127.0.0.1:{port}",
-                            "token": BENCH_TOKEN}
+    lines = [
+        "[tcp]",
+        f'listen = ["127.0.0.1:{port}"]',
+        f'tokens = {{ bench = "{hash_token(BENCH_TOKEN)}" }}',
+    ]
+    addr: dict[str, Any] = {
+        "socket": f"{'tls' if tls else 'tcp'}://127.0.0.1:{port}",
+        "token": BENCH_TOKEN,
+    }
     if tls:
         cert, key = run_dir / "cert.pem", run_dir / "key.pem"
         subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-             "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
-             "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-            check=True, capture_output=True, timeout=30,
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
         )
         lines += [f'certfile = "{cert}"', f'keyfile = "{key}"']
         addr["cafile"] = str(cert)
     else:
         lines.append("insecure = true")
-    lines += ["[[access.rule]]", 'who = ["tcp:bench"]', 'send = ["*"]', 'subscribe = ["*"]',
-              'call = ["*"]']
+    lines += [
+        "[[access.rule]]",
+        'who = ["tcp:bench"]',
+        'send = ["*"]',
+        'subscribe = ["*"]',
+        'call = ["*"]',
+    ]
     conf = run_dir / "broker.toml"
     conf.write_text("\n".join(lines) + "\n")
     path = run_dir / "bus.sock"
@@ -137,8 +167,13 @@ def _start_msgq_tcp(run_dir: Path, _pattern: str, _deadline: float, *, tls: bool
 def msgq_variant(name: str, description: str, *serve_args: str) -> System:
     """msgq_trio with extra ``msgq-trio serve`` flags (``--capture-dir DIR``...), for the
     msgq_trio-only figures; not one of :data:`SYSTEMS`, so not in the peer table."""
-    return System(name, SUBJECT, "worker_msgq", description,
-                  functools.partial(_start_msgq, serve_args=serve_args))
+    return System(
+        name,
+        SUBJECT,
+        "worker_msgq",
+        description,
+        functools.partial(_start_msgq, serve_args=serve_args),
+    )
 
 
 def _start_raw(run_dir: Path, _pattern: str, _deadline: float) -> Service:
@@ -148,9 +183,16 @@ def _start_raw(run_dir: Path, _pattern: str, _deadline: float) -> Service:
 def _start_relay(run_dir: Path, _pattern: str, deadline: float) -> Service:
     path = run_dir / "relay.sock"
     addr = {"mode": "relay", "socket": str(path)}
-    proc = Proc.worker("relay", "relay", {
-        "role": "relay", "addr": addr, "deadline": max(1.0, deadline - time.monotonic()),
-    }, run_dir)
+    proc = Proc.worker(
+        "relay",
+        "relay",
+        {
+            "role": "relay",
+            "addr": addr,
+            "deadline": max(1.0, deadline - time.monotonic()),
+        },
+        run_dir,
+    )
     svc = Service(addr, [_stop_proc(proc)], [proc.popen.pid])
     try:
         wait_all([proc], "READY", deadline)
@@ -168,7 +210,7 @@ def _start_nats(run_dir: Path, _pattern: str, deadline: float) -> Service:
     conf = run_dir / "nats.conf"
     conf.write_text(
         f"host: 127.0.0.1\nport: {port}\n"
-        "max_payload: 8MB\nmax_pending: 2GB\nwrite_deadline: \"60s\"\n"
+        'max_payload: 8MB\nmax_pending: 2GB\nwrite_deadline: "60s"\n'
     )
     proc = Proc("nats-server", [binary, "-c", str(conf)], run_dir, stdin=False)
     svc = Service({"url": f"nats://127.0.0.1:{port}"}, [_stop_proc(proc)], [proc.popen.pid])
@@ -185,11 +227,32 @@ def _start_redis(run_dir: Path, _pattern: str, deadline: float) -> Service:
     if binary is None:
         raise RuntimeError("redis-server is not installed")
     path = run_dir / "redis.sock"
-    proc = Proc("redis-server", [
-        binary, "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700",
-        "--dir", str(run_dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
-        "--client-output-buffer-limit", "pubsub 0 0 0", "--loglevel", "warning",
-    ], run_dir, stdin=False)
+    proc = Proc(
+        "redis-server",
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(path),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(run_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--client-output-buffer-limit",
+            "pubsub 0 0 0",
+            "--loglevel",
+            "warning",
+        ],
+        run_dir,
+        stdin=False,
+    )
     svc = Service({"socket": str(path)}, [_stop_proc(proc)], [proc.popen.pid])
     try:
         wait_unix(path, min(deadline, time.monotonic() + 15), proc)
@@ -201,10 +264,17 @@ def _start_redis(run_dir: Path, _pattern: str, deadline: float) -> Service:
 
 def _start_zmq(run_dir: Path, pattern: str, deadline: float) -> Service:
     addr = {"dir": str(run_dir)}
-    proc = Proc.worker("zmq-proxy", "worker_zmq", {
-        "role": "proxy", "mode": pattern, "addr": addr,
-        "deadline": max(1.0, deadline - time.monotonic()),
-    }, run_dir)
+    proc = Proc.worker(
+        "zmq-proxy",
+        "worker_zmq",
+        {
+            "role": "proxy",
+            "mode": pattern,
+            "addr": addr,
+            "deadline": max(1.0, deadline - time.monotonic()),
+        },
+        run_dir,
+    )
     svc = Service(addr, [_stop_proc(proc)], [proc.popen.pid])
     try:
         wait_all([proc], "READY", deadline)
@@ -226,57 +296,118 @@ def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
 
 _CALLS_ONLY = ("req-reply", "concurrent")
 
-SYSTEMS: dict[str, System] = {s.name: s for s in (
-    System("msgq_trio", SUBJECT, "worker_msgq",
-           "msgq_trio broker process; trio clients (group send, bus.call)", _start_msgq),
-    # The direct client is for calls (a blocking thread per connection, a syscall per
-    # send): the two request/reply columns.
-    System("msgq_trio-direct", SUBJECT, "worker_msgq_direct",
-           "msgq_trio broker process; direct blocking clients (connect_direct, bus.call)",
-           _start_msgq, only=_CALLS_ONLY,
-           not_run="not run: the direct client is for calls"),
-    # limits.busy_poll off: the call columns only, beside the default (on).
-    System("msgq_trio-no-busy-poll", SUBJECT, "worker_msgq",
-           "msgq_trio broker with --busy-poll 0; trio clients",
-           functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
-           only=_CALLS_ONLY, not_run="not run: busy polling matters for calls"),
-    System("msgq_trio-direct-no-busy-poll", SUBJECT, "worker_msgq_direct",
-           "msgq_trio broker with --busy-poll 0; direct blocking clients",
-           functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
-           only=_CALLS_ONLY, not_run="not run: busy polling matters for calls"),
-    # Over TCP the small-message columns only (issue 11 asks one-way and round trip):
-    # 4 MiB over TLS alone would take 45 s of the 10-minute run.
-    System("msgq_trio-tcp", SUBJECT, "worker_msgq",
-           "msgq_trio broker, clients over TCP loopback (token, no TLS)",
-           functools.partial(_start_msgq_tcp, tls=False),
-           only=("one-way", "fan-out", "req-reply", "concurrent"),
-           not_run="not run over TCP (time budget)"),
-    System("msgq_trio-tls", SUBJECT, "worker_msgq",
-           "msgq_trio broker, clients over TLS 1.3 on TCP loopback (token)",
-           functools.partial(_start_msgq_tcp, tls=True),
-           only=("one-way", "fan-out", "req-reply", "concurrent"),
-           not_run="not run over TCP (time budget)"),
-    System("raw-unix", CEILING, "worker_raw",
-           "no broker: AF_UNIX process to process, 4-byte length-prefixed frames",
-           _start_raw),
-    System("py-relay", CEILING, "worker_raw",
-           "minimal Python relay process forwarding length-prefixed frames", _start_relay),
-    System("nats", PEER, "worker_nats", "nats-server (TCP loopback), nats-py asyncio",
-           _start_nats),
-    System("redis", PEER, "worker_redis",
-           "redis-server pub/sub (Unix socket), redis-py sync + hiredis", _start_redis),
-    System("zeromq", PEER, "worker_zmq", "zmq.proxy process (XSUB/XPUB, ROUTER/DEALER) "
-           "over ipc://, pyzmq", _start_zmq),
-    System("rabbitmq", PEER, "worker_rabbitmq",
-           "rabbitmq-server (TCP loopback), aiormq (aio-pika's AMQP layer) asyncio",
-           _start_rabbit, only=("req-reply", "concurrent", "large"),
-           # Measured here: 2-4k msgs/s one-way, ~300 µs of client CPU a message
-           # (pamqp framing in Python); 200,000 messages would take a minute or more.
-           not_run="not run: the Python AMQP client costs ~300 µs CPU a message"),
-)}
-DEFAULT_SYSTEMS = ["msgq_trio", "msgq_trio-direct", "msgq_trio-no-busy-poll",
-                   "msgq_trio-direct-no-busy-poll", "raw-unix", "py-relay"]
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System(
+            "msgq_trio",
+            SUBJECT,
+            "worker_msgq",
+            "msgq_trio broker process; trio clients (group send, bus.call)",
+            _start_msgq,
+        ),
+        # The direct client is for calls (a blocking thread per connection, a syscall per
+        # send): the two request/reply columns.
+        System(
+            "msgq_trio-direct",
+            SUBJECT,
+            "worker_msgq_direct",
+            "msgq_trio broker process; direct blocking clients (connect_direct, bus.call)",
+            _start_msgq,
+            only=_CALLS_ONLY,
+            not_run="not run: the direct client is for calls",
+        ),
+        # limits.busy_poll off: the call columns only, beside the default (on).
+        System(
+            "msgq_trio-no-busy-poll",
+            SUBJECT,
+            "worker_msgq",
+            "msgq_trio broker with --busy-poll 0; trio clients",
+            functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
+            only=_CALLS_ONLY,
+            not_run="not run: busy polling matters for calls",
+        ),
+        System(
+            "msgq_trio-direct-no-busy-poll",
+            SUBJECT,
+            "worker_msgq_direct",
+            "msgq_trio broker with --busy-poll 0; direct blocking clients",
+            functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
+            only=_CALLS_ONLY,
+            not_run="not run: busy polling matters for calls",
+        ),
+        # Over TCP the small-message columns only (issue 11 asks one-way and round trip):
+        # 4 MiB over TLS alone would take 45 s of the 10-minute run.
+        System(
+            "msgq_trio-tcp",
+            SUBJECT,
+            "worker_msgq",
+            "msgq_trio broker, clients over TCP loopback (token, no TLS)",
+            functools.partial(_start_msgq_tcp, tls=False),
+            only=("one-way", "fan-out", "req-reply", "concurrent"),
+            not_run="not run over TCP (time budget)",
+        ),
+        System(
+            "msgq_trio-tls",
+            SUBJECT,
+            "worker_msgq",
+            "msgq_trio broker, clients over TLS 1.3 on TCP loopback (token)",
+            functools.partial(_start_msgq_tcp, tls=True),
+            only=("one-way", "fan-out", "req-reply", "concurrent"),
+            not_run="not run over TCP (time budget)",
+        ),
+        System(
+            "raw-unix",
+            CEILING,
+            "worker_raw",
+            "no broker: AF_UNIX process to process, 4-byte length-prefixed frames",
+            _start_raw,
+        ),
+        System(
+            "py-relay",
+            CEILING,
+            "worker_raw",
+            "minimal Python relay process forwarding length-prefixed frames",
+            _start_relay,
+        ),
+        System(
+            "nats", PEER, "worker_nats", "nats-server (TCP loopback), nats-py asyncio", _start_nats
+        ),
+        System(
+            "redis",
+            PEER,
+            "worker_redis",
+            "redis-server pub/sub (Unix socket), redis-py sync + hiredis",
+            _start_redis,
+        ),
+        System(
+            "zeromq",
+            PEER,
+            "worker_zmq",
+            "zmq.proxy process (XSUB/XPUB, ROUTER/DEALER) over ipc://, pyzmq",
+            _start_zmq,
+        ),
+        System(
+            "rabbitmq",
+            PEER,
+            "worker_rabbitmq",
+            "rabbitmq-server (TCP loopback), aiormq (aio-pika's AMQP layer) asyncio",
+            _start_rabbit,
+            only=("req-reply", "concurrent", "large"),
+            # Measured here: 2-4k msgs/s one-way, ~300 µs of client CPU a message
+            # (pamqp framing in Python); 200,000 messages would take a minute or more.
+            not_run="not run: the Python AMQP client costs ~300 µs CPU a message",
+        ),
+    )
+}
+DEFAULT_SYSTEMS = [
+    "msgq_trio",
+    "msgq_trio-direct",
+    "msgq_trio-no-busy-poll",
+    "msgq_trio-direct-no-busy-poll",
+    "raw-unix",
+    "py-relay",
+]
 PEER_SYSTEMS = ["nats", "redis", "zeromq"]
 #: msgq_trio over TCP and TLS (``--peers`` runs them too: NATS is measured over TCP).
 TCP_SYSTEMS = ["msgq_trio-tcp", "msgq_trio-tls"]
-

@@ -35,9 +35,14 @@ from .common import Deadline, Spec, payloads, percentiles, ready, wait_go, worke
 
 def _figures(n: int, acked: int, start: float, end: float, lat: list[int]) -> dict[str, Any]:
     pct = percentiles(lat)
-    return {"acked": acked, "start": start, "end": end, "timeout": acked < n,
-            "msgs_per_s": acked / (end - start) if end > start else 0.0,
-            "percentiles_us": {k: v / 1000 for k, v in pct.items()}}
+    return {
+        "acked": acked,
+        "start": start,
+        "end": end,
+        "timeout": acked < n,
+        "msgs_per_s": acked / (end - start) if end > start else 0.0,
+        "percentiles_us": {k: v / 1000 for k, v in pct.items()},
+    }
 
 
 async def _nats_js(spec: Spec) -> dict[str, Any]:
@@ -48,8 +53,9 @@ async def _nats_js(spec: Spec) -> dict[str, Any]:
     n, window = spec["n"], spec["window"]
     bodies = payloads(spec["size"], spec.get("seed", 0))
     mask = len(bodies) - 1
-    nc = await nats.connect(spec["addr"]["url"], allow_reconnect=False,
-                            max_reconnect_attempts=0, connect_timeout=5)
+    nc = await nats.connect(
+        spec["addr"]["url"], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5
+    )
     clock = time.perf_counter_ns
     sent_at = [0] * n
     lat: list[int] = []
@@ -72,11 +78,11 @@ async def _nats_js(spec: Spec) -> dict[str, Any]:
     start = time.monotonic()  # replaced at GO; set here so a failed wait_go leaves a value
     try:
         js = nc.jetstream()
-        await js.add_stream(StreamConfig(name="BENCH", subjects=["bench.durable"],
-                                         storage=StorageType.FILE))
+        await js.add_stream(
+            StreamConfig(name="BENCH", subjects=["bench.durable"], storage=StorageType.FILE)
+        )
         inbox = nc.new_inbox()
-        await nc.subscribe(inbox + ".*", cb=on_ack, pending_msgs_limit=0,
-                           pending_bytes_limit=0)
+        await nc.subscribe(inbox + ".*", cb=on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
         await nc.flush()
         ready()
         await asyncio.to_thread(wait_go, deadline.left())
@@ -156,8 +162,9 @@ async def _rabbitmq(spec: Spec) -> dict[str, Any]:
             while next_i < n:
                 i = next_i
                 next_i += 1
-                msg = aio_pika.Message(bodies[i & mask],
-                                       delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+                msg = aio_pika.Message(
+                    bodies[i & mask], delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+                )
                 t0 = clock()
                 await exchange.publish(msg, routing_key=queue_name)
                 lat.append(clock() - t0)
@@ -165,8 +172,9 @@ async def _rabbitmq(spec: Spec) -> dict[str, Any]:
 
         start = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.gather(*(publisher() for _ in range(window))),
-                                   max(0.1, deadline.left()))
+            await asyncio.wait_for(
+                asyncio.gather(*(publisher() for _ in range(window))), max(0.1, deadline.left())
+            )
         except TimeoutError:
             pass
         end = time.monotonic()
@@ -186,8 +194,14 @@ def _msgq_durable(spec: Spec) -> dict[str, Any]:
         return {"na": "queue plugin not available", "why": f"{type(exc).__name__}: {exc}"}
     # A failure of the harness is an error (worker_main reports it), not n/a: the smoke
     # test must notice when the durable workload breaks.
-    res = run_durable(spec["n"], spec["size"], spec["producers"], spec["consumer"],
-                      Path(spec["workdir"]), spec["timeout"])
+    res = run_durable(
+        spec["n"],
+        spec["size"],
+        spec["producers"],
+        spec["consumer"],
+        Path(spec["workdir"]),
+        spec["timeout"],
+    )
     return {"result": dict(res)}
 
 

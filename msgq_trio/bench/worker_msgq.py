@@ -61,8 +61,7 @@ async def _sub(spec: Spec) -> dict[str, Any]:
                 if count >= n:
                     break
         last = time.monotonic()
-    return {"count": count, "bad": bad, "first": first, "last": last,
-            "timeout": count < n}
+    return {"count": count, "bad": bad, "first": first, "last": last, "timeout": count < n}
 
 
 async def _pub(spec: Spec) -> dict[str, Any]:
@@ -135,8 +134,13 @@ async def _requester(spec: Spec) -> dict[str, Any]:
                 for slot in range(conc):
                     nursery.start_soon(requester, slot)
         end = time.monotonic()
-    out: dict[str, Any] = {"calls": done, "bad": errors, "start": start, "end": end,
-                           "timeout": done < conc * calls}
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": errors,
+        "start": start,
+        "end": end,
+        "timeout": done < conc * calls,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out

@@ -91,8 +91,13 @@ def _requester(spec: Spec) -> dict[str, Any]:
     finally:
         for bus in buses:
             bus.close()
-    out: dict[str, Any] = {"calls": sum(done), "bad": sum(errors), "start": start, "end": end,
-                           "timeout": sum(done) < conc * calls}
+    out: dict[str, Any] = {
+        "calls": sum(done),
+        "bad": sum(errors),
+        "start": start,
+        "end": end,
+        "timeout": sum(done) < conc * calls,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out

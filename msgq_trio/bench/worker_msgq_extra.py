@@ -160,7 +160,8 @@ async def _idle(spec: Spec) -> dict[str, Any]:
             try:
                 async with limiter:
                     await stack.enter_async_context(
-                        connect(spec["addr"]["socket"], name=f"idle-{spec['index']}-{i}"))
+                        connect(spec["addr"]["socket"], name=f"idle-{spec['index']}-{i}")
+                    )
             except (MsgqError, OSError) as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
                 all_in.set()  # fail fast: the parent sees the error, not a timeout

@@ -25,8 +25,9 @@ ECHO = "bench.echo"
 
 
 async def _connect(spec: Spec) -> Any:
-    return await nats.connect(spec["addr"]["url"], allow_reconnect=False,
-                              max_reconnect_attempts=0, connect_timeout=5)
+    return await nats.connect(
+        spec["addr"]["url"], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5
+    )
 
 
 async def _sub(spec: Spec) -> dict[str, Any]:
@@ -132,22 +133,32 @@ async def _requester(spec: Spec) -> dict[str, Any]:
 
         start = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.gather(*(requester(s) for s in range(conc))),
-                                   deadline.left())
+            await asyncio.wait_for(
+                asyncio.gather(*(requester(s) for s in range(conc))), deadline.left()
+            )
         except (TimeoutError, nats.errors.TimeoutError):
             pass
         end = time.monotonic()
     finally:
         await nc.close()
-    out: dict[str, Any] = {"calls": done, "bad": bad, "start": start, "end": end,
-                           "timeout": done < conc * calls}
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": bad,
+        "start": start,
+        "end": end,
+        "timeout": done < conc * calls,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out
 
 
-ROLES = {"sub": asyncio_role(_sub), "pub": asyncio_role(_pub),
-         "responder": asyncio_role(_responder), "requester": asyncio_role(_requester)}
+ROLES = {
+    "sub": asyncio_role(_sub),
+    "pub": asyncio_role(_pub),
+    "responder": asyncio_role(_responder),
+    "requester": asyncio_role(_requester),
+}
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))

@@ -111,8 +111,12 @@ async def _responder(spec: Spec) -> dict[str, Any]:
             nonlocal served
             served += 1
             p = msg.header.properties
-            await ch.basic_publish(msg.body, routing_key=p.reply_to, wait=False,
-                                   properties=props(correlation_id=p.correlation_id))
+            await ch.basic_publish(
+                msg.body,
+                routing_key=p.reply_to,
+                wait=False,
+                properties=props(correlation_id=p.correlation_id),
+            )
 
         await ch.queue_declare(queue, auto_delete=True)
         await ch.basic_consume(queue, on_request, no_ack=True)
@@ -154,8 +158,12 @@ async def _requester(spec: Spec) -> dict[str, Any]:
             cid = str(seq)
             fut: asyncio.Future[bytes] = loop.create_future()
             waiting[cid] = fut
-            await ch.basic_publish(body, routing_key=queue, wait=False,
-                                   properties=props(reply_to=REPLY_TO, correlation_id=cid))
+            await ch.basic_publish(
+                body,
+                routing_key=queue,
+                wait=False,
+                properties=props(reply_to=REPLY_TO, correlation_id=cid),
+            )
             return await asyncio.wait_for(fut, max(0.1, deadline.left()))
 
         for i in range(spec.get("warmup", 0)):
@@ -177,22 +185,32 @@ async def _requester(spec: Spec) -> dict[str, Any]:
 
         start = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.gather(*(requester(s) for s in range(conc))),
-                                   deadline.left())
+            await asyncio.wait_for(
+                asyncio.gather(*(requester(s) for s in range(conc))), deadline.left()
+            )
         except TimeoutError:
             pass
         end = time.monotonic()
     finally:
         await conn.close()
-    out: dict[str, Any] = {"calls": done, "bad": bad, "start": start, "end": end,
-                           "timeout": done < conc * calls}
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": bad,
+        "start": start,
+        "end": end,
+        "timeout": done < conc * calls,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out
 
 
-ROLES = {"sub": asyncio_role(_sub), "pub": asyncio_role(_pub),
-         "responder": asyncio_role(_responder), "requester": asyncio_role(_requester)}
+ROLES = {
+    "sub": asyncio_role(_sub),
+    "pub": asyncio_role(_pub),
+    "responder": asyncio_role(_responder),
+    "requester": asyncio_role(_requester),
+}
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))

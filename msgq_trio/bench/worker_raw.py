@@ -125,8 +125,13 @@ def _sub(spec: Spec) -> dict[str, Any]:
         timed_out = True
     last = time.monotonic()
     sock.close()
-    return {"count": count, "bad": bad, "first": first, "last": last,
-            "timeout": timed_out or count < n}
+    return {
+        "count": count,
+        "bad": bad,
+        "first": first,
+        "last": last,
+        "timeout": timed_out or count < n,
+    }
 
 
 def _pub(spec: Spec) -> dict[str, Any]:
@@ -290,8 +295,13 @@ def _requester(spec: Spec) -> dict[str, Any]:
         done = len(lat)
     end = time.monotonic()
     sock.close()
-    out: dict[str, Any] = {"calls": done, "bad": bad, "start": start, "end": end,
-                           "timeout": timed_out or done < total}
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": bad,
+        "start": start,
+        "end": end,
+        "timeout": timed_out or done < total,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out

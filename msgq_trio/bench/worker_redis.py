@@ -38,8 +38,12 @@ def _client(spec: Spec, deadline: Deadline) -> Any:
     # RESP2: with RESP3 (redis-py 8's default) + hiredis, every pub/sub message goes
     # through a push handler that builds str(message) for a debug log line, even with
     # logging off: 95 % of a 4 MiB subscriber's time (py-spy). RESP2 is the classic path.
-    return redis.Redis(unix_socket_path=spec["addr"]["socket"], protocol=2,
-                       socket_timeout=max(1.0, deadline.left()), socket_read_size=read_size)
+    return redis.Redis(
+        unix_socket_path=spec["addr"]["socket"],
+        protocol=2,
+        socket_timeout=max(1.0, deadline.left()),
+        socket_read_size=read_size,
+    )
 
 
 def _subscribe(r: Any, channel: str, deadline: Deadline) -> Any:
@@ -77,8 +81,13 @@ def _sub(spec: Spec) -> dict[str, Any]:
     last = time.monotonic()
     ps.close()
     r.close()
-    return {"count": count, "bad": bad, "first": first, "last": last,
-            "timeout": timed_out or count < n}
+    return {
+        "count": count,
+        "bad": bad,
+        "first": first,
+        "last": last,
+        "timeout": timed_out or count < n,
+    }
 
 
 def _pub(spec: Spec) -> dict[str, Any]:
@@ -186,8 +195,13 @@ def _requester(spec: Spec) -> dict[str, Any]:
         timed_out = True
         done = len(lat)
     end = time.monotonic()
-    out: dict[str, Any] = {"calls": done, "bad": bad, "start": start, "end": end,
-                           "timeout": timed_out or done < conc * calls}
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": bad,
+        "start": start,
+        "end": end,
+        "timeout": timed_out or done < conc * calls,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out

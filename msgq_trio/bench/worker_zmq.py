@@ -100,8 +100,13 @@ def _sub(spec: Spec) -> dict[str, Any]:
     last = time.monotonic()
     s.close(linger=0)
     ctx.term()
-    return {"count": count, "bad": bad, "first": first, "last": last,
-            "timeout": timed_out or count < n}
+    return {
+        "count": count,
+        "bad": bad,
+        "first": first,
+        "last": last,
+        "timeout": timed_out or count < n,
+    }
 
 
 def _pub(spec: Spec) -> dict[str, Any]:
@@ -205,15 +210,25 @@ def _requester(spec: Spec) -> dict[str, Any]:
     end = time.monotonic()
     s.close(linger=0)
     ctx.term()
-    out: dict[str, Any] = {"calls": done, "bad": bad, "start": start, "end": end,
-                           "timeout": timed_out or done < conc * calls}
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": bad,
+        "start": start,
+        "end": end,
+        "timeout": timed_out or done < conc * calls,
+    }
     if spec.get("latencies"):
         out["lat_ns"] = lat
     return out
 
 
-ROLES = {"proxy": _proxy, "sub": _sub, "pub": _pub, "responder": _responder,
-         "requester": _requester}
+ROLES = {
+    "proxy": _proxy,
+    "sub": _sub,
+    "pub": _pub,
+    "responder": _responder,
+    "requester": _requester,
+}
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))

@@ -43,13 +43,16 @@ class Workload:
     pattern: str  # PUBSUB or REQREP
 
 
-WORKLOADS: dict[str, Workload] = {w.key: w for w in (
-    Workload("one-way", "one-way", "msgs/s", True, PUBSUB),
-    Workload("fan-out", "fan-out x4", "deliveries/s", True, PUBSUB),
-    Workload("req-reply", "req/reply p50", "µs", False, REQREP),
-    Workload("concurrent", "16 requesters", "calls/s", True, REQREP),
-    Workload("large", "large one-way", "MB/s", True, PUBSUB),
-)}
+WORKLOADS: dict[str, Workload] = {
+    w.key: w
+    for w in (
+        Workload("one-way", "one-way", "msgs/s", True, PUBSUB),
+        Workload("fan-out", "fan-out x4", "deliveries/s", True, PUBSUB),
+        Workload("req-reply", "req/reply p50", "µs", False, REQREP),
+        Workload("concurrent", "16 requesters", "calls/s", True, REQREP),
+        Workload("large", "large one-way", "MB/s", True, PUBSUB),
+    )
+}
 
 #: Sizes of the full run. One-way, req-reply and large are the issue's counts; fan-out
 #: (100,000 x 4 = 400,000 deliveries) and concurrent (8,000 calls) were halved so three
@@ -78,20 +81,26 @@ _REPORT_GRACE = 3.0
 
 def describe(key: str, p: dict[str, int]) -> str:
     """Human description of a workload's parameters, for reports."""
-    size = f"{p['size'] // MIB} MiB" if p["size"] >= MIB else (
-        f"{p['size'] // 1024} KiB" if p["size"] >= 1024 else f"{p['size']} B")
+    size = (
+        f"{p['size'] // MIB} MiB"
+        if p["size"] >= MIB
+        else (f"{p['size'] // 1024} KiB" if p["size"] >= 1024 else f"{p['size']} B")
+    )
     if key in ("one-way", "fan-out", "large"):
         subs = p["subs"]
         return f"{p['n']:,} x {size}, 1 publisher -> {subs} subscriber{'s' * (subs > 1)}"
     if key == "req-reply":
         return f"{p['calls']:,} sequential round trips of {size} (after {p['warmup']} warm-up)"
     total = p["calls"] * p["conc"] * p["procs"]
-    return (f"{p['procs']} processes x {p['conc']} concurrent requesters x {p['calls']:,} "
-            f"calls of {size} = {total:,} calls")
+    return (
+        f"{p['procs']} processes x {p['conc']} concurrent requesters x {p['calls']:,} "
+        f"calls of {size} = {total:,} calls"
+    )
 
 
-def run_one(system: System, workload: Workload, params: dict[str, int], timeout: float,
-            seed: int = 0) -> dict[str, Any]:
+def run_one(
+    system: System, workload: Workload, params: dict[str, int], timeout: float, seed: int = 0
+) -> dict[str, Any]:
     """Measure ``workload`` once on ``system``; never raises for a failed run.
 
     Returns a dict with ``status`` (``ok``, ``timeout`` or ``error``), ``value`` (the
@@ -108,8 +117,14 @@ def run_one(system: System, workload: Workload, params: dict[str, int], timeout:
         addr = service.addr
 
         def spawn(name: str, role: str, **extra: Any) -> Proc:
-            spec = {"role": role, "addr": addr, "seed": seed,
-                    "deadline": max(1.0, deadline - time.monotonic()), **params, **extra}
+            spec = {
+                "role": role,
+                "addr": addr,
+                "seed": seed,
+                "deadline": max(1.0, deadline - time.monotonic()),
+                **params,
+                **extra,
+            }
             p = Proc.worker(name, system.module, spec, run_dir)
             procs.append(p)
             return p
@@ -122,27 +137,37 @@ def run_one(system: System, workload: Workload, params: dict[str, int], timeout:
             cpu0 = _cpu(service.pids)
             pub.go()
             wait_all([*subs, pub], RESULT, deadline + _REPORT_GRACE)
-            out = _pubsub_figures(workload, params, [s.result or {} for s in subs],
-                                  pub.result or {})
+            out = _pubsub_figures(
+                workload, params, [s.result or {} for s in subs], pub.result or {}
+            )
             units = params["n"] * (params["subs"] if workload.key == "fan-out" else 1)
-            _add_cpu(out, units, _cpu(service.pids) - cpu0 if service.pids else None,
-                     sum(float((p.result or {}).get("cpu", 0.0)) for p in [*subs, pub]))
+            _add_cpu(
+                out,
+                units,
+                _cpu(service.pids) - cpu0 if service.pids else None,
+                sum(float((p.result or {}).get("cpu", 0.0)) for p in [*subs, pub]),
+            )
         else:
             responder = spawn("responder", "responder", clients=params["procs"])
             wait_all([responder], READY, deadline)
-            reqs = [spawn(f"req{i}", "requester", index=i,
-                          latencies=workload.key == "req-reply")
-                    for i in range(params["procs"])]
+            reqs = [
+                spawn(f"req{i}", "requester", index=i, latencies=workload.key == "req-reply")
+                for i in range(params["procs"])
+            ]
             wait_all(reqs, READY, deadline)
             cpu0, resp0 = _cpu(service.pids), _cpu([responder.popen.pid])
             for r in reqs:
                 r.go()
             wait_all(reqs, RESULT, deadline + _REPORT_GRACE)
             out = _reqrep_figures(workload, params, [r.result or {} for r in reqs])
-            _add_cpu(out, params["calls"] * params["conc"] * params["procs"],
-                     _cpu(service.pids) - cpu0 if service.pids else None,
-                     _cpu([responder.popen.pid]) - resp0
-                     + sum(float((r.result or {}).get("cpu", 0.0)) for r in reqs))
+            _add_cpu(
+                out,
+                params["calls"] * params["conc"] * params["procs"],
+                _cpu(service.pids) - cpu0 if service.pids else None,
+                _cpu([responder.popen.pid])
+                - resp0
+                + sum(float((r.result or {}).get("cpu", 0.0)) for r in reqs),
+            )
     except RunTimeout as exc:
         out = {"status": "timeout", "value": None, "detail": f"hard timeout {timeout:.0f} s: {exc}"}
     except (WorkerFailed, RuntimeError, OSError) as exc:
@@ -170,11 +195,13 @@ def _add_cpu(out: dict[str, Any], units: int, broker: float | None, clients: flo
     if out.get("status") == "ok" and units:
         out["cpu_us_per_unit"] = {
             "broker": None if broker is None else broker / units * 1e6,
-            "clients": clients / units * 1e6}
+            "clients": clients / units * 1e6,
+        }
 
 
-def _pubsub_figures(workload: Workload, params: dict[str, int],
-                    subs: list[dict[str, Any]], pub: dict[str, Any]) -> dict[str, Any]:
+def _pubsub_figures(
+    workload: Workload, params: dict[str, int], subs: list[dict[str, Any]], pub: dict[str, Any]
+) -> dict[str, Any]:
     n, size = params["n"], params["size"]
     counts = [int(s.get("count", 0)) for s in subs]
     bad = sum(int(s.get("bad", 0)) for s in subs)
@@ -183,11 +210,19 @@ def _pubsub_figures(workload: Workload, params: dict[str, int],
     if pub.get("end") and pub.get("start"):
         out["publish_seconds"] = pub["end"] - pub["start"]
     if bad:
-        return {**out, "status": "error", "value": None,
-                "detail": f"{bad} messages had the wrong size"}
+        return {
+            **out,
+            "status": "error",
+            "value": None,
+            "detail": f"{bad} messages had the wrong size",
+        }
     if any(s.get("timeout") for s in subs) or total < n * len(subs):
-        return {**out, "status": "timeout", "value": None,
-                "detail": f"received {total:,} of {n * len(subs):,} in time"}
+        return {
+            **out,
+            "status": "timeout",
+            "value": None,
+            "detail": f"received {total:,} of {n * len(subs):,} in time",
+        }
     span = max(s["last"] for s in subs) - min(s["first"] for s in subs)
     if span <= 0:
         return {**out, "status": "error", "value": None, "detail": "zero time span"}
@@ -197,24 +232,40 @@ def _pubsub_figures(workload: Workload, params: dict[str, int],
     return {**out, "status": "ok", "value": value, "detail": ""}
 
 
-def _reqrep_figures(workload: Workload, params: dict[str, int],
-                    reqs: list[dict[str, Any]]) -> dict[str, Any]:
+def _reqrep_figures(
+    workload: Workload, params: dict[str, int], reqs: list[dict[str, Any]]
+) -> dict[str, Any]:
     expected = params["calls"] * params["conc"]
     calls = sum(int(r.get("calls", 0)) for r in reqs)
     bad = sum(int(r.get("bad", 0)) for r in reqs)
     out: dict[str, Any] = {"calls": calls}
     if bad:
-        return {**out, "status": "error", "value": None,
-                "detail": f"{bad} replies differed from their request"}
+        return {
+            **out,
+            "status": "error",
+            "value": None,
+            "detail": f"{bad} replies differed from their request",
+        }
     if any(r.get("timeout") for r in reqs) or calls < expected * len(reqs):
-        return {**out, "status": "timeout", "value": None,
-                "detail": f"{calls:,} of {expected * len(reqs):,} calls answered in time"}
+        return {
+            **out,
+            "status": "timeout",
+            "value": None,
+            "detail": f"{calls:,} of {expected * len(reqs):,} calls answered in time",
+        }
     if workload.key == "req-reply":
         lat = [int(x) for r in reqs for x in r.get("lat_ns", [])]
         pct = percentiles(lat)
         us = {k: v / 1000 for k, v in pct.items()}
-        out.update({"p50_us": us["p50"], "p99_us": us["p99"], "max_us": us["p100"],
-                    "mean_us": statistics.fmean(lat) / 1000, "percentiles_us": us})
+        out.update(
+            {
+                "p50_us": us["p50"],
+                "p99_us": us["p99"],
+                "max_us": us["p100"],
+                "mean_us": statistics.fmean(lat) / 1000,
+                "percentiles_us": us,
+            }
+        )
         return {**out, "status": "ok", "value": us["p50"], "detail": ""}
     span = max(r["end"] for r in reqs) - min(r["start"] for r in reqs)
     out["span_seconds"] = span

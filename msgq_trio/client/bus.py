@@ -106,9 +106,7 @@ _KIND: dict[int, str] = {
 }
 
 
-def read_welcome(
-    frame: Frame, name: str
-) -> tuple[dict[str, object], str, bytes, int | None]:
+def read_welcome(frame: Frame, name: str) -> tuple[dict[str, object], str, bytes, int | None]:
     """The broker's answer to HELLO: (WELCOME's header, our lname, our stamp, the
     broker's ``max_fds_per_message`` or None).
 

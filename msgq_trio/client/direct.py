@@ -331,7 +331,8 @@ class DirectBus:
                 if ev is EOF:
                     reason = self._goodbye_reason
                     self._fail(
-                        f"the broker closed the connection ({reason})" if reason
+                        f"the broker closed the connection ({reason})"
+                        if reason
                         else "the broker closed the connection",
                         code=reason,
                     )
@@ -450,7 +451,9 @@ class DirectBus:
         except Exception as exc:
             log.exception("handler for %r raised", msg.command)
             return self._error_frame(
-                msg, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}",
+                msg,
+                ErrorCode.INTERNAL_ERROR,
+                f"{type(exc).__name__}: {exc}",
                 {"type": type(exc).__name__},
             )
 
@@ -511,8 +514,7 @@ class DirectBus:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise RequestTimeout(
-                        f"no answer from {target!r} within {timeout} s (and none from the "
-                        "broker)",
+                        f"no answer from {target!r} within {timeout} s (and none from the broker)",
                         sender=None,
                     )
                 self._pump(left)
@@ -522,8 +524,12 @@ class DirectBus:
         assert answer is not None
         sender = _split_source(answer.source, self._sources)[0]
         if answer.fds:
-            log.warning("answer to %r from %s carried %d file descriptors; closed",
-                        command, sender, len(answer.fds))
+            log.warning(
+                "answer to %r from %s carried %d file descriptors; closed",
+                command,
+                sender,
+                len(answer.fds),
+            )
             close_fds(answer.fds)
         try:
             if answer.type == _REPLY:

@@ -40,8 +40,16 @@ if TYPE_CHECKING:
 
     from .bus import Bus, _Call
 
-__all__ = ["DEFAULT_GROUP", "Pipe", "PipeReader", "PipeWriter", "SyncPipe",
-           "SyncPipeReader", "SyncPipeWriter", "run_cli"]
+__all__ = [
+    "DEFAULT_GROUP",
+    "Pipe",
+    "PipeReader",
+    "PipeWriter",
+    "SyncPipe",
+    "SyncPipeReader",
+    "SyncPipeWriter",
+    "run_cli",
+]
 
 #: The pipe plugin's group (its ``group`` setting's default).
 DEFAULT_GROUP = "msgq-pipe"
@@ -64,8 +72,7 @@ DEFAULT_WINDOW = 4
 def _translate(exc: MsgqError, what: str) -> MsgqError:
     """The plugin vanishing mid-operation means the pipe is gone (its state was in it)."""
     if isinstance(exc, RecipientGone):
-        return PipeBroken(f"{what}: the pipe service went away ({exc.message})",
-                          sender=exc.sender)
+        return PipeBroken(f"{what}: the pipe service went away ({exc.message})", sender=exc.sender)
     return exc
 
 
@@ -86,9 +93,13 @@ class Pipe:
             raise _translate(exc, f"open {self.name!r}") from exc
         return dict(info)
 
-    async def open_reader(self, *, readers: str | None = None,
-                          readahead: int = DEFAULT_READAHEAD,
-                          persistent: bool | None = None) -> PipeReader:
+    async def open_reader(
+        self,
+        *,
+        readers: str | None = None,
+        readahead: int = DEFAULT_READAHEAD,
+        persistent: bool | None = None,
+    ) -> PipeReader:
         """Attach a reader.
 
         Args:
@@ -112,9 +123,14 @@ class Pipe:
         info = await self._open(params)
         return PipeReader(self, info, readahead)
 
-    async def open_writer(self, *, readers: str | None = None, on_reader_gone: str = "fail",
-                          window: int = DEFAULT_WINDOW,
-                          persistent: bool | None = None) -> PipeWriter:
+    async def open_writer(
+        self,
+        *,
+        readers: str | None = None,
+        on_reader_gone: str = "fail",
+        window: int = DEFAULT_WINDOW,
+        persistent: bool | None = None,
+    ) -> PipeWriter:
         """Attach a writer.
 
         Args:
@@ -129,8 +145,7 @@ class Pipe:
         """
         if window < 1:
             raise UsageError("window must be >= 1")
-        params: dict[str, Any] = {"mode": "w", "readers": readers,
-                                  "on_reader_gone": on_reader_gone}
+        params: dict[str, Any] = {"mode": "w", "readers": readers, "on_reader_gone": on_reader_gone}
         if persistent is not None:
             params["persistent"] = persistent
         info = await self._open(params)
@@ -151,10 +166,10 @@ class _End:
         self._busy = False
         self._broken: MsgqError | None = None
 
-    def _start(self, command: str, params: dict[str, Any],
-               attachments: tuple[memoryview, ...] = ()) -> tuple[int, _Call]:
-        return self._bus._start_call(self._pipe.group, command, params, None, attachments,
-                                     False)
+    def _start(
+        self, command: str, params: dict[str, Any], attachments: tuple[memoryview, ...] = ()
+    ) -> tuple[int, _Call]:
+        return self._bus._start_call(self._pipe.group, command, params, None, attachments, False)
 
     async def _wait(self, inflight: tuple[int, _Call]) -> Any:
         """The answer of a request started with :meth:`_start`. Cancel-safe: cancelled,
@@ -173,8 +188,9 @@ class _End:
         if self._closed:
             raise self._closed_error()
         if self._busy:
-            raise trio.BusyResourceError(f"another task is using pipe {self.name!r} "
-                                         f"handle {self.handle}")
+            raise trio.BusyResourceError(
+                f"another task is using pipe {self.name!r} handle {self.handle}"
+            )
         if self._broken is not None:
             raise self._broken
         self._busy = True
@@ -182,15 +198,17 @@ class _End:
     def _hold(self, deadline: float) -> float:
         return max(0.0, min(deadline - trio.current_time(), self._max_hold))
 
-    async def _close_handle(self, inflight: list[tuple[int, _Call]],
-                            params: dict[str, Any] | None = None) -> None:
+    async def _close_handle(
+        self, inflight: list[tuple[int, _Call]], params: dict[str, Any] | None = None
+    ) -> None:
         """Detach the handle (shielded, at most 5 s); the plugin answers the requests
         still in ``inflight`` before the close, so their slots are freed here."""
         with trio.move_on_after(5) as cs:
             cs.shield = True
             try:
-                await self._bus.call(self._pipe.group, "pipe.close",
-                                     {"h": self.handle, **(params or {})})
+                await self._bus.call(
+                    self._pipe.group, "pipe.close", {"h": self.handle, **(params or {})}
+                )
             except (MsgqError, trio.ClosedResourceError):
                 pass  # the handle is already gone with the plugin or the connection
         for rid, _call in inflight:
@@ -255,8 +273,12 @@ class PipeReader(_End, trio.abc.ReceiveStream):
             while True:
                 ask = min(max(want, self._readahead), self.max_chunk)
                 while len(inflight) < self._depth:
-                    params = {"h": self.handle, "n": ask, "timeout": self._hold(deadline),
-                              "eofs": self._eofs}
+                    params = {
+                        "h": self.handle,
+                        "n": ask,
+                        "timeout": self._hold(deadline),
+                        "eofs": self._eofs,
+                    }
                     if self.persistent:
                         params["consumed"] = self._consumed
                     inflight.append(self._start("pipe.read", params))
@@ -287,8 +309,7 @@ class PipeReader(_End, trio.abc.ReceiveStream):
                 if body.get("retry"):  # sent before the latest end of pipe: ask again
                     continue
                 if trio.current_time() >= deadline:  # a timeout answer
-                    raise PipeTimeout(f"read from pipe {self.name!r}: nothing within "
-                                      f"{timeout} s")
+                    raise PipeTimeout(f"read from pipe {self.name!r}: nothing within {timeout} s")
         except PipeBroken as exc:
             self._broken = exc
             raise
@@ -310,8 +331,9 @@ class PipeReader(_End, trio.abc.ReceiveStream):
             return
         self._closed = True
         self._buf = memoryview(b"")
-        await self._close_handle(list(self._inflight),
-                                 {"consumed": self._consumed} if self.persistent else None)
+        await self._close_handle(
+            list(self._inflight), {"consumed": self._consumed} if self.persistent else None
+        )
         self._inflight.clear()
 
 
@@ -353,8 +375,9 @@ class PipeWriter(_End, trio.abc.SendStream):
         trio.ClosedResourceError, trio.BusyResourceError."""
         await self._write(data, math.inf, flush=False)
 
-    async def write(self, data: bytes | bytearray | memoryview,
-                    timeout: float | None = None) -> int:
+    async def write(
+        self, data: bytes | bytearray | memoryview, timeout: float | None = None
+    ) -> int:
         """Write all of ``data``; returns ``len(data)`` once the pipe accepted it.
 
         Raises:
@@ -378,8 +401,9 @@ class PipeWriter(_End, trio.abc.SendStream):
         finally:
             self._busy = False
 
-    async def _write(self, data: bytes | bytearray | memoryview, deadline: float,
-                     *, flush: bool) -> int:
+    async def _write(
+        self, data: bytes | bytearray | memoryview, deadline: float, *, flush: bool
+    ) -> int:
         self._enter()
         try:
             view = memoryview(bytes(data) if not isinstance(data, bytes) else data)
@@ -389,7 +413,7 @@ class PipeWriter(_End, trio.abc.SendStream):
                 while len(self._inflight) >= self._window:
                     await self._settle(deadline, start)
                 self._seq += 1
-                chunk = _Chunk(self._seq, view[off: off + step], off + step < size)
+                chunk = _Chunk(self._seq, view[off : off + step], off + step < size)
                 self._send(chunk, deadline)
                 self._inflight.append(chunk)
                 self._mid_write = chunk.more
@@ -422,8 +446,15 @@ class PipeWriter(_End, trio.abc.SendStream):
 
     def _send(self, chunk: _Chunk, deadline: float) -> None:
         chunk.inflight = self._start(
-            "pipe.write", {"h": self.handle, "seq": chunk.seq, "more": chunk.more,
-                           "timeout": self._hold(deadline)}, (chunk.data,))
+            "pipe.write",
+            {
+                "h": self.handle,
+                "seq": chunk.seq,
+                "more": chunk.more,
+                "timeout": self._hold(deadline),
+            },
+            (chunk.data,),
+        )
 
     async def _settle(self, deadline: float, start: int) -> None:
         """Wait for the oldest chunk's answer. A chunk the plugin did not accept (its
@@ -452,7 +483,8 @@ class PipeWriter(_End, trio.abc.SendStream):
             raise PipeTimeout(
                 f"write to pipe {self.name!r}: {sum(len(c.data) for c in lost)} bytes not "
                 "accepted in time (no reader, or the readers are slow)",
-                written=max(0, self._accepted - start))
+                written=max(0, self._accepted - start),
+            )
         for c in self._inflight:
             self._send(c, deadline)
 
@@ -491,30 +523,44 @@ class SyncPipe:
         self._run = run
         self._pipe = pipe
 
-    def open_reader(self, *, readers: str | None = None, timeout: float | None = None,
-                    readahead: int = DEFAULT_READAHEAD,
-                    persistent: bool | None = None) -> SyncPipeReader:
+    def open_reader(
+        self,
+        *,
+        readers: str | None = None,
+        timeout: float | None = None,
+        readahead: int = DEFAULT_READAHEAD,
+        persistent: bool | None = None,
+    ) -> SyncPipeReader:
         """A binary file open for reading (``read``, ``readinto``, ``readline``, iteration;
         b"" at end of pipe); every read waits at most ``timeout`` (then TimeoutError,
         the :class:`PipeTimeout`). ``persistent`` as in :meth:`Pipe.open_reader`."""
-        r = self._run(self._pipe.open_reader, readers=readers, readahead=readahead,
-                      persistent=persistent)
+        r = self._run(
+            self._pipe.open_reader, readers=readers, readahead=readahead, persistent=persistent
+        )
         return SyncPipeReader(self._run, r, timeout)
 
-    def open_writer(self, *, readers: str | None = None, on_reader_gone: str = "fail",
-                    timeout: float | None = None,
-                    persistent: bool | None = None) -> SyncPipeWriter:
+    def open_writer(
+        self,
+        *,
+        readers: str | None = None,
+        on_reader_gone: str = "fail",
+        timeout: float | None = None,
+        persistent: bool | None = None,
+    ) -> SyncPipeWriter:
         """A binary file open for writing; ``write`` returns once the pipe accepted the
         bytes (or raises PipeTimeout after ``timeout``); ``persistent`` as in
         :meth:`Pipe.open_writer` (then accepted means durable)."""
-        w = self._run(self._pipe.open_writer, readers=readers, on_reader_gone=on_reader_gone,
-                      persistent=persistent)
+        w = self._run(
+            self._pipe.open_writer,
+            readers=readers,
+            on_reader_gone=on_reader_gone,
+            persistent=persistent,
+        )
         return SyncPipeWriter(self._run, w, timeout)
 
 
 class SyncPipeReader(io.RawIOBase):
-    def __init__(self, run: Callable[..., Any], reader: PipeReader,
-                 timeout: float | None) -> None:
+    def __init__(self, run: Callable[..., Any], reader: PipeReader, timeout: float | None) -> None:
         super().__init__()
         self._runner = run
         self._reader = reader
@@ -539,8 +585,7 @@ class SyncPipeReader(io.RawIOBase):
 
 
 class SyncPipeWriter(io.RawIOBase):
-    def __init__(self, run: Callable[..., Any], writer: PipeWriter,
-                 timeout: float | None) -> None:
+    def __init__(self, run: Callable[..., Any], writer: PipeWriter, timeout: float | None) -> None:
         super().__init__()
         self._runner = run
         self._writer = writer
@@ -573,9 +618,11 @@ async def run_cli(args: argparse.Namespace) -> int:
         async with connect(args.socket, name=f"msgq-trio-pipe-{args.action}") as bus:
             pipe = Pipe(bus, args.name)
             if args.action == "write":
-                w = await pipe.open_writer(readers=args.readers,
-                                           on_reader_gone=args.on_reader_gone,
-                                           persistent=args.persistent or None)
+                w = await pipe.open_writer(
+                    readers=args.readers,
+                    on_reader_gone=args.on_reader_gone,
+                    persistent=args.persistent or None,
+                )
                 async with w:
                     while True:
                         data = await trio.to_thread.run_sync(os.read, 0, w.max_chunk * 4)
@@ -587,8 +634,7 @@ async def run_cli(args: argparse.Namespace) -> int:
                             await w.write(data, args.timeout)
                     await w.flush(args.timeout)
             else:
-                r = await pipe.open_reader(readers=args.readers,
-                                           persistent=args.persistent or None)
+                r = await pipe.open_reader(readers=args.readers, persistent=args.persistent or None)
                 async with r:
                     while True:
                         data = await r.read(None, args.timeout)
@@ -607,19 +653,34 @@ async def run_cli(args: argparse.Namespace) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``msgq-trio pipe``."""
     p.add_argument("action", choices=["read", "write"])
     p.add_argument("name", help="the pipe's name")
-    p.add_argument("--readers", choices=["share", "broadcast"], default=None,
-                   help="readers' mode if this creates the pipe (default share)")
-    p.add_argument("--on-reader-gone", choices=["fail", "wait"], default="fail",
-                   help="write: fail (default) or wait for a new reader when readers left")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="per read/write timeout in seconds (default: wait forever)")
-    p.add_argument("--persistent", action="store_true",
-                   help="the pipe is persistent (stored by the plugin: writes need no "
-                   "reader, the bytes outlive both ends and restarts; docs/PIPES.md)")
+    p.add_argument(
+        "--readers",
+        choices=["share", "broadcast"],
+        default=None,
+        help="readers' mode if this creates the pipe (default share)",
+    )
+    p.add_argument(
+        "--on-reader-gone",
+        choices=["fail", "wait"],
+        default="fail",
+        help="write: fail (default) or wait for a new reader when readers left",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="per read/write timeout in seconds (default: wait forever)",
+    )
+    p.add_argument(
+        "--persistent",
+        action="store_true",
+        help="the pipe is persistent (stored by the plugin: writes need no "
+        "reader, the bytes outlive both ends and restarts; docs/PIPES.md)",
+    )

@@ -60,12 +60,32 @@ class QueueMessage:
             ``consume(ids=True)``, else None.
     """
 
-    __slots__ = ("_bus", "_consumer", "_decoded", "_done", "_gen", "_raw", "_value",
-                 "deliveries", "id", "producer", "producer_seq", "queue")
+    __slots__ = (
+        "_bus",
+        "_consumer",
+        "_decoded",
+        "_done",
+        "_gen",
+        "_raw",
+        "_value",
+        "deliveries",
+        "id",
+        "producer",
+        "producer_seq",
+        "queue",
+    )
 
-    def __init__(self, bus: Bus, queue: str, mid: int, raw: bytes, deliveries: int,
-                 consumer: Consumer | None, producer: str | None = None,
-                 producer_seq: int | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        queue: str,
+        mid: int,
+        raw: bytes,
+        deliveries: int,
+        consumer: Consumer | None,
+        producer: str | None = None,
+        producer_seq: int | None = None,
+    ) -> None:
         self._bus = bus
         self.queue = queue
         self.id = mid
@@ -114,8 +134,9 @@ class QueueMessage:
                 consumer._acked_since_yield = 0
                 await trio.lowlevel.checkpoint()
         else:
-            await self._bus.call(_group(self._bus), "ack" if ok else "nack",
-                                 {"queue": self.queue, "ids": [self.id]})
+            await self._bus.call(
+                _group(self._bus), "ack" if ok else "nack", {"queue": self.queue, "ids": [self.id]}
+            )
 
     def __repr__(self) -> str:
         return f"QueueMessage({self.queue!r}, id={self.id}, deliveries={self.deliveries})"
@@ -155,13 +176,18 @@ def _on_deliver(bus: Bus, request: Message) -> None:
     st = send.statistics()
     if st.current_buffer_used + len(msgs) > st.max_buffer_size:
         # The plugin keeps within the window, so this is a bug on one side: refuse all.
-        bus.answer_error(request, NACK, f"{bus.lname}: delivery beyond the window "
-                         f"({st.current_buffer_used} held + {len(msgs)} > {consumer._window})")
+        bus.answer_error(
+            request,
+            NACK,
+            f"{bus.lname}: delivery beyond the window "
+            f"({st.current_buffer_used} held + {len(msgs)} > {consumer._window})",
+        )
         return
     for row in msgs:
         # [id, body, deliveries] or, for ``consume(ids=True)``, also producer and seq
-        send.send_nowait(QueueMessage(bus, name, row[0], bytes(row[1]), row[2], consumer,
-                                      *row[3:5]))
+        send.send_nowait(
+            QueueMessage(bus, name, row[0], bytes(row[1]), row[2], consumer, *row[3:5])
+        )
     bus.answer(request, True)
 
 
@@ -182,8 +208,7 @@ class Consumer:
     but not acked are redelivered after their ack deadline or at disconnect.
     """
 
-    def __init__(self, q: Queue, window: int, ack_timeout: float | None,
-                 ids: bool = False) -> None:
+    def __init__(self, q: Queue, window: int, ack_timeout: float | None, ids: bool = False) -> None:
         if window < 1:
             raise UsageError("window must be >= 1")
         self._q = q
@@ -289,15 +314,20 @@ class Consumer:
         dropped = _drain(self._recv)
         self._acks.clear()
         self._nacks.clear()
-        log.warning("queue %s: the queue plugin restarted; consuming again (%d received "
-                    "messages dropped: they are redelivered)", self._q.name, len(dropped))
+        log.warning(
+            "queue %s: the queue plugin restarted; consuming again (%d received "
+            "messages dropped: they are redelivered)",
+            self._q.name,
+            len(dropped),
+        )
         try:
             await self._consume()
         except MsgqError as exc:
             if self._closed:
                 return
-            log.error("queue %s: cannot consume again after the plugin restarted: %s",
-                      self._q.name, exc)
+            log.error(
+                "queue %s: cannot consume again after the plugin restarted: %s", self._q.name, exc
+            )
             self._lost = exc
             self._send.close()
 
@@ -408,8 +438,9 @@ class Queue:
     (``bad-request``: malformed or unknown), ``NoRecipient`` (no queue plugin running).
     """
 
-    def __init__(self, bus: Bus, name: str, *, producer: str | None = None,
-                 group: str = DEFAULT_GROUP) -> None:
+    def __init__(
+        self, bus: Bus, name: str, *, producer: str | None = None, group: str = DEFAULT_GROUP
+    ) -> None:
         self._bus = bus
         self.name = name
         self.group = group
@@ -421,8 +452,7 @@ class Queue:
     async def declare(self, **options: Any) -> bool:
         """Declare the queue with ``options`` (docs/QUEUE.md: bind, max_deliveries,
         dead_letter, ack_timeout, window); True if it was created."""
-        created = bool(await self._bus.call(self.group, "declare",
-                                            {"queue": self.name, **options}))
+        created = bool(await self._bus.call(self.group, "declare", {"queue": self.name, **options}))
         self._declared = True
         return created
 
@@ -434,8 +464,11 @@ class Queue:
         """The highest producer seq of this producer the plugin has accepted (durably,
         or in this plugin run); 0 if none."""
         await self._ensure_declared()
-        return int(await self._bus.call(self.group, "producer_state",
-                                        {"queue": self.name, "producer": self.producer}))
+        return int(
+            await self._bus.call(
+                self.group, "producer_state", {"queue": self.name, "producer": self.producer}
+            )
+        )
 
     async def _seqs(self, n: int) -> int:
         if self._next_seq is None:
@@ -471,17 +504,20 @@ class Queue:
             UsageError: not prepared (see :meth:`prepare`) and no ``seq`` given.
         """
         seq = self._take_seqs(1, seq)
-        wait = self._bus.start_call(self.group, "put", {
-            "queue": self.name, "producer": self.producer, "seq": seq,
-            "body": cbor2.dumps(body)})
+        wait = self._bus.start_call(
+            self.group,
+            "put",
+            {"queue": self.name, "producer": self.producer, "seq": seq, "body": cbor2.dumps(body)},
+        )
 
         async def result() -> str:
             return str(await wait())
 
         return result
 
-    def start_put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
-                       ) -> Callable[[], Awaitable[dict[str, int]]]:
+    def start_put_many(
+        self, bodies: Sequence[Any], *, first_seq: int | None = None
+    ) -> Callable[[], Awaitable[dict[str, int]]]:
         """Send a batch now, synchronously (see :meth:`start_put`); ``await wait()``
         gives what :meth:`put_many` returns. The windowed producer's tool::
 
@@ -494,19 +530,31 @@ class Queue:
         """
         first = self._take_seqs(len(bodies), first_seq)
         dumps = cbor2.dumps
-        wait = self._bus.start_call(self.group, "put_many", {
-            "queue": self.name, "producer": self.producer, "first_seq": first,
-            "bodies": [dumps(b) for b in bodies]})
+        wait = self._bus.start_call(
+            self.group,
+            "put_many",
+            {
+                "queue": self.name,
+                "producer": self.producer,
+                "first_seq": first,
+                "bodies": [dumps(b) for b in bodies],
+            },
+        )
 
         async def result() -> dict[str, int]:
             return dict(await wait())
 
         return result
 
-    def start_put_encoded(self, encoded: Sequence[bytes], seqs: Sequence[int], *,
-                          producer: str | None = None, timeout: float | None = None,
-                          after: int | None = None
-                          ) -> Callable[[], Awaitable[dict[str, int]]]:
+    def start_put_encoded(
+        self,
+        encoded: Sequence[bytes],
+        seqs: Sequence[int],
+        *,
+        producer: str | None = None,
+        timeout: float | None = None,
+        after: int | None = None,
+    ) -> Callable[[], Awaitable[dict[str, int]]]:
         """Send already CBOR-encoded bodies with explicit producer seqs, now and
         synchronously; ``await wait()`` gives the counts :meth:`put_many` returns. The
         forwarder's tool (a link between brokers): a message keeps the identity it was
@@ -529,11 +577,15 @@ class Queue:
         """
         seq_list = list(seqs)
         if len(seq_list) != len(encoded) or any(
-                a >= b for a, b in zip([0, *seq_list], seq_list, strict=False)):
-            raise UsageError("seqs must be strictly increasing positive integers, one per "
-                             "body")
-        params: dict[str, Any] = {"queue": self.name, "producer": producer or self.producer,
-                                  "seqs": seq_list, "bodies": list(encoded)}
+            a >= b for a, b in zip([0, *seq_list], seq_list, strict=False)
+        ):
+            raise UsageError("seqs must be strictly increasing positive integers, one per body")
+        params: dict[str, Any] = {
+            "queue": self.name,
+            "producer": producer or self.producer,
+            "seqs": seq_list,
+            "bodies": list(encoded),
+        }
         if after is not None:
             params["after"] = after
         wait = self._bus.start_call(self.group, "put_many", params, timeout=timeout)
@@ -557,8 +609,14 @@ class Queue:
             await self._ensure_declared()
         return await self.start_put(body, seq=seq)()
 
-    async def send(self, body: Any, attachments: Sequence[bytes | memoryview] = (), *,
-                   anycast: bool = False, seq: int | None = None) -> str:
+    async def send(
+        self,
+        body: Any,
+        attachments: Sequence[bytes | memoryview] = (),
+        *,
+        anycast: bool = False,
+        seq: int | None = None,
+    ) -> str:
         """Send a one-way message to the group this queue is bound to (``bind``), with a
         producer ack: returns once it is durable (``"stored"``), taken by the members
         before it was written (``"consumed"``), or recognised as a resend
@@ -579,14 +637,19 @@ class Queue:
             seq = self._take_seqs(1, None)
         else:
             await self._ensure_declared()
-        params: dict[str, Any] = {"queue": self.name, "producer": self.producer,
-                                  "seq": seq, "body": cbor2.dumps(body)}
+        params: dict[str, Any] = {
+            "queue": self.name,
+            "producer": self.producer,
+            "seq": seq,
+            "body": cbor2.dumps(body),
+        }
         if anycast:
             params["anycast"] = True
         return str(await self._bus.call(self.group, "send", params, attachments=attachments))
 
-    async def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None
-                       ) -> dict[str, int]:
+    async def put_many(
+        self, bodies: Sequence[Any], *, first_seq: int | None = None
+    ) -> dict[str, int]:
         """Put ``bodies`` in one frame and one commit; returns ``{"stored", "consumed",
         "duplicates"}`` counts once all of them are durable or consumed. Messages get the
         seqs ``first_seq``, ``first_seq + 1``... (default: this handle's next ones).
@@ -597,8 +660,9 @@ class Queue:
             await self._ensure_declared()
         return await self.start_put_many(bodies, first_seq=first_seq)()
 
-    def consume(self, window: int = 1, *, ack_timeout: float | None = None,
-                ids: bool = False) -> Consumer:
+    def consume(
+        self, window: int = 1, *, ack_timeout: float | None = None, ids: bool = False
+    ) -> Consumer:
         """Push consumer with ``window`` unacked deliveries at most (window 1: one at a
         time). ``ack_timeout`` overrides the queue's. ``ids``: each message also carries
         its producer name and producer seq (``QueueMessage.producer``, ``producer_seq``),
@@ -606,8 +670,7 @@ class Queue:
         per queue and bus."""
         return Consumer(self, window, ack_timeout, ids)
 
-    async def fetch(self, n: int = 1, *, ack_timeout: float | None = None
-                    ) -> list[QueueMessage]:
+    async def fetch(self, n: int = 1, *, ack_timeout: float | None = None) -> list[QueueMessage]:
         """Pull up to ``n`` ready messages now (possibly none); ack each within
         ``ack_timeout`` (default the queue's) or it is redelivered."""
         await self._ensure_declared()
@@ -615,8 +678,9 @@ class Queue:
         if ack_timeout is not None:
             params["ack_timeout"] = ack_timeout
         rows = await self._bus.call(self.group, "fetch", params)
-        return [QueueMessage(self._bus, self.name, mid, bytes(raw), d, None)
-                for mid, raw, d in rows]
+        return [
+            QueueMessage(self._bus, self.name, mid, bytes(raw), d, None) for mid, raw, d in rows
+        ]
 
     async def ack(self, messages: Sequence[QueueMessage]) -> int:
         """Ack fetched ``messages`` in one request; returns how many were still owed."""

@@ -184,7 +184,10 @@ async def receive_with_fds(
 
 
 def _drain_fds(
-    raw: pysocket.socket, data: bytes | memoryview, fds: list[int], nbytes: int,
+    raw: pysocket.socket,
+    data: bytes | memoryview,
+    fds: list[int],
+    nbytes: int,
     ancbufsize: int,
 ) -> tuple[bytes, list[int]]:
     """Descriptors arrived with ``data``: read what else is queued at once (see
@@ -246,9 +249,7 @@ class SocketReceiver:
         self._ancbufsize = ancbufsize
         self._drained = True
 
-    async def receive(
-        self, into: memoryview | None = None
-    ) -> tuple[bytes | memoryview, list[int]]:
+    async def receive(self, into: memoryview | None = None) -> tuple[bytes | memoryview, list[int]]:
         """Like :func:`receive_with_fds` (same errors; empty at EOF), but the data is a
         view valid until the caller's next ``await`` (see the class docstring).
 

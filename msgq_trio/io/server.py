@@ -404,9 +404,7 @@ class Server:
                     if self.limits.busy_poll and self._cpus < 2:
                         log.info("busy polling off: this broker may run on one CPU only")
                     for a in self.tcp_addresses:
-                        log.info(
-                            "listening on %s://%s", "tls" if self._ssl_context else "tcp", a
-                        )
+                        log.info("listening on %s://%s", "tls" if self._ssl_context else "tcp", a)
                     self.started_at = trio.current_time()
                     task_status.started(self.path)
                 top.cancel_scope.cancel()
@@ -440,9 +438,12 @@ class Server:
             if self._socket_mode is not None:
                 os.chmod(self.path, self._socket_mode)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot set socket_group {self._socket_gid} / socket_mode "
-                          f"{self._socket_mode and oct(self._socket_mode)} on {self.path}: "
-                          f"{exc.strerror}") from exc
+            raise OSError(
+                exc.errno,
+                f"cannot set socket_group {self._socket_gid} / socket_mode "
+                f"{self._socket_mode and oct(self._socket_mode)} on {self.path}: "
+                f"{exc.strerror}",
+            ) from exc
 
     def _adopt_tcp(self, sock: pysocket.socket) -> None:
         """Serve a TCP listener handed over by socket activation (see tcp_addresses)."""
@@ -585,9 +586,7 @@ class Server:
         conn = Connection(Role.BROKER, self.limits.max_frame_size)
         pc: PeerConnection | None = None
         who = (
-            f"tcp client {address} (before HELLO)"
-            if tcp
-            else f"pid={pid} uid={uid} (before HELLO)"
+            f"tcp client {address} (before HELLO)" if tcp else f"pid={pid} uid={uid} (before HELLO)"
         )
         try:
             # n_connections counts sockets still in their handshake too, so a storm of
@@ -618,8 +617,11 @@ class Server:
                         )
                         return
                 if cs.cancelled_caught:
-                    log.warning("dropping %s: no TLS handshake within %.1f s", who,
-                                self.limits.handshake_timeout)
+                    log.warning(
+                        "dropping %s: no TLS handshake within %.1f s",
+                        who,
+                        self.limits.handshake_timeout,
+                    )
                     return
             hello = await self._handshake(stream, conn, who)
             if hello is None:
@@ -1336,9 +1338,7 @@ async def _send_eof(stream: Stream) -> None:
             await stream.send_eof()
 
 
-async def _send_final(
-    stream: Stream, code: ErrorCode, message: str, data: object = None
-) -> None:
+async def _send_final(stream: Stream, code: ErrorCode, message: str, data: object = None) -> None:
     """Best effort: tell the peer why we close (it may be gone already)."""
     frame = connection_error_frame(code, message)
     if data is not None:

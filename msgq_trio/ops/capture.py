@@ -125,8 +125,7 @@ class Origin(NamedTuple):
 
     def fields(self) -> str:
         """The record's two JSON members, ``"broker_instance":..,"broker_started":..``."""
-        return (f'"broker_instance":{json.dumps(self.instance)},'
-                f'"broker_started":{self.started!r}')
+        return f'"broker_instance":{json.dumps(self.instance)},"broker_started":{self.started!r}'
 
 
 #: Records made without a broker (tools, tests): both fields null.
@@ -158,8 +157,16 @@ class Captured(NamedTuple):
 class RecordBuffer:
     """Bounded FIFO between the tap and a sink's task; overflow is counted, not blocked."""
 
-    __slots__ = ("dropped", "dropped_total", "items", "max_bytes", "max_records", "nbytes",
-                 "seq", "wake")
+    __slots__ = (
+        "dropped",
+        "dropped_total",
+        "items",
+        "max_bytes",
+        "max_records",
+        "nbytes",
+        "seq",
+        "wake",
+    )
 
     def __init__(self, max_records: int, max_bytes: int) -> None:
         self.max_records = max_records
@@ -241,8 +248,9 @@ def _decode(data: bytes) -> Any:
         return None
 
 
-def make_record(seq: int, c: Captured, body_mode: str,
-                origin: Origin | None = None) -> dict[str, Any]:
+def make_record(
+    seq: int, c: Captured, body_mode: str, origin: Origin | None = None
+) -> dict[str, Any]:
     """The JSON record of one captured frame (docs/CAPTURE.md), written by the broker
     ``origin`` (None: both origin fields null)."""
     kind = c.kind
@@ -293,8 +301,9 @@ def make_record(seq: int, c: Captured, body_mode: str,
     return rec
 
 
-def dropped_record(seq: int, dropped: int, dropped_total: int,
-                   origin: Origin | None = None) -> dict[str, Any]:
+def dropped_record(
+    seq: int, dropped: int, dropped_total: int, origin: Origin | None = None
+) -> dict[str, Any]:
     """Written in place of records the buffer had no room for (never silent)."""
     return {
         "ts": round(time.time(), 6),
@@ -371,8 +380,9 @@ def _fast_parts(c: Captured, origin_fields: str) -> tuple[str, str]:
     )
 
 
-def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int,
-                origin: Origin | None = None) -> bytes:
+def record_line(
+    seq: int, c: Captured, body_mode: str, max_bytes: int, origin: Origin | None = None
+) -> bytes:
     """``encode_line(make_record(seq, c, body_mode, origin), max_bytes)``, byte for byte,
     with a fast path for the common record: no header to decode and no body to write."""
     if c.header or (body_mode != "none" and c.body is not None):
@@ -384,8 +394,9 @@ def record_line(seq: int, c: Captured, body_mode: str, max_bytes: int,
     return line
 
 
-def record_lines(items: list[tuple[int, Captured]], body_mode: str, max_bytes: int,
-                 origin: Origin | None = None) -> list[bytes]:
+def record_lines(
+    items: list[tuple[int, Captured]], body_mode: str, max_bytes: int, origin: Origin | None = None
+) -> list[bytes]:
     """``[record_line(seq, c, body_mode, max_bytes, origin) for seq, c in items]``, byte
     for byte.
 
@@ -617,8 +628,9 @@ class TapHub:
         self.dumps: dict[Peer, DumpSink] = {}
         self.traffic: TrafficLog | None = None
         #: (filter.match, offer) of every active sink, rebuilt by _refresh.
-        self._sinks: list[tuple[Callable[[str, str, str, str], bool],
-                                Callable[[Captured], None]]] = []
+        self._sinks: list[
+            tuple[Callable[[str, str, str, str], bool], Callable[[Captured], None]]
+        ] = []
         self._want_body = False
         self._nursery: trio.Nursery | None = None
         #: Totals over every capture and dump since the broker started (metrics).
@@ -677,11 +689,23 @@ class TapHub:
                 if self._want_body:
                     body = bytes(raw[tail + hlen : tail + hlen + frame.body_len])
                 item = Captured(
-                    time.time(), kind, lname, name, source, target, ftype, frame.flags,
+                    time.time(),
+                    kind,
+                    lname,
+                    name,
+                    source,
+                    target,
+                    ftype,
+                    frame.flags,
                     # int(): the core passes a bool for an answer it forwarded, and the
                     # fast encoder would write it as Python's True (not JSON)
-                    frame.request_id, len(raw), outcome, int(recipients),
-                    bytes(raw[tail : tail + hlen]) if hlen else b"", body, frame.n_blobs,
+                    frame.request_id,
+                    len(raw),
+                    outcome,
+                    int(recipients),
+                    bytes(raw[tail : tail + hlen]) if hlen else b"",
+                    body,
+                    frame.n_blobs,
                     frame.n_fds,
                 )
             offer(item)
@@ -715,8 +739,27 @@ class TapHub:
                 header = raw[start : start + hlen]
             else:
                 header = b""
-            item = new(Captured, (ts, "message", lname, name, b"", target, _MESSAGE, flags, 0,
-                                  size, outcome, recipients, header, None, 0, 0))
+            item = new(
+                Captured,
+                (
+                    ts,
+                    "message",
+                    lname,
+                    name,
+                    b"",
+                    target,
+                    _MESSAGE,
+                    flags,
+                    0,
+                    size,
+                    outcome,
+                    recipients,
+                    header,
+                    None,
+                    0,
+                    0,
+                ),
+            )
             for offer in offers:
                 offer(item)
             pos += size
@@ -759,7 +802,11 @@ class TapHub:
         self._nursery.start_soon(self._run_capture, fc)
         log.info(
             "capture started: %s (max %d bytes x %d files, body %s, filter %s)",
-            writer.path, settings.max_bytes, settings.max_files, settings.body, flt.describe(),
+            writer.path,
+            settings.max_bytes,
+            settings.max_files,
+            settings.body,
+            flt.describe(),
         )
         return fc.status()
 
@@ -816,8 +863,7 @@ class TapHub:
                         await self._flush_file(fc)
                     except OSError as exc:
                         fc.error = str(exc)
-                        log.error("capture to %s: final write failed: %s",
-                                  fc.writer.directory, exc)
+                        log.error("capture to %s: final write failed: %s", fc.writer.directory, exc)
                     if fc.state == "running" or fc.state == "stopping":
                         fc.state = "stopped"
                 await trio.to_thread.run_sync(fc.writer.close)
@@ -833,7 +879,10 @@ class TapHub:
             fc.done.set()
             log.info(
                 "capture to %s %s: %d records written, %d dropped",
-                fc.writer.directory, fc.state, fc.records_written, fc.buffer.dropped_total,
+                fc.writer.directory,
+                fc.state,
+                fc.records_written,
+                fc.buffer.dropped_total,
             )
 
     async def _flush_file(self, fc: FileCapture) -> None:
@@ -851,8 +900,9 @@ class TapHub:
         def work() -> tuple[int, int]:
             lines = record_lines(items, body, max_bytes, origin)
             if dropped:
-                lines.append(encode_line(dropped_record(seq_after, dropped, total, origin),
-                                         max_bytes))
+                lines.append(
+                    encode_line(dropped_record(seq_after, dropped, total, origin), max_bytes)
+                )
             return len(items), fc.writer.write(lines)
 
         n, nbytes = await trio.to_thread.run_sync(work)
@@ -863,7 +913,8 @@ class TapHub:
             log.warning(
                 "capture buffer overflow: %d records dropped (%d in total); raise "
                 "capture.buffer_records / buffer_bytes or narrow the filter",
-                dropped, total,
+                dropped,
+                total,
             )
 
     # -- dump clients ---------------------------------------------------------------------

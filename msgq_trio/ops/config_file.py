@@ -46,7 +46,10 @@ SECTIONS: dict[str, type[Any]] = {
 }
 #: Keys outside any section.
 TOP_LEVEL: dict[str, str] = {
-    "socket": "str", "socket_mode": "str", "socket_group": "str", "state_dir": "str",
+    "socket": "str",
+    "socket_mode": "str",
+    "socket_group": "str",
+    "state_dir": "str",
 }
 #: Plugins whose ``dir`` (their store) defaults to ``<state_dir>/<name>`` when their table
 #: leaves it out, so ``serve --plugin queue`` needs no configuration file.
@@ -241,8 +244,11 @@ def _with_state_dirs(table: object, state_dir: object) -> object:
     for name in STATE_DIR_PLUGINS:
         settings = out.get(name)
         if isinstance(settings, Mapping) and "dir" not in settings:
-            base = Path(state_dir) if isinstance(state_dir, str) and state_dir else (
-                default_state_dir())
+            base = (
+                Path(state_dir)
+                if isinstance(state_dir, str) and state_dir
+                else (default_state_dir())
+            )
             out[name] = {**settings, "dir": str(base / name)}
     return out
 
@@ -262,8 +268,9 @@ def build_access(table: object) -> AccessSettings:
     queue_group = _coerce("access.queue_group", "str", table.get("queue_group", "msgq-queue"))
     rules_in = table.get("rule", [])
     if not isinstance(rules_in, list):
-        raise ConfigError("access.rule must be an array of tables ([[access.rule]])",
-                          "access.rule", rules_in)
+        raise ConfigError(
+            "access.rule must be an array of tables ([[access.rule]])", "access.rule", rules_in
+        )
     rules: list[AccessRule] = []
     fields = {f.name: f for f in attrs.fields(AccessRule)}
     for i, rule in enumerate(rules_in):
@@ -430,4 +437,3 @@ class ConfigSource:
                 where = ""
             msg = f"{exc} ({where})" if where else str(exc)
             raise ConfigError(msg, exc.key, exc.value) from None
-

@@ -48,8 +48,15 @@ log = logging.getLogger("msgq_trio.ops")
 
 #: Commands that change something: logged at INFO with the caller (an audit trail).
 MUTATING = frozenset(
-    {"drop", "shutdown", "config-set", "config-reload", "capture-start", "capture-stop",
-     "dump-start"}
+    {
+        "drop",
+        "shutdown",
+        "config-set",
+        "config-reload",
+        "capture-start",
+        "capture-stop",
+        "dump-start",
+    }
 )
 #: Commands everybody may use (the bus's own protocol); never guarded.
 OPEN_COMMANDS = frozenset({"subscribe", "unsubscribe", "members", "version", "ping"})
@@ -156,9 +163,7 @@ class Operations:
         allow = self.config.control.allow_uids
         return frozenset(allow) if allow else frozenset({self.own_uid})
 
-    def _guard(
-        self, name: str, fn: Callable[[Peer, Any], object]
-    ) -> Callable[[Peer, Any], object]:
+    def _guard(self, name: str, fn: Callable[[Peer, Any], object]) -> Callable[[Peer, Any], object]:
         def guarded(peer: Peer, params: Any) -> object:
             allowed = self.allowed_uids()
             # A Unix caller by uid (control.allow_uids); anyone (TCP clients included) by
@@ -196,8 +201,12 @@ class Operations:
             except Exception as exc:
                 # A bug in a control command: the caller gets internal-error, its
                 # connection and the broker go on.
-                log.exception("control command %r from %s failed", name, peer.describe(),
-                              extra=peer_fields(peer))
+                log.exception(
+                    "control command %r from %s failed",
+                    name,
+                    peer.describe(),
+                    extra=peer_fields(peer),
+                )
                 raise CommandError(
                     ErrorCode.INTERNAL_ERROR, f"{name} failed: {type(exc).__name__}: {exc}"
                 ) from exc
@@ -215,8 +224,7 @@ class Operations:
             new = self.source.load()
         except ConfigError as exc:
             self.reloads_failed += 1
-            log.error("%s: configuration refused, the running one stays in force: %s",
-                      origin, exc)
+            log.error("%s: configuration refused, the running one stays in force: %s", origin, exc)
             raise
         return self.apply(new, origin)
 
@@ -232,8 +240,9 @@ class Operations:
                 prepared = logsetup.prepare(new.log)
             except logsetup.LogFileError as exc:
                 self.reloads_failed += 1
-                log.error("%s: configuration refused, the running one stays in force: %s",
-                          origin, exc)
+                log.error(
+                    "%s: configuration refused, the running one stays in force: %s", origin, exc
+                )
                 raise ConfigError(str(exc), "log.file", new.log.file) from None
         if new.capture != old.capture:
             try:
@@ -245,8 +254,13 @@ class Operations:
                 if prepared is not None:
                     prepared.discard()
                 self.reloads_failed += 1
-                log.error("%s: configuration refused, the running one stays in force: "
-                          "capture.dir = %s: %s", origin, config_file.show(new.capture.dir), exc)
+                log.error(
+                    "%s: configuration refused, the running one stays in force: "
+                    "capture.dir = %s: %s",
+                    origin,
+                    config_file.show(new.capture.dir),
+                    exc,
+                )
                 raise ConfigError(
                     f"capture.dir = {config_file.show(new.capture.dir)}: {exc}",
                     "capture.dir",
@@ -291,13 +305,20 @@ class Operations:
                 log.warning(
                     "%s: %s changed from %s to %s: it is read at start only, the running "
                     "broker keeps %s until it is restarted",
-                    origin, key, config_file.show(a), config_file.show(b), config_file.show(a),
+                    origin,
+                    key,
+                    config_file.show(a),
+                    config_file.show(b),
+                    config_file.show(a),
                 )
             else:
                 log.info(
-                    "%s: %s = %s (was %s)%s", origin, key, config_file.show(b),
-                    config_file.show(a), "; applies to new connections"
-                    if when == "new connections" else "",
+                    "%s: %s = %s (was %s)%s",
+                    origin,
+                    key,
+                    config_file.show(b),
+                    config_file.show(a),
+                    "; applies to new connections" if when == "new connections" else "",
                 )
         if not changes:
             log.info("%s: configuration unchanged", origin)
@@ -324,8 +345,9 @@ class Operations:
             new = config_file.with_key(self.config, key, p["value"])
             return self.apply(new, f"config-set by {peer.lname}")
         except ConfigError as exc:
-            log.warning("config-set by %s refused: %s", peer.describe(), exc,
-                        extra=peer_fields(peer))
+            log.warning(
+                "config-set by %s refused: %s", peer.describe(), exc, extra=peer_fields(peer)
+            )
             raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
 
     def _cmd_config_reload(self, peer: Peer, _params: object) -> object:
@@ -375,7 +397,10 @@ class Operations:
             raise CommandError(ErrorCode.BAD_REQUEST, "a client cannot drop itself; disconnect")
         row = self.client_row(victim)
         log.warning(
-            "dropping client %s on request of %s: %s", victim.describe(), peer.describe(), reason,
+            "dropping client %s on request of %s: %s",
+            victim.describe(),
+            peer.describe(),
+            reason,
             extra=peer_fields(victim) | {"reason": reason},
         )
         self.core.kick(victim, ErrorCode.DROPPED, f"{reason} (by {peer.lname} uid {peer.uid})")
@@ -385,8 +410,9 @@ class Operations:
         reason = _params(params).get("reason") or "control command"
         if self._nursery is None:
             raise CommandError(ErrorCode.INTERNAL_ERROR, "operations are not running")
-        log.warning("shutdown requested by %s: %s", peer.describe(), reason,
-                    extra=peer_fields(peer))
+        log.warning(
+            "shutdown requested by %s: %s", peer.describe(), reason, extra=peer_fields(peer)
+        )
         # After this answer is queued: the GOODBYEs follow it on the caller's connection.
         self._nursery.start_soon(self.server.shutdown)
         return {"shutting_down": True}
@@ -426,70 +452,123 @@ class Operations:
         e = Exposition()
         e.family("msgq_up", "gauge", "1 while the broker serves.", 1)
         e.family("msgq_connections", "gauge", "Clients connected now.", len(core.peers))
-        e.family("msgq_connections_accepted", "counter",
-                 "Clients admitted (HELLO accepted) since start.", st["connections_total"])
-        e.family("msgq_messages_received", "counter",
-                 "Frames received from clients (all kinds).", t["messages_in"])
-        e.family("msgq_messages_sent", "counter",
-                 "Frames queued to clients (all kinds).", t["messages_out"])
+        e.family(
+            "msgq_connections_accepted",
+            "counter",
+            "Clients admitted (HELLO accepted) since start.",
+            st["connections_total"],
+        )
+        e.family(
+            "msgq_messages_received",
+            "counter",
+            "Frames received from clients (all kinds).",
+            t["messages_in"],
+        )
+        e.family(
+            "msgq_messages_sent",
+            "counter",
+            "Frames queued to clients (all kinds).",
+            t["messages_out"],
+        )
         e.family("msgq_bytes_received", "counter", "Bytes received from clients.", t["bytes_in"])
         e.family("msgq_bytes_sent", "counter", "Bytes written to clients.", t["bytes_out"])
         e.family(
-            "msgq_disconnects", "counter",
+            "msgq_disconnects",
+            "counter",
             "Clients gone, by reason (closed, connection-lost, protocol-error, "
             "slow-consumer, forbidden = dropped by an operator, ...).",
             [({"reason": r}, n) for r, n in sorted(self.totals.disconnects.items())],
         )
         e.family(
-            "msgq_dropped_clients", "counter",
+            "msgq_dropped_clients",
+            "counter",
             "Clients the broker dropped (slow consumer, hard limit, operator).",
             core.stats.get("dropped_peers", 0),
         )
         e.family(
-            "msgq_messages_dropped", "counter",
+            "msgq_messages_dropped",
+            "counter",
             "Messages not delivered, by reason (no-recipient: nobody there; late-answer: "
             "an answer nobody waits for; sender-gone: sent by a client that hung up while "
             "its reads were paused by backpressure, not delivered yet).",
-            [({"reason": "no-recipient"}, core.stats.get("no_recipient", 0)),
-             ({"reason": "late-answer"}, core.stats.get("late_answers", 0)),
-             ({"reason": "sender-gone"}, core.stats.get("discarded_frames", 0))],
+            [
+                ({"reason": "no-recipient"}, core.stats.get("no_recipient", 0)),
+                ({"reason": "late-answer"}, core.stats.get("late_answers", 0)),
+                ({"reason": "sender-gone"}, core.stats.get("discarded_frames", 0)),
+            ],
         )
-        e.family("msgq_request_timeouts", "counter",
-                 "Requests answered 'timeout' by the broker's deadline.",
-                 core.stats.get("timeouts", 0))
-        e.family("msgq_pending_requests", "gauge", "Requests waiting for an answer.",
-                 len(core.rpc))
-        e.family("msgq_queued_bytes", "gauge", "Bytes queued in the broker for clients.",
-                 sum(p.outq_bytes for p in core.peers.values()))
-        e.family("msgq_paused_readers", "gauge",
-                 "Clients whose reads are paused by backpressure (a receiver they feed is "
-                 "over out_soft_limit or has no room for their next frame).",
-                 sum(1 for pc in server.conns.values() if pc.paused))
-        e.family("msgq_groups", "gauge", "Groups with at least one member.",
-                 len(core.router.groups))
-        e.family("msgq_busy_poll_passes", "counter",
-                 "Event-loop passes spent polling without sleeping (limits.busy_poll).",
-                 server.busy_polls)
-        e.family("msgq_capture_active", "gauge", "1 while a capture writes to files.",
-                 1 if self.hub.file is not None else 0)
-        e.family("msgq_capture_records_written", "counter",
-                 "Capture records written to files or dump clients.",
-                 self.hub.written_total)
-        e.family("msgq_capture_records_dropped", "counter",
-                 "Capture records lost to a full capture buffer.", self.hub.dropped_total)
-        e.family("msgq_dump_clients", "gauge", "Clients receiving a live dump.",
-                 len(self.hub.dumps))
-        e.family("msgq_control_refusals", "counter",
-                 "Control commands refused (caller's uid not allowed).", self.refusals)
-        e.family("msgq_config_reloads", "counter", "Configuration reloads, by result.",
-                 [({"result": "ok"}, self.reloads_ok), ({"result": "failed"}, self.reloads_failed)])
-        e.family("msgq_uptime_seconds", "gauge", "Seconds since the broker started.",
-                 trio.current_time() - server.started_at)
+        e.family(
+            "msgq_request_timeouts",
+            "counter",
+            "Requests answered 'timeout' by the broker's deadline.",
+            core.stats.get("timeouts", 0),
+        )
+        e.family("msgq_pending_requests", "gauge", "Requests waiting for an answer.", len(core.rpc))
+        e.family(
+            "msgq_queued_bytes",
+            "gauge",
+            "Bytes queued in the broker for clients.",
+            sum(p.outq_bytes for p in core.peers.values()),
+        )
+        e.family(
+            "msgq_paused_readers",
+            "gauge",
+            "Clients whose reads are paused by backpressure (a receiver they feed is "
+            "over out_soft_limit or has no room for their next frame).",
+            sum(1 for pc in server.conns.values() if pc.paused),
+        )
+        e.family(
+            "msgq_groups", "gauge", "Groups with at least one member.", len(core.router.groups)
+        )
+        e.family(
+            "msgq_busy_poll_passes",
+            "counter",
+            "Event-loop passes spent polling without sleeping (limits.busy_poll).",
+            server.busy_polls,
+        )
+        e.family(
+            "msgq_capture_active",
+            "gauge",
+            "1 while a capture writes to files.",
+            1 if self.hub.file is not None else 0,
+        )
+        e.family(
+            "msgq_capture_records_written",
+            "counter",
+            "Capture records written to files or dump clients.",
+            self.hub.written_total,
+        )
+        e.family(
+            "msgq_capture_records_dropped",
+            "counter",
+            "Capture records lost to a full capture buffer.",
+            self.hub.dropped_total,
+        )
+        e.family(
+            "msgq_dump_clients", "gauge", "Clients receiving a live dump.", len(self.hub.dumps)
+        )
+        e.family(
+            "msgq_control_refusals",
+            "counter",
+            "Control commands refused (caller's uid not allowed).",
+            self.refusals,
+        )
+        e.family(
+            "msgq_config_reloads",
+            "counter",
+            "Configuration reloads, by result.",
+            [({"result": "ok"}, self.reloads_ok), ({"result": "failed"}, self.reloads_failed)],
+        )
+        e.family(
+            "msgq_uptime_seconds",
+            "gauge",
+            "Seconds since the broker started.",
+            trio.current_time() - server.started_at,
+        )
         proc = process_figures()
         e.family("process_open_fds", "gauge", "Open file descriptors.", proc["fds"])
         e.family("process_resident_memory_bytes", "gauge", "Resident memory.", proc["rss"])
-        e.family("msgq_build_info", "gauge", "Broker version.",
-                 [({"version": core.version}, 1)])
+        e.family("msgq_build_info", "gauge", "Broker version.", [({"version": core.version}, 1)])
         return e.text()
 
     # -- capture ------------------------------------------------------------------------
@@ -499,15 +578,15 @@ class Operations:
         data.update(p)
         data["enabled"] = True
         try:
-            settings: CaptureSettings = config_file.build_section("capture", CaptureSettings,
-                                                                   data)
+            settings: CaptureSettings = config_file.build_section("capture", CaptureSettings, data)
         except ConfigError as exc:
             raise CommandError(ErrorCode.BAD_REQUEST, str(exc)) from None
         try:
             status = self.hub.start_capture(settings)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise CommandError(ErrorCode.BAD_REQUEST,
-                               f"cannot capture to {settings.dir}: {exc}") from None
+            raise CommandError(
+                ErrorCode.BAD_REQUEST, f"cannot capture to {settings.dir}: {exc}"
+            ) from None
         return status
 
     def _cmd_capture_stop(self, _peer: Peer, _params: object) -> object:

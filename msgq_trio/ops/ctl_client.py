@@ -59,7 +59,8 @@ def connect_options(args: argparse.Namespace) -> dict[str, Any]:
                 ctx.load_cert_chain(cert, key)
             except (OSError, ssl.SSLError) as exc:
                 raise CliUsageError(
-                    f"--tls-cert {cert}: cannot load the certificate and key: {exc}") from None
+                    f"--tls-cert {cert}: cannot load the certificate and key: {exc}"
+                ) from None
         out["ssl_context"] = ctx
     return out
 
@@ -68,8 +69,9 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     """--json / --timeout, accepted before or after the subcommand (--socket and the
     other connection flags are added to every parser by the command line's builder)."""
     d = (lambda v: v) if top else (lambda _v: argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", default=d(False),
-                   help="print the broker's answer as JSON")
+    p.add_argument(
+        "--json", action="store_true", default=d(False), help="print the broker's answer as JSON"
+    )
     p.add_argument("--timeout", type=float, default=d(10.0), help="seconds to wait for answers")
 
 
@@ -97,14 +99,18 @@ def add_ctl_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("key", nargs="?", help="e.g. limits.request_timeout (default: every key)")
     q = leaf("set", "change one key of the running configuration", csub)
     q.add_argument("key", help="e.g. limits.request_timeout (or just request_timeout)")
-    q.add_argument("value", help="JSON (30, true, [1000], \"x\"), or a plain string")
+    q.add_argument("value", help='JSON (30, true, [1000], "x"), or a plain string')
     leaf("reload", "re-read the configuration file (like SIGHUP)", csub)
     cap = leaf("capture", "traffic capture to files")
     capsub = cap.add_subparsers(dest="capture_cmd", required=True, metavar="ACTION")
     q = leaf("start", "start (or update) the capture", capsub)
     # Absolute: the broker resolves paths against its own working directory, not ours.
-    q.add_argument("--dir", default=None, type=os.path.abspath,
-                   help="directory of the capture files (default: capture.dir)")
+    q.add_argument(
+        "--dir",
+        default=None,
+        type=os.path.abspath,
+        help="directory of the capture files (default: capture.dir)",
+    )
     q.add_argument("--prefix", default=None, help="file name prefix (default: capture)")
     _filter_args(q)
     q.add_argument("--max-bytes", type=int, default=None, help="per file")
@@ -114,23 +120,48 @@ def add_ctl_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _filter_args(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--kind", action="append", default=None, choices=CAPTURE_KINDS,
-                   help="only these kinds (repeat)")
-    q.add_argument("--sender", action="append", default=None,
-                   help="only frames from this lname or client name (repeat)")
-    q.add_argument("--target", action="append", default=None,
-                   help="only frames to this target or group (repeat)")
-    q.add_argument("--body", default=None, choices=CAPTURE_BODY_MODES,
-                   help="include bodies: base64 of the CBOR, or decoded (json)")
+    q.add_argument(
+        "--kind",
+        action="append",
+        default=None,
+        choices=CAPTURE_KINDS,
+        help="only these kinds (repeat)",
+    )
+    q.add_argument(
+        "--sender",
+        action="append",
+        default=None,
+        help="only frames from this lname or client name (repeat)",
+    )
+    q.add_argument(
+        "--target",
+        action="append",
+        default=None,
+        help="only frames to this target or group (repeat)",
+    )
+    q.add_argument(
+        "--body",
+        default=None,
+        choices=CAPTURE_BODY_MODES,
+        help="include bodies: base64 of the CBOR, or decoded (json)",
+    )
 
 
 def add_dump_arguments(p: argparse.ArgumentParser) -> None:
     _filter_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line")
-    p.add_argument("--count", type=int, default=0,
-                   help="exit after N records (the ones shown: not its own frames)")
-    p.add_argument("--self", action="store_true", dest="show_self",
-                   help="also show this dump's own frames (its dump-start command and answer)")
+    p.add_argument(
+        "--count",
+        type=int,
+        default=0,
+        help="exit after N records (the ones shown: not its own frames)",
+    )
+    p.add_argument(
+        "--self",
+        action="store_true",
+        dest="show_self",
+        help="also show this dump's own frames (its dump-start command and answer)",
+    )
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -171,36 +202,76 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] = fro
 
 
 def format_clients(rows: list[dict[str, Any]]) -> str:
-    headers = ["LNAME", "NAME", "PID", "UID", "GROUPS", "MSGS IN", "MSGS OUT", "BYTES IN",
-               "BYTES OUT", "QUEUED", "PENDING OUT/IN", "CONNECTED"]
+    headers = [
+        "LNAME",
+        "NAME",
+        "PID",
+        "UID",
+        "GROUPS",
+        "MSGS IN",
+        "MSGS OUT",
+        "BYTES IN",
+        "BYTES OUT",
+        "QUEUED",
+        "PENDING OUT/IN",
+        "CONNECTED",
+    ]
     out = []
     for r in rows:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["connected_at"]))
-        out.append([
-            r["lname"], r["name"], str(r["pid"]), str(r["uid"]),
-            ",".join(r["groups"]) or "-", str(r["msgs_in"]), str(r["msgs_out"]),
-            human_bytes(r["bytes_in"]), human_bytes(r["bytes_out"]),
-            human_bytes(r["queued_bytes"]), f"{r['pending_out']}/{r['pending_in']}",
-            f"{since} ({human_age(r['connected_for'])})",
-        ])
+        out.append(
+            [
+                r["lname"],
+                r["name"],
+                str(r["pid"]),
+                str(r["uid"]),
+                ",".join(r["groups"]) or "-",
+                str(r["msgs_in"]),
+                str(r["msgs_out"]),
+                human_bytes(r["bytes_in"]),
+                human_bytes(r["bytes_out"]),
+                human_bytes(r["queued_bytes"]),
+                f"{r['pending_out']}/{r['pending_in']}",
+                f"{since} ({human_age(r['connected_for'])})",
+            ]
+        )
     return table(headers, out, right=frozenset({2, 3, 5, 6, 7, 8, 9}))
 
 
 def format_links(rows: list[dict[str, Any]], now: float | None = None) -> str:
     """The link plugin's ``status`` rows (docs/QUEUE.md, "Chained queues / links")."""
     now = time.time() if now is None else now
-    headers = ["LINK", "STATE", "SINCE", "QUEUES", "ADDRESS", "FORWARDED", "IN FLIGHT",
-               "RETRIES", "FAILURES", "LAST ERROR"]
+    headers = [
+        "LINK",
+        "STATE",
+        "SINCE",
+        "QUEUES",
+        "ADDRESS",
+        "FORWARDED",
+        "IN FLIGHT",
+        "RETRIES",
+        "FAILURES",
+        "LAST ERROR",
+    ]
     out = []
     for r in rows:
         err = r.get("last_error") or "-"
         if r.get("last_error_at"):
             err += f" ({human_age(now - r['last_error_at'])} ago)"
-        out.append([
-            r["link"], r["state"], human_age(now - r["since"]),
-            f"{r['from_queue']} -> {r['to_queue']}", r["address"], str(r["forwarded"]),
-            str(r["in_flight"]), str(r["retries"]), str(r["failures"]), err,
-        ])
+        out.append(
+            [
+                r["link"],
+                r["state"],
+                human_age(now - r["since"]),
+                f"{r['from_queue']} -> {r['to_queue']}",
+                r["address"],
+                str(r["forwarded"]),
+                str(r["in_flight"]),
+                str(r["retries"]),
+                str(r["failures"]),
+                err,
+            ]
+        )
     text = table(headers, out, right=frozenset({5, 6, 7, 8}))
     # One endpoint per plugin process: every row carries the same address.
     served = sorted({r["metrics"] for r in rows if r.get("metrics")})
@@ -259,8 +330,11 @@ def format_changes(result: dict[str, Any]) -> str:
     lines = []
     for c in result.get("changed", []):
         when = c["applies"]
-        note = {"now": "applied", "new connections": "applies to new connections",
-                "restart": "needs a restart: NOT applied"}.get(when, when)
+        note = {
+            "now": "applied",
+            "new connections": "applies to new connections",
+            "restart": "needs a restart: NOT applied",
+        }.get(when, when)
         lines.append(f"{c['key']}: {json.dumps(c['old'])} -> {json.dumps(c['new'])} ({note})")
     if not lines:
         lines.append("no change")
@@ -290,8 +364,14 @@ def format_record(r: dict[str, Any]) -> str:
     if r.get("kind") == "capture-dropped":
         return f"{ts}  -- {r.get('dropped')} records dropped (buffer full) --"
     details = []
-    for key, label in (("request_id", "id"), ("reply_to", "reply-to"), ("command", "cmd"),
-                       ("event", "event"), ("code", "code"), ("error_message", "msg")):
+    for key, label in (
+        ("request_id", "id"),
+        ("reply_to", "reply-to"),
+        ("command", "cmd"),
+        ("event", "event"),
+        ("code", "code"),
+        ("error_message", "msg"),
+    ):
         v = r.get(key)
         if v is not None and not (key == "request_id" and r.get("reply_to") is not None):
             details.append(f"{label}={v}")
@@ -346,8 +426,11 @@ async def run_ctl(args: argparse.Namespace) -> int:
                 emit(rows, format_clients(rows))
             elif c == "drop":
                 row = await call("drop", {"lname": args.lname, "reason": args.reason})
-                emit(row, f"dropped {row['lname']} (name={row['name']!r} pid={row['pid']} "
-                          f"uid={row['uid']})")
+                emit(
+                    row,
+                    f"dropped {row['lname']} (name={row['name']!r} pid={row['pid']} "
+                    f"uid={row['uid']})",
+                )
             elif c == "shutdown":
                 r = await call("shutdown", {"reason": args.reason})
                 emit(r, "broker shutting down")
@@ -409,20 +492,28 @@ async def run_dump(args: argparse.Namespace) -> int:
         async with connect(args.socket, name="msgq-trio-dump", **connect_options(args)) as bus:
             await bus.call("msgq", "dump-start", _filter_params(args))
             own = bus.lname
-            print(f"# dumping traffic seen by the broker (this client is {bus.lname})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"# dumping traffic seen by the broker (this client is {bus.lname})",
+                file=sys.stderr,
+                flush=True,
+            )
             async for msg in bus:
                 body = msg.body
                 if msg.sender != "l.0" or not isinstance(body, dict) or "records" not in body:
                     continue
                 if body.get("dropped"):
-                    print(f"# {body['dropped']} records dropped (the broker's dump buffer was "
-                          "full)", file=sys.stderr, flush=True)
+                    print(
+                        f"# {body['dropped']} records dropped (the broker's dump buffer was full)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 for rec in body["records"]:
                     if not args.show_self and own in (rec.get("sender"), rec.get("target")):
                         continue
-                    print(json.dumps(rec, default=str) if args.json else format_record(rec),
-                          flush=True)
+                    print(
+                        json.dumps(rec, default=str) if args.json else format_record(rec),
+                        flush=True,
+                    )
                     n += 1
                     if args.count and n >= args.count:
                         return 0

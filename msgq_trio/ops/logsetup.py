@@ -80,8 +80,13 @@ _atexit_registered = False
 
 def peer_fields(peer: Peer) -> dict[str, object]:
     """``extra=`` for a log call about ``peer``."""
-    return {"lname": peer.lname, "client": peer.name, "pid": peer.pid, "uid": peer.uid,
-            "gid": peer.gid}
+    return {
+        "lname": peer.lname,
+        "client": peer.name,
+        "pid": peer.pid,
+        "uid": peer.uid,
+        "gid": peer.gid,
+    }
 
 
 class IdentityFilter(logging.Filter):
@@ -146,10 +151,14 @@ class TextFormatter(logging.Formatter):
         line = super().formatMessage(record)
         fields = _fields(record)
         if fields:
-            line += " [" + " ".join(
-                f"{k}={v!r}" if isinstance(v, str) and k == "client" else f"{k}={v}"
-                for k, v in fields.items()
-            ) + "]"
+            line += (
+                " ["
+                + " ".join(
+                    f"{k}={v!r}" if isinstance(v, str) and k == "client" else f"{k}={v}"
+                    for k, v in fields.items()
+                )
+                + "]"
+            )
         return line
 
 
@@ -244,8 +253,7 @@ class JournalHandler(_QuietErrors, logging.Handler):
                 if exc.errno != errno.EMSGSIZE:
                     raise
                 cut = message.encode()[:JOURNAL_MESSAGE_MAX].decode(errors="ignore")
-                self.sock.sendto(journal_datagram(self.fields(record, cut + " [cut]")),
-                                 self.path)
+                self.sock.sendto(journal_datagram(self.fields(record, cut + " [cut]")), self.path)
         except Exception:
             self.handleError(record)
 
@@ -328,9 +336,15 @@ class BoundedQueueHandler(logging.handlers.QueueHandler):
 
     def _notice(self, n: int) -> logging.LogRecord:
         record = logging.LogRecord(
-            "msgq_trio.ops", logging.WARNING, __file__, 0,
+            "msgq_trio.ops",
+            logging.WARNING,
+            __file__,
+            0,
             "%d log records dropped: the log queue (%d records) was full because a log "
-            "destination is slower than the broker logs", (n, self.capacity), None)
+            "destination is slower than the broker logs",
+            (n, self.capacity),
+            None,
+        )
         return self.prepare(record)
 
 
@@ -407,8 +421,10 @@ def queue_records() -> tuple[int, str | None]:
     except ValueError:
         n = 0
     if n <= 0:
-        return QUEUE_RECORDS, (f"{QUEUE_RECORDS_ENV}={raw!r} is not a positive integer; "
-                               f"the log queue holds {QUEUE_RECORDS} records")
+        return QUEUE_RECORDS, (
+            f"{QUEUE_RECORDS_ENV}={raw!r} is not a positive integer; "
+            f"the log queue holds {QUEUE_RECORDS} records"
+        )
     return n, None
 
 
@@ -441,8 +457,9 @@ def prepare(settings: LogSettings, *, capacity: int | None = None) -> PreparedLo
         journal = address == "journal" or address.startswith("journal:")
         path = (address.partition(":")[2] or JOURNAL_SOCKET) if journal else address
         if path.startswith("/") and not os.path.exists(path):
-            problems.append(f"syslog requested but {path} does not exist (no syslog daemon "
-                            "or journald socket)")
+            problems.append(
+                f"syslog requested but {path} does not exist (no syslog daemon or journald socket)"
+            )
         else:
             try:
                 facility = logging.handlers.SysLogHandler.facility_names[settings.syslog_facility]
@@ -460,9 +477,7 @@ def prepare(settings: LogSettings, *, capacity: int | None = None) -> PreparedLo
                 problems.append(f"cannot log to syslog at {address}: {exc}")
     if not handlers:
         handlers.append(StderrHandler())
-    formatter: logging.Formatter = (
-        JsonFormatter() if settings.format == "json" else TextFormatter()
-    )
+    formatter: logging.Formatter = JsonFormatter() if settings.format == "json" else TextFormatter()
     for handler in handlers:
         handler.setFormatter(formatter)
     q: queue.Queue[logging.LogRecord] = queue.Queue(maxsize=capacity)
@@ -539,8 +554,7 @@ def install(prepared: PreparedLogging) -> list[str]:
     for p in problems:
         # Said on stderr too: the log may not go where the operator looks for it.
         instead = fell_back and "syslog" in p
-        sys.stderr.write(f"msgq-trio: {p}" + ("; logging to stderr instead\n" if instead
-                                              else "\n"))
+        sys.stderr.write(f"msgq-trio: {p}" + ("; logging to stderr instead\n" if instead else "\n"))
         logging.getLogger("msgq_trio.ops").error("%s", p)
     return problems
 

@@ -195,8 +195,7 @@ async def open_listeners(spec: str) -> tuple[list[trio.SocketListener], str]:
     return listeners, shown
 
 
-async def open_plugin_listeners(plugin: str, spec: str
-                                ) -> tuple[list[trio.SocketListener], str]:
+async def open_plugin_listeners(plugin: str, spec: str) -> tuple[list[trio.SocketListener], str]:
     """:func:`open_listeners` for a plugin's ``metrics`` setting (none if ``spec`` is
     empty). Called before the plugin is ready, so a port in use or a host not of this
     machine fails the plugin's start, and so the broker's, instead of a plugin running
@@ -231,8 +230,13 @@ class MetricsServer:
         process: add the process collector (default True).
     """
 
-    def __init__(self, listeners: list[trio.SocketListener], render: Callable[[], str],
-                 *, process: bool = True) -> None:
+    def __init__(
+        self,
+        listeners: list[trio.SocketListener],
+        render: Callable[[], str],
+        *,
+        process: bool = True,
+    ) -> None:
         self.listeners = listeners
         self.render = render
         self.scrapes = 0
@@ -282,11 +286,11 @@ class MetricsServer:
                     await self._respond(stream, 405, b"only GET\n", head=False)
                 elif target == b"/metrics":
                     body, ctype = self.exposition(_header(rest, b"accept"))
-                    await self._respond(stream, 200, body, head=method == b"HEAD",
-                                        ctype=ctype)
+                    await self._respond(stream, 200, body, head=method == b"HEAD", ctype=ctype)
                 elif target == b"/":
-                    await self._respond(stream, 200, b"msgq-trio: see /metrics\n",
-                                        head=method == b"HEAD")
+                    await self._respond(
+                        stream, 200, b"msgq-trio: see /metrics\n", head=method == b"HEAD"
+                    )
                 else:
                     await self._respond(stream, 404, b"not found: try /metrics\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -305,8 +309,13 @@ class MetricsServer:
         head: bool = False,
         ctype: str = "text/plain; charset=utf-8",
     ) -> None:
-        reasons = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                   431: "Request Header Fields Too Large"}
+        reasons = {
+            200: "OK",
+            400: "Bad Request",
+            404: "Not Found",
+            405: "Method Not Allowed",
+            431: "Request Header Fields Too Large",
+        }
         head_bytes = (
             f"HTTP/1.1 {status} {reasons.get(status, 'Error')}\r\n"
             f"Content-Type: {ctype}\r\n"

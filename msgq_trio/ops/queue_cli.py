@@ -22,8 +22,7 @@ import cbor2
 from ..client.queue import DEFAULT_GROUP
 from .ctl_client import connect_options, human_bytes, table
 
-__all__ = ["add_queue_arguments", "format_peek", "format_queues", "format_stats",
-           "run_queue"]
+__all__ = ["add_queue_arguments", "format_peek", "format_queues", "format_stats", "run_queue"]
 
 #: ``peek`` without N: a screenful.
 DEFAULT_PEEK = 10
@@ -39,13 +38,21 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     subcommand's copies must not overwrite values given before it; --socket and the other
     connection flags are added to every parser by the command line's builder)."""
     d = (lambda v: v) if top else (lambda _v: argparse.SUPPRESS)
-    p.add_argument("--group", default=d(DEFAULT_GROUP),
-                   help=f"the queue plugin's group (its 'group' setting; {DEFAULT_GROUP})")
-    p.add_argument("--json", action="store_true", default=d(False),
-                   help="print the plugin's answer as JSON")
-    p.add_argument("--timeout", type=float, default=d(None),
-                   help=f"seconds to wait for the answer (default {DEFAULT_TIMEOUT:g}; "
-                   "purge: the broker's request deadline)")
+    p.add_argument(
+        "--group",
+        default=d(DEFAULT_GROUP),
+        help=f"the queue plugin's group (its 'group' setting; {DEFAULT_GROUP})",
+    )
+    p.add_argument(
+        "--json", action="store_true", default=d(False), help="print the plugin's answer as JSON"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d(None),
+        help=f"seconds to wait for the answer (default {DEFAULT_TIMEOUT:g}; "
+        "purge: the broker's request deadline)",
+    )
 
 
 def add_queue_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,12 +70,20 @@ def add_queue_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("name", help="the queue")
     q = leaf("peek", "show the first N ready messages without consuming them")
     q.add_argument("name", help="the queue")
-    q.add_argument("n", nargs="?", type=int, default=DEFAULT_PEEK,
-                   help=f"how many (default {DEFAULT_PEEK}, at most 1000)")
+    q.add_argument(
+        "n",
+        nargs="?",
+        type=int,
+        default=DEFAULT_PEEK,
+        help=f"how many (default {DEFAULT_PEEK}, at most 1000)",
+    )
     q = leaf("purge", "remove every message no consumer holds (needs --yes)")
     q.add_argument("name", help="the queue")
-    q.add_argument("--yes", action="store_true",
-                   help="really remove them: purged messages cannot be brought back")
+    q.add_argument(
+        "--yes",
+        action="store_true",
+        help="really remove them: purged messages cannot be brought back",
+    )
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -97,25 +112,41 @@ def format_queues(rows: list[dict[str, Any]]) -> str:
     """``ls``: one row per queue (``stats`` answers)."""
     if not rows:
         return "no queues"
-    out = [[r["queue"], str(r["depth"]), human_bytes(r["bytes"]), str(r["ready"]),
-            str(r["in_flight"]), str(r["consumers"]), "yes" if r.get("paging") else "no"]
-           for r in rows]
-    return table(["QUEUE", "DEPTH", "BYTES", "READY", "IN FLIGHT", "CONSUMERS", "PAGING"],
-                 out, right=frozenset({1, 2, 3, 4, 5}))
+    out = [
+        [
+            r["queue"],
+            str(r["depth"]),
+            human_bytes(r["bytes"]),
+            str(r["ready"]),
+            str(r["in_flight"]),
+            str(r["consumers"]),
+            "yes" if r.get("paging") else "no",
+        ]
+        for r in rows
+    ]
+    return table(
+        ["QUEUE", "DEPTH", "BYTES", "READY", "IN FLIGHT", "CONSUMERS", "PAGING"],
+        out,
+        right=frozenset({1, 2, 3, 4, 5}),
+    )
 
 
 def format_stats(st: dict[str, Any]) -> str:
     """``stats``: ``key: value`` lines in the plugin's order."""
-    return "\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v)}"
-                     for k, v in st.items())
+    return "\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v)}" for k, v in st.items())
 
 
 def peek_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``peek --json``: the plugin's rows with ``body`` decoded and the exact CBOR as
     base64 (``cbor``)."""
-    return [{**{k: v for k, v in r.items() if k != "body"},
-             "body": decode_body(bytes(r["body"])),
-             "cbor": base64.b64encode(bytes(r["body"])).decode()} for r in rows]
+    return [
+        {
+            **{k: v for k, v in r.items() if k != "body"},
+            "body": decode_body(bytes(r["body"])),
+            "cbor": base64.b64encode(bytes(r["body"])).decode(),
+        }
+        for r in rows
+    ]
 
 
 def format_peek(rows: list[dict[str, Any]]) -> str:
@@ -127,11 +158,22 @@ def format_peek(rows: list[dict[str, Any]]) -> str:
         body = shorten(json.dumps(decode_body(bytes(r["body"])), ensure_ascii=False))
         if r.get("attachments"):
             body += f" [+{r['attachments']} attachments]"
-        out.append(["-" if r["seq"] is None else str(r["seq"]), str(r["producer"]),
-                    str(r["producer_seq"]), str(r["deliveries"]), str(r["size"]),
-                    str(r.get("kind", "body")), body])
-    return table(["SEQ", "PRODUCER", "PRODUCER SEQ", "DELIVERIES", "SIZE", "KIND", "BODY"],
-                 out, right=frozenset({0, 2, 3, 4}))
+        out.append(
+            [
+                "-" if r["seq"] is None else str(r["seq"]),
+                str(r["producer"]),
+                str(r["producer_seq"]),
+                str(r["deliveries"]),
+                str(r["size"]),
+                str(r.get("kind", "body")),
+                body,
+            ]
+        )
+    return table(
+        ["SEQ", "PRODUCER", "PRODUCER SEQ", "DELIVERIES", "SIZE", "KIND", "BODY"],
+        out,
+        right=frozenset({0, 2, 3, 4}),
+    )
 
 
 # -- running --------------------------------------------------------------------------------
@@ -145,8 +187,10 @@ async def run_queue(args: argparse.Namespace) -> int:
 
     def emit(result: Any, text: str) -> None:
         try:
-            print(json.dumps(result, indent=2, default=_json_default) if args.json else text,
-                  flush=True)
+            print(
+                json.dumps(result, indent=2, default=_json_default) if args.json else text,
+                flush=True,
+            )
         except BrokenPipeError:
             # The reader left (``| head``): not an error; keep the exit quiet too.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -154,8 +198,7 @@ async def run_queue(args: argparse.Namespace) -> int:
     try:
         async with connect(args.socket, name="msgq-trio-queue", **connect_options(args)) as bus:
 
-            async def call(cmd: str, params: Any = None, wait: float | None = timeout
-                           ) -> Any:
+            async def call(cmd: str, params: Any = None, wait: float | None = timeout) -> Any:
                 return await bus.call(group, cmd, params, timeout=wait)
 
             c = args.queue_cmd
@@ -176,16 +219,24 @@ async def run_queue(args: argparse.Namespace) -> int:
                     # Ask first: an unknown queue is reported as such, and the refusal
                     # says how much would go.
                     st = await call("stats", {"queue": args.name})
-                    print(f"error: not purging queue {args.name!r} without --yes: it would "
-                          f"remove every message no consumer holds (now {st['ready']} "
-                          f"ready, {st['depth']} held), for good", file=sys.stderr)
+                    print(
+                        f"error: not purging queue {args.name!r} without --yes: it would "
+                        f"remove every message no consumer holds (now {st['ready']} "
+                        f"ready, {st['depth']} held), for good",
+                        file=sys.stderr,
+                    )
                     return 2
                 n = await call("purge", {"queue": args.name}, args.timeout)
-                emit({"queue": args.name, "purged": n},
-                     f"purged {n} messages from queue {args.name!r}")
+                emit(
+                    {"queue": args.name, "purged": n},
+                    f"purged {n} messages from queue {args.name!r}",
+                )
     except NoRecipient:
-        print(f"error: no queue plugin is running: nobody answers on group {group!r} "
-              "(enable it with a [plugins.queue] table)", file=sys.stderr)
+        print(
+            f"error: no queue plugin is running: nobody answers on group {group!r} "
+            "(enable it with a [plugins.queue] table)",
+            file=sys.stderr,
+        )
         return 1
     except RpcError as exc:
         print(f"error: {exc.code}: {' '.join(str(exc.message).split())}", file=sys.stderr)

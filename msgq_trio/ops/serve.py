@@ -47,7 +47,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``serve``. Every flag defaults to None ("not given"), so that only
     flags actually given override the configuration file."""
     p.add_argument(
-        "--config", "-c", type=Path, default=None, metavar="PATH",
+        "--config",
+        "-c",
+        type=Path,
+        default=None,
+        metavar="PATH",
         help="TOML configuration file (docs/CONFIG.md); flags override it; SIGHUP re-reads it",
     )
     for field in attrs.fields(Limits):
@@ -59,36 +63,88 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"limits.{field.name} (default {field.default})",
         )
-    p.add_argument("--log-file", default=None, metavar="PATH",
-                   help="append the log to this file instead of stderr")
-    p.add_argument("--log-format", default=None, choices=LOG_FORMATS,
-                   help="text (default) or json (one object per line)")
-    p.add_argument("--syslog", action="store_true", default=None,
-                   help="log to syslog/journald through /dev/log")
-    p.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
-                   help="also listen for TCP clients here (repeat; tcp.listen; TLS and tokens "
-                        "from the configuration file, docs/SECURITY.md)")
-    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any)")
-    p.add_argument("--ctl-allow-uid", type=int, action="append", default=None, metavar="UID",
-                   help="uid allowed to use control commands (repeat; default: the broker's)")
-    p.add_argument("--capture-dir", default=None, metavar="DIR",
-                   help="start capturing traffic to DIR (capture.enabled = true)")
-    p.add_argument("--plugin", action="append", default=None, metavar="NAME",
-                   help="run plugin NAME (repeat; its [plugins.NAME] table, if any, "
-                        "configures it; docs/QUEUE.md)")
-    p.add_argument("--socket-mode", default=None, metavar="MODE",
-                   help="permission bits of the socket file, e.g. 0660 (socket_mode; "
-                        "default: as the umask makes them)")
-    p.add_argument("--socket-group", default=None, metavar="GROUP",
-                   help="group of the socket file, a name or gid (socket_group); with "
-                        "--socket-mode 0660 its members may connect")
-    p.add_argument("--state-dir", default=None, metavar="DIR",
-                   help="durable state (state_dir; default $STATE_DIRECTORY, "
-                        "/var/lib/msgq-trio for root, else ~/.local/state/msgq-trio)")
-    p.add_argument("--queue-dir", default=None, metavar="DIR",
-                   help="run the queue plugin with its store in DIR (plugins.queue.dir; "
-                        "default <state dir>/queue)")
+    p.add_argument(
+        "--log-file",
+        default=None,
+        metavar="PATH",
+        help="append the log to this file instead of stderr",
+    )
+    p.add_argument(
+        "--log-format",
+        default=None,
+        choices=LOG_FORMATS,
+        help="text (default) or json (one object per line)",
+    )
+    p.add_argument(
+        "--syslog",
+        action="store_true",
+        default=None,
+        help="log to syslog/journald through /dev/log",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="also listen for TCP clients here (repeat; tcp.listen; TLS and tokens "
+        "from the configuration file, docs/SECURITY.md)",
+    )
+    p.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any)",
+    )
+    p.add_argument(
+        "--ctl-allow-uid",
+        type=int,
+        action="append",
+        default=None,
+        metavar="UID",
+        help="uid allowed to use control commands (repeat; default: the broker's)",
+    )
+    p.add_argument(
+        "--capture-dir",
+        default=None,
+        metavar="DIR",
+        help="start capturing traffic to DIR (capture.enabled = true)",
+    )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="run plugin NAME (repeat; its [plugins.NAME] table, if any, "
+        "configures it; docs/QUEUE.md)",
+    )
+    p.add_argument(
+        "--socket-mode",
+        default=None,
+        metavar="MODE",
+        help="permission bits of the socket file, e.g. 0660 (socket_mode; "
+        "default: as the umask makes them)",
+    )
+    p.add_argument(
+        "--socket-group",
+        default=None,
+        metavar="GROUP",
+        help="group of the socket file, a name or gid (socket_group); with "
+        "--socket-mode 0660 its members may connect",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="durable state (state_dir; default $STATE_DIRECTORY, "
+        "/var/lib/msgq-trio for root, else ~/.local/state/msgq-trio)",
+    )
+    p.add_argument(
+        "--queue-dir",
+        default=None,
+        metavar="DIR",
+        help="run the queue plugin with its store in DIR (plugins.queue.dir; "
+        "default <state dir>/queue)",
+    )
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,8 +217,10 @@ def activated_sockets() -> list[socket.socket]:
             )
         out.append(sock)
     if sum(1 for s in out if s.family == socket.AF_UNIX) > 1:
-        raise RuntimeError("socket activation passed more than one Unix socket; the broker "
-                           "serves one (give the .socket unit one ListenStream= path)")
+        raise RuntimeError(
+            "socket activation passed more than one Unix socket; the broker "
+            "serves one (give the .socket unit one ListenStream= path)"
+        )
     return out
 
 
@@ -254,29 +312,41 @@ async def _serve(config: Any, source: ConfigSource) -> int:
         print(f"msgq-trio serve: cannot start: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     for s in activated:
-        if s.family != socket.AF_UNIX and not config.tcp.certfile and not (
-            config.tcp.insecure and is_loopback(s.getsockname()[0])
+        if (
+            s.family != socket.AF_UNIX
+            and not config.tcp.certfile
+            and not (config.tcp.insecure and is_loopback(s.getsockname()[0]))
         ):
             # The same rule as for tcp.listen (docs/SECURITY.md), for a socket unit.
-            print(f"msgq-trio serve: cannot start: socket activation passed the TCP "
-                  f"listener {s.getsockname()[0]}:{s.getsockname()[1]} but TLS is not "
-                  "configured (tcp.certfile/keyfile; plain TCP only on loopback with "
-                  "tcp.insecure)", file=sys.stderr)
+            print(
+                f"msgq-trio serve: cannot start: socket activation passed the TCP "
+                f"listener {s.getsockname()[0]}:{s.getsockname()[1]} but TLS is not "
+                "configured (tcp.certfile/keyfile; plain TCP only on loopback with "
+                "tcp.insecure)",
+                file=sys.stderr,
+            )
             return EXIT_CANNOT_START
-    server = Server(path, config.limits, tcp=config.tcp, access=config.access,
-                    activated=activated, socket_mode=parse_socket_mode(config.socket_mode),
-                    socket_gid=resolve_group(config.socket_group))
+    server = Server(
+        path,
+        config.limits,
+        tcp=config.tcp,
+        access=config.access,
+        activated=activated,
+        socket_mode=parse_socket_mode(config.socket_mode),
+        socket_gid=resolve_group(config.socket_group),
+    )
     listeners = None
     address = None
     if config.metrics.listen:
         try:
             listeners, address = await metrics.open_listeners(config.metrics.listen)
         except (OSError, ValueError) as exc:
-            print(f"msgq-trio serve: cannot serve metrics on {config.metrics.listen}: {exc}",
-                  file=sys.stderr)
+            print(
+                f"msgq-trio serve: cannot serve metrics on {config.metrics.listen}: {exc}",
+                file=sys.stderr,
+            )
             return EXIT_CANNOT_START
-    ops = Operations(server, config, source, metrics_listeners=listeners,
-                     metrics_address=address)
+    ops = Operations(server, config, source, metrics_listeners=listeners, metrics_address=address)
     ops.install()
     started = False
     try:
@@ -301,8 +371,9 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                     print(f"msgq-trio broker listening on {scheme}://{a}", flush=True)
                 if address is not None:
                     print(f"msgq-trio metrics on http://{address}/metrics", flush=True)
-                notifier.notify("READY=1", f"MAINPID={os.getpid()}",
-                                f"STATUS=serving on {server.path}")
+                notifier.notify(
+                    "READY=1", f"MAINPID={os.getpid()}", f"STATUS=serving on {server.path}"
+                )
                 nursery.start_soon(notifier.watchdog)
 
                 async def on_signal() -> None:

@@ -448,8 +448,10 @@ def encode_bytes_message(
     ``cbor2.dumps(payload)``.
     """
     head = cbor_bytes_head(len(payload))
-    return [encode_simple(type, target, b"", source=source, body_head=(head, len(payload))),
-            payload]
+    return [
+        encode_simple(type, target, b"", source=source, body_head=(head, len(payload))),
+        payload,
+    ]
 
 
 def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:

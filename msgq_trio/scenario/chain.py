@@ -104,8 +104,7 @@ class ChainFault:
     duration: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        if self.action not in ("kill-a", "kill-b", "kill-link", "stop-link", "stop-b",
-                               "cut-net"):
+        if self.action not in ("kill-a", "kill-b", "kill-link", "stop-link", "stop-b", "cut-net"):
             raise ValueError(f"unknown fault action {self.action!r}")
         if not 0 < self.at < 1:
             raise ValueError(f"fault point {self.at}: must be in (0, 1)")
@@ -159,15 +158,17 @@ class ChainReport:
         return stored / put if put else 0.0
 
     def verdict(self) -> str:
-        return (f"chain {'PASS' if self.ok else 'FAIL'}: {self.acked}/{self.n} acked, "
-                f"{self.received} received, {len(self.missing)} missing, "
-                f"{self.duplicates} duplicates (+{self.redelivered_after_loss} redelivered "
-                f"after {self.consumer_sessions - 1} consumer reconnects); written at A "
-                f"{self.share(self.a_stored, self.a_put):.1%} overall (>= {self.a_stored} "
-                f"of {self.a_put} puts), {self.share(self.healthy_stored, self.healthy_put):.1%}"
-                f" while healthy ({self.healthy_stored} of {self.healthy_put}); link retries "
-                f"{self.link.get('retries', '?')}, failures {self.link.get('failures', '?')};"
-                f" faults: {', '.join(self.faults)}; {self.elapsed:.1f} s")
+        return (
+            f"chain {'PASS' if self.ok else 'FAIL'}: {self.acked}/{self.n} acked, "
+            f"{self.received} received, {len(self.missing)} missing, "
+            f"{self.duplicates} duplicates (+{self.redelivered_after_loss} redelivered "
+            f"after {self.consumer_sessions - 1} consumer reconnects); written at A "
+            f"{self.share(self.a_stored, self.a_put):.1%} overall (>= {self.a_stored} "
+            f"of {self.a_put} puts), {self.share(self.healthy_stored, self.healthy_put):.1%}"
+            f" while healthy ({self.healthy_stored} of {self.healthy_put}); link retries "
+            f"{self.link.get('retries', '?')}, failures {self.link.get('failures', '?')};"
+            f" faults: {', '.join(self.faults)}; {self.elapsed:.1f} s"
+        )
 
 
 async def _a_stats(topo: ChainTopology, queue: str) -> dict[str, Any] | None:
@@ -248,8 +249,11 @@ async def run_chain(
                     for b in list(pending):
                         if len(waits) == window:
                             await finish()
-                        while (len(rep.faults) < len(points) and len(acked_batches)
-                               + len(waits) >= points[len(rep.faults)] + window + 2):
+                        while (
+                            len(rep.faults) < len(points)
+                            and len(acked_batches) + len(waits)
+                            >= points[len(rep.faults)] + window + 2
+                        ):
                             if waits:
                                 await finish()
                             else:
@@ -257,8 +261,14 @@ async def run_chain(
                         await trio.sleep_until(next_at[0])
                         next_at[0] = max(next_at[0] + batch / rate, trio.current_time())
                         first = b * batch + 1
-                        waits.append((b, q.start_put_many(
-                            list(range(first, first + batch)), first_seq=first)))
+                        waits.append(
+                            (
+                                b,
+                                q.start_put_many(
+                                    list(range(first, first + batch)), first_seq=first
+                                ),
+                            )
+                        )
                     while waits:
                         await finish()
             except (ConnectError, ConnectionLost, RpcError, OSError) as exc:
@@ -269,8 +279,10 @@ async def run_chain(
     async def consumer() -> None:
         while True:
             try:
-                async with connect(topo.address("b"), "chain-consumer") as bus, \
-                        bus.queue(to_queue).consume(consumer_window) as msgs:
+                async with (
+                    connect(topo.address("b"), "chain-consumer") as bus,
+                    bus.queue(to_queue).consume(consumer_window) as msgs,
+                ):
                     rep.consumer_sessions += 1
                     session = rep.consumer_sessions
                     async for m in msgs:

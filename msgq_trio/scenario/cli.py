@@ -44,8 +44,9 @@ def all_scenarios(directory: Path | None = None) -> list[Path]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="msgq-trio scenario",
-                                 description=(__doc__ or "").replace("``", ""))
+    ap = argparse.ArgumentParser(
+        prog="msgq-trio scenario", description=(__doc__ or "").replace("``", "")
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run scenarios")
     p.add_argument("paths", nargs="*", type=Path, help="scenario files")
@@ -55,12 +56,26 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, default=None, help="append JSON Lines records")
     p.add_argument("--faults-md", type=Path, default=None, help="regenerate this FAULTS.md")
     p.add_argument("--keep", action="store_true", help="keep temporary directories")
-    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
-                   help="run each scenario N times (seeds --seed, --seed + 1, ...)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="MSGQ_TRIO_SEED of the first run (default: random, printed)")
-    p.add_argument("--junit", type=Path, default=None, metavar="FILE",
-                   help="write JUnit XML (one testcase per run) for CI systems")
+    p.add_argument(
+        "--repeat",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="run each scenario N times (seeds --seed, --seed + 1, ...)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="MSGQ_TRIO_SEED of the first run (default: random, printed)",
+    )
+    p.add_argument(
+        "--junit",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write JUnit XML (one testcase per run) for CI systems",
+    )
     p = sub.add_parser("new", help="write a commented scenario template")
     p.add_argument("name", help="scenario name (NAME.toml)")
     p.add_argument("--dir", type=Path, default=Path("."), help="where to write it (.)")
@@ -119,16 +134,28 @@ def junit_xml(records: Sequence[dict[str, Any]]) -> str:
     """JUnit XML for CI systems: one ``testcase`` per run (name with its seed), a
     ``failure`` with the failed checks and the runner's problems."""
     failures = sum(not r.get("passed") for r in records)
-    suite = ET.Element("testsuite", name="msgq-trio scenarios", tests=str(len(records)),
-                       failures=str(failures), errors="0",
-                       time=f"{sum(float(r.get('duration_s', 0)) for r in records):.3f}")
+    suite = ET.Element(
+        "testsuite",
+        name="msgq-trio scenarios",
+        tests=str(len(records)),
+        failures=str(failures),
+        errors="0",
+        time=f"{sum(float(r.get('duration_s', 0)) for r in records):.3f}",
+    )
     for r in records:
-        case = ET.SubElement(suite, "testcase", classname="msgq_trio.scenarios",
-                             name=f"{r['scenario']}[seed={r.get('seed')}]",
-                             time=f"{float(r.get('duration_s', 0)):.3f}")
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname="msgq_trio.scenarios",
+            name=f"{r['scenario']}[seed={r.get('seed')}]",
+            time=f"{float(r.get('duration_s', 0)):.3f}",
+        )
         if not r.get("passed"):
-            bad = [f"check failed: {c['check']} (expected {c['expected']}, got {c['actual']})"
-                   for c in r.get("checks", []) if not c.get("ok")]
+            bad = [
+                f"check failed: {c['check']} (expected {c['expected']}, got {c['actual']})"
+                for c in r.get("checks", [])
+                if not c.get("ok")
+            ]
             bad += list(r.get("problems", []))
             fail = ET.SubElement(case, "failure", message=(bad or ["failed"])[0][:200])
             fail.text = "\n".join(bad)

@@ -27,8 +27,14 @@ BROKER_ACTIONS: tuple[str, ...] = ("kill-broker", "restart-broker", "stop-broker
 #: Actions on one of the broker's plugin processes (``target`` names the plugin).
 PLUGIN_ACTIONS: tuple[str, ...] = ("kill-plugin", "fill-disk", "free-disk")
 #: Client faults after which the target is "at fault": its latency is not a healthy one.
-DISRUPTING_ACTIONS: tuple[str, ...] = ("sigkill", "sigstop", "sigterm", "stop-reading", "start",
-                                       "restart")
+DISRUPTING_ACTIONS: tuple[str, ...] = (
+    "sigkill",
+    "sigstop",
+    "sigterm",
+    "stop-reading",
+    "start",
+    "restart",
+)
 
 DESCRIPTIONS: dict[str, str] = {
     "sigkill": "SIGKILL the client process(es): a crash, no GOODBYE, sockets just close",

@@ -124,8 +124,7 @@ class Recorder:
         return self._line("ok", f, self._next, time, fields)
 
     def _line(self, type_: str, f: str, op_id: int, time: float, fields: dict[str, Any]) -> str:
-        rec = {"process": self.process, "type": type_, "f": f, "id": op_id, "time": time,
-               **fields}
+        rec = {"process": self.process, "type": type_, "f": f, "id": op_id, "time": time, **fields}
         return json.dumps(rec, separators=(",", ":"), sort_keys=True)
 
 
@@ -176,9 +175,19 @@ def _op(rec: dict[str, Any], index: int, where: str) -> Op:
     for key in ("key", "producer", "error"):
         if rec.get(key) is not None and not isinstance(rec[key], str):
             raise HistoryError(f"{where}: {key!r} is not a string")
-    return Op(index, need("process", str), type_, need("f", str), need("id", int),
-              float(need("time", (int, float))), rec.get("key"), rec.get("producer"), seq,
-              rec.get("error"), rec.get("value"))
+    return Op(
+        index,
+        need("process", str),
+        type_,
+        need("f", str),
+        need("id", int),
+        float(need("time", (int, float))),
+        rec.get("key"),
+        rec.get("producer"),
+        seq,
+        rec.get("error"),
+        rec.get("value"),
+    )
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -199,15 +208,15 @@ def _completions(history: Sequence[Op]) -> dict[tuple[str, int], list[Op]]:
 def check_lost(history: Sequence[Op]) -> list[Violation]:
     """Every message whose send completed ``ok`` (acked) was delivered at least once."""
     delivered = {op.key for op in history if op.f == "deliver" and op.type == "ok"}
-    lost = [op for op in history
-            if op.f == "send" and op.type == "ok" and op.key not in delivered]
+    lost = [op for op in history if op.f == "send" and op.type == "ok" and op.key not in delivered]
     if not lost:
         return []
     return [_violation("lost", f"{len(lost)} acked messages were never delivered", lost)]
 
 
-def check_reaches_each(history: Sequence[Op], prefixes: Iterable[str], *,
-                       ended: Iterable[str] = ()) -> list[Violation]:
+def check_reaches_each(
+    history: Sequence[Op], prefixes: Iterable[str], *, ended: Iterable[str] = ()
+) -> list[Violation]:
     """Every acked message reached every process whose name starts with one of
     ``prefixes`` (a group's members: ``auth-`` for ``auth-0``, ``auth-1``...) that was
     running when the message was sent (its invoke) and to the end: a broadcast the system
@@ -233,8 +242,13 @@ def check_reaches_each(history: Sequence[Op], prefixes: Iterable[str], *,
         sent = invoked.get((op.process, op.id), op.time)
         missing = [p for p in members if first[p] <= sent and op.key not in got.get(p, ())]
         if missing:
-            out.append(_violation("reaches-each", f"{op.key} was acked but never reached "
-                                  f"{', '.join(sorted(missing))}", [op]))
+            out.append(
+                _violation(
+                    "reaches-each",
+                    f"{op.key} was acked but never reached {', '.join(sorted(missing))}",
+                    [op],
+                )
+            )
     return out
 
 
@@ -258,8 +272,9 @@ def check_no_duplicates(history: Sequence[Op], *, per: str = "all") -> list[Viol
     out = []
     for ops in seen.values():
         if len(ops) > 1:
-            out.append(_violation("duplicates", f"message {ops[0].key} delivered "
-                                  f"{len(ops)} times", ops))
+            out.append(
+                _violation("duplicates", f"message {ops[0].key} delivered {len(ops)} times", ops)
+            )
     return out
 
 
@@ -274,15 +289,21 @@ def check_order(history: Sequence[Op]) -> list[Violation]:
         k = (op.process, op.producer)
         prev = last.get(k)
         if prev is not None and prev.seq is not None and op.seq <= prev.seq:
-            out.append(_violation("order", f"{op.process} got {op.producer}'s seq {op.seq} "
-                                  f"after seq {prev.seq}", [prev, op]))
+            out.append(
+                _violation(
+                    "order",
+                    f"{op.process} got {op.producer}'s seq {op.seq} after seq {prev.seq}",
+                    [prev, op],
+                )
+            )
         if prev is None or prev.seq is None or op.seq > prev.seq:
             last[k] = op
     return out
 
 
-def check_answered_once(history: Sequence[Op], *, allowed_errors: Iterable[str] = (),
-                        ended: Iterable[str] = ()) -> list[Violation]:
+def check_answered_once(
+    history: Sequence[Op], *, allowed_errors: Iterable[str] = (), ended: Iterable[str] = ()
+) -> list[Violation]:
     """Every invoked operation completes exactly once, and every ``fail`` carries one of
     ``allowed_errors`` (the documented codes for this system). An operation of a
     process in ``ended`` (killed, or stopped by the scenario) may stay open: its
@@ -298,25 +319,33 @@ def check_answered_once(history: Sequence[Op], *, allowed_errors: Iterable[str] 
         if not comps and op.process not in gone:
             out.append(_violation("answered-once", f"{op.f} never completed", [op]))
         elif len(comps) > 1:
-            out.append(_violation("answered-once", f"{op.f} completed {len(comps)} times",
-                                  [op, *comps]))
+            out.append(
+                _violation("answered-once", f"{op.f} completed {len(comps)} times", [op, *comps])
+            )
         for c in comps:
             if c.type == "fail" and c.error not in allowed:
-                out.append(_violation(
-                    "answered-once", f"{op.f} failed with an undocumented error "
-                    f"{c.error!r} (documented: {sorted(allowed)})", [op, c]))
+                out.append(
+                    _violation(
+                        "answered-once",
+                        f"{op.f} failed with an undocumented error "
+                        f"{c.error!r} (documented: {sorted(allowed)})",
+                        [op, c],
+                    )
+                )
     # A single ok record is an event (a delivery); a fail or info always completes
     # something that was invoked.
     invoked = {(op.process, op.id) for op in history if op.type == "invoke"}
     for key, comps in done.items():
         if key not in invoked and any(c.type != "ok" for c in comps):
-            out.append(_violation("answered-once", f"{comps[0].f} completed without "
-                                  "an invoke", comps))
+            out.append(
+                _violation("answered-once", f"{comps[0].f} completed without an invoke", comps)
+            )
     return out
 
 
-def check_silence(history: Sequence[Op], bound: float, *, until: float | None = None,
-                  ended: Iterable[str] = ()) -> list[Violation]:
+def check_silence(
+    history: Sequence[Op], bound: float, *, until: float | None = None, ended: Iterable[str] = ()
+) -> list[Violation]:
     """No process goes longer than ``bound`` seconds between two recorded operations
     (nor from its last one to ``until``, the end of the run, unless it is in
     ``ended``): a client stuck without an error is a failure, not a slow success."""
@@ -328,20 +357,39 @@ def check_silence(history: Sequence[Op], bound: float, *, until: float | None = 
     for process, ops in by_process.items():
         for a, b in itertools.pairwise(ops):
             if b.time - a.time > bound:
-                out.append(_violation("silence", f"{process} was silent for "
-                                      f"{b.time - a.time:.3f} s (bound {bound} s)", [a, b]))
+                out.append(
+                    _violation(
+                        "silence",
+                        f"{process} was silent for {b.time - a.time:.3f} s (bound {bound} s)",
+                        [a, b],
+                    )
+                )
         if until is not None and process not in gone and until - ops[-1].time > bound:
-            out.append(_violation("silence", f"{process} was silent for the last "
-                                  f"{until - ops[-1].time:.3f} s (bound {bound} s)",
-                                  [ops[-1]]))
+            out.append(
+                _violation(
+                    "silence",
+                    f"{process} was silent for the last "
+                    f"{until - ops[-1].time:.3f} s (bound {bound} s)",
+                    [ops[-1]],
+                )
+            )
     return out
 
 
-def check(history: Sequence[Op], *, lost: bool = True, duplicates: bool = True,
-          duplicates_per: str = "all", order: bool = False, answered_once: bool = True,
-          allowed_errors: Iterable[str] = (), silence: float | None = None,
-          until: float | None = None, ended: Iterable[str] = (),
-          reaches_each: Iterable[str] = ()) -> list[Violation]:
+def check(
+    history: Sequence[Op],
+    *,
+    lost: bool = True,
+    duplicates: bool = True,
+    duplicates_per: str = "all",
+    order: bool = False,
+    answered_once: bool = True,
+    allowed_errors: Iterable[str] = (),
+    silence: float | None = None,
+    until: float | None = None,
+    ended: Iterable[str] = (),
+    reaches_each: Iterable[str] = (),
+) -> list[Violation]:
     """The checks a scenario asks for, in this order; an empty list means the history
     keeps every invariant checked."""
     ended = list(ended)

@@ -312,8 +312,9 @@ def parse_when(text: str, clients: set[str], where: str) -> tuple[str, str, int]
             raise ScenarioError(f"{where}: no client named {client!r}")
     elif kind == "ops" and rest.strip().isdigit():
         return ("ops", "", int(rest))
-    raise ScenarioError(f"{where}: expected member:GROUP[>=N], line:CLIENT:TEXT or ops:N, "
-                        f"got {text!r}")
+    raise ScenarioError(
+        f"{where}: expected member:GROUP[>=N], line:CLIENT:TEXT or ops:N, got {text!r}"
+    )
 
 
 @attrs.frozen
@@ -487,16 +488,18 @@ def _resolve_params(role: str, raw: object, where: str) -> dict[str, Any]:
         if not out["command"]:
             raise ScenarioError(f"{where}.command: required: the program's argv")
         ready = out["ready"]
-        if (ready and not ready.startswith(("line:", "member:"))) or ready in ("line:",
-                                                                                  "member:"):
-            raise ScenarioError(f"{where}.ready: expected \"\", \"line:TEXT\" or "
-                                f"\"member:GROUP\", got {ready!r}")
+        if (ready and not ready.startswith(("line:", "member:"))) or ready in ("line:", "member:"):
+            raise ScenarioError(
+                f'{where}.ready: expected "", "line:TEXT" or "member:GROUP", got {ready!r}'
+            )
         for e in out["env"]:
             if "=" not in e or not e.split("=", 1)[0]:
                 raise ScenarioError(f"{where}.env: expected NAME=value, got {e!r}")
         if out["service"] and out["exit_status"]:
-            raise ScenarioError(f"{where}.exit_status: a service is stopped by the "
-                                "scenario; it has no expected exit status")
+            raise ScenarioError(
+                f"{where}.exit_status: a service is stopped by the "
+                "scenario; it has no expected exit status"
+            )
     if role == "storm" and out["mode"] not in STORM_MODES:
         raise ScenarioError(f"{where}.mode: must be one of {', '.join(STORM_MODES)}")
     if role == "half-frame" and not 0 < out["fraction"] < 1:
@@ -610,8 +613,9 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     plugins: dict[str, dict[str, Any]] = {}
     for name in plugin_names:
         if name not in PLUGINS:
-            raise ScenarioError(f"broker.plugins: unknown plugin {name!r} (known: "
-                                f"{', '.join(PLUGINS)})")
+            raise ScenarioError(
+                f"broker.plugins: unknown plugin {name!r} (known: {', '.join(PLUGINS)})"
+            )
         # The plugin validates its own settings when the broker starts (a bad one stops
         # the start, named in the broker's log); here only their shape.
         plugins[name] = dict(settings_t.get(name, dict, {}))
@@ -623,8 +627,10 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         if "queue" not in plugins:
             raise ScenarioError("broker.queue_disk: needs the queue plugin (broker.plugins)")
         if "dir" in plugins["queue"]:
-            raise ScenarioError("broker.queue_disk: the runner mounts the store's disk; "
-                                "broker.plugin.queue.dir cannot be set with it")
+            raise ScenarioError(
+                "broker.queue_disk: the runner mounts the store's disk; "
+                "broker.plugin.queue.dir cannot be set with it"
+            )
         if queue_disk < 4 * MiB:
             raise ScenarioError("broker.queue_disk: at least 4 MiB (LMDB needs room to start)")
     bt.finish()
@@ -695,12 +701,14 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
                 disrupted.add(base)
         elif action in PLUGIN_ACTIONS:
             if target not in plugins:
-                raise ScenarioError(f"faults[{i}].target: {action!r} needs a plugin the "
-                                    f"broker runs (broker.plugins: {sorted(plugins)})")
-            if action in ("fill-disk", "free-disk") and (target != "queue"
-                                                         or queue_disk is None):
-                raise ScenarioError(f"faults[{i}]: {action!r} needs target = \"queue\" and "
-                                    "broker.queue_disk")
+                raise ScenarioError(
+                    f"faults[{i}].target: {action!r} needs a plugin the "
+                    f"broker runs (broker.plugins: {sorted(plugins)})"
+                )
+            if action in ("fill-disk", "free-disk") and (target != "queue" or queue_disk is None):
+                raise ScenarioError(
+                    f'faults[{i}]: {action!r} needs target = "queue" and broker.queue_disk'
+                )
         elif action in BROKER_ACTIONS:
             if target is not None:
                 raise ScenarioError(f"faults[{i}].target: broker action {action!r} takes none")

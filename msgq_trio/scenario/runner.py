@@ -182,8 +182,9 @@ class Interrupted(Exception):
     """The run was stopped by SIGTERM or SIGHUP (after cleaning up everything it started)."""
 
 
-def run_scenario(path: str | Path, *, keep_tmp: bool = False,
-                 seed: int | None = None) -> ScenarioResult:
+def run_scenario(
+    path: str | Path, *, keep_tmp: bool = False, seed: int | None = None
+) -> ScenarioResult:
     """Load and run one scenario file; never raises for a failing scenario (the result
     says why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file
     and :class:`Interrupted` when SIGTERM/SIGHUP stopped the run.
@@ -193,8 +194,11 @@ def run_scenario(path: str | Path, *, keep_tmp: bool = False,
     SIGHUP and Ctrl-C (KeyboardInterrupt is re-raised after the cleanup).
     """
     scenario = load_scenario(path)
-    run = _Run(scenario, keep_tmp=keep_tmp,
-               seed=seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1)
+    run = _Run(
+        scenario,
+        keep_tmp=keep_tmp,
+        seed=seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1,
+    )
     result = trio.run(run.run)
     if run.interrupted is not None:
         raise Interrupted(f"{signal.Signals(run.interrupted).name} during {scenario.name}")
@@ -561,12 +565,19 @@ class _Run:
         path = self.tmp / "queue-store"
         path.mkdir(exist_ok=True)
         try:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                           check=True, capture_output=True, text=True, timeout=20)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
-            raise _Abort(f"cannot mount a {size}-byte tmpfs for the queue store (needs "
-                         f"root): {str(detail).strip()}") from None
+            raise _Abort(
+                f"cannot mount a {size}-byte tmpfs for the queue store (needs "
+                f"root): {str(detail).strip()}"
+            ) from None
         self.mounted = path
 
     async def _stats(self, timeout: float = 5.0) -> dict[str, Any] | None:
@@ -681,8 +692,13 @@ class _Run:
         name = f"{spec.name}-{index}" + (f".{generation}" if generation else "")
         history = self.tmp / "history" / f"{name}.jsonl"
         history.parent.mkdir(exist_ok=True)
-        fill = {"python": sys.executable, "socket": str(self.sock), "tmp": str(self.tmp),
-                "name": name}
+        fill = {
+            "python": sys.executable,
+            "socket": str(self.sock),
+            "tmp": str(self.tmp),
+            "name": name,
+        }
+
         def filled(arg: str) -> str:
             # Only these placeholders: any other brace (JSON in an argument) stays.
             for key, value in fill.items():
@@ -690,9 +706,13 @@ class _Run:
             return arg
 
         argv = [filled(arg) for arg in spec.params["command"]]
-        env = dict(os.environ, MSGQ_TRIO_SOCKET=str(self.sock),
-                   MSGQ_TRIO_HISTORY=str(history), MSGQ_TRIO_CLIENT=name,
-                   MSGQ_TRIO_SEED=str(self.seed))
+        env = dict(
+            os.environ,
+            MSGQ_TRIO_SOCKET=str(self.sock),
+            MSGQ_TRIO_HISTORY=str(history),
+            MSGQ_TRIO_CLIENT=name,
+            MSGQ_TRIO_SEED=str(self.seed),
+        )
         for entry in spec.params["env"]:
             k, _, v = entry.partition("=")
             env[k] = filled(v)
@@ -700,8 +720,13 @@ class _Run:
         try:
             with _log_file(log_path, "ab") as err:
                 proc = await trio.lowlevel.open_process(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                    env=env, start_new_session=True)
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    env=env,
+                    start_new_session=True,
+                )
         except OSError as exc:
             raise _Abort(f"cannot start {name}: {argv!r}: {exc}") from None
         c = _Client(spec, index, proc, log_path)
@@ -821,8 +846,12 @@ class _Run:
                     pass
             elif kind == "line":
                 client, _, needle = arg.partition(":")
-                if any(needle in line for c in self.clients if c.spec.name == client
-                       for line in c.other_output):
+                if any(
+                    needle in line
+                    for c in self.clients
+                    if c.spec.name == client
+                    for line in c.other_output
+                ):
                     return
             elif sum(_count_lines(p) for p in (self.tmp / "history").glob("*.jsonl")) >= n:
                 return
@@ -892,8 +921,11 @@ class _Run:
         c.killed = True
         new = await self._start_client(c.spec, c.index, c.generation + 1)
         new.generation = c.generation + 1
-        if not await self._wait_until(lambda: new.ready or new.exited, CLIENT_READY_TIMEOUT,
-                                      f"{new.label} to be ready after its restart"):
+        if not await self._wait_until(
+            lambda: new.ready or new.exited,
+            CLIENT_READY_TIMEOUT,
+            f"{new.label} to be ready after its restart",
+        ):
             raise _Abort(f"{new.label} was not ready after its restart")
         if not new.is_exec:
             await new.send("go")
@@ -937,7 +969,8 @@ class _Run:
             pass
         if not await self._wait_until(
             lambda: len(pattern.findall(self._read_broker_log())) > len(before),
-            BROKER_START_TIMEOUT, f"the {name} plugin to be restarted",
+            BROKER_START_TIMEOUT,
+            f"the {name} plugin to be restarted",
         ):
             raise _Abort(f"the broker did not restart plugin {name!r}")
         key = f"plugin.{name}"
@@ -962,8 +995,12 @@ class _Run:
             c.exited = True
         if self.mounted is not None:
             with trio.move_on_after(20):
-                await trio.run_process(["umount", "-l", str(self.mounted)], check=False,
-                                       capture_stdout=True, capture_stderr=True)
+                await trio.run_process(
+                    ["umount", "-l", str(self.mounted)],
+                    check=False,
+                    capture_stdout=True,
+                    capture_stderr=True,
+                )
             self.mounted = None
 
     # -- figures and verdict ----------------------------------------------------------------------
@@ -1062,7 +1099,8 @@ class _Run:
         if not ok:
             self.problems.append(
                 f"program {c.label} (pid {c.proc.pid}) ended with {rc}, expected {want}\n"
-                f"{c.stderr_tail()}")
+                f"{c.stderr_tail()}"
+            )
         return ok
 
     def _history(self) -> list[CheckResult]:
@@ -1081,21 +1119,36 @@ class _Run:
         self.metrics["history.ops"] = len(ops)
         for op in ops:
             # history.ok.send, history.fail.send, history.error.queue-full, ...
-            for k in (f"history.{op.type}.{op.f}",
-                      *([f"history.error.{op.error}"] if op.error else [])):
+            for k in (
+                f"history.{op.type}.{op.f}",
+                *([f"history.error.{op.error}"] if op.error else []),
+            ):
                 self.metrics[k] = self.metrics.get(k, 0) + 1
         ended = {c.history_name for c in self.clients if c.killed}
-        found = check(ops, lost=e.lost, duplicates=e.duplicates,
-                      duplicates_per=e.duplicates_per, order=e.order,
-                      answered_once=e.answered_once, allowed_errors=e.allowed_errors,
-                      silence=e.silence, until=ops[-1].time if ops else None, ended=ended,
-                      reaches_each=[f"{name}-" for name in e.reaches_each])
+        found = check(
+            ops,
+            lost=e.lost,
+            duplicates=e.duplicates,
+            duplicates_per=e.duplicates_per,
+            order=e.order,
+            answered_once=e.answered_once,
+            allowed_errors=e.allowed_errors,
+            silence=e.silence,
+            until=ops[-1].time if ops else None,
+            ended=ended,
+            reaches_each=[f"{name}-" for name in e.reaches_each],
+        )
         for v in found:
             self.problems.append(f"history check {v.check}: {v.message}")
         out = []
-        for name, on in (("lost", e.lost), ("reaches-each", bool(e.reaches_each)),
-                         ("duplicates", e.duplicates), ("order", e.order),
-                         ("answered-once", e.answered_once), ("silence", e.silence is not None)):
+        for name, on in (
+            ("lost", e.lost),
+            ("reaches-each", bool(e.reaches_each)),
+            ("duplicates", e.duplicates),
+            ("order", e.order),
+            ("answered-once", e.answered_once),
+            ("silence", e.silence is not None),
+        ):
             if on:
                 n = sum(v.check == name for v in found)
                 out.append(CheckResult(f"history: {name}", "0 violations", n, n == 0))

@@ -30,7 +30,10 @@ class LinkPlugin:
         return parse_settings(table)
 
     async def run(
-        self, socket: Path, settings: LinkSettings, *,
+        self,
+        socket: Path,
+        settings: LinkSettings,
+        *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Run the links until the connection to this broker ends. Ready at once: a

@@ -61,8 +61,17 @@ log = logging.getLogger("msgq_trio.plugins.link")
 #: redelivery only has to catch a stopped link process.
 ACK_TIMEOUT_FACTOR = 3
 #: A session that forwarded something resets the reconnect backoff.
-COUNTERS = ("forwarded", "stored_downstream", "consumed_downstream", "duplicates_downstream",
-            "retries", "sessions", "failures", "given_back", "out_of_order")
+COUNTERS = (
+    "forwarded",
+    "stored_downstream",
+    "consumed_downstream",
+    "duplicates_downstream",
+    "retries",
+    "sessions",
+    "failures",
+    "given_back",
+    "out_of_order",
+)
 
 
 class LinkDown(Exception):
@@ -116,12 +125,19 @@ class Link:
     def status(self) -> dict[str, Any]:
         """The link's state for ``status`` / ``msgq-trio ctl links``."""
         return {
-            "link": self.name, "state": self.state, "since": self.since,
-            "address": self.cfg.address, "from_queue": self.cfg.from_queue,
-            "to_queue": self.cfg.target_queue, "source": self.source,
-            "in_flight": len(self.held), **self.counters,
-            "last_error": self.last_error, "last_error_at": self.last_error_at,
-            "ack_grace_here": self.grace_here, "ack_grace_there": self.grace_there,
+            "link": self.name,
+            "state": self.state,
+            "since": self.since,
+            "address": self.cfg.address,
+            "from_queue": self.cfg.from_queue,
+            "to_queue": self.cfg.target_queue,
+            "source": self.source,
+            "in_flight": len(self.held),
+            **self.counters,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "ack_grace_here": self.grace_here,
+            "ack_grace_there": self.grace_there,
         }
 
     def _set_state(self, state: str) -> None:
@@ -183,8 +199,7 @@ class Link:
             kw["ssl_context"] = ctx
         return kw
 
-    async def _connect(self, stack: contextlib.AsyncExitStack, scope: trio.CancelScope
-                       ) -> Bus:
+    async def _connect(self, stack: contextlib.AsyncExitStack, scope: trio.CancelScope) -> Bus:
         """Connect downstream within ``connect_timeout``. ``scope`` encloses the whole
         session (the connection's nursery lives in it, so the deadline cannot be a scope
         of its own around the connect): it gets the deadline, lifted once connected."""
@@ -227,8 +242,9 @@ class Link:
                     await there.declare()
                     self.grace_there = float((await there.stats()).get("ack_grace", 0.0))
             except trio.TooSlowError:
-                raise LinkDown(f"queue {cfg.target_queue!r} there did not answer within "
-                               f"{cfg.put_timeout} s") from None
+                raise LinkDown(
+                    f"queue {cfg.target_queue!r} there did not answer within {cfg.put_timeout} s"
+                ) from None
             except (ConnectionLost, RpcError) as exc:
                 raise LinkDown(f"queue {cfg.target_queue!r} there: {exc}") from None
             here = local.queue(cfg.from_queue)
@@ -237,13 +253,19 @@ class Link:
             except RpcError as exc:
                 raise LinkDown(f"queue {cfg.from_queue!r} here: {exc}") from None
             self._check_grace()
-            consumer = here.consume(cfg.window, ids=True,
-                                    ack_timeout=ACK_TIMEOUT_FACTOR * cfg.put_timeout)
+            consumer = here.consume(
+                cfg.window, ids=True, ack_timeout=ACK_TIMEOUT_FACTOR * cfg.put_timeout
+            )
             async with consumer:
                 self.counters["sessions"] += 1
                 self._set_state("up")
-                log.info("link %s: up, %s -> %s at %s", self.name, cfg.from_queue,
-                         cfg.target_queue, cfg.address)
+                log.info(
+                    "link %s: up, %s -> %s at %s",
+                    self.name,
+                    cfg.from_queue,
+                    cfg.target_queue,
+                    cfg.address,
+                )
                 try:
                     async with trio.open_nursery() as n:
                         self._scope = n.cancel_scope
@@ -262,8 +284,14 @@ class Link:
                 "link %s: ack_grace of queue %s here (%.3f s) is not above that of %s "
                 "there (%.3f s): a message a slow consumer there holds is written at both "
                 "brokers; set ack_grace of %s here above %.3f s plus a round trip",
-                self.name, self.cfg.from_queue, here, self.cfg.target_queue, there,
-                self.cfg.from_queue, there)
+                self.name,
+                self.cfg.from_queue,
+                here,
+                self.cfg.target_queue,
+                there,
+                self.cfg.from_queue,
+                there,
+            )
 
     def _failed(self, why: str) -> None:
         if self._fail is None:
@@ -311,8 +339,10 @@ class Link:
                     # redelivers in queue order.
                     self.held[m.id] = m
                     self.counters["out_of_order"] += 1
-                    self._failed(f"producer {m.producer!r}: seq {seq} came after "
-                                 f"{top[m.producer]} (out of order upstream)")
+                    self._failed(
+                        f"producer {m.producer!r}: seq {seq} came after "
+                        f"{top[m.producer]} (out of order upstream)"
+                    )
                     return
                 top[m.producer] = max(seq, top.get(m.producer, 0))
                 self.held[m.id] = m
@@ -321,18 +351,21 @@ class Link:
                 for run in _increasing_runs(ms):
                     try:
                         wait = there.start_put_encoded(
-                            [m.raw for m in run], [m.producer_seq or 0 for m in run],
+                            [m.raw for m in run],
+                            [m.producer_seq or 0 for m in run],
                             producer=f"{self.source}/{producer}",
-                            timeout=self.cfg.put_timeout, after=last_sent.get(producer))
+                            timeout=self.cfg.put_timeout,
+                            after=last_sent.get(producer),
+                        )
                     except (ConnectionLost, MsgqError) as exc:
                         self._failed(f"cannot send: {exc}")
                         return
-                    last_sent[producer] = max(last_sent.get(producer, 0),
-                                              run[-1].producer_seq or 0)
+                    last_sent[producer] = max(last_sent.get(producer, 0), run[-1].producer_seq or 0)
                     nursery.start_soon(self._finish_put, wait, run)
 
-    async def _finish_put(self, wait: Callable[[], Awaitable[dict[str, int]]],
-                          run: list[QueueMessage]) -> None:
+    async def _finish_put(
+        self, wait: Callable[[], Awaitable[dict[str, int]]], run: list[QueueMessage]
+    ) -> None:
         try:
             res = await wait()
         except RequestTimeout:
@@ -375,24 +408,51 @@ def render_metrics(links: list[Link], now: float | None = None) -> str:
     ``address`` to join on). Counters are since the plugin process started."""
     now = time.time() if now is None else now
     ex = Exposition()
-    ex.family("msgq_link_up", "gauge", "1 while the link's downstream session is up, else 0",
-              [({"link": ln.name, "from_queue": ln.cfg.from_queue,
-                 "to_queue": ln.cfg.target_queue, "address": ln.cfg.address},
-                int(ln.state == "up")) for ln in links])
-    ex.family("msgq_link_state_seconds", "gauge",
-              "seconds the link has been in its current state (up, connecting, down)",
-              [({"link": ln.name}, max(0.0, now - ln.since)) for ln in links])
-    ex.family("msgq_link_in_flight", "gauge",
-              "messages the link holds: received from upstream, not yet acked downstream",
-              [({"link": ln.name}, len(ln.held)) for ln in links])
+    ex.family(
+        "msgq_link_up",
+        "gauge",
+        "1 while the link's downstream session is up, else 0",
+        [
+            (
+                {
+                    "link": ln.name,
+                    "from_queue": ln.cfg.from_queue,
+                    "to_queue": ln.cfg.target_queue,
+                    "address": ln.cfg.address,
+                },
+                int(ln.state == "up"),
+            )
+            for ln in links
+        ],
+    )
+    ex.family(
+        "msgq_link_state_seconds",
+        "gauge",
+        "seconds the link has been in its current state (up, connecting, down)",
+        [({"link": ln.name}, max(0.0, now - ln.since)) for ln in links],
+    )
+    ex.family(
+        "msgq_link_in_flight",
+        "gauge",
+        "messages the link holds: received from upstream, not yet acked downstream",
+        [({"link": ln.name}, len(ln.held)) for ln in links],
+    )
     for key, help_text in COUNTER_HELP.items():
-        ex.family(f"msgq_link_{key}", "counter", help_text,
-                  [({"link": ln.name}, ln.counters[key]) for ln in links])
+        ex.family(
+            f"msgq_link_{key}",
+            "counter",
+            help_text,
+            [({"link": ln.name}, ln.counters[key]) for ln in links],
+        )
     return ex.text()
 
 
-async def serve(socket: Path, settings: LinkSettings, *,
-                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(
+    socket: Path,
+    settings: LinkSettings,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Run every configured link and answer ``status`` on ``settings.group`` until the
     connection to this broker ends; with ``settings.metrics``, serve ``/metrics`` too.
 

@@ -120,10 +120,20 @@ class LinkSettings:
 
 
 _LTYPES: dict[str, tuple[type, ...]] = {
-    "address": (str,), "from_queue": (str,), "to_queue": (str,), "source": (str,),
-    "window": (int,), "put_timeout": (int, float), "connect_timeout": (int, float),
-    "retry_min": (int, float), "retry_max": (int, float), "token": (str,),
-    "token_file": (str,), "tls": (bool,), "tls_ca": (str,), "tls_cert": (str,),
+    "address": (str,),
+    "from_queue": (str,),
+    "to_queue": (str,),
+    "source": (str,),
+    "window": (int,),
+    "put_timeout": (int, float),
+    "connect_timeout": (int, float),
+    "retry_min": (int, float),
+    "retry_max": (int, float),
+    "token": (str,),
+    "token_file": (str,),
+    "tls": (bool,),
+    "tls_ca": (str,),
+    "tls_cert": (str,),
     "tls_key": (str,),
 }
 

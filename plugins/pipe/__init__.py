@@ -29,7 +29,10 @@ class PipePlugin:
         return parse_settings(table)
 
     async def run(
-        self, socket: Path, settings: PipeSettings, *,
+        self,
+        socket: Path,
+        settings: PipeSettings,
+        *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Open the store (if ``dir`` is set), connect, serve the pipe commands until the

@@ -71,8 +71,16 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["PIPE_BROKEN", "PIPE_MISMATCH", "Commit", "Declared", "Done", "Engine",
-           "EngineError", "Limits"]
+__all__ = [
+    "PIPE_BROKEN",
+    "PIPE_MISMATCH",
+    "Commit",
+    "Declared",
+    "Done",
+    "Engine",
+    "EngineError",
+    "Limits",
+]
 
 #: Error code of a write to a pipe whose readers left (``on_reader_gone="fail"``) and of
 #: any operation on a handle the plugin does not know (closed, or the plugin restarted).
@@ -220,8 +228,13 @@ class Pipe:
 class Engine:
     """Every pipe of the plugin. Commands return the completions they caused."""
 
-    def __init__(self, limits: Limits, *, declared: Mapping[str, Declared] | None = None,
-                 can_persist: bool = False) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        declared: Mapping[str, Declared] | None = None,
+        can_persist: bool = False,
+    ) -> None:
         self.limits = limits
         self.pipes: dict[str, Pipe] = {}
         self.ends: dict[int, End] = {}
@@ -239,8 +252,15 @@ class Engine:
         self.store_full = False
 
     # -- opening and closing ---------------------------------------------------------------
-    def open(self, owner: str, name: str, role: str, mode: str | None,
-             on_reader_gone: str, persistent: bool | None = None) -> tuple[End, list[Done]]:
+    def open(
+        self,
+        owner: str,
+        name: str,
+        role: str,
+        mode: str | None,
+        on_reader_gone: str,
+        persistent: bool | None = None,
+    ) -> tuple[End, list[Done]]:
         """Attach a reader (``role`` "r") or writer ("w") of pipe ``name`` for ``owner``.
 
         ``mode`` ("share"/"broadcast") creates the pipe that way; for an existing pipe it
@@ -252,8 +272,9 @@ class Engine:
         if mode not in (None, "share", "broadcast"):
             raise EngineError(BAD_REQUEST, f"readers must be 'share' or 'broadcast', not {mode!r}")
         if on_reader_gone not in ("fail", "wait"):
-            raise EngineError(BAD_REQUEST,
-                              f"on_reader_gone must be 'fail' or 'wait', not {on_reader_gone!r}")
+            raise EngineError(
+                BAD_REQUEST, f"on_reader_gone must be 'fail' or 'wait', not {on_reader_gone!r}"
+            )
         pipe = self.pipes.get(name)
         if pipe is None:
             if len(self.pipes) >= self.limits.max_pipes:
@@ -261,13 +282,21 @@ class Engine:
             pipe = self._new_pipe(name, mode, persistent)
         else:
             if persistent is not None and persistent != pipe.persistent:
-                raise EngineError(PIPE_MISMATCH, f"pipe {name!r} exists and is "
-                                  f"{'' if pipe.persistent else 'not '}persistent")
+                raise EngineError(
+                    PIPE_MISMATCH,
+                    f"pipe {name!r} exists and is {'' if pipe.persistent else 'not '}persistent",
+                )
             if mode is not None and mode != pipe.mode:
-                raise EngineError(BAD_REQUEST, f"pipe {name!r} is open in {pipe.mode} mode, "
-                                  f"not {mode}")
-        end = End(next(self._handles), owner, pipe, role,  # type: ignore[arg-type]
-                  fail_on_reader_gone=on_reader_gone == "fail")
+                raise EngineError(
+                    BAD_REQUEST, f"pipe {name!r} is open in {pipe.mode} mode, not {mode}"
+                )
+        end = End(
+            next(self._handles),
+            owner,
+            pipe,
+            role,  # type: ignore[arg-type]
+            fail_on_reader_gone=on_reader_gone == "fail",
+        )
         self.ends[end.handle] = end
         self.by_owner.setdefault(owner, set()).add(end.handle)
         out: list[Done] = []
@@ -284,26 +313,32 @@ class Engine:
 
     def _new_pipe(self, name: str, mode: str | None, persistent: bool | None) -> Pipe:
         declared = self.declared.get(name)
-        if declared is not None and persistent is not None and \
-                persistent != declared.persistent:
-            raise EngineError(PIPE_MISMATCH, f"pipe {name!r} is configured "
-                              f"{'' if declared.persistent else 'not '}persistent")
+        if declared is not None and persistent is not None and persistent != declared.persistent:
+            raise EngineError(
+                PIPE_MISMATCH,
+                f"pipe {name!r} is configured {'' if declared.persistent else 'not '}persistent",
+            )
         if persistent is None:
             persistent = declared.persistent if declared is not None else False
         if persistent:
             if not self.can_persist:
-                raise EngineError(BAD_REQUEST, f"pipe {name!r}: persistent pipes need the "
-                                  "pipe plugin's 'dir' setting (its store), which is not set")
+                raise EngineError(
+                    BAD_REQUEST,
+                    f"pipe {name!r}: persistent pipes need the "
+                    "pipe plugin's 'dir' setting (its store), which is not set",
+                )
             if mode == "broadcast":
-                raise EngineError(BAD_REQUEST, f"pipe {name!r}: persistent pipes are "
-                                  "share mode only")
+                raise EngineError(
+                    BAD_REQUEST, f"pipe {name!r}: persistent pipes are share mode only"
+                )
             if len(name.encode("utf-8", "surrogatepass")) > MAX_PERSISTENT_NAME:
-                raise EngineError(BAD_REQUEST, f"persistent pipe names are at most "
-                                  f"{MAX_PERSISTENT_NAME} bytes of UTF-8")
+                raise EngineError(
+                    BAD_REQUEST,
+                    f"persistent pipe names are at most {MAX_PERSISTENT_NAME} bytes of UTF-8",
+                )
         pipe = Pipe(name, mode or "share", persistent=persistent)  # type: ignore[arg-type]
         if persistent:
-            pipe.bound = declared.max_stored if declared is not None else \
-                self.limits.max_stored
+            pipe.bound = declared.max_stored if declared is not None else self.limits.max_stored
             # Rule P5: offsets continue where the forgotten pipe (or the store) ended.
             start = self.offsets.pop(name, 0)
             pipe.base = pipe.end = pipe.share_pos = pipe.staged_end = pipe.durable = start
@@ -312,8 +347,9 @@ class Engine:
         self.pipes[name] = pipe
         return pipe
 
-    def recover(self, name: str, cursor: int, high: int,
-                chunks: list[tuple[int, int, bytes]]) -> None:
+    def recover(
+        self, name: str, cursor: int, high: int, chunks: list[tuple[int, int, bytes]]
+    ) -> None:
         """Load persistent pipe ``name`` from the store at start: its ``cursor`` (consumed
         offset), the highest end offset it ever stored (``high``) and its stored chunks
         (seq, end offset, bytes) in order. An empty one is only remembered (Rule P5)."""
@@ -366,8 +402,14 @@ class Engine:
         for op in end.pending:
             op.done = True
             if answer:
-                out.append(Done(op.token, "error", code=PIPE_BROKEN,
-                                message=f"pipe {pipe.name!r}: handle {end.handle} closed"))
+                out.append(
+                    Done(
+                        op.token,
+                        "error",
+                        code=PIPE_BROKEN,
+                        message=f"pipe {pipe.name!r}: handle {end.handle} closed",
+                    )
+                )
         end.pending.clear()
         if end.role == "r":
             pipe.readers.remove(end)
@@ -378,8 +420,9 @@ class Engine:
                 for w in pipe.writers:  # Rule 6
                     if w.fail_on_reader_gone:
                         w.broken = True
-                        self._fail_writes(w, out, PIPE_BROKEN,
-                                          f"pipe {pipe.name!r}: every reader left")
+                        self._fail_writes(
+                            w, out, PIPE_BROKEN, f"pipe {pipe.name!r}: every reader left"
+                        )
             self._release(pipe)
         else:
             pipe.writers.remove(end)
@@ -394,8 +437,14 @@ class Engine:
         """Delete a pipe with no ends (Rule 7); a persistent one only once it is empty and
         its store holds nothing more of it (Rule P5). Returns True if deleted."""
         if pipe.persistent:
-            if (pipe.staged or pipe.committing is not None or pipe.redo or pipe.stored
-                    or self._unread(pipe) or pipe.durable != pipe.end):
+            if (
+                pipe.staged
+                or pipe.committing is not None
+                or pipe.redo
+                or pipe.stored
+                or self._unread(pipe)
+                or pipe.durable != pipe.end
+            ):
                 return False
             self.offsets[pipe.name] = pipe.end
         del self.pipes[pipe.name]
@@ -412,16 +461,32 @@ class Engine:
         return pipe.share_pos < pipe.end or bool(pipe.redo)
 
     # -- reading and writing ---------------------------------------------------------------
-    def write(self, owner: str, handle: int, token: object, data: Buffer, seq: int,
-              more: bool, timeout: float, now: float) -> list[Done]:
+    def write(
+        self,
+        owner: str,
+        handle: int,
+        token: object,
+        data: Buffer,
+        seq: int,
+        more: bool,
+        timeout: float,
+        now: float,
+    ) -> list[Done]:
         """Offer chunk ``seq`` of handle ``handle``; answered ``ok`` once accepted."""
         end = self._end(owner, handle, "w")
         if len(data) > self.limits.max_chunk:
-            raise EngineError(BAD_REQUEST, f"chunk of {len(data)} bytes > max_chunk "
-                              f"({self.limits.max_chunk})")
+            raise EngineError(
+                BAD_REQUEST, f"chunk of {len(data)} bytes > max_chunk ({self.limits.max_chunk})"
+            )
         if end.broken:
-            return [Done(token, "error", code=PIPE_BROKEN,
-                         message=f"pipe {end.pipe.name!r}: every reader left")]
+            return [
+                Done(
+                    token,
+                    "error",
+                    code=PIPE_BROKEN,
+                    message=f"pipe {end.pipe.name!r}: every reader left",
+                )
+            ]
         expected = end.pending[-1].seq + 1 if end.pending else end.next_seq
         if seq != expected:
             if seq > expected:  # Rule 3: an earlier chunk left unaccepted
@@ -436,8 +501,17 @@ class Engine:
         self._pump(end.pipe, out)
         return out
 
-    def read(self, owner: str, handle: int, token: object, n: int, timeout: float,
-             now: float, eofs: int = 0, consumed: int | None = None) -> list[Done]:
+    def read(
+        self,
+        owner: str,
+        handle: int,
+        token: object,
+        n: int,
+        timeout: float,
+        now: float,
+        eofs: int = 0,
+        consumed: int | None = None,
+    ) -> list[Done]:
         """Ask for up to ``n`` bytes; answered with data, EOF or timeout. ``consumed``
         acks a persistent pipe's bytes (Rule P3; ignored on other pipes)."""
         end = self._end(owner, handle, "r")
@@ -446,8 +520,14 @@ class Engine:
         self._check_pending(end)
         if consumed is not None and end.pipe.persistent:
             self._ack(end, consumed)
-        op = _Op(token, end, self._deadline(timeout, now), n=min(n, self.limits.max_chunk),
-                 order=next(self._tie), eofs=eofs)
+        op = _Op(
+            token,
+            end,
+            self._deadline(timeout, now),
+            n=min(n, self.limits.max_chunk),
+            order=next(self._tie),
+            eofs=eofs,
+        )
         end.pending.append(op)
         self._add_deadline(op)
         out: list[Done] = []
@@ -459,9 +539,12 @@ class Engine:
         caller: the oldest held ranges up to that count are consumed."""
         n = consumed - end.consumed
         if n < 0 or n > sum(e - s for s, e in end.held):
-            raise EngineError(BAD_REQUEST, f"consumed {consumed}: handle {end.handle} acked "
-                              f"{end.consumed} and holds {sum(e - s for s, e in end.held)} "
-                              "more bytes")
+            raise EngineError(
+                BAD_REQUEST,
+                f"consumed {consumed}: handle {end.handle} acked "
+                f"{end.consumed} and holds {sum(e - s for s, e in end.held)} "
+                "more bytes",
+            )
         end.consumed = consumed
         held = end.held
         while n:
@@ -475,8 +558,10 @@ class Engine:
 
     def _check_pending(self, end: End) -> None:
         if len(end.pending) >= self.limits.max_pending:
-            raise EngineError(LIMIT_EXCEEDED, f"more than max_pending "
-                              f"({self.limits.max_pending}) operations on one handle")
+            raise EngineError(
+                LIMIT_EXCEEDED,
+                f"more than max_pending ({self.limits.max_pending}) operations on one handle",
+            )
 
     def _deadline(self, timeout: float, now: float) -> float:
         return now + max(0.0, min(timeout, self.limits.max_hold))
@@ -513,8 +598,9 @@ class Engine:
                 self._pump(pipe, out)
         return out
 
-    def _fail_writes(self, end: End, out: list[Done], code: str, message: str,
-                     first: str = "") -> None:
+    def _fail_writes(
+        self, end: End, out: list[Done], code: str, message: str, first: str = ""
+    ) -> None:
         """Answer every pending write of ``end``: the first ``first`` (or the error),
         the later ones ``retry`` (or the error) -- Rule 3."""
         for i, op in enumerate(end.pending):
@@ -566,8 +652,9 @@ class Engine:
                 self.dirty.add(pipe.name)
                 continue
             if size:
-                pipe.chunks.append(op.data if size >= 65536 or isinstance(op.data, bytes)
-                                   else bytes(op.data))
+                pipe.chunks.append(
+                    op.data if size >= 65536 or isinstance(op.data, bytes) else bytes(op.data)
+                )
                 pipe.starts.append(pipe.end)
                 pipe.end += size
                 pipe.charged += size + CHUNK_OVERHEAD
@@ -662,7 +749,7 @@ class Engine:
         while want > 0:
             chunk = pipe.chunks[i]
             off = pos - pipe.starts[i]
-            piece = memoryview(chunk)[off: off + want]
+            piece = memoryview(chunk)[off : off + want]
             pieces.append(piece)
             want -= len(piece)
             pos += len(piece)
@@ -694,8 +781,7 @@ class Engine:
         if i and (i == len(chunks) or (i > 1024 and i * 2 > len(chunks))):
             del chunks[:i], starts[:i]
             pipe.i0 = 0
-        if pipe.persistent and (low != pipe.durable or
-                                (pipe.stored and pipe.stored[0][0] <= low)):
+        if pipe.persistent and (low != pipe.durable or (pipe.stored and pipe.stored[0][0] <= low)):
             self.dirty.add(pipe.name)
 
     # -- persistence (Rules P2, P3, P5) ----------------------------------------------------
@@ -713,8 +799,11 @@ class Engine:
                 continue
             low = self._low(pipe)
             cursor = low if low != pipe.durable else None
-            if not pipe.staged and cursor is None and \
-                    not (pipe.stored and pipe.stored[0][0] <= low):
+            if (
+                not pipe.staged
+                and cursor is None
+                and not (pipe.stored and pipe.stored[0][0] <= low)
+            ):
                 continue
             ops, pipe.staged = pipe.staged, []
             pipe.committing = ops
@@ -735,8 +824,11 @@ class Engine:
     @staticmethod
     def _low(pipe: Pipe) -> int:
         """A persistent pipe's consumed offset: its lowest byte not acked (Rule P3)."""
-        return min([pipe.share_pos] + [r[0] for r in pipe.redo]
-                   + [e.held[0][0] for e in pipe.readers if e.held])
+        return min(
+            [pipe.share_pos]
+            + [r[0] for r in pipe.redo]
+            + [e.held[0][0] for e in pipe.readers if e.held]
+        )
 
     def committed(self, work: Commit, seqs: list[int] | None, deleted: bool) -> list[Done]:
         """The commit of ``work`` ended: ``seqs`` the store seqs of its chunks (None: the
@@ -795,8 +887,14 @@ class Engine:
                 pipe.charged -= len(op.data) + CHUNK_OVERHEAD
             end = op.end
             if self.ends.get(end.handle) is not end:
-                out.append(Done(op.token, "error", code=PIPE_BROKEN,
-                                message=f"pipe {pipe.name!r}: handle {end.handle} closed"))
+                out.append(
+                    Done(
+                        op.token,
+                        "error",
+                        code=PIPE_BROKEN,
+                        message=f"pipe {pipe.name!r}: handle {end.handle} closed",
+                    )
+                )
                 continue
             op.done = False
             back.append(op)
@@ -812,11 +910,14 @@ class Engine:
     def _end(self, owner: str, handle: int, role: str | None = None) -> End:
         end = self.ends.get(handle)
         if end is None or end.owner != owner:
-            raise EngineError(PIPE_BROKEN, f"unknown pipe handle {handle} (closed, or the "
-                              "pipe service restarted)")
+            raise EngineError(
+                PIPE_BROKEN, f"unknown pipe handle {handle} (closed, or the pipe service restarted)"
+            )
         if role is not None and end.role != role:
-            raise EngineError(BAD_REQUEST, f"handle {handle} is not open for "
-                              f"{'reading' if role == 'r' else 'writing'}")
+            raise EngineError(
+                BAD_REQUEST,
+                f"handle {handle} is not open for {'reading' if role == 'r' else 'writing'}",
+            )
         return end
 
     def stats(self, name: str | None = None) -> dict[str, object]:
@@ -825,16 +926,31 @@ class Engine:
             p = self.pipes.get(name)
             if p is None:
                 return {"name": name, "exists": False}
-            return {"name": name, "exists": True, "mode": p.mode, "readers": len(p.readers),
-                    "writers": len(p.writers), "buffered": p.retained(),
-                    "charged": p.charged, "written": p.end,
-                    "waiting_writes": len(p.wait_writes), "persistent": p.persistent,
-                    "staged": p.staged_end - p.end if p.persistent else 0, "consumed": p.durable,
-                    "redo": sum(e - s for s, e in p.redo)}
-        return {"pipes": len(self.pipes), "ends": len(self.ends),
-                "buffered": sum(p.retained() for p in self.pipes.values())}
+            return {
+                "name": name,
+                "exists": True,
+                "mode": p.mode,
+                "readers": len(p.readers),
+                "writers": len(p.writers),
+                "buffered": p.retained(),
+                "charged": p.charged,
+                "written": p.end,
+                "waiting_writes": len(p.wait_writes),
+                "persistent": p.persistent,
+                "staged": p.staged_end - p.end if p.persistent else 0,
+                "consumed": p.durable,
+                "redo": sum(e - s for s, e in p.redo),
+            }
+        return {
+            "pipes": len(self.pipes),
+            "ends": len(self.ends),
+            "buffered": sum(p.retained() for p in self.pipes.values()),
+        }
 
     def check_empty(self) -> None:
         """Assert nothing is left (tests: every end detached frees everything)."""
         assert not self.pipes and not self.ends and not self.by_owner, (
-            self.pipes, self.ends, self.by_owner)
+            self.pipes,
+            self.ends,
+            self.by_owner,
+        )

@@ -70,15 +70,30 @@ def _param(params: Any, key: str, types: tuple[type, ...], default: Any = ...) -
 class Service:
     """Wires one bus connection to the engine."""
 
-    def __init__(self, bus: Bus, settings: PipeSettings, store: QueueStore | None = None,
-                 thread: StoreThread | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        settings: PipeSettings,
+        store: QueueStore | None = None,
+        thread: StoreThread | None = None,
+    ) -> None:
         self.bus = bus
-        declared = {name: Declared(o.persistent, o.max_stored or settings.max_stored)
-                    for name, o in settings.pipes.items()}
-        self.engine = Engine(Limits(settings.max_buffer, settings.max_chunk,
-                                    settings.max_hold, settings.max_pending,
-                                    settings.max_pipes, settings.max_stored),
-                             declared=declared, can_persist=store is not None)
+        declared = {
+            name: Declared(o.persistent, o.max_stored or settings.max_stored)
+            for name, o in settings.pipes.items()
+        }
+        self.engine = Engine(
+            Limits(
+                settings.max_buffer,
+                settings.max_chunk,
+                settings.max_hold,
+                settings.max_pending,
+                settings.max_pipes,
+                settings.max_stored,
+            ),
+            declared=declared,
+            can_persist=store is not None,
+        )
         self.settings = settings
         self.store = store
         self.thread = thread
@@ -90,8 +105,11 @@ class Service:
 
     def setup(self) -> None:
         handlers: dict[str, Callable[[Message, Any], list[Done]]] = {
-            "pipe.open": self._open, "pipe.write": self._write, "pipe.read": self._read,
-            "pipe.close": self._close, "pipe.stats": self._stats,
+            "pipe.open": self._open,
+            "pipe.write": self._write,
+            "pipe.read": self._read,
+            "pipe.close": self._close,
+            "pipe.stats": self._stats,
         }
         for name, fn in handlers.items():
             self.bus.add_inline_command(name, self._inline(fn))
@@ -125,8 +143,9 @@ class Service:
             req = d.token
             assert isinstance(req, Message)
             if d.kind == "data":
-                answer(req, {"n": d.n} if d.at < 0 else {"n": d.n, "at": d.at},
-                       attachments=[d.data])
+                answer(
+                    req, {"n": d.n} if d.at < 0 else {"n": d.n, "at": d.at}, attachments=[d.data]
+                )
             elif d.kind == "ok":
                 answer(req, {"n": d.n})
             elif d.kind == "error":
@@ -140,20 +159,36 @@ class Service:
         if not name or len(name) > 255:
             raise EngineError(BAD_REQUEST, "pipe names are 1 to 255 characters")
         end, done = self.engine.open(
-            request.sender, name, _param(p, "mode", (str,)),
+            request.sender,
+            name,
+            _param(p, "mode", (str,)),
             _param(p, "readers", (str, type(None)), None),
             _param(p, "on_reader_gone", (str,), "fail"),
-            _param(p, "persistent", (bool, type(None)), None))
+            _param(p, "persistent", (bool, type(None)), None),
+        )
         s = self.settings
-        self.bus.answer(request, {"handle": end.handle, "readers": end.pipe.mode,
-                                  "persistent": end.pipe.persistent,
-                                  "max_chunk": s.max_chunk, "max_hold": s.max_hold,
-                                  "max_pending": s.max_pending})
-        self._trace("pipe %r: %s (%s) opened handle %d for %s (%s%s, on_reader_gone=%s)",
-                    name, request.sender, request.sender_name, end.handle,
-                    "reading" if end.role == "r" else "writing", end.pipe.mode,
-                    ", persistent" if end.pipe.persistent else "",
-                    "fail" if end.fail_on_reader_gone else "wait")
+        self.bus.answer(
+            request,
+            {
+                "handle": end.handle,
+                "readers": end.pipe.mode,
+                "persistent": end.pipe.persistent,
+                "max_chunk": s.max_chunk,
+                "max_hold": s.max_hold,
+                "max_pending": s.max_pending,
+            },
+        )
+        self._trace(
+            "pipe %r: %s (%s) opened handle %d for %s (%s%s, on_reader_gone=%s)",
+            name,
+            request.sender,
+            request.sender_name,
+            end.handle,
+            "reading" if end.role == "r" else "writing",
+            end.pipe.mode,
+            ", persistent" if end.pipe.persistent else "",
+            "fail" if end.fail_on_reader_gone else "wait",
+        )
         return done
 
     def _write(self, request: Message, p: Any) -> list[Done]:
@@ -162,20 +197,47 @@ class Service:
             raise EngineError(BAD_REQUEST, "a write carries its chunk as one attachment")
         h, seq = _param(p, "h", (int,)), _param(p, "seq", (int,))
         timeout = float(_param(p, "timeout", (int, float), math.inf))
-        self._trace("pipe %r: %s write handle %d chunk %d: %d bytes, timeout %.3g s",
-                    self._name(h), request.sender, h, seq, len(blobs[0]), timeout)
-        return self.engine.write(request.sender, h, request, blobs[0], seq,
-                                 bool(_param(p, "more", (bool,), False)), timeout,
-                                 trio.current_time())
+        self._trace(
+            "pipe %r: %s write handle %d chunk %d: %d bytes, timeout %.3g s",
+            self._name(h),
+            request.sender,
+            h,
+            seq,
+            len(blobs[0]),
+            timeout,
+        )
+        return self.engine.write(
+            request.sender,
+            h,
+            request,
+            blobs[0],
+            seq,
+            bool(_param(p, "more", (bool,), False)),
+            timeout,
+            trio.current_time(),
+        )
 
     def _read(self, request: Message, p: Any) -> list[Done]:
         h, n = _param(p, "h", (int,)), _param(p, "n", (int,))
         timeout = float(_param(p, "timeout", (int, float), math.inf))
-        self._trace("pipe %r: %s read handle %d: up to %d bytes, timeout %.3g s",
-                    self._name(h), request.sender, h, n, timeout)
-        return self.engine.read(request.sender, h, request, n, timeout, trio.current_time(),
-                                _param(p, "eofs", (int,), 0),
-                                _param(p, "consumed", (int, type(None)), None))
+        self._trace(
+            "pipe %r: %s read handle %d: up to %d bytes, timeout %.3g s",
+            self._name(h),
+            request.sender,
+            h,
+            n,
+            timeout,
+        )
+        return self.engine.read(
+            request.sender,
+            h,
+            request,
+            n,
+            timeout,
+            trio.current_time(),
+            _param(p, "eofs", (int,), 0),
+            _param(p, "consumed", (int, type(None)), None),
+        )
 
     def _name(self, handle: object) -> str | None:
         end = self.engine.ends.get(handle) if isinstance(handle, int) else None
@@ -186,8 +248,9 @@ class Service:
         self._trace("pipe %r: %s closed handle %d", self._name(h), request.sender, h)
         # The close's own pending operations are answered before the close itself, so the
         # client has every answer once its close returns (nothing stays registered).
-        self._send(self.engine.close(request.sender, h,
-                                     _param(p, "consumed", (int, type(None)), None)))
+        self._send(
+            self.engine.close(request.sender, h, _param(p, "consumed", (int, type(None)), None))
+        )
         self.bus.answer(request, True)
         return []
 
@@ -214,11 +277,17 @@ class Service:
             self.engine.recover(name, cursor, high, chunks)
             pipe = self.engine.pipes.get(name)
             if pipe is not None:
-                log.info("pipe %r: recovered %d stored bytes (offsets %d to %d)", name,
-                         pipe.end - pipe.base, pipe.base, pipe.end)
+                log.info(
+                    "pipe %r: recovered %d stored bytes (offsets %d to %d)",
+                    name,
+                    pipe.end - pipe.base,
+                    pipe.base,
+                    pipe.end,
+                )
 
-    def _commit(self, work: list[Commit]) -> tuple[dict[str, list[int]] | None,
-                                                  dict[str, bool], StorageError | None]:
+    def _commit(
+        self, work: list[Commit]
+    ) -> tuple[dict[str, list[int]] | None, dict[str, bool], StorageError | None]:
         """On the store thread: the deletes and cursors (first: they make room in a full
         map), then every staged chunk in ONE append_batch (one fsync). Returns the seqs
         per pipe (None if the append failed), whether each pipe's deletes were written,
@@ -232,8 +301,11 @@ class Service:
                 try:
                     store.delete_batch(w.name, w.deletes, cursor=w.cursor)
                 except StorageError as exc:
-                    log.error("pipe %r: cannot record consumed bytes (retried with the "
-                              "next commit): %s", w.name, exc)
+                    log.error(
+                        "pipe %r: cannot record consumed bytes (retried with the next commit): %s",
+                        w.name,
+                        exc,
+                    )
                     deleted[w.name] = False
         items = [NewMessage(w.name, PRODUCER, end, data) for w in work for end, data in w.chunks]
         if not items:
@@ -248,9 +320,14 @@ class Service:
         seqs: dict[str, list[int]] = {}
         for item, seq in zip(items, result, strict=True):
             if seq is None:  # an end offset not above the last stored one: a bug
-                return None, deleted, StorageError(
-                    f"pipe {item.queue!r}: chunk ending at {item.producer_seq} taken for "
-                    "a resend by the store (offsets went back)")
+                return (
+                    None,
+                    deleted,
+                    StorageError(
+                        f"pipe {item.queue!r}: chunk ending at {item.producer_seq} taken for "
+                        "a resend by the store (offsets went back)"
+                    ),
+                )
             seqs.setdefault(item.queue, []).append(seq)
         return seqs, deleted, None
 
@@ -269,13 +346,20 @@ class Service:
             if error is not None:
                 staged = sum(len(c[1]) for w in work for c in w.chunks)
                 level = logging.WARNING if isinstance(error, StorageFull) else logging.ERROR
-                log.log(level, "pipe store: %d bytes of writes to pipes %s not stored, their "
-                        "writers wait (retry in %.3g s or once readers consume): %s", staged,
-                        sorted(w.name for w in work if w.chunks), STORE_RETRY, error)
+                log.log(
+                    level,
+                    "pipe store: %d bytes of writes to pipes %s not stored, their "
+                    "writers wait (retry in %.3g s or once readers consume): %s",
+                    staged,
+                    sorted(w.name for w in work if w.chunks),
+                    STORE_RETRY,
+                    error,
+                )
             out: list[Done] = []
             for w in work:
-                out += self.engine.committed(w, None if seqs is None else
-                                             seqs.get(w.name, []), deleted[w.name])
+                out += self.engine.committed(
+                    w, None if seqs is None else seqs.get(w.name, []), deleted[w.name]
+                )
             if self.engine.store_full and any(w.deletes and deleted[w.name] for w in work):
                 self._retry.set()  # readers made room
             self._sent(out)
@@ -312,9 +396,14 @@ class Service:
         if isinstance(lname, str):
             handles = sorted(self.engine.by_owner.get(lname, ()))
             if handles:
-                self._trace("%s (%s) disconnected (%s): detaching handles %s of "
-                            "pipes %s", lname, body.get("name"), body.get("reason"),
-                            handles, sorted({str(self._name(h)) for h in handles}))
+                self._trace(
+                    "%s (%s) disconnected (%s): detaching handles %s of pipes %s",
+                    lname,
+                    body.get("name"),
+                    body.get("reason"),
+                    handles,
+                    sorted({str(self._name(h)) for h in handles}),
+                )
             self._sent(self.engine.peer_gone(lname))
 
     async def membership(self) -> None:
@@ -324,8 +413,12 @@ class Service:
             pass
 
 
-async def serve(socket: Path, settings: PipeSettings, *,
-                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(
+    socket: Path,
+    settings: PipeSettings,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Open the store if ``dir`` is set (locked against another plugin process, recovered
     before serving), connect as ``msgq-pipe``, serve until the bus connection ends (then
     return: the plugin process exits and the supervisor restarts it; plain pipes are
@@ -339,14 +432,23 @@ async def serve(socket: Path, settings: PipeSettings, *,
     if not settings.dir:
         await _serve(socket, settings, None, None, task_status)
         return
-    async with open_store_dir(Path(settings.dir), map_size=settings.map_size,
-                              max_map_size=settings.max_map_size, sync=settings.sync,
-                              thread_name="msgq-pipe-store") as (store, thread):
+    async with open_store_dir(
+        Path(settings.dir),
+        map_size=settings.map_size,
+        max_map_size=settings.max_map_size,
+        sync=settings.sync,
+        thread_name="msgq-pipe-store",
+    ) as (store, thread):
         await _serve(socket, settings, store, thread, task_status)
 
 
-async def _serve(socket: Path, settings: PipeSettings, store: QueueStore | None,
-                 thread: StoreThread | None, task_status: trio.TaskStatus[None]) -> None:
+async def _serve(
+    socket: Path,
+    settings: PipeSettings,
+    store: QueueStore | None,
+    thread: StoreThread | None,
+    task_status: trio.TaskStatus[None],
+) -> None:
     async with connect(socket, "msgq-pipe") as bus, trio.open_nursery() as nursery:
         service = Service(bus, settings, store, thread)
         if store is not None:

@@ -93,8 +93,10 @@ class PipeSettings:
         if why or self.group.startswith("msgq."):
             raise ValueError(f"group = {self.group!r}: {why or 'reserved for the broker'}")
         if self.max_chunk < 1 or self.max_chunk > self.max_buffer:
-            raise ValueError(f"max_chunk = {self.max_chunk}: need 1 <= max_chunk <= "
-                             f"max_buffer ({self.max_buffer})")
+            raise ValueError(
+                f"max_chunk = {self.max_chunk}: need 1 <= max_chunk <= "
+                f"max_buffer ({self.max_buffer})"
+            )
         if self.max_chunk > 16 * MiB:
             raise ValueError(f"max_chunk = {self.max_chunk}: at most 16 MiB (frame size)")
         if not self.max_hold > 0:
@@ -104,15 +106,21 @@ class PipeSettings:
         if self.max_pipes < 1:
             raise ValueError(f"max_pipes = {self.max_pipes}: must be >= 1")
         if self.map_size < 1 * MiB or self.max_map_size < self.map_size:
-            raise ValueError(f"map_size = {self.map_size}, max_map_size = "
-                             f"{self.max_map_size}: need 1 MiB <= map_size <= max_map_size")
+            raise ValueError(
+                f"map_size = {self.map_size}, max_map_size = "
+                f"{self.max_map_size}: need 1 MiB <= map_size <= max_map_size"
+            )
         for where, bound in [("max_stored", self.max_stored)] + [
-                (f"pipes.{n}.max_stored", o.max_stored) for n, o in self.pipes.items()
-                if o.max_stored is not None]:
+            (f"pipes.{n}.max_stored", o.max_stored)
+            for n, o in self.pipes.items()
+            if o.max_stored is not None
+        ]:
             assert bound is not None
             if not self.max_chunk <= bound < self.max_map_size:
-                raise ValueError(f"{where} = {bound}: need max_chunk ({self.max_chunk}) <= "
-                                 f"{where} < max_map_size ({self.max_map_size})")
+                raise ValueError(
+                    f"{where} = {bound}: need max_chunk ({self.max_chunk}) <= "
+                    f"{where} < max_map_size ({self.max_map_size})"
+                )
         for name, o in self.pipes.items():
             if not name or len(name) > 255:
                 raise ValueError(f"pipes.{name!r}: pipe names are 1 to 255 characters")
@@ -121,16 +129,23 @@ class PipeSettings:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "group": (str,), "max_buffer": (int,), "max_chunk": (int,),
-    "max_hold": (int, float), "max_pending": (int,), "max_pipes": (int,), "trace": (bool,),
-    "dir": (str,), "max_stored": (int,), "map_size": (int,), "max_map_size": (int,),
+    "group": (str,),
+    "max_buffer": (int,),
+    "max_chunk": (int,),
+    "max_hold": (int, float),
+    "max_pending": (int,),
+    "max_pipes": (int,),
+    "trace": (bool,),
+    "dir": (str,),
+    "max_stored": (int,),
+    "map_size": (int,),
+    "max_map_size": (int,),
     "sync": (bool,),
 }
 _PTYPES: dict[str, tuple[type, ...]] = {"persistent": (bool,), "max_stored": (int,)}
 
 
-def _check(table: Mapping[str, Any], types: Mapping[str, tuple[type, ...]],
-           where: str) -> None:
+def _check(table: Mapping[str, Any], types: Mapping[str, tuple[type, ...]], where: str) -> None:
     for k, v in table.items():
         if k not in types:
             raise ValueError(f"unknown key {where}{k!r} (known: {', '.join(types)})")

@@ -36,7 +36,10 @@ class QueuePlugin:
         return parse_settings(table)
 
     async def run(
-        self, socket: Path, settings: QueueSettings, *,
+        self,
+        socket: Path,
+        settings: QueueSettings,
+        *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Open the store, recover, connect, serve until the bus connection ends; with
@@ -53,11 +56,19 @@ class QueuePlugin:
         """
         await trio.Path(settings.dir).mkdir(parents=True, exist_ok=True)
         bound = max_store_size_for(settings.dir, settings.max_store_size, settings.map_size)
-        async with open_store_dir(Path(settings.dir), map_size=min(settings.map_size, bound),
-                                  max_map_size=bound, sync=settings.sync,
-                                  thread_name="msgq-queue-store") as (store, thread):
-            log.info("queue plugin: store %s, at most %d MiB%s", settings.dir, bound >> 20,
-                     "" if settings.max_store_size else " (90 % of the free space)")
+        async with open_store_dir(
+            Path(settings.dir),
+            map_size=min(settings.map_size, bound),
+            max_map_size=bound,
+            sync=settings.sync,
+            thread_name="msgq-queue-store",
+        ) as (store, thread):
+            log.info(
+                "queue plugin: store %s, at most %d MiB%s",
+                settings.dir,
+                bound >> 20,
+                "" if settings.max_store_size else " (90 % of the free space)",
+            )
             engine = Engine(store, thread, settings)
             await engine.recover()
             for name, opts in settings.queues.items():
@@ -67,17 +78,20 @@ class QueuePlugin:
             try:
                 if listeners:
                     await ages.sample()  # before any commit: what is stored now is "recovered"
-                async with connect(socket, "msgq-queue") as bus, \
-                        connect(socket, "msgq-queue-binder") as binder, \
-                        trio.open_nursery() as nursery:
+                async with (
+                    connect(socket, "msgq-queue") as bus,
+                    connect(socket, "msgq-queue-binder") as binder,
+                    trio.open_nursery() as nursery,
+                ):
                     service = Service(engine, bus, binder, nursery)
                     nursery.start_soon(engine.flush_loop)
                     nursery.start_soon(engine.reaper)
                     nursery.start_soon(service.forwarder)
                     if listeners:
                         nursery.start_soon(ages.run)
-                        nursery.start_soon(MetricsServer(
-                            listeners, lambda: render_metrics(engine, ages)).serve)
+                        nursery.start_soon(
+                            MetricsServer(listeners, lambda: render_metrics(engine, ages)).serve
+                        )
                         log.info("queue plugin: metrics on http://%s/metrics", shown)
                     await service.setup()
                     task_status.started()

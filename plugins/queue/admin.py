@@ -85,13 +85,20 @@ def _split(data: bytes) -> tuple[bytes, int]:
     return data[1:end], len(files) if isinstance(files, list) else 0
 
 
-def _row(seq: int | None, producer: str, producer_seq: int, deliveries: int,
-         data: bytes) -> dict[str, Any]:
+def _row(
+    seq: int | None, producer: str, producer_seq: int, deliveries: int, data: bytes
+) -> dict[str, Any]:
     body, attachments = _split(data)
-    return {"seq": seq, "producer": producer, "producer_seq": producer_seq,
-            "deliveries": deliveries, "size": len(body),
-            "kind": KINDS.get(data[0], "unknown") if data else "unknown", "body": body,
-            "attachments": attachments}
+    return {
+        "seq": seq,
+        "producer": producer,
+        "producer_seq": producer_seq,
+        "deliveries": deliveries,
+        "size": len(body),
+        "kind": KINDS.get(data[0], "unknown") if data else "unknown",
+        "body": body,
+        "attachments": attachments,
+    }
 
 
 async def peek(engine: Engine, params: Any, request: Message) -> list[dict[str, Any]]:
@@ -115,10 +122,16 @@ async def peek(engine: Engine, params: Any, request: Message) -> list[dict[str, 
         try:
             chunk = await engine.thread.run(engine.store.read_range, q.name, start, limit)
         except StorageError as exc:
-            log.error("queue %s: peek for %s (%s): cannot read the store: %s", q.name,
-                      request.sender, request.sender_name, exc)
-            raise CommandFailed(str(ErrorCode.INTERNAL_ERROR),
-                                f"queue {q.name!r}: cannot read the store: {exc}") from None
+            log.error(
+                "queue %s: peek for %s (%s): cannot read the store: %s",
+                q.name,
+                request.sender,
+                request.sender_name,
+                exc,
+            )
+            raise CommandFailed(
+                str(ErrorCode.INTERNAL_ERROR), f"queue {q.name!r}: cannot read the store: {exc}"
+            ) from None
         for sm in chunk:
             if sm.seq in q.deleting:
                 continue  # acked; its delete is not committed yet
@@ -136,9 +149,14 @@ async def peek(engine: Engine, params: Any, request: Message) -> list[dict[str, 
         # Ready messages not stored yet (waiting for their commit), in arrival order.
         # One the store had by the time of the read above is listed there already.
         seen = {(r["producer"], r["producer_seq"]) for r in out}
-        waiting = sorted((m for m in (*q.ready, *(m for _, m in q.again))
-                          if m.state == READY and m.seq is None
-                          and (m.producer, m.pseq) not in seen), key=lambda m: m.mid)
+        waiting = sorted(
+            (
+                m
+                for m in (*q.ready, *(m for _, m in q.again))
+                if m.state == READY and m.seq is None and (m.producer, m.pseq) not in seen
+            ),
+            key=lambda m: m.mid,
+        )
         for m in waiting[: n - len(out)]:
             out.append(_row(None, m.producer, m.pseq, m.deliveries, m.data))
     return out
@@ -149,22 +167,27 @@ async def purge(engine: Engine, params: Any, request: Message) -> int:
     not waiting for its commit (``Engine.purge``); returns how many. Destroys data, so
     it is logged at WARNING naming the caller, with the count."""
     q = _queue(engine, params)
-    log.warning("queue %s: purge requested by %s (%s)", q.name, request.sender,
-                request.sender_name)
+    log.warning("queue %s: purge requested by %s (%s)", q.name, request.sender, request.sender_name)
     try:
         n = await engine.purge(q)
     except StorageError as exc:
-        log.error("queue %s: purge for %s (%s) failed: %s", q.name, request.sender,
-                  request.sender_name, exc)
-        raise CommandFailed(str(ErrorCode.INTERNAL_ERROR),
-                            f"queue {q.name!r}: purge failed: {exc}") from None
-    log.warning("queue %s: purged %d messages for %s (%s)", q.name, n, request.sender,
-                request.sender_name)
+        log.error(
+            "queue %s: purge for %s (%s) failed: %s",
+            q.name,
+            request.sender,
+            request.sender_name,
+            exc,
+        )
+        raise CommandFailed(
+            str(ErrorCode.INTERNAL_ERROR), f"queue {q.name!r}: purge failed: {exc}"
+        ) from None
+    log.warning(
+        "queue %s: purged %d messages for %s (%s)", q.name, n, request.sender, request.sender_name
+    )
     return n
 
 
 def commands(engine: Engine) -> list[tuple[str, Handler]]:
     """The operator commands as ``(name, handler(params, request))`` for
     ``Bus.add_command``."""
-    return [("peek", functools.partial(peek, engine)),
-            ("purge", functools.partial(purge, engine))]
+    return [("peek", functools.partial(peek, engine)), ("purge", functools.partial(purge, engine))]

@@ -73,6 +73,7 @@ _new_tuple = tuple.__new__
 
 log = logging.getLogger("msgq_trio.plugins.queue")
 
+
 class Engine:
     """All queues of one plugin process.
 
@@ -105,7 +106,8 @@ class Engine:
         #: not yet recorded in the store (``_take_marks``)
         self._consumed: dict[tuple[str, str], int] = {}
         self.counters = dict.fromkeys(
-            ("commits", "fsyncs", "batches", "batch_max", "batch_sum", "storage_full"), 0)
+            ("commits", "fsyncs", "batches", "batch_max", "batch_sum", "storage_full"), 0
+        )
         self.last_batch = 0
         #: seconds per store commit (``flush_loop``), for the metrics endpoint (metrics.py)
         self.commit_seconds = Histogram()
@@ -159,8 +161,14 @@ class Engine:
         return mid
 
     # -- producing ------------------------------------------------------------------------
-    def put(self, q: Queue, producer: str, items: list[tuple[int, bytes]], waiter: Waiter,
-            after: int | None = None) -> None:
+    def put(
+        self,
+        q: Queue,
+        producer: str,
+        items: list[tuple[int, bytes]],
+        waiter: Waiter,
+        after: int | None = None,
+    ) -> None:
         """Accept ``items`` ((producer seq, stored value) in producer order) into ``q``.
 
         Synchronous and in call order, so a producer's seqs are seen in the order they
@@ -196,8 +204,15 @@ class Engine:
         for items, waiter, after in held:
             self._accept(q, producer, p, items, waiter, after)
 
-    def _accept(self, q: Queue, producer: str, p: Producer, items: list[tuple[int, bytes]],
-                waiter: Waiter, after: int | None = None) -> None:
+    def _accept(
+        self,
+        q: Queue,
+        producer: str,
+        p: Producer,
+        items: list[tuple[int, bytes]],
+        waiter: Waiter,
+        after: int | None = None,
+    ) -> None:
         hwm = p.hwm
         assert hwm is not None
         if after is not None and hwm < after:
@@ -245,9 +260,12 @@ class Engine:
             spill = new[k:] if k < len(new) else []
             if spill:
                 q.spilled = True
-                log.info("queue %s: %d messages (%d bytes) in memory: new ones wait on "
-                         "disk", q.name, q.resident + k, q.resident_bytes + nbytes
-                         - sum(len(m.data) for m in spill))
+                log.info(
+                    "queue %s: %d messages (%d bytes) in memory: new ones wait on disk",
+                    q.name,
+                    q.resident + k,
+                    q.resident_bytes + nbytes - sum(len(m.data) for m in spill),
+                )
         if spill:
             # Kept only until stored: they reach consumers by a page-in, after the
             # stored messages before them.
@@ -289,9 +307,16 @@ class Engine:
             q.fetchers[c.lname] = c
         else:
             if c.ids:
-                self.nack_many([m for m in q.by_id.values() if m.owner is not None
-                                and m.owner is not c and m.owner.kind == "push"
-                                and m.owner.lname == c.lname])
+                self.nack_many(
+                    [
+                        m
+                        for m in q.by_id.values()
+                        if m.owner is not None
+                        and m.owner is not c
+                        and m.owner.kind == "push"
+                        and m.owner.lname == c.lname
+                    ]
+                )
             q.consumers[c.lname] = c
         self.dispatch(q)
 
@@ -347,9 +372,13 @@ class Engine:
             if q.spilled and q.refilling is None:
                 self.refill_soon(q)
             return
-        cons = [c for c in q.consumers.values()
-                if c.kind != "push" or (free := c.window - c.inflight) >= backlog
-                or free >= max(1, c.window // 4)]
+        cons = [
+            c
+            for c in q.consumers.values()
+            if c.kind != "push"
+            or (free := c.window - c.inflight) >= backlog
+            or free >= max(1, c.window // 4)
+        ]
         n = len(cons)
         if not n:
             return
@@ -414,33 +443,42 @@ class Engine:
                 room = min(PAGE, settings.resident_messages - q.resident)
                 if q.live:
                     # bodies of this queue's average size that fit in the bytes bound
-                    room = min(room, (settings.resident_bytes - q.resident_bytes)
-                               // max(1, q.bytes // q.live))
+                    room = min(
+                        room,
+                        (settings.resident_bytes - q.resident_bytes) // max(1, q.bytes // q.live),
+                    )
                 if room <= 0 or admitted >= PAGE:
                     return  # memory is full of this queue's messages: acks make room
                 epoch, unstored = q.spill_epoch, q.unstored_spilled
                 try:
-                    chunk = await self.thread.run(self.store.read_range, q.name,
-                                                  q.disk_next, room)
+                    chunk = await self.thread.run(self.store.read_range, q.name, q.disk_next, room)
                 except StorageError as exc:
-                    log.error("queue %s: cannot read stored messages: %s (will retry)",
-                              q.name, exc)
+                    log.error("queue %s: cannot read stored messages: %s (will retry)", q.name, exc)
                     await trio.sleep(0.1)
                     return
                 mem, deleting = q.mem, q.deleting
                 for sm in chunk:
                     if sm.seq in mem or sm.seq in deleting:
                         continue
-                    q.admit(Msg(self._mid(), q, sm.body, sm.producer, sm.producer_seq,
-                                sm.seq, sm.delivery_count, None))
+                    q.admit(
+                        Msg(
+                            self._mid(),
+                            q,
+                            sm.body,
+                            sm.producer,
+                            sm.producer_seq,
+                            sm.seq,
+                            sm.delivery_count,
+                            None,
+                        )
+                    )
                     admitted += 1
                 if chunk:
                     q.disk_next = chunk[-1].seq + 1
                 if len(chunk) < room:
                     if unstored == 0 and epoch == q.spill_epoch:
                         q.spilled = False
-                        log.info("queue %s: every stored message is in memory again",
-                                 q.name)
+                        log.info("queue %s: every stored message is in memory again", q.name)
                     return
         finally:
             q.stats["paged_in"] += admitted
@@ -599,9 +637,13 @@ class Engine:
             late = [m for m in q.by_id.values() if m.deadline <= now]
             for m in late:
                 if m.owner is not None:
-                    log.warning("queue %s: %s did not ack message %d within %.1f s: "
-                                "redelivering", q.name, m.owner.lname, m.mid,
-                                m.owner.ack_timeout)
+                    log.warning(
+                        "queue %s: %s did not ack message %d within %.1f s: redelivering",
+                        q.name,
+                        m.owner.lname,
+                        m.mid,
+                        m.owner.ack_timeout,
+                    )
             self.nack_many(late)
             n += len(late)
         return n
@@ -611,8 +653,14 @@ class Engine:
         second): a deadline is kept within 25 % (deliveries to bound-group members use
         the broker's request deadline instead)."""
         while True:
-            period = min([1.0] + [c.ack_timeout / 4 for q in self.queues.values()
-                                  for c in (*q.fetchers.values(), *q.consumers.values())])
+            period = min(
+                [1.0]
+                + [
+                    c.ack_timeout / 4
+                    for q in self.queues.values()
+                    for c in (*q.fetchers.values(), *q.consumers.values())
+                ]
+            )
             await trio.sleep(period)
             self.expire(trio.current_time())
 
@@ -624,8 +672,9 @@ class Engine:
 
     def _store_work(self) -> bool:
         """Something other than new messages waits for a commit."""
-        return bool(self._consumed) or any(q.deletes or q.incr or q.to_dlq
-                                           for q in self.queues.values())
+        return bool(self._consumed) or any(
+            q.deletes or q.incr or q.to_dlq for q in self.queues.values()
+        )
 
     def _take_marks(self, waiting: Iterable[Msg]) -> dict[tuple[str, str], int]:
         """The marks of consumed, never written messages that can go to the store now:
@@ -669,8 +718,7 @@ class Engine:
             # consumer there is nothing to wait for (and no pending list to scan).
             # Each queue has its own grace (a link's queue waits for a downstream round
             # trip); ``grace`` is True if any queue with a consumer has one.
-            grace = any((q.consumers or q.by_id) and q.grace > 0
-                        for q in self.queues.values())
+            grace = any((q.consumers or q.by_id) and q.grace > 0 for q in self.queues.values())
             if grace:
                 await self._grace()
                 if not self._has_work():
@@ -704,12 +752,14 @@ class Engine:
             # What this commit leaves in pending: the held messages, and past max_batch
             # the rest (only then is pending longer than what was held).
             marks = self._take_marks(held if len(pending) == len(held) else pending)
-            if not items and not marks and not any(q.deletes or q.incr or q.to_dlq
-                                                   for q in self.queues.values()):
+            if (
+                not items
+                and not marks
+                and not any(q.deletes or q.incr or q.to_dlq for q in self.queues.values())
+            ):
                 # Only young in-flight messages (and what waits behind them) pending:
                 # wait for an ack, a nack, a put, or the oldest one's grace to end.
-                self._flushed_mid = self.pending[0].mid - 1 if self.pending else \
-                    self._next_mid - 1
+                self._flushed_mid = self.pending[0].mid - 1 if self.pending else self._next_mid - 1
                 if held:
                     with trio.move_on_at(wake):
                         self._changed = trio.Event()
@@ -717,8 +767,9 @@ class Engine:
                 continue
             # tuple.__new__: the named tuple without its Python-level __new__ (half the
             # cost, once per message committed).
-            new = [_new_tuple(NewMessage, (m.queue.name, m.producer, m.pseq, m.data))
-                   for m in items]
+            new = [
+                _new_tuple(NewMessage, (m.queue.name, m.producer, m.pseq, m.data)) for m in items
+            ]
             deletes: dict[str, list[int]] = {}
             incr: dict[str, list[int]] = {}
             moves: dict[str, tuple[str, list[Msg]]] = {}
@@ -732,13 +783,14 @@ class Engine:
                     q.to_dlq = [m for m in q.to_dlq if m.seq is None and m.state == DEAD]
                     if ready:
                         moves[q.name] = (q.opts.dlq_name(q.name), ready)
-            move_seqs = {name: (dlq, [m.seq for m in ms if m.seq is not None])
-                         for name, (dlq, ms) in moves.items()}
+            move_seqs = {
+                name: (dlq, [m.seq for m in ms if m.seq is not None])
+                for name, (dlq, ms) in moves.items()
+            }
             self._flushing = True
             started = trio.current_time()  # the commit's latency: commit_seconds
             try:
-                res = await self.thread.run(self._commit, new, deletes, incr, move_seqs,
-                                            marks)
+                res = await self.thread.run(self._commit, new, deletes, incr, move_seqs, marks)
             finally:
                 self._flushing = False
             self.commit_seconds.observe(trio.current_time() - started)
@@ -825,9 +877,14 @@ class Engine:
         out["failed"] = failed
         return out
 
-    def _apply(self, items: list[Msg], res: dict[str, Any],
-               deletes: dict[str, list[int]], incr: dict[str, list[int]],
-               moves: dict[str, tuple[str, list[Msg]]]) -> None:
+    def _apply(
+        self,
+        items: list[Msg],
+        res: dict[str, Any],
+        deletes: dict[str, list[int]],
+        incr: dict[str, list[int]],
+        moves: dict[str, tuple[str, list[Msg]]],
+    ) -> None:
         c = self.counters
         c["commits"] += 1
         c["fsyncs"] += res["fsyncs"]
@@ -858,14 +915,32 @@ class Engine:
                     continue  # it was not stored any more (acked meanwhile)
                 target.live += 1
                 target.bytes += len(m.data)
-                if not target.spilled and target.resident < self.settings.resident_messages \
-                        and target.resident_bytes < self.settings.resident_bytes:
-                    target.admit(Msg(self._mid(), target, m.data, m.producer, m.pseq,
-                                     new_seq, m.deliveries, None))
+                if (
+                    not target.spilled
+                    and target.resident < self.settings.resident_messages
+                    and target.resident_bytes < self.settings.resident_bytes
+                ):
+                    target.admit(
+                        Msg(
+                            self._mid(),
+                            target,
+                            m.data,
+                            m.producer,
+                            m.pseq,
+                            new_seq,
+                            m.deliveries,
+                            None,
+                        )
+                    )
                 else:
                     target.spilled = True  # it is stored: a page-in reads it
-                log.warning("queue %s: message %d moved to %s after %d deliveries",
-                            name, m.pseq, dlq, m.deliveries)
+                log.warning(
+                    "queue %s: message %d moved to %s after %d deliveries",
+                    name,
+                    m.pseq,
+                    dlq,
+                    m.deliveries,
+                )
             self.dispatch(target)
         if items:
             if res.get("error") or res["full"] is not None:
@@ -1037,8 +1112,13 @@ class Engine:
             if n:
                 self.counters["fsyncs"] += 1  # a durable commit like the flush loop's
             if n != len(seqs):
-                log.error("queue %s: purge deleted %d of %d stored messages (the others "
-                          "were gone already)", name, n, len(seqs))
+                log.error(
+                    "queue %s: purge deleted %d of %d stored messages (the others "
+                    "were gone already)",
+                    name,
+                    n,
+                    len(seqs),
+                )
             return n
 
         try:
@@ -1056,7 +1136,7 @@ class Engine:
             removed += len(seqs)
             q.deleting.update(seqs)  # page-ins and peeks skip them until deleted
             for i in range(0, len(seqs), chunk_max):
-                part = seqs[i:i + chunk_max]
+                part = seqs[i : i + chunk_max]
                 try:
                     await delete(part)
                 except StorageError:

@@ -41,8 +41,7 @@ log = logging.getLogger("msgq_trio.plugins.queue")
 #: Upper bounds (seconds) of the commit latency buckets: an fsync on an SSD takes
 #: 0.5-5 ms, on a disk 10-50 ms; a full commit of 10,000 messages tens of ms. Beyond a
 #: second the store is in trouble; the exact figure matters less.
-COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                  2.5)
+COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: How often the oldest-message tracker reads the queues' next seqs (its resolution).
 SAMPLE_PERIOD = 1.0
 #: Samples kept per queue between scrapes; past it the older half is thinned (an age
@@ -68,8 +67,9 @@ class Histogram:
         self.count += 1
 
 
-def _probe(store: QueueStore, names: list[str], paged: dict[str, int]
-           ) -> dict[str, tuple[int, int]]:
+def _probe(
+    store: QueueStore, names: list[str], paged: dict[str, int]
+) -> dict[str, tuple[int, int]]:
     """On the store thread: per queue its next seq and, for the queues in ``paged``
     (name -> ``disk_next``), the lowest seq stored at or above that (the next seq if
     none): one metadata read each, one single-message read per paged queue."""
@@ -197,35 +197,53 @@ def render_metrics(engine: Engine, ages: AgeTracker, now: float | None = None) -
     def per_queue(name: str, mtype: str, help_text: str, key: str) -> None:
         ex.family(name, mtype, help_text, [({"queue": q.name}, s[key]) for q, s in stats])
 
-    per_queue("msgq_queue_depth", "gauge", "messages held (ready, in flight, waiting)",
-              "depth")
+    per_queue("msgq_queue_depth", "gauge", "messages held (ready, in flight, waiting)", "depth")
     per_queue("msgq_queue_bytes", "gauge", "bytes of the messages held", "bytes")
     per_queue("msgq_queue_ready", "gauge", "messages waiting for a delivery", "ready")
-    per_queue("msgq_queue_in_flight", "gauge", "messages delivered and not yet acked",
-              "in_flight")
-    per_queue("msgq_queue_consumers", "gauge", "push consumers and bound-group members",
-              "consumers")
-    per_queue("msgq_queue_resident", "gauge",
-              "messages held in the plugin's memory (the rest is only on disk)", "resident")
-    ex.family("msgq_queue_oldest_age_seconds", "gauge",
-              "approximate seconds since the oldest message was stored (messages stored "
-              "before the plugin started: since its start)",
-              [({"queue": q.name}, ages.oldest_age(q, now)) for q in queues])
-    per_queue("msgq_queue_redelivered", "counter", "deliveries that were redeliveries",
-              "redelivered")
-    per_queue("msgq_queue_dead_lettered", "counter",
-              "messages moved to the dead-letter queue", "dead_lettered")
-    per_queue("msgq_queue_writes_skipped", "counter",
-              "messages acked before they were written (never stored)", "writes_skipped")
-    per_queue("msgq_queue_paged_in", "counter", "messages read back from the store",
-              "paged_in")
+    per_queue("msgq_queue_in_flight", "gauge", "messages delivered and not yet acked", "in_flight")
+    per_queue(
+        "msgq_queue_consumers", "gauge", "push consumers and bound-group members", "consumers"
+    )
+    per_queue(
+        "msgq_queue_resident",
+        "gauge",
+        "messages held in the plugin's memory (the rest is only on disk)",
+        "resident",
+    )
+    ex.family(
+        "msgq_queue_oldest_age_seconds",
+        "gauge",
+        "approximate seconds since the oldest message was stored (messages stored "
+        "before the plugin started: since its start)",
+        [({"queue": q.name}, ages.oldest_age(q, now)) for q in queues],
+    )
+    per_queue(
+        "msgq_queue_redelivered", "counter", "deliveries that were redeliveries", "redelivered"
+    )
+    per_queue(
+        "msgq_queue_dead_lettered",
+        "counter",
+        "messages moved to the dead-letter queue",
+        "dead_lettered",
+    )
+    per_queue(
+        "msgq_queue_writes_skipped",
+        "counter",
+        "messages acked before they were written (never stored)",
+        "writes_skipped",
+    )
+    per_queue("msgq_queue_paged_in", "counter", "messages read back from the store", "paged_in")
     c = engine.counters
-    ex.family("msgq_queue_fsyncs", "counter", "store commits that wrote (an fsync each)",
-              c["fsyncs"])
-    ex.family("msgq_queue_commits", "counter", "store commits (group commits) run",
-              c["commits"])
+    ex.family(
+        "msgq_queue_fsyncs", "counter", "store commits that wrote (an fsync each)", c["fsyncs"]
+    )
+    ex.family("msgq_queue_commits", "counter", "store commits (group commits) run", c["commits"])
     h = engine.commit_seconds
-    ex.histogram("msgq_queue_commit_seconds",
-                 "seconds per store commit, from its submission to the store thread",
-                 h.bounds, h.counts, h.total)
+    ex.histogram(
+        "msgq_queue_commit_seconds",
+        "seconds per store commit, from its submission to the store thread",
+        h.bounds,
+        h.counts,
+        h.total,
+    )
     return ex.text()

@@ -18,8 +18,21 @@ import trio
 from .settings import QueueOptions
 
 __all__ = [
-    "DEAD", "DONE", "INFLIGHT", "KIND_BODY", "KIND_MESSAGE", "KIND_REQUEST", "PAGE", "READY",
-    "Consumer", "Deliver", "DupCount", "Msg", "Producer", "Queue", "Waiter",
+    "DEAD",
+    "DONE",
+    "INFLIGHT",
+    "KIND_BODY",
+    "KIND_MESSAGE",
+    "KIND_REQUEST",
+    "PAGE",
+    "READY",
+    "Consumer",
+    "Deliver",
+    "DupCount",
+    "Msg",
+    "Producer",
+    "Queue",
+    "Waiter",
 ]
 
 READY, INFLIGHT, DONE, DEAD = range(4)
@@ -89,11 +102,34 @@ class Waiter:
 class Msg:
     """One message of one queue while the plugin holds it."""
 
-    __slots__ = ("data", "deadline", "deliveries", "in_batch", "mid", "owner", "producer",
-                 "pseq", "queue", "sent", "seq", "spilled", "state", "waiter")
+    __slots__ = (
+        "data",
+        "deadline",
+        "deliveries",
+        "in_batch",
+        "mid",
+        "owner",
+        "producer",
+        "pseq",
+        "queue",
+        "sent",
+        "seq",
+        "spilled",
+        "state",
+        "waiter",
+    )
 
-    def __init__(self, mid: int, queue: Queue, data: bytes, producer: str, pseq: int,
-                 seq: int | None, deliveries: int, waiter: Waiter | None) -> None:
+    def __init__(
+        self,
+        mid: int,
+        queue: Queue,
+        data: bytes,
+        producer: str,
+        pseq: int,
+        seq: int | None,
+        deliveries: int,
+        waiter: Waiter | None,
+    ) -> None:
         self.mid = mid
         self.queue = queue
         self.data = data
@@ -118,8 +154,9 @@ class Consumer:
 
     __slots__ = ("ack_timeout", "ids", "inflight", "kind", "lname", "window")
 
-    def __init__(self, lname: str, kind: str, window: int, ack_timeout: float,
-                 ids: bool = False) -> None:
+    def __init__(
+        self, lname: str, kind: str, window: int, ack_timeout: float, ids: bool = False
+    ) -> None:
         self.lname = lname
         self.kind = kind  # "push", "member" or "fetch"
         self.window = window
@@ -181,9 +218,21 @@ class Queue:
         self.incr: list[int] = []
         self.to_dlq: list[Msg] = []
         self.stats = dict.fromkeys(
-            ("put", "stored", "writes_skipped", "duplicates", "acked", "delivered",
-             "redelivered", "dead_lettered", "refused_full", "out_of_order", "paged_in"),
-            0)
+            (
+                "put",
+                "stored",
+                "writes_skipped",
+                "duplicates",
+                "acked",
+                "delivered",
+                "redelivered",
+                "dead_lettered",
+                "refused_full",
+                "out_of_order",
+                "paged_in",
+            ),
+            0,
+        )
 
     def backlog(self) -> int:
         """Messages waiting for a delivery (some may be done already: skipped when

@@ -98,9 +98,11 @@ def _answer_within(request: Message, bus: Bus) -> float:
     the request's deadline (its ``timeout``, else the broker's ``request_timeout``)
     less a tenth of it, at least half a second, so ``{"queued"}`` reaches the caller
     before the broker answers it ``timeout``."""
-    limits = [float(t) for t in (request.header.get("timeout"),
-                                 bus.limits.get("request_timeout"))
-              if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0]
+    limits = [
+        float(t)
+        for t in (request.header.get("timeout"), bus.limits.get("request_timeout"))
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+    ]
     total = min(limits, default=30.0)
     return max(0.0, total - max(0.5, total / 10))
 
@@ -128,18 +130,30 @@ class Service:
         engine.nursery = nursery
         # One-way messages to bound groups waiting to be forwarded; bounded by the
         # members' credit (each holds a window slot until forwarded), so never full.
-        self._forward, self._forward_recv = trio.open_memory_channel[
-            tuple[Queue, Consumer, Msg]](1 << 20)
+        self._forward, self._forward_recv = trio.open_memory_channel[tuple[Queue, Consumer, Msg]](
+            1 << 20
+        )
 
     async def setup(self) -> None:
         """Register commands, subscribe, bind the bound queues' groups."""
         bus = self.bus
-        for name, fn in (("put", self._put), ("put_many", self._put_many), ("send", self._send),
-                         ("ack", self._ack), ("nack", self._nack), ("fetch", self._fetch)):
+        for name, fn in (
+            ("put", self._put),
+            ("put_many", self._put_many),
+            ("send", self._send),
+            ("ack", self._ack),
+            ("nack", self._nack),
+            ("fetch", self._fetch),
+        ):
             bus.add_inline_command(name, fn)
-        for name, afn in (("declare", self._declare), ("consume", self._consume),
-                          ("cancel", self._cancel), ("stats", self._stats),
-                          ("producer_state", self._producer_state), ("queues", self._queues)):
+        for name, afn in (
+            ("declare", self._declare),
+            ("consume", self._consume),
+            ("cancel", self._cancel),
+            ("stats", self._stats),
+            ("producer_state", self._producer_state),
+            ("queues", self._queues),
+        ):
             bus.add_command(name, afn)
         for name, handler in admin.commands(self.engine):  # peek, purge (admin.py)
             bus.add_command(name, handler)
@@ -153,8 +167,9 @@ class Service:
                 await self.bind(q)
         await bus.subscribe(self.engine.settings.group)
         # Consumers of a previous plugin process wait for this to consume again.
-        await bus.notify(f"{self.engine.settings.group}.events", "started",
-                         {"instance": self.instance})
+        await bus.notify(
+            f"{self.engine.settings.group}.events", "started", {"instance": self.instance}
+        )
 
     async def bind(self, q: Queue) -> None:
         group = q.opts.bind
@@ -166,7 +181,8 @@ class Service:
         for member in await self.binder.members(group):
             if member.lname not in mine:
                 self.engine.add_consumer(
-                    q, Consumer(member.lname, "member", q.opts.window, q.opts.ack_timeout))
+                    q, Consumer(member.lname, "member", q.opts.window, q.opts.ack_timeout)
+                )
         log.info("queue %s bound to group %s", q.name, group)
 
     async def serve(self) -> None:
@@ -209,8 +225,9 @@ class Service:
         try:
             fn(request.body)
         except BadRequest as exc:
-            self.bus.answer_error(request, BAD, f"{request.sender} ({request.sender_name}): "
-                                  f"{request.command}: {exc}")
+            self.bus.answer_error(
+                request, BAD, f"{request.sender} ({request.sender_name}): {request.command}: {exc}"
+            )
 
     # -- producing ------------------------------------------------------------------------
     def _put(self, request: Message) -> None:
@@ -226,8 +243,9 @@ class Service:
                 if w.error:
                     self.bus.answer_error(request, w.error[0], w.error[1])
                 else:
-                    self.bus.answer(request, "stored" if w.stored else
-                                    "consumed" if w.consumed else "duplicate")
+                    self.bus.answer(
+                        request, "stored" if w.stored else "consumed" if w.consumed else "duplicate"
+                    )
 
             self.engine.put(q, producer, [(seq, b"B" + body)], Waiter(1, done))
 
@@ -241,11 +259,13 @@ class Service:
         ``"duplicate"``) and deduplicated by producer and seq, across plugin restarts.
         Refused ``bad-request`` (nothing stored) for a queue without ``bind``, a body
         that is not one CBOR item, or file descriptors (closed)."""
+
         def run(params: Any) -> None:
             q = self._queue(params)
             if not q.opts.bind:
-                raise BadRequest(f"queue {q.name!r} is not bound to a group (option "
-                                 "'bind'): use put")
+                raise BadRequest(
+                    f"queue {q.name!r} is not bound to a group (option 'bind'): use put"
+                )
             body = params.get("body")
             if not isinstance(body, bytes):
                 raise BadRequest("params need 'body': CBOR-encoded bytes")
@@ -255,9 +275,13 @@ class Service:
                 request.close()
                 raise BadRequest("file descriptors cannot be stored")
             try:
-                data = encode_bound_raw(b"M", body, request.attachments,
-                                        params.get("anycast") is True,
-                                        (request.sender, request.sender_name))
+                data = encode_bound_raw(
+                    b"M",
+                    body,
+                    request.attachments,
+                    params.get("anycast") is True,
+                    (request.sender, request.sender_name),
+                )
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 
@@ -265,8 +289,9 @@ class Service:
                 if w.error:
                     self.bus.answer_error(request, w.error[0], w.error[1])
                 else:
-                    self.bus.answer(request, "stored" if w.stored else
-                                    "consumed" if w.consumed else "duplicate")
+                    self.bus.answer(
+                        request, "stored" if w.stored else "consumed" if w.consumed else "duplicate"
+                    )
 
             self.engine.put(q, producer, [(seq, data)], Waiter(1, done))
 
@@ -283,16 +308,21 @@ class Service:
             if seqs is None:
                 first = _int(params, "first_seq", lo=1)
                 seqs = range(first, first + len(bodies))
-            elif not (isinstance(seqs, list) and len(seqs) == len(bodies) and all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in seqs) and all(
-                    a < b for a, b in zip([0, *seqs], seqs, strict=False))):
+            elif not (
+                isinstance(seqs, list)
+                and len(seqs) == len(bodies)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in seqs)
+                and all(a < b for a, b in zip([0, *seqs], seqs, strict=False))
+            ):
                 # Explicit seqs (a link forwards its messages' original ones): strictly
                 # increasing, since a seq at or below an accepted one is a resend.
-                raise BadRequest("'seqs' must be strictly increasing positive integers, "
-                                 "one per body")
+                raise BadRequest(
+                    "'seqs' must be strictly increasing positive integers, one per body"
+                )
             after = params.get("after")
-            if after is not None and (not isinstance(after, int) or isinstance(after, bool)
-                                      or after < 1):
+            if after is not None and (
+                not isinstance(after, int) or isinstance(after, bool) or after < 1
+            ):
                 raise BadRequest("'after' must be a positive integer (a producer seq)")
             if not bodies:
                 self.bus.answer(request, {"stored": 0, "consumed": 0, "duplicates": 0})
@@ -302,8 +332,10 @@ class Service:
                 if w.error:
                     self.bus.answer_error(request, w.error[0], w.error[1])
                 else:
-                    self.bus.answer(request, {"stored": w.stored, "consumed": w.consumed,
-                                              "duplicates": w.duplicates})
+                    self.bus.answer(
+                        request,
+                        {"stored": w.stored, "consumed": w.consumed, "duplicates": w.duplicates},
+                    )
 
             items = [(seq, b"B" + b) for seq, b in zip(seqs, bodies, strict=True)]
             self.engine.put(q, producer, items, Waiter(len(items), done), after)
@@ -320,8 +352,11 @@ class Service:
         message as the original request; its answer is the ack, an error the nack."""
         try:
             if c.kind == "push":
-                rows = ([[m.mid, m.data[1:], m.deliveries, m.producer, m.pseq] for m in msgs]
-                        if c.ids else [[m.mid, m.data[1:], m.deliveries] for m in msgs])
+                rows = (
+                    [[m.mid, m.data[1:], m.deliveries, m.producer, m.pseq] for m in msgs]
+                    if c.ids
+                    else [[m.mid, m.data[1:], m.deliveries] for m in msgs]
+                )
                 wait = self.bus.start_call(c.lname, DELIVER, {"queue": q.name, "msgs": rows})
                 self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
                 return
@@ -341,15 +376,22 @@ class Service:
         except ConnectionLost:
             return  # the plugin is going away; the messages stay stored
 
-    async def _batch_delivery(self, q: Queue, c: Consumer, msgs: list[Msg],
-                              wait: Callable[[], Awaitable[Any]]) -> None:
+    async def _batch_delivery(
+        self, q: Queue, c: Consumer, msgs: list[Msg], wait: Callable[[], Awaitable[Any]]
+    ) -> None:
         try:
             await wait()
         except ConnectionLost:
             return
         except RpcError as exc:
-            log.info("queue %s: delivery of %d messages to %s refused (%s: %s): "
-                     "redelivering", q.name, len(msgs), c.lname, exc.code, exc)
+            log.info(
+                "queue %s: delivery of %d messages to %s refused (%s: %s): redelivering",
+                q.name,
+                len(msgs),
+                c.lname,
+                exc.code,
+                exc,
+            )
             if q.consumers.get(c.lname) is c:
                 del q.consumers[c.lname]
             self.engine.nack_many([m for m in msgs if m.owner is c])
@@ -390,41 +432,69 @@ class Service:
                 try:
                     stored = decode_bound(m.data)
                 except ValueError as exc:
-                    log.warning("queue %s: message %d (producer %s seq %d) cannot be "
-                                "forwarded to %s and is dropped: %s", q.name, m.mid,
-                                m.producer, m.pseq, q.opts.bind, exc)
+                    log.warning(
+                        "queue %s: message %d (producer %s seq %d) cannot be "
+                        "forwarded to %s and is dropped: %s",
+                        q.name,
+                        m.mid,
+                        m.producer,
+                        m.pseq,
+                        q.opts.bind,
+                        exc,
+                    )
                     self.engine.ack(m)
                     continue
                 try:
                     if stored.kind == KIND_REQUEST:
                         cmd, params = stored.value
                         wait = binder.start_call(
-                            c.lname, cmd, params, timeout=c.ack_timeout,
-                            attachments=stored.attachments, on_behalf_of=stored.origin)
+                            c.lname,
+                            cmd,
+                            params,
+                            timeout=c.ack_timeout,
+                            attachments=stored.attachments,
+                            on_behalf_of=stored.origin,
+                        )
                         self.nursery.start_soon(self._delivery, q, c, m, wait)
                         continue
                     target = f"{q.opts.bind}[?]" if stored.anycast else q.opts.bind
-                    await binder.send(target, stored.value, stored.attachments,
-                                      on_behalf_of=stored.origin)
+                    await binder.send(
+                        target, stored.value, stored.attachments, on_behalf_of=stored.origin
+                    )
                 except ConnectionLost:
                     return
                 except UsageError as exc:  # e.g. a stored command name the bus refuses
-                    log.warning("queue %s: message %d (producer %s seq %d) cannot be "
-                                "forwarded to %s and is dropped: %s", q.name, m.mid,
-                                m.producer, m.pseq, q.opts.bind, exc)
+                    log.warning(
+                        "queue %s: message %d (producer %s seq %d) cannot be "
+                        "forwarded to %s and is dropped: %s",
+                        q.name,
+                        m.mid,
+                        m.producer,
+                        m.pseq,
+                        q.opts.bind,
+                        exc,
+                    )
                 self.engine.ack(m)
 
-    async def _delivery(self, q: Queue, c: Consumer, m: Msg,
-                        wait: Callable[[], Awaitable[Any]]) -> None:
+    async def _delivery(
+        self, q: Queue, c: Consumer, m: Msg, wait: Callable[[], Awaitable[Any]]
+    ) -> None:
         try:
             answer = await wait()
         except ConnectionLost:
             return  # the plugin is going away; the message stays stored
         except RpcError as exc:
-            log.info("queue %s: delivery of message %d to %s failed (%s): redelivering",
-                     q.name, m.mid, c.lname, exc.code)
-            if exc.code in (ErrorCode.RECIPIENT_GONE, ErrorCode.NO_RECIPIENT) and \
-                    q.consumers.get(c.lname) is c:
+            log.info(
+                "queue %s: delivery of message %d to %s failed (%s): redelivering",
+                q.name,
+                m.mid,
+                c.lname,
+                exc.code,
+            )
+            if (
+                exc.code in (ErrorCode.RECIPIENT_GONE, ErrorCode.NO_RECIPIENT)
+                and q.consumers.get(c.lname) is c
+            ):
                 del q.consumers[c.lname]
             slot = self._caller(m)
             if slot is not None:  # its caller is told {"queued"}: it stays stored
@@ -444,8 +514,13 @@ class Service:
         timeout = _num(params, "ack_timeout", q.opts.ack_timeout)
         ids = params.get("ids", False) is True
         self.engine.add_consumer(q, Consumer(request.sender, "push", window, timeout, ids))
-        log.info("queue %s: consumer %s (%s) window %d", q.name, request.sender,
-                 request.sender_name, window)
+        log.info(
+            "queue %s: consumer %s (%s) window %d",
+            q.name,
+            request.sender,
+            request.sender_name,
+            window,
+        )
         return {"instance": self.instance}
 
     async def _cancel(self, params: Any, request: Message) -> bool:
@@ -518,8 +593,11 @@ class Service:
         """One-way ``{"ack"|"nack": queue, "ids": [...]}`` from a push consumer."""
         body = msg.body
         if not isinstance(body, dict) or not isinstance(body.get("ids"), list):
-            log.warning("queue plugin: ignoring a malformed message from %s (%s)",
-                        msg.sender, msg.sender_name)
+            log.warning(
+                "queue plugin: ignoring a malformed message from %s (%s)",
+                msg.sender,
+                msg.sender_name,
+            )
             return
         ack = "ack" in body
         q = self.engine.queues.get(str(body.get("ack" if ack else "nack")))
@@ -543,13 +621,17 @@ class Service:
         except (ValueError, TypeError) as exc:
             raise CommandFailed(BAD, f"declare {name!r}: {exc}") from None
         q = self.engine.queues.get(name)
-        if opts is not None and q is not None and opts.bind and q.opts.bind not in ("",
-                                                                                    opts.bind):
+        if opts is not None and q is not None and opts.bind and q.opts.bind not in ("", opts.bind):
             raise CommandFailed(BAD, f"queue {name!r} is bound to {q.opts.bind!r} already")
-        if opts is not None and opts.bind and opts.bind in self.bound and \
-                self.bound[opts.bind].name != name:
-            raise CommandFailed(BAD, f"group {opts.bind!r} is bound to queue "
-                                f"{self.bound[opts.bind].name!r} already")
+        if (
+            opts is not None
+            and opts.bind
+            and opts.bind in self.bound
+            and self.bound[opts.bind].name != name
+        ):
+            raise CommandFailed(
+                BAD, f"group {opts.bind!r} is bound to queue {self.bound[opts.bind].name!r} already"
+            )
         try:
             created = await self.engine.declare(name, opts if q is None or opts else None)
         except ValueError as exc:
@@ -559,10 +641,16 @@ class Service:
             try:
                 await self.bind(q)
             except RpcError as exc:
-                raise CommandFailed(exc.code or BAD, f"cannot bind {q.opts.bind!r}: "
-                                    f"{exc}") from None
-        log.info("queue %s declared by %s (%s)%s", name, request.sender, request.sender_name,
-                 " (new)" if created else "")
+                raise CommandFailed(
+                    exc.code or BAD, f"cannot bind {q.opts.bind!r}: {exc}"
+                ) from None
+        log.info(
+            "queue %s declared by %s (%s)%s",
+            name,
+            request.sender,
+            request.sender_name,
+            " (new)" if created else "",
+        )
         return created
 
     async def _stats(self, params: Any, _request: Message) -> dict[str, Any]:
@@ -574,8 +662,7 @@ class Service:
         p = self.engine.producers.get((q.name, producer))
         if p is not None and p.hwm is not None:
             return p.hwm
-        hwm: int = await self.engine.thread.run(self.engine.store.producer_state, q.name,
-                                                producer)
+        hwm: int = await self.engine.thread.run(self.engine.store.producer_state, q.name, producer)
         return hwm
 
     async def _queues(self, _params: Any, _request: Message) -> list[str]:
@@ -610,14 +697,21 @@ class Service:
         if q is None:
             raise CommandFailed(str(ErrorCode.NO_RECIPIENT), f"{group!r} is not bound here")
         if request.fds:
-            raise CommandFailed(BAD, f"{request.sender} ({request.sender_name}): queue "
-                                f"{q.name!r} bound to {group!r} cannot store file "
-                                "descriptors")
+            raise CommandFailed(
+                BAD,
+                f"{request.sender} ({request.sender_name}): queue "
+                f"{q.name!r} bound to {group!r} cannot store file "
+                "descriptors",
+            )
         done = trio.Event()
         waiter = Waiter(1, lambda _w: done.set())
         slot = _Caller()
-        data = encode_bound(b"R", [request.command, params], request.attachments,
-                            origin=(request.sender, request.sender_name))
+        data = encode_bound(
+            b"R",
+            [request.command, params],
+            request.attachments,
+            origin=(request.sender, request.sender_name),
+        )
         seq = self._bound_seq + 1
         self._callers[seq] = slot  # before the put: dispatch may hand it out at once
         if self._bound_put(q, data, waiter) != seq:
@@ -653,11 +747,22 @@ class Service:
         try:
             if msg.fds:
                 raise ValueError("it carries file descriptors, which cannot be stored")
-            data = encode_bound(b"M", msg.body, msg.attachments, msg.target.endswith("[?]"),
-                                (msg.sender, msg.sender_name))
+            data = encode_bound(
+                b"M",
+                msg.body,
+                msg.attachments,
+                msg.target.endswith("[?]"),
+                (msg.sender, msg.sender_name),
+            )
         except (MalformedMessage, ValueError) as exc:
-            log.warning("queue %s: dropping a message from %s (%s) to %r: %s", q.name,
-                        msg.sender, msg.sender_name, msg.target, exc)
+            log.warning(
+                "queue %s: dropping a message from %s (%s) to %r: %s",
+                q.name,
+                msg.sender,
+                msg.sender_name,
+                msg.target,
+                exc,
+            )
             msg.close()
             return
         self._bound_put(q, data, Waiter(1, lambda _w: None))
@@ -678,7 +783,8 @@ class Service:
                 return
             if event == "subscribed":
                 self.engine.add_consumer(
-                    q, Consumer(lname, "member", q.opts.window, q.opts.ack_timeout))
+                    q, Consumer(lname, "member", q.opts.window, q.opts.ack_timeout)
+                )
             else:
                 q.consumers.pop(lname, None)
 
@@ -701,8 +807,13 @@ class Stored(NamedTuple):
     origin: tuple[str, str] | None
 
 
-def encode_bound(kind: bytes, value: Any, attachments: Sequence[bytes | memoryview] = (),
-                 anycast: bool = False, origin: tuple[str, str] | None = None) -> bytes:
+def encode_bound(
+    kind: bytes,
+    value: Any,
+    attachments: Sequence[bytes | memoryview] = (),
+    anycast: bool = False,
+    origin: tuple[str, str] | None = None,
+) -> bytes:
     """The stored value: ``kind`` (``b"R"`` request, ``b"M"`` message), CBOR ``value``,
     then, only if there are any, a second CBOR item: the map of extensions
     ``{"attachments"?: [bytes...], "anycast"?: true, "from"?: [lname, name]}``.
@@ -718,8 +829,13 @@ def encode_bound(kind: bytes, value: Any, attachments: Sequence[bytes | memoryvi
     return head + _extensions(attachments, anycast, origin)
 
 
-def encode_bound_raw(kind: bytes, encoded: bytes, attachments: Sequence[bytes | memoryview],
-                     anycast: bool, origin: tuple[str, str] | None) -> bytes:
+def encode_bound_raw(
+    kind: bytes,
+    encoded: bytes,
+    attachments: Sequence[bytes | memoryview],
+    anycast: bool,
+    origin: tuple[str, str] | None,
+) -> bytes:
     """:func:`encode_bound` for a value already CBOR-encoded by the producer (a queue
     client's ``send``).
 
@@ -737,8 +853,9 @@ def encode_bound_raw(kind: bytes, encoded: bytes, attachments: Sequence[bytes | 
     return kind + encoded + _extensions(attachments, anycast, origin)
 
 
-def _extensions(attachments: Sequence[bytes | memoryview], anycast: bool,
-                origin: tuple[str, str] | None) -> bytes:
+def _extensions(
+    attachments: Sequence[bytes | memoryview], anycast: bool, origin: tuple[str, str] | None
+) -> bytes:
     # Appended after the value rather than inside it, because a message body may be any
     # CBOR value (a list of two included), so only the end of the first item tells them
     # apart. Values stored before extensions existed are the first part alone and decode
@@ -772,14 +889,23 @@ def decode_bound(data: bytes) -> Stored:
         ext = decoder.decode() if kind != KIND_BODY and fp.tell() < len(data) else {}
     except (cbor2.CBORDecodeError, ValueError, TypeError, EOFError) as exc:
         raise ValueError(f"stored value is not well-formed CBOR: {exc}") from exc
-    if kind == KIND_REQUEST and not (isinstance(value, list) and len(value) == 2
-                                     and isinstance(value[0], str)):
+    if kind == KIND_REQUEST and not (
+        isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+    ):
         raise ValueError("stored request is not [cmd, params]")
     if not isinstance(ext, dict):
         ext = {}
     origin = ext.get("from")
-    if not (isinstance(origin, list) and len(origin) == 2
-            and all(isinstance(x, str) and x and "\0" not in x for x in origin)):
+    if not (
+        isinstance(origin, list)
+        and len(origin) == 2
+        and all(isinstance(x, str) and x and "\0" not in x for x in origin)
+    ):
         origin = None
-    return Stored(kind, value, list(ext.get("attachments", ())), ext.get("anycast") is True,
-                  (origin[0], origin[1]) if origin else None)
+    return Stored(
+        kind,
+        value,
+        list(ext.get("attachments", ())),
+        ext.get("anycast") is True,
+        (origin[0], origin[1]) if origin else None,
+    )

@@ -164,14 +164,26 @@ class QueueSettings:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "dir": (str,), "group": (str,), "map_size": (int,), "max_store_size": (int,),
-    "max_map_size": (int,), "resident_messages": (int,), "resident_bytes": (int,),
-    "sync": (bool,), "max_batch": (int,), "max_delay": (int, float),
-    "ack_grace": (int, float), "metrics": (str,),
+    "dir": (str,),
+    "group": (str,),
+    "map_size": (int,),
+    "max_store_size": (int,),
+    "max_map_size": (int,),
+    "resident_messages": (int,),
+    "resident_bytes": (int,),
+    "sync": (bool,),
+    "max_batch": (int,),
+    "max_delay": (int, float),
+    "ack_grace": (int, float),
+    "metrics": (str,),
 }
 _QTYPES: dict[str, tuple[type, ...]] = {
-    "bind": (str,), "max_deliveries": (int,), "dead_letter": (str,),
-    "ack_timeout": (int, float), "window": (int,), "ack_grace": (int, float),
+    "bind": (str,),
+    "max_deliveries": (int,),
+    "dead_letter": (str,),
+    "ack_timeout": (int, float),
+    "window": (int,),
+    "ack_grace": (int, float),
 }
 
 

@@ -51,8 +51,11 @@ def drawn(doc: Any, sid: str, kind: str) -> list[str]:
     """The names of the ``kind`` ("series" or "bar") elements drawn in chart ``sid``
     (msgq_trio.analytics.charts gives each the id ``<sid>-<kind>-<name>``)."""
     prefix = f"{sid}-{kind}-"
-    return sorted(g.get("id")[len(prefix):] for g in svg(doc, sid).iter(f"{SVG}g")
-                  if (g.get("id") or "").startswith(prefix))
+    return sorted(
+        g.get("id")[len(prefix) :]
+        for g in svg(doc, sid).iter(f"{SVG}g")
+        if (g.get("id") or "").startswith(prefix)
+    )
 
 
 def nearest_rank(values: list[float], p: float) -> float:
@@ -68,8 +71,9 @@ def cell(v: Any) -> str:
     return fmt(v)
 
 
-async def poll(check: Callable[[], bool | Awaitable[bool]], timeout: float,
-               interval: float = 0.05) -> None:
+async def poll(
+    check: Callable[[], bool | Awaitable[bool]], timeout: float, interval: float = 0.05
+) -> None:
     """Wait until ``check()`` is true, asking every ``interval`` s, for things that give no
     event to wait on (a broker's status, a file another process writes); TooSlowError
     after ``timeout`` s."""

@@ -35,12 +35,12 @@ async def _stop_capture(bus: msgq_trio.Bus) -> None:
 
 async def make_capture(broker: Any, spawn_client: Any, cap: Path) -> dict[str, str]:
     """Run the known traffic with a capture on; returns the lnames of the parties."""
-    victim = spawn_client(broker.path, name="Victim", groups=["Victim"],
-                          commands={"slow": "hang"})
-    holder = spawn_client(broker.path, name="Holder", groups=["Holder"],
-                          commands={"hold": "hang"})
-    async with msgq_trio.connect(broker.path, name="Svc") as svc, \
-            msgq_trio.connect(broker.path, name="Caller") as caller:
+    victim = spawn_client(broker.path, name="Victim", groups=["Victim"], commands={"slow": "hang"})
+    holder = spawn_client(broker.path, name="Holder", groups=["Holder"], commands={"hold": "hang"})
+    async with (
+        msgq_trio.connect(broker.path, name="Svc") as svc,
+        msgq_trio.connect(broker.path, name="Caller") as caller,
+    ):
         await svc.subscribe("Svc")
 
         @svc.command("ok")
@@ -114,8 +114,11 @@ def _records(cap: Path) -> list[dict[str, Any]]:
 def _expected_latencies(records: list[dict[str, Any]], command: str) -> list[float]:
     """Callee reply ts - request ts in ms, paired by (caller, request id), from the raw
     records in plain Python (the same rounding as the report: 3 decimals)."""
-    cmds = {(r["sender"], r["request_id"]): r for r in records
-            if r["kind"] == "command" and r["command"] == command}
+    cmds = {
+        (r["sender"], r["request_id"]): r
+        for r in records
+        if r["kind"] == "command" and r["command"] == command
+    }
     out = []
     for r in records:
         if r["kind"] in ("answer", "error") and r["sender"] != "l.0":
@@ -125,8 +128,7 @@ def _expected_latencies(records: list[dict[str, Any]], command: str) -> list[flo
     return out
 
 
-async def test_capture_report_figures_are_exact(spark: Any, capture: Any,
-                                                short_tmp: Path) -> None:
+async def test_capture_report_figures_are_exact(spark: Any, capture: Any, short_tmp: Path) -> None:
     from msgq_trio.analytics.cli import run_capture
 
     cap, parties = capture
@@ -137,25 +139,37 @@ async def test_capture_report_figures_are_exact(spark: Any, capture: Any,
 
     # requests: the capture-start request (answered by the broker) plus the known traffic
     total = 1 + N + M + P + K + U
-    assert fig["requests"] == {"total": total, "answered": 1 + N, "callee-error": M,
-                               "broker-error": P, "never-answered": K + U}
+    assert fig["requests"] == {
+        "total": total,
+        "answered": 1 + N,
+        "callee-error": M,
+        "broker-error": P,
+        "never-answered": K + U,
+    }
     assert {(r["status"], r["reason"]): r["requests"] for r in fig["request_status"]} == {
-        ("answered", None): 1 + N, ("callee-error", "bad-zone"): M,
-        ("broker-error", "no-recipient"): P, ("never-answered", "recipient-gone"): K,
+        ("answered", None): 1 + N,
+        ("callee-error", "bad-zone"): M,
+        ("broker-error", "no-recipient"): P,
+        ("never-answered", "recipient-gone"): K,
         ("never-answered", "no-reply-in-capture"): U,
     }
-    assert {(r["target"], r["command"], r["reason"]): r["requests"]
-            for r in fig["never_answered_by_target"]} == {
-        ("Victim", "slow", "recipient-gone"): K, ("Holder", "hold", "no-reply-in-capture"): U}
+    assert {
+        (r["target"], r["command"], r["reason"]): r["requests"]
+        for r in fig["never_answered_by_target"]
+    } == {("Victim", "slow", "recipient-gone"): K, ("Holder", "hold", "no-reply-in-capture"): U}
 
     # errors by code and by party
-    assert {r["code"]: (r["errors"], r["from_callees"], r["from_broker"])
-            for r in fig["errors_by_code"]} == {
-        "bad-zone": (M, M, 0), "no-recipient": (P, 0, P), "recipient-gone": (K, 0, K)}
-    assert {(r["code"], r["party"], r["sender_name"], r["on_behalf_of"]): r["errors"]
-            for r in fig["errors_by_party"]} == {
-        ("bad-zone", "callee", "Svc", None): M, ("no-recipient", "broker", "msgq", None): P,
-        ("recipient-gone", "broker-for-callee", "msgq", parties["victim"]): K}
+    assert {
+        r["code"]: (r["errors"], r["from_callees"], r["from_broker"]) for r in fig["errors_by_code"]
+    } == {"bad-zone": (M, M, 0), "no-recipient": (P, 0, P), "recipient-gone": (K, 0, K)}
+    assert {
+        (r["code"], r["party"], r["sender_name"], r["on_behalf_of"]): r["errors"]
+        for r in fig["errors_by_party"]
+    } == {
+        ("bad-zone", "callee", "Svc", None): M,
+        ("no-recipient", "broker", "msgq", None): P,
+        ("recipient-gone", "broker-for-callee", "msgq", parties["victim"]): K,
+    }
 
     # latency per (target, command): the callee's replies only, nearest-rank percentiles
     lat = {(r["target"], r["command"]): r for r in fig["latency"]}
@@ -173,8 +187,7 @@ async def test_capture_report_figures_are_exact(spark: Any, capture: Any,
 
     # traffic per kind and top talkers
     kinds = {r["kind"]: r["frames"] for r in fig["per_kind"]}
-    assert kinds == {"command": total, "answer": 1 + N, "error": M + P + K,
-                     "message": MESSAGES}
+    assert kinds == {"command": total, "answer": 1 + N, "error": M + P + K, "message": MESSAGES}
     senders = {r["sender_name"]: r["frames"] for r in fig["top_senders"]}
     assert senders == {"Caller": total + MESSAGES, "Svc": N + M, "msgq": 1 + P + K}
     assert sum(r["frames"] for r in fig["traffic_series"]) == fig["records"]
@@ -183,34 +196,51 @@ async def test_capture_report_figures_are_exact(spark: Any, capture: Any,
     # the HTML report shows the same figures; it parses strictly and has its plots
     doc = parse_report(out / "report.html")
     assert table_rows(doc, "requests-summary") == [
-        {"total": cell(total), "answered": cell(1 + N), "callee-error": cell(M),
-         "broker-error": cell(P), "never-answered": cell(K + U)}]
+        {
+            "total": cell(total),
+            "answered": cell(1 + N),
+            "callee-error": cell(M),
+            "broker-error": cell(P),
+            "never-answered": cell(K + U),
+        }
+    ]
     shown_latency = {(r["target"], r["command"]): r for r in table_rows(doc, "latency")}
     for key, row in lat.items():
         assert shown_latency[key] == {k: cell(v) for k, v in row.items()}
     assert {r["code"]: r["errors"] for r in table_rows(doc, "errors-by-code")} == {
-        "bad-zone": cell(M), "no-recipient": cell(P), "recipient-gone": cell(K)}
+        "bad-zone": cell(M),
+        "no-recipient": cell(P),
+        "recipient-gone": cell(K),
+    }
     assert {r["reason"]: r["requests"] for r in table_rows(doc, "never-answered")} == {
-        "recipient-gone": cell(K), "no-reply-in-capture": cell(U)}
+        "recipient-gone": cell(K),
+        "no-reply-in-capture": cell(U),
+    }
     # the matplotlib charts: one bar per histogram bin, one line per kind
     assert len(drawn(doc, "latency-histogram", "bar")) == len(fig["latency_histogram"])
     assert drawn(doc, "traffic-frames", "series") == ["answer", "command", "error", "message"]
     assert doc.find(".//script") is None  # self-contained: no scripts, no external files
-    assert not [el for el in doc.iter()
-                if el.get("src") or el.get("href") or "http" in str(el.get(_XLINK) or "")]
+    assert not [
+        el
+        for el in doc.iter()
+        if el.get("src") or el.get("href") or "http" in str(el.get(_XLINK) or "")
+    ]
 
     # the tables Spark wrote hold the same figures
     req = spark.read.parquet(str(out / "tables" / "requests"))
     assert req.count() == total
     never = spark.read.parquet(str(out / "tables" / "never_answered"))
     assert {(r["reason"], r["caller"]) for r in never.collect()} == {
-        ("recipient-gone", parties["caller"]), ("no-reply-in-capture", parties["caller"])}
+        ("recipient-gone", parties["caller"]),
+        ("no-reply-in-capture", parties["caller"]),
+    }
     assert never.count() == K + U
     assert json.loads((out / "summary.json").read_text())["requests"] == fig["requests"]
 
 
-def test_cli_prints_summary_and_progress(spark: Any, short_tmp: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_summary_and_progress(
+    spark: Any, short_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``msgq-trio analyze capture`` through the top-level command line (in this process,
     so it reuses the test session's Spark) on a small hand-written capture: exit 0, the
     summary table on stdout, progress on stderr, report and CSV tables written; a missing
@@ -219,30 +249,57 @@ def test_cli_prints_summary_and_progress(spark: Any, short_tmp: Path,
 
     cap = short_tmp / "c"
     cap.mkdir()
-    base = {"ts": 1700000000.25, "seq": 1, "kind": "command", "sender": "l.5",
-            "sender_name": "bindctl", "on_behalf_of": None, "target": "ZoneMgr",
-            "request_id": 1, "reply_to": None, "all": False, "size": 80, "attachments": 0,
-            "fds": 0, "outcome": "delivered", "recipients": 1, "command": "get_zone_count",
-            "event": None, "code": None, "error_message": None, "body": None,
-            "body_encoding": None}
-    answer = {**base, "ts": 1700000000.5, "seq": 2, "kind": "answer", "sender": "l.4",
-              "sender_name": "ZoneMgr", "target": "l.5", "reply_to": 1, "size": 40,
-              "outcome": "forwarded", "recipients": True, "command": None}
-    (cap / "capture-000001.jsonl").write_text(json.dumps(base) + "\n" + json.dumps(answer)
-                                              + "\n")
+    base = {
+        "ts": 1700000000.25,
+        "seq": 1,
+        "kind": "command",
+        "sender": "l.5",
+        "sender_name": "bindctl",
+        "on_behalf_of": None,
+        "target": "ZoneMgr",
+        "request_id": 1,
+        "reply_to": None,
+        "all": False,
+        "size": 80,
+        "attachments": 0,
+        "fds": 0,
+        "outcome": "delivered",
+        "recipients": 1,
+        "command": "get_zone_count",
+        "event": None,
+        "code": None,
+        "error_message": None,
+        "body": None,
+        "body_encoding": None,
+    }
+    answer = {
+        **base,
+        "ts": 1700000000.5,
+        "seq": 2,
+        "kind": "answer",
+        "sender": "l.4",
+        "sender_name": "ZoneMgr",
+        "target": "l.5",
+        "reply_to": 1,
+        "size": 40,
+        "outcome": "forwarded",
+        "recipients": True,
+        "command": None,
+    }
+    (cap / "capture-000001.jsonl").write_text(json.dumps(base) + "\n" + json.dumps(answer) + "\n")
     out = short_tmp / "out"
     assert main(["analyze", "capture", str(cap), "--out", str(out), "--format", "csv"]) == 0
     std = capsys.readouterr()
     lines = std.out.splitlines()
     i = lines.index(next(x for x in lines if x.startswith("total")))
     assert lines[i + 1].split() == ["1", "1", "0", "0", "0"]
-    assert any(x.split()[:4] == ["ZoneMgr", "get_zone_count", "1", "250.000"]
-               for x in lines)
+    assert any(x.split()[:4] == ["ZoneMgr", "get_zone_count", "1", "250.000"] for x in lines)
     assert "starting Spark" in std.err and "writing table requests" in std.err
     assert list((out / "tables" / "requests").glob("part-*.csv"))
     latency_csv = "".join(f.read_text() for f in (out / "tables" / "latency").glob("*.csv"))
     assert latency_csv.splitlines()[1].startswith(
-        "ZoneMgr,get_zone_count,1,250.0,250.0,250.0,250.0")
+        "ZoneMgr,get_zone_count,1,250.0,250.0,250.0,250.0"
+    )
     parse_report(out / "report.html")
     assert main(["analyze", "capture", str(short_tmp / "nothing"), "--out", str(out)]) == 2
     assert "no *.jsonl files" in capsys.readouterr().err

@@ -36,8 +36,9 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_figures(spark: Any, capture: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def local_figures(
+    spark: Any, capture: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     from msgq_trio.analytics.cli import run_capture
 
     assert spark.sparkContext.master == "local[*]"
@@ -53,22 +54,40 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def test_local_cluster_via_spark_submit_gives_the_same_figures(
-        capture: Path, local_figures: dict[str, Any], tmp_path: Path) -> None:
+    capture: Path, local_figures: dict[str, Any], tmp_path: Path
+) -> None:
     """spark-submit on two executor JVMs, file:// URIs in and out: exit 0, no ERROR
     lines (the session is stopped, so no executor relaunch at exit), every figure equal
     to the local run's, and the per-key tables written by Spark are complete."""
     out = tmp_path / "cluster-out"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
-           "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     env.pop("PYSPARK_GATEWAY_PORT", None)
-    argv = [str(Path(sys.executable).parent / "spark-submit"),
-            "--master", "local-cluster[2,1,1024]",
-            "--conf", "spark.driver.memory=512m",
-            "--conf", "spark.sql.shuffle.partitions=3",
-            submit.__file__, "capture", capture.as_uri(), "--out", out.as_uri(), "--top", "5",
-            "--quiet"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env,
-                       stdin=subprocess.DEVNULL, check=False)
+    argv = [
+        str(Path(sys.executable).parent / "spark-submit"),
+        "--master",
+        "local-cluster[2,1,1024]",
+        "--conf",
+        "spark.driver.memory=512m",
+        "--conf",
+        "spark.sql.shuffle.partitions=3",
+        submit.__file__,
+        "capture",
+        capture.as_uri(),
+        "--out",
+        out.as_uri(),
+        "--top",
+        "5",
+        "--quiet",
+    ]
+    r = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
     assert not errors, "\n".join(errors[:20])
@@ -92,15 +111,15 @@ def test_local_cluster_via_spark_submit_gives_the_same_figures(
     assert (out / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
-def test_file_uris_in_and_out(spark: Any, capture: Path, local_figures: dict[str, Any],
-                              tmp_path: Path) -> None:
+def test_file_uris_in_and_out(
+    spark: Any, capture: Path, local_figures: dict[str, Any], tmp_path: Path
+) -> None:
     """``msgq-trio analyze capture file:///... --out file:///...`` in this process: the
     same figures as plain paths, the report and tables at the URI's path."""
     from msgq_trio.analytics.cli import main
 
     out = tmp_path / "uri-out"
-    assert main(["capture", capture.as_uri(), "--out", out.as_uri(),
-                 "--top", "5", "--quiet"]) == 0
+    assert main(["capture", capture.as_uri(), "--out", out.as_uri(), "--top", "5", "--quiet"]) == 0
     fig = json.loads((out / "summary.json").read_text())
     _same(fig, local_figures)
     assert fig["sources"][0].startswith("file:///") and fig["out"] == out.as_uri()
@@ -112,7 +131,8 @@ def test_file_uris_in_and_out(spark: Any, capture: Path, local_figures: dict[str
 
 
 async def test_hdfs_output_uri_reaches_spark_unchanged(
-        spark: Any, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spark: Any, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An hdfs:// output is handed to Spark's file system layer as given: it fails on the
     name node's host (nothing there), naming it, with exit status 4; a path that had
     gone through pathlib would have become ``hdfs:/nn...`` (no host)."""
@@ -120,7 +140,8 @@ async def test_hdfs_output_uri_reaches_spark_unchanged(
 
     uri = "hdfs://nn.invalid:8020/reports/run-1"
     status = await trio.to_thread.run_sync(
-        lambda: main(["capture", str(capture), "--out", uri, "--quiet"]))
+        lambda: main(["capture", str(capture), "--out", uri, "--quiet"])
+    )
     err = capsys.readouterr().err
     assert status == 4, err
     assert f"write {uri}:" in err

@@ -46,6 +46,7 @@ async def _traffic(caller: msgq_trio.Bus, answered: int, failed: int, messages: 
 def _capture_stopped(bus: msgq_trio.Bus) -> Any:
     async def stopped() -> bool:
         return bool((await bus.call("msgq", "capture-status"))["state"] == "stopped")
+
     return stopped
 
 
@@ -82,8 +83,7 @@ def _expected(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
     def row(ts: float) -> dict[str, Any]:
         m = math.floor(ts / 60) * 60
-        return minutes.setdefault(m, {"frames": {}, "requests": 0, "errors": {},
-                                      "latency": []})
+        return minutes.setdefault(m, {"frames": {}, "requests": 0, "errors": {}, "latency": []})
 
     sent = {}
     for r in records:
@@ -96,16 +96,21 @@ def _expected(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             x["errors"][r["code"]] = x["errors"].get(r["code"], 0) + 1
     for r in records:
         c = sent.get((r["broker_instance"], r["target"], r["reply_to"]))
-        if r["kind"] in ("answer", "error") and c is not None and (
-                r["sender"] != "l.0" or c["outcome"] == "broker"):
+        if (
+            r["kind"] in ("answer", "error")
+            and c is not None
+            and (r["sender"] != "l.0" or c["outcome"] == "broker")
+        ):
             row(c["ts"])["latency"].append(round(max(r["ts"] - c["ts"], 0.0) * 1000.0, 3))
     return minutes
 
 
 async def test_live_dashboard_follows_a_broker_writing(broker: Any, short_tmp: Path) -> None:
     cap, out = short_tmp / "cap", short_tmp / "live"
-    async with msgq_trio.connect(broker.path, name="Svc") as svc, \
-            msgq_trio.connect(broker.path, name="Caller") as caller:
+    async with (
+        msgq_trio.connect(broker.path, name="Svc") as svc,
+        msgq_trio.connect(broker.path, name="Caller") as caller,
+    ):
         await svc.subscribe("Svc")
 
         @svc.command("ok")
@@ -116,16 +121,36 @@ async def test_live_dashboard_follows_a_broker_writing(broker: Any, short_tmp: P
         def bad(params: Any) -> Any:
             raise msgq_trio.CommandFailed("bad-zone", f"no zone {params}")
 
-        await caller.call("msgq", "capture-start",
-                          {"dir": str(cap), "max_bytes": 4096, "max_files": 100_000})
+        await caller.call(
+            "msgq", "capture-start", {"dir": str(cap), "max_bytes": 4096, "max_files": 100_000}
+        )
         await _traffic(caller, 25, 4, 10)
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-        proc = await trio.to_thread.run_sync(lambda: subprocess.Popen(
-            [sys.executable, "-m", "msgq_trio", "analyze", "live", str(cap), "--out", str(out),
-             "--trigger", "1", "--master", "local[1]",
-             "--conf", "spark.sql.shuffle.partitions=2"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            env=env, text=True))
+        proc = await trio.to_thread.run_sync(
+            lambda: subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "msgq_trio",
+                    "analyze",
+                    "live",
+                    str(cap),
+                    "--out",
+                    str(out),
+                    "--trigger",
+                    "1",
+                    "--master",
+                    "local[1]",
+                    "--conf",
+                    "spark.sql.shuffle.partitions=2",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                text=True,
+            )
+        )
         try:
             # the query has taken in the first round...
             await _live_records(out, 25 + 4 + 10, proc)
@@ -173,16 +198,22 @@ async def test_live_dashboard_follows_a_broker_writing(broker: Any, short_tmp: P
         assert row["slow"] == {}
         lat = want["latency"]
         assert row["latency"] == {
-            "replies": len(lat), "p50_ms": nearest_rank(lat, 0.5),
-            "p95_ms": nearest_rank(lat, 0.95), "p99_ms": nearest_rank(lat, 0.99),
-            "max_ms": max(lat)}, minute
-    total = {k: sum(m["frames"].get(k, 0) for m in expected.values())
-             for k in ("command", "answer", "error", "message")}
+            "replies": len(lat),
+            "p50_ms": nearest_rank(lat, 0.5),
+            "p95_ms": nearest_rank(lat, 0.95),
+            "p99_ms": nearest_rank(lat, 0.99),
+            "max_ms": max(lat),
+        }, minute
+    total = {
+        k: sum(m["frames"].get(k, 0) for m in expected.values())
+        for k in ("command", "answer", "error", "message")
+    }
     assert total["error"] == 4 + 5 and total["message"] == 10 + 2 * ROUNDS
 
     doc = parse_report(out / "dashboard.html")
     assert len(table_rows(doc, "live-minutes")) == len(expected)
     assert drawn(doc, "live-frames", "series") == sorted(
-        {k for m in expected.values() for k in m["frames"]})
+        {k for m in expected.values() for k in m["frames"]}
+    )
     assert drawn(doc, "live-latency", "series") == ["p50", "p95", "p99"]
     assert drawn(doc, "live-errors", "series") == ["bad-zone"]

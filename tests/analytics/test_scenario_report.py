@@ -35,8 +35,9 @@ params = { rate = 200.0, duration = 0.5 }
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict[str, Any]],
-                                                               list[dict[str, Any]]]:
+def results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, Path, list[dict[str, Any]], list[dict[str, Any]]]:
     """(baseline.jsonl, current.jsonl, baseline records, current records)."""
     d = tmp_path_factory.mktemp("results")
     sc = d / "tiny.toml"
@@ -63,33 +64,51 @@ def _dist(records: list[dict[str, Any]], metric: str) -> dict[str, float]:
 
 
 def test_scenario_report_pass_rates_distributions_regressions(
-        spark: Any, results: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spark: Any, results: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from msgq_trio.cli import main
 
     baseline, current, base, cur = results
     out = tmp_path / "report"
-    assert main(["analyze", "scenarios", str(current), "--baseline", str(baseline),
-                 "--out", str(out)]) == 0
+    assert (
+        main(["analyze", "scenarios", str(current), "--baseline", str(baseline), "--out", str(out)])
+        == 0
+    )
     std = capsys.readouterr()
     assert "regressions: 1" in std.out and "scenarios: per scenario" in std.err
     fig = json.loads((out / "summary.json").read_text())
 
-    assert {r["result_set"]: (r["runs"], r["passed"], r["scenarios"], r["versions"])
-            for r in fig["totals"]} == {"baseline": (2, 2, 1, 1), "current": (2, 1, 1, 1)}
+    assert {
+        r["result_set"]: (r["runs"], r["passed"], r["scenarios"], r["versions"])
+        for r in fig["totals"]
+    } == {"baseline": (2, 2, 1, 1), "current": (2, 1, 1, 1)}
     per = {r["result_set"]: r for r in fig["per_scenario"]}
     for name, records in (("baseline", base), ("current", cur)):
         row = per[name]
         assert row["scenario"] == "tiny" and row["runs"] == 2
         assert row["pass_rate"] == (1.0 if name == "baseline" else 0.5)
-        for metric, key in (("broker.rss_peak_mib", "rss_peak_mib"),
-                            ("latency.p99_ms", "latency_p99_ms")):
+        for metric, key in (
+            ("broker.rss_peak_mib", "rss_peak_mib"),
+            ("latency.p99_ms", "latency_p99_ms"),
+        ):
             d = _dist(records, metric)
             assert (row[f"{key}_min"], row[f"{key}_p50"], row[f"{key}_max"]) == (
-                d["min"], d["p50"], d["max"]), (name, metric)
+                d["min"],
+                d["p50"],
+                d["max"],
+            ), (name, metric)
     assert {(r["result_set"], r["version"]) for r in fig["per_version"]} == {
-        ("baseline", base[0]["msgq_trio_version"]), ("current", "0.2.0")}
-    assert fig["failed_checks"] == [{"result_set": "current", "scenario": "tiny",
-                                     "check": cur[1]["checks"][0]["check"], "failures": 1}]
+        ("baseline", base[0]["msgq_trio_version"]),
+        ("current", "0.2.0"),
+    }
+    assert fig["failed_checks"] == [
+        {
+            "result_set": "current",
+            "scenario": "tiny",
+            "check": cur[1]["checks"][0]["check"],
+            "failures": 1,
+        }
+    ]
     (reg,) = fig["regressions"]
     assert reg["regression"] == "pass-rate,rss"
     assert reg["rss_peak_mib_p50_current"] == reg["rss_peak_mib_p50_baseline"] + 40.0

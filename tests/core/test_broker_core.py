@@ -36,32 +36,60 @@ class Bench:
         self._backlog: dict[int, list[Frame]] = {}
 
     def connect(self, name: str, now: float = 0.0) -> Peer:
-        return self.broker.connect(name, pid=4000 + len(self.broker.peers), uid=1, gid=1,
-                                   now=now)
+        return self.broker.connect(name, pid=4000 + len(self.broker.peers), uid=1, gid=1, now=now)
 
     def handle(self, peer: Peer, ftype: int, now: float = 0.0, **kw: Any) -> None:
         self.broker.handle(peer, frame(ftype, **kw), now)
 
     def message(self, peer: Peer, target: str, body: object = None, **kw: Any) -> None:
-        self.handle(peer, T.MESSAGE, target=target,
-                    body=encode_cbor(body) if body is not None else b"", **kw)
+        self.handle(
+            peer,
+            T.MESSAGE,
+            target=target,
+            body=encode_cbor(body) if body is not None else b"",
+            **kw,
+        )
 
-    def request(self, peer: Peer, target: str, cmd: str, params: object = None, *,
-                now: float = 0.0, rid: int | None = None, flags: int = 0,
-                header: dict[str, object] | None = None, **kw: Any) -> int:
+    def request(
+        self,
+        peer: Peer,
+        target: str,
+        cmd: str,
+        params: object = None,
+        *,
+        now: float = 0.0,
+        rid: int | None = None,
+        flags: int = 0,
+        header: dict[str, object] | None = None,
+        **kw: Any,
+    ) -> int:
         if rid is None:
             rid = self._rid.get(peer.id, 0) + 1
             self._rid[peer.id] = rid
         h = {"cmd": cmd, **(header or {})}
-        self.handle(peer, T.REQUEST, now=now, target=target, request_id=rid, flags=flags,
-                    header=encode_cbor(h),
-                    body=encode_cbor(params) if params is not None else b"", **kw)
+        self.handle(
+            peer,
+            T.REQUEST,
+            now=now,
+            target=target,
+            request_id=rid,
+            flags=flags,
+            header=encode_cbor(h),
+            body=encode_cbor(params) if params is not None else b"",
+            **kw,
+        )
         return rid
 
     def reply(self, callee: Peer, req: Frame, result: object, now: float = 0.0) -> None:
         caller = req.source.split(b"\0")[0].decode()
-        self.handle(callee, T.REPLY, now=now, target=caller, request_id=req.request_id,
-                    body=encode_cbor(result))
+        self.handle(
+            callee,
+            T.REPLY,
+            now=now,
+            target=caller,
+            request_id=req.request_id,
+            body=encode_cbor(result),
+        )
 
     def out(self, peer: Peer) -> list[Frame]:
         """Take and parse everything queued for ``peer`` (after frames set aside earlier)."""
@@ -200,8 +228,12 @@ def test_clients_cannot_publish_to_broker_groups(bench: Bench) -> None:
     bench.subscribe(watcher, "msgq.membership")
     bench.out(watcher)
     try:
-        bench.message(forger, "msgq.membership", {"lname": "l.1", "name": "fake"},
-                      header=encode_cbor({"event": "disconnected"}))
+        bench.message(
+            forger,
+            "msgq.membership",
+            {"lname": "l.1", "name": "fake"},
+            header=encode_cbor({"event": "disconnected"}),
+        )
     except RemoteProtocolError as exc:
         assert exc.code == ErrorCode.FORBIDDEN
     assert [f for f in bench.out(watcher) if f.source != BROKER_STAMP] == []
@@ -213,11 +245,20 @@ def test_notify_routing_and_forbidden_targets(bench: Bench) -> None:
     a, b = bench.connect("a"), bench.connect("b")
     bench.subscribe(a, "Events")
     bench.subscribe(b, "Events")
-    bench.handle(a, T.NOTIFY, target="Events", header=encode_cbor({"event": "zone-added"}),
-                 body=encode_cbor({"zone": "x"}))
+    bench.handle(
+        a,
+        T.NOTIFY,
+        target="Events",
+        header=encode_cbor({"event": "zone-added"}),
+        body=encode_cbor({"zone": "x"}),
+    )
     [n] = bench.out(b)
-    assert (n.type, n.header(), n.body(), n.source) == (T.NOTIFY, {"event": "zone-added"},
-                                                         {"zone": "x"}, b"l.1\0a")
+    assert (n.type, n.header(), n.body(), n.source) == (
+        T.NOTIFY,
+        {"event": "zone-added"},
+        {"zone": "x"},
+        b"l.1\0a",
+    )
     assert bench.out(a) == []
     for target in ("msgq.membership", "l.2", "Events[0]", "Events[?]", "msgq"):
         with pytest.raises(RemoteProtocolError) as ei:
@@ -234,11 +275,15 @@ def test_request_and_reply(bench: Bench) -> None:
     rid = bench.request(caller, "Svc", "add", [1, 2])
     [req] = bench.out(callee)
     assert (req.type, req.request_id, req.source, req.header()["cmd"], req.body()) == (
-        T.REQUEST, rid, b"l.1\0caller", "add", [1, 2])
+        T.REQUEST,
+        rid,
+        b"l.1\0caller",
+        "add",
+        [1, 2],
+    )
     bench.reply(callee, req, 3)
     [rep] = bench.out(caller)
-    assert (rep.type, rep.request_id, rep.source, rep.body()) == (T.REPLY, rid,
-                                                                  b"l.2\0callee", 3)
+    assert (rep.type, rep.request_id, rep.source, rep.body()) == (T.REPLY, rid, b"l.2\0callee", 3)
     assert len(bench.broker.rpc) == 0
 
 
@@ -247,9 +292,14 @@ def test_handler_error_answer_is_forwarded(bench: Bench) -> None:
     caller, callee = bench.connect("caller"), bench.connect("callee")
     rid = bench.request(caller, callee.lname, "x")
     assert len(bench.out(callee)) == 1
-    bench.handle(callee, T.ERROR, target="l.1", request_id=rid,
-                 header=encode_cbor({"code": "zone-missing", "message": "no"}),
-                 body=encode_cbor({"zone": "x"}))
+    bench.handle(
+        callee,
+        T.ERROR,
+        target="l.1",
+        request_id=rid,
+        header=encode_cbor({"code": "zone-missing", "message": "no"}),
+        body=encode_cbor({"zone": "x"}),
+    )
     [err] = bench.out(caller)
     assert err.header() == {"code": "zone-missing", "message": "no"}
     assert err.body() == {"zone": "x"}
@@ -355,15 +405,18 @@ def test_request_timeout_is_deterministic(bench: Bench) -> None:
     assert b.broker.stats["late_answers"] == 1
 
 
-@pytest.mark.parametrize("timeout,deadline", [
-    (0.5, 10.5),      # shorter than the broker's: used
-    (2, 12.0),        # an int works too
-    (500.0, 310.0),   # longer than the broker's: the broker's wins
-    (-1.0, 310.0),    # nonsense: ignored
-    (0, 310.0),
-    (True, 310.0),    # a bool is not a number of seconds
-    ("1", 310.0),
-])
+@pytest.mark.parametrize(
+    "timeout,deadline",
+    [
+        (0.5, 10.5),  # shorter than the broker's: used
+        (2, 12.0),  # an int works too
+        (500.0, 310.0),  # longer than the broker's: the broker's wins
+        (-1.0, 310.0),  # nonsense: ignored
+        (0, 310.0),
+        (True, 310.0),  # a bool is not a number of seconds
+        ("1", 310.0),
+    ],
+)
 def test_caller_timeout_header(bench: Bench, timeout: object, deadline: float) -> None:
     """The REQUEST header's 'timeout' shortens the broker's deadline, never lengthens it,
     and invalid values are ignored."""
@@ -407,13 +460,21 @@ def test_caller_gone_late_answer_discarded(bench: Bench) -> None:
 def test_forged_answer_is_not_forwarded(bench: Bench) -> None:
     """A REPLY from a peer that was not asked (same caller lname and request id) is dropped;
     the real callee's answer is still forwarded."""
-    caller, callee, intruder = bench.connect("caller"), bench.connect("callee"), \
-        bench.connect("intruder")
+    caller, callee, intruder = (
+        bench.connect("caller"),
+        bench.connect("callee"),
+        bench.connect("intruder"),
+    )
     rid = bench.request(caller, callee.lname, "x")
     [req] = bench.out(callee)
     bench.handle(intruder, T.REPLY, target="l.1", request_id=rid, body=encode_cbor("forged"))
-    bench.handle(intruder, T.ERROR, target="l.1", request_id=rid,
-                 header=encode_cbor({"code": "timeout", "message": "forged"}))
+    bench.handle(
+        intruder,
+        T.ERROR,
+        target="l.1",
+        request_id=rid,
+        header=encode_cbor({"code": "timeout", "message": "forged"}),
+    )
     assert bench.out(caller) == []
     bench.reply(callee, req, "real")
     [rep] = bench.out(caller)
@@ -444,12 +505,15 @@ def test_max_pending_requests() -> None:
     assert len(b.out(callee)) == 2
 
 
-@pytest.mark.parametrize("kw", [
-    {"request_id": 0, "header": encode_cbor({"cmd": "x"})},   # no request id
-    {"request_id": 1, "header": b""},                          # no cmd
-    {"request_id": 1, "header": encode_cbor({"cmd": 5})},      # cmd not a string
-    {"request_id": 1, "header": b"\xa1\x61"},                  # malformed header
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"request_id": 0, "header": encode_cbor({"cmd": "x"})},  # no request id
+        {"request_id": 1, "header": b""},  # no cmd
+        {"request_id": 1, "header": encode_cbor({"cmd": 5})},  # cmd not a string
+        {"request_id": 1, "header": b"\xa1\x61"},  # malformed header
+    ],
+)
 def test_malformed_requests_are_protocol_errors(bench: Bench, kw: dict[str, Any]) -> None:
     """A REQUEST without request id, without a string cmd, or with a malformed header is a
     RemoteProtocolError (the I/O layer drops the client)."""
@@ -468,8 +532,10 @@ def test_broker_commands(bench: Bench) -> None:
     assert bench.call_broker(b, "subscribe", {"group": "G"}).body() is False
     assert bench.call_broker(a, "subscribe", {"group": "G"}).body() is True
     members = bench.call_broker(a, "members", {"group": "G"}).body()
-    assert members == [{"lname": "l.2", "name": "Beta", "pid": b.pid},
-                       {"lname": "l.1", "name": "Alpha", "pid": a.pid}]
+    assert members == [
+        {"lname": "l.2", "name": "Beta", "pid": b.pid},
+        {"lname": "l.1", "name": "Alpha", "pid": a.pid},
+    ]
     assert bench.call_broker(a, "unsubscribe", {"group": "G"}).body() is True
     assert bench.call_broker(a, "unsubscribe", {"group": "G"}).body() is False
     assert bench.call_broker(a, "version").body() == {"broker": "test", "protocol": 1}
@@ -621,8 +687,7 @@ def test_request_to_full_receiver() -> None:
         b.message(sender, full.lname, "x" * 500)
     rid = b.request(caller, full.lname, "x", "y" * 600)
     [err] = b.out(caller)
-    assert (error_code(err), err.request_id, err.source) == ("receiver-full", rid,
-                                                             b"l.3\0full")
+    assert (error_code(err), err.request_id, err.source) == ("receiver-full", rid, b"l.3\0full")
     assert full.alive
     assert len(b.broker.rpc) == 0
 
@@ -642,16 +707,18 @@ def test_handle_many_matches_handle() -> None:
         frames = [frame(T.MESSAGE, target="G", body=encode_cbor(i)) for i in range(5)]
         frames.insert(2, frame(T.MESSAGE, target="l.3", body=encode_cbor("direct")))
         frames.insert(4, frame(T.MESSAGE, target="G[1]", body=encode_cbor("inst")))
-        frames.append(frame(T.REQUEST, target="G[0]", request_id=9,
-                            header=encode_cbor({"cmd": "c"})))
+        frames.append(
+            frame(T.REQUEST, target="G[0]", request_id=9, header=encode_cbor({"cmd": "c"}))
+        )
         frames.append(frame(T.MESSAGE, target="Nobody", body=encode_cbor("lost")))
         if batch:
             b.broker.handle_many(s, frames, 0.0)
         else:
             for f in frames:
                 b.broker.handle(s, f, 0.0)
-        out = {p.lname: [(f.type, f.target, f.source, f.body()) for f in b.out(p)]
-               for p in [s, *ms]}
+        out = {
+            p.lname: [(f.type, f.target, f.source, f.body()) for f in b.out(p)] for p in [s, *ms]
+        }
         out["stats"] = [(0, k, b"", v) for k, v in sorted(b.broker.stats.items())]
         out["counts"] = [(0, "", b"", (s.msgs_in, s.bytes_in))]
         return out

@@ -99,8 +99,16 @@ def test_mixed_batch_keeps_order_and_stamps() -> None:
             target = rng.choice(["G", "G", "H", "l.1", "Nobody", "G[0]"])
             k = rng.random()
             if k < 0.1:
-                stream.append(encode_simple(T.REQUEST, target.encode(), b"", encode_cbor(
-                    {"cmd": "c"}), request_id=i + 1, source=rng.choice([b"", b"l.3\0tx"])))
+                stream.append(
+                    encode_simple(
+                        T.REQUEST,
+                        target.encode(),
+                        b"",
+                        encode_cbor({"cmd": "c"}),
+                        request_id=i + 1,
+                        source=rng.choice([b"", b"l.3\0tx"]),
+                    )
+                )
             else:
                 source = b"l.3\0tx" if k < 0.8 else rng.choice([b"", b"l.1\0rx", b"x"])
                 stream.append(msg(target, i, source))
@@ -123,10 +131,10 @@ def test_mixed_batch_keeps_order_and_stamps() -> None:
                 else:
                     for f in conn.events():
                         assert b.handle(tx, f, 0.0)  # type: ignore[arg-type]
-            queues = [[(f.type, f.target, f.source, f.body()) for f in drain(p)]
-                      for p in (rx1, rx2, tx)]
-            counts = (tx.msgs_in, rx1.msgs_out, rx2.msgs_out, b.stats["no_recipient"],
-                      len(b.rpc))
+            queues = [
+                [(f.type, f.target, f.source, f.body()) for f in drain(p)] for p in (rx1, rx2, tx)
+            ]
+            counts = (tx.msgs_in, rx1.msgs_out, rx2.msgs_out, b.stats["no_recipient"], len(b.rpc))
             return queues, counts
 
         assert run(batched=True) == run(batched=False)
@@ -164,14 +172,18 @@ def test_capture_sees_every_frame_of_a_run() -> None:
     subscribe(b, rx, "G")
     seen: list[object] = []
     conn = ready_connection()
-    conn.receive_data(b"".join(msg("G", i, tx.stamp) for i in range(5))
-                      + b"".join(msg("Nobody", i, tx.stamp) for i in range(5, 8)))
+    conn.receive_data(
+        b"".join(msg("G", i, tx.stamp) for i in range(5))
+        + b"".join(msg("Nobody", i, tx.stamp) for i in range(5, 8))
+    )
     items = conn.events_with_runs(tx.stamp)
     assert [type(i).__name__ for i in items] == ["Run", "Run"]
     b.tap = lambda _p, f, outcome, n: seen.append((f.target, f.body(), outcome, n))
     assert b.handle_many(tx, items, 0.0) == len(items)  # type: ignore[arg-type]
-    assert seen == ([("G", i, "delivered", 1) for i in range(5)]
-                    + [("Nobody", i, "no-recipient", 0) for i in range(5, 8)])
+    assert seen == (
+        [("G", i, "delivered", 1) for i in range(5)]
+        + [("Nobody", i, "no-recipient", 0) for i in range(5, 8)]
+    )
     assert len(rx.outq) == 1  # the run, as one buffer
     assert [f.body() for f in drain(rx)] == list(range(5))
     assert tx.msgs_in == 8 and rx.msgs_out == 5
@@ -188,8 +200,14 @@ def test_large_self_stamped_frame_is_not_copied() -> None:
     subscribe(b, r2, "G")
     payload = bytes(300 * 1024)
     parser = FrameParser()
-    parser.feed(b"".join(bytes(x) for x in encode_frame(
-        T.MESSAGE, target="G", body=encode_cbor(payload), source=tx.stamp, n_fds=1)))
+    parser.feed(
+        b"".join(
+            bytes(x)
+            for x in encode_frame(
+                T.MESSAGE, target="G", body=encode_cbor(payload), source=tx.stamp, n_fds=1
+            )
+        )
+    )
     [f] = parser.frames()
     f = f._replace(fds=(7,))
     assert b.handle_many(tx, [f], 0.0) == 1

@@ -136,10 +136,19 @@ def test_malformed_instance_syntax_resolves_to_nobody(router: Router) -> None:
         assert list(router.resolve(t, None)) == [], t
 
 
-@pytest.mark.parametrize("target,kind", [
-    ("msgq", BROKER), ("l.0", BROKER), ("l.5", DIRECT), ("G", GROUP), ("G[3]", INSTANCE),
-    ("G[?]", ANYCAST), ("a.b.c", GROUP), ("G[x]", DIRECT),
-])
+@pytest.mark.parametrize(
+    "target,kind",
+    [
+        ("msgq", BROKER),
+        ("l.0", BROKER),
+        ("l.5", DIRECT),
+        ("G", GROUP),
+        ("G[3]", INSTANCE),
+        ("G[?]", ANYCAST),
+        ("a.b.c", GROUP),
+        ("G[x]", DIRECT),
+    ],
+)
 def test_parse_target_kinds(router: Router, target: str, kind: int) -> None:
     """parse_target classifies targets (and caches the answer consistently)."""
     assert router.parse_target(target)[0] == kind
@@ -170,9 +179,20 @@ def test_remove_peer_returns_groups_in_join_order(router: Router) -> None:
     assert router.remove_peer(a) == []
 
 
-@pytest.mark.parametrize("name", [
-    "", "x" * 256, "l.5", "l.anything", "msgq", "G[0]", "G]", "a[b", "nul\0byte",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "x" * 256,
+        "l.5",
+        "l.anything",
+        "msgq",
+        "G[0]",
+        "G]",
+        "a[b",
+        "nul\0byte",
+    ],
+)
 def test_reserved_and_invalid_group_names(name: str) -> None:
     """Names that are empty, too long, lname-like, the broker's address, or contain
     '[', ']' or NUL cannot be subscribed to."""

@@ -74,11 +74,14 @@ def test_callee_gone_fails_its_pending_calls(reg: PendingReplies) -> None:
     reg.add(c1, 2, [callee], 10.0, "G", "b")
     reg.add(c2, 1, [callee, other], 10.0, "G", "c")
     failures = reg.peer_gone(callee)
-    got = sorted((f.caller.lname, f.request_id, f.callee.lname, f.reason, f.command)
-                 for f in failures)
-    assert got == [("l.1", 1, "l.3", "recipient-gone", "a"),
-                   ("l.1", 2, "l.3", "recipient-gone", "b"),
-                   ("l.2", 1, "l.3", "recipient-gone", "c")]
+    got = sorted(
+        (f.caller.lname, f.request_id, f.callee.lname, f.reason, f.command) for f in failures
+    )
+    assert got == [
+        ("l.1", 1, "l.3", "recipient-gone", "a"),
+        ("l.1", 2, "l.3", "recipient-gone", "b"),
+        ("l.2", 1, "l.3", "recipient-gone", "c"),
+    ]
     # The multi call still waits for `other`.
     assert reg.is_pending(c2, 1)
     assert not reg.is_pending(c1, 1) and not reg.is_pending(c1, 2)
@@ -134,7 +137,8 @@ def test_expire_and_next_deadline(reg: PendingReplies) -> None:
     assert reg.expire(2.999) == []
     failures = reg.expire(3.0)
     assert [(f.request_id, f.callee.lname, f.reason, f.command) for f in failures] == [
-        (2, "l.2", "timeout", "all")]
+        (2, "l.2", "timeout", "all")
+    ]
     assert reg.next_deadline() == 5.0
     assert [f.request_id for f in reg.expire(100.0)] == [1, 3]
     assert reg.next_deadline() is None

@@ -25,7 +25,8 @@ from msgq_trio.config import AccessRule
 from msgq_trio.io.server import unix_principals
 
 needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root: the test connects as another uid (nobody)")
+    os.geteuid() != 0, reason="needs root: the test connects as another uid (nobody)"
+)
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 NOGROUP = 65534
@@ -67,15 +68,21 @@ subscribe = ["Shared"]
 def subscribe_as(sock: Path, gid: int) -> str:
     """Subscribe to ``Shared`` as nobody with process gid ``gid``: "subscribed" or the
     refusal's error code."""
-    r = subprocess.run([sys.executable, "-c", CLIENT, str(sock), str(NOBODY), str(gid)],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", CLIENT, str(sock), str(NOBODY), str(gid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r
     return r.stdout.strip()
 
 
 @pytest.fixture
-def start_with_rule(short_tmp: Path, broker_factory: Callable[..., object]
-                    ) -> Callable[[str], Path]:
+def start_with_rule(
+    short_tmp: Path, broker_factory: Callable[..., object]
+) -> Callable[[str], Path]:
     """Start a broker whose socket anyone may open (0666 in a 0755 directory) with
     :data:`POLICY` granting ``subscribe Shared`` to the ``who`` entry given."""
     short_tmp.chmod(0o755)
@@ -92,8 +99,7 @@ def start_with_rule(short_tmp: Path, broker_factory: Callable[..., object]
 
 
 @needs_root
-def test_group_rule_grants_by_the_group_database(
-        start_with_rule: Callable[[str], Path]) -> None:
+def test_group_rule_grants_by_the_group_database(start_with_rule: Callable[[str], Path]) -> None:
     """``group:nogroup`` grants nobody the subscription whether its process runs with gid
     nogroup or daemon: the group database puts nobody in nogroup. A rule for a group
     nobody is not in (``group:audio``) leaves it refused ``forbidden``."""
@@ -106,8 +112,7 @@ def test_group_rule_grants_by_the_group_database(
 
 
 @needs_root
-def test_primary_gid_counts_as_a_group_and_as_gid(
-        start_with_rule: Callable[[str], Path]) -> None:
+def test_primary_gid_counts_as_a_group_and_as_gid(start_with_rule: Callable[[str], Path]) -> None:
     """The SO_PEERCRED gid: ``gid:1`` and ``group:daemon`` match nobody running with gid
     daemon and not nobody running with gid nogroup."""
     by_gid = start_with_rule(f"gid:{DAEMON}")
@@ -133,14 +138,27 @@ def test_unix_principals_from_the_databases() -> None:
     the passwd entry's group; a uid the passwd database lacks: only its gid's group, and
     numbers where no name is known."""
     assert unix_principals(NOBODY, DAEMON)[:5] == [
-        "unix:nobody", f"uid:{NOBODY}", f"gid:{DAEMON}", "group:daemon", "group:nogroup"]
+        "unix:nobody",
+        f"uid:{NOBODY}",
+        f"gid:{DAEMON}",
+        "group:daemon",
+        "group:nogroup",
+    ]
     unknown = 3_999_999
     with pytest.raises(KeyError):
         pwd.getpwuid(unknown)
     assert unix_principals(unknown, NOGROUP) == [
-        f"unix:{unknown}", f"uid:{unknown}", f"gid:{NOGROUP}", "group:nogroup"]
+        f"unix:{unknown}",
+        f"uid:{unknown}",
+        f"gid:{NOGROUP}",
+        "group:nogroup",
+    ]
     assert unix_principals(unknown, unknown) == [
-        f"unix:{unknown}", f"uid:{unknown}", f"gid:{unknown}", f"group:{unknown}"]
+        f"unix:{unknown}",
+        f"uid:{unknown}",
+        f"gid:{unknown}",
+        f"group:{unknown}",
+    ]
 
 
 def test_who_kinds() -> None:

@@ -86,8 +86,10 @@ def test_call_between_direct_clients(broker_factory, flags) -> None:
     handler exceptions come back as the codes the trio client uses. Also through a broker
     that busy-polls (limits.busy_poll, as the benchmark's msgq_trio-busy-poll rows)."""
     broker = broker_factory(*flags)
-    with msgq_trio.connect_direct(broker.path, name="calc") as c, \
-            msgq_trio.connect_direct(broker.path, name="user") as u:
+    with (
+        msgq_trio.connect_direct(broker.path, name="calc") as c,
+        msgq_trio.connect_direct(broker.path, name="user") as u,
+    ):
         calc(c)
         assert c.subscribe("Calc") is True
         assert c.subscribe("Calc") is False
@@ -97,7 +99,8 @@ def test_call_between_direct_clients(broker_factory, flags) -> None:
             assert u.call("Calc[0]", "add", [10]) == 10
             assert u.call("Calc[?]", "add", []) == 0
             assert [u.call("Calc", "add", [i, i]) for i in range(200)] == [
-                2 * i for i in range(200)]
+                2 * i for i in range(200)
+            ]
             with pytest.raises(RemoteError) as failed:
                 u.call("Calc", "fail", "example.org")
             assert failed.value.code == "no-such-zone"
@@ -165,8 +168,10 @@ def test_calls_crossing_between_two_direct_clients(broker) -> None:
     """Two direct clients in two threads call each other at the same time, 300 times
     each: a request that arrives while a client waits for its own answer is served
     inline, so neither deadlocks."""
-    with msgq_trio.connect_direct(broker.path, name="a") as a, \
-            msgq_trio.connect_direct(broker.path, name="b") as b:
+    with (
+        msgq_trio.connect_direct(broker.path, name="a") as a,
+        msgq_trio.connect_direct(broker.path, name="b") as b,
+    ):
         for bus in (a, b):
             calc(bus)
         results: dict[str, list[int]] = {}
@@ -188,8 +193,10 @@ def test_calls_crossing_between_two_direct_clients(broker) -> None:
 def test_send_receive_in_order_with_stamped_sender(broker) -> None:
     """One-way messages arrive in order, stamped with the true sender; receive() times
     out with TimeoutError when nothing comes."""
-    with msgq_trio.connect_direct(broker.path, name="sub") as sub, \
-            msgq_trio.connect_direct(broker.path, name="pub") as pub:
+    with (
+        msgq_trio.connect_direct(broker.path, name="sub") as sub,
+        msgq_trio.connect_direct(broker.path, name="pub") as pub,
+    ):
         sub.subscribe("Stats")
         for i in range(2000):
             pub.send("Stats", {"i": i, "pad": b"x" * 100})
@@ -197,7 +204,11 @@ def test_send_receive_in_order_with_stamped_sender(broker) -> None:
         for _ in range(2000):
             msg = sub.receive(timeout=10)
             assert (msg.sender, msg.sender_name, msg.kind, msg.target) == (
-                pub.lname, "pub", "message", "Stats")
+                pub.lname,
+                "pub",
+                "message",
+                "Stats",
+            )
             got.append(msg.body["i"])
         assert got == list(range(2000))
         with pytest.raises(TimeoutError):
@@ -208,9 +219,11 @@ def test_messages_over_max_buffered_raise_and_are_kept(broker) -> None:
     """Messages that arrive while a client only makes calls are kept for receive(); past
     max_buffered the call raises LimitExceeded instead of growing or dropping, every
     message is then still received in order, and calls work again."""
-    with msgq_trio.connect_direct(broker.path, name="calc") as c, \
-            msgq_trio.connect_direct(broker.path, name="busy", max_buffered=20_000) as busy, \
-            msgq_trio.connect_direct(broker.path, name="pub") as pub:
+    with (
+        msgq_trio.connect_direct(broker.path, name="calc") as c,
+        msgq_trio.connect_direct(broker.path, name="busy", max_buffered=20_000) as busy,
+        msgq_trio.connect_direct(broker.path, name="pub") as pub,
+    ):
         calc(c)
         c.subscribe("Calc")
         busy.subscribe("News")
@@ -229,8 +242,7 @@ def test_messages_over_max_buffered_raise_and_are_kept(broker) -> None:
 def test_callee_sigkill_fails_the_call_fast(broker, spawn_client) -> None:
     """A callee process SIGKILLed mid-call: the blocked call() raises RecipientGone
     naming it, within 2 s, with the broker's 300 s request timeout untouched."""
-    victim = spawn_client(broker.path, name="victim", groups=["Victim"],
-                          commands={"work": "hang"})
+    victim = spawn_client(broker.path, name="victim", groups=["Victim"], commands={"work": "hang"})
     with msgq_trio.connect_direct(broker.path, name="caller") as caller:
         killed: list[float] = []
 
@@ -255,8 +267,10 @@ def test_call_timeout_is_the_brokers(broker_factory) -> None:
     """A callee that never answers: call(timeout=0.5) gets the broker's `timeout`
     (RequestTimeout) after about 0.5 s."""
     b = broker_factory()
-    with msgq_trio.connect_direct(b.path, name="hole") as hole, \
-            msgq_trio.connect_direct(b.path, name="caller") as caller:
+    with (
+        msgq_trio.connect_direct(b.path, name="hole") as hole,
+        msgq_trio.connect_direct(b.path, name="caller") as caller,
+    ):
         hole.subscribe("Hole")
         # hole never reads again: its request sits unanswered in its socket
         t0 = time.monotonic()
@@ -291,6 +305,7 @@ def test_broker_shutdown_and_no_broker(broker, short_tmp) -> None:
 def test_close_flushes_and_says_goodbye(broker) -> None:
     """Messages sent right before close() are delivered (close flushes and waits for the
     broker's GOODBYE); the membership ends with a clean `closed` reason."""
+
     async def watch() -> list[tuple[str, Any]]:
         async with msgq_trio.connect(broker.path, name="watcher") as w:
             await w.subscribe("msgq.membership")
@@ -394,11 +409,18 @@ def test_eof_while_a_write_waits_ends_it(short_tmp) -> None:
             proto = Connection(Role.BROKER)
             while not proto.events():
                 proto.receive_data(conn.recv(65536))
-            conn.sendall(b"".join(proto.send(FrameType.WELCOME, header={
-                "version": PROTOCOL_VERSION, "lname": "l.1", "broker": "fake"})))
+            conn.sendall(
+                b"".join(
+                    proto.send(
+                        FrameType.WELCOME,
+                        header={"version": PROTOCOL_VERSION, "lname": "l.1", "broker": "fake"},
+                    )
+                )
+            )
             time.sleep(0.5)  # the client fills both socket buffers meanwhile
-            conn.sendall(b"".join(proto.send(FrameType.GOODBYE,
-                                             header={"reason": "broker-shutdown"})))
+            conn.sendall(
+                b"".join(proto.send(FrameType.GOODBYE, header={"reason": "broker-shutdown"}))
+            )
             conn.shutdown(pysocket.SHUT_WR)
             done.wait(20)  # keep the socket open, unread, like a broker's grace period
 

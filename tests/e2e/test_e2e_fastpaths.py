@@ -19,8 +19,10 @@ async def test_library_and_unstamped_raw_clients_mix(broker, raw_peer) -> None:
     """Messages from a library client (self-stamped) and from a raw client that sends no
     source (the encoding before self-stamping) arrive interleaved in order, each with its
     sender's true lname and name; bytes bodies survive the receiver's fast decode."""
-    async with msgq_trio.connect(broker.path, name="rx") as rx, \
-            msgq_trio.connect(broker.path, name="lib") as lib:
+    async with (
+        msgq_trio.connect(broker.path, name="rx") as rx,
+        msgq_trio.connect(broker.path, name="lib") as lib,
+    ):
         await rx.subscribe("G")
         async with raw_peer(broker.path) as raw:
             await raw.hello("old")
@@ -41,8 +43,10 @@ async def test_sync_handler_runs_in_the_reader_async_in_a_task(broker) -> None:
     """A plain function handler is called in the bus' reader task, in arrival order; an
     async handler (or a plain function returning an awaitable) runs in a task of its own
     and may wait; errors from either map to codes as before."""
-    async with msgq_trio.connect(broker.path, name="svc") as svc, \
-            msgq_trio.connect(broker.path, name="caller") as caller:
+    async with (
+        msgq_trio.connect(broker.path, name="svc") as svc,
+        msgq_trio.connect(broker.path, name="caller") as caller,
+    ):
         await svc.subscribe("Svc")
         tasks: dict[str, set[str]] = {"sync": set(), "async": set()}
         order: list[int] = []
@@ -96,8 +100,10 @@ async def test_iteration_over_a_backlog_lets_other_tasks_run(broker) -> None:
     yields to the other tasks of the program every 256 messages (the bus's fairness
     bound), so a long backlog cannot starve them; every message arrives, in
     order."""
-    async with msgq_trio.connect(broker.path, name="rx") as rx, \
-            msgq_trio.connect(broker.path, name="tx") as tx:
+    async with (
+        msgq_trio.connect(broker.path, name="rx") as rx,
+        msgq_trio.connect(broker.path, name="tx") as tx,
+    ):
         await rx.subscribe("Backlog")
         n = 3000
         for i in range(n):

@@ -32,9 +32,11 @@ def raw_frame(ftype: int, **kw: Any) -> bytes:
 @asynccontextmanager
 async def bystanders(path: Any) -> AsyncIterator[tuple[Bus, Bus, Bus]]:
     """Two clients that exchange messages and calls, plus a membership watcher."""
-    async with msgq_trio.connect(path, name="left") as left, \
-            msgq_trio.connect(path, name="right") as right, \
-            msgq_trio.connect(path, name="watcher") as watcher:
+    async with (
+        msgq_trio.connect(path, name="left") as left,
+        msgq_trio.connect(path, name="right") as right,
+        msgq_trio.connect(path, name="watcher") as watcher,
+    ):
         await watcher.subscribe("msgq.membership")
 
         @right.command("echo")
@@ -66,8 +68,9 @@ async def disconnect_reason(watcher: Bus, lname: str) -> str:
 
 
 @pytest.mark.parametrize("handshake_first", [False, True], ids=["before-hello", "after-hello"])
-async def test_absurd_length_prefix_drops_only_that_client(broker, raw_peer,
-                                                           handshake_first: bool) -> None:
+async def test_absurd_length_prefix_drops_only_that_client(
+    broker, raw_peer, handshake_first: bool
+) -> None:
     """A raw client that sends a 4 GiB length prefix gets one ERROR frame (request id 0,
     code frame-too-large) and then EOF; its disconnection reason is frame-too-large; two
     other clients keep exchanging messages."""
@@ -79,15 +82,17 @@ async def test_absurd_length_prefix_drops_only_that_client(broker, raw_peer,
             await raw.send_bytes(struct.pack(">I", 0xFFFFFFF0) + b"\x03\x00" + b"\x00" * 26)
             frames = await raw.frames_until_eof(timeout=5)
             assert [(f.type, f.request_id, f.header().get("code")) for f in frames] == [
-                (FrameType.ERROR, 0, "frame-too-large")]
+                (FrameType.ERROR, 0, "frame-too-large")
+            ]
         if handshake_first:
             assert await disconnect_reason(watcher, raw.lname) == "frame-too-large"
         await still_exchanging(left, right)
 
 
 @pytest.mark.parametrize("same_write", [False, True], ids=["separate-write", "same-write"])
-async def test_garbage_after_handshake_drops_only_that_client(broker, raw_peer,
-                                                              same_write: bool) -> None:
+async def test_garbage_after_handshake_drops_only_that_client(
+    broker, raw_peer, same_write: bool
+) -> None:
     """A client that sends a valid message and then garbage (an unknown frame type) has its
     valid message delivered, then gets ERROR protocol-error and EOF, whether the garbage
     came in the same write or a later one; the others keep working."""
@@ -105,7 +110,8 @@ async def test_garbage_after_handshake_drops_only_that_client(broker, raw_peer,
                 await raw.send_bytes(garbage)
             frames = await raw.frames_until_eof(timeout=5)
             assert [(f.type, f.request_id, f.header().get("code")) for f in frames] == [
-                (FrameType.ERROR, 0, "protocol-error")]
+                (FrameType.ERROR, 0, "protocol-error")
+            ]
         if same_write:
             msg = await right.receive(timeout=5)
             assert (msg.body, msg.sender) == ("valid", raw.lname)
@@ -146,8 +152,9 @@ async def test_stalled_frame_is_dropped(broker_factory, raw_peer) -> None:
 async def test_max_frame_size_flag(broker_factory) -> None:
     """With --max-frame-size 1048576 a 900 KiB attachment passes; a client sending a 2 MiB
     one is dropped (ConnectionLost; the broker's reason is frame-too-large) and only it."""
-    b = broker_factory("--max-frame-size", "1048576", "--out-hard-limit", "4194304",
-                       "--out-soft-limit", "1048576")
+    b = broker_factory(
+        "--max-frame-size", "1048576", "--out-hard-limit", "4194304", "--out-soft-limit", "1048576"
+    )
     async with bystanders(b.path) as (left, right, watcher):
         async with msgq_trio.connect(b.path, name="big-sender") as big:
             assert (await big.call("msgq", "version"))["protocol"] == 1
@@ -177,8 +184,9 @@ async def test_dropped_client_learns_the_reason_when_busy(broker_factory) -> Non
     """A client dropped for an oversized frame reports ConnectionLost with code
     frame-too-large even if its process was descheduled while the broker answered, so that
     it notices the broker's ERROR frame and the failed write together (8 rounds)."""
-    b = broker_factory("--max-frame-size", "1048576", "--out-hard-limit", "4194304",
-                       "--out-soft-limit", "1048576")
+    b = broker_factory(
+        "--max-frame-size", "1048576", "--out-hard-limit", "4194304", "--out-soft-limit", "1048576"
+    )
     codes: list[str | None] = []
     for _ in range(8):
         async with msgq_trio.connect(b.path, name="busy") as bus:
@@ -224,8 +232,9 @@ async def test_sigkilled_client_is_cleaned_up(broker, spawn_client) -> None:
     and the broker reports it disconnected with reason connection-lost."""
     async with msgq_trio.connect(broker.path, name="observer") as obs:
         await obs.subscribe("msgq.membership")
-        helper = spawn_client(broker.path, name="doomed", groups=["Doomed"],
-                              commands={"pid": "pid"})
+        helper = spawn_client(
+            broker.path, name="doomed", groups=["Doomed"], commands={"pid": "pid"}
+        )
         assert await obs.call("Doomed", "pid") == helper.pid
         helper.sigkill()
         assert await disconnect_reason(obs, helper.lname) == "connection-lost"
@@ -234,15 +243,16 @@ async def test_sigkilled_client_is_cleaned_up(broker, spawn_client) -> None:
             await obs.call(helper.lname, "pid")
 
 
-async def test_stopped_consumer_is_dropped_and_senders_resume(broker_factory,
-                                                              spawn_client) -> None:
+async def test_stopped_consumer_is_dropped_and_senders_resume(broker_factory, spawn_client) -> None:
     """A subscriber process stopped with SIGSTOP stops draining: the broker pauses the
     sender feeding it (backpressure) while unrelated clients keep working, then after
     --slow-consumer-timeout (1 s) without progress drops it (slow-consumer) and the sender
     carries on."""
     b = broker_factory("--out-soft-limit", "1048576", "--slow-consumer-timeout", "1")
-    async with bystanders(b.path) as (left, right, watcher), \
-            msgq_trio.connect(b.path, name="pusher") as pusher:
+    async with (
+        bystanders(b.path) as (left, right, watcher),
+        msgq_trio.connect(b.path, name="pusher") as pusher,
+    ):
         sink = spawn_client(b.path, name="sink", groups=["Sink"])
         os.kill(sink.pid, signal.SIGSTOP)
         pushed = trio.Event()
@@ -269,7 +279,8 @@ async def test_stopped_consumer_is_dropped_and_senders_resume(broker_factory,
 
 
 async def test_sender_killed_while_paused_is_dropped_and_its_callers_fail_fast(
-        broker_factory, spawn_client, call_paused_then_kill) -> None:
+    broker_factory, spawn_client, call_paused_then_kill
+) -> None:
     """A client whose reads the broker has paused (it floods a stopped subscriber) is
     SIGKILLed while a call to it is pending. Its EOF sits behind data the broker is not
     reading, yet the broker sees the hang-up: the caller gets recipient-gone, not the
@@ -280,16 +291,23 @@ async def test_sender_killed_while_paused_is_dropped_and_its_callers_fail_fast(
     async with bystanders(b.path) as (left, right, watcher):
         sink = spawn_client(b.path, name="sink", groups=["Sink"])
         os.kill(sink.pid, signal.SIGSTOP)
-        flooder = spawn_client(b.path, name="flooder", commands={"work": "hang"},
-                               flood={"target": "Sink", "size": 65536})
+        flooder = spawn_client(
+            b.path,
+            name="flooder",
+            commands={"work": "hang"},
+            flood={"target": "Sink", "size": 65536},
+        )
         outcome = await call_paused_then_kill(left, flooder, timeout=20)
         assert await disconnect_reason(watcher, flooder.lname) == "connection-lost"
         assert [type(e) for e in outcome] == [msgq_trio.RecipientGone]
         stats = await left.call("msgq", "stats")
         assert stats["paused_readers"] == 0
-        found = re.search(r"client l\.\d+ \(name='flooder'.*\) closed the connection.* "
-                          r"while its reads were paused by backpressure: discarding (\d+) "
-                          r"frames \((\d+) bytes\)", b.log())
+        found = re.search(
+            r"client l\.\d+ \(name='flooder'.*\) closed the connection.* "
+            r"while its reads were paused by backpressure: discarding (\d+) "
+            r"frames \((\d+) bytes\)",
+            b.log(),
+        )
         assert found, b.log()
         assert int(found[1]) >= 1 and int(found[2]) >= 65536 * int(found[1])
         assert stats["counters"]["discarded_frames"] == int(found[1])
@@ -298,8 +316,9 @@ async def test_sender_killed_while_paused_is_dropped_and_its_callers_fail_fast(
 
 
 @pytest.mark.parametrize("client", ["trio", "direct"])
-async def test_publisher_closing_while_paused_loses_nothing(broker_factory, raw_peer,
-                                                             client: str) -> None:
+async def test_publisher_closing_while_paused_loses_nothing(
+    broker_factory, raw_peer, client: str
+) -> None:
     """A publisher sends to a receiver that does not read for 4 s (twice the client's
     2 s GOODBYE wait) until the broker pauses its reads, sends two more messages (they
     stay unread in its socket) and closes. Its close waits while the broker has its bytes
@@ -370,7 +389,6 @@ async def test_publisher_closing_while_paused_loses_nothing(broker_factory, raw_
     assert "while its reads were paused" not in b.log()
 
 
-
 SUBSCRIBER = """
 import sys, trio, msgq_trio
 async def main():
@@ -391,8 +409,9 @@ trio.run(main)
 
 
 def start_subscriber(path: Any, count: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", SUBSCRIBER, str(path), str(count)],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SUBSCRIBER, str(path), str(count)], stdout=subprocess.PIPE, text=True
+    )
 
 
 async def test_paused_sender_resumes_as_its_receiver_drains(broker_factory) -> None:

@@ -63,16 +63,19 @@ async def test_connect_without_broker(short_tmp) -> None:
             pytest.fail("connected to nothing")
 
 
-@pytest.mark.parametrize("first", [FrameType.MESSAGE, FrameType.REQUEST, FrameType.WELCOME,
-                                   FrameType.GOODBYE])
+@pytest.mark.parametrize(
+    "first", [FrameType.MESSAGE, FrameType.REQUEST, FrameType.WELCOME, FrameType.GOODBYE]
+)
 async def test_first_frame_must_be_hello(broker, raw_peer, first: FrameType) -> None:
     """A connection whose first frame is not HELLO gets an ERROR protocol-error and EOF."""
     async with raw_peer(broker.path) as raw:
-        await raw.send_bytes(raw_frame(first, target="G", request_id=1,
-                                       header=encode_cbor({"cmd": "x"})))
+        await raw.send_bytes(
+            raw_frame(first, target="G", request_id=1, header=encode_cbor({"cmd": "x"}))
+        )
         frames = await raw.frames_until_eof(timeout=5)
         assert [(f.type, f.header()["code"]) for f in frames] == [
-            (FrameType.ERROR, "protocol-error")]
+            (FrameType.ERROR, "protocol-error")
+        ]
 
 
 async def test_garbage_before_hello(broker, raw_peer) -> None:
@@ -113,7 +116,8 @@ async def test_frames_pipelined_after_hello(broker, raw_peer) -> None:
         async with raw_peer(broker.path) as raw:
             await raw.send_bytes(
                 raw_frame(FrameType.HELLO, header=encode_cbor({"version": 1, "name": "eager"}))
-                + raw_frame(FrameType.MESSAGE, target="Pipe", body=encode_cbor("early")))
+                + raw_frame(FrameType.MESSAGE, target="Pipe", body=encode_cbor("early"))
+            )
             welcome = await raw.receive_frame()
             assert welcome is not None and welcome.type == FrameType.WELCOME
             msg = await member.receive(timeout=5)
@@ -126,8 +130,12 @@ async def test_lnames_unique_across_1000_connections(broker) -> None:
     seen: list[int] = []
     for batch in range(10):
         async with AsyncExitStack() as stack:
-            buses = [await stack.enter_async_context(
-                msgq_trio.connect(broker.path, name=f"b{batch}-{i}")) for i in range(100)]
+            buses = [
+                await stack.enter_async_context(
+                    msgq_trio.connect(broker.path, name=f"b{batch}-{i}")
+                )
+                for i in range(100)
+            ]
             numbers = [int(b.lname.removeprefix("l.")) for b in buses]
             if seen:
                 assert min(numbers) > max(seen), "an lname was reused after a disconnect"

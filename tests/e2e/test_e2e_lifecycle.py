@@ -28,8 +28,10 @@ async def test_clean_shutdown_on_signal(broker, sig: signal.Signals) -> None:
     """On SIGTERM/SIGINT the broker says GOODBYE: a client's iteration ends after the
     messages already sent, later calls raise ConnectionLost (code broker-shutdown), the
     socket file is removed and the broker exits with status 0."""
-    async with msgq_trio.connect(broker.path, name="listener") as listener, \
-            msgq_trio.connect(broker.path, name="talker") as talker:
+    async with (
+        msgq_trio.connect(broker.path, name="listener") as listener,
+        msgq_trio.connect(broker.path, name="talker") as talker,
+    ):
         await listener.subscribe("News")
         await talker.send("News", "before")
         iterated: list[object] = []
@@ -61,8 +63,10 @@ async def test_clean_shutdown_on_signal(broker, sig: signal.Signals) -> None:
 async def test_pending_call_at_shutdown_raises_connection_lost(broker) -> None:
     """A call pending when the broker shuts down raises ConnectionLost (as documented for
     call() and connect()), not a generic RpcError; the broker still exits 0."""
-    async with msgq_trio.connect(broker.path, name="caller") as caller, \
-            msgq_trio.connect(broker.path, name="callee") as callee:
+    async with (
+        msgq_trio.connect(broker.path, name="caller") as caller,
+        msgq_trio.connect(broker.path, name="callee") as callee,
+    ):
         await callee.subscribe("Slow")
         started = trio.Event()
 
@@ -96,8 +100,10 @@ async def test_goodbye_is_the_last_frame_at_shutdown(broker, raw_peer) -> None:
     broker shuts down, receives those messages, then GOODBYE, then nothing (in particular
     not the recipient-gone answer produced when the callee leaves after the GOODBYE)."""
     async with raw_peer(broker.path) as caller:
-        async with msgq_trio.connect(broker.path, name="callee") as callee, \
-                msgq_trio.connect(broker.path, name="flooder") as flooder:
+        async with (
+            msgq_trio.connect(broker.path, name="callee") as callee,
+            msgq_trio.connect(broker.path, name="flooder") as flooder,
+        ):
             assert (await caller.hello("caller")).type == FrameType.WELCOME
             await caller.subscribe("Flood")
             started = trio.Event()
@@ -108,8 +114,9 @@ async def test_goodbye_is_the_last_frame_at_shutdown(broker, raw_peer) -> None:
                 await trio.sleep_forever()
 
             await callee.subscribe("Hang")
-            await caller.send_frame(FrameType.REQUEST, target="Hang", request_id=2,
-                                    header=encode_cbor({"cmd": "hang"}))
+            await caller.send_frame(
+                FrameType.REQUEST, target="Hang", request_id=2, header=encode_cbor({"cmd": "hang"})
+            )
             with trio.fail_after(5):
                 await started.wait()
             # Fill the caller's queue in the broker (the raw caller is not reading now).
@@ -124,7 +131,7 @@ async def test_goodbye_is_the_last_frame_at_shutdown(broker, raw_peer) -> None:
     types = [f.type for f in frames]
     assert types.count(FrameType.MESSAGE) == 32
     assert FrameType.GOODBYE in types
-    after = [(f.type, f.header()) for f in frames[types.index(FrameType.GOODBYE) + 1:]]
+    after = [(f.type, f.header()) for f in frames[types.index(FrameType.GOODBYE) + 1 :]]
     assert after == [], f"frames after the broker's GOODBYE: {after}"
     status = await trio.to_thread.run_sync(broker.wait, 10)
     assert status == 0
@@ -163,9 +170,16 @@ async def test_stale_socket_file_is_replaced(broker_factory, short_tmp) -> None:
 async def test_second_broker_on_live_path_is_refused(broker, broker_argv) -> None:
     """A second broker on the path of a live one exits non-zero with a clear message on
     stderr (no traceback); the first keeps its socket and keeps working."""
-    result = await trio.to_thread.run_sync(lambda: subprocess.run(
-        broker_argv(broker.path), capture_output=True, text=True, timeout=30, check=False,
-        stdin=subprocess.DEVNULL))
+    result = await trio.to_thread.run_sync(
+        lambda: subprocess.run(
+            broker_argv(broker.path),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    )
     assert result.returncode != 0
     assert "already running" in result.stderr
     assert exists(broker.path)
@@ -181,9 +195,16 @@ async def test_path_that_is_not_a_socket_is_left_alone(short_tmp, broker_argv) -
     message on stderr, the file untouched."""
     path = short_tmp / "precious.txt"
     path.write_text("do not delete")
-    result = await trio.to_thread.run_sync(lambda: subprocess.run(
-        broker_argv(path), capture_output=True, text=True, timeout=30, check=False,
-        stdin=subprocess.DEVNULL))
+    result = await trio.to_thread.run_sync(
+        lambda: subprocess.run(
+            broker_argv(path),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    )
     assert result.returncode != 0
     assert "not a socket" in result.stderr
     assert path.read_text() == "do not delete"
@@ -193,9 +214,16 @@ async def test_invalid_configuration_is_refused(short_tmp, broker_argv) -> None:
     """Inconsistent limits (hard limit below twice the frame size) exit with status 2 and a
     message, without creating the socket."""
     path = short_tmp / "bad.sock"
-    result = await trio.to_thread.run_sync(lambda: subprocess.run(
-        broker_argv(path, "--max-frame-size", "1048576", "--out-hard-limit", "1048576"),
-        capture_output=True, text=True, timeout=30, check=False, stdin=subprocess.DEVNULL))
+    result = await trio.to_thread.run_sync(
+        lambda: subprocess.run(
+            broker_argv(path, "--max-frame-size", "1048576", "--out-hard-limit", "1048576"),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    )
     assert result.returncode == 2
     assert "invalid configuration" in result.stderr
     assert not exists(path)
@@ -205,8 +233,10 @@ async def test_iteration_raises_when_dropped(broker) -> None:
     """A consumer iterating with ``async for`` is told when the broker drops it: it gets
     every message received before the drop, then ConnectionLost with the reason's code
     (here an operator's ``drop``), never a silent end of the loop."""
-    async with msgq_trio.connect(broker.path, name="victim") as victim, \
-            msgq_trio.connect(broker.path, name="operator") as operator:
+    async with (
+        msgq_trio.connect(broker.path, name="victim") as victim,
+        msgq_trio.connect(broker.path, name="operator") as operator,
+    ):
         await victim.subscribe("News")
         for i in range(3):
             await operator.send("News", i)
@@ -226,8 +256,10 @@ async def test_iteration_raises_when_dropped(broker) -> None:
 async def test_iteration_raises_when_broker_is_killed(broker) -> None:
     """SIGKILL of the broker (no GOODBYE) ends a consumer's ``async for`` with
     ConnectionLost after the messages already received, not with a normal end."""
-    async with msgq_trio.connect(broker.path, name="listener") as listener, \
-            msgq_trio.connect(broker.path, name="talker") as talker:
+    async with (
+        msgq_trio.connect(broker.path, name="listener") as listener,
+        msgq_trio.connect(broker.path, name="talker") as talker,
+    ):
         await listener.subscribe("News")
         await talker.send("News", "before")
         await talker.flush()

@@ -27,17 +27,23 @@ async def assert_next_is_marker(bus: Bus, marker: str) -> None:
 async def test_group_message_reaches_all_members_but_sender(broker) -> None:
     """A message to a group reaches every member except the sender, with body, header,
     sender lname and name; a non-member's message reaches all members."""
-    async with msgq_trio.connect(broker.path, name="A") as a, \
-            msgq_trio.connect(broker.path, name="B") as b, \
-            msgq_trio.connect(broker.path, name="C") as c, \
-            msgq_trio.connect(broker.path, name="Outsider") as out:
+    async with (
+        msgq_trio.connect(broker.path, name="A") as a,
+        msgq_trio.connect(broker.path, name="B") as b,
+        msgq_trio.connect(broker.path, name="C") as c,
+        msgq_trio.connect(broker.path, name="Outsider") as out,
+    ):
         for bus in (a, b, c):
             await bus.subscribe("Zone")
         await a.send("Zone", {"zone": "example.org"}, header={"prio": 1})
         for bus in (b, c):
             msg = await bus.receive(timeout=5)
             assert (msg.kind, msg.target, msg.body, msg.header) == (
-                "message", "Zone", {"zone": "example.org"}, {"prio": 1})
+                "message",
+                "Zone",
+                {"zone": "example.org"},
+                {"prio": 1},
+            )
             assert (msg.sender, msg.sender_name) == (a.lname, "A")
         await a.send(a.lname, "marker")
         await assert_next_is_marker(a, "marker")
@@ -49,9 +55,11 @@ async def test_group_message_reaches_all_members_but_sender(broker) -> None:
 
 async def test_direct_message_to_lname(broker) -> None:
     """A message to an lname reaches only that connection."""
-    async with msgq_trio.connect(broker.path, name="A") as a, \
-            msgq_trio.connect(broker.path, name="B") as b, \
-            msgq_trio.connect(broker.path, name="C") as c:
+    async with (
+        msgq_trio.connect(broker.path, name="A") as a,
+        msgq_trio.connect(broker.path, name="B") as b,
+        msgq_trio.connect(broker.path, name="C") as c,
+    ):
         await b.subscribe("G")
         await c.subscribe("G")
         await a.send(b.lname, "just for b")
@@ -64,8 +72,7 @@ async def test_direct_message_to_lname(broker) -> None:
 async def test_instances_by_join_order(broker) -> None:
     """G[N] reaches the N-th member by join order; G[0] becomes the next member when the
     first leaves (by unsubscribing, then by disconnecting); past the end is nobody."""
-    async with AsyncExitStack() as stack, \
-            msgq_trio.connect(broker.path, name="sender") as s:
+    async with AsyncExitStack() as stack, msgq_trio.connect(broker.path, name="sender") as s:
         ws = []
         for i in range(4):
             w = await stack.enter_async_context(msgq_trio.connect(broker.path, name=f"w{i}"))
@@ -95,8 +102,10 @@ async def test_instances_by_join_order(broker) -> None:
 
 async def test_instance_zero_after_first_member_disconnects(broker) -> None:
     """When the first member of a group disconnects, G[0] is the member that joined second."""
-    async with msgq_trio.connect(broker.path, name="sender") as s, \
-            msgq_trio.connect(broker.path, name="second") as second:
+    async with (
+        msgq_trio.connect(broker.path, name="sender") as s,
+        msgq_trio.connect(broker.path, name="second") as second,
+    ):
         async with msgq_trio.connect(broker.path, name="first") as first:
             await first.subscribe("Svc")
             await second.subscribe("Svc")
@@ -113,8 +122,10 @@ async def test_anycast_spreads_roughly_uniformly(broker) -> None:
     is lost or duplicated."""
     async with AsyncExitStack() as stack:
         s = await stack.enter_async_context(msgq_trio.connect(broker.path, name="s"))
-        ms = [await stack.enter_async_context(msgq_trio.connect(broker.path, name=f"m{i}"))
-              for i in range(3)]
+        ms = [
+            await stack.enter_async_context(msgq_trio.connect(broker.path, name=f"m{i}"))
+            for i in range(3)
+        ]
         for m in ms:
             await m.subscribe("Any")
         for i in range(600):
@@ -147,14 +158,22 @@ async def test_sender_stamping_defeats_forged_source(broker, raw_peer) -> None:
         async with raw_peer(broker.path) as raw:
             welcome = await raw.hello("forger")
             assert welcome.type == FrameType.WELCOME
-            await raw.send_frame(FrameType.MESSAGE, target="Victims",
-                                 body=encode_cbor("trust me"), source=b"l.1\0admin")
+            await raw.send_frame(
+                FrameType.MESSAGE,
+                target="Victims",
+                body=encode_cbor("trust me"),
+                source=b"l.1\0admin",
+            )
             msg = await victim.receive(timeout=5)
             assert msg.body == "trust me"
             assert (msg.sender, msg.sender_name) == (raw.lname, "forger")
-            await raw.send_frame(FrameType.REQUEST, target="Victims", request_id=7,
-                                 header=encode_cbor({"cmd": "whoami"}),
-                                 source=b"l.0\0msgq")
+            await raw.send_frame(
+                FrameType.REQUEST,
+                target="Victims",
+                request_id=7,
+                header=encode_cbor({"cmd": "whoami"}),
+                source=b"l.0\0msgq",
+            )
             reply = await raw.receive_frame()
             assert reply is not None
             assert (reply.type, reply.request_id) == (FrameType.REPLY, 7)
@@ -168,8 +187,10 @@ async def test_per_pair_ordering_many_senders(broker) -> None:
     n_senders, n_msgs = 8, 2000
     async with AsyncExitStack() as stack:
         rx = await stack.enter_async_context(msgq_trio.connect(broker.path, name="rx"))
-        senders = [await stack.enter_async_context(
-            msgq_trio.connect(broker.path, name=f"tx{i}")) for i in range(n_senders)]
+        senders = [
+            await stack.enter_async_context(msgq_trio.connect(broker.path, name=f"tx{i}"))
+            for i in range(n_senders)
+        ]
 
         async def pump(i: int, bus: Bus) -> None:
             for seq in range(n_msgs):
@@ -194,16 +215,21 @@ async def test_per_pair_ordering_many_senders(broker) -> None:
 async def test_members_in_join_order_with_names(broker) -> None:
     """members() lists lname, name and pid in join order; a member that leaves drops out
     and the others keep their order."""
-    async with msgq_trio.connect(broker.path, name="first") as first, \
-            msgq_trio.connect(broker.path, name="third") as third, \
-            msgq_trio.connect(broker.path, name="asker") as asker:
+    async with (
+        msgq_trio.connect(broker.path, name="first") as first,
+        msgq_trio.connect(broker.path, name="third") as third,
+        msgq_trio.connect(broker.path, name="asker") as asker,
+    ):
         await first.subscribe("Team")
         async with msgq_trio.connect(broker.path, name="second") as second:
             await second.subscribe("Team")
             await third.subscribe("Team")
             members = await asker.members("Team")
             assert [(m.lname, m.name) for m in members] == [
-                (first.lname, "first"), (second.lname, "second"), (third.lname, "third")]
+                (first.lname, "first"),
+                (second.lname, "second"),
+                (third.lname, "third"),
+            ]
             assert {m.pid for m in members} == {os.getpid()}
         assert [m.name for m in await asker.members("Team")] == ["first", "third"]
         assert await asker.members("NoSuchGroup") == []
@@ -226,8 +252,10 @@ async def test_attachments_round_trip_including_16_mib(broker) -> None:
     """Binary attachments (empty, small, 16 MiB) arrive byte for byte with the body, both
     in a message and in a request."""
     big = hashlib.shake_256(b"seed").digest(16 * 1024 * 1024)
-    async with msgq_trio.connect(broker.path, name="tx") as tx, \
-            msgq_trio.connect(broker.path, name="rx") as rx:
+    async with (
+        msgq_trio.connect(broker.path, name="tx") as tx,
+        msgq_trio.connect(broker.path, name="rx") as rx,
+    ):
         await rx.subscribe("Blobs")
 
         @rx.command("digest")
@@ -249,9 +277,11 @@ async def test_attachments_round_trip_including_16_mib(broker) -> None:
 async def test_notifications(broker) -> None:
     """notify() arrives as kind 'notification' with .event and params at every subscriber
     but the publisher; on_notification callbacks get them instead of iteration."""
-    async with msgq_trio.connect(broker.path, name="pub") as pub, \
-            msgq_trio.connect(broker.path, name="iter") as it, \
-            msgq_trio.connect(broker.path, name="cb") as cb:
+    async with (
+        msgq_trio.connect(broker.path, name="pub") as pub,
+        msgq_trio.connect(broker.path, name="iter") as it,
+        msgq_trio.connect(broker.path, name="cb") as cb,
+    ):
         got: list[tuple[str, str | None, object, str]] = []
         arrived = trio.Event()
 
@@ -265,7 +295,12 @@ async def test_notifications(broker) -> None:
         await pub.notify("Events", "zone-added", {"zone": "example.org"})
         msg = await it.receive(timeout=5)
         assert (msg.kind, msg.event, msg.body, msg.sender, msg.target) == (
-            "notification", "zone-added", {"zone": "example.org"}, pub.lname, "Events")
+            "notification",
+            "zone-added",
+            {"zone": "example.org"},
+            pub.lname,
+            "Events",
+        )
         with trio.fail_after(5):
             await arrived.wait()
         assert got == [("notification", "zone-added", {"zone": "example.org"}, pub.lname)]

@@ -44,15 +44,20 @@ async def serve_calc(bus: Bus) -> None:
 async def test_call_returns_result(broker) -> None:
     """call() returns the handler's result (sync and async handlers) via the group, the
     lname, G[0] and G[?]; the handler sees the caller's true identity."""
-    async with msgq_trio.connect(broker.path, name="calc") as calc, \
-            msgq_trio.connect(broker.path, name="user") as user:
+    async with (
+        msgq_trio.connect(broker.path, name="calc") as calc,
+        msgq_trio.connect(broker.path, name="user") as user,
+    ):
         await serve_calc(calc)
         assert await user.call("Calc", "add", [1, 2, 3]) == 6
         assert await user.call(calc.lname, "slow_add", [4, 5]) == 9
         assert await user.call("Calc[0]", "add", [10]) == 10
         assert await user.call("Calc[?]", "add", []) == 0
         assert await user.call("Calc", "whoami") == {
-            "me": calc.lname, "caller": user.lname, "caller_name": "user"}
+            "me": calc.lname,
+            "caller": user.lname,
+            "caller_name": "user",
+        }
         results = [await user.call("Calc", "add", [i, i]) for i in range(50)]
         assert results == [2 * i for i in range(50)]
 
@@ -60,8 +65,10 @@ async def test_call_returns_result(broker) -> None:
 async def test_command_name_must_be_a_string(broker) -> None:
     """A non-string command is the caller's mistake: UsageError locally, nothing sent, and
     the connection carries on (a cached request header must not hide the check)."""
-    async with msgq_trio.connect(broker.path, name="calc") as calc, \
-            msgq_trio.connect(broker.path, name="user") as user:
+    async with (
+        msgq_trio.connect(broker.path, name="calc") as calc,
+        msgq_trio.connect(broker.path, name="user") as user,
+    ):
         await serve_calc(calc)
         with pytest.raises(msgq_trio.UsageError, match="command must be a str"):
             await user.call("Calc", ["add"], [1])  # type: ignore[arg-type]
@@ -72,11 +79,11 @@ async def test_command_name_must_be_a_string(broker) -> None:
 async def test_sigkill_callee_fails_100_pending_calls_at_once(broker, spawn_client) -> None:
     """100 calls pending on a callee process that is SIGKILLed all raise RecipientGone
     within 2 s (the broker's request timeout stays at its 300 s default: no timer)."""
-    victim = spawn_client(broker.path, name="victim", groups=["Victim"],
-                          commands={"work": "hang"})
+    victim = spawn_client(broker.path, name="victim", groups=["Victim"], commands={"work": "hang"})
     outcomes: list[BaseException | object] = []
     all_done = trio.Event()
     async with msgq_trio.connect(broker.path, name="caller") as caller:
+
         async def one(i: int) -> None:
             try:
                 outcomes.append(await caller.call("Victim", "work", i))
@@ -105,13 +112,16 @@ async def test_sigkill_callee_fails_100_pending_calls_at_once(broker, spawn_clie
     assert elapsed < 10.0
 
 
-@pytest.mark.parametrize("target", ["EmptyGroup", "l.999999", "Solo[5]", "EmptyGroup[?]",
-                                    "EmptyGroup[0]"])
+@pytest.mark.parametrize(
+    "target", ["EmptyGroup", "l.999999", "Solo[5]", "EmptyGroup[?]", "EmptyGroup[0]"]
+)
 async def test_no_recipient_at_once(broker, target: str) -> None:
     """A call to an empty group, an unknown lname or an instance index out of range raises
     NoRecipient immediately."""
-    async with msgq_trio.connect(broker.path, name="solo") as solo, \
-            msgq_trio.connect(broker.path, name="caller") as caller:
+    async with (
+        msgq_trio.connect(broker.path, name="solo") as solo,
+        msgq_trio.connect(broker.path, name="caller") as caller,
+    ):
         await solo.subscribe("Solo")
         t0 = trio.current_time()
         with pytest.raises(NoRecipient) as ei:
@@ -123,9 +133,11 @@ async def test_no_recipient_at_once(broker, target: str) -> None:
 async def test_call_to_group_of_two(broker) -> None:
     """A single-answer call to a group with 2 members raises MultipleRecipients and reaches
     neither member."""
-    async with msgq_trio.connect(broker.path, name="a") as a, \
-            msgq_trio.connect(broker.path, name="b") as b, \
-            msgq_trio.connect(broker.path, name="caller") as caller:
+    async with (
+        msgq_trio.connect(broker.path, name="a") as a,
+        msgq_trio.connect(broker.path, name="b") as b,
+        msgq_trio.connect(broker.path, name="caller") as caller,
+    ):
         calls: list[str] = []
 
         def recorder(lname: str) -> Any:
@@ -145,8 +157,10 @@ async def test_black_hole_times_out_at_broker_deadline(broker_factory) -> None:
     """With --request-timeout 0.5 a call to a handler that never answers raises
     RequestTimeout after about 0.5 s, and the broker logs an ERROR naming both lnames."""
     b = broker_factory("--request-timeout", "0.5")
-    async with msgq_trio.connect(b.path, name="hole") as hole, \
-            msgq_trio.connect(b.path, name="asker") as asker:
+    async with (
+        msgq_trio.connect(b.path, name="hole") as hole,
+        msgq_trio.connect(b.path, name="asker") as asker,
+    ):
         await hole.subscribe("Hole")
 
         @hole.command("swallow")
@@ -167,8 +181,11 @@ async def test_black_hole_times_out_at_broker_deadline(broker_factory) -> None:
 async def test_caller_timeout(broker) -> None:
     """call(timeout=0.3) to a handler that never answers raises RequestTimeout after about
     0.3 s even though the broker's own deadline is 300 s."""
-    async with msgq_trio.connect(broker.path, name="hole") as hole, \
-            msgq_trio.connect(broker.path, name="asker") as asker:
+    async with (
+        msgq_trio.connect(broker.path, name="hole") as hole,
+        msgq_trio.connect(broker.path, name="asker") as asker,
+    ):
+
         @hole.command("swallow")
         async def swallow(_params: object) -> None:
             await trio.sleep_forever()
@@ -182,8 +199,10 @@ async def test_caller_timeout(broker) -> None:
 async def test_handler_errors_map_to_codes(broker) -> None:
     """CommandFailed keeps code/message/data; ValueError is bad-request; RuntimeError is
     internal-error naming the type; an unknown command is unknown-command."""
-    async with msgq_trio.connect(broker.path, name="svc") as svc, \
-            msgq_trio.connect(broker.path, name="caller") as caller:
+    async with (
+        msgq_trio.connect(broker.path, name="svc") as svc,
+        msgq_trio.connect(broker.path, name="caller") as caller,
+    ):
         await svc.subscribe("Svc")
 
         @svc.command("missing")
@@ -201,7 +220,10 @@ async def test_handler_errors_map_to_codes(broker) -> None:
         with pytest.raises(RemoteError) as ei:
             await caller.call("Svc", "missing")
         assert (ei.value.code, ei.value.message, ei.value.data) == (
-            "zone-missing", "no such zone", {"zone": "x"})
+            "zone-missing",
+            "no such zone",
+            {"zone": "x"},
+        )
         assert ei.value.sender == svc.lname
 
         with pytest.raises(RemoteError) as ei:
@@ -251,9 +273,11 @@ async def test_call_all(broker) -> None:
 
 async def test_call_all_with_a_failing_member(broker) -> None:
     """call_all(): a member whose handler fails yields an error Result, others succeed."""
-    async with msgq_trio.connect(broker.path, name="ok") as ok, \
-            msgq_trio.connect(broker.path, name="bad") as bad, \
-            msgq_trio.connect(broker.path, name="caller") as caller:
+    async with (
+        msgq_trio.connect(broker.path, name="ok") as ok,
+        msgq_trio.connect(broker.path, name="bad") as bad,
+        msgq_trio.connect(broker.path, name="caller") as caller,
+    ):
         ok.add_command("x", lambda p: "fine")
 
         def fail(_p: object) -> None:
@@ -272,18 +296,19 @@ async def test_call_many_50_instances_with_a_sigkill(broker, spawn_client) -> No
     """call_many over Workers[0..49] (50 connections in two helper processes): SIGKILL the
     process holding 3 of them while all calls are pending -> exactly those 3 raise
     RecipientGone, the other 47 succeed with their own instance's answer."""
-    steady = spawn_client(broker.path, name="steady", groups=["Workers"],
-                          commands={"work": "echo"}, count=47)
-    doomed = spawn_client(broker.path, name="doomed", groups=["Workers"],
-                          commands={"work": "hang"}, count=3)
+    steady = spawn_client(
+        broker.path, name="steady", groups=["Workers"], commands={"work": "echo"}, count=47
+    )
+    doomed = spawn_client(
+        broker.path, name="doomed", groups=["Workers"], commands={"work": "hang"}, count=3
+    )
     async with msgq_trio.connect(broker.path, name="boss") as boss:
         members = await boss.members("Workers")
         assert [m.lname for m in members] == steady.lnames + doomed.lnames
         results: list[Result] = []
 
         async def run() -> None:
-            results.extend(await boss.call_many(
-                [(f"Workers[{i}]", "work", i) for i in range(50)]))
+            results.extend(await boss.call_many([(f"Workers[{i}]", "work", i) for i in range(50)]))
 
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
@@ -304,8 +329,10 @@ async def test_call_many_50_instances_with_a_sigkill(broker, spawn_client) -> No
 async def test_call_cb_and_call_many_cb(broker) -> None:
     """call_cb runs its callback with (True, result) or (False, error); call_many_cb runs
     its callback once with every Result."""
-    async with msgq_trio.connect(broker.path, name="calc") as calc, \
-            msgq_trio.connect(broker.path, name="user") as user:
+    async with (
+        msgq_trio.connect(broker.path, name="calc") as calc,
+        msgq_trio.connect(broker.path, name="user") as user,
+    ):
         await serve_calc(calc)
         got: list[tuple[str, Any]] = []
         done = trio.Event()
@@ -315,12 +342,14 @@ async def test_call_cb_and_call_many_cb(broker) -> None:
                 got.append((tag, args))
                 if len(got) == 3:
                     done.set()
+
             return cb
 
         user.call_cb("Calc", "add", [2, 3], record("ok"))
         user.call_cb("Nobody", "add", [1], record("err"))
-        user.call_many_cb([("Calc", "add", [1]), ("Calc", "slow_add", [2, 2]),
-                           ("Nobody", "add")], record("many"))
+        user.call_many_cb(
+            [("Calc", "add", [1]), ("Calc", "slow_add", [2, 2]), ("Nobody", "add")], record("many")
+        )
         with trio.fail_after(10):
             await done.wait()
         by_tag = dict(got)
@@ -363,8 +392,10 @@ async def test_membership_events_of_a_sigkilled_client(broker, spawn_client) -> 
 async def test_caller_leaves_with_pending_calls(broker) -> None:
     """When a caller disconnects with calls pending, the callee's late answers are
     discarded and the broker stays healthy: nothing pending, others can still call."""
-    async with msgq_trio.connect(broker.path, name="callee") as callee, \
-            msgq_trio.connect(broker.path, name="other") as other:
+    async with (
+        msgq_trio.connect(broker.path, name="callee") as callee,
+        msgq_trio.connect(broker.path, name="other") as other,
+    ):
         await callee.subscribe("Slow")
         started = 0
         all_started = trio.Event()
@@ -383,8 +414,10 @@ async def test_caller_leaves_with_pending_calls(broker) -> None:
         def echo(params: object) -> object:
             return params
 
-        async with msgq_trio.connect(broker.path, name="impatient") as impatient, \
-                trio.open_nursery() as nursery:
+        async with (
+            msgq_trio.connect(broker.path, name="impatient") as impatient,
+            trio.open_nursery() as nursery,
+        ):
             for i in range(5):
                 nursery.start_soon(impatient.call, "Slow", "slow", i)
             with trio.fail_after(10):
@@ -411,8 +444,7 @@ async def test_request_to_self(broker) -> None:
 async def test_helper_process_reports_json(broker, spawn_client) -> None:
     """The helper client process serves 'echo' on every connection it opens (sanity check
     of the fixture the fault tests rely on)."""
-    helper = spawn_client(broker.path, name="h", groups=["H"], commands={"e": "echo"},
-                          count=2)
+    helper = spawn_client(broker.path, name="h", groups=["H"], commands={"e": "echo"}, count=2)
     assert len(set(helper.lnames)) == 2
     async with msgq_trio.connect(broker.path) as bus:
         for i, lname in enumerate(helper.lnames):

@@ -16,16 +16,20 @@ from msgq_trio.protocol.codes import FrameType
 from msgq_trio.protocol.framing import encode_cbor, encode_frame
 
 
-async def settled_stats(bus: msgq_trio.Bus, connections: int,
-                        like: dict[str, Any] | None = None) -> dict[str, Any]:
+async def settled_stats(
+    bus: msgq_trio.Bus, connections: int, like: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The broker's stats once only ``connections`` connections remain and (with ``like``)
     its fds and tasks are back to ``like``'s. Closing finishes asynchronously, so this
     polls for up to 10 s and then returns the last figures for the caller to assert on."""
     keys = ("fds", "tasks") if like is not None else ()
     for _ in range(200):
         stats = await bus.call("msgq", "stats")
-        if (stats["connections"] == connections and stats["sockets"] == connections
-                and all(stats[k] == like[k] for k in keys)):  # type: ignore[index]
+        if (
+            stats["connections"] == connections
+            and stats["sockets"] == connections
+            and all(stats[k] == like[k] for k in keys)
+        ):  # type: ignore[index]
             break
         await trio.sleep(0.05)
     assert stats["connections"] == connections, stats
@@ -39,18 +43,21 @@ async def test_repeated_faults_leave_no_residue(broker, spawn_client, raw_peer) 
     absurd length prefix or half a frame and vanish. Afterwards the broker is back to its
     baseline: one connection, no pending calls, no groups, no queued bytes, the same number
     of file descriptors and trio tasks."""
-    half_frame = b"".join(encode_frame(FrameType.MESSAGE, target="Soak",
-                                       body=encode_cbor("x" * 200)))[:60]
+    half_frame = b"".join(
+        encode_frame(FrameType.MESSAGE, target="Soak", body=encode_cbor("x" * 200))
+    )[:60]
     async with msgq_trio.connect(broker.path, name="observer") as obs:
         base = await settled_stats(obs, 1)
         for rnd in range(8):
-            helper = spawn_client(broker.path, name=f"soak{rnd}", groups=["Soak"],
-                                  commands={"w": "hang"}, count=5)
+            helper = spawn_client(
+                broker.path, name=f"soak{rnd}", groups=["Soak"], commands={"w": "hang"}, count=5
+            )
             results: list[msgq_trio.Result] = []
 
             async def run() -> None:
-                results.extend(await obs.call_many(  # noqa: B023 - awaited in this round
-                    [(f"Soak[{i % 5}]", "w", i) for i in range(20)]))
+                results.extend(  # noqa: B023 - awaited in this round
+                    await obs.call_many([(f"Soak[{i % 5}]", "w", i) for i in range(20)])
+                )
 
             with trio.fail_after(20):
                 async with trio.open_nursery() as nursery:
@@ -60,9 +67,11 @@ async def test_repeated_faults_leave_no_residue(broker, spawn_client, raw_peer) 
                     helper.sigkill()
             assert len(results) == 20
             assert all(isinstance(r.error, RecipientGone) for r in results)
-            for payload in (b"\x00\x00\x00\x1c" + b"\xee" * 28,
-                            struct.pack(">I", 0xFFFFFFF0),
-                            half_frame):
+            for payload in (
+                b"\x00\x00\x00\x1c" + b"\xee" * 28,
+                struct.pack(">I", 0xFFFFFFF0),
+                half_frame,
+            ):
                 async with raw_peer(broker.path) as raw:
                     assert (await raw.hello(f"raw{rnd}")).type == FrameType.WELCOME
                     await raw.send_bytes(payload)
@@ -76,18 +85,46 @@ async def test_repeated_faults_leave_no_residue(broker, spawn_client, raw_peer) 
 
 def mutated_stream(rng: random.Random) -> bytes:
     """A HELLO followed by valid frames with a few random byte-level mutations."""
-    frames = [b"".join(encode_frame(FrameType.HELLO, header=encode_cbor(
-        {"version": 1, "name": f"fuzz{rng.randrange(1000)}"})))]
+    frames = [
+        b"".join(
+            encode_frame(
+                FrameType.HELLO,
+                header=encode_cbor({"version": 1, "name": f"fuzz{rng.randrange(1000)}"}),
+            )
+        )
+    ]
     for _ in range(rng.randrange(1, 6)):
-        ftype = rng.choice([FrameType.MESSAGE, FrameType.REQUEST, FrameType.NOTIFY,
-                            FrameType.REPLY, FrameType.ERROR])
-        frames.append(b"".join(encode_frame(
-            ftype, target=rng.choice(["Fuzz", "msgq", "l.1", "Fuzz[0]", "Fuzz[?]", "x"]),
-            request_id=rng.randrange(3),
-            header=encode_cbor(rng.choice([{"cmd": "ping"}, {"cmd": "subscribe"},
-                                           {"event": "e"}, {"code": "c"}, {}])),
-            body=encode_cbor(rng.choice([None, {"group": "Fuzz"}, [1, 2], "x" * 50])),
-            blobs=[bytes(rng.randrange(40))] * rng.randrange(3))))
+        ftype = rng.choice(
+            [
+                FrameType.MESSAGE,
+                FrameType.REQUEST,
+                FrameType.NOTIFY,
+                FrameType.REPLY,
+                FrameType.ERROR,
+            ]
+        )
+        frames.append(
+            b"".join(
+                encode_frame(
+                    ftype,
+                    target=rng.choice(["Fuzz", "msgq", "l.1", "Fuzz[0]", "Fuzz[?]", "x"]),
+                    request_id=rng.randrange(3),
+                    header=encode_cbor(
+                        rng.choice(
+                            [
+                                {"cmd": "ping"},
+                                {"cmd": "subscribe"},
+                                {"event": "e"},
+                                {"code": "c"},
+                                {},
+                            ]
+                        )
+                    ),
+                    body=encode_cbor(rng.choice([None, {"group": "Fuzz"}, [1, 2], "x" * 50])),
+                    blobs=[bytes(rng.randrange(40))] * rng.randrange(3),
+                )
+            )
+        )
     data = bytearray(b"".join(frames))
     for _ in range(rng.randrange(0, 4)):
         pos = rng.randrange(len(data))
@@ -107,8 +144,10 @@ async def test_fuzzed_streams_against_a_live_broker(broker_factory, raw_peer) ->
     b = broker_factory("--idle-in-frame-timeout", "0.2", "--handshake-timeout", "0.5")
     rng = random.Random(20240601)
     goodbye = b"".join(encode_frame(FrameType.GOODBYE))
-    async with msgq_trio.connect(b.path, name="left") as left, \
-            msgq_trio.connect(b.path, name="right") as right:
+    async with (
+        msgq_trio.connect(b.path, name="left") as left,
+        msgq_trio.connect(b.path, name="right") as right,
+    ):
         await right.subscribe("Fuzz")
         base = await settled_stats(left, 2)
 

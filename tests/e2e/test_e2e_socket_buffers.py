@@ -21,12 +21,15 @@ def sndbufs(pid: int) -> list[int]:
     """SO_SNDBUF (``tb`` in ``ss -m``) of every connected Unix stream socket of ``pid``."""
     out = subprocess.run(
         ["ss", "-x", "-m", "-p", "state", "established"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     # One socket per entry; -p and -m may wrap onto a second line.
     entries = re.split(r"\n(?=u_str)", out)
-    return [int(m.group(1)) for e in entries
-            if f"pid={pid}," in e and (m := re.search(r"\btb(\d+)", e))]
+    return [
+        int(m.group(1)) for e in entries if f"pid={pid}," in e and (m := re.search(r"\btb(\d+)", e))
+    ]
 
 
 def expected(asked: int) -> int:
@@ -34,8 +37,14 @@ def expected(asked: int) -> int:
     return WMEM_DEFAULT if asked == 0 else 2 * min(asked, WMEM_MAX)
 
 
-@pytest.mark.parametrize("flags,asked", [((), 1 * MiB), (("--socket-send-buffer", "0"), 0),
-                                         (("--socket-send-buffer", "262144"), 262144)])
+@pytest.mark.parametrize(
+    "flags,asked",
+    [
+        ((), 1 * MiB),
+        (("--socket-send-buffer", "0"), 0),
+        (("--socket-send-buffer", "262144"), 262144),
+    ],
+)
 async def test_broker_sets_each_client_socket_send_buffer(broker_factory, flags, asked) -> None:
     b = broker_factory(*flags)
     before = sndbufs(b.pid)

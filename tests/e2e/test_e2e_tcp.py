@@ -130,8 +130,9 @@ def tcp_broker(short_tmp: Path) -> Iterator[Callable[..., TcpBroker]]:
         log_path = path.with_name(path.name + ".log")
         argv = make_broker_argv(path, "--config", str(cfg))
         with open(log_path, "wb") as err:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+            )
         bp = BrokerProcess(path, proc, log_path, argv)
         started.append(bp)
         assert proc.stdout is not None
@@ -159,9 +160,7 @@ async def open_raw_tcp(url: str) -> RawPeer:
 
 # -- authentication ------------------------------------------------------------------------
 @pytest.mark.parametrize("token", [None, "wrong-token-123"])
-async def test_tcp_without_valid_credentials_is_refused_before_routing(
-    tcp_broker, token
-) -> None:
+async def test_tcp_without_valid_credentials_is_refused_before_routing(tcp_broker, token) -> None:
     """No token / a wrong one: ConnectError code unauthenticated; a raw client that
     pipelines a MESSAGE right behind its HELLO gets ERROR unauthenticated and the message
     reaches nobody; the refusal is logged at WARNING with the address, never the token."""
@@ -176,10 +175,16 @@ async def test_tcp_without_valid_credentials_is_refused_before_routing(
         extra = {} if token is None else {"token": token}
         hello = encode_cbor({"version": 1, "name": "raw", **extra})
         await raw.send_bytes(
-            b"".join(bytes(p) for p in msgq_trio.protocol.framing.encode_frame(
-                FrameType.HELLO, header=hello))
-            + b"".join(bytes(p) for p in msgq_trio.protocol.framing.encode_frame(
-                FrameType.MESSAGE, target="ok.news", body=encode_cbor("sneaked")))
+            b"".join(
+                bytes(p)
+                for p in msgq_trio.protocol.framing.encode_frame(FrameType.HELLO, header=hello)
+            )
+            + b"".join(
+                bytes(p)
+                for p in msgq_trio.protocol.framing.encode_frame(
+                    FrameType.MESSAGE, target="ok.news", body=encode_cbor("sneaked")
+                )
+            )
         )
         answer = await raw.receive_frame()
         assert answer is not None and answer.type == FrameType.ERROR
@@ -199,8 +204,10 @@ async def test_valid_token_works_end_to_end(tcp_broker) -> None:
     """A TCP client with a valid token: WELCOME names its identity, RPC both ways,
     messages both ways, subscriptions; others see it with its stamp."""
     b = tcp_broker()
-    async with msgq_trio.connect(b.path, name="svc") as svc, \
-            msgq_trio.connect(b.url, name="remote", token=ALICE) as remote:
+    async with (
+        msgq_trio.connect(b.path, name="svc") as svc,
+        msgq_trio.connect(b.url, name="remote", token=ALICE) as remote,
+    ):
         assert remote._welcome["identity"] == "tcp:alice"
         await svc.subscribe("Svc")
         svc.add_command("add", lambda p: sum(p))  # noqa: PLW0108 (sum takes 2 params)
@@ -265,8 +272,12 @@ async def test_forbidden_send_subscribe_call_consume(tcp_broker) -> None:
             pytest.fail(f"a forbidden message was routed: {msg!r}")
         assert len(calls) == 1
     log = b.log()
-    for what in ("subscribe to 'Secret'", "call to 'Secret'", "consume (queue command "
-                 "'fetch') on 'payroll'", "send to 'Secret'"):
+    for what in (
+        "subscribe to 'Secret'",
+        "call to 'Secret'",
+        "consume (queue command 'fetch') on 'payroll'",
+        "send to 'Secret'",
+    ):
         assert "tcp:alice@127.0.0.1:" in log and what in log, what
 
 
@@ -276,9 +287,11 @@ async def test_policy_reload_drops_clients_holding_revoked_memberships(tcp_broke
     (and the log names her); her other connection, whose membership the new rules still
     cover, keeps working, and the group no longer lists the dropped one."""
     b = tcp_broker()
-    async with msgq_trio.connect(b.url, name="news", token=ALICE) as news, \
-            msgq_trio.connect(b.url, name="other", token=ALICE) as other, \
-            msgq_trio.connect(b.path, name="local") as local:
+    async with (
+        msgq_trio.connect(b.url, name="news", token=ALICE) as news,
+        msgq_trio.connect(b.url, name="other", token=ALICE) as other,
+        msgq_trio.connect(b.path, name="local") as local,
+    ):
         await news.subscribe("ok.news")
         await other.subscribe("ok.other")
         assert [m.lname for m in await local.members("ok.news")] == [news.lname]
@@ -307,8 +320,10 @@ async def test_identity_without_rules_gets_nothing(tcp_broker) -> None:
     """An authenticated TCP identity that no rule names may only ping and ask the
     version: the TCP default is deny."""
     b = tcp_broker()
-    async with msgq_trio.connect(b.path, name="svc") as svc, \
-            msgq_trio.connect(b.url, name="m", token=MALLORY) as m:
+    async with (
+        msgq_trio.connect(b.path, name="svc") as svc,
+        msgq_trio.connect(b.url, name="m", token=MALLORY) as m,
+    ):
         await svc.subscribe("ok.x")
         assert (await m.version())["protocol"] == 1
         with pytest.raises(Forbidden):
@@ -320,8 +335,7 @@ async def test_identity_without_rules_gets_nothing(tcp_broker) -> None:
 async def test_unix_clients_unaffected_by_tcp_only_policy(tcp_broker) -> None:
     """Rules that name only TCP identities leave Unix clients with everything."""
     b = tcp_broker()
-    async with msgq_trio.connect(b.path, name="a") as a, \
-            msgq_trio.connect(b.path, name="c") as c:
+    async with msgq_trio.connect(b.path, name="a") as a, msgq_trio.connect(b.path, name="c") as c:
         await a.subscribe("Secret")
         a.add_command("echo", lambda p: p)
         assert await c.call("Secret", "echo", 5) == 5
@@ -351,9 +365,11 @@ async def test_bind_is_open_without_a_policy_and_needs_a_grant_with_one(
     lists, and a refused bind is answered Forbidden, logged with its identity, and leaves
     the traffic with the members."""
     b = tcp_broker(rules=rules)
-    async with msgq_trio.connect(b.path, name="member") as member, \
-            msgq_trio.connect(b.path, name="binder") as binder, \
-            msgq_trio.connect(b.path, name="sender") as sender:
+    async with (
+        msgq_trio.connect(b.path, name="member") as member,
+        msgq_trio.connect(b.path, name="binder") as binder,
+        msgq_trio.connect(b.path, name="sender") as sender,
+    ):
         for g in ("G", "H", "End"):
             await member.subscribe(g)
         for g in ("G", "H"):
@@ -384,8 +400,10 @@ async def test_bind_is_open_without_a_policy_and_needs_a_grant_with_one(
 async def test_control_commands_need_a_control_grant(tcp_broker) -> None:
     """TCP clients may not use control commands unless a rule grants control."""
     b = tcp_broker(rules=[*DEFAULT_RULES, {"who": ["tcp:mallory"], "control": True}])
-    async with msgq_trio.connect(b.url, name="r", token=ALICE) as r, \
-            msgq_trio.connect(b.url, name="m", token=MALLORY) as m:
+    async with (
+        msgq_trio.connect(b.url, name="r", token=ALICE) as r,
+        msgq_trio.connect(b.url, name="m", token=MALLORY) as m,
+    ):
         with pytest.raises(Forbidden, match="tcp:alice"):
             await r.call("msgq", "clients")
         rows = await m.call("msgq", "clients")
@@ -425,31 +443,35 @@ async def test_tls_token_and_client_certificate(tcp_broker, pki) -> None:
     as its CN (carol, granted by a rule); a certificate from another CA fails the
     handshake; a client that does not trust the broker's certificate refuses it."""
     rules = [*DEFAULT_RULES, {"who": ["tcp:carol"], "call": ["Svc"]}]
-    b = tcp_broker(rules=rules, certfile=pki["certfile"], keyfile=pki["certfile"],
-                   client_ca=pki["client_ca"])
+    b = tcp_broker(
+        rules=rules, certfile=pki["certfile"], keyfile=pki["certfile"], client_ca=pki["client_ca"]
+    )
     assert b.url.startswith("tls://")
     async with msgq_trio.connect(b.path, name="svc") as svc:
         await svc.subscribe("Svc")
         svc.add_command("who", lambda _p, req: req.sender_name)
-        async with msgq_trio.connect(b.url, name="tok", token=ALICE,
-                                     ssl_context=client_ctx(pki["ca"])) as t:
+        async with msgq_trio.connect(
+            b.url, name="tok", token=ALICE, ssl_context=client_ctx(pki["ca"])
+        ) as t:
             assert await t.call("Svc", "who") == "tok"
-        async with msgq_trio.connect(b.url, name="cert",
-                                     ssl_context=client_ctx(pki["ca"], pki["carol"])) as c:
+        async with msgq_trio.connect(
+            b.url, name="cert", ssl_context=client_ctx(pki["ca"], pki["carol"])
+        ) as c:
             assert c._welcome["identity"] == "tcp:carol"
             assert await c.call("Svc", "who") == "cert"
         with pytest.raises(ConnectError):
-            async with msgq_trio.connect(b.url, name="eve",
-                                         ssl_context=client_ctx(pki["ca"], pki["eve"])):
+            async with msgq_trio.connect(
+                b.url, name="eve", ssl_context=client_ctx(pki["ca"], pki["eve"])
+            ):
                 pass
         with pytest.raises(ConnectError) as ei:
-            async with msgq_trio.connect(b.url, name="x", token=ALICE,
-                                         ssl_context=client_ctx(pki["other"])):
+            async with msgq_trio.connect(
+                b.url, name="x", token=ALICE, ssl_context=client_ctx(pki["other"])
+            ):
                 pass
         assert "TLS" in str(ei.value)
         with pytest.raises(ConnectError) as ei:
-            async with msgq_trio.connect(b.url, name="notoken",
-                                         ssl_context=client_ctx(pki["ca"])):
+            async with msgq_trio.connect(b.url, name="notoken", ssl_context=client_ctx(pki["ca"])):
                 pass
         assert ei.value.code == "unauthenticated"
     b.log_with("TLS handshake failed")
@@ -462,8 +484,7 @@ async def test_sigstopped_tcp_client_dropped_and_its_calls_fail(
     """A TCP client process that stops (SIGSTOP: no FIN, no RST) is dropped after
     heartbeat_misses x heartbeat_interval (3 x 0.5 s); the call it was serving fails
     RecipientGone for the caller, as on a Unix disconnect."""
-    b = tcp_broker(rules=[{"who": ["tcp:alice"], "subscribe": ["*"], "send": ["*"],
-                           "call": ["*"]}])
+    b = tcp_broker(rules=[{"who": ["tcp:alice"], "subscribe": ["*"], "send": ["*"], "call": ["*"]}])
     monkeypatch.setenv("MSGQ_TRIO_TOKEN", ALICE)
     helper = spawn_client(b.url, name="stopped", groups=["Hang"], commands={"h": "hang"})
     async with msgq_trio.connect(b.path, name="caller") as caller:
@@ -502,14 +523,17 @@ async def test_tcp_sender_killed_while_paused_fails_its_callers_fast(
     caller gets recipient-gone within the call's 5 s (without the hang-up poll the
     broker would see the FIN only after slow_consumer_timeout, 10 s, drops the
     subscriber)."""
-    b = tcp_broker(rules=[{"who": ["tcp:alice"], "subscribe": ["*"], "send": ["*"],
-                           "call": ["*"]}])
+    b = tcp_broker(rules=[{"who": ["tcp:alice"], "subscribe": ["*"], "send": ["*"], "call": ["*"]}])
     monkeypatch.setenv("MSGQ_TRIO_TOKEN", ALICE)
     sink = spawn_client(b.path, name="sink", groups=["Sink"])
     os.kill(sink.pid, signal.SIGSTOP)
     try:
-        flooder = spawn_client(b.url, name="flooder", commands={"work": "hang"},
-                               flood={"target": "Sink", "size": 65536})
+        flooder = spawn_client(
+            b.url,
+            name="flooder",
+            commands={"work": "hang"},
+            flood={"target": "Sink", "size": 65536},
+        )
         async with msgq_trio.connect(b.path, name="caller") as caller:
             outcome = await call_paused_then_kill(caller, flooder, timeout=5)
             assert [type(e) for e in outcome] == [RecipientGone]
@@ -566,15 +590,18 @@ async def test_idle_tcp_client_is_kept(tcp_broker) -> None:
 
 
 # -- configuration -------------------------------------------------------------------------
-@pytest.mark.parametrize(("data", "needle"), [
-    ({"tcp": {"listen": ["0.0.0.0:7000"], "insecure": True}}, "loopback addresses only"),
-    ({"tcp": {"listen": ["127.0.0.1:7000"]}}, "tcp.insecure"),
-    ({"tcp": {"tokens": {"alice": "plaintext-token"}}}, "sha256:"),
-    ({"tcp": {"certfile": "c.pem"}}, "together"),
-    ({"access": {"rule": [{"who": ["tcp:a"], "sendd": ["x"]}]}}, "did you mean send"),
-    ({"access": {"rule": [{"send": ["x"]}]}}, "needs a 'who'"),
-    ({"access": {"rule": [{"who": ["alice"]}]}}, "tcp:NAME"),
-])
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"tcp": {"listen": ["0.0.0.0:7000"], "insecure": True}}, "loopback addresses only"),
+        ({"tcp": {"listen": ["127.0.0.1:7000"]}}, "tcp.insecure"),
+        ({"tcp": {"tokens": {"alice": "plaintext-token"}}}, "sha256:"),
+        ({"tcp": {"certfile": "c.pem"}}, "together"),
+        ({"access": {"rule": [{"who": ["tcp:a"], "sendd": ["x"]}]}}, "did you mean send"),
+        ({"access": {"rule": [{"send": ["x"]}]}}, "needs a 'who'"),
+        ({"access": {"rule": [{"who": ["alice"]}]}}, "tcp:NAME"),
+    ],
+)
 def test_invalid_tcp_and_access_configuration_is_refused(data, needle) -> None:
     """Plain TCP off loopback, plain-text tokens, half a TLS setup and malformed rules
     are configuration errors naming the key, before anything listens."""
@@ -588,10 +615,11 @@ def test_access_rules_round_trip_through_the_configuration() -> None:
     """[[access.rule]] tables and [tcp] survive build -> to_dict -> build unchanged."""
     from msgq_trio.ops.config_file import build, to_dict
 
-    cfg = build({
-        "tcp": {"listen": ["127.0.0.1:0"], "insecure": True,
-                "tokens": {"a": hash_token("t")}},
-        "access": {"rule": [{"who": ["tcp:a"], "send": ["x.*"], "control": True}]},
-    })
+    cfg = build(
+        {
+            "tcp": {"listen": ["127.0.0.1:0"], "insecure": True, "tokens": {"a": hash_token("t")}},
+            "access": {"rule": [{"who": ["tcp:a"], "send": ["x.*"], "control": True}]},
+        }
+    )
     assert build(to_dict(cfg)) == cfg
     assert cfg.access.rules[0].send == ("x.*",)

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root: the test connects as another uid (nobody)")
+    os.geteuid() != 0, reason="needs root: the test connects as another uid (nobody)"
+)
 
 NOBODY = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else -1
 #: nobody's own group on Debian; the socket is shared with it.
@@ -50,8 +51,13 @@ CLIENT = textwrap.dedent("""
 
 def as_other(sock: Path, uid: int, gid: int) -> subprocess.CompletedProcess[str]:
     """Connect and ping as ``uid``/``gid`` (no supplementary groups)."""
-    return subprocess.run([sys.executable, "-c", CLIENT, str(sock), str(uid), str(gid)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", CLIENT, str(sock), str(uid), str(gid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -91,18 +97,27 @@ def test_private_mode_refuses_even_the_group(
     assert refused.returncode == 1 and "Permission denied" in refused.stderr, refused
 
 
-@pytest.mark.parametrize(("flags", "needle"), [
-    (["--socket-mode", "rw-rw----"], "socket_mode"),
-    (["--socket-mode", "01777"], "socket_mode"),
-    (["--socket-group", "no-such-group-xyz"], "no such group"),
-])
-def test_invalid_socket_settings_are_refused(short_tmp: Path, flags: list[str],
-                                             needle: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--socket-mode", "rw-rw----"], "socket_mode"),
+        (["--socket-mode", "01777"], "socket_mode"),
+        (["--socket-group", "no-such-group-xyz"], "no such group"),
+    ],
+)
+def test_invalid_socket_settings_are_refused(
+    short_tmp: Path, flags: list[str], needle: str
+) -> None:
     """A mode that is not octal permission bits or an unknown group: exit 2 with one
     line naming the setting, before any socket is made."""
     sock = short_tmp / "bad.sock"
-    r = subprocess.run([sys.executable, "-m", "msgq_trio", "serve", "-s", str(sock), *flags],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "msgq_trio", "serve", "-s", str(sock), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 2, r
     assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not os.path.lexists(sock)

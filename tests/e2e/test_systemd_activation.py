@@ -30,14 +30,22 @@ ACTIVATE = shutil.which("systemd-socket-activate")
 TIMEOUT = 60.0
 
 needs_activate = pytest.mark.skipif(
-    ACTIVATE is None, reason="systemd-socket-activate not installed (Debian: apt-get install "
-    "systemd)")
+    ACTIVATE is None,
+    reason="systemd-socket-activate not installed (Debian: apt-get install systemd)",
+)
 
 
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The real console script, ``msgq-trio ARGV``."""
-    return subprocess.run([MSGQ, *argv], capture_output=True, text=True, timeout=TIMEOUT,
-                          check=False, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.run(
+        [MSGQ, *argv],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def wait_for_line(path: Path, needle: str, proc: subprocess.Popen[bytes]) -> None:
@@ -73,8 +81,12 @@ def test_socket_activation_serves_the_first_client(short_tmp: Path, activated) -
     sock = short_tmp / "bus.sock"
     log = short_tmp / "activate.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([ACTIVATE or "", "-l", str(sock), MSGQ, "serve", "-s", str(sock)],
-                                stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [ACTIVATE or "", "-l", str(sock), MSGQ, "serve", "-s", str(sock)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )
     activated.append(proc)
     wait_for_line(log, "Listening on", proc)  # bound and listening; no broker yet
     first = run("call", "-s", str(sock), "msgq", "ping")
@@ -103,9 +115,23 @@ def test_socket_activation_of_a_tcp_listener(short_tmp: Path, activated) -> None
     log = short_tmp / "activate.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [ACTIVATE or "", "-l", str(sock), "-l", f"127.0.0.1:{port}", MSGQ, "serve",
-             "-s", str(sock), "--config", str(conf)],
-            stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+            [
+                ACTIVATE or "",
+                "-l",
+                str(sock),
+                "-l",
+                f"127.0.0.1:{port}",
+                MSGQ,
+                "serve",
+                "-s",
+                str(sock),
+                "--config",
+                str(conf),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )
     activated.append(proc)
     wait_for_line(log, f"127.0.0.1:{port}", proc)
     r = run("call", "msgq", "ping", "-s", f"tcp://127.0.0.1:{port}", "--token", token)
@@ -142,13 +168,21 @@ def test_ready_after_listeners_and_plugins_then_watchdog_and_stopping(
     broker exits 0. Nothing arrives before READY=1 except nothing at all."""
     rx, address = _notify_socket(short_tmp, abstract)
     sock = short_tmp / "bus.sock"
-    env = {**os.environ, "NOTIFY_SOCKET": address, "WATCHDOG_USEC": "200000",
-           "STATE_DIRECTORY": str(short_tmp / "state")}
+    env = {
+        **os.environ,
+        "NOTIFY_SOCKET": address,
+        "WATCHDOG_USEC": "200000",
+        "STATE_DIRECTORY": str(short_tmp / "state"),
+    }
     log = short_tmp / "broker.log"
     with rx, open(log, "wb") as err:
-        proc = subprocess.Popen([MSGQ, "serve", "-s", str(sock), "--plugin", "queue"],
-                                stdout=subprocess.DEVNULL, stderr=err,
-                                stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [MSGQ, "serve", "-s", str(sock), "--plugin", "queue"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         try:
             first = _receive(rx)
             assert first.get("READY") == "1", first

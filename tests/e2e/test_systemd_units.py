@@ -22,8 +22,10 @@ def blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", DEPLOY.read_text(), re.S)
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze not installed (Debian: apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze not installed (Debian: apt-get install systemd)",
+)
 def test_units_verify_without_warnings(short_tmp: Path) -> None:
     """Both units, with ExecStart pointed at this checkout's console script (verify
     checks that it is executable): exit 0 and nothing on stderr, where systemd reports
@@ -32,10 +34,16 @@ def test_units_verify_without_warnings(short_tmp: Path) -> None:
     assert "ListenStream=" in socket_unit and "Type=notify" in service_unit
     (short_tmp / "msgq-trio.socket").write_text(socket_unit)
     (short_tmp / "msgq-trio.service").write_text(
-        service_unit.replace("/usr/local/bin/msgq-trio", MSGQ))
-    r = subprocess.run(["systemd-analyze", "verify", "--man=no", "msgq-trio.socket",
-                        "msgq-trio.service"], cwd=short_tmp, capture_output=True, text=True,
-                       timeout=60, check=False)
+        service_unit.replace("/usr/local/bin/msgq-trio", MSGQ)
+    )
+    r = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", "msgq-trio.socket", "msgq-trio.service"],
+        cwd=short_tmp,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
 
 

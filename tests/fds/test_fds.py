@@ -313,8 +313,10 @@ async def test_burst_of_descriptor_messages_keeps_each_fd_with_its_message(broke
     must still belong to its own message (each pipe holds its message's index)."""
     pipes: list[tuple[int, int]] = []
     try:
-        async with msgq_trio.connect(broker.path, name="rx") as rx, \
-                msgq_trio.connect(broker.path, name="tx") as tx:
+        async with (
+            msgq_trio.connect(broker.path, name="rx") as rx,
+            msgq_trio.connect(broker.path, name="tx") as tx,
+        ):
             await rx.subscribe("Fds")
             plan = [i % 3 for i in range(600)]  # 0, 1 or 2 descriptors
             for i, k in enumerate(plan):
@@ -339,9 +341,7 @@ async def test_burst_of_descriptor_messages_keeps_each_fd_with_its_message(broke
             os.close(w)
 
 
-async def _watch_fd_bound(
-    pid: int, watch: Any, base: int, bound: int, progress: Any
-) -> None:
+async def _watch_fd_bound(pid: int, watch: Any, base: int, bound: int, progress: Any) -> None:
     """Sample ``pid``'s open descriptors until a sender is paused and nothing moves for
     a second; each sample must be within ``base + bound``, and the last ones must be near
     the bound (the test filled the queue). A sample taken early (a starved machine) can

@@ -77,8 +77,14 @@ class NetnsChain:
     token) in ``ns_b``. The test talks to both over their Unix sockets (pathname sockets
     do not belong to a network namespace); only the link crosses the veth pair."""
 
-    def __init__(self, factory: Factory, tmp: Path, ns: tuple[str, str],
-                 a_queue: dict[str, Any], link: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        factory: Factory,
+        tmp: Path,
+        ns: tuple[str, str],
+        a_queue: dict[str, Any],
+        link: dict[str, Any],
+    ) -> None:
         self.factory, self.ns = factory, {"a": ns[0], "b": ns[1]}
         self.veth_a = "mqva" + ns[0][3:]
         self.paths = {"a": tmp / "a.sock", "b": tmp / "b.sock"}
@@ -88,28 +94,52 @@ class NetnsChain:
         ca.cert_pem.write_to_path(str(tmp / "ca.pem"))
         cert.private_key_and_cert_chain_pem.write_to_path(str(tmp / "b.pem"))
         (tmp / "token").write_text(TOKEN + "\n")
-        a = [*_table("plugins.queue", {"dir": str(tmp / "a-store")}),
-             *_table('plugins.queue.queues."chain"', a_queue),
-             *_table("plugins.link.links.tob", {
-                 "address": f"tls://{B_IP}:{PORT}", "from_queue": "chain",
-                 "token_file": str(tmp / "token"), "tls": True, "tls_ca": str(tmp / "ca.pem"),
-                 **link})]
-        b = [*_table("tcp", {"listen": [f"{B_IP}:{PORT}"], "certfile": str(tmp / "b.pem"),
-                             "keyfile": str(tmp / "b.pem"),
-                             "tokens": {"broker-a": hash_token(TOKEN)},
-                             "heartbeat_interval": 0.5, "heartbeat_misses": 3}),
-             *_table("access.rule", {"who": ["tcp:broker-a"], "call": ["msgq-queue"],
-                                     "produce": ["chain"]}),
-             *_table("plugins.queue", {"dir": str(tmp / "b-store")}),
-             *_table('plugins.queue.queues."chain"', {})]
+        a = [
+            *_table("plugins.queue", {"dir": str(tmp / "a-store")}),
+            *_table('plugins.queue.queues."chain"', a_queue),
+            *_table(
+                "plugins.link.links.tob",
+                {
+                    "address": f"tls://{B_IP}:{PORT}",
+                    "from_queue": "chain",
+                    "token_file": str(tmp / "token"),
+                    "tls": True,
+                    "tls_ca": str(tmp / "ca.pem"),
+                    **link,
+                },
+            ),
+        ]
+        b = [
+            *_table(
+                "tcp",
+                {
+                    "listen": [f"{B_IP}:{PORT}"],
+                    "certfile": str(tmp / "b.pem"),
+                    "keyfile": str(tmp / "b.pem"),
+                    "tokens": {"broker-a": hash_token(TOKEN)},
+                    "heartbeat_interval": 0.5,
+                    "heartbeat_misses": 3,
+                },
+            ),
+            *_table(
+                "access.rule",
+                {"who": ["tcp:broker-a"], "call": ["msgq-queue"], "produce": ["chain"]},
+            ),
+            *_table("plugins.queue", {"dir": str(tmp / "b-store")}),
+            *_table('plugins.queue.queues."chain"', {}),
+        ]
         b = [line.replace("[access.rule]", "[[access.rule]]") for line in b]
         self.configs["a"].write_text("\n".join(a) + "\n")
         self.configs["b"].write_text("\n".join(b) + "\n")
         self.brokers: dict[str, Any] = {}
 
     def start(self, broker: str) -> Any:
-        b = self.factory("--config", str(self.configs[broker]), path=self.paths[broker],
-                         prefix=("ip", "netns", "exec", self.ns[broker]))
+        b = self.factory(
+            "--config",
+            str(self.configs[broker]),
+            path=self.paths[broker],
+            prefix=("ip", "netns", "exec", self.ns[broker]),
+        )
         self.brokers[broker] = b
         return b
 
@@ -126,7 +156,8 @@ class NetnsChain:
 
     async def cut(self, down: bool) -> None:
         await trio.to_thread.run_sync(
-            lambda: ip("link", "set", self.veth_a, "down" if down else "up", ns=self.ns["a"]))
+            lambda: ip("link", "set", self.veth_a, "down" if down else "up", ns=self.ns["a"])
+        )
 
 
 #: The issue's acceptance faults: the link cut three times (no FIN, no RST: only the
@@ -141,13 +172,15 @@ NETNS_FAULTS = (
 
 @pytest.mark.slow
 async def test_chain_across_namespaces_over_tls(
-        broker_factory: Factory, short_tmp: Path, namespaces: tuple[str, str]) -> None:
+    broker_factory: Factory, short_tmp: Path, namespaces: tuple[str, str]
+) -> None:
     """Acceptance (issue 11): producer -> broker A queue -> TLS link -> broker B queue ->
     consumer, A and B in two network namespaces; 100,000 messages while the network is
     cut three times and A is SIGKILLed once. Every message the producer got ack 1 for
     reaches the consumer; duplicates (0 with dedup) and the share written at A reported."""
-    c = NetnsChain(broker_factory, short_tmp, namespaces, a_queue={"ack_grace": 0.2},
-                   link={"put_timeout": 3.0})
+    c = NetnsChain(
+        broker_factory, short_tmp, namespaces, a_queue={"ack_grace": 0.2}, link={"put_timeout": 3.0}
+    )
     c.start("b")
     c.start("a")
     rep = await run_chain(c, n=100_000, rate=4000.0, faults=NETNS_FAULTS, timeout=600.0)

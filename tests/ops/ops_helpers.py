@@ -19,16 +19,23 @@ PY = sys.executable
 
 def run_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """``python -m msgq_trio ARGV`` (blocking; call through trio.to_thread)."""
-    return subprocess.run([PY, "-m", "msgq_trio", *argv], capture_output=True, text=True,
-                          timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [PY, "-m", "msgq_trio", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 async def ctl(socket: Path, *argv: str, json_out: bool = True) -> Any:
     """Run ``msgq-trio ctl`` and return its parsed JSON answer (``json_out``) or the
     CompletedProcess (for tables and failures)."""
     flags = ["--json"] if json_out else []
-    r = await trio.to_thread.run_sync(lambda: run_cli("ctl", "--socket", str(socket), *flags,
-                                                      *argv))
+    r = await trio.to_thread.run_sync(
+        lambda: run_cli("ctl", "--socket", str(socket), *flags, *argv)
+    )
     if not json_out:
         return r
     assert r.returncode == 0, f"ctl {argv} failed ({r.returncode}): {r.stderr}"
@@ -36,8 +43,9 @@ async def ctl(socket: Path, *argv: str, json_out: bool = True) -> Any:
     return json.loads(r.stdout)
 
 
-async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0,
-                   interval: float = 0.05) -> Any:
+async def wait_for(
+    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05
+) -> Any:
     """Poll ``predicate`` (sync or async) until it returns something truthy."""
     with trio.fail_after(timeout):
         while True:

@@ -13,8 +13,7 @@ names = st.text(max_size=40)
 captured = st.builds(
     Captured,
     ts=st.floats(min_value=0, max_value=4e9, allow_nan=False),
-    kind=st.sampled_from(["message", "command", "answer", "error", "notification",
-                          "membership"]),
+    kind=st.sampled_from(["message", "command", "answer", "error", "notification", "membership"]),
     sender=names,
     sender_name=names,
     source=st.sampled_from([b"", b"l.0\0msgq", b"l.7\0auth", b"l.\xff\0x"]),
@@ -32,8 +31,12 @@ captured = st.builds(
 )
 
 
-@given(captured, st.integers(1, 2**40), st.sampled_from(["none", "json", "base64"]),
-       st.sampled_from([65_536, 300]))
+@given(
+    captured,
+    st.integers(1, 2**40),
+    st.sampled_from(["none", "json", "base64"]),
+    st.sampled_from([65_536, 300]),
+)
 def test_record_line_matches_the_general_encoder(
     c: Captured, seq: int, body_mode: str, max_bytes: int
 ) -> None:
@@ -45,13 +48,21 @@ def test_record_line_matches_the_general_encoder(
     assert isinstance(json.loads(line), dict)
 
 
-@given(st.lists(st.tuples(captured, st.integers(1, 2**40)), max_size=8),
-       st.lists(st.integers(0, 7), max_size=30), st.sampled_from(["none", "json"]),
-       st.sampled_from([65_536, 300]), st.floats(0, 4e9, allow_nan=False),
-       st.integers(32, 2**20))
+@given(
+    st.lists(st.tuples(captured, st.integers(1, 2**40)), max_size=8),
+    st.lists(st.integers(0, 7), max_size=30),
+    st.sampled_from(["none", "json"]),
+    st.sampled_from([65_536, 300]),
+    st.floats(0, 4e9, allow_nan=False),
+    st.integers(32, 2**20),
+)
 def test_record_lines_matches_record_line_on_runs(
-    base: list[tuple[Captured, int]], picks: list[int], body_mode: str, max_bytes: int,
-    ts: float, size: int,
+    base: list[tuple[Captured, int]],
+    picks: list[int],
+    body_mode: str,
+    max_bytes: int,
+    ts: float,
+    size: int,
 ) -> None:
     """The batch encoder writes exactly record_line's lines, also for runs of records that
     share everything but seq, ts and size (its cache) and for records that differ in any
@@ -65,7 +76,8 @@ def test_record_lines_matches_record_line_on_runs(
             c = c._replace(ts=ts, size=size + i)
         items.append((seq + i, c))
     assert record_lines(items, body_mode, max_bytes) == [
-        record_line(seq, c, body_mode, max_bytes) for seq, c in items]
+        record_line(seq, c, body_mode, max_bytes) for seq, c in items
+    ]
 
 
 def test_tap_run_shows_the_same_records_as_tapping_each_frame() -> None:
@@ -81,10 +93,16 @@ def test_tap_run_shows_the_same_records_as_tapping_each_frame() -> None:
     peer = core.connect("pub", pid=1, uid=0, gid=0, now=0.0)
     hub = TapHub(core, lambda: None, lambda: 0)
     data = b"".join(
-        encode_simple(FrameType.MESSAGE, b"Stats", encode_cbor(i),
-                      encode_cbor({"n": i}) if i % 4 == 0 else b"", flags=i % 2,
-                      source=peer.stamp)
-        for i in range(40))
+        encode_simple(
+            FrameType.MESSAGE,
+            b"Stats",
+            encode_cbor(i),
+            encode_cbor({"n": i}) if i % 4 == 0 else b"",
+            flags=i % 2,
+            source=peer.stamp,
+        )
+        for i in range(40)
+    )
     parser = FrameParser()
     parser.feed(data)
     [run] = parser.frames_and_runs(peer.stamp)

@@ -34,17 +34,28 @@ MSGQ = str(Path(sys.executable).with_name("msgq-trio"))
 TIMEOUT = 60.0
 
 
-def run(*argv: str, env: dict[str, str] | None = None,
-        stdout: Any = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+def run(
+    *argv: str, env: dict[str, str] | None = None, stdout: Any = subprocess.PIPE
+) -> subprocess.CompletedProcess[str]:
     """``msgq-trio ARGV`` to completion (stdin empty)."""
-    return subprocess.run([MSGQ, *argv], stdout=stdout, stderr=subprocess.PIPE, text=True,
-                          timeout=TIMEOUT, check=False, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.run(
+        [MSGQ, *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def start(*argv: str, **kw: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen([MSGQ, *argv], text=True, **{
-        "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL,
-        **kw})
+    return subprocess.Popen(
+        [MSGQ, *argv],
+        text=True,
+        **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL, **kw},
+    )
 
 
 def until(predicate: Callable[[], Any], what: str) -> Any:
@@ -151,11 +162,14 @@ def test_dump_json_into_a_closed_pipe_exits_quietly(broker, procs) -> None:
 
 
 # -- bad input -------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [
-    ["send", "Stats", "hello"],
-    ["call", "G", "x", "{bad"],
-    ["notify", "G", "ev", "[1,"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["send", "Stats", "hello"],
+        ["call", "G", "x", "{bad"],
+        ["notify", "G", "ev", "[1,"],
+    ],
+)
 def test_bad_json_is_one_error_line_and_exit_2(broker, argv: list[str]) -> None:
     """A body or parameters that are not JSON: exit 2 and exactly one line on stderr,
     ``msgq-trio CMD: error: ... is not JSON ...``; nothing is sent."""
@@ -166,12 +180,15 @@ def test_bad_json_is_one_error_line_and_exit_2(broker, argv: list[str]) -> None:
     assert r.stdout == ""
 
 
-@pytest.mark.parametrize("argv", [
-    ["call", "G"],
-    ["ctl", "config", "frob"],
-    ["queue", "peek"],
-    ["listen", "G", "--count", "many"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["call", "G"],
+        ["ctl", "config", "frob"],
+        ["queue", "peek"],
+        ["listen", "G", "--count", "many"],
+    ],
+)
 def test_usage_errors_are_one_line_and_exit_2(argv: list[str]) -> None:
     """A missing argument, an unknown action or a malformed flag value: exit 2 and one
     line naming the subcommand and pointing at its --help (no usage dump)."""
@@ -183,12 +200,14 @@ def test_usage_errors_are_one_line_and_exit_2(argv: list[str]) -> None:
 
 
 # -- addresses and remote brokers ---------------------------------------------------------------
-def start_tcp_broker(broker_factory: Callable[..., Any], short_tmp: Path,
-                     tcp: str) -> tuple[Any, str]:
+def start_tcp_broker(
+    broker_factory: Callable[..., Any], short_tmp: Path, tcp: str
+) -> tuple[Any, str]:
     """A broker with a TCP listener from a configuration file; (broker, its URL)."""
     conf = short_tmp / "tcp.toml"
-    conf.write_text(f'[tcp]\nlisten = ["127.0.0.1:0"]\ntokens = {{ cli = "{hash_token(TOKEN)}" }}'
-                    f"\n{tcp}\n")
+    conf.write_text(
+        f'[tcp]\nlisten = ["127.0.0.1:0"]\ntokens = {{ cli = "{hash_token(TOKEN)}" }}\n{tcp}\n'
+    )
     b = broker_factory("--config", str(conf))
     r = until(lambda: re.search(r"listening on (tcp|tls)://(\S+)", b.log()), "TCP listener")
     return b, f"{r.group(1)}://{r.group(2)}"
@@ -225,17 +244,26 @@ def test_tls_ca_flag(broker_factory, short_tmp: Path) -> None:
     without it the system trust store refuses the certificate (one error line)."""
     ca = trustme.CA()
     ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
-        str(short_tmp / "server.pem"))
+        str(short_tmp / "server.pem")
+    )
     ca.cert_pem.write_to_path(str(short_tmp / "ca.pem"))
     pem = short_tmp / "server.pem"
-    _b, url = start_tcp_broker(broker_factory, short_tmp,
-                               f'certfile = "{pem}"\nkeyfile = "{pem}"')
+    _b, url = start_tcp_broker(broker_factory, short_tmp, f'certfile = "{pem}"\nkeyfile = "{pem}"')
     assert url.startswith("tls://")
-    r = run("call", "msgq", "ping", "-s", url, "--token", TOKEN,
-            "--tls-ca", str(short_tmp / "ca.pem"))
+    r = run(
+        "call", "msgq", "ping", "-s", url, "--token", TOKEN, "--tls-ca", str(short_tmp / "ca.pem")
+    )
     assert (r.returncode, r.stdout.strip()) == (0, '"pong"'), r
-    r = run("call", "msgq", "ping", "-s", url, "--token", TOKEN,
-            env={**os.environ, "MSGQ_TRIO_TLS_CA": str(short_tmp / "ca.pem")})
+    r = run(
+        "call",
+        "msgq",
+        "ping",
+        "-s",
+        url,
+        "--token",
+        TOKEN,
+        env={**os.environ, "MSGQ_TRIO_TLS_CA": str(short_tmp / "ca.pem")},
+    )
     assert r.stdout.strip() == '"pong"', r
     r = run("call", "msgq", "ping", "-s", url, "--token", TOKEN)
     assert r.returncode == 1 and "TLS" in r.stderr and len(r.stderr.splitlines()) == 1, r
@@ -248,17 +276,23 @@ def test_global_flags_after_the_subcommand(broker, short_tmp: Path) -> None:
     """``ctl config -s SOCK get socket`` and ``ctl -s SOCK config get socket`` and
     ``-s SOCK ctl config get socket`` all work; ``serve --log-level DEBUG`` is accepted
     (and logs at DEBUG)."""
-    for argv in (["ctl", "config", "-s", str(broker.path), "get", "socket"],
-                 ["ctl", "-s", str(broker.path), "config", "get", "socket"],
-                 ["-s", str(broker.path), "ctl", "config", "get", "socket"],
-                 ["ctl", "config", "get", "socket", "-s", str(broker.path)]):
+    for argv in (
+        ["ctl", "config", "-s", str(broker.path), "get", "socket"],
+        ["ctl", "-s", str(broker.path), "config", "get", "socket"],
+        ["-s", str(broker.path), "ctl", "config", "get", "socket"],
+        ["ctl", "config", "get", "socket", "-s", str(broker.path)],
+    ):
         r = run(*argv)
         assert (r.returncode, r.stdout.strip()) == (0, json.dumps(str(broker.path))), (argv, r)
     sock = short_tmp / "debug.sock"
     log = short_tmp / "debug.log"
     with open(log, "w") as err:
-        serve = subprocess.Popen([MSGQ, "serve", "--log-level", "DEBUG", "-s", str(sock)],
-                                 stdout=subprocess.PIPE, stderr=err, text=True)
+        serve = subprocess.Popen(
+            [MSGQ, "serve", "--log-level", "DEBUG", "-s", str(sock)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         assert serve.stdout is not None
         assert "listening" in serve.stdout.readline()
@@ -271,8 +305,9 @@ def test_global_flags_after_the_subcommand(broker, short_tmp: Path) -> None:
 
 
 # -- serve --plugin queue without a file ---------------------------------------------------------
-def test_serve_plugin_queue_without_a_dir(broker_factory, short_tmp: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_plugin_queue_without_a_dir(
+    broker_factory, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``serve --plugin queue`` keeps the store under the state directory
     ($STATE_DIRECTORY here, as systemd's StateDirectory= sets it): <state>/queue; a
     queue put through it is listed by ``queue ls``. ``--queue-dir`` puts it elsewhere."""
@@ -315,7 +350,8 @@ def test_dump_count_counts_only_other_clients_frames(broker, procs) -> None:
     assert dump.returncode == 0, err
     records = [json.loads(line) for line in out.splitlines()]
     assert [(r["kind"], r["sender_name"], r["target"]) for r in records] == [
-        ("message", "msgq-trio-send", "Stats")] * 2, records
+        ("message", "msgq-trio-send", "Stats")
+    ] * 2, records
 
 
 # -- ctl stats -----------------------------------------------------------------------------------
@@ -326,8 +362,9 @@ def test_ctl_stats_in_human_units(broker) -> None:
     assert r.returncode == 0, r
     rows = dict(line.split(None, 1) for line in r.stdout.splitlines())
     assert re.fullmatch(r"\d+(\.\d)?s|\d+m\d\ds|\d+h\d\dm", rows["uptime"]), rows["uptime"]
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} \(.+ ago\)",
-                        rows["config.loaded_at"]), rows["config.loaded_at"]
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} \(.+ ago\)", rows["config.loaded_at"]
+    ), rows["config.loaded_at"]
     assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", rows["rss_bytes"]), rows["rss_bytes"]
     raw = json.loads(run("ctl", "stats", "--json", "-s", str(broker.path)).stdout)
     assert isinstance(raw["uptime"], float)
@@ -344,9 +381,15 @@ def _all_parsers(p: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.Arg
 
 def test_every_positional_has_help() -> None:
     """Every positional argument of every subcommand says what it is."""
-    missing = [f"{prog} {a.dest}" for prog, p in _all_parsers(build_parser())
-               for a in p._actions if not a.option_strings and a.nargs != 0
-               and not isinstance(a, argparse._SubParsersAction) and not a.help]
+    missing = [
+        f"{prog} {a.dest}"
+        for prog, p in _all_parsers(build_parser())
+        for a in p._actions
+        if not a.option_strings
+        and a.nargs != 0
+        and not isinstance(a, argparse._SubParsersAction)
+        and not a.help
+    ]
     assert missing == []
 
 
@@ -355,8 +398,7 @@ def test_help_is_plain_text(argv: list[str]) -> None:
     """``--help`` shows no reST markup (````literal````, ``:func:`x```)."""
     r = run(*argv, "--help")
     assert r.returncode == 0, r
-    assert "``" not in r.stdout and ":func:" not in r.stdout and ":mod:" not in r.stdout, (
-        r.stdout)
+    assert "``" not in r.stdout and ":func:" not in r.stdout and ":mod:" not in r.stdout, r.stdout
 
 
 # -- reply and members --json -------------------------------------------------------------------
@@ -364,8 +406,7 @@ def test_reply_answers_calls_from_the_shell(broker, procs) -> None:
     """``reply Svc echo '{"ok": true}' --count 1``: ``members --json Svc`` lists it, a
     ``call Svc echo`` gets the answer, the request is printed as a JSON line with the
     caller's name and parameters, and reply exits 0 after one answer."""
-    reply = start("reply", "Svc", "echo", '{"ok": true}', "--count", "1",
-                  "-s", str(broker.path))
+    reply = start("reply", "Svc", "echo", '{"ok": true}', "--count", "1", "-s", str(broker.path))
     procs.append(reply)
     assert reply.stderr is not None
     assert reply.stderr.readline().startswith("# answering Svc echo")
@@ -375,26 +416,37 @@ def test_reply_answers_calls_from_the_shell(broker, procs) -> None:
     assert (r.returncode, json.loads(r.stdout)) == (0, {"ok": True}), r
     out, err = reply.communicate(timeout=TIMEOUT)
     assert reply.returncode == 0, err
-    assert json.loads(out) == {"from": json.loads(out)["from"], "name": "msgq-trio-call",
-                               "params": {"x": 1}}
+    assert json.loads(out) == {
+        "from": json.loads(out)["from"],
+        "name": "msgq-trio-call",
+        "params": {"x": 1},
+    }
     r = run("call", "Svc", "echo", "-s", str(broker.path))
     assert r.returncode == 1 and r.stderr.startswith("error: no-recipient"), r
 
 
 # -- shell completion ------------------------------------------------------------------------
-@pytest.mark.parametrize(("line", "expected"), [
-    ("msgq-trio ct", "ctl"),
-    ("msgq-trio ctl config g", "get"),
-    ("msgq-trio call --to", "--token"),
-])
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("msgq-trio ct", "ctl"),
+        ("msgq-trio ctl config g", "get"),
+        ("msgq-trio call --to", "--token"),
+    ],
+)
 def test_shell_completion(short_tmp: Path, line: str, expected: str) -> None:
     """The console script answers bash's completion request (argcomplete's protocol:
     ``_ARGCOMPLETE``, ``COMP_LINE``, ``COMP_POINT``) with the matching words, and exits
     0 without running a command."""
     pytest.importorskip("argcomplete", reason="argcomplete is in the dev extra")
     out = short_tmp / "completions"
-    env = {**os.environ, "_ARGCOMPLETE": "1", "COMP_LINE": line,
-           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out)}
+    env = {
+        **os.environ,
+        "_ARGCOMPLETE": "1",
+        "COMP_LINE": line,
+        "COMP_POINT": str(len(line)),
+        "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+    }
     r = run(env=env)
     assert r.returncode == 0, r
     words = out.read_text().split("\v")

@@ -27,13 +27,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300.0
 #: What pip prints when it cannot reach the package index (then the test is skipped).
-OFFLINE = ("NewConnectionError", "Temporary failure in name resolution",
-           "Network is unreachable", "No matching distribution found")
+OFFLINE = (
+    "NewConnectionError",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "No matching distribution found",
+)
 
 
 def _pip(*argv: str, python: str = sys.executable, cwd: Path) -> None:
-    r = subprocess.run([python, "-m", "pip", "--disable-pip-version-check", *argv],
-                       capture_output=True, text=True, timeout=TIMEOUT, check=False, cwd=cwd)
+    r = subprocess.run(
+        [python, "-m", "pip", "--disable-pip-version-check", *argv],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+        cwd=cwd,
+    )
     if r.returncode != 0:
         if any(m in r.stdout + r.stderr for m in OFFLINE):
             pytest.skip(f"no package index reachable for pip {argv[0]}: {r.stderr[-300:]}")
@@ -45,8 +55,13 @@ def source_copy(dest: Path) -> Path:
     not ignored), copied to ``dest``: a build in the checkout itself would also pick up
     its leftovers (build/lib, msgq_trio.egg-info/SOURCES.txt lists every file once
     seen), and hide a file missing from the package data or MANIFEST.in."""
-    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, text=True, check=True)
+    names = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     for name in names.stdout.splitlines():
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -63,8 +78,9 @@ def venv() -> Iterator[Path]:
         src = source_copy(top / "src")
         _pip("wheel", "--no-deps", "-w", str(top / "dist"), str(src), cwd=top)
         (wheel,) = (top / "dist").glob("msgq_trio-*.whl")
-        subprocess.run([sys.executable, "-m", "venv", str(top / "venv")], check=True,
-                       timeout=TIMEOUT, cwd=top)
+        subprocess.run(
+            [sys.executable, "-m", "venv", str(top / "venv")], check=True, timeout=TIMEOUT, cwd=top
+        )
         _pip("install", str(wheel), python=str(top / "venv" / "bin" / "python"), cwd=top)
         yield top / "venv" / "bin"
     finally:
@@ -73,8 +89,9 @@ def venv() -> Iterator[Path]:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """An environment that cannot see the checkout (no PYTHONPATH, no virtualenv)."""
-    keep = {k: v for k, v in os.environ.items()
-            if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER")}
+    keep = {
+        k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
+    }
     return {"PATH": "/usr/bin:/bin", **keep, **extra}
 
 
@@ -84,18 +101,32 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
     queue plugin answers ``queue ls``; ``scenario list`` lists the shipped scenarios
     from a directory without scenarios/; mypy --strict accepts a user script."""
     env = clean_env()
-    r = subprocess.run([str(venv / "python"), "-c",
-                        "import msgq_trio, sys; print(msgq_trio.__file__)"],
-                       capture_output=True, text=True, cwd=short_tmp, env=env, check=True)
+    r = subprocess.run(
+        [str(venv / "python"), "-c", "import msgq_trio, sys; print(msgq_trio.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=short_tmp,
+        env=env,
+        check=True,
+    )
     assert r.stdout.startswith(str(venv.parent)), r.stdout
     # The license as an SPDX expression (PEP 639), with the LICENSE file in the metadata.
-    r = subprocess.run([str(venv / "python"), "-c",
-                        "from importlib.metadata import metadata, files\n"
-                        "m = metadata('msgq-trio')\n"
-                        "print(m['License-Expression'], m.get_all('License-File'))\n"
-                        "print(sorted(str(f) for f in files('msgq-trio') "
-                        "if f.name == 'LICENSE'))"],
-                       capture_output=True, text=True, cwd=short_tmp, env=env, check=True)
+    r = subprocess.run(
+        [
+            str(venv / "python"),
+            "-c",
+            "from importlib.metadata import metadata, files\n"
+            "m = metadata('msgq-trio')\n"
+            "print(m['License-Expression'], m.get_all('License-File'))\n"
+            "print(sorted(str(f) for f in files('msgq-trio') "
+            "if f.name == 'LICENSE'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=short_tmp,
+        env=env,
+        check=True,
+    )
     expression, licenses = r.stdout.splitlines()
     assert expression == "MIT ['LICENSE']", r.stdout
     assert licenses.endswith(".dist-info/licenses/LICENSE']"), r.stdout
@@ -105,14 +136,24 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
     with open(log, "w") as err:
         serve = subprocess.Popen(
             [str(venv / "msgq-trio"), "serve", "--plugin", "queue", "-s", str(sock)],
-            stdout=subprocess.PIPE, stderr=err, text=True, cwd=short_tmp,
-            env=clean_env(STATE_DIRECTORY=str(short_tmp / "state")))
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=short_tmp,
+            env=clean_env(STATE_DIRECTORY=str(short_tmp / "state")),
+        )
     try:
         assert serve.stdout is not None
         assert "listening" in serve.stdout.readline(), log.read_text()
-        q = subprocess.run([str(venv / "msgq-trio"), "queue", "ls", "-s", str(sock)],
-                           capture_output=True, text=True, cwd=short_tmp, env=env,
-                           timeout=TIMEOUT, check=False)
+        q = subprocess.run(
+            [str(venv / "msgq-trio"), "queue", "ls", "-s", str(sock)],
+            capture_output=True,
+            text=True,
+            cwd=short_tmp,
+            env=env,
+            timeout=TIMEOUT,
+            check=False,
+        )
         assert (q.returncode, q.stdout.strip()) == (0, "no queues"), (q, log.read_text())
     finally:
         serve.send_signal(signal.SIGTERM)
@@ -120,14 +161,22 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
     assert serve.returncode == 0, log.read_text()
     assert (short_tmp / "state" / "queue" / "data.mdb").exists()
 
-    s = subprocess.run([str(venv / "msgq-trio"), "scenario", "list"], capture_output=True,
-                       text=True, cwd=short_tmp, env=env, timeout=TIMEOUT, check=False)
+    s = subprocess.run(
+        [str(venv / "msgq-trio"), "scenario", "list"],
+        capture_output=True,
+        text=True,
+        cwd=short_tmp,
+        env=env,
+        timeout=TIMEOUT,
+        check=False,
+    )
     assert s.returncode == 0, s
     names = [line.split()[0] for line in s.stdout.splitlines()]
     assert len(names) >= 15 and "broker-sigkill-restart" in names, s.stdout
 
     user = short_tmp / "user.py"
-    user.write_text(textwrap.dedent('''
+    user.write_text(
+        textwrap.dedent('''
         """A component as a user writes it."""
         import trio
 
@@ -147,13 +196,28 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
 
         if __name__ == "__main__":
             trio.run(main)
-    '''))
+    ''')
+    )
     # This checkout's mypy, looking only at the fresh venv's packages (PEP 561).
-    m = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--python-executable",
-                        str(venv / "python"), "--cache-dir", str(short_tmp / ".mypy"),
-                        str(user)],
-                       capture_output=True, text=True, cwd=short_tmp, timeout=TIMEOUT,
-                       check=False, env={**env, "PATH": os.environ["PATH"]})
+    m = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--python-executable",
+            str(venv / "python"),
+            "--cache-dir",
+            str(short_tmp / ".mypy"),
+            str(user),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=short_tmp,
+        timeout=TIMEOUT,
+        check=False,
+        env={**env, "PATH": os.environ["PATH"]},
+    )
     assert m.returncode == 0, m.stdout + m.stderr
     assert "Success" in m.stdout
 
@@ -162,20 +226,30 @@ def test_sdist_carries_docs_scenarios_and_the_whole_test_suite(short_tmp: Path) 
     """``python -m build --sdist`` (pypa's build, in its own venv): every tracked file
     under docs/, scenarios/ and tests/ (conftest files included), LICENSE and py.typed
     are in the archive."""
-    subprocess.run([sys.executable, "-m", "venv", str(short_tmp / "bv")], check=True,
-                   timeout=TIMEOUT)
+    subprocess.run(
+        [sys.executable, "-m", "venv", str(short_tmp / "bv")], check=True, timeout=TIMEOUT
+    )
     python = str(short_tmp / "bv" / "bin" / "python")
     _pip("install", "build", python=python, cwd=short_tmp)
     src = source_copy(short_tmp / "src")
-    r = subprocess.run([python, "-m", "build", "--sdist", "-o", str(short_tmp / "dist"),
-                        str(src)], capture_output=True, text=True, timeout=TIMEOUT,
-                       check=False, cwd=short_tmp)
+    r = subprocess.run(
+        [python, "-m", "build", "--sdist", "-o", str(short_tmp / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+        cwd=short_tmp,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     (sdist,) = (short_tmp / "dist").glob("msgq_trio-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {n.partition("/")[2] for n in tar.getnames()}
-    tracked = [str(p.relative_to(src)) for d in ("docs", "scenarios", "tests")
-               for p in (src / d).rglob("*") if p.is_file()]
+    tracked = [
+        str(p.relative_to(src))
+        for d in ("docs", "scenarios", "tests")
+        for p in (src / d).rglob("*")
+        if p.is_file()
+    ]
     assert len(tracked) > 50
     missing = sorted(set(tracked) - names)
     assert missing == [], missing

@@ -35,9 +35,9 @@ def journal_fields(datagram: bytes) -> dict[str, str]:
             out[name.decode()] = value.decode()
             i = nl + 1
         else:
-            (n,) = struct.unpack("<Q", datagram[nl + 1:nl + 9])
-            out[line.decode()] = datagram[nl + 9:nl + 9 + n].decode()
-            assert datagram[nl + 9 + n:nl + 10 + n] == b"\n"
+            (n,) = struct.unpack("<Q", datagram[nl + 1 : nl + 9])
+            out[line.decode()] = datagram[nl + 9 : nl + 9 + n].decode()
+            assert datagram[nl + 9 + n : nl + 10 + n] == b"\n"
             i = nl + 10 + n
     return out
 
@@ -61,8 +61,7 @@ def test_stalled_syslog_drops_and_counts_then_says_so(short_tmp: Path) -> None:
     addr = short_tmp / "log"
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     rx.bind(str(addr))
-    prepared = logsetup.prepare(LogSettings(syslog=True, syslog_address=str(addr)),
-                                capacity=5)
+    prepared = logsetup.prepare(LogSettings(syslog=True, syslog_address=str(addr)), capacity=5)
     assert prepared.problems == []
     logger = logging.getLogger("msgq_trio.test.stalled")
     logger.propagate = False
@@ -101,9 +100,9 @@ def test_stalled_syslog_drops_and_counts_then_says_so(short_tmp: Path) -> None:
     assert "<28>" in notice[0]  # daemon.warning
 
 
-async def test_broker_answers_while_syslog_is_stalled(broker_factory, short_tmp,
-                                                      write_config,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_broker_answers_while_syslog_is_stalled(
+    broker_factory, short_tmp, write_config, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A broker logging every frame (TRAFFIC) to a syslog socket nobody reads still
     routes 300 messages and answers a ping; the broker's log queue (50 records, set with
     MSGQ_TRIO_LOG_QUEUE_RECORDS) dropped records, and says how many once the socket is
@@ -116,8 +115,10 @@ async def test_broker_answers_while_syslog_is_stalled(broker_factory, short_tmp,
     b = broker_factory("--config", str(conf), log_level="TRAFFIC")
     seen: list[str] = []
     try:
-        async with msgq_trio.connect(b.path, name="busy") as bus, \
-                msgq_trio.connect(b.path, name="sink") as sink:
+        async with (
+            msgq_trio.connect(b.path, name="busy") as bus,
+            msgq_trio.connect(b.path, name="sink") as sink,
+        ):
             await sink.subscribe("G")
             with trio.fail_after(60):
                 for i in range(300):
@@ -145,8 +146,7 @@ def test_journal_native_protocol_with_fields(short_tmp: Path) -> None:
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     rx.bind(str(addr))
     prepared = logsetup.prepare(LogSettings(syslog=True, syslog_address=f"journal:{addr}"))
-    assert prepared.problems == [] and isinstance(prepared.handlers[0],
-                                                  logsetup.JournalHandler)
+    assert prepared.problems == [] and isinstance(prepared.handlers[0], logsetup.JournalHandler)
     logger = logging.getLogger("msgq_trio.test.journal")
     logger.propagate = False
     logger.addHandler(prepared.front)
@@ -166,8 +166,12 @@ def test_journal_native_protocol_with_fields(short_tmp: Path) -> None:
     rx.close()
     assert first["PRIORITY"] == "4" and first["SYSLOG_FACILITY"] == "3"
     assert first["SYSLOG_IDENTIFIER"] == "msgq-trio"
-    assert (first["MSGQ_LNAME"], first["MSGQ_CLIENT"], first["MSGQ_PID"],
-            first["MSGQ_UID"]) == ("l.7", "jx", "42", "1000")
+    assert (first["MSGQ_LNAME"], first["MSGQ_CLIENT"], first["MSGQ_PID"], first["MSGQ_UID"]) == (
+        "l.7",
+        "jx",
+        "42",
+        "1000",
+    )
     assert "dropping l.7" in first["MESSAGE"] and first["LOGGER"] == "msgq_trio.test.journal"
     assert second["PRIORITY"] == "3"
     assert "ValueError: two\nlines" in second["MESSAGE"]

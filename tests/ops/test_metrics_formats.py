@@ -52,8 +52,11 @@ async def test_openmetrics_on_request_and_process_collector(broker_factory) -> N
     fams = {f.name: f for f in openmetrics_families(om)}
     dropped = fams["msgq_messages_dropped"]
     assert dropped.type == "counter"
-    assert {s.labels["reason"]: s.value for s in dropped.samples
-            if s.name == "msgq_messages_dropped_total"}["no-recipient"] == 3
+    assert {
+        s.labels["reason"]: s.value
+        for s in dropped.samples
+        if s.name == "msgq_messages_dropped_total"
+    }["no-recipient"] == 3
     assert fams["msgq_connections"].type == "gauge"
     assert fams["msgq_connections"].samples[0].value == 1
     rss = fams["process_resident_memory_bytes"].samples[0].value

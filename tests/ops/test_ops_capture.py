@@ -30,9 +30,11 @@ async def test_capture_filtered_by_sender_holds_exactly_its_frames(broker, short
     ran (messages, a request, a notification, an answer) and nothing else; the records
     carry the documented fields; the tap is None again once the capture stops."""
     cap = short_tmp / "cap"
-    async with msgq_trio.connect(broker.path, name="alpha") as alpha, \
-            msgq_trio.connect(broker.path, name="beta") as beta, \
-            msgq_trio.connect(broker.path, name="gamma") as gamma:
+    async with (
+        msgq_trio.connect(broker.path, name="alpha") as alpha,
+        msgq_trio.connect(broker.path, name="beta") as beta,
+        msgq_trio.connect(broker.path, name="gamma") as gamma,
+    ):
         await beta.subscribe("G")
         await alpha.subscribe("Alpha")
 
@@ -44,15 +46,16 @@ async def test_capture_filtered_by_sender_holds_exactly_its_frames(broker, short
         def echo(params: object) -> object:
             return params
 
-        st = await gamma.call("msgq", "capture-start",
-                              {"dir": str(cap), "senders": ["alpha"], "body": "json"})
+        st = await gamma.call(
+            "msgq", "capture-start", {"dir": str(cap), "senders": ["alpha"], "body": "json"}
+        )
         assert st["state"] == "running"
         assert (await gamma.call("msgq", "stats"))["capture"]["tap"] is True
         for i in range(20):
             await alpha.send("G", {"i": i})
             await gamma.send("G", {"i": -i})
-        assert await alpha.call("G", "echo", {"x": 1}) == {"x": 1}          # command by alpha
-        assert await beta.call("Alpha", "double", {"n": 21}) == 42         # answer by alpha
+        assert await alpha.call("G", "echo", {"x": 1}) == {"x": 1}  # command by alpha
+        assert await beta.call("Alpha", "double", {"n": 21}) == 42  # answer by alpha
         await alpha.notify("G", "changed", {"zone": "example."})
         await gamma.notify("G", "changed", {"zone": "other."})
         for _ in range(40):
@@ -80,9 +83,24 @@ async def test_capture_filtered_by_sender_holds_exactly_its_frames(broker, short
     note = next(r for r in records if r["kind"] == "notification")
     assert note["event"] == "changed" and note["body"] == {"zone": "example."}
     msg = records[0]
-    assert set(msg) >= {"ts", "seq", "kind", "sender", "sender_name", "target", "request_id",
-                        "reply_to", "size", "outcome", "recipients", "command", "event",
-                        "code", "body", "body_encoding"}
+    assert set(msg) >= {
+        "ts",
+        "seq",
+        "kind",
+        "sender",
+        "sender_name",
+        "target",
+        "request_id",
+        "reply_to",
+        "size",
+        "outcome",
+        "recipients",
+        "command",
+        "event",
+        "code",
+        "body",
+        "body_encoding",
+    }
     assert msg["body_encoding"] == "json" and msg["size"] > 32 and msg["recipients"] == 1
     assert isinstance(msg["ts"], float)
 
@@ -91,12 +109,21 @@ async def test_capture_kinds_targets_errors_membership_and_base64(broker, short_
     """Kind and target filters; broker-originated records (sender l.0/msgq): an error with
     its code and reply_to, membership events; bodies in base64 are the CBOR bytes."""
     cap = short_tmp / "cap2"
-    async with msgq_trio.connect(broker.path, name="op") as op, \
-            msgq_trio.connect(broker.path, name="watcher") as watcher:
+    async with (
+        msgq_trio.connect(broker.path, name="op") as op,
+        msgq_trio.connect(broker.path, name="watcher") as watcher,
+    ):
         await watcher.subscribe("msgq.membership")
-        await op.call("msgq", "capture-start", {
-            "dir": str(cap), "kinds": ["error", "membership", "message"],
-            "targets": ["Nobody", "msgq.membership", op.lname], "body": "base64"})
+        await op.call(
+            "msgq",
+            "capture-start",
+            {
+                "dir": str(cap),
+                "kinds": ["error", "membership", "message"],
+                "targets": ["Nobody", "msgq.membership", op.lname],
+                "body": "base64",
+            },
+        )
         await op.send("Nobody", [1, 2, 3])
         await op.send("Elsewhere", "not captured: other target")
         try:
@@ -128,9 +155,17 @@ async def test_rotation_bounds_number_and_size_of_files(broker, short_tmp) -> No
     holding the newest records without gaps."""
     cap = short_tmp / "rot"
     async with msgq_trio.connect(broker.path, name="chatty") as bus:
-        await bus.call("msgq", "capture-start",
-                       {"dir": str(cap), "max_bytes": 4096, "max_files": 3, "body": "base64",
-                        "senders": ["chatty"]})
+        await bus.call(
+            "msgq",
+            "capture-start",
+            {
+                "dir": str(cap),
+                "max_bytes": 4096,
+                "max_files": 3,
+                "body": "base64",
+                "senders": ["chatty"],
+            },
+        )
         for i in range(400):
             await bus.send("Nobody", {"i": i, "pad": "x" * 50})
         st = await stop_capture(bus)
@@ -144,7 +179,8 @@ async def test_rotation_bounds_number_and_size_of_files(broker, short_tmp) -> No
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # contiguous, newest kept
     assert seqs[-1] == 401 and records[-1]["body_encoding"] == "base64"
     assert [int(f.stem.split("-")[1]) for f in files] == sorted(
-        int(f.stem.split("-")[1]) for f in files)
+        int(f.stem.split("-")[1]) for f in files
+    )
 
 
 async def test_overflow_is_counted_and_written(broker, short_tmp) -> None:
@@ -152,9 +188,11 @@ async def test_overflow_is_counted_and_written(broker, short_tmp) -> None:
     ``capture-dropped`` record in the file, counts in capture-status and stats."""
     cap = short_tmp / "ovf"
     async with msgq_trio.connect(broker.path, name="burst") as bus:
-        await bus.call("msgq", "capture-start",
-                       {"dir": str(cap), "buffer_records": 16, "flush_interval": 5.0,
-                        "senders": ["burst"]})
+        await bus.call(
+            "msgq",
+            "capture-start",
+            {"dir": str(cap), "buffer_records": 16, "flush_interval": 5.0, "senders": ["burst"]},
+        )
         for i in range(500):
             await bus.send("Nobody", i)
         await bus.flush()
@@ -174,8 +212,9 @@ async def test_capture_from_configuration(broker_factory, short_tmp, write_confi
     """``[capture] enabled = true`` starts capturing at start with the file's filter; the
     ctl table shows it; an unusable directory refuses to start the broker."""
     cap = short_tmp / "fromconf"
-    conf = write_config(f"[capture]\nenabled = true\ndir = '{cap}'\nkinds = ['message']\n"
-                        "flush_interval = 0.05\n")
+    conf = write_config(
+        f"[capture]\nenabled = true\ndir = '{cap}'\nkinds = ['message']\nflush_interval = 0.05\n"
+    )
     b = broker_factory("--config", str(conf))
     async with msgq_trio.connect(b.path, name="x") as bus:
         await bus.send("Nobody", "hello")
@@ -191,9 +230,24 @@ async def test_capture_from_configuration(broker_factory, short_tmp, write_confi
     blocker.write_text("")
     conf2 = short_tmp / "bad-capture.toml"
     conf2.write_text(f"[capture]\nenabled = true\ndir = '{blocker}/sub'\n")
-    r = await trio.to_thread.run_sync(lambda: subprocess.run(
-        [PY, "-m", "msgq_trio", "serve", "--socket", str(short_tmp / "nc.sock"), "--config",
-         str(conf2)], capture_output=True, text=True, timeout=30, check=False))
+    r = await trio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [
+                PY,
+                "-m",
+                "msgq_trio",
+                "serve",
+                "--socket",
+                str(short_tmp / "nc.sock"),
+                "--config",
+                str(conf2),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    )
     assert r.returncode == 1, r.stderr
     assert "cannot start" in r.stderr and "Traceback" not in r.stderr
 
@@ -201,16 +255,22 @@ async def test_capture_from_configuration(broker_factory, short_tmp, write_confi
 async def test_dump_streams_matching_traffic_live(broker, short_tmp) -> None:
     """``msgq-trio dump --sender alpha --json`` prints alpha's frames as they pass, and
     only those; the text form names kind, sender and target."""
+
     def start(*flags: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([PY, "-m", "msgq_trio", "dump", "--socket", str(broker.path),
-                                 *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        return subprocess.Popen(
+            [PY, "-m", "msgq_trio", "dump", "--socket", str(broker.path), *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     proc = await trio.to_thread.run_sync(start, "--sender", "alpha", "--json", "--count", "5")
     text = await trio.to_thread.run_sync(start, "--kind", "notification", "--count", "1")
     try:
-        async with msgq_trio.connect(broker.path, name="alpha") as alpha, \
-                msgq_trio.connect(broker.path, name="beta") as beta:
+        async with (
+            msgq_trio.connect(broker.path, name="alpha") as alpha,
+            msgq_trio.connect(broker.path, name="beta") as beta,
+        ):
 
             async def dumping() -> bool:
                 return (await beta.call("msgq", "stats"))["capture"]["dump_clients"] == 2
@@ -251,4 +311,3 @@ async def test_capture_errors_are_clear(broker, short_tmp) -> None:
             else:
                 raise AssertionError(f"accepted {params}")
         assert (await bus.call("msgq", "capture-status"))["state"] == "off"
-

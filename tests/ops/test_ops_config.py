@@ -19,16 +19,19 @@ from msgq_trio.ops.config_file import ConfigError, ConfigSource
 
 
 # -- the file format, without a broker -----------------------------------------------------
-@pytest.mark.parametrize("doc,key,shown", [
-    ({"limits": {"max_frame_size": -1}}, "limits.max_frame_size", "-1"),
-    ({"limits": {"request_timeout": "soon"}}, "limits.request_timeout", '"soon"'),
-    ({"limits": {"max_frame_sise": 5}}, "limits.max_frame_sise", "max_frame_size"),
-    ({"log": {"level": "LOUD"}}, "log.level", '"LOUD"'),
-    ({"capture": {"kinds": ["message", "gossip"]}}, "capture.kinds", "gossip"),
-    ({"control": {"allow_uids": [0, -5]}}, "control.allow_uids", "-5"),
-    ({"limitz": {}}, "limitz", "limits"),
-    ({"log": 3}, "log", "3"),
-])
+@pytest.mark.parametrize(
+    "doc,key,shown",
+    [
+        ({"limits": {"max_frame_size": -1}}, "limits.max_frame_size", "-1"),
+        ({"limits": {"request_timeout": "soon"}}, "limits.request_timeout", '"soon"'),
+        ({"limits": {"max_frame_sise": 5}}, "limits.max_frame_sise", "max_frame_size"),
+        ({"log": {"level": "LOUD"}}, "log.level", '"LOUD"'),
+        ({"capture": {"kinds": ["message", "gossip"]}}, "capture.kinds", "gossip"),
+        ({"control": {"allow_uids": [0, -5]}}, "control.allow_uids", "-5"),
+        ({"limitz": {}}, "limitz", "limits"),
+        ({"log": 3}, "log", "3"),
+    ],
+)
 def test_invalid_values_name_key_and_value(doc: dict, key: str, shown: str) -> None:
     """Every kind of mistake is a ConfigError whose message names the key and shows the
     value (or, for a misspelt key, suggests the right one)."""
@@ -68,21 +71,24 @@ def test_flags_override_the_file(short_tmp: Path) -> None:
         ConfigSource(path, {"limits.max_subscriptions": 0}).load()
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("[limits]\nmax_frame_size = -1\n", ["limits.max_frame_size = -1"]),
-    ("[limits]\nrequest_timeout = 'soon'\n", ["limits.request_timeout", '"soon"']),
-    ("[limits\nbroken", ["not valid TOML"]),
-    ("[capture]\nenabled = true\n", ["capture.dir"]),
-])
-async def test_invalid_file_refused_at_start(short_tmp: Path, text: str,
-                                             expect: list[str]) -> None:
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("[limits]\nmax_frame_size = -1\n", ["limits.max_frame_size = -1"]),
+        ("[limits]\nrequest_timeout = 'soon'\n", ["limits.request_timeout", '"soon"']),
+        ("[limits\nbroken", ["not valid TOML"]),
+        ("[capture]\nenabled = true\n", ["capture.dir"]),
+    ],
+)
+async def test_invalid_file_refused_at_start(short_tmp: Path, text: str, expect: list[str]) -> None:
     """``serve --config BAD`` exits with status 2 and one clear line naming the file, key
     and value; no traceback, no socket."""
     conf = short_tmp / "bad.toml"
     conf.write_text(text)
     sock = short_tmp / "never.sock"
     r = await trio.to_thread.run_sync(
-        lambda: run_cli("serve", "--socket", str(sock), "--config", str(conf)))
+        lambda: run_cli("serve", "--socket", str(sock), "--config", str(conf))
+    )
     assert r.returncode == 2, r.stderr
     assert "invalid configuration" in r.stderr
     for e in expect:
@@ -93,7 +99,8 @@ async def test_invalid_file_refused_at_start(short_tmp: Path, text: str,
 
 
 async def test_sighup_refuses_a_broken_file_and_applies_a_good_one(
-        broker_factory, write_config) -> None:
+    broker_factory, write_config
+) -> None:
     """A broken file on SIGHUP is refused (logged, counted) and the running configuration
     stays; a good one applies, visible in ``config get`` and enforced at once; a change of
     a start-only key is reported, not applied."""
@@ -110,8 +117,9 @@ async def test_sighup_refuses_a_broken_file_and_applies_a_good_one(
     assert stats["config"]["reloads_failed"] == 1
     assert stats["config"]["generation"] == 1
 
-    write_config("[limits]\nrequest_timeout = 5\nmax_subscriptions = 2\n"
-                 "[metrics]\nlisten = '127.0.0.1:0'\n")
+    write_config(
+        "[limits]\nrequest_timeout = 5\nmax_subscriptions = 2\n[metrics]\nlisten = '127.0.0.1:0'\n"
+    )
     os.kill(b.pid, signal.SIGHUP)
 
     async def applied() -> bool:
@@ -136,8 +144,9 @@ async def test_config_set_and_reload_commands(broker_factory, write_config, raw_
     conf = write_config("[limits]\nrequest_timeout = 60\n")
     b = broker_factory("--config", str(conf))
     r = await ctl(b.path, "config", "set", "limits.request_timeout", "7.5")
-    assert r["changed"] == [{"key": "limits.request_timeout", "old": 60.0, "new": 7.5,
-                             "applies": "now"}]
+    assert r["changed"] == [
+        {"key": "limits.request_timeout", "old": 60.0, "new": 7.5, "applies": "now"}
+    ]
     assert await ctl(b.path, "config", "get", "limits.request_timeout") == 7.5
     # A change to a limit read per connection says so.
     r = await ctl(b.path, "config", "set", "max_frame_size", str(32 << 20))
@@ -149,8 +158,7 @@ async def test_config_set_and_reload_commands(broker_factory, write_config, raw_
     bad = await ctl(b.path, "config", "set", "limits.out_soft_limit", "-4", json_out=False)
     assert bad.returncode == 1
     assert "limits.out_soft_limit = -4" in bad.stderr
-    bad = await ctl(b.path, "config", "set", "log.file", "/nonexistent-dir/x.log",
-                    json_out=False)
+    bad = await ctl(b.path, "config", "set", "log.file", "/nonexistent-dir/x.log", json_out=False)
     assert bad.returncode == 1 and "log.file" in bad.stderr and "cannot open" in bad.stderr
     assert await ctl(b.path, "config", "get", "log.file") == ""
     # The restart-only socket path: reported, not applied.

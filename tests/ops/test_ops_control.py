@@ -16,23 +16,36 @@ import msgq_trio
 from msgq_trio import ConnectionLost, RecipientGone
 from msgq_trio.errors import RemoteError
 
-CONTROL_COMMANDS = ["clients", "drop", "shutdown", "config-get", "config-set", "config-reload",
-                    "stats", "capture-start", "capture-stop", "capture-status", "dump-start",
-                    "dump-stop"]
+CONTROL_COMMANDS = [
+    "clients",
+    "drop",
+    "shutdown",
+    "config-get",
+    "config-set",
+    "config-reload",
+    "stats",
+    "capture-start",
+    "capture-stop",
+    "capture-status",
+    "dump-start",
+    "dump-stop",
+]
 
 
 async def test_clients_lists_identity_traffic_queue_and_pending(broker, spawn_client) -> None:
     """``clients`` shows each client's lname, name, pid, uid, groups, messages and bytes
     both ways, queued bytes, pending requests both ways and when it connected; ``ctl
     clients`` prints the same as a table."""
-    helper = spawn_client(broker.path, name="zonemgr", groups=["ZoneMgr"],
-                          commands={"hang": "hang"})
+    helper = spawn_client(
+        broker.path, name="zonemgr", groups=["ZoneMgr"], commands={"hang": "hang"}
+    )
     t0 = time.time()
     async with msgq_trio.connect(broker.path, name="bindctl") as caller:
         await caller.subscribe("Stats")
         for i in range(3):
             await caller.send("ZoneMgr", {"i": i})
         async with trio.open_nursery() as nursery:
+
             async def pending_call() -> None:
                 with pytest.raises(RecipientGone):
                     await caller.call("ZoneMgr", "hang", {})
@@ -68,8 +81,10 @@ async def test_drop_disconnects_and_logs_who_and_why(broker) -> None:
     """``drop LNAME`` disconnects that client (it learns why, the membership event says
     ``dropped``), the broker logs the victim's identity and the operator; an unknown
     lname is ``no-recipient`` and ctl exits 1."""
-    async with msgq_trio.connect(broker.path, name="victim") as victim, \
-            msgq_trio.connect(broker.path, name="watcher") as watcher:
+    async with (
+        msgq_trio.connect(broker.path, name="victim") as victim,
+        msgq_trio.connect(broker.path, name="watcher") as watcher,
+    ):
         await watcher.subscribe("msgq.membership")
         row = await ctl(broker.path, "drop", victim.lname, "--reason", "maintenance")
         assert row["lname"] == victim.lname and row["name"] == "victim"
@@ -149,8 +164,10 @@ async def test_control_commands_refused_outside_the_allow_list(broker_factory) -
         assert await bus.unsubscribe("G") is True
         assert (await bus.version())["protocol"] == 1
         log = b.log()
-        assert (f"refused control command 'clients' from {bus.lname} (name='intruder' "
-                f"pid={os.getpid()} uid={os.getuid()})") in log
+        assert (
+            f"refused control command 'clients' from {bus.lname} (name='intruder' "
+            f"pid={os.getpid()} uid={os.getuid()})"
+        ) in log
         assert f"[lname={bus.lname} client='intruder' pid={os.getpid()}" in log
     r = await ctl(b.path, "clients", json_out=False)
     assert r.returncode == 1 and "forbidden" in r.stderr
@@ -173,6 +190,7 @@ async def test_allow_list_from_the_file_and_at_runtime(broker_factory, write_con
     # SIGHUP restores the file's list.
     b.proc.send_signal(signal.SIGHUP)
     async with msgq_trio.connect(b.path, name="op") as bus:
+
         async def allowed() -> bool:
             try:
                 await bus.call("msgq", "stats")

@@ -28,15 +28,23 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-async def test_dropped_clients_are_logged_with_identity(broker_factory, raw_peer,
-                                                        short_tmp) -> None:
+async def test_dropped_clients_are_logged_with_identity(
+    broker_factory, raw_peer, short_tmp
+) -> None:
     """With ``--log-file`` and ``--log-format json``: a client dropped for a protocol
     violation and a connection that never says HELLO are logged with lname, client name,
     pid and uid as fields; at level TRAFFIC every frame gets a line; nothing goes to
     stderr."""
     log_file = short_tmp / "broker.jsonl"
-    b = broker_factory("--log-file", str(log_file), "--log-format", "json",
-                       "--handshake-timeout", "0.3", log_level="TRAFFIC")
+    b = broker_factory(
+        "--log-file",
+        str(log_file),
+        "--log-format",
+        "json",
+        "--handshake-timeout",
+        "0.3",
+        log_level="TRAFFIC",
+    )
     async with msgq_trio.connect(b.path, name="bystander") as bus:
         await bus.send("Nobody", {"hello": 1})
         async with raw_peer(b.path) as raw:
@@ -55,15 +63,21 @@ async def test_dropped_clients_are_logged_with_identity(broker_factory, raw_peer
         assert (drop["pid"], drop["uid"]) == (os.getpid(), os.getuid())
         silent_drop = await wait_for(lambda: find(lambda r: "no HELLO" in r["msg"]))
         assert (silent_drop["pid"], silent_drop["uid"]) == (os.getpid(), os.getuid())
-        traffic = find(lambda r: r["logger"] == "msgq_trio.traffic"
-                       and r.get("lname") == bus.lname and "Nobody" in r["msg"])
+        traffic = find(
+            lambda r: (
+                r["logger"] == "msgq_trio.traffic"
+                and r.get("lname") == bus.lname
+                and "Nobody" in r["msg"]
+            )
+        )
         assert traffic is not None and traffic["level"] == "TRAFFIC"
         assert "message" in traffic["msg"] and "no-recipient" in traffic["msg"]
     assert b.log() == ""
 
 
-async def test_syslog_through_a_real_datagram_socket(broker_factory, short_tmp,
-                                                     write_config) -> None:
+async def test_syslog_through_a_real_datagram_socket(
+    broker_factory, short_tmp, write_config
+) -> None:
     """``[log] syslog = true`` sends RFC 3164 datagrams (facility daemon) with the
     structured fields to the syslog socket."""
     addr = short_tmp / "log"
@@ -83,8 +97,9 @@ async def test_syslog_through_a_real_datagram_socket(broker_factory, short_tmp,
     assert b.log() == ""
 
 
-async def test_missing_syslog_socket_falls_back_to_stderr(broker_factory, short_tmp,
-                                                          write_config) -> None:
+async def test_missing_syslog_socket_falls_back_to_stderr(
+    broker_factory, short_tmp, write_config
+) -> None:
     """No syslog socket: one clear line on stderr, then the log continues on stderr."""
     conf = write_config(f"[log]\nsyslog = true\nsyslog_address = '{short_tmp}/absent'\n")
     b = broker_factory("--config", str(conf))
@@ -133,10 +148,21 @@ def test_uncaught_exceptions_go_through_logging(tmp_path: Path, capsys: Any) -> 
 def test_identity_filter_reads_describe_strings() -> None:
     """Lines that name a client with Peer.describe() get the fields, names with quotes
     included."""
-    rec = logging.LogRecord("x", logging.WARNING, __file__, 1, "dropping client %s: %s",
-                            ("l.12 (name=\"it's\" pid=42 uid=1000)", "why"), None)
+    rec = logging.LogRecord(
+        "x",
+        logging.WARNING,
+        __file__,
+        1,
+        "dropping client %s: %s",
+        ('l.12 (name="it\'s" pid=42 uid=1000)', "why"),
+        None,
+    )
     logsetup.IdentityFilter().filter(rec)
     assert (rec.lname, rec.client, rec.pid, rec.uid) == (  # type: ignore[attr-defined]
-        "l.12", "it's", 42, 1000)
+        "l.12",
+        "it's",
+        42,
+        1000,
+    )
     text = logsetup.TextFormatter().format(rec)
-    assert text.endswith("[lname=l.12 client=\"it's\" pid=42 uid=1000]")
+    assert text.endswith('[lname=l.12 client="it\'s" pid=42 uid=1000]')

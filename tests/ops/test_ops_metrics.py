@@ -17,8 +17,10 @@ async def test_metrics_endpoint_parses_and_counts(broker_factory, raw_peer) -> N
     clients that left), disconnects by reason, messages dropped for want of a recipient,
     pending requests, capture drops."""
     b = broker_factory("--metrics", "127.0.0.1:0")
-    async with msgq_trio.connect(b.path, name="m") as bus, \
-            msgq_trio.connect(b.path, name="n") as other:
+    async with (
+        msgq_trio.connect(b.path, name="m") as bus,
+        msgq_trio.connect(b.path, name="n") as other,
+    ):
         address = (await bus.call("msgq", "stats"))["metrics"]["address"]
         assert address.startswith("127.0.0.1:") and not address.endswith(":0")
         await other.subscribe("G")
@@ -68,8 +70,14 @@ async def test_metrics_endpoint_parses_and_counts(broker_factory, raw_peer) -> N
         assert value("msgq_messages_dropped", reason="sender-gone") == 0
         assert value("msgq_paused_readers") == 0
         assert value("msgq_build_info", version=msgq_trio.__version__) == 1
-        for name in ("msgq_queued_bytes", "msgq_request_timeouts", "msgq_control_refusals",
-                     "msgq_uptime_seconds", "process_open_fds", "msgq_dump_clients"):
+        for name in (
+            "msgq_queued_bytes",
+            "msgq_request_timeouts",
+            "msgq_control_refusals",
+            "msgq_uptime_seconds",
+            "process_open_fds",
+            "msgq_dump_clients",
+        ):
             assert name in fams, name
         status, _, _ = await http_get(address, "/elsewhere")
         assert status == 404

@@ -45,11 +45,16 @@ def spawn_peer() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     teardown if still running)."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(socket: Path, role: str, name: str, *args: str,
-              stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    def spawn(
+        socket: Path, role: str, name: str, *args: str, stdin: Any = subprocess.DEVNULL
+    ) -> subprocess.Popen[bytes]:
         env = dict(os.environ, MSGQ_TRIO_SOCKET=str(socket))
-        p = subprocess.Popen([sys.executable, str(PEER), role, name, *args], env=env,
-                             stdout=subprocess.PIPE, stdin=stdin)
+        p = subprocess.Popen(
+            [sys.executable, str(PEER), role, name, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stdin=stdin,
+        )
         procs.append(p)
         return p
 

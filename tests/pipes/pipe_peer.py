@@ -31,7 +31,7 @@ PROGRESS = 16 << 20
 def pattern_at(offset: int, n: int) -> bytes:
     """``n`` (<= 1 MiB) pattern bytes starting at absolute ``offset``."""
     o = offset % P
-    return PATTERN[o:o + n]
+    return PATTERN[o : o + n]
 
 
 async def main(a: argparse.Namespace) -> int:
@@ -39,8 +39,9 @@ async def main(a: argparse.Namespace) -> int:
         pipe = bus.pipe(a.name)
         try:
             if a.role == "write":
-                w = await pipe.open_writer(on_reader_gone=a.on_reader_gone,
-                                           persistent=a.persistent or None)
+                w = await pipe.open_writer(
+                    on_reader_gone=a.on_reader_gone, persistent=a.persistent or None
+                )
                 print("open", flush=True)
                 sent = 0
                 next_mark = PROGRESS

@@ -16,8 +16,11 @@ from msgq_trio.plugins.pipe.engine import (
 
 
 def engine(max_buffer: int = 1000, max_chunk: int = 100) -> Engine:
-    return Engine(Limits(max_buffer=max_buffer, max_chunk=max_chunk, max_hold=20.0,
-                         max_pending=16, max_pipes=100))
+    return Engine(
+        Limits(
+            max_buffer=max_buffer, max_chunk=max_chunk, max_hold=20.0, max_pending=16, max_pipes=100
+        )
+    )
 
 
 def kinds(done: list[Done]) -> list[tuple[object, str]]:
@@ -125,8 +128,11 @@ def test_whole_writes_do_not_interleave() -> None:
     assert e.write("l.2", b.handle, "b1", b"B" * 10, 1, False, 10, 0.0) == []
     out = e.write("l.1", a.handle, "a2", b"A" * 5, 2, False, 10, 0.0)
     assert kinds(out) == [("a2", "ok"), ("b1", "ok")]
-    data = b"".join(bytes(d.data) for d in e.read("l.9", r.handle, "r", 100, 10, 0.0)
-                    + e.read("l.9", r.handle, "r", 100, 10, 0.0))
+    data = b"".join(
+        bytes(d.data)
+        for d in e.read("l.9", r.handle, "r", 100, 10, 0.0)
+        + e.read("l.9", r.handle, "r", 100, 10, 0.0)
+    )
     assert data == b"A" * 105 + b"B" * 10
 
 
@@ -148,9 +154,18 @@ def test_engine_is_pure() -> None:
 
 # -- persistent pipes (Rules P1-P5) --------------------------------------------------------
 def pengine(max_stored: int = 1000, **declared: Declared) -> Engine:
-    return Engine(Limits(max_buffer=1000, max_chunk=100, max_hold=20.0, max_pending=16,
-                         max_pipes=100, max_stored=max_stored),
-                  declared=declared, can_persist=True)
+    return Engine(
+        Limits(
+            max_buffer=1000,
+            max_chunk=100,
+            max_hold=20.0,
+            max_pending=16,
+            max_pipes=100,
+            max_stored=max_stored,
+        ),
+        declared=declared,
+        can_persist=True,
+    )
 
 
 def commit_all(e: Engine, seq0: int = 1) -> tuple[list[Commit], list[Done]]:
@@ -174,8 +189,9 @@ def test_persistent_writes_need_no_reader_and_are_visible_once_committed() -> No
     r, _ = e.open("l.2", "p", "r", None, "fail")
     assert e.read("l.2", r.handle, "r1", 10, 10, 0.0) == []  # staged: not visible
     work, out = commit_all(e)
-    assert [(c.name, c.chunks, c.deletes, c.cursor) for c in work] == \
-        [("p", [(5, b"hello")], [], None)]
+    assert [(c.name, c.chunks, c.deletes, c.cursor) for c in work] == [
+        ("p", [(5, b"hello")], [], None)
+    ]
     assert kinds(out) == [("w1", "ok"), ("r1", "data")]
     assert (bytes(out[1].data), out[1].at) == (b"hello", 0)
 
@@ -201,8 +217,7 @@ def test_unacked_bytes_of_a_crashed_reader_are_served_again() -> None:
     assert r2.armed  # Rule P4: the pipe holds unread bytes
     got = [(bytes(x.data), x.at) for x in e.read("l.3", r2.handle, "a", 100, 10, 0.0)]
     assert got == [(b"bbbc", 5)]  # the redo range [5, 9), whole
-    got = [(bytes(x.data), x.at) for x in e.read("l.3", r2.handle, "b", 100, 10, 0.0,
-                                                  consumed=4)]
+    got = [(bytes(x.data), x.at) for x in e.read("l.3", r2.handle, "b", 100, 10, 0.0, consumed=4)]
     assert got == [(b"ccc", 9)]
     e.close("l.1", w.handle)
     assert kinds(e.read("l.3", r2.handle, "c", 100, 10, 0.0, consumed=7)) == [("c", "eof")]

@@ -65,7 +65,8 @@ def kill_broker_and_plugin(b: Any) -> None:
 
 
 async def test_bytes_outlive_both_ends_then_the_pipe_is_forgotten(
-        pipe_broker: Callable[..., Any], short_tmp: Path) -> None:
+    pipe_broker: Callable[..., Any], short_tmp: Path
+) -> None:
     """A writer with no reader writes (persistent writes need no reader), both ends
     leave: the pipe keeps its bytes. A reader opened later (without the flag: it takes
     the pipe as it is) gets them all, in order, then end of pipe (no writer attached).
@@ -98,8 +99,8 @@ async def test_bytes_outlive_both_ends_then_the_pipe_is_forgotten(
 
 
 def test_acked_writes_survive_sigkill_of_broker_and_plugin(
-        pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any],
-        short_tmp: Path) -> None:
+    pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any], short_tmp: Path
+) -> None:
     """A writer process writes the pattern into a persistent pipe (no reader) and
     prints each acked total; the broker and the plugin are SIGKILLed mid-stream. A
     broker restarted on the same directory gives a reader every acked byte, in order
@@ -107,8 +108,16 @@ def test_acked_writes_survive_sigkill_of_broker_and_plugin(
     not be there, whole chunks only)."""
     store = str(short_tmp / "store")
     b = pipe_broker(dir=store, max_stored=64 * MiB)
-    writer = spawn_peer(b.path, "write", "durable", "--persistent", "--chunk",
-                        str(300 * KiB), "--total", str(40 * MiB))
+    writer = spawn_peer(
+        b.path,
+        "write",
+        "durable",
+        "--persistent",
+        "--chunk",
+        str(300 * KiB),
+        "--total",
+        str(40 * MiB),
+    )
     wait_line(writer, "open", 20)
     acked = 0
     while acked < 3 * MiB:
@@ -133,8 +142,8 @@ def test_acked_writes_survive_sigkill_of_broker_and_plugin(
 
 
 def test_sigkill_reader_mid_transfer_next_reader_resumes(
-        pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any],
-        short_tmp: Path) -> None:
+    pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any], short_tmp: Path
+) -> None:
     """A reader process is SIGKILLed mid-transfer: the next reader starts at the first
     byte the killed one had not acked (at or before the last offset it printed after a
     read: no loss; at most 2 x max_chunk before it: the documented duplicates) and reads
@@ -157,19 +166,25 @@ def test_sigkill_reader_mid_transfer_next_reader_resumes(
     max_chunk = 256 * KiB
     # No loss: r1's acks (sent with each read request) never cover more than it printed,
     # so r2 starts at or before r1's last line; duplicates: at most 2 answers.
-    print(f"reader killed at offset {last}; the next reader started at {first} "
-          f"({last - first} bytes read twice)")
+    print(
+        f"reader killed at offset {last}; the next reader started at {first} "
+        f"({last - first} bytes read twice)"
+    )
     assert first <= last, (first, last)
     assert last - first <= 2 * max_chunk, (first, last)
 
 
-async def test_storage_bound_makes_writers_wait(pipe_broker: Callable[..., Any],
-                                                short_tmp: Path) -> None:
+async def test_storage_bound_makes_writers_wait(
+    pipe_broker: Callable[..., Any], short_tmp: Path
+) -> None:
     """``max_stored`` bounds a persistent pipe: with no reader, a write that does not fit
     times out with ``written`` = what was stored (a prefix, within the bound); a reader
     then gets exactly that prefix and the rest written afterwards."""
-    b = pipe_broker(dir=str(short_tmp / "store"), max_chunk=100_000,
-                    pipes={"small": {"persistent": True, "max_stored": 300_000}})
+    b = pipe_broker(
+        dir=str(short_tmp / "store"),
+        max_chunk=100_000,
+        pipes={"small": {"persistent": True, "max_stored": 300_000}},
+    )
     blob = os.urandom(1_000_000)
     async with msgq_trio.connect(b.path, "w") as wb, msgq_trio.connect(b.path, "r") as rb:
         w = await wb.pipe("small").open_writer()
@@ -193,13 +208,20 @@ async def test_storage_bound_makes_writers_wait(pipe_broker: Callable[..., Any],
 
 
 async def test_full_store_makes_writers_wait_nothing_dropped(
-        pipe_broker: Callable[..., Any], short_tmp: Path) -> None:
+    pipe_broker: Callable[..., Any], short_tmp: Path
+) -> None:
     """The store's map is full (1 MiB, no growth) with two pipes' bytes: a write times
     out (what it reports written is stored, nothing else), the plugin logs it at
     WARNING; once a reader consumed the other pipe, the write goes on, and every byte of
     both pipes arrives exactly once."""
-    b = pipe_broker(dir=str(short_tmp / "store"), map_size=MiB, max_map_size=MiB,
-                    max_chunk=64 * KiB, max_stored=900 * KiB, sync=False)
+    b = pipe_broker(
+        dir=str(short_tmp / "store"),
+        map_size=MiB,
+        max_map_size=MiB,
+        max_chunk=64 * KiB,
+        max_stored=900 * KiB,
+        sync=False,
+    )
     a, c = os.urandom(640 * KiB), os.urandom(640 * KiB)
     async with msgq_trio.connect(b.path, "w") as wb, msgq_trio.connect(b.path, "r") as rb:
         wa = await wb.pipe("a").open_writer(persistent=True)
@@ -228,12 +250,15 @@ async def test_full_store_makes_writers_wait_nothing_dropped(
 
 
 async def test_persistence_is_decided_by_the_first_open_or_the_config(
-        pipe_broker: Callable[..., Any], short_tmp: Path) -> None:
+    pipe_broker: Callable[..., Any], short_tmp: Path
+) -> None:
     """An open asking persistence otherwise than the pipe is (or is configured) fails
     PipeMismatch (code pipe-mismatch); without a store directory a persistent open is
     refused bad-request naming the ``dir`` setting; persistent pipes are share only."""
-    b = pipe_broker(dir=str(short_tmp / "store"),
-                    pipes={"cfg": {"persistent": True}, "never": {"persistent": False}})
+    b = pipe_broker(
+        dir=str(short_tmp / "store"),
+        pipes={"cfg": {"persistent": True}, "never": {"persistent": False}},
+    )
     async with msgq_trio.connect(b.path, "c") as bus:
         plain = await bus.pipe("plain").open_reader()
         for name, flag in (("plain", True), ("cfg", False), ("never", True)):
@@ -260,10 +285,21 @@ def test_cli_persistent_round_trip(pipe_broker: Callable[..., Any], short_tmp: P
     env = dict(os.environ, MSGQ_TRIO_SOCKET=str(b.path))
     cli = [sys.executable, "-m", "msgq_trio", "pipe"]
     with open(src, "rb") as f:
-        res = subprocess.run([*cli, "write", "--persistent", "cli"], stdin=f, env=env,
-                             capture_output=True, timeout=60, check=False)
+        res = subprocess.run(
+            [*cli, "write", "--persistent", "cli"],
+            stdin=f,
+            env=env,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
     assert res.returncode == 0, res.stderr
-    res = subprocess.run([*cli, "read", "--persistent", "cli", "--timeout", "10"], env=env,
-                         capture_output=True, timeout=60, check=False)
+    res = subprocess.run(
+        [*cli, "read", "--persistent", "cli", "--timeout", "10"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout == src.read_bytes()

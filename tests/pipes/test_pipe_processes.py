@@ -32,7 +32,8 @@ def pipe_stats(socket: Path, name: str) -> dict[str, Any]:
 
 
 def test_sigkill_writer_mid_transfer_gives_eof_after_buffered_data(
-        pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any]) -> None:
+    pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any]
+) -> None:
     """The writer process is SIGKILLed mid-transfer: the reader gets every byte the pipe
     had accepted (the pattern holds up to the last byte) and then end of pipe, at once;
     the pipe is then flushed."""
@@ -53,7 +54,8 @@ def test_sigkill_writer_mid_transfer_gives_eof_after_buffered_data(
 
 
 def test_sigkill_reader_mid_transfer_breaks_the_writer(
-        pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any]) -> None:
+    pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any]
+) -> None:
     """The reader process is SIGKILLed mid-transfer: the writer (on_reader_gone="fail")
     fails PipeBroken on its next write within moments, and exits."""
     b = pipe_broker()
@@ -72,7 +74,8 @@ def test_sigkill_reader_mid_transfer_breaks_the_writer(
 
 
 def test_cli_moves_stdin_to_stdout_across_processes(
-        pipe_broker: Callable[..., Any], short_tmp: Path) -> None:
+    pipe_broker: Callable[..., Any], short_tmp: Path
+) -> None:
     """``msgq-trio pipe write NAME < file`` and ``msgq-trio pipe read NAME > out`` in a
     shell script, started reader-last: the output is the input, byte for byte."""
     b = pipe_broker()
@@ -80,10 +83,17 @@ def test_cli_moves_stdin_to_stdout_across_processes(
     src.write_bytes(os.urandom(5 * MiB + 17))
     out = short_tmp / "out.bin"
     cli = f"{sys.executable} -m msgq_trio"
-    script = (f"{cli} pipe write data < {src} & sleep 0.3; {cli} pipe read data > {out}; "
-              f"wait $!; printf 'hello\\n' | {cli} pipe write hi & {cli} pipe read hi; wait $!")
-    res = subprocess.run(["sh", "-c", script], env=dict(os.environ, MSGQ_TRIO_SOCKET=str(b.path)),
-                         capture_output=True, timeout=60, check=False)
+    script = (
+        f"{cli} pipe write data < {src} & sleep 0.3; {cli} pipe read data > {out}; "
+        f"wait $!; printf 'hello\\n' | {cli} pipe write hi & {cli} pipe read hi; wait $!"
+    )
+    res = subprocess.run(
+        ["sh", "-c", script],
+        env=dict(os.environ, MSGQ_TRIO_SOCKET=str(b.path)),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert out.read_bytes() == src.read_bytes()
     assert res.stdout == b"hello\n"
@@ -93,9 +103,13 @@ def test_cli_timeout_exit_status(pipe_broker: Callable[..., Any]) -> None:
     """``pipe read --timeout`` with no writer ends with status 3 and says timeout (not
     end of pipe, which is status 0)."""
     b = pipe_broker()
-    res = subprocess.run([sys.executable, "-m", "msgq_trio", "pipe", "read", "nobody",
-                          "--timeout", "0.3"], env=dict(os.environ, MSGQ_TRIO_SOCKET=str(b.path)),
-                         capture_output=True, timeout=30, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "msgq_trio", "pipe", "read", "nobody", "--timeout", "0.3"],
+        env=dict(os.environ, MSGQ_TRIO_SOCKET=str(b.path)),
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
     assert res.returncode == 3 and b"timeout" in res.stderr
 
 
@@ -131,7 +145,8 @@ async def test_plugin_killed_breaks_open_pipes(pipe_broker: Callable[..., Any]) 
 
 @pytest.mark.slow
 def test_one_gib_through_a_slow_reader_stays_under_the_bound(
-        pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any]) -> None:
+    pipe_broker: Callable[..., Any], spawn_peer: Callable[..., Any]
+) -> None:
     """1 GiB from a writer process to a reader process that pauses every 64 MiB: every
     byte arrives in order (the reader checks the pattern), the pipe never holds more
     than max_buffer (2 MiB here; sampled from the plugin's counters), and neither the
@@ -140,8 +155,17 @@ def test_one_gib_through_a_slow_reader_stays_under_the_bound(
     max_buffer = 2 * MiB
     b = pipe_broker(max_buffer=max_buffer)
     ppid = plugin_pid(b.pid)
-    reader = spawn_peer(b.path, "read", "big", "--chunk", str(256 * 1024),
-                        "--pause-every", str(64 * MiB), "--pause", "0.3")
+    reader = spawn_peer(
+        b.path,
+        "read",
+        "big",
+        "--chunk",
+        str(256 * 1024),
+        "--pause-every",
+        str(64 * MiB),
+        "--pause",
+        "0.3",
+    )
     wait_line(reader, "open", 20)
     base = {"broker": rss(b.pid), "plugin": rss(ppid)}
     peak = dict(base)
@@ -173,9 +197,11 @@ def test_one_gib_through_a_slow_reader_stays_under_the_bound(
     assert done == f"read {1 << 30} ok", done
     assert writer.wait(10) == 0 and reader.wait(10) == 0
     growth = {k: peak[k] - base[k] for k in base}
-    print(f"1 GiB in {elapsed:.1f} s ({(1 << 30) / elapsed / 1e6:.0f} MB/s); RSS growth "
-          f"broker {growth['broker'] / MiB:.1f} MiB, plugin {growth['plugin'] / MiB:.1f} MiB;"
-          f" pipe peak {charged_peak / MiB:.2f} MiB")
+    print(
+        f"1 GiB in {elapsed:.1f} s ({(1 << 30) / elapsed / 1e6:.0f} MB/s); RSS growth "
+        f"broker {growth['broker'] / MiB:.1f} MiB, plugin {growth['plugin'] / MiB:.1f} MiB;"
+        f" pipe peak {charged_peak / MiB:.2f} MiB"
+    )
     assert charged_peak <= max_buffer
     assert growth["broker"] < 32 * MiB, growth
     assert growth["plugin"] < 32 * MiB, growth

@@ -96,7 +96,7 @@ async def test_small_read_buffers_lose_nothing(pipe_broker: Callable[..., Any]) 
                 off = 0
                 while off < len(blob):
                     n = rnd.choice([1, 7, 1000, 65536, 300_000, 600_000])
-                    await w.send_all(blob[off: off + n])
+                    await w.send_all(blob[off : off + n])
                     off += n
                 await w.aclose()
 
@@ -135,7 +135,8 @@ async def test_close_while_reader_waits_for_more(pipe_broker: Callable[..., Any]
 
 
 async def test_pipelined_and_cancelled_reads_keep_their_bytes(
-        pipe_broker: Callable[..., Any]) -> None:
+    pipe_broker: Callable[..., Any],
+) -> None:
     """Seed 002 "pipelined reads that break": reads cancelled while their request is in
     flight keep what the request brings; the next read returns it in order."""
     b = pipe_broker()
@@ -154,15 +155,15 @@ async def test_pipelined_and_cancelled_reads_keep_their_bytes(
 
 
 async def test_both_ends_gone_then_reopened_has_no_old_data(
-        pipe_broker: Callable[..., Any]) -> None:
+    pipe_broker: Callable[..., Any],
+) -> None:
     """Seed 002 "zpipes retains data for disconnected pipes": bytes nobody read are
     flushed once both ends left (closed or disconnected); the reopened pipe starts
     empty."""
     b = pipe_broker()
     async with msgq_trio.connect(b.path, "watch") as watch:
         for how in ("close", "disconnect"):
-            async with msgq_trio.connect(b.path, "w") as wb, \
-                    msgq_trio.connect(b.path, "r") as rb:
+            async with msgq_trio.connect(b.path, "w") as wb, msgq_trio.connect(b.path, "r") as rb:
                 r = await rb.pipe("stale").open_reader()
                 w = await wb.pipe("stale").open_writer(on_reader_gone="wait")
                 await w.write(b"OLD" * 1000)
@@ -175,8 +176,7 @@ async def test_both_ends_gone_then_reopened_has_no_old_data(
                     if not (await stats(watch, "stale"))["exists"]:
                         break
                     await trio.sleep(0.02)
-            async with msgq_trio.connect(b.path, "w2") as wb, \
-                    msgq_trio.connect(b.path, "r2") as rb:
+            async with msgq_trio.connect(b.path, "w2") as wb, msgq_trio.connect(b.path, "r2") as rb:
                 r = await rb.pipe("stale").open_reader()
                 w = await wb.pipe("stale").open_writer()
                 await w.write(b"NEW")
@@ -220,8 +220,9 @@ async def test_share_mode_each_byte_to_one_reader(pipe_broker: Callable[..., Any
     b = pipe_broker()
     n_rec, size = 1000, 16
     async with msgq_trio.connect(b.path, "w") as wb, msgq_trio.connect(b.path, "r") as rb:
-        readers = [await rb.pipe("share").open_reader(readers="share", readahead=0)
-                   for _ in range(3)]
+        readers = [
+            await rb.pipe("share").open_reader(readers="share", readahead=0) for _ in range(3)
+        ]
         w = await wb.pipe("share").open_writer()
         seen: list[int] = []
 
@@ -274,7 +275,7 @@ async def test_broadcast_and_whole_writes(pipe_broker: Callable[..., Any]) -> No
             n.start_soon(write, writers[0], b"A")
             n.start_soon(write, writers[1], b"B")
         assert results[0] == results[1] and len(results[0]) == 8 * rec
-        records = [results[0][i: i + rec] for i in range(0, 8 * rec, rec)]
+        records = [results[0][i : i + rec] for i in range(0, 8 * rec, rec)]
         assert sorted(r[:1] for r in records) == [b"A"] * 4 + [b"B"] * 4
         assert all(r == r[:1] * rec for r in records)
 
@@ -307,8 +308,10 @@ async def test_trace_logs_name_client_and_sizes(pipe_broker: Callable[..., Any])
     """Seed 002 "no log details of read/write requests": with ``trace = true`` the
     broker's log names the pipe, the client (lname and name) and each read/write size."""
     b = pipe_broker(trace=True)
-    async with msgq_trio.connect(b.path, "tracer-w") as wb, \
-            msgq_trio.connect(b.path, "tracer-r") as rb:
+    async with (
+        msgq_trio.connect(b.path, "tracer-w") as wb,
+        msgq_trio.connect(b.path, "tracer-r") as rb,
+    ):
         r = await rb.pipe("traced").open_reader()
         w = await wb.pipe("traced").open_writer()
         await w.write(b"12345")
@@ -365,7 +368,8 @@ async def test_write_timeout_reports_the_prefix_written(pipe_broker: Callable[..
 
 
 async def test_cancelled_multi_chunk_write_releases_the_pipe(
-        pipe_broker: Callable[..., Any]) -> None:
+    pipe_broker: Callable[..., Any],
+) -> None:
     """A writer cancelled in the middle of a multi-chunk write does not keep the pipe
     locked (Rule 4): another writer's bytes follow what was sent of the cut write."""
     b = pipe_broker(max_buffer=300_000, max_chunk=100_000)

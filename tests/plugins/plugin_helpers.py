@@ -38,8 +38,15 @@ async def engine_on_memory_store(**settings: Any) -> AsyncIterator[tuple[Engine,
     """A queue engine in this process on the memory store, with queue ``q`` declared and
     no flush loop running (a test starts it when it wants commits): for driving the
     engine's races step by step. Defaults: 4 messages resident, no ack grace."""
-    cfg = QueueSettings(**{"dir": "unused", "resident_messages": 4, "resident_bytes": 1 << 20,
-                           "ack_grace": 0, **settings})
+    cfg = QueueSettings(
+        **{
+            "dir": "unused",
+            "resident_messages": 4,
+            "resident_bytes": 1 << 20,
+            "ack_grace": 0,
+            **settings,
+        }
+    )
     with MemoryQueueStore() as store, StoreThread() as thread:
         engine = Engine(store, thread, cfg)
         async with trio.open_nursery() as nursery:

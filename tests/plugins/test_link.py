@@ -46,8 +46,7 @@ def plugin_pids(broker: BrokerProcess, plugin: str) -> list[int]:
                 argv = f.read().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == broker.pid and b"msgq_trio.plugins.host" in argv and \
-                plugin.encode() in argv:
+        if ppid == broker.pid and b"msgq_trio.plugins.host" in argv and plugin.encode() in argv:
             out.append(int(entry))
     return out
 
@@ -56,20 +55,32 @@ class LocalChain:
     """Two brokers on Unix sockets in ``tmp`` (the :class:`ChainTopology` of the tests):
     A = queue plugin + link plugin forwarding ``chain`` to B's ``chain``."""
 
-    def __init__(self, factory: Factory, tmp: Path, *, a_queue: dict[str, Any] | None = None,
-                 link: dict[str, Any] | None = None, b_queue: dict[str, Any] | None = None,
-                 plugin: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        factory: Factory,
+        tmp: Path,
+        *,
+        a_queue: dict[str, Any] | None = None,
+        link: dict[str, Any] | None = None,
+        b_queue: dict[str, Any] | None = None,
+        plugin: dict[str, Any] | None = None,
+    ) -> None:
         self.factory = factory
         self.paths = {"a": tmp / "a.sock", "b": tmp / "b.sock"}
         self.configs = {"a": tmp / "a.toml", "b": tmp / "b.toml"}
-        a = [*_table("plugins.queue", {"dir": str(tmp / "a-store")}),
-             *_table('plugins.queue.queues."chain"', a_queue or {}),
-             *_table("plugins.link", plugin or {}),
-             *_table("plugins.link.links.tob", {
-                 "address": str(self.paths["b"]), "from_queue": "chain",
-                 **(link or {})})]
-        b = [*_table("plugins.queue", {"dir": str(tmp / "b-store")}),
-             *_table('plugins.queue.queues."chain"', b_queue or {})]
+        a = [
+            *_table("plugins.queue", {"dir": str(tmp / "a-store")}),
+            *_table('plugins.queue.queues."chain"', a_queue or {}),
+            *_table("plugins.link", plugin or {}),
+            *_table(
+                "plugins.link.links.tob",
+                {"address": str(self.paths["b"]), "from_queue": "chain", **(link or {})},
+            ),
+        ]
+        b = [
+            *_table("plugins.queue", {"dir": str(tmp / "b-store")}),
+            *_table('plugins.queue.queues."chain"', b_queue or {}),
+        ]
         self.configs["a"].write_text("\n".join(a) + "\n")
         self.configs["b"].write_text("\n".join(b) + "\n")
         self.brokers: dict[str, BrokerProcess] = {}
@@ -135,8 +146,7 @@ async def eventually(cond: Callable[[], Any], timeout: float = 20.0) -> None:
             await trio.sleep(0.05)
 
 
-async def test_chain_forwards_and_stores_only_downstream(chain: Callable[..., LocalChain]
-                                                         ) -> None:
+async def test_chain_forwards_and_stores_only_downstream(chain: Callable[..., LocalChain]) -> None:
     """With no consumer at B, every message put at A ends up stored at B and removed
     from A (A wrote it only if the link's answer came after A's grace); the consumer
     started later at B gets each exactly once, in order."""
@@ -173,13 +183,18 @@ async def test_chain_forwards_and_stores_only_downstream(chain: Callable[..., Lo
 
 
 def ctl_links(c: LocalChain, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "msgq_trio", "ctl", "--socket",
-                           c.address("a"), *flags, "links"], capture_output=True, text=True,
-                          timeout=30, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "msgq_trio", "ctl", "--socket", c.address("a"), *flags, "links"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 async def test_link_down_stores_upstream_then_delivers_in_order(
-        chain: Callable[..., LocalChain]) -> None:
+    chain: Callable[..., LocalChain],
+) -> None:
     """While B is down, puts at A are acked "stored" (A is the last hop); `ctl links`
     shows the link down with its last error. Once B is back, the link forwards them with
     their original ids, in order, and A's copies are removed."""
@@ -216,7 +231,8 @@ async def test_link_down_stores_upstream_then_delivers_in_order(
 
 
 async def test_link_give_back_of_a_full_window_is_forwarded_in_order(
-        chain: Callable[..., LocalChain]) -> None:
+    chain: Callable[..., LocalChain],
+) -> None:
     """The link holds a full window unanswered (B stopped), then B is SIGKILLed: the link
     gives all of it back to A in several nacks (a quarter window each). A redelivers it
     in the original order, so once B is back the link forwards it oldest first and B
@@ -259,14 +275,18 @@ async def test_link_give_back_of_a_full_window_is_forwarded_in_order(
 
 
 async def test_fast_consumer_downstream_skips_writes_at_both_hops(
-        chain: Callable[..., LocalChain]) -> None:
+    chain: Callable[..., LocalChain],
+) -> None:
     """A healthy link and a consumer acking at once at B: the consumer's ack travels
     back through B and the link to A within A's grace, so neither broker writes (almost)
     anything; the producer's ack 1 is "consumed" for those."""
     c = chain(a_queue={"ack_grace": 0.5})
     got: list[int] = []
-    async with msgq_trio.connect(c.address("b"), "c") as cb, \
-            msgq_trio.connect(c.address("a"), "p") as p, trio.open_nursery() as n:
+    async with (
+        msgq_trio.connect(c.address("b"), "c") as cb,
+        msgq_trio.connect(c.address("a"), "p") as p,
+        trio.open_nursery() as n,
+    ):
 
         async def consume() -> None:
             async with cb.queue("chain").consume(64) as msgs:
@@ -285,8 +305,10 @@ async def test_fast_consumer_downstream_skips_writes_at_both_hops(
         n.cancel_scope.cancel()
     assert sorted(got) == list(range(3000))
     consumed = sum(r["consumed"] for r in results)
-    print(f"fast consumer: written at A {st_a['stored']} of {st_a['put']}, at B "
-          f"{st_b['stored']} of {st_b['put']}; ack 1 consumed {consumed} of 3000")
+    print(
+        f"fast consumer: written at A {st_a['stored']} of {st_a['put']}, at B "
+        f"{st_b['stored']} of {st_b['put']}; ack 1 consumed {consumed} of 3000"
+    )
     assert st_a["stored"] <= 300 and st_b["stored"] <= 300
 
 
@@ -302,8 +324,9 @@ def scrape(address: str) -> dict[str, Any]:
 
 def sample(fams: dict[str, Any], name: str, **labels: str) -> float:
     """The value of the one sample of family ``name`` whose labels include ``labels``."""
-    found = [s.value for s in fams[name].samples
-             if all(s.labels.get(k) == v for k, v in labels.items())]
+    found = [
+        s.value for s in fams[name].samples if all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(found) == 1, f"{name} {labels}: {fams[name].samples}"
     return float(found[0])
 
@@ -336,8 +359,14 @@ async def test_link_metrics_follow_the_link(chain: Callable[..., LocalChain]) ->
     assert sample(fams, "msgq_link_sessions", link="tob") == 1
     assert sample(fams, "msgq_link_in_flight", link="tob") == 0
     assert sample(fams, "msgq_link_state_seconds", link="tob") > 0  # up since before the puts
-    for key in ("consumed_downstream", "duplicates_downstream", "retries", "failures",
-                "given_back", "out_of_order"):
+    for key in (
+        "consumed_downstream",
+        "duplicates_downstream",
+        "retries",
+        "failures",
+        "given_back",
+        "out_of_order",
+    ):
         assert sample(fams, f"msgq_link_{key}", link="tob") == status[key], key
     r = await trio.to_thread.run_sync(ctl_links, c)
     assert r.returncode == 0 and f"metrics: http://{address}/metrics" in r.stdout, r
@@ -347,6 +376,7 @@ async def test_link_metrics_follow_the_link(chain: Callable[..., LocalChain]) ->
     async def down() -> bool:
         f = await trio.to_thread.run_sync(scrape, address)
         return sample(f, "msgq_link_up", link="tob") == 0
+
     await eventually(down)
     fams = await trio.to_thread.run_sync(scrape, address)
     assert sample(fams, "msgq_link_failures", link="tob") >= 1
@@ -354,7 +384,8 @@ async def test_link_metrics_follow_the_link(chain: Callable[..., LocalChain]) ->
 
 
 async def test_link_metrics_port_in_use_fails_the_start(
-        broker_argv: Callable[..., list[str]], short_tmp: Path) -> None:
+    broker_argv: Callable[..., list[str]], short_tmp: Path
+) -> None:
     """A ``metrics`` port another socket holds: the plugin cannot bind it before it is
     ready, so the broker's start fails, and its log names the key."""
     with socket.socket() as taken:
@@ -362,21 +393,29 @@ async def test_link_metrics_port_in_use_fails_the_start(
         taken.listen()
         port = taken.getsockname()[1]
         config = short_tmp / "a.toml"
-        config.write_text("\n".join([
-            *_table("plugins.link", {"metrics": f"127.0.0.1:{port}"}),
-            *_table("plugins.link.links.x", {"address": str(short_tmp / "none.sock"),
-                                             "from_queue": "q"})]) + "\n")
+        config.write_text(
+            "\n".join(
+                [
+                    *_table("plugins.link", {"metrics": f"127.0.0.1:{port}"}),
+                    *_table(
+                        "plugins.link.links.x",
+                        {"address": str(short_tmp / "none.sock"), "from_queue": "q"},
+                    ),
+                ]
+            )
+            + "\n"
+        )
         argv = broker_argv(short_tmp / "a.sock", "--config", str(config))
-        r = await trio.to_thread.run_sync(lambda: subprocess.run(
-            argv, capture_output=True, text=True, timeout=60, check=False))
+        r = await trio.to_thread.run_sync(
+            lambda: subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        )
     assert r.returncode != 0 and "listening" not in r.stdout
     assert f"metrics = '127.0.0.1:{port}': cannot listen" in r.stderr, r.stderr
     assert "plugin 'link' failed to start" in r.stderr, r.stderr
 
 
 @pytest.mark.slow
-async def test_chain_survives_cut_links_and_upstream_kill(
-        chain: Callable[..., LocalChain]) -> None:
+async def test_chain_survives_cut_links_and_upstream_kill(chain: Callable[..., LocalChain]) -> None:
     """Acceptance (issue 11, seed 003): 12,000 messages through A -> link -> B while the
     link is cut five ways (B SIGKILLed and restarted twice, the link plugin SIGKILLed,
     the link SIGSTOPped, B SIGSTOPped) and A is SIGKILLed once and restarted. The
@@ -399,22 +438,39 @@ async def test_chain_survives_cut_links_and_upstream_kill(
     assert rep.duplicates == 0, rep.verdict()
 
 
-@pytest.mark.parametrize(("table", "error"), [
-    ({}, "at least one link"),
-    ({"links": {"x": {"from_queue": "q"}}}, "address is required"),
-    ({"links": {"x": {"address": "/s", "from_queue": "q", "window": 0}}}, "window"),
-    ({"links": {"x": {"address": "/s", "from_queue": "q", "tls_ca": "ca.pem"}}},
-     "need tls = true"),
-    ({"links": {"x": {"address": "/s", "from_queue": "q", "colour": 1}}}, "unknown key"),
-    ({"links": {"x": {"address": "/s", "from_queue": "q", "token": "a",
-                      "token_file": "/t"}}}, "not both"),
-    ({"metrics": "9100", "links": {"x": {"address": "/s", "from_queue": "q"}}},
-     "metrics = '9100': metrics address must be HOST:PORT"),
-    ({"metrics": "127.0.0.1:70000", "links": {"x": {"address": "/s", "from_queue": "q"}}},
-     "metrics = '127.0.0.1:70000': .*0..65535"),
-    ({"metrics": 9100, "links": {"x": {"address": "/s", "from_queue": "q"}}},
-     "metrics = 9100: must be str"),
-])
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [
+        ({}, "at least one link"),
+        ({"links": {"x": {"from_queue": "q"}}}, "address is required"),
+        ({"links": {"x": {"address": "/s", "from_queue": "q", "window": 0}}}, "window"),
+        (
+            {"links": {"x": {"address": "/s", "from_queue": "q", "tls_ca": "ca.pem"}}},
+            "need tls = true",
+        ),
+        ({"links": {"x": {"address": "/s", "from_queue": "q", "colour": 1}}}, "unknown key"),
+        (
+            {
+                "links": {
+                    "x": {"address": "/s", "from_queue": "q", "token": "a", "token_file": "/t"}
+                }
+            },
+            "not both",
+        ),
+        (
+            {"metrics": "9100", "links": {"x": {"address": "/s", "from_queue": "q"}}},
+            "metrics = '9100': metrics address must be HOST:PORT",
+        ),
+        (
+            {"metrics": "127.0.0.1:70000", "links": {"x": {"address": "/s", "from_queue": "q"}}},
+            "metrics = '127.0.0.1:70000': .*0..65535",
+        ),
+        (
+            {"metrics": 9100, "links": {"x": {"address": "/s", "from_queue": "q"}}},
+            "metrics = 9100: must be str",
+        ),
+    ],
+)
 def test_link_settings_refused(table: dict[str, Any], error: str) -> None:
     """Invalid link tables are refused with the key named (the broker's start fails)."""
     from msgq_trio.plugins.link.settings import parse_settings

@@ -22,8 +22,6 @@ from msgq_trio.errors import QueueFull, RemoteError
 Start = Callable[..., Any]
 
 
-
-
 async def test_put_fetch_ack_and_survives_kill(queue_broker: Start, short_tmp: Path) -> None:
     """put returns "stored" once durable; a SIGKILLed broker restarted on the same store
     delivers every stored message, acked ones are gone."""
@@ -32,7 +30,10 @@ async def test_put_fetch_ack_and_survives_kill(queue_broker: Start, short_tmp: P
         q = p.queue("jobs")
         assert await q.put({"n": 0}) == "stored"
         assert await q.put_many([{"n": i} for i in range(1, 10)]) == {
-            "stored": 9, "consumed": 0, "duplicates": 0}
+            "stored": 9,
+            "consumed": 0,
+            "duplicates": 0,
+        }
         got = await q.fetch(3)
         assert [m.body for m in got] == [{"n": 0}, {"n": 1}, {"n": 2}]
         assert await q.ack(got) == 3
@@ -49,13 +50,15 @@ async def test_push_round_robin_window_one(queue_broker: Start) -> None:
     """Two consumers with window 1 each hold at most one unacked message and share the
     messages round robin."""
     b = queue_broker({"rr": {}})
-    async with msgq_trio.connect(b.path, "p") as p, \
-            msgq_trio.connect(b.path, "c1") as c1, msgq_trio.connect(b.path, "c2") as c2:
+    async with (
+        msgq_trio.connect(b.path, "p") as p,
+        msgq_trio.connect(b.path, "c1") as c1,
+        msgq_trio.connect(b.path, "c2") as c2,
+    ):
         await p.queue("rr").put_many(list(range(20)))
         seen: dict[str, list[int]] = {"c1": [], "c2": []}
         holding = {"c1": 0, "c2": 0}
-        async with c1.queue("rr").consume(window=1) as k1, \
-                c2.queue("rr").consume(window=1) as k2:
+        async with c1.queue("rr").consume(window=1) as k1, c2.queue("rr").consume(window=1) as k2:
 
             async def run(name: str, k: msgq_trio.client.queue.Consumer) -> None:
                 async for m in k:
@@ -82,8 +85,7 @@ async def test_redelivery_on_disconnect_and_deadline(queue_broker: Start) -> Non
     b = queue_broker({"rd": {}})
     async with msgq_trio.connect(b.path, "p") as p:
         await p.queue("rd").put("a")
-        async with msgq_trio.connect(b.path, "dies") as c, \
-                c.queue("rd").consume(window=1) as k:
+        async with msgq_trio.connect(b.path, "dies") as c, c.queue("rd").consume(window=1) as k:
             m = await k.__anext__()
             assert (m.body, m.deliveries) == ("a", 1)
             # leaves without ack (aclose nacks nothing it already handed out)
@@ -172,8 +174,7 @@ async def test_put_after_refuses_a_put_that_overtook_a_missing_one(queue_broker:
         assert (await q.stats())["out_of_order"] == 1
 
 
-async def test_redelivery_keeps_original_order_whatever_the_nack_order(
-        queue_broker: Start) -> None:
+async def test_redelivery_keeps_original_order_whatever_the_nack_order(queue_broker: Start) -> None:
     """Messages given back in several nacks (a link's give-back comes in chunks, refused
     delivery batches one by one) are redelivered in their original order, before the
     never-delivered ones, not the last nack first: a link forwards them in the order
@@ -204,8 +205,7 @@ async def test_redelivery_keeps_original_order_whatever_the_nack_order(
         assert (await q.stats())["depth"] == 0
 
 
-async def test_forwarder_consuming_again_gets_what_it_held_first(
-        queue_broker: Start) -> None:
+async def test_forwarder_consuming_again_gets_what_it_held_first(queue_broker: Start) -> None:
     """A forwarder (``consume(ids=True)``, a link) that consumes again on the same
     connection first gets back what its previous consumer still held, in order (a
     link's deliveries in transit at the end of a session), not later messages first."""
@@ -350,7 +350,10 @@ async def test_transparent_insertion(queue_broker: Start) -> None:
             msg = await writer.receive(timeout=10)
             assert got == [{"acct": 1}]
             assert (msg.body, msg.sender_name, msg.via_name) == (
-                {"note": "one-way"}, "radius", "msgq-queue-binder")
+                {"note": "one-way"},
+                "radius",
+                "msgq-queue-binder",
+            )
             # online: the member's own answer comes back, every time
             answers = [await radius.call("SQLWriter", "write", {"acct": i}) for i in range(2, 12)]
             assert answers == [{"ok": i} for i in range(2, 12)]
@@ -364,9 +367,11 @@ async def test_binding_rules(queue_broker: Start) -> None:
     """Only one client may bind a group; the binder reaches the real members; the binding
     ends with the binder's connection."""
     b = queue_broker({})
-    async with msgq_trio.connect(b.path, "binder") as binder, \
-            msgq_trio.connect(b.path, "member") as member, \
-            msgq_trio.connect(b.path, "other") as other:
+    async with (
+        msgq_trio.connect(b.path, "binder") as binder,
+        msgq_trio.connect(b.path, "member") as member,
+        msgq_trio.connect(b.path, "other") as other,
+    ):
         await member.subscribe("G")
         assert await binder.call("msgq", "bind", {"group": "G"}) is True
         with pytest.raises(RemoteError) as info:
@@ -432,8 +437,7 @@ def test_bad_plugin_configuration_stops_start(short_tmp: Path, broker_argv: Any)
     assert r.returncode == 2 and "max_batch = 0" in r.stderr, r.stderr
 
 
-def test_plugin_that_cannot_start_fails_broker_start(short_tmp: Path, broker_argv: Any
-                                                     ) -> None:
+def test_plugin_that_cannot_start_fails_broker_start(short_tmp: Path, broker_argv: Any) -> None:
     """A plugin that fails its first start (store directory unusable) makes the broker's
     start fail with exit status 1 and a message naming the plugin."""
     blocker = short_tmp / "file"

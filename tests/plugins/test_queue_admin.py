@@ -40,9 +40,14 @@ PAGING = {"resident_messages": 200, "resident_bytes": 1 << 20}
 
 def cli(sock: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """``python -m msgq_trio queue --socket SOCK ARGV`` (blocking: run it in a thread)."""
-    r = subprocess.run([sys.executable, "-m", "msgq_trio", "queue", "--socket", str(sock),
-                        *argv], capture_output=True, text=True, timeout=60, check=False,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-m", "msgq_trio", "queue", "--socket", str(sock), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
     assert "Traceback" not in r.stderr, r.stderr
     return r
 
@@ -55,8 +60,6 @@ async def acli_json(sock: Path, *argv: str) -> Any:
     r = await acli(sock, *argv, "--json")
     assert r.returncode == 0, r
     return json.loads(r.stdout)
-
-
 
 
 def body(i: int) -> str:
@@ -102,16 +105,25 @@ async def test_ls_stats_peek_and_peek_consumes_nothing(queue_broker: Start) -> N
         r = await acli(sock, "ls")
         assert r.returncode == 0, r
         header, *lines = r.stdout.splitlines()
-        assert header.split() == ["QUEUE", "DEPTH", "BYTES", "READY", "IN", "FLIGHT",
-                                  "CONSUMERS", "PAGING"]
+        assert header.split() == [
+            "QUEUE",
+            "DEPTH",
+            "BYTES",
+            "READY",
+            "IN",
+            "FLIGHT",
+            "CONSUMERS",
+            "PAGING",
+        ]
         table = {ln.split()[0]: ln.split() for ln in lines}
         assert table["q"][1] == "30" and table["q"][-4:] == ["27", "3", "0", "no"]
         assert table["empty"][1] == "0"
 
         r = await acli(sock, "stats", "q")
         assert r.returncode == 0, r
-        assert {"depth: 30", "ready: 27", "in_flight: 3", "paging: false",
-                "queue: q"} <= set(r.stdout.splitlines())
+        assert {"depth: 30", "ready: 27", "in_flight: 3", "paging: false", "queue: q"} <= set(
+            r.stdout.splitlines()
+        )
         st = await acli_json(sock, "stats", "q")  # --json after the subcommand
         assert st["depth"] == 30 and st["bytes"] == before["bytes"]
 
@@ -128,16 +140,28 @@ async def test_ls_stats_peek_and_peek_consumes_nothing(queue_broker: Start) -> N
         r = await acli(sock, "peek", "q")  # a table, 10 by default
         assert r.returncode == 0, r
         header, *lines = r.stdout.splitlines()
-        assert header.split() == ["SEQ", "PRODUCER", "PRODUCER", "SEQ", "DELIVERIES", "SIZE",
-                                  "KIND", "BODY"]
+        assert header.split() == [
+            "SEQ",
+            "PRODUCER",
+            "PRODUCER",
+            "SEQ",
+            "DELIVERIES",
+            "SIZE",
+            "KIND",
+            "BODY",
+        ]
         assert len(lines) == 10
         first = lines[0].split()
         assert first[:3] == ["4", "p1", "4"] and first[5] == "body"
         assert '{"n": 3, "text": "yyy' in lines[0] and lines[0].endswith("...")
 
         after = await q.stats()
-        assert (after["depth"], after["ready"], after["in_flight"], after["delivered"]) == \
-            (30, 27, 3, before["delivered"])
+        assert (after["depth"], after["ready"], after["in_flight"], after["delivered"]) == (
+            30,
+            27,
+            3,
+            before["delivered"],
+        )
         assert await q.ack(held) == 3
         rest = await q.fetch(100)
         assert [m.body["n"] for m in rest] == list(range(3, 30))
@@ -154,7 +178,9 @@ async def test_ls_stats_peek_and_peek_consumes_nothing(queue_broker: Start) -> N
         await eventually(two_stored)
         peeked = await acli_json(sock, "peek", "sql")
         assert [(m["kind"], m["body"], m["attachments"]) for m in peeked] == [
-            ("request", ["write", {"acct": 1}], 0), ("message", {"note": "one-way"}, 0)]
+            ("request", ["write", {"acct": 1}], 0),
+            ("message", {"note": "one-way"}, 0),
+        ]
 
         for argv in (("stats", "nosuch"), ("peek", "nosuch"), ("purge", "nosuch", "--yes")):
             r = await acli(sock, *argv)
@@ -189,8 +215,11 @@ async def test_purge_removes_memory_and_disk_but_not_in_flight(queue_broker: Sta
         r = await acli(b.path, "purge", "q", "--yes")
         assert r.returncode == 0, r
         assert r.stdout == "purged 995 messages from queue 'q'\n"
-        assert re.search(r"WARNING .*queue q: purged 995 messages for l\.\d+ "
-                         r"\(msgq-trio-queue\)", b.log()), b.log()[-3000:]
+        assert re.search(
+            r"WARNING .*queue q: purged 995 messages for l\.\d+ "
+            r"\(msgq-trio-queue\)",
+            b.log(),
+        ), b.log()[-3000:]
 
         st = await q.stats()
         assert (st["depth"], st["in_flight"], st["ready"], st["resident"]) == (5, 5, 0, 5), st
@@ -234,8 +263,10 @@ async def test_cli_without_queue_plugin_fails_in_one_line(broker: Any) -> None:
         r = await acli(broker.path, *argv)
         assert r.returncode == 1, r
         assert r.stdout == ""
-        assert r.stderr == ("error: no queue plugin is running: nobody answers on group "
-                            "'msgq-queue' (enable it with a [plugins.queue] table)\n"), r
+        assert r.stderr == (
+            "error: no queue plugin is running: nobody answers on group "
+            "'msgq-queue' (enable it with a [plugins.queue] table)\n"
+        ), r
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -249,13 +280,14 @@ def scrape(address: str) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def sample(fams: dict[str, Any], name: str, sample_name: str | None = None,
-           **labels: str) -> float:
+def sample(fams: dict[str, Any], name: str, sample_name: str | None = None, **labels: str) -> float:
     """The value of the one sample ``sample_name`` (default: ``name``) of family ``name``
     whose labels include ``labels``."""
-    found = [s.value for s in fams[name].samples
-             if s.name == (sample_name or name)
-             and all(s.labels.get(k) == v for k, v in labels.items())]
+    found = [
+        s.value
+        for s in fams[name].samples
+        if s.name == (sample_name or name) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(found) == 1, f"{name} {labels}: {fams[name].samples}"
     return float(found[0])
 
@@ -285,11 +317,14 @@ async def test_metrics_endpoint_matches_stats(queue_broker: Start) -> None:
         async def agree() -> tuple[dict[str, Any], dict[str, Any]] | None:
             fams = await trio.to_thread.run_sync(scrape, address)
             st = await q.stats()
-            ok = all(sample(fams, f"msgq_queue_{k}", queue="q") == st[k] for k in GAUGES) \
-                and all(sample(fams, f"msgq_queue_{k}", f"msgq_queue_{k}_total", queue="q")
-                        == st[k] for k in COUNTERS) \
-                and sample(fams, "msgq_queue_commits", "msgq_queue_commits_total") \
-                == st["commits"]
+            ok = (
+                all(sample(fams, f"msgq_queue_{k}", queue="q") == st[k] for k in GAUGES)
+                and all(
+                    sample(fams, f"msgq_queue_{k}", f"msgq_queue_{k}_total", queue="q") == st[k]
+                    for k in COUNTERS
+                )
+                and sample(fams, "msgq_queue_commits", "msgq_queue_commits_total") == st["commits"]
+            )
             return (fams, st) if ok else None
 
         fams, st = await eventually(agree)
@@ -302,8 +337,10 @@ async def test_metrics_endpoint_matches_stats(queue_broker: Start) -> None:
     assert hist.type == "histogram"
     count = sample(fams, "msgq_queue_commit_seconds", "msgq_queue_commit_seconds_count")
     assert count == st["commits"] > 0
-    assert sample(fams, "msgq_queue_commit_seconds", "msgq_queue_commit_seconds_bucket",
-                  le="+Inf") == count
+    assert (
+        sample(fams, "msgq_queue_commit_seconds", "msgq_queue_commit_seconds_bucket", le="+Inf")
+        == count
+    )
     assert sample(fams, "msgq_queue_commit_seconds", "msgq_queue_commit_seconds_sum") > 0
     age = sample(fams, "msgq_queue_oldest_age_seconds", queue="q")
     assert age >= 1.2 - 1e-3, age  # (two processes' readings of one monotonic clock)
@@ -313,11 +350,13 @@ async def test_metrics_endpoint_matches_stats(queue_broker: Start) -> None:
 def scrape_openmetrics(address: str) -> dict[str, Any]:
     """GET /metrics asking for OpenMetrics, parsed with prometheus_client's strict
     OpenMetrics parser: family name -> family."""
-    req = urllib.request.Request(f"http://{address}/metrics",
-                                 headers={"Accept": "application/openmetrics-text"})
+    req = urllib.request.Request(
+        f"http://{address}/metrics", headers={"Accept": "application/openmetrics-text"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("application/openmetrics-text"), \
-            r.headers["Content-Type"]
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text"), r.headers[
+            "Content-Type"
+        ]
         text = r.read().decode()
     return {f.name: f for f in openmetrics_families(text)}
 
@@ -336,8 +375,11 @@ async def test_metrics_openmetrics_and_process(queue_broker: Start) -> None:
 
         async def committed() -> dict[str, Any] | None:
             fams = await trio.to_thread.run_sync(scrape_openmetrics, m.group(1))
-            commits = [s.value for s in fams["msgq_queue_commits"].samples
-                       if s.name == "msgq_queue_commits_total"]
+            commits = [
+                s.value
+                for s in fams["msgq_queue_commits"].samples
+                if s.name == "msgq_queue_commits_total"
+            ]
             return fams if commits and commits[0] > 0 else None
 
         fams = await eventually(committed)
@@ -351,15 +393,15 @@ async def test_metrics_openmetrics_and_process(queue_broker: Start) -> None:
     for s in hist.samples:
         by_name.setdefault(s.name, []).append(s)
     count = by_name["msgq_queue_commit_seconds_count"][0].value
-    inf = [s.value for s in by_name["msgq_queue_commit_seconds_bucket"]
-           if s.labels["le"] == "+Inf"]
+    inf = [s.value for s in by_name["msgq_queue_commit_seconds_bucket"] if s.labels["le"] == "+Inf"]
     assert inf == [count] and count > 0
     assert fams["process_resident_memory_bytes"].samples[0].value > 1 << 20
     assert "process_cpu_seconds" in fams
 
 
-async def test_metrics_port_in_use_fails_the_start(broker_argv: Callable[..., list[str]],
-                                                   short_tmp: Path) -> None:
+async def test_metrics_port_in_use_fails_the_start(
+    broker_argv: Callable[..., list[str]], short_tmp: Path
+) -> None:
     """A ``metrics`` port another socket holds: the plugin cannot bind it before it is
     ready, so the broker's start fails, naming the key."""
     with socket.socket() as taken:
@@ -367,21 +409,26 @@ async def test_metrics_port_in_use_fails_the_start(broker_argv: Callable[..., li
         taken.listen()
         port = taken.getsockname()[1]
         config = short_tmp / "q.toml"
-        config.write_text(f'[plugins.queue]\ndir = "{short_tmp / "store"}"\n'
-                          f'metrics = "127.0.0.1:{port}"\n')
+        config.write_text(
+            f'[plugins.queue]\ndir = "{short_tmp / "store"}"\nmetrics = "127.0.0.1:{port}"\n'
+        )
         argv = broker_argv(short_tmp / "q.sock", "--config", str(config))
-        r = await trio.to_thread.run_sync(lambda: subprocess.run(
-            argv, capture_output=True, text=True, timeout=60, check=False))
+        r = await trio.to_thread.run_sync(
+            lambda: subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        )
     assert r.returncode != 0 and "listening" not in r.stdout
     assert f"metrics = '127.0.0.1:{port}': cannot listen" in r.stderr, r.stderr
     assert "plugin 'queue' failed to start" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize(("table", "error"), [
-    ({"metrics": "9100"}, "metrics = '9100': metrics address must be HOST:PORT"),
-    ({"metrics": "127.0.0.1:70000"}, "metrics = '127.0.0.1:70000': .*0..65535"),
-    ({"metrics": 9100}, "metrics = 9100: must be str"),
-])
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [
+        ({"metrics": "9100"}, "metrics = '9100': metrics address must be HOST:PORT"),
+        ({"metrics": "127.0.0.1:70000"}, "metrics = '127.0.0.1:70000': .*0..65535"),
+        ({"metrics": 9100}, "metrics = 9100: must be str"),
+    ],
+)
 def test_metrics_setting_refused(table: dict[str, Any], error: str) -> None:
     """A malformed ``metrics`` value is refused naming the key (the broker's start
     fails with exit status 2); a good one is kept."""
@@ -463,13 +510,13 @@ async def test_purge_keeps_messages_waiting_for_their_commit(rig: Rig) -> None:
     await trio.testing.wait_all_tasks_blocked(0.05)  # the flush loop is idle again
     assert q.spilled and q.resident == 4 and q.unstored_spilled == 0
     hold, engine._wake = engine._wake, trio.Event()  # the flush loop sleeps on ``hold``
-    rig.put(b"7", b"8")                          # spilled, waiting for their commit
+    rig.put(b"7", b"8")  # spilled, waiting for their commit
     assert q.unstored_spilled == 2
     assert await engine.purge(q) == 6
     assert (q.live, q.spilled, q.resident) == (2, True, 2)
     assert rig.answers == ["stored 4", "stored 2"]
     hold.set()
-    await rig.until(lambda: len(rig.answers) == 3)   # 7, 8 answered once committed
+    await rig.until(lambda: len(rig.answers) == 3)  # 7, 8 answered once committed
     assert rig.answers == ["stored 4", "stored 2", "stored 2"]
     assert await rig.drain(2) == [b"7", b"8"]
     assert (q.live, q.bytes, q.spilled) == (0, 0, False)
@@ -485,11 +532,14 @@ async def test_peek_and_purge_with_messages_in_memory_not_stored_yet(rig: Rig) -
     await rig.until(lambda: len(rig.answers) == 1)  # stored, in memory
     await trio.testing.wait_all_tasks_blocked(0.05)  # the flush loop is idle again
     hold, engine._wake = engine._wake, trio.Event()  # the flush loop sleeps on ``hold``
-    rig.put(b"2", b"3")                          # in memory, waiting for their commit
+    rig.put(b"2", b"3")  # in memory, waiting for their commit
     # (the request is only named in errors: none here)
     rows = await peek(engine, {"queue": "q", "n": 10}, None)  # type: ignore[arg-type]
     assert [(r["seq"], r["producer_seq"], r["body"], r["kind"]) for r in rows] == [
-        (1, 1, b"1", "body"), (None, 2, b"2", "body"), (None, 3, b"3", "body")]
+        (1, 1, b"1", "body"),
+        (None, 2, b"2", "body"),
+        (None, 3, b"3", "body"),
+    ]
     rows = await peek(engine, {"queue": "q", "n": 2}, None)  # type: ignore[arg-type]
     assert [r["producer_seq"] for r in rows] == [1, 2]
     assert await engine.purge(q) == 1
@@ -501,8 +551,7 @@ async def test_peek_and_purge_with_messages_in_memory_not_stored_yet(rig: Rig) -
     assert engine.store.stats("q").depth == 0
 
 
-async def test_purge_reads_pages_only_after_the_commit_before_them_is_applied(
-        rig: Rig) -> None:
+async def test_purge_reads_pages_only_after_the_commit_before_them_is_applied(rig: Rig) -> None:
     """A commit that ran on the store thread just before a purge's page read stores
     messages that memory holds (its results not yet applied on the trio side when the
     read returns, in about half the runs): the purge must not take them for messages
@@ -523,8 +572,8 @@ async def test_purge_reads_pages_only_after_the_commit_before_them_is_applied(
 
         rig.nursery.start_soon(engine.thread.run, hold)  # holds the store thread
         await rig.until(holding.is_set)
-        rig.put(b"a", b"b", b"c", b"d")          # to memory: under the bound when put
-        rig.put(b"e")                            # past it: spilled
+        rig.put(b"a", b"b", b"c", b"d")  # to memory: under the bound when put
+        rig.put(b"e")  # past it: spilled
         await rig.until(lambda: engine._flushing)  # the commit waits behind the gate
         assert q.spilled
         result: list[int] = []
@@ -566,11 +615,11 @@ async def test_oldest_age_is_bounded_by_the_samples_around_the_store(rig: Rig) -
     assert ages.oldest_age(q, trio.current_time()) == 0
     await trio.sleep(0.2)
     before = trio.current_time()
-    await ages.sample()                         # the last sample before the puts
-    rig.put(b"1", b"2", b"3", b"4")             # in memory
-    rig.put(b"5", b"6")                         # only on disk, never paged in
+    await ages.sample()  # the last sample before the puts
+    rig.put(b"1", b"2", b"3", b"4")  # in memory
+    rig.put(b"5", b"6")  # only on disk, never paged in
     await rig.until(lambda: len(rig.answers) == 3)
-    stored = trio.current_time()                # all six are stored by now
+    stored = trio.current_time()  # all six are stored by now
     assert q.spilled and q.disk_next == 0 and q.unstored_spilled == 0
     await trio.sleep(0.2)
     await ages.sample()
@@ -590,6 +639,15 @@ async def test_peek_shows_a_bound_groups_value_without_its_attachments(rig: Rig)
     engine.put(q, "binder", [(1, data)], Waiter(1, lambda w: stored.append(w.stored)))
     await rig.until(lambda: stored == [1])
     rows = await peek(engine, {"queue": "q"}, None)  # type: ignore[arg-type]
-    assert rows == [{"seq": 1, "producer": "binder", "producer_seq": 1, "deliveries": 0,
-                     "size": len(cbor2.dumps(value)), "kind": "request",
-                     "body": cbor2.dumps(value), "attachments": 2}]
+    assert rows == [
+        {
+            "seq": 1,
+            "producer": "binder",
+            "producer_seq": 1,
+            "deliveries": 0,
+            "size": len(cbor2.dumps(value)),
+            "kind": "request",
+            "body": cbor2.dumps(value),
+            "attachments": 2,
+        }
+    ]

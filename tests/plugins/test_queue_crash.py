@@ -25,7 +25,7 @@ BATCH = 250
 WINDOW = 4
 KILLS = 5
 
-PRODUCER = textwrap.dedent('''
+PRODUCER = textwrap.dedent("""
     import collections, sys, trio, msgq_trio
     from msgq_trio.errors import ConnectError, ConnectionLost, RpcError
 
@@ -65,7 +65,7 @@ PRODUCER = textwrap.dedent('''
         log.write("done\\n")
 
     trio.run(main)
-''')
+""")
 
 
 def read_acked(path: Path) -> tuple[set[int], bool]:
@@ -98,9 +98,19 @@ def test_kill9_during_stream_loses_no_acked_message(
     script.write_text(PRODUCER)
     log = short_tmp / "acked.log"
     log.touch()
-    prod = subprocess.Popen([sys.executable, str(script), str(b.path), str(log), str(N),
-                             str(BATCH), str(WINDOW), "1" if dedup else "0"],
-                            stdin=subprocess.DEVNULL)
+    prod = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            str(b.path),
+            str(log),
+            str(N),
+            str(BATCH),
+            str(WINDOW),
+            "1" if dedup else "0",
+        ],
+        stdin=subprocess.DEVNULL,
+    )
     # Kill at random points of the stream rather than at random times: a fast machine
     # could finish 100,000 messages before timed kills land. Each kill waits until the
     # producer has passed its point (a count of acked batches) and has had at least one
@@ -139,8 +149,7 @@ def test_kill9_during_stream_loses_no_acked_message(
     acked, _ = read_acked(log)
     assert acked == set(range(N // BATCH))
     # The kills must have hit the stream, or the test proves little (seed for replay).
-    assert kills_mid_stream == KILLS, (
-        f"only {kills_mid_stream} kills hit the stream (seed {seed})")
+    assert kills_mid_stream == KILLS, f"only {kills_mid_stream} kills hit the stream (seed {seed})"
     seen: Counter[int] = Counter()
     with sync.connect(b.path, "consumer") as c:
         q = c.queue("crash")
@@ -151,9 +160,11 @@ def test_kill9_during_stream_loses_no_acked_message(
     expected = {s for bt in acked for s in range(bt * BATCH + 1, (bt + 1) * BATCH + 1)}
     missing = expected - set(seen)
     duplicates = sum(n - 1 for n in seen.values())
-    print(f"crash test (seed {seed}, dedup {'on' if dedup else 'off'}): {len(seen)} "
-          f"distinct, {duplicates} duplicates, {len(missing)} missing, "
-          f"{kills_mid_stream} kills mid-stream; stats {stats}")
+    print(
+        f"crash test (seed {seed}, dedup {'on' if dedup else 'off'}): {len(seen)} "
+        f"distinct, {duplicates} duplicates, {len(missing)} missing, "
+        f"{kills_mid_stream} kills mid-stream; stats {stats}"
+    )
     assert not missing, f"{len(missing)} acked messages lost, e.g. {sorted(missing)[:5]}"
     if dedup:
         assert duplicates == 0

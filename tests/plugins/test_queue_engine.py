@@ -49,24 +49,23 @@ async def rig() -> AsyncIterator[Rig]:
         yield Rig(engine, engine.queues["q"], nursery)
 
 
-async def test_spilling_ends_only_when_nothing_spilled_is_waiting_for_its_commit(
-        rig: Rig) -> None:
+async def test_spilling_ends_only_when_nothing_spilled_is_waiting_for_its_commit(rig: Rig) -> None:
     """A page-in that finds the end of the stored messages while spilled ones still wait
     for their commit must keep paging; else those would never be read, and later
     messages would overtake them."""
     engine, q = rig.engine, rig.q
-    await rig.put(b"1", b"2", b"3", b"4")          # in memory (the bound is 4)
-    await rig.put(b"5", b"6")                      # spilled, not committed: no flush loop yet
+    await rig.put(b"1", b"2", b"3", b"4")  # in memory (the bound is 4)
+    await rig.put(b"5", b"6")  # spilled, not committed: no flush loop yet
     assert q.spilled and q.unstored_spilled == 2
     engine.add_consumer(q, rig.c)
     await rig.settle()
     assert rig.bodies() == [b"1", b"2", b"3", b"4"]
     for m in rig.delivered:
         engine.ack(m)
-    await rig.settle()                       # a page-in reads the store: nothing stored
+    await rig.settle()  # a page-in reads the store: nothing stored
     assert q.spilled, "paging ended although 5 and 6 wait for their commit"
     rig.nursery.start_soon(engine.flush_loop)
-    await rig.settle()                       # 5, 6 committed, released, paged back in
+    await rig.settle()  # 5, 6 committed, released, paged back in
     await rig.put(b"7")
     await rig.settle()
     assert rig.bodies() == [b"1", b"2", b"3", b"4", b"5", b"6", b"7"]
@@ -79,7 +78,7 @@ async def test_page_in_skips_acked_messages_whose_delete_is_not_committed(rig: R
     rig.nursery.start_soon(engine.flush_loop)
     await rig.put(b"1", b"2", b"3", b"4")
     await rig.put(b"5", b"6")
-    await rig.settle()                       # all six stored; 5 and 6 only on disk
+    await rig.settle()  # all six stored; 5 and 6 only on disk
     assert q.spilled and q.resident == 4 and q.unstored_spilled == 0
     engine.add_consumer(q, rig.c)
     await rig.settle()
@@ -94,8 +93,7 @@ async def test_page_in_skips_acked_messages_whose_delete_is_not_committed(rig: R
     assert rig.bodies() == [b"1", b"2", b"3", b"4", b"5", b"6"]
 
 
-async def test_mark_of_a_consumed_message_never_passes_an_unwritten_earlier_one(
-        rig: Rig) -> None:
+async def test_mark_of_a_consumed_message_never_passes_an_unwritten_earlier_one(rig: Rig) -> None:
     """A message consumed before it was written raises its producer's durable mark, but
     not past an earlier message of that producer still waiting for its commit: the
     store would take that one for a resend and drop it."""
@@ -104,9 +102,9 @@ async def test_mark_of_a_consumed_message_never_passes_an_unwritten_earlier_one(
     engine.add_consumer(q, rig.c)
     await rig.settle()
     m1, m2 = rig.delivered
-    engine.ack(m2)                       # consumed, never written
+    engine.ack(m2)  # consumed, never written
     assert engine._take_marks(engine.pending) == {}  # 1 still waits for its commit
-    engine.nack(m1)                      # redelivered, still unwritten
+    engine.nack(m1)  # redelivered, still unwritten
     rig.nursery.start_soon(engine.flush_loop)
     await rig.settle()
     assert [m.producer_seq for m in store.read_range("q", 0, 10)] == [1]

@@ -36,8 +36,6 @@ Start = Callable[..., Any]
 BIG = bytes(range(256)) * 1024
 
 
-
-
 @dataclass
 class Member:
     """One member of ``SQL``: records every ``x`` request it handles and answers with its
@@ -76,9 +74,11 @@ async def sql_group(queue_broker: Start, bound: bool, **options: Any) -> AsyncIt
     with queue ``options``), members m0 then m1 of ``SQL`` serving ``x``, and a
     producer."""
     b = queue_broker({"sql": {"bind": "SQL", **options} if bound else {}})
-    async with msgq_trio.connect(b.path, "m0") as b0, \
-            msgq_trio.connect(b.path, "m1") as b1, \
-            msgq_trio.connect(b.path, "producer") as producer:
+    async with (
+        msgq_trio.connect(b.path, "m0") as b0,
+        msgq_trio.connect(b.path, "m1") as b1,
+        msgq_trio.connect(b.path, "producer") as producer,
+    ):
         m0, m1 = Member("m0", b0), Member("m1", b1)
         for m in (m0, m1):
             m.bus.add_command("x", m.handle)
@@ -131,8 +131,7 @@ async def test_notify_reaches_every_member_unqueued(queue_broker: Start, bound: 
 
 
 @BOUND
-async def test_instance_addressing_reaches_that_instance(queue_broker: Start,
-                                                         bound: bool) -> None:
+async def test_instance_addressing_reaches_that_instance(queue_broker: Start, bound: bool) -> None:
     """``SQL[N]`` is the N-th member by join order, straight from the producer: a message
     reaches that member only (the other's first arrival is a later marker) and a call is
     answered by it."""
@@ -164,8 +163,7 @@ async def test_anycast_message_reaches_one_member(queue_broker: Start, bound: bo
 
 
 @BOUND
-async def test_members_see_a_producers_messages_in_order(queue_broker: Start,
-                                                         bound: bool) -> None:
+async def test_members_see_a_producers_messages_in_order(queue_broker: Start, bound: bool) -> None:
     """Every member gets a producer's one-way messages to the group in the order sent
     (the queue hands them to its members in batches per member, and must not let those
     batches reorder them)."""
@@ -184,7 +182,9 @@ async def test_call_all_answers_once_per_member(queue_broker: Start, bound: bool
     async with sql_group(queue_broker, bound) as s:
         results = await s.producer.call_all("SQL", "x", {"n": 7})
         assert [(r.ok, r.sender, r.value["by"]) for r in results] == [
-            (True, s.m0.bus.lname, "m0"), (True, s.m1.bus.lname, "m1")]
+            (True, s.m0.bus.lname, "m0"),
+            (True, s.m1.bus.lname, "m1"),
+        ]
         assert s.m0.requests == s.m1.requests == [({"n": 7}, [])]
 
 
@@ -204,8 +204,10 @@ async def test_attachments_reach_the_members(queue_broker: Start, bound: bool) -
         [(params, attachments)] = s.m0.requests + s.m1.requests
         assert (params, attachments) == ({"n": 2}, [BIG, b"", b"z"])
         # The member's own answer (with members online, never the queue's ack).
-        assert answer in ({"by": "m0", "params": {"n": 2}, "attachments": 3},
-                          {"by": "m1", "params": {"n": 2}, "attachments": 3})
+        assert answer in (
+            {"by": "m0", "params": {"n": 2}, "attachments": 3},
+            {"by": "m1", "params": {"n": 2}, "attachments": 3},
+        )
 
 
 async def test_attachments_stored_while_no_member_is_there(queue_broker: Start) -> None:
@@ -215,7 +217,8 @@ async def test_attachments_stored_while_no_member_is_there(queue_broker: Start) 
     b = queue_broker({"sql": {"bind": "SQL"}})
     async with msgq_trio.connect(b.path, "producer") as producer:
         assert await producer.call("SQL", "x", {"n": 1}, attachments=[b"r1", BIG]) == {
-            "queued": "sql"}
+            "queued": "sql"
+        }
         await producer.send("SQL[?]", {"n": 2}, [BIG, b"m2"])
         await producer.send("SQL", {"n": 3}, [b"m3"])
         async with msgq_trio.connect(b.path, "m0") as bus:
@@ -254,8 +257,10 @@ async def test_request_with_fds(queue_broker: Start, bound: bool) -> None:
             w = -1
             assert await drain(r) == expected  # every copy is closed: nothing leaked
             # Nothing is left on its way: a later call to each is handled after it.
-            assert [(await s.producer.call(f"SQL[{i}]", "x", "later"))["by"]
-                    for i in (0, 1)] == ["m0", "m1"]
+            assert [(await s.producer.call(f"SQL[{i}]", "x", "later"))["by"] for i in (0, 1)] == [
+                "m0",
+                "m1",
+            ]
             assert [p for m in s.members for p, _ in m.requests if p != "later"] == handled
         finally:
             os.close(r)
@@ -314,13 +319,13 @@ async def test_malformed_body(queue_broker: Start, bound: bool) -> None:
                 first = await m.bus.receive(timeout=10)
             assert first.body == "after"
         if bound:
-            await eventually(lambda: f"dropping a message from {p.lname} (producer) to 'SQL'"
-                             in s.broker.log())
+            await eventually(
+                lambda: f"dropping a message from {p.lname} (producer) to 'SQL'" in s.broker.log()
+            )
 
 
 @BOUND
-async def test_members_see_the_producer_as_the_sender(queue_broker: Start,
-                                                      bound: bool) -> None:
+async def test_members_see_the_producer_as_the_sender(queue_broker: Start, bound: bool) -> None:
     """Members see the producer (its lname and name) as the sender of its messages and
     requests, with or without the queue; with it, ``via`` names the queue's binder, and
     a member's answer to ``sender`` reaches the producer directly."""
@@ -338,7 +343,9 @@ async def test_members_see_the_producer_as_the_sender(queue_broker: Start,
                 assert (msg.via, msg.via_name) == (None, None)
             await m.bus.send(msg.sender, f"reply from {m.name}")
         assert sorted([(await p.receive(timeout=10)).body for _ in s.members]) == [
-            "reply from m0", "reply from m1"]
+            "reply from m0",
+            "reply from m1",
+        ]
         answer = await p.call("SQL[?]", "x", {"n": 1})
         [seen] = s.m0.senders + s.m1.senders
         assert seen == (p.lname, "producer", "msgq-queue-binder" if bound else None)
@@ -346,8 +353,9 @@ async def test_members_see_the_producer_as_the_sender(queue_broker: Start,
 
 
 @BOUND
-async def test_an_answer_after_the_commit_reaches_the_caller(queue_broker: Start,
-                                                              bound: bool) -> None:
+async def test_an_answer_after_the_commit_reaches_the_caller(
+    queue_broker: Start, bound: bool
+) -> None:
     """A member that answers only after the queue made the request durable (it held it
     past ``ack_grace``) still answers the caller, as without a queue: the queue waits
     for that answer while the caller waits. (Before, the caller got ``{"queued"}`` and
@@ -368,8 +376,7 @@ async def test_an_answer_after_the_commit_reaches_the_caller(queue_broker: Start
             async def call() -> None:
                 # Bound: m1 has no "slow" and answers unknown-command, a nack: the queue
                 # redelivers until m0 has it.
-                result.append(await s.producer.call("SQL[?]" if bound else "SQL[0]",
-                                                    "slow", 1))
+                result.append(await s.producer.call("SQL[?]" if bound else "SQL[0]", "slow", 1))
 
             n.start_soon(call)
             await arrived.wait()
@@ -385,14 +392,17 @@ async def _stored(q: Any) -> bool:
 
 
 @BOUND
-async def test_order_between_a_producers_messages_and_requests(queue_broker: Start,
-                                                               bound: bool) -> None:
+async def test_order_between_a_producers_messages_and_requests(
+    queue_broker: Start, bound: bool
+) -> None:
     """A member gets a producer's one-way messages and requests in the order sent:
     each request finds exactly the messages sent before it already received (before,
     with a queue, requests went out as soon as dispatched and overtook messages)."""
     b = queue_broker({"sql": {"bind": "SQL"} if bound else {}})
-    async with msgq_trio.connect(b.path, "m0") as member, \
-            msgq_trio.connect(b.path, "producer") as producer:
+    async with (
+        msgq_trio.connect(b.path, "m0") as member,
+        msgq_trio.connect(b.path, "producer") as producer,
+    ):
         seen: list[tuple[int, int]] = []
 
         def handle(params: Any) -> None:
@@ -410,13 +420,13 @@ async def test_order_between_a_producers_messages_and_requests(queue_broker: Sta
         for w in waits:
             await w()
         assert seen == [(i, (i + 1) // 2) for i in range(1, 40, 2)]
-        assert [(await member.receive(timeout=10)).body for _ in range(20)] == list(
-            range(0, 40, 2))
+        assert [(await member.receive(timeout=10)).body for _ in range(20)] == list(range(0, 40, 2))
 
 
 @BOUND
 async def test_queue_send_is_acked_and_deduplicated_across_plugin_restarts(
-        queue_broker: Start, bound: bool) -> None:
+    queue_broker: Start, bound: bool
+) -> None:
     """``bus.queue(q).send(body)`` is the producer ack for a one-way message: it returns
     once the message is durable, and a resend with the same producer and seq after the
     plugin was SIGKILLed and restarted is answered ``duplicate``: the first member to
@@ -442,8 +452,7 @@ async def test_queue_send_is_acked_and_deduplicated_across_plugin_restarts(
             await m0.subscribe("SQL")
             for n, attachments in ((1, [b"att"]), (2, []), (3, [])):
                 msg = await m0.receive(timeout=10)
-                assert (msg.body, [bytes(a) for a in msg.attachments]) == ({"n": n},
-                                                                           attachments)
+                assert (msg.body, [bytes(a) for a in msg.attachments]) == ({"n": n}, attachments)
                 assert (msg.sender, msg.via_name) == (p.lname, "msgq-queue-binder")
             await p.send("SQL", "marker")
             assert (await m0.receive(timeout=10)).body == "marker"  # no duplicate before
@@ -464,23 +473,27 @@ async def test_a_put_into_a_bound_queue_reaches_the_members(queue_broker: Start)
     members as a one-way message whatever its body looks like (a body shaped like a
     request included), instead of crashing the forwarder."""
     b = queue_broker({"sql": {"bind": "SQL"}})
-    async with msgq_trio.connect(b.path, "producer") as p, \
-            msgq_trio.connect(b.path, "m0") as m0:
+    async with msgq_trio.connect(b.path, "producer") as p, msgq_trio.connect(b.path, "m0") as m0:
         await m0.subscribe("SQL")
         q = p.queue("sql")
         assert await q.put(["x", {"looks": "like a request"}]) in ("stored", "consumed")
         assert await q.put("plain") in ("stored", "consumed")
         assert [(await m0.receive(timeout=10)).body for _ in range(2)] == [
-            ["x", {"looks": "like a request"}], "plain"]
+            ["x", {"looks": "like a request"}],
+            "plain",
+        ]
 
 
 # -- the stored value (sans I/O) -----------------------------------------------------------
-@pytest.mark.parametrize("kind, value", [
-    (b"R", ["write", {"acct": 1}]),
-    (b"M", {"n": 1}),
-    (b"M", [{"n": 1}, [b"not", b"attachments"]]),  # a body shaped like [body, attachments]
-    (b"M", None),
-])
+@pytest.mark.parametrize(
+    "kind, value",
+    [
+        (b"R", ["write", {"acct": 1}]),
+        (b"M", {"n": 1}),
+        (b"M", [{"n": 1}, [b"not", b"attachments"]]),  # a body shaped like [body, attachments]
+        (b"M", None),
+    ],
+)
 def test_stored_values_round_trip_and_old_ones_decode(kind: bytes, value: Any) -> None:
     """Values stored before attachments existed (kind + one CBOR item) decode with none;
     new ones keep attachments, ``G[?]`` and the producer whatever the body looks like; a
@@ -488,10 +501,10 @@ def test_stored_values_round_trip_and_old_ones_decode(kind: bytes, value: Any) -
     old = kind + cbor2.dumps(value)
     assert decode_bound(old) == Stored(kind[0], value, [], False, None)
     assert encode_bound(kind, value) == old
-    new = encode_bound(kind, value, [b"a", memoryview(BIG)], anycast=kind == b"M",
-                       origin=("l.7", "radius"))
-    assert decode_bound(new) == Stored(kind[0], value, [b"a", BIG], kind == b"M",
-                                       ("l.7", "radius"))
+    new = encode_bound(
+        kind, value, [b"a", memoryview(BIG)], anycast=kind == b"M", origin=("l.7", "radius")
+    )
+    assert decode_bound(new) == Stored(kind[0], value, [b"a", BIG], kind == b"M", ("l.7", "radius"))
     assert cbor2.loads(new[1:]) == value  # what `peek` and an older plugin read
     raw = encode_bound_raw(kind, cbor2.dumps(value), [], False, ("l.7", "radius"))
     assert decode_bound(raw) == Stored(kind[0], value, [], False, ("l.7", "radius"))
@@ -505,8 +518,7 @@ def test_put_bodies_and_malformed_values() -> None:
     body = cbor2.dumps([{"n": 1}]) + cbor2.dumps({"from": ["l.1", "x"]})
     assert decode_bound(b"B" + cbor2.dumps("x")) == Stored(KIND_BODY, "x", [], False, None)
     assert decode_bound(b"B" + body).value == [{"n": 1}]
-    for bad in (b"M\x9f", b"R" + cbor2.dumps({"cmd": "x"}), b"R" + cbor2.dumps([1, 2]),
-                b"B"):
+    for bad in (b"M\x9f", b"R" + cbor2.dumps({"cmd": "x"}), b"R" + cbor2.dumps([1, 2]), b"B"):
         with pytest.raises(ValueError):
             decode_bound(bad)
     with pytest.raises(ValueError, match="after its CBOR item"):

@@ -42,12 +42,12 @@ class World:
     async def kill_plugin(self) -> None:
         before = ready_plugin_pids(self.broker.log())
         os.kill(before[-1], signal.SIGKILL)
-        await eventually(lambda: len(ready_plugin_pids(self.broker.log())) > len(before),
-                         SILENCE_BOUND)
+        await eventually(
+            lambda: len(ready_plugin_pids(self.broker.log())) > len(before), SILENCE_BOUND
+        )
 
 
-async def test_producer_and_consumer_across_plugin_and_broker_kills(
-        queue_broker: Start) -> None:
+async def test_producer_and_consumer_across_plugin_and_broker_kills(queue_broker: Start) -> None:
     world = World(queue_broker)
     n = STEP * (2 * KILLS + 1)
     acked: set[int] = set()
@@ -87,8 +87,10 @@ async def test_producer_and_consumer_across_plugin_and_broker_kills(
         while not done.is_set():
             conn += 1
             try:
-                async with msgq_trio.connect(world.path, "kl-consumer") as bus, \
-                        bus.queue("kl").consume(window=8) as consumer:
+                async with (
+                    msgq_trio.connect(world.path, "kl-consumer") as bus,
+                    bus.queue("kl").consume(window=8) as consumer,
+                ):
                     async for m in consumer:
                         received.append(((conn, consumer.reattached), m.body))
                         await m.ack()
@@ -106,8 +108,9 @@ async def test_producer_and_consumer_across_plugin_and_broker_kills(
             # Each kill comes once the consumer has received what was acked so far: so
             # after every kill, of either kind, both must make progress again.
             async with progress:
-                while len(acked) < target or \
-                        not set(range(1, target + 1)) <= {b for _s, b in received}:
+                while len(acked) < target or not set(range(1, target + 1)) <= {
+                    b for _s, b in received
+                }:
                     await progress.wait()
             if k % 2 == 0:
                 await world.kill_plugin()
@@ -123,7 +126,8 @@ async def test_producer_and_consumer_across_plugin_and_broker_kills(
                 seen, since = len(received), trio.current_time()
             assert trio.current_time() - since < SILENCE_BOUND, (
                 f"consumer silent for {SILENCE_BOUND} s with {len(acked)} acked, "
-                f"{len({b for _s, b in received})} received")
+                f"{len({b for _s, b in received})} received"
+            )
 
     done = trio.Event()
     with trio.fail_after(240):

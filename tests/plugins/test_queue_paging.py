@@ -21,8 +21,9 @@ Start = Callable[..., Any]
 PAGING = {"resident_messages": 100, "resident_bytes": 1 << 20}
 
 
-async def consume_all(bus: msgq_trio.Bus, queue: str, n: int, window: int,
-                      watch: Callable[[], Any] | None = None) -> list[Any]:
+async def consume_all(
+    bus: msgq_trio.Bus, queue: str, n: int, window: int, watch: Callable[[], Any] | None = None
+) -> list[Any]:
     """Receive and ack ``n`` messages of ``queue`` by push; fail after 60 s."""
     got: list[Any] = []
     with trio.fail_after(60):
@@ -48,7 +49,10 @@ async def test_backlog_stays_on_disk_and_survives_restart(queue_broker: Start) -
         q = p.queue("big", producer="p1")
         for lo in range(0, n, 50):
             assert await q.put_many([[i, body] for i in range(lo, lo + 50)]) == {
-                "stored": 50, "consumed": 0, "duplicates": 0}
+                "stored": 50,
+                "consumed": 0,
+                "duplicates": 0,
+            }
         st = await q.stats()
         assert st["depth"] == n and st["paging"] is True
         assert st["resident"] == PAGING["resident_messages"], st  # exactly the bound

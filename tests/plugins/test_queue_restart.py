@@ -16,10 +16,6 @@ from msgq_trio.errors import RpcError
 Start = Callable[..., Any]
 
 
-
-
-
-
 async def put_until_stored(q: Any, body: Any, seq: int) -> None:
     """Put with a fixed seq, resending after a failure (the plugin is restarting), as a
     producer that must not lose a message does; dedup makes the resend harmless."""
@@ -94,7 +90,8 @@ async def test_pending_put_fails_when_the_plugin_dies(queue_broker: Start) -> No
 
 
 async def test_consumed_unwritten_messages_stay_duplicates_after_a_kill(
-        queue_broker: Start) -> None:
+    queue_broker: Start,
+) -> None:
     """Messages a consumer acked before they were written are never stored, but their
     producer seqs are: after a SIGKILL of the broker, resending them is answered
     "duplicate" and the consumer does not get them again."""

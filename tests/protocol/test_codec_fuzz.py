@@ -16,14 +16,22 @@ from msgq_trio.protocol.errors import RemoteProtocolError
 from msgq_trio.protocol.framing import Frame, FrameParser, encode_cbor, encode_frame
 
 FUZZ_MAX_FRAME = 1024 * 1024
-SETTINGS = settings(max_examples=300, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 cbor_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=10,
 )
 
@@ -36,8 +44,7 @@ def frame_specs(draw: st.DrawFn, allow_big: bool = True) -> dict[str, Any]:
         "request_id": draw(st.integers(0, 2**64 - 1)),
         "target": draw(st.text(max_size=30)),
         "source": draw(st.binary(max_size=30)),
-        "header": draw(st.none() | st.dictionaries(st.text(max_size=8), cbor_values,
-                                                   max_size=4)),
+        "header": draw(st.none() | st.dictionaries(st.text(max_size=8), cbor_values, max_size=4)),
         "body": draw(st.none() | cbor_values),
         "blobs": draw(st.lists(st.binary(max_size=64), max_size=4)),
         # A > 256 KiB blob appended at encoding time: the parser's large-frame path.
@@ -50,13 +57,20 @@ BIG_BLOB = bytes(range(256)) * 1200
 
 
 def encode_spec(spec: dict[str, Any]) -> bytes:
-    return b"".join(bytes(p) for p in encode_frame(
-        spec["type"], target=spec["target"], request_id=spec["request_id"],
-        flags=spec["flags"], source=spec["source"],
-        header=encode_cbor(spec["header"]) if spec["header"] else b"",
-        body=encode_cbor(spec["body"]) if spec["body"] is not None else b"",
-        blobs=[*spec["blobs"], BIG_BLOB] if spec["big"] else spec["blobs"], n_fds=spec["n_fds"],
-    ))
+    return b"".join(
+        bytes(p)
+        for p in encode_frame(
+            spec["type"],
+            target=spec["target"],
+            request_id=spec["request_id"],
+            flags=spec["flags"],
+            source=spec["source"],
+            header=encode_cbor(spec["header"]) if spec["header"] else b"",
+            body=encode_cbor(spec["body"]) if spec["body"] is not None else b"",
+            blobs=[*spec["blobs"], BIG_BLOB] if spec["big"] else spec["blobs"],
+            n_fds=spec["n_fds"],
+        )
+    )
 
 
 def expected(spec: dict[str, Any]) -> dict[str, Any]:
@@ -68,9 +82,16 @@ def decoded(f: Frame) -> dict[str, Any]:
     blobs = [bytes(b) for b in f.blobs()]
     big = bool(blobs) and blobs[-1] == BIG_BLOB
     return {
-        "type": f.type, "flags": f.flags, "request_id": f.request_id, "target": f.target,
-        "source": f.source, "header": f.header() or None, "body": f.body(),
-        "blobs": blobs[:-1] if big else blobs, "big": big, "n_fds": f.n_fds,
+        "type": f.type,
+        "flags": f.flags,
+        "request_id": f.request_id,
+        "target": f.target,
+        "source": f.source,
+        "header": f.header() or None,
+        "body": f.body(),
+        "blobs": blobs[:-1] if big else blobs,
+        "big": big,
+        "n_fds": f.n_fds,
     }
 
 
@@ -84,10 +105,13 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 @SETTINGS
-@given(specs=st.lists(frame_specs(), min_size=1, max_size=6),
-       cuts=st.lists(st.integers(0, 2**31), max_size=12))
-def test_split_stream_decodes_to_the_same_frames(specs: list[dict[str, Any]],
-                                                  cuts: list[int]) -> None:
+@given(
+    specs=st.lists(frame_specs(), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(0, 2**31), max_size=12),
+)
+def test_split_stream_decodes_to_the_same_frames(
+    specs: list[dict[str, Any]], cuts: list[int]
+) -> None:
     """Random frames, encoded and concatenated, then split at random points and fed piece
     by piece, decode to exactly the original frames (next_frame, frames() and Connection)."""
     data = b"".join(encode_spec(s) for s in specs)
@@ -113,8 +137,12 @@ def test_split_stream_decodes_to_the_same_frames(specs: list[dict[str, Any]],
 
     # Through a client connection in READY, restricted to what a broker may send (and to
     # frames without file descriptors: those must arrive alongside via SCM_RIGHTS).
-    allowed = [s for s in specs if s["type"] not in (FrameType.HELLO, FrameType.WELCOME,
-                                                     FrameType.GOODBYE) and not s["n_fds"]]
+    allowed = [
+        s
+        for s in specs
+        if s["type"] not in (FrameType.HELLO, FrameType.WELCOME, FrameType.GOODBYE)
+        and not s["n_fds"]
+    ]
     if allowed:
         c = Connection(Role.CLIENT)
         c.hello("fuzz")
@@ -219,18 +247,31 @@ def prefix_then_noise(draw: st.DrawFn) -> bytes:
     tlen, slen, hlen = (draw(st.integers(0, 40)) for _ in range(3))
     blen = max(0, len(body) - tlen - slen - hlen - draw(st.integers(0, 8)))
     nblobs = draw(st.integers(0, 3))
-    prefix = struct.pack(">IBBHHHHHQII", 28 + len(body), ftype, draw(st.integers(0, 255)),
-                         tlen, slen, nblobs, draw(st.integers(0, 2)),
-                         draw(st.sampled_from([0, 0, 0, 1])), draw(st.integers(0, 2**64 - 1)),
-                         hlen, blen)
+    prefix = struct.pack(
+        ">IBBHHHHHQII",
+        28 + len(body),
+        ftype,
+        draw(st.integers(0, 255)),
+        tlen,
+        slen,
+        nblobs,
+        draw(st.integers(0, 2)),
+        draw(st.sampled_from([0, 0, 0, 1])),
+        draw(st.integers(0, 2**64 - 1)),
+        hlen,
+        blen,
+    )
     return prefix + body
 
 
 @SETTINGS
-@given(frames=st.lists(prefix_then_noise(), min_size=1, max_size=4),
-       cuts=st.lists(st.integers(0, 2**31), max_size=6))
-def test_plausible_prefixes_raise_only_remote_protocol_error(frames: list[bytes],
-                                                             cuts: list[int]) -> None:
+@given(
+    frames=st.lists(prefix_then_noise(), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 2**31), max_size=6),
+)
+def test_plausible_prefixes_raise_only_remote_protocol_error(
+    frames: list[bytes], cuts: list[int]
+) -> None:
     """Frames with plausible prefixes and random sections (random CBOR, random blob tables,
     random UTF-8 or not) only ever raise RemoteProtocolError."""
     check_only_remote_errors(split(b"".join(frames), cuts))
@@ -238,8 +279,11 @@ def test_plausible_prefixes_raise_only_remote_protocol_error(frames: list[bytes]
 
 @st.composite
 def mutated_stream(draw: st.DrawFn) -> bytes:
-    hello = b"".join(encode_frame(FrameType.HELLO, header=encode_cbor(
-        {"version": PROTOCOL_VERSION, "name": "fuzz"})))
+    hello = b"".join(
+        encode_frame(
+            FrameType.HELLO, header=encode_cbor({"version": PROTOCOL_VERSION, "name": "fuzz"})
+        )
+    )
     specs = draw(st.lists(frame_specs(allow_big=False), min_size=1, max_size=4))
     data = bytearray(hello + b"".join(encode_spec(s) for s in specs))
     for _ in range(draw(st.integers(1, 4))):
@@ -260,20 +304,24 @@ def mutated_stream(draw: st.DrawFn) -> bytes:
 
 @SETTINGS
 @given(data=mutated_stream(), cuts=st.lists(st.integers(0, 2**31), max_size=6))
-def test_mutated_valid_frames_raise_only_remote_protocol_error(data: bytes,
-                                                               cuts: list[int]) -> None:
+def test_mutated_valid_frames_raise_only_remote_protocol_error(
+    data: bytes, cuts: list[int]
+) -> None:
     """Valid frames (after a HELLO) with random byte flips, insertions, deletions and
     overwritten length fields only ever raise RemoteProtocolError."""
     check_only_remote_errors(split(data, cuts))
 
 
 @SETTINGS
-@given(specs=st.lists(frame_specs(), min_size=1, max_size=6),
-       # Receives of at least 512 bytes: byte-sized ones are the feed path's (tested
-       # above) and would make each example take seconds.
-       sizes=st.lists(st.integers(512, 600_000), min_size=1, max_size=12))
-def test_receiving_in_place_decodes_to_the_same_frames(specs: list[dict[str, Any]],
-                                                        sizes: list[int]) -> None:
+@given(
+    specs=st.lists(frame_specs(), min_size=1, max_size=6),
+    # Receives of at least 512 bytes: byte-sized ones are the feed path's (tested
+    # above) and would make each example take seconds.
+    sizes=st.lists(st.integers(512, 600_000), min_size=1, max_size=12),
+)
+def test_receiving_in_place_decodes_to_the_same_frames(
+    specs: list[dict[str, Any]], sizes: list[int]
+) -> None:
     """As the I/O layer does: while a large frame is in progress, bytes are received
     straight into the view ``receive_buffer()`` lends (then ``advance``), otherwise fed;
     receives of random sizes (cycled) decode to exactly the original frames."""

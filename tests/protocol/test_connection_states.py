@@ -121,8 +121,9 @@ def test_send_table(role_state: tuple[Role, State], ftype: FrameType) -> None:
 @pytest.mark.parametrize("role_state", list(RECV_RULES), ids=_rs_id)
 @pytest.mark.parametrize("ftype", list(FrameType), ids=lambda t: t.name)
 @pytest.mark.parametrize("receive", RECEIVE_METHODS, ids=lambda f: f.__name__.strip("_"))
-def test_receive_table(role_state: tuple[Role, State], ftype: FrameType,
-                       receive: Callable[[Connection], object]) -> None:
+def test_receive_table(
+    role_state: tuple[Role, State], ftype: FrameType, receive: Callable[[Connection], object]
+) -> None:
     """Each (role, state) accepts exactly the frame types the rules allow; any other frame
     is a RemoteProtocolError that puts the connection in ERROR, after which every call
     raises LocalProtocolError."""
@@ -152,8 +153,7 @@ def test_full_handshake_and_exchange() -> None:
     assert isinstance(hello, Frame)
     assert hello.header() == {"version": PROTOCOL_VERSION, "name": "me", "pid": 5}
     assert broker.state is State.HELLO_RECEIVED
-    client.receive_data(b"".join(bytes(p) for p in broker.send(T.WELCOME,
-                                                               header={"lname": "l.1"})))
+    client.receive_data(b"".join(bytes(p) for p in broker.send(T.WELCOME, header={"lname": "l.1"})))
     welcome = client.next_event()
     assert isinstance(welcome, Frame) and welcome.header()["lname"] == "l.1"
     assert client.state is broker.state is State.READY
@@ -201,8 +201,9 @@ def test_broker_may_refuse_before_hello() -> None:
 def test_refused_handshake_closes() -> None:
     """A client whose HELLO is answered with ERROR is CLOSED and may not send anything."""
     c = connection_in(Role.CLIENT, State.HELLO_SENT)
-    c.receive_data(b"".join(bytes(p) for p in connection_error_frame(
-        ErrorCode.VERSION_MISMATCH, "no")))
+    c.receive_data(
+        b"".join(bytes(p) for p in connection_error_frame(ErrorCode.VERSION_MISMATCH, "no"))
+    )
     err = c.next_event()
     assert isinstance(err, Frame)
     assert err.header()["code"] == "version-mismatch"
@@ -329,8 +330,11 @@ def test_events_delivers_valid_frames_before_a_violation() -> None:
     """events(): frames before an invalid one are delivered; the violation is raised by the
     next call, and the connection is then in ERROR."""
     c = connection_in(Role.BROKER, State.READY)
-    c.receive_data(frame_bytes(T.MESSAGE, target="a") + frame_bytes(T.ROUTED)
-                   + frame_bytes(T.MESSAGE, target="b"))
+    c.receive_data(
+        frame_bytes(T.MESSAGE, target="a")
+        + frame_bytes(T.ROUTED)
+        + frame_bytes(T.MESSAGE, target="b")
+    )
     evs = c.events()
     assert [e.target for e in evs] == ["a"]  # type: ignore[union-attr]
     with pytest.raises(RemoteProtocolError):

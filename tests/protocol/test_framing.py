@@ -45,15 +45,20 @@ def parse_one(data: bytes, max_frame_size: int = framing.DEFAULT_MAX_FRAME_SIZE)
 
 def valid_frame(**kw: object) -> bytearray:
     args: dict[str, object] = {
-        "target": "Group", "request_id": 7, "header": encode_cbor({"cmd": "x"}),
+        "target": "Group",
+        "request_id": 7,
+        "header": encode_cbor({"cmd": "x"}),
         "body": encode_cbor([1, 2, 3]),
     }
     args.update(kw)
     return bytearray(join(encode_frame(FrameType.REQUEST, **args)))  # type: ignore[arg-type]
 
 
-def expect_remote_error(data: bytes | bytearray, code: ErrorCode = ErrorCode.PROTOCOL_ERROR,
-                        max_frame_size: int = framing.DEFAULT_MAX_FRAME_SIZE) -> None:
+def expect_remote_error(
+    data: bytes | bytearray,
+    code: ErrorCode = ErrorCode.PROTOCOL_ERROR,
+    max_frame_size: int = framing.DEFAULT_MAX_FRAME_SIZE,
+) -> None:
     p = FrameParser(max_frame_size)
     p.feed(bytes(data))
     with pytest.raises(RemoteProtocolError) as ei:
@@ -73,11 +78,19 @@ def test_round_trip_every_frame_type(ftype: FrameType) -> None:
     header = {"cmd": "get", "n": 3, "nested": {"a": [1, 2]}}
     body = {"zone": "example.org", "data": b"\x00\x01", "list": list(range(10))}
     blobs = [b"", b"blob-one", bytes(range(256)) * 40]
-    data = join(encode_frame(
-        ftype, target="Zöne[3]", request_id=2**64 - 1, flags=int(Flag.ALL),
-        header=encode_cbor(header), body=encode_cbor(body), blobs=blobs,
-        source="l.42\0Zöne".encode(), n_fds=2,
-    ))
+    data = join(
+        encode_frame(
+            ftype,
+            target="Zöne[3]",
+            request_id=2**64 - 1,
+            flags=int(Flag.ALL),
+            header=encode_cbor(header),
+            body=encode_cbor(body),
+            blobs=blobs,
+            source="l.42\0Zöne".encode(),
+            n_fds=2,
+        )
+    )
     f = parse_one(data)
     assert f.type == ftype
     assert f.flags == Flag.ALL
@@ -100,8 +113,7 @@ def test_round_trip_empty_sections(ftype: FrameType) -> None:
     data = join(encode_frame(ftype))
     assert len(data) == PREFIX_SIZE
     f = parse_one(data)
-    assert (f.type, f.flags, f.request_id, f.target, f.source, f.n_fds) == (ftype, 0, 0, "",
-                                                                           b"", 0)
+    assert (f.type, f.flags, f.request_id, f.target, f.source, f.n_fds) == (ftype, 0, 0, "", b"", 0)
     assert f.header() == {}
     assert f.body() is None
     assert f.blobs() == []
@@ -116,8 +128,16 @@ def test_encode_simple_matches_encode_frame() -> None:
         ("l.5", encode_cbor(b"x" * 300_000), b"", 1, 0),
     ]:
         fast = encode_simple(FrameType.MESSAGE, target.encode(), body, header, rid, flags)
-        slow = join(encode_frame(FrameType.MESSAGE, target=target, body=body, header=header,
-                                 request_id=rid, flags=flags))
+        slow = join(
+            encode_frame(
+                FrameType.MESSAGE,
+                target=target,
+                body=body,
+                header=header,
+                request_id=rid,
+                flags=flags,
+            )
+        )
         assert bytes(fast) == slow
 
 
@@ -126,15 +146,28 @@ def test_restamp_replaces_only_the_source(tail_size: int) -> None:
     """restamp() swaps the source section (any length) and leaves every other section
     identical, for small frames and for frames whose tail is passed through uncopied."""
     body = encode_cbor(b"b" * tail_size)
-    original = join(encode_frame(FrameType.MESSAGE, target="Tgt", request_id=5, flags=1,
-                                 header=encode_cbor({"k": "v"}), body=body,
-                                 blobs=[b"xyz", b""], source=b"forged-source-of-some-length"))
+    original = join(
+        encode_frame(
+            FrameType.MESSAGE,
+            target="Tgt",
+            request_id=5,
+            flags=1,
+            header=encode_cbor({"k": "v"}),
+            body=body,
+            blobs=[b"xyz", b""],
+            source=b"forged-source-of-some-length",
+        )
+    )
     f = parse_one(original)
     for new_source in (b"", b"l.1\0a", b"l.123456\0a-much-longer-client-name"):
         g = parse_one(join(restamp(f, new_source)))
         assert g.source == new_source
-        assert (g.type, g.flags, g.request_id, g.target) == (f.type, f.flags, f.request_id,
-                                                              f.target)
+        assert (g.type, g.flags, g.request_id, g.target) == (
+            f.type,
+            f.flags,
+            f.request_id,
+            f.target,
+        )
         assert g.header() == {"k": "v"}
         assert bytes(g.body_bytes) == body
         assert [bytes(b) for b in g.blobs()] == [b"xyz", b""]
@@ -143,8 +176,10 @@ def test_restamp_replaces_only_the_source(tail_size: int) -> None:
 def test_many_frames_in_one_buffer_and_byte_by_byte() -> None:
     """Several frames concatenated parse in order whether fed at once or one byte at a time,
     and the parser reports NEED_DATA (None) and in_frame correctly in between."""
-    frames = [join(encode_frame(FrameType.MESSAGE, target=f"t{i}", body=encode_cbor(i)))
-              for i in range(20)]
+    frames = [
+        join(encode_frame(FrameType.MESSAGE, target=f"t{i}", body=encode_cbor(i)))
+        for i in range(20)
+    ]
     data = b"".join(frames)
     assert [f.body() for f in parse_all(data)] == list(range(20))
     p = FrameParser()
@@ -164,19 +199,48 @@ def test_many_frames_in_one_buffer_and_byte_by_byte() -> None:
 def test_frames_batch_api_matches_next_frame() -> None:
     """FrameParser.frames() (the batch path) returns the same frames as next_frame()."""
     data = b"".join(
-        join(encode_frame(FrameType.REQUEST, target=f"t{i}", request_id=i + 1,
-                          header=encode_cbor({"cmd": "c"}), body=encode_cbor("x" * i),
-                          blobs=[b"b" * i] if i % 3 == 0 else (), source=b"s" * (i % 2)))
-        for i in range(50))
-    expected = [(f.type, f.request_id, f.target, f.source, f.header(), f.body(),
-                 [bytes(b) for b in f.blobs()]) for f in parse_all(data)]
+        join(
+            encode_frame(
+                FrameType.REQUEST,
+                target=f"t{i}",
+                request_id=i + 1,
+                header=encode_cbor({"cmd": "c"}),
+                body=encode_cbor("x" * i),
+                blobs=[b"b" * i] if i % 3 == 0 else (),
+                source=b"s" * (i % 2),
+            )
+        )
+        for i in range(50)
+    )
+    expected = [
+        (
+            f.type,
+            f.request_id,
+            f.target,
+            f.source,
+            f.header(),
+            f.body(),
+            [bytes(b) for b in f.blobs()],
+        )
+        for f in parse_all(data)
+    ]
     for chunk in (1, 7, 100, len(data)):
         p = FrameParser()
         got = []
         for i in range(0, len(data), chunk):
             p.feed(data[i : i + chunk])
-            got.extend((f.type, f.request_id, f.target, f.source, f.header(), f.body(),
-                        [bytes(b) for b in f.blobs()]) for f in p.frames())
+            got.extend(
+                (
+                    f.type,
+                    f.request_id,
+                    f.target,
+                    f.source,
+                    f.header(),
+                    f.body(),
+                    [bytes(b) for b in f.blobs()],
+                )
+                for f in p.frames()
+            )
         assert got == expected
 
 
@@ -185,8 +249,11 @@ def test_large_frame_in_64k_chunks() -> None:
     stream) comes out intact, and the small frame after it too."""
     blob = bytes(range(256)) * (5 * 1024 * 1024 // 256)
     blob = blob[:-3] + b"END"
-    big = join(encode_frame(FrameType.MESSAGE, target="Big", body=encode_cbor({"n": 1}),
-                            blobs=[b"head", blob]))
+    big = join(
+        encode_frame(
+            FrameType.MESSAGE, target="Big", body=encode_cbor({"n": 1}), blobs=[b"head", blob]
+        )
+    )
     small = join(encode_frame(FrameType.MESSAGE, target="Small", body=encode_cbor("after")))
     data = big + small
     p = FrameParser()
@@ -267,8 +334,7 @@ def test_max_frame_size_boundary() -> None:
     exact = join(encode_frame(FrameType.MESSAGE, target="t", blobs=[b"x" * (limit - overhead)]))
     assert len(exact) == limit
     assert bytes(parse_one(exact, limit).blobs()[0]) == b"x" * (limit - overhead)
-    over = join(encode_frame(FrameType.MESSAGE, target="t",
-                             blobs=[b"x" * (limit - overhead + 1)]))
+    over = join(encode_frame(FrameType.MESSAGE, target="t", blobs=[b"x" * (limit - overhead + 1)]))
     expect_remote_error(over, ErrorCode.FRAME_TOO_LARGE, max_frame_size=limit)
 
 
@@ -314,13 +380,16 @@ def test_unknown_frame_type(bad_type: int) -> None:
     expect_remote_error(data)
 
 
-@pytest.mark.parametrize("field_offset,delta", [
-    (6, 1),    # target_len one too long
-    (6, -1),   # target_len one too short
-    (8, 3),    # source_len
-    (24, 1),   # header_len
-    (28, -2),  # body_len
-])
+@pytest.mark.parametrize(
+    "field_offset,delta",
+    [
+        (6, 1),  # target_len one too long
+        (6, -1),  # target_len one too short
+        (8, 3),  # source_len
+        (24, 1),  # header_len
+        (28, -2),  # body_len
+    ],
+)
 def test_section_lengths_must_add_up(field_offset: int, delta: int) -> None:
     """Section lengths that do not add up to the frame length are a protocol error."""
     data = valid_frame(source=b"l.1\0x")
@@ -374,8 +443,7 @@ def test_non_utf8_target_after_a_valid_frame() -> None:
 
 
 def _frame_with_header_bytes(header: bytes, body: bytes = b"") -> Frame:
-    return parse_one(join(encode_frame(FrameType.MESSAGE, target="t", header=header,
-                                       body=body)))
+    return parse_one(join(encode_frame(FrameType.MESSAGE, target="t", header=header, body=body)))
 
 
 def test_trailing_bytes_after_cbor_header() -> None:
@@ -392,14 +460,17 @@ def test_trailing_bytes_after_cbor_body() -> None:
         f.body()
 
 
-@pytest.mark.parametrize("header", [
-    cbor2.dumps([1, 2]),        # not a map
-    cbor2.dumps("text"),        # not a map
-    b"\xa1\x61",                # truncated map
-    b"\xff",                    # break code out of place
-    b"\x1f",                    # reserved additional info
-    b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",  # absurd byte string length
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        cbor2.dumps([1, 2]),  # not a map
+        cbor2.dumps("text"),  # not a map
+        b"\xa1\x61",  # truncated map
+        b"\xff",  # break code out of place
+        b"\x1f",  # reserved additional info
+        b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",  # absurd byte string length
+    ],
+)
 def test_malformed_header(header: bytes) -> None:
     """A header that is not exactly one well-formed CBOR map is a protocol error."""
     f = _frame_with_header_bytes(header)
@@ -409,9 +480,19 @@ def test_malformed_header(header: bytes) -> None:
 
 def test_prefix_layout_matches_the_documented_offsets() -> None:
     """The prefix is 32 bytes with fields at the offsets of docs/PROTOCOL.md."""
-    data = join(encode_frame(FrameType.NOTIFY, target="abc", request_id=0x0102030405060708,
-                             flags=1, header=b"\xa0", body=b"\xf6", source=b"src", n_fds=4,
-                             blobs=[b"zz"]))
+    data = join(
+        encode_frame(
+            FrameType.NOTIFY,
+            target="abc",
+            request_id=0x0102030405060708,
+            flags=1,
+            header=b"\xa0",
+            body=b"\xf6",
+            source=b"src",
+            n_fds=4,
+            blobs=[b"zz"],
+        )
+    )
     assert PREFIX.size == 32
     (length,) = struct.unpack_from(">I", data, 0)
     assert length == len(data) - 4
@@ -435,19 +516,23 @@ def test_frames_and_runs_match_frames() -> None:
         k = rng.random()
         target = rng.choice([b"G", b"l.1", b"H"])
         if k < 0.6:
-            pieces.append(framing.encode_simple(FrameType.MESSAGE, target, bytes(i % 7),
-                                                source=stamp))
+            pieces.append(
+                framing.encode_simple(FrameType.MESSAGE, target, bytes(i % 7), source=stamp)
+            )
         elif k < 0.7:
             pieces.append(framing.encode_simple(FrameType.MESSAGE, target, b"", source=b"l.3"))
         elif k < 0.8:
-            pieces.append(join(encode_frame(FrameType.MESSAGE, target="G", source=stamp,
-                                            blobs=[b"ab"])))
+            pieces.append(
+                join(encode_frame(FrameType.MESSAGE, target="G", source=stamp, blobs=[b"ab"]))
+            )
         elif k < 0.9:
-            pieces.append(join(encode_frame(FrameType.MESSAGE, target="G", source=stamp,
-                                            n_fds=1)))
+            pieces.append(join(encode_frame(FrameType.MESSAGE, target="G", source=stamp, n_fds=1)))
         else:
-            pieces.append(framing.encode_simple(FrameType.REQUEST, target, b"", request_id=i + 1,
-                                                source=stamp))
+            pieces.append(
+                framing.encode_simple(
+                    FrameType.REQUEST, target, b"", request_id=i + 1, source=stamp
+                )
+            )
     data = b"".join(pieces)
     p = FrameParser()
     got: list[bytes] = []
@@ -464,8 +549,12 @@ def test_frames_and_runs_match_frames() -> None:
                 assert len(frames) == item.count
                 assert b"".join(bytes(f.raw) for f in frames) == item.raw
                 for f in frames:
-                    assert (f.type, f.source, f.n_fds, f.n_blobs) == (FrameType.MESSAGE, stamp,
-                                                                      0, 0)
+                    assert (f.type, f.source, f.n_fds, f.n_blobs) == (
+                        FrameType.MESSAGE,
+                        stamp,
+                        0,
+                        0,
+                    )
                     assert f.target == item.target
                     assert f == parse_one(bytes(f.raw))
             else:
@@ -478,8 +567,9 @@ def test_frames_and_runs_match_frames() -> None:
 def test_encode_simple_with_source() -> None:
     """encode_simple(source=...) writes the source section like encode_frame does."""
     fast = framing.encode_simple(FrameType.MESSAGE, b"G", b"\x01", b"\xa0", source=b"l.4\0x")
-    assert fast == join(encode_frame(FrameType.MESSAGE, target="G", body=b"\x01",
-                                     header=b"\xa0", source=b"l.4\0x"))
+    assert fast == join(
+        encode_frame(FrameType.MESSAGE, target="G", body=b"\x01", header=b"\xa0", source=b"l.4\0x")
+    )
     assert parse_one(fast).source == b"l.4\0x"
 
 
@@ -497,17 +587,16 @@ def test_bytes_body_fast_decode_matches_cbor2(n: int) -> None:
         parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body + b"\0")).body()
 
 
-@pytest.mark.parametrize("body", [b"\x58", b"\x59\x00", b"\x5a\x00\x00\x00", b"\x45ab",
-                                  b"\x58\x01ab", b"\x5b\x00"])
+@pytest.mark.parametrize(
+    "body", [b"\x58", b"\x59\x00", b"\x5a\x00\x00\x00", b"\x45ab", b"\x58\x01ab", b"\x5b\x00"]
+)
 def test_truncated_bytes_body_is_a_protocol_error(body: bytes) -> None:
     """Byte-string heads that do not fill the body section exactly are rejected."""
     with pytest.raises(RemoteProtocolError):
         parse_one(framing.encode_simple(FrameType.MESSAGE, b"G", body)).body()
 
 
-@pytest.mark.parametrize(
-    "n", [0, 1, 23, 24, 255, 256, 65535, 65536, 70_000, 4 * 1024 * 1024]
-)
+@pytest.mark.parametrize("n", [0, 1, 23, 24, 255, 256, 65535, 65536, 70_000, 4 * 1024 * 1024])
 def test_encode_bytes_message_is_encode_simple_of_the_cbor_bytes(n: int) -> None:
     """The two-piece large-body encoding is byte-identical to the one-piece one, at every
     CBOR head width, and its second piece is the caller's payload object (not a copy)."""
@@ -530,9 +619,19 @@ def test_encode_bytes_message_is_encode_simple_of_the_cbor_bytes(n: int) -> None
 def test_cached_header_is_a_fresh_dict_each_time() -> None:
     """Frame.header() serves repeated small headers from a cache: what one caller does to
     its dict must not show in the next frame's header."""
-    frames = [parse_one(join(encode_frame(FrameType.REQUEST, target="g", request_id=i + 1,
-                                          header=encode_cbor({"cmd": "echo", "n": 1}))))
-              for i in range(3)]
+    frames = [
+        parse_one(
+            join(
+                encode_frame(
+                    FrameType.REQUEST,
+                    target="g",
+                    request_id=i + 1,
+                    header=encode_cbor({"cmd": "echo", "n": 1}),
+                )
+            )
+        )
+        for i in range(3)
+    ]
     first = frames[0].header()
     first["cmd"] = "changed"
     first["extra"] = True
@@ -544,8 +643,10 @@ def test_cached_header_is_a_fresh_dict_each_time() -> None:
 def test_header_with_nested_values_is_decoded_afresh() -> None:
     """Headers holding lists or maps are not cached: a shallow copy would share them."""
     enc = encode_cbor({"to": [["l.1", "a"]]})
-    f1, f2 = (parse_one(join(encode_frame(FrameType.ROUTED, target="l.2", request_id=1,
-                                          header=enc))) for _ in range(2))
+    f1, f2 = (
+        parse_one(join(encode_frame(FrameType.ROUTED, target="l.2", request_id=1, header=enc)))
+        for _ in range(2)
+    )
     h1 = f1.header()
     h1["to"].append(["l.9", "x"])  # type: ignore[attr-defined]
     assert f2.header() == {"to": [["l.1", "a"]]}
@@ -555,13 +656,28 @@ def test_header_cache_is_bounded_and_large_frames_work() -> None:
     """Many distinct headers keep the cache at its cap; a large frame (assembled in a
     bytearray) decodes its header through the same path."""
     for i in range(framing._HEADER_CACHE_MAX * 3):
-        f = parse_one(join(encode_frame(FrameType.REQUEST, target="g", request_id=1,
-                                        header=encode_cbor({"cmd": f"c{i}"}))))
+        f = parse_one(
+            join(
+                encode_frame(
+                    FrameType.REQUEST,
+                    target="g",
+                    request_id=1,
+                    header=encode_cbor({"cmd": f"c{i}"}),
+                )
+            )
+        )
         assert f.header() == {"cmd": f"c{i}"}
         assert len(framing._header_cache) <= framing._HEADER_CACHE_MAX
     body = encode_cbor(b"x" * (framing._LARGE_FRAME + 10))
-    data = join(encode_frame(FrameType.REQUEST, target="g", request_id=1,
-                             header=encode_cbor({"cmd": "big"}), body=body))
+    data = join(
+        encode_frame(
+            FrameType.REQUEST,
+            target="g",
+            request_id=1,
+            header=encode_cbor({"cmd": "big"}),
+            body=body,
+        )
+    )
     p = FrameParser()
     f = None
     for k in range(0, len(data), 65536):  # in pieces: the parser assembles a large frame

@@ -268,8 +268,11 @@ class QueueStoreConformance:
         assert store.stats("q").fsyncs == before
 
     def test_marks_are_checked_before_anything_is_written(self, store: QueueStore) -> None:
-        for bad, error in (({("q", ""): 1}, ValueError), ({("q", "p"): 0}, ValueError),
-                           ({"q": 1}, TypeError)):
+        for bad, error in (
+            ({("q", ""): 1}, ValueError),
+            ({("q", "p"): 0}, ValueError),
+            ({"q": 1}, TypeError),
+        ):
             with pytest.raises(error):
                 store.append_batch([msg("q", "p", 1)], marks=bad)  # type: ignore[arg-type]
         with pytest.raises(UnknownQueue):
@@ -360,8 +363,12 @@ class QueueStoreConformance:
 
     def test_bad_cursor_writes_nothing(self, store: QueueStore) -> None:
         store.append_batch(batch("q", "p", range(1, 3)))
-        for bad, error in ((-1, ValueError), (1 << 64, ValueError), ("1", TypeError),
-                           (True, TypeError)):
+        for bad, error in (
+            (-1, ValueError),
+            (1 << 64, ValueError),
+            ("1", TypeError),
+            (True, TypeError),
+        ):
             with pytest.raises(error):
                 store.delete_batch("q", [1], cursor=bad)  # type: ignore[arg-type]
         assert seqs_of(store.read_range("q", 0, ALL)) == [1, 2]

@@ -332,12 +332,14 @@ def test_mapped_pages_are_released_as_a_backlog_passes(tmp_path: Path) -> None:
 
     body = bytes(range(256)) * 64  # 16 KiB
     n = 160 * MiB // len(body)
-    with LmdbQueueStore(tmp_path / "store", map_size=512 * MiB, max_map_size=512 * MiB,
-                        sync=False) as store:
+    with LmdbQueueStore(
+        tmp_path / "store", map_size=512 * MiB, max_map_size=512 * MiB, sync=False
+    ) as store:
         store.declare_queue("q")
         for lo in range(0, n, 500):
-            store.append_batch([NewMessage("q", "p", i + 1, body)
-                                for i in range(lo, min(n, lo + 500))])
+            store.append_batch(
+                [NewMessage("q", "p", i + 1, body) for i in range(lo, min(n, lo + 500))]
+            )
         data = tmp_path / "store" / "data.mdb"
         peak, start, seen = 0, 0, 0
         while chunk := store.read_range("q", start, 500):
@@ -377,8 +379,9 @@ def test_full_file_system_is_storage_full_and_recovers(small_fs: Path) -> None:
         stored = 0
         with pytest.raises(StorageFull, match="file system"):
             for i in range(10_000):
-                store.append_batch([NewMessage("q", "p", i * 100 + k + 1, b"x" * 1000)
-                                    for k in range(100)])
+                store.append_batch(
+                    [NewMessage("q", "p", i * 100 + k + 1, b"x" * 1000) for k in range(100)]
+                )
                 stored += 100
         assert stored > 0
         assert store.stats("q").depth == stored

@@ -54,8 +54,9 @@ def start_burners(n: int) -> list[subprocess.Popen[bytes]]:
         argv = [stress, "--cpu", str(n), "--cpu-method", "all", "--quiet"]
         return [subprocess.Popen(argv, start_new_session=True)]
     spin = "while True: pass"
-    return [subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
-            for _ in range(n)]
+    return [
+        subprocess.Popen([sys.executable, "-c", spin], start_new_session=True) for _ in range(n)
+    ]
 
 
 def stop_burners(burners: list[subprocess.Popen[bytes]]) -> None:
@@ -72,11 +73,18 @@ def stop_burners(burners: list[subprocess.Popen[bytes]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--burners", type=int, default=os.cpu_count() or 1,
-                    help="CPU burners to run (default: one per core, %(default)s)")
+    ap.add_argument(
+        "--burners",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="CPU burners to run (default: one per core, %(default)s)",
+    )
     ap.add_argument("--runs", type=int, default=1, help="times to run the command in a row")
-    ap.add_argument("command", nargs=argparse.REMAINDER,
-                    help="the command after --; default: the README's pytest command")
+    ap.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the command after --; default: the README's pytest command",
+    )
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     command = command or default_command()
@@ -85,16 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("PYSPARK_PYTHON", os.path.abspath(os.path.join(".venv", "bin", "python")))
     print(f"loaded.py: command: {' '.join(command)}", flush=True)
     burners = start_burners(args.burners)
-    print(f"loaded.py: {args.burners} CPU burner(s) running "
-          f"({'stress-ng' if shutil.which('stress-ng') else 'python'})", flush=True)
+    print(
+        f"loaded.py: {args.burners} CPU burner(s) running "
+        f"({'stress-ng' if shutil.which('stress-ng') else 'python'})",
+        flush=True,
+    )
     status = 0
     try:
         for i in range(1, args.runs + 1):
             t0 = time.monotonic()
             rc = subprocess.call(command, env=env)
             took = time.monotonic() - t0
-            print(f"loaded.py: run {i}/{args.runs}: exit status {rc}, wall time "
-                  f"{took / 60:.1f} min ({took:.0f} s)", flush=True)
+            print(
+                f"loaded.py: run {i}/{args.runs}: exit status {rc}, wall time "
+                f"{took / 60:.1f} min ({took:.0f} s)",
+                flush=True,
+            )
             if rc and not status:
                 status = rc
     finally:

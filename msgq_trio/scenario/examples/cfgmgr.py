@@ -38,16 +38,23 @@ async def main(n: int, interval: float, members: int) -> None:
             key = f"config:{v}"
             op = h.invoke("send", key=key, producer="cfgmgr", seq=v)
             try:
-                results = await bus.call_all("Auth", "config", {"version": v},
-                                             timeout=PUSH_TIMEOUT)
+                results = await bus.call_all("Auth", "config", {"version": v}, timeout=PUSH_TIMEOUT)
             except NoRecipient:
                 h.complete(op, "fail", "send", key=key, error="no-recipient")
             else:
-                bad = [r for r in results
-                       if not r.ok and getattr(r.error, "code", None) != "recipient-gone"]
+                bad = [
+                    r
+                    for r in results
+                    if not r.ok and getattr(r.error, "code", None) != "recipient-gone"
+                ]
                 if bad:
-                    h.complete(op, "fail", "send", key=key,
-                               error=str(getattr(bad[0].error, "code", bad[0].error)))
+                    h.complete(
+                        op,
+                        "fail",
+                        "send",
+                        key=key,
+                        error=str(getattr(bad[0].error, "code", bad[0].error)),
+                    )
                 else:
                     h.complete(op, "ok", "send", key=key)
             await trio.sleep(interval)

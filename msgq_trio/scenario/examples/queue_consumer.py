@@ -36,9 +36,16 @@ async def main(queue: str, n: int, producer: str, window: int, delay: float) -> 
                         await trio.sleep(delay)  # let a backlog build up first
                     async for m in msgs:
                         seq = m.body
-                        h.event("deliver", key=f"{producer}:{seq}", producer=producer,
-                                seq=seq, value={"session": f"{connection}.{msgs.reattached}",
-                                                "deliveries": m.deliveries})
+                        h.event(
+                            "deliver",
+                            key=f"{producer}:{seq}",
+                            producer=producer,
+                            seq=seq,
+                            value={
+                                "session": f"{connection}.{msgs.reattached}",
+                                "deliveries": m.deliveries,
+                            },
+                        )
                         seen.add(seq)
                         await m.ack()
                         if len(seen) >= n:
@@ -53,7 +60,11 @@ if __name__ == "__main__":
     p.add_argument("n", type=int)
     p.add_argument("--producer", default="p1")
     p.add_argument("--window", type=int, default=16)
-    p.add_argument("--delay", type=float, default=0.0,
-                   help="seconds between consuming and taking the first message")
+    p.add_argument(
+        "--delay",
+        type=float,
+        default=0.0,
+        help="seconds between consuming and taking the first message",
+    )
     a = p.parse_args()
     trio.run(main, a.queue, a.n, a.producer, a.window, a.delay)
