@@ -170,8 +170,8 @@ class Broker:
         """Admit a client whose HELLO was accepted; assigns its lname (never reused).
 
         ``principals`` are the identities the access policy matches (``unix:USER``,
-        ``uid:N``); a TCP client is admitted with ``where`` (``tcp:NAME@host:port``) and
-        its authenticated ``["tcp:NAME"]``.
+        ``uid:N``, ``gid:N``, ``group:NAME``); a TCP client is admitted with ``where``
+        (``tcp:NAME@host:port``) and its authenticated ``["tcp:NAME"]``.
         """
         peer = Peer(self._next_id, name, pid=pid, uid=uid, gid=gid, now=now)
         self._next_id += 1
