@@ -212,12 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pipe", help="named pipe: 'write NAME' sends stdin, 'read NAME' prints it (docs/PIPES.md)"
     )
-    from .client.pipe import add_cli_arguments
-
-    add_cli_arguments(p)
-    for action in p._actions:  # its positionals are defined with the pipe client
-        if action.dest == "action" and not action.help:
-            action.help = "write: stdin into the pipe; read: the pipe to stdout"
+    _pipe_arguments(p)
 
     p = sub.add_parser(
         "queue", help="the queue plugin's durable queues: ls, stats, peek, purge (docs/QUEUE.md)"
@@ -527,6 +522,40 @@ async def _pipe_command(args: argparse.Namespace) -> int:
         print(f"error: {code}: {exc}" if code else f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _pipe_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``msgq-trio pipe``."""
+    p.add_argument(
+        "action",
+        choices=["read", "write"],
+        help="write: stdin into the pipe; read: the pipe to stdout",
+    )
+    p.add_argument("name", help="the pipe's name")
+    p.add_argument(
+        "--readers",
+        choices=["share", "broadcast"],
+        default=None,
+        help="readers' mode if this creates the pipe (default share)",
+    )
+    p.add_argument(
+        "--on-reader-gone",
+        choices=["fail", "wait"],
+        default="fail",
+        help="write: fail (default) or wait for a new reader when readers left",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="per read/write timeout in seconds (default: wait forever)",
+    )
+    p.add_argument(
+        "--persistent",
+        action="store_true",
+        help="the pipe is persistent (stored by the plugin: writes need no "
+        "reader, the bytes outlive both ends and restarts; docs/PIPES.md)",
+    )
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -3,8 +3,8 @@
 ``bus.pipe(name)`` returns a :class:`Pipe`; ``await pipe.open_reader()`` gives a
 :class:`PipeReader` (a ``trio.abc.ReceiveStream``), ``await pipe.open_writer()`` a
 :class:`PipeWriter` (a ``trio.abc.SendStream``). :class:`SyncPipeReader` /
-:class:`SyncPipeWriter` are their file-like faces for the synchronous client, and
-:func:`run_cli` is ``msgq-trio pipe read|write NAME``.
+:class:`SyncPipeWriter` are their file-like faces for the synchronous client
+(``msgq-trio pipe read|write NAME`` is the command line's, msgq_trio/cli.py).
 
 Persistent pipes (``persistent=True``, docs/PIPES.md): a reader tells the plugin how many
 bytes it returned to its caller (``consumed``, with each read request and with the
@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import sys
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import ConnectionLost, MsgqError, PipeBroken, PipeTimeout, RecipientGone, UsageError
+from ..errors import MsgqError, PipeBroken, PipeTimeout, RecipientGone, UsageError
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable
 
     from .bus import Bus, _Call
@@ -48,7 +45,6 @@ __all__ = [
     "SyncPipe",
     "SyncPipeReader",
     "SyncPipeWriter",
-    "run_cli",
 ]
 
 #: The pipe plugin's group (its ``group`` setting's default).
@@ -605,82 +601,3 @@ class SyncPipeWriter(io.RawIOBase):
             except MsgqError:
                 pass
         super().close()
-
-
-# -- msgq-trio pipe read|write NAME -------------------------------------------------------
-async def run_cli(args: argparse.Namespace) -> int:
-    """``pipe write NAME``: stdin into the pipe until EOF, then close (the reader sees end
-    of pipe). ``pipe read NAME``: the pipe to stdout until end of pipe. Exit status 0, 1
-    on a pipe error (message on stderr), 3 on timeout."""
-    from .bus import connect
-
-    try:
-        async with connect(args.socket, name=f"msgq-trio-pipe-{args.action}") as bus:
-            pipe = Pipe(bus, args.name)
-            if args.action == "write":
-                w = await pipe.open_writer(
-                    readers=args.readers,
-                    on_reader_gone=args.on_reader_gone,
-                    persistent=args.persistent or None,
-                )
-                async with w:
-                    while True:
-                        data = await trio.to_thread.run_sync(os.read, 0, w.max_chunk * 4)
-                        if not data:
-                            break
-                        if args.timeout is None:
-                            await w.send_all(data)
-                        else:
-                            await w.write(data, args.timeout)
-                    await w.flush(args.timeout)
-            else:
-                r = await pipe.open_reader(readers=args.readers, persistent=args.persistent or None)
-                async with r:
-                    while True:
-                        data = await r.read(None, args.timeout)
-                        if not data:
-                            break
-                        await trio.to_thread.run_sync(_write_all, 1, data)
-    except PipeTimeout as exc:
-        print(f"msgq-trio pipe: timeout: {exc}", file=sys.stderr)
-        return 3
-    except (MsgqError, ConnectionLost) as exc:
-        print(f"msgq-trio pipe: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def add_cli_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of ``msgq-trio pipe``."""
-    p.add_argument("action", choices=["read", "write"])
-    p.add_argument("name", help="the pipe's name")
-    p.add_argument(
-        "--readers",
-        choices=["share", "broadcast"],
-        default=None,
-        help="readers' mode if this creates the pipe (default share)",
-    )
-    p.add_argument(
-        "--on-reader-gone",
-        choices=["fail", "wait"],
-        default="fail",
-        help="write: fail (default) or wait for a new reader when readers left",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="per read/write timeout in seconds (default: wait forever)",
-    )
-    p.add_argument(
-        "--persistent",
-        action="store_true",
-        help="the pipe is persistent (stored by the plugin: writes need no "
-        "reader, the bytes outlive both ends and restarts; docs/PIPES.md)",
-    )

@@ -239,15 +239,7 @@ class Service:
             producer = _str(params, "producer")
             seq = _int(params, "seq", lo=1)
 
-            def done(w: Waiter) -> None:
-                if w.error:
-                    self.bus.answer_error(request, w.error[0], w.error[1])
-                else:
-                    self.bus.answer(
-                        request, "stored" if w.stored else "consumed" if w.consumed else "duplicate"
-                    )
-
-            self.engine.put(q, producer, [(seq, b"B" + body)], Waiter(1, done))
+            self.engine.put(q, producer, [(seq, b"B" + body)], self._ack1(request))
 
         self._inline(request, run)
 
@@ -285,17 +277,23 @@ class Service:
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 
-            def done(w: Waiter) -> None:
-                if w.error:
-                    self.bus.answer_error(request, w.error[0], w.error[1])
-                else:
-                    self.bus.answer(
-                        request, "stored" if w.stored else "consumed" if w.consumed else "duplicate"
-                    )
-
-            self.engine.put(q, producer, [(seq, data)], Waiter(1, done))
+            self.engine.put(q, producer, [(seq, data)], self._ack1(request))
 
         self._inline(request, run)
+
+    def _ack1(self, request: Message) -> Waiter:
+        """The waiter of one message put by ``request`` (``put``, ``send``): answers it
+        ``"stored"``, ``"consumed"`` or ``"duplicate"`` at ack 1, or with the error."""
+
+        def done(w: Waiter) -> None:
+            if w.error:
+                self.bus.answer_error(request, w.error[0], w.error[1])
+            else:
+                self.bus.answer(
+                    request, "stored" if w.stored else "consumed" if w.consumed else "duplicate"
+                )
+
+        return Waiter(1, done)
 
     def _put_many(self, request: Message) -> None:
         def run(params: Any) -> None:
@@ -432,17 +430,7 @@ class Service:
                 try:
                     stored = decode_bound(m.data)
                 except ValueError as exc:
-                    log.warning(
-                        "queue %s: message %d (producer %s seq %d) cannot be "
-                        "forwarded to %s and is dropped: %s",
-                        q.name,
-                        m.mid,
-                        m.producer,
-                        m.pseq,
-                        q.opts.bind,
-                        exc,
-                    )
-                    self.engine.ack(m)
+                    self._unforwardable(q, m, exc)
                     continue
                 try:
                     if stored.kind == KIND_REQUEST:
@@ -464,17 +452,25 @@ class Service:
                 except ConnectionLost:
                     return
                 except UsageError as exc:  # e.g. a stored command name the bus refuses
-                    log.warning(
-                        "queue %s: message %d (producer %s seq %d) cannot be "
-                        "forwarded to %s and is dropped: %s",
-                        q.name,
-                        m.mid,
-                        m.producer,
-                        m.pseq,
-                        q.opts.bind,
-                        exc,
-                    )
+                    self._unforwardable(q, m, exc)
+                    continue
                 self.engine.ack(m)
+
+    def _unforwardable(self, q: Queue, m: Msg, exc: Exception) -> None:
+        """A stored message that cannot reach the group (its stored value cannot be
+        decoded or sent): logged with its producer and seq, then acked (dropped), so it
+        cannot block the queue."""
+        log.warning(
+            "queue %s: message %d (producer %s seq %d) cannot be forwarded to %s and is "
+            "dropped: %s",
+            q.name,
+            m.mid,
+            m.producer,
+            m.pseq,
+            q.opts.bind,
+            exc,
+        )
+        self.engine.ack(m)
 
     async def _delivery(
         self, q: Queue, c: Consumer, m: Msg, wait: Callable[[], Awaitable[Any]]
