@@ -699,13 +699,8 @@ class _Run:
             "name": name,
         }
 
-        def filled(arg: str) -> str:
-            # Only these placeholders: any other brace (JSON in an argument) stays.
-            for key, value in fill.items():
-                arg = arg.replace("{" + key + "}", value)
-            return arg
-
-        argv = [filled(arg) for arg in spec.params["command"]]
+        # Only these placeholders: any other brace (JSON in an argument) stays.
+        argv: list[str] = _fill_strings(list(spec.params["command"]), fill)
         env = dict(
             os.environ,
             MSGQ_TRIO_SOCKET=str(self.sock),
@@ -715,7 +710,7 @@ class _Run:
         )
         for entry in spec.params["env"]:
             k, _, v = entry.partition("=")
-            env[k] = filled(v)
+            env[k] = _fill_strings(v, fill)
         log_path = self.tmp / f"{name}.log"
         try:
             with _log_file(log_path, "ab") as err:
@@ -1230,9 +1225,10 @@ class _Run:
 
 
 def _fill_strings(value: Any, fill: dict[str, str]) -> Any:
-    """``value`` with the placeholders ``{python}``, ``{socket}``, ``{tmp}`` filled in
-    every string it holds (a link's ``address`` to a second broker in the run's
-    directory, say); nothing else in braces is touched."""
+    """``value`` with the placeholders named in ``fill`` (``{python}``, ``{socket}``,
+    ``{tmp}``, ``{name}``) filled in every string it holds: a program's argv and
+    environment, a link's ``address`` to a second broker in the run's directory; nothing
+    else in braces is touched."""
     if isinstance(value, str):
         for key, v in fill.items():
             value = value.replace("{" + key + "}", v)
