@@ -35,16 +35,6 @@ from ..errors import (
     UsageError,
     rpc_error_from_wire,
 )
-from ..io.errors import (
-    NO_JOIN,
-    SocketReceiver,
-    ancillary_size,
-    close_fds,
-    send_buffers,
-    set_send_buffer,
-    translate_socket_errors,
-    unconsumed_bytes,
-)
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -56,6 +46,16 @@ from ..protocol.framing import (
     encode_cbor,
     encode_frame,
     encode_simple,
+)
+from ..transport.errors import translate_socket_errors
+from ..transport.sockets import (
+    NO_JOIN,
+    SocketReceiver,
+    ancillary_size,
+    close_fds,
+    send_buffers,
+    set_send_buffer,
+    unconsumed_bytes,
 )
 
 if TYPE_CHECKING:  # imported lazily at run time: client/queue.py and pipe.py import bus

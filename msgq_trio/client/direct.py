@@ -48,18 +48,18 @@ from ..errors import (
     UsageError,
     rpc_error_from_wire,
 )
-from ..io.errors import (
-    _scratch,
-    _take_fds,
+from ..protocol.codes import ErrorCode, FrameType
+from ..protocol.connection import EOF, Connection, Role
+from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_simple
+from ..transport.sockets import (
     ancillary_size,
     close_fds,
     set_send_buffer,
     unconsumed_bytes,
 )
-from ..protocol.codes import ErrorCode, FrameType
-from ..protocol.connection import EOF, Connection, Role
-from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_simple
+from ..transport.sockets import scratch_buffer as _scratch
+from ..transport.sockets import take_fds as _take_fds
 from .bus import (
     RECEIVE_SIZE,
     SEND_BUFFER,

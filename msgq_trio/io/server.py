@@ -41,8 +41,8 @@ from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, Role, connection_error_frame
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame
-from .errors import (
-    ACCEPT_CAPACITY_ERRNOS,
+from ..transport.errors import ACCEPT_CAPACITY_ERRNOS, translate_socket_errors
+from ..transport.sockets import (
     SocketReceiver,
     ancillary_size,
     close_fds,
@@ -50,7 +50,6 @@ from .errors import (
     receive_with_fds,
     send_buffers,
     set_send_buffer,
-    translate_socket_errors,
 )
 
 log = logging.getLogger("msgq_trio.io")

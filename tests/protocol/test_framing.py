@@ -276,7 +276,7 @@ def test_large_frame_in_64k_chunks() -> None:
 @pytest.mark.parametrize("step", [1, 7, 4096, 64 * 1024, 256 * 1024])
 def test_feed_copies_so_the_receive_buffer_can_be_reused(step: int) -> None:
     """The I/O layer receives into one reused buffer and passes the parser a view of it
-    (io/errors.SocketReceiver): whatever ``feed`` keeps must be a copy, so overwriting the
+    (transport/sockets.SocketReceiver): whatever ``feed`` keeps must be a copy, so overwriting the
     buffer after each feed (the next receive) changes no frame, small or large."""
     blob = bytes(range(256)) * (300 * 1024 // 256)  # above _LARGE_FRAME: assembled apart
     frames = [
