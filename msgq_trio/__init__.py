@@ -13,8 +13,7 @@ General layout (each layer imports only the ones above it):
   operations, the fault runner, the benchmark, the Spark analytics.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .client.bus import Bus, Member, Message, Reply, Result, connect
 from .client.direct import DirectBus
 from .client.direct import connect as connect_direct
