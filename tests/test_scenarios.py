@@ -41,6 +41,8 @@ def test_scenario(path: Path) -> None:
     if load_scenario(path).broker.queue_disk is not None and os.geteuid() != 0:
         pytest.skip("mounting the queue store's tmpfs (broker.queue_disk) needs root")
     result = run_scenario(path)
+    if result.skipped is not None:
+        pytest.skip(result.skipped)
     out = os.environ.get("MSGQ_TRIO_SCENARIO_RESULTS")
     if out:
         with open(out, "a") as f:

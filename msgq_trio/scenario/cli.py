@@ -3,8 +3,10 @@
 ``run`` prints one line per scenario (verdict, duration, key figures, seed), the failed
 checks of a failing one, appends JSON records with ``--results``, writes JUnit XML with
 ``--junit`` and regenerates docs/FAULTS.md with ``--faults-md``; ``--repeat N`` runs each
-N times with seeds ``--seed``, +1, ... ``new NAME`` writes a commented template. Exit
-status: 0 all passed, 1 a scenario failed, 2 invalid scenario file or usage.
+N times with seeds ``--seed``, +1, ... ``new NAME`` writes a commented template. A
+scenario this machine cannot run (network namespaces without root, TLS without openssl)
+is printed as SKIP with the reason and is neither passed nor failed. Exit status: 0 none
+failed, 1 a scenario failed, 2 invalid scenario file or usage.
 """
 
 from __future__ import annotations
@@ -133,12 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def junit_xml(records: Sequence[dict[str, Any]]) -> str:
     """JUnit XML for CI systems: one ``testcase`` per run (name with its seed), a
     ``failure`` with the failed checks and the runner's problems."""
-    failures = sum(not r.get("passed") for r in records)
+    failures = sum(not r.get("passed") and not r.get("skipped") for r in records)
     suite = ET.Element(
         "testsuite",
         name="msgq-trio scenarios",
         tests=str(len(records)),
         failures=str(failures),
+        skipped=str(sum(bool(r.get("skipped")) for r in records)),
         errors="0",
         time=f"{sum(float(r.get('duration_s', 0)) for r in records):.3f}",
     )
@@ -150,7 +153,9 @@ def junit_xml(records: Sequence[dict[str, Any]]) -> str:
             name=f"{r['scenario']}[seed={r.get('seed')}]",
             time=f"{float(r.get('duration_s', 0)):.3f}",
         )
-        if not r.get("passed"):
+        if r.get("skipped"):
+            ET.SubElement(case, "skipped", message=str(r["skipped"])[:200])
+        elif not r.get("passed"):
             bad = [
                 f"check failed: {c['check']} (expected {c['expected']}, got {c['actual']})"
                 for c in r.get("checks", [])
@@ -258,6 +263,7 @@ def _run(args: argparse.Namespace) -> int:
     machine = machine_info()
     records: list[dict[str, Any]] = []
     failed: list[str] = []
+    skipped: list[str] = []
     t = time.monotonic()
     print(
         f"running {len(paths)} scenario(s) on {machine['hostname']} "
@@ -275,6 +281,9 @@ def _run(args: argparse.Namespace) -> int:
         rec = result.record(machine)
         records.append(rec)
         print(result.line(), flush=True)
+        if result.skipped is not None:
+            skipped.append(result.scenario.name)
+            continue  # not a run: nothing for the results file
         if not result.passed:
             failed.append(result.scenario.name)
             for f in result.failures:
@@ -287,8 +296,10 @@ def _run(args: argparse.Namespace) -> int:
                 out.write(json.dumps(rec) + "\n")
     elapsed = time.monotonic() - t
     print(
-        f"{len(runs) - len(failed)} passed, {len(failed)} failed in {elapsed:.0f} s"
-        + (f": {', '.join(failed)}" if failed else "")
+        f"{len(runs) - len(failed) - len(skipped)} passed, {len(failed)} failed"
+        + (f" ({', '.join(failed)})" if failed else "")
+        + (f", {len(skipped)} skipped ({', '.join(skipped)})" if skipped else "")
+        + f" in {elapsed:.0f} s"
     )
     if args.junit is not None:
         args.junit.write_text(junit_xml(records))

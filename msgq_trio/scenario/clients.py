@@ -29,6 +29,7 @@ import os
 import random
 import select
 import signal
+import ssl
 import struct
 import sys
 import time
@@ -40,7 +41,8 @@ from typing import Any
 
 import trio
 
-from ..client.bus import Bus, Message, connect
+from ..client.bus import Bus, Message
+from ..client.bus import connect as _connect
 from ..errors import ConnectError, ConnectionLost, LimitExceeded, MalformedMessage, RpcError
 from ..protocol.codes import PROTOCOL_VERSION, FrameType
 from ..protocol.errors import ProtocolError, RemoteProtocolError
@@ -205,6 +207,9 @@ class LibraryRole:
                     ctx.socket, name=ctx.name, max_frame_size=self.p["max_frame_size"]
                 ) as bus:
                     give_up_at = None
+                    # connections.tcp / .tls / .unix: the transport it really used
+                    scheme, sep, _ = ctx.socket.partition("://")
+                    ctx.count(f"connections.{scheme if sep else 'unix'}")
                     await self.prepare(bus)
                     if not ready:
                         ctx.ready([bus.lname])
@@ -1195,6 +1200,15 @@ async def _watch_signals(ctx: Ctx) -> None:
                 ctx.on_usr1()
             else:
                 ctx.on_usr2()
+
+
+def connect(socket: str, **kwargs: Any) -> Any:
+    """:func:`msgq_trio.connect`, trusting ``$MSGQ_TRIO_TLS_CA`` for a ``tls://``
+    address: the runner gives a TLS broker a certificate of its own making."""
+    ca = os.environ.get("MSGQ_TRIO_TLS_CA")
+    if socket.startswith("tls://") and ca:
+        kwargs.setdefault("ssl_context", ssl.create_default_context(cafile=ca))
+    return _connect(socket, **kwargs)
 
 
 async def _amain(ctx: Ctx) -> int:

@@ -26,6 +26,9 @@ CLIENT_ACTIONS: tuple[str, ...] = (*CLIENT_SIGNALS, "start", "restart")
 BROKER_ACTIONS: tuple[str, ...] = ("kill-broker", "restart-broker", "stop-broker", "cont-broker")
 #: Actions on one of the broker's plugin processes (``target`` names the plugin).
 PLUGIN_ACTIONS: tuple[str, ...] = ("kill-plugin", "fill-disk", "free-disk")
+#: Actions on the network between the runner's namespace and a broker of
+#: ``[brokers.NAME]`` with ``netns = true`` (``target`` names it).
+NET_ACTIONS: tuple[str, ...] = ("net-cut", "net-heal", "net-netem", "net-clear")
 #: Client faults after which the target is "at fault": its latency is not a healthy one.
 DISRUPTING_ACTIONS: tuple[str, ...] = (
     "sigkill",
@@ -55,7 +58,15 @@ DESCRIPTIONS: dict[str, str] = {
     "fill-disk": "fill the queue store's file system (the tmpfs of broker.queue_disk) to the "
     "last byte with a filler file: commits fail, producers get queue-full",
     "free-disk": "delete the filler file: the queue stores again",
-    "kill-broker": "SIGKILL the broker (its socket file stays behind, stale)",
+    "net-cut": "take the network to the target broker's namespace down (its interface, "
+    "no FIN, no RST: only heartbeats and timeouts notice)",
+    "net-heal": "bring the target broker's network up again",
+    "net-netem": "add delay, jitter, loss, reordering or duplication to the target broker's "
+    'network in both directions (`netem = "delay 200ms 50ms loss 5%"`, tc-netem(8) '
+    "syntax)",
+    "net-clear": "remove what net-netem added",
+    "kill-broker": "SIGKILL the broker (its socket file stays behind, stale); with target, "
+    "that broker of [brokers.NAME]",
     "restart-broker": "start a new broker on the same socket path and flags (SIGKILLing the "
     "old one if it still runs); broker.restart_ms is the time until it listens",
     "stop-broker": "SIGSTOP the broker",

@@ -20,7 +20,13 @@ from typing import Any
 import attrs
 
 from ..config import Limits
-from .faults import BROKER_ACTIONS, CLIENT_ACTIONS, DISRUPTING_ACTIONS, PLUGIN_ACTIONS
+from .faults import (
+    BROKER_ACTIONS,
+    CLIENT_ACTIONS,
+    DISRUPTING_ACTIONS,
+    NET_ACTIONS,
+    PLUGIN_ACTIONS,
+)
 
 MiB = 1024 * 1024
 
@@ -224,6 +230,10 @@ _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 _OPS = ("==", "!=", "<=", ">=", "<", ">")
 #: Metric namespaces that are not client names.
 _NAMESPACES = ("broker", "latency", "fault", "scenario", "plugin", "history")
+#: netem's words and values only: the setting goes on a command line (no shell)
+_NETEM_RE = re.compile(r"^[a-z]+( [a-z0-9.%]+)*$")
+#: ``[tcp]`` keys the runner fills in from ``listen`` (address, certificate, token)
+_RUNNER_TCP_KEYS = {"listen", "certfile", "keyfile", "tokens", "insecure"}
 
 
 def parse_size(value: object, where: str) -> int:
@@ -251,6 +261,15 @@ class BrokerSpec:
     #: bytes of a tmpfs mounted for the queue's store (root only), which the
     #: ``fill-disk`` / ``free-disk`` faults fill and free; None: the run's directory
     queue_disk: int | None = None
+    #: "unix" (the socket only), "tcp" or "tls": the broker also listens on TCP (on
+    #: 127.0.0.1, or on its namespace's address with ``netns``) and the clients are given
+    #: that address, a token and, for TLS, the CA that signed its certificate
+    listen: str = "unix"
+    #: more ``[tcp]`` settings of the broker's configuration (heartbeat_interval, ...)
+    tcp: dict[str, Any] = attrs.Factory(dict)
+    #: run in a network namespace of its own, joined to the runner's by a veth pair, so
+    #: the ``net-*`` faults can cut the network to it or add delay and loss (root only)
+    netns: bool = False
 
     def argv(self) -> list[str]:
         """The ``serve`` arguments for :attr:`flags` (``--out-soft-limit 1048576`` ...)."""
@@ -292,6 +311,8 @@ class FaultSpec:
     target: str | None
     index: int | None
     when: tuple[str, str, int] | None = None
+    #: ``net-netem``: the netem settings (``"delay 200ms 50ms loss 5%"``)
+    netem: str | None = None
 
 
 def parse_when(text: str, clients: set[str], where: str) -> tuple[str, str, int]:
@@ -388,6 +409,18 @@ class Scenario:
     clients: tuple[ClientSpec, ...]
     faults: tuple[FaultSpec, ...]
     expect: Expectations
+    #: more brokers (``[brokers.NAME]``), started before the scenario's own broker
+    brokers: dict[str, BrokerSpec] = attrs.Factory(dict)
+
+    @property
+    def needs_root(self) -> str | None:
+        """Why the scenario can only run as root (None: it runs as anyone)."""
+        ns = [n for n, b in self.brokers.items() if b.netns]
+        if ns:
+            return f"broker {ns[0]!r} runs in a network namespace"
+        if self.broker.queue_disk is not None:
+            return "broker.queue_disk mounts a tmpfs"
+        return None
 
     def client(self, name: str) -> ClientSpec:
         for c in self.clients:
@@ -568,6 +601,82 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{p}: {exc}") from None
 
 
+def _broker_spec(raw: object, where: str, *, main: bool) -> BrokerSpec:
+    """One broker's table (``[broker]`` or ``[brokers.NAME]``)."""
+    bt = _Table(raw, where)
+    flags_t = _Table(bt.get("flags", dict, {}), f"{where}.flags")
+    flags: dict[str, int | float] = {}
+    for k in flags_t.data:
+        if k not in BROKER_FLAGS:
+            raise ScenarioError(
+                f"{where}.flags.{k}: unknown serve flag (known: {', '.join(sorted(BROKER_FLAGS))})"
+            )
+        if k in _SIZE_FLAGS:
+            flags_t.used.add(k)
+            flags[k] = parse_size(flags_t.data[k], f"{where}.flags.{k}")
+        elif BROKER_FLAGS[k] is int:
+            flags[k] = flags_t.get(k, int)
+        else:
+            flags[k] = float(flags_t.get(k, (int, float)))
+        if flags[k] <= 0:
+            raise ScenarioError(f"{where}.flags.{k}: must be positive")
+    flags_t.finish()
+    try:
+        Limits(**{k.replace("-", "_"): v for k, v in flags.items()})  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}.flags: the broker would refuse them: {exc}") from None
+    nofile = bt.get("nofile", int, None)
+    if nofile is not None and nofile < 16:
+        raise ScenarioError(f"{where}.nofile: must be >= 16 (the broker needs a few fds to run)")
+    log_level = bt.get("log_level", str, "INFO")
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ScenarioError(f"{where}.log_level: must be DEBUG, INFO, WARNING or ERROR")
+    plugin_names = bt.get("plugins", list, [])
+    settings_t = _Table(bt.get("plugin", dict, {}), f"{where}.plugin")
+    plugins: dict[str, dict[str, Any]] = {}
+    for name in plugin_names:
+        if name not in PLUGINS:
+            raise ScenarioError(
+                f"{where}.plugins: unknown plugin {name!r} (known: {', '.join(PLUGINS)})"
+            )
+        # The plugin validates its own settings when the broker starts (a bad one stops
+        # the start, named in the broker's log); here only their shape.
+        plugins[name] = dict(settings_t.get(name, dict, {}))
+    settings_t.finish()
+    queue_disk = None
+    if "queue_disk" in bt.data:
+        bt.used.add("queue_disk")
+        queue_disk = parse_size(bt.data["queue_disk"], f"{where}.queue_disk")
+        if "queue" not in plugins:
+            raise ScenarioError(f"{where}.queue_disk: needs the queue plugin (broker.plugins)")
+        if "dir" in plugins["queue"]:
+            raise ScenarioError(
+                f"{where}.queue_disk: the runner mounts the store's disk; "
+                f"{where}.plugin.queue.dir cannot be set with it"
+            )
+        if queue_disk < 4 * MiB:
+            raise ScenarioError(f"{where}.queue_disk: at least 4 MiB (LMDB needs room to start)")
+    if queue_disk is not None and not main:
+        raise ScenarioError(f"{where}.queue_disk: only the scenario's own broker has one")
+    listen = bt.get("listen", str, "unix")
+    if listen not in ("unix", "tcp", "tls"):
+        raise ScenarioError(f"{where}.listen: must be unix, tcp or tls, got {listen!r}")
+    tcp = dict(bt.get("tcp", dict, {}))
+    reserved = sorted(set(tcp) & _RUNNER_TCP_KEYS)
+    if reserved:
+        raise ScenarioError(f"{where}.tcp.{reserved[0]}: the runner sets it (see listen)")
+    if tcp and listen == "unix":
+        raise ScenarioError(f'{where}.tcp: needs listen = "tcp" or "tls"')
+    netns = bt.get("netns", bool, False)
+    if netns and main:
+        raise ScenarioError(f"{where}.netns: only the brokers of [brokers.NAME] run in a namespace")
+    if netns and listen != "tls":
+        # The broker refuses plain TCP beyond loopback (tokens would cross in clear).
+        raise ScenarioError(f'{where}.netns: needs listen = "tls"')
+    bt.finish()
+    return BrokerSpec(flags, nofile, log_level, plugins, queue_disk, listen, tcp, netns)
+
+
 def _build(p: Path, data: dict[str, Any]) -> Scenario:
     top = _Table(data, "")
     summary = top.get("summary", str, required=True)
@@ -580,61 +689,14 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     if not all(isinstance(k, str) for k in key_figures):
         raise ScenarioError("key_figures: expected a list of metric names")
 
-    bt = _Table(top.get("broker", dict, {}), "broker")
-    flags_t = _Table(bt.get("flags", dict, {}), "broker.flags")
-    flags: dict[str, int | float] = {}
-    for k in flags_t.data:
-        if k not in BROKER_FLAGS:
-            raise ScenarioError(
-                f"broker.flags.{k}: unknown serve flag (known: {', '.join(sorted(BROKER_FLAGS))})"
-            )
-        if k in _SIZE_FLAGS:
-            flags_t.used.add(k)
-            flags[k] = parse_size(flags_t.data[k], f"broker.flags.{k}")
-        elif BROKER_FLAGS[k] is int:
-            flags[k] = flags_t.get(k, int)
-        else:
-            flags[k] = float(flags_t.get(k, (int, float)))
-        if flags[k] <= 0:
-            raise ScenarioError(f"broker.flags.{k}: must be positive")
-    flags_t.finish()
-    try:
-        Limits(**{k.replace("-", "_"): v for k, v in flags.items()})  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise ScenarioError(f"broker.flags: the broker would refuse them: {exc}") from None
-    nofile = bt.get("nofile", int, None)
-    if nofile is not None and nofile < 16:
-        raise ScenarioError("broker.nofile: must be >= 16 (the broker needs a few fds to run)")
-    log_level = bt.get("log_level", str, "INFO")
-    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ScenarioError("broker.log_level: must be DEBUG, INFO, WARNING or ERROR")
-    plugin_names = bt.get("plugins", list, [])
-    settings_t = _Table(bt.get("plugin", dict, {}), "broker.plugin")
-    plugins: dict[str, dict[str, Any]] = {}
-    for name in plugin_names:
-        if name not in PLUGINS:
-            raise ScenarioError(
-                f"broker.plugins: unknown plugin {name!r} (known: {', '.join(PLUGINS)})"
-            )
-        # The plugin validates its own settings when the broker starts (a bad one stops
-        # the start, named in the broker's log); here only their shape.
-        plugins[name] = dict(settings_t.get(name, dict, {}))
-    settings_t.finish()
-    queue_disk = None
-    if "queue_disk" in bt.data:
-        bt.used.add("queue_disk")
-        queue_disk = parse_size(bt.data["queue_disk"], "broker.queue_disk")
-        if "queue" not in plugins:
-            raise ScenarioError("broker.queue_disk: needs the queue plugin (broker.plugins)")
-        if "dir" in plugins["queue"]:
-            raise ScenarioError(
-                "broker.queue_disk: the runner mounts the store's disk; "
-                "broker.plugin.queue.dir cannot be set with it"
-            )
-        if queue_disk < 4 * MiB:
-            raise ScenarioError("broker.queue_disk: at least 4 MiB (LMDB needs room to start)")
-    bt.finish()
-    broker = BrokerSpec(flags, nofile, log_level, plugins, queue_disk)
+    broker = _broker_spec(top.get("broker", dict, {}), "broker", main=True)
+    brokers: dict[str, BrokerSpec] = {}
+    bs_t = _Table(top.get("brokers", dict, {}), "brokers")
+    for bname in bs_t.data:
+        if not _NAME_RE.match(bname):
+            raise ScenarioError(f"brokers.{bname}: the name must match {_NAME_RE.pattern}")
+        brokers[bname] = _broker_spec(bs_t.get(bname, dict), f"brokers.{bname}", main=False)
+    bs_t.finish()
 
     raw_clients = top.get("clients", list, required=True)
     if not raw_clients:
@@ -678,6 +740,13 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         fault_names.add(fname)
         target = ft.get("target", str, None)
         when_text = ft.get("when", str, None)
+        netem = ft.get("netem", str, None)
+        if (netem is not None) != (action == "net-netem"):
+            raise ScenarioError(f"faults[{i}].netem: net-netem needs it, other actions take none")
+        if netem is not None and not _NETEM_RE.match(netem):
+            raise ScenarioError(
+                f"faults[{i}].netem: {netem!r} is not a netem setting (e.g. 'delay 200ms loss 5%')"
+            )
         ft.finish()
         when = parse_when(when_text, names, f"faults[{i}].when") if when_text else None
         index: int | None = None
@@ -700,24 +769,33 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
             if action in DISRUPTING_ACTIONS:
                 disrupted.add(base)
         elif action in PLUGIN_ACTIONS:
-            if target not in plugins:
+            if target not in broker.plugins:
                 raise ScenarioError(
                     f"faults[{i}].target: {action!r} needs a plugin the "
-                    f"broker runs (broker.plugins: {sorted(plugins)})"
+                    f"broker runs (broker.plugins: {sorted(broker.plugins)})"
                 )
-            if action in ("fill-disk", "free-disk") and (target != "queue" or queue_disk is None):
+            disk = broker.queue_disk is not None
+            if action in ("fill-disk", "free-disk") and (target != "queue" or not disk):
                 raise ScenarioError(
                     f'faults[{i}]: {action!r} needs target = "queue" and broker.queue_disk'
                 )
         elif action in BROKER_ACTIONS:
-            if target is not None:
-                raise ScenarioError(f"faults[{i}].target: broker action {action!r} takes none")
+            if target is not None and target not in brokers:
+                raise ScenarioError(
+                    f"faults[{i}].target: no broker {target!r} in [brokers] (none: the "
+                    "scenario's own broker)"
+                )
+        elif action in NET_ACTIONS:
+            if target not in brokers or not brokers[target].netns:
+                raise ScenarioError(
+                    f"faults[{i}].target: {action!r} needs a broker of [brokers] with netns = true"
+                )
         else:
+            known = CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS + NET_ACTIONS
             raise ScenarioError(
-                f"faults[{i}].action: unknown action {action!r} "
-                f"(known: {', '.join(CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS)})"
+                f"faults[{i}].action: unknown action {action!r} (known: {', '.join(known)})"
             )
-        faults.append(FaultSpec(fname, at, action, target, index, when))
+        faults.append(FaultSpec(fname, at, action, target, index, when, netem))
     faults.sort(key=lambda f: f.at)
 
     clients = tuple(
@@ -786,6 +864,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         clients=clients,
         faults=tuple(faults),
         expect=expect,
+        brokers=brokers,
     )
 
 

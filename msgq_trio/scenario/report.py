@@ -77,11 +77,14 @@ def faults_markdown(records: Sequence[dict[str, Any]]) -> str:
     ]
     if records:
         passed = sum(bool(r.get("passed")) for r in records)
+        skipped = sum(bool(r.get("skipped")) for r in records)
         total = sum(float(r.get("duration_s", 0)) for r in records)
         m = records[0].get("machine", {})
         out += [
             f"Last generated from {len(records)} scenario runs: **{passed} passed, "
-            f"{len(records) - passed} failed**, {total:.0f} s in all, msgq_trio "
+            f"{len(records) - passed - skipped} failed**"
+            + (f", {skipped} skipped (this machine could not run them)" if skipped else "")
+            + f", {total:.0f} s in all, msgq_trio "
             f"{records[0].get('msgq_trio_version')}, on {m.get('nproc')} x "
             f"{m.get('cpu_model')} ({m.get('python')}, {m.get('platform')}), "
             f"first run started {records[0].get('started_at')}.",
@@ -108,14 +111,18 @@ def faults_markdown(records: Sequence[dict[str, Any]]) -> str:
             figures = "<br>".join(
                 f"`{k}` = {_fmt(v)}" for k, v in (r.get("key_figures") or {}).items()
             )
-            verdict = "pass" if r.get("passed") else "**FAIL**"
+            verdict = (
+                "pass"
+                if r.get("passed")
+                else (f"skipped: {r['skipped']}" if r.get("skipped") else "**FAIL**")
+            )
             out.append(
                 f"| [{r['scenario']}](../scenarios/{r['scenario']}.toml) | "
                 f"{_cell(r.get('fault', ''))} | "
                 f"{_cell(r.get('broker_does', ''))} | {verdict} ({_fmt(r.get('duration_s'))} s)"
                 f" | {_fmt(met.get('broker.rss_peak_mib'))} MiB | {lat} | {figures} |"
             )
-        failing = [r for r in records if not r.get("passed")]
+        failing = [r for r in records if not r.get("passed") and not r.get("skipped")]
         if failing:
             out += [
                 "",
@@ -237,6 +244,12 @@ _RECORD = [
     ("`summary`, `fault`, `broker_does`", "str", "from the scenario file"),
     ("`slow`", "bool", "marked slow"),
     ("`passed`", "bool", "every check passed and the runner met no problem"),
+    (
+        "`skipped`",
+        "str or null",
+        "why the scenario did not run on that machine (then `passed` is false too; "
+        "`--results` files hold no such records)",
+    ),
     ("`started_at`", "str", "ISO 8601 UTC start time"),
     ("`duration_s`", "float", "wall time of the run"),
     ("`msgq_trio_version`", "str", "`msgq_trio.__version__`"),

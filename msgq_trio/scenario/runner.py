@@ -45,10 +45,21 @@ import trio
 
 from .. import __version__
 from ..client.bus import connect
+from ..config import ACCESS_VERBS
+from ..core.access import hash_token
 from ..errors import MsgqError
-from .faults import CLIENT_SIGNALS
+from .faults import CLIENT_SIGNALS, NET_ACTIONS
 from .history import HistoryError, check, merge, parse
-from .model import ClientSpec, FaultSpec, Scenario, load_scenario
+from .model import BrokerSpec, ClientSpec, FaultSpec, Scenario, load_scenario
+from .network import (
+    NETNS_PORT,
+    Namespace,
+    NetworkError,
+    free_port,
+    make_tls,
+    missing_tools,
+    new_token,
+)
 from .report import machine_info
 
 #: Bounds of the phases that do not depend on the scenario.
@@ -90,6 +101,9 @@ class ScenarioResult:
     broker_log_tail: str
     #: given to the user programs as MSGQ_TRIO_SEED: the same seed replays their choices
     seed: int = 0
+    #: why the scenario did not run on this machine (not root, no openssl...); a skipped
+    #: run has not passed either
+    skipped: str | None = None
 
     @property
     def failures(self) -> list[str]:
@@ -115,6 +129,8 @@ class ScenarioResult:
 
     def line(self) -> str:
         """One progress line: verdict, name, duration and the key figures."""
+        if self.skipped is not None:
+            return f"SKIP  {self.scenario.name:<34} {self.skipped}"
         m = self.metrics
         verdict = "PASS" if self.passed else "FAIL"
         parts = [
@@ -148,6 +164,7 @@ class ScenarioResult:
             "broker_does": sc.broker_does,
             "slow": sc.slow,
             "passed": self.passed,
+            "skipped": self.skipped,
             "started_at": self.started_at,
             "duration_s": round(self.duration_s, 3),
             "msgq_trio_version": __version__,
@@ -186,7 +203,8 @@ def run_scenario(
     path: str | Path, *, keep_tmp: bool = False, seed: int | None = None
 ) -> ScenarioResult:
     """Load and run one scenario file; never raises for a failing scenario (the result
-    says why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file
+    says why; a scenario this machine cannot run is returned unrun, ``skipped`` saying
+    why), only :class:`~msgq_trio.scenario.model.ScenarioError` for an invalid file
     and :class:`Interrupted` when SIGTERM/SIGHUP stopped the run.
 
     Resource handling: every process started is killed and reaped, the temporary
@@ -194,11 +212,27 @@ def run_scenario(
     SIGHUP and Ctrl-C (KeyboardInterrupt is re-raised after the cleanup).
     """
     scenario = load_scenario(path)
-    run = _Run(
-        scenario,
-        keep_tmp=keep_tmp,
-        seed=seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1,
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1
+    all_brokers = [scenario.broker, *scenario.brokers.values()]
+    why = missing_tools(
+        tls=any(b.listen == "tls" for b in all_brokers), netns=any(b.netns for b in all_brokers)
     )
+    if why is not None:
+        return ScenarioResult(
+            scenario=scenario,
+            passed=False,
+            started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            duration_s=0.0,
+            metrics={},
+            checks=(),
+            problems=(),
+            clients=(),
+            faults=(),
+            broker_log_tail="",
+            seed=seed,
+            skipped=why,
+        )
+    run = _Run(scenario, keep_tmp=keep_tmp, seed=seed)
     result = trio.run(run.run)
     if run.interrupted is not None:
         raise Interrupted(f"{signal.Signals(run.interrupted).name} during {scenario.name}")
@@ -256,6 +290,41 @@ class _Broker:
         self.hwm_bytes = 0
 
 
+class _Node:
+    """One broker of the scenario: its own (``name`` None) or one of ``[brokers.NAME]``:
+    where it listens, its files in the run's directory, its processes (one per start)."""
+
+    def __init__(self, name: str | None, spec: BrokerSpec, tmp: Path) -> None:
+        self.name = name
+        self.spec = spec
+        stem = "broker" if name is None else f"broker-{name}"
+        self.sock = tmp / ("bus.sock" if name is None else f"{name}.sock")
+        self.log = tmp / f"{stem}.log"
+        self.config = tmp / f"{stem}.toml"
+        self.store = tmp / ("queue-store" if name is None else f"queue-store-{name}")
+        self.procs: list[_Broker] = []
+        #: its TCP/TLS listener (chosen before the first start, kept across restarts)
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.ns: Namespace | None = None
+
+    @property
+    def address(self) -> str:
+        """What clients are given: the TCP/TLS URL where it listens, else the socket."""
+        if self.spec.listen == "unix":
+            return str(self.sock)
+        return f"{self.spec.listen}://{self.host}:{self.port}"
+
+    @property
+    def metric(self) -> str:
+        """The prefix of its figures: ``broker`` or ``broker.NAME``."""
+        return "broker" if self.name is None else f"broker.{self.name}"
+
+    @property
+    def label(self) -> str:
+        return "the broker" if self.name is None else f"broker {self.name!r}"
+
+
 def _signal_group(proc: trio.Process, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -293,9 +362,14 @@ class _Run:
         self.seed = seed
         self.keep_tmp = keep_tmp
         self.tmp = Path(tempfile.mkdtemp(prefix="mqs-", dir="/tmp"))
-        self.sock = self.tmp / "bus.sock"
-        self.broker_log = self.tmp / "broker.log"
-        self.brokers: list[_Broker] = []
+        self.main = _Node(None, scenario.broker, self.tmp)
+        self.nodes = [_Node(n, b, self.tmp) for n, b in scenario.brokers.items()] + [self.main]
+        self.sock = self.main.sock
+        self.broker_log = self.main.log
+        self.brokers: list[_Broker] = self.main.procs
+        #: the token TCP clients and links present, the CA file they trust (TLS)
+        self.token = new_token()
+        self.tls_ca: Path | None = None
         self.clients: list[_Client] = []
         self.metrics: dict[str, float] = {}
         self.problems: list[str] = []
@@ -405,6 +479,14 @@ class _Run:
     async def _setup_and_traffic(self) -> bool:
         """Broker, baseline, clients, traffic and faults; False if setup failed."""
         sc = self.sc
+        self.phase = "network"
+        try:
+            await trio.to_thread.run_sync(self._build_network)
+        except NetworkError as exc:
+            raise _Abort(str(exc)) from None
+        for node in self.nodes[:-1]:
+            self.phase = f"start broker {node.name}"
+            await self._start_broker(node)
         self.phase = "start broker"
         await self._start_broker()
         assert self._nursery is not None
@@ -491,26 +573,74 @@ class _Run:
 
         self.phase = "stop broker"
         await self._stop_broker()
+        for node in self.nodes[:-1]:
+            await self._stop_other(node)
 
     # -- broker -----------------------------------------------------------------------------------
-    async def _start_broker(self) -> float:
-        """Start a broker on the scenario's socket; returns how long it took to listen."""
-        sc = self.sc
+    def _build_network(self) -> None:
+        """Before any broker starts: the namespaces of the brokers that run in one, the
+        TCP ports, the TLS certificate (for every address a TLS broker listens on) and
+        the token file (runs in a thread: blocking commands)."""
+        for node in self.nodes:
+            if node.spec.netns:
+                node.ns = Namespace(f"{os.getpid() % 100000}{node.name}"[:10])
+                node.ns.create()
+                node.host, node.port = node.ns.inner_ip, NETNS_PORT
+            elif node.spec.listen != "unix":
+                node.port = free_port(node.host)
+        tls_ips = sorted({n.host for n in self.nodes if n.spec.listen == "tls"})
+        if tls_ips:
+            self.tls_ca, _ = make_tls(self.tmp, tls_ips)
+        (self.tmp / "token").write_text(self.token + "\n")
+
+    def _fill(self, node: _Node | None = None) -> dict[str, str]:
+        """The placeholders of a scenario's strings (docs/FAULTS.md): ``{python}``,
+        ``{tmp}``, ``{socket}`` (``node``'s Unix socket, default the scenario broker's),
+        ``{address}`` (what clients of it are given), ``{broker.NAME}`` (the address of
+        broker NAME), ``{socket.NAME}``, ``{token_file}`` and ``{tls_ca}``."""
+        node = node or self.main
+        fill = {
+            "python": sys.executable,
+            "tmp": str(self.tmp),
+            "socket": str(node.sock),
+            "address": node.address,
+            "token_file": str(self.tmp / "token"),
+            "tls_ca": str(self.tls_ca or ""),
+        }
+        for n in self.nodes:
+            if n.name is not None:
+                fill[f"broker.{n.name}"] = n.address
+                fill[f"socket.{n.name}"] = str(n.sock)
+        return fill
+
+    def _client_env(self) -> dict[str, str]:
+        """What a client process needs to reach the scenario broker where it listens."""
+        env = {"MSGQ_TRIO_SOCKET": self.main.address, "MSGQ_TRIO_TOKEN": self.token}
+        if self.tls_ca is not None:
+            env["MSGQ_TRIO_TLS_CA"] = str(self.tls_ca)
+        return env
+
+    async def _start_broker(self, node: _Node | None = None) -> float:
+        """Start ``node`` (default the scenario's broker) on its socket, and its TCP
+        listener if it has one; returns how long it took to listen."""
+        node = node or self.main
+        spec = node.spec
         argv = [
+            *(node.ns.exec_prefix() if node.ns is not None else []),
             sys.executable,
             "-m",
             "msgq_trio",
             "--log-level",
-            sc.broker.log_level,
+            spec.log_level,
             "serve",
             "--socket",
-            str(self.sock),
-            *sc.broker.argv(),
+            str(node.sock),
+            *spec.argv(),
         ]
-        if sc.broker.plugins:
-            argv += ["--config", str(self._plugin_config())]
+        if spec.plugins or spec.listen != "unix":
+            argv += ["--config", str(self._broker_config(node))]
         t = time.monotonic()
-        with _log_file(self.broker_log, "ab") as err:
+        with _log_file(node.log, "ab") as err:
             proc = await trio.lowlevel.open_process(
                 argv,
                 stdin=subprocess.DEVNULL,
@@ -518,40 +648,59 @@ class _Run:
                 stderr=err,
                 start_new_session=True,
             )
-        if sc.broker.nofile is not None:
+        if spec.nofile is not None:
             # Lowering the limit of a running process is allowed; it applies to new fds.
-            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (sc.broker.nofile, sc.broker.nofile))
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (spec.nofile, spec.nofile))
         b = _Broker(proc)
-        self.brokers.append(b)
+        node.procs.append(b)
         assert proc.stdout is not None
+        # "listening on <socket>" comes first, then one line per TCP listener.
+        want = 1 + (spec.listen != "unix")
         buf = b""
         with trio.move_on_after(BROKER_START_TIMEOUT):
-            while b"listening" not in buf:
+            while buf.count(b"listening") < want:
                 chunk = await proc.stdout.receive_some(4096)
                 if not chunk:
                     break
                 buf += chunk
-        if b"listening" not in buf:
-            raise _Abort(
-                f"the broker did not start (stdout {buf!r}):\n{self._read_broker_log()[-3000:]}"
-            )
+        if buf.count(b"listening") < want:
+            log = node.log.read_text(errors="replace")[-3000:] if node.log.exists() else ""
+            raise _Abort(f"{node.label} did not start (stdout {buf!r}):\n{log}")
         return time.monotonic() - t
 
-    def _plugin_config(self) -> Path:
-        """The broker's configuration file for the scenario's plugins (the same file for
-        a restarted broker: the queue's store outlives it): ``[plugins.NAME]`` tables,
-        the queue's store in the run's directory unless the scenario names one."""
-        path = self.tmp / "broker.toml"
+    def _broker_config(self, node: _Node) -> Path:
+        """``node``'s configuration file (the same file for a restarted broker: the
+        queue's store outlives it): ``[plugins.NAME]`` tables with the placeholders
+        filled, the queue's store in the run's directory unless the scenario names one;
+        for a TCP/TLS listener the ``[tcp]`` table (address, certificate, the run's token
+        as identity ``tcp:scenario``, the scenario's own ``tcp`` settings) and an access
+        rule granting that identity every verb (TCP clients get nothing by default)."""
+        path = node.config
         if not path.exists():
             lines: list[str] = []
-            fill = {"python": sys.executable, "socket": str(self.sock), "tmp": str(self.tmp)}
-            for name, settings in self.sc.broker.plugins.items():
+            fill = self._fill(node)
+            for name, settings in node.spec.plugins.items():
                 table = _fill_strings(dict(settings), fill)
                 if name == "queue":
-                    table.setdefault("dir", str(self.tmp / "queue-store"))
-                    if self.sc.broker.queue_disk is not None:
-                        self._mount_queue_disk(self.sc.broker.queue_disk)
+                    table.setdefault("dir", str(node.store))
+                    if node.spec.queue_disk is not None:
+                        self._mount_queue_disk(node.spec.queue_disk)
                 lines += _toml_table(f"plugins.{name}", table)
+            if node.spec.listen != "unix":
+                tcp: dict[str, Any] = {
+                    "listen": [f"{node.host}:{node.port}"],
+                    **node.spec.tcp,
+                    "tokens": {"scenario": hash_token(self.token)},
+                }
+                if node.spec.listen == "tls":
+                    assert self.tls_ca is not None
+                    tcp["certfile"] = str(self.tls_ca)
+                    tcp["keyfile"] = str(self.tmp / "tls-key.pem")
+                else:
+                    tcp["insecure"] = True
+                lines += _toml_table("tcp", tcp)
+                lines += ["[[access.rule]]", 'who = ["tcp:scenario"]']
+                lines += [f'{verb} = ["*"]' for verb in ACCESS_VERBS]
             path.write_text("\n".join(lines) + "\n")
         return path
 
@@ -650,6 +799,20 @@ class _Run:
         self.metrics["broker.exit_status"] = b.proc.returncode
         self.metrics["broker.socket_removed"] = int(not _exists(self.sock))
 
+    async def _stop_other(self, node: _Node) -> None:
+        """SIGTERM a broker of ``[brokers]``: ``broker.NAME.exit_status`` is a figure (it
+        is not leak-checked: the scenario's own broker is the one measured)."""
+        b = node.procs[-1]
+        if b.proc.returncode is None:
+            _signal_group(b.proc, signal.SIGCONT)
+            b.proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(BROKER_STOP_TIMEOUT):
+                await b.proc.wait()
+        if b.proc.returncode is None:
+            self.problems.append(f"{node.label} ignored SIGTERM for {BROKER_STOP_TIMEOUT:.0f} s")
+            return
+        self.metrics[f"{node.metric}.exit_status"] = b.proc.returncode
+
     # -- clients ----------------------------------------------------------------------------------
     async def _start_client(self, spec: ClientSpec, index: int, generation: int = 0) -> _Client:
         if spec.role == "exec":
@@ -660,7 +823,8 @@ class _Run:
             "msgq_trio.scenario.clients",
             spec.role,
             "--socket",
-            str(self.sock),
+            # Raw-socket roles speak to the Unix socket (the broker always serves it).
+            self.main.address if spec.info.library else str(self.sock),
             "--name",
             f"{spec.name}-{index}",
             "--index",
@@ -675,6 +839,7 @@ class _Run:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
+                env=dict(os.environ, **self._client_env()),
                 start_new_session=True,
             )
         c = _Client(spec, index, proc, log_path)
@@ -692,18 +857,13 @@ class _Run:
         name = f"{spec.name}-{index}" + (f".{generation}" if generation else "")
         history = self.tmp / "history" / f"{name}.jsonl"
         history.parent.mkdir(exist_ok=True)
-        fill = {
-            "python": sys.executable,
-            "socket": str(self.sock),
-            "tmp": str(self.tmp),
-            "name": name,
-        }
+        fill = {**self._fill(), "name": name}
 
         # Only these placeholders: any other brace (JSON in an argument) stays.
         argv: list[str] = _fill_strings(list(spec.params["command"]), fill)
         env = dict(
             os.environ,
-            MSGQ_TRIO_SOCKET=str(self.sock),
+            **self._client_env(),
             MSGQ_TRIO_HISTORY=str(history),
             MSGQ_TRIO_CLIENT=name,
             MSGQ_TRIO_SEED=str(self.seed),
@@ -859,9 +1019,17 @@ class _Run:
         if f.action in ("fill-disk", "free-disk"):
             self._disk(f.action == "fill-disk")
             return
+        if f.action in NET_ACTIONS:
+            ns = self._node(f.target).ns
+            assert ns is not None
+            if f.action in ("net-cut", "net-heal"):
+                await trio.to_thread.run_sync(ns.cut, f.action == "net-cut")
+            else:
+                await trio.to_thread.run_sync(ns.netem, f.netem)
+            return
         if f.action in ("kill-broker", "stop-broker", "cont-broker", "restart-broker"):
-            b = self.broker
-            assert b is not None
+            node = self._node(f.target)
+            b = node.procs[-1]
             entry["pids"] = [b.pid]
             if f.action == "kill-broker":
                 b.hwm_bytes = max(b.hwm_bytes, _proc_status(b.pid).get("VmHWM", 0))
@@ -875,10 +1043,11 @@ class _Run:
                 if b.proc.returncode is None:
                     _signal_group(b.proc, signal.SIGKILL)
                     await b.proc.wait()
-                took = await self._start_broker()
-                self.metrics["broker.restart_ms"] = round(took * 1000, 1)
-                self.metrics["broker.restarts"] = self.metrics.get("broker.restarts", 0) + 1
-                entry["pids"] = [self.brokers[-1].pid]
+                took = await self._start_broker(node)
+                self.metrics[f"{node.metric}.restart_ms"] = round(took * 1000, 1)
+                key = f"{node.metric}.restarts"
+                self.metrics[key] = self.metrics.get(key, 0) + 1
+                entry["pids"] = [node.procs[-1].pid]
             return
         targets = [
             c
@@ -906,6 +1075,10 @@ class _Run:
             elif f.action == "sigcont":
                 c.stopped = False
         self._notify()
+
+    def _node(self, name: str | None) -> _Node:
+        """The broker a fault names (None: the scenario's own)."""
+        return next(n for n in self.nodes if n.name == name)
 
     async def _restart_client(self, c: _Client) -> None:
         """SIGKILL ``c`` (if it still runs) and start the same process again; a built-in
@@ -975,7 +1148,7 @@ class _Run:
     # -- cleanup ----------------------------------------------------------------------------------
     async def _cleanup(self) -> None:
         """Kill and reap every process we started (whole process groups), close pipes."""
-        procs = [c.proc for c in self.clients] + [b.proc for b in self.brokers]
+        procs = [c.proc for c in self.clients] + [b.proc for n in self.nodes for b in n.procs]
         for p in procs:
             if p.returncode is None:
                 _signal_group(p, signal.SIGCONT)
@@ -997,6 +1170,9 @@ class _Run:
                     capture_stderr=True,
                 )
             self.mounted = None
+        for node in self.nodes:
+            if node.ns is not None:
+                await trio.to_thread.run_sync(node.ns.delete)
 
     # -- figures and verdict ----------------------------------------------------------------------
     def _read_broker_log(self) -> str:
