@@ -142,6 +142,16 @@ class Namespace:
                 netem = ["tc", "qdisc", "replace", "dev", dev, "root", "netem", *setting.split()]
                 _run([*prefix, *netem])
 
+    def has_netem(self) -> bool:
+        """Whether the kernel has netem (some VMs' kernels lack it): tried on the
+        namespace's loopback, then removed."""
+        try:
+            self._tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+        except NetworkError:
+            return False
+        self._tc("qdisc", "del", "dev", "lo", "root")
+        return True
+
     def delete(self) -> None:
         """Remove the namespace (and the pair); never raises."""
         if self.created:
@@ -155,3 +165,6 @@ class Namespace:
 
     def _ip(self, *args: str) -> None:
         _run(["ip", "netns", "exec", self.name, "ip", *args])
+
+    def _tc(self, *args: str) -> None:
+        _run(["ip", "netns", "exec", self.name, "tc", *args])

@@ -385,6 +385,8 @@ class _Run:
         self.mounted: Path | None = None
         self._nursery: trio.Nursery | None = None
         self.interrupted: int | None = None
+        #: why this machine cannot run the scenario, found while building it
+        self.skipped: str | None = None
 
     def _notify(self) -> None:
         self._changed.unpark_all()
@@ -419,6 +421,8 @@ class _Run:
                     with main_scope, trio.move_on_after(self.sc.timeout) as cs:
                         try:
                             ok = await self._setup_and_traffic()
+                        except _Skip as exc:
+                            self.skipped = str(exc)
                         except _Abort as exc:
                             self.problems.append(f"phase {self.phase!r}: {exc}")
                     if cs.cancelled_caught:
@@ -447,13 +451,13 @@ class _Run:
                     nursery.cancel_scope.cancel()
             log_text = self._read_broker_log()
             self._log_metrics(log_text)
-            checks = self._evaluate(log_text)
+            checks = [] if self.skipped is not None else self._evaluate(log_text)
         finally:
             if not self.keep_tmp:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         duration = time.monotonic() - t_start
         self.metrics["scenario.duration_s"] = round(duration, 3)
-        passed = all(c.ok for c in checks) and not self.problems
+        passed = all(c.ok for c in checks) and not self.problems and self.skipped is None
         return ScenarioResult(
             scenario=self.sc,
             passed=passed,
@@ -466,6 +470,7 @@ class _Run:
             faults=tuple(self.fault_log),
             broker_log_tail="\n".join(log_text.splitlines()[-40:]),
             seed=self.seed,
+            skipped=self.skipped,
         )
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
@@ -588,6 +593,10 @@ class _Run:
                 node.host, node.port = node.ns.inner_ip, NETNS_PORT
             elif node.spec.listen != "unix":
                 node.port = free_port(node.host)
+        if any(f.action == "net-netem" for f in self.sc.faults):
+            ns = next(n.ns for n in self.nodes if n.ns is not None)
+            if not ns.has_netem():
+                raise _Skip("the kernel has no netem queueing discipline (sch_netem)")
         tls_ips = sorted({n.host for n in self.nodes if n.spec.listen == "tls"})
         if tls_ips:
             self.tls_ca, _ = make_tls(self.tmp, tls_ips)
@@ -1022,10 +1031,13 @@ class _Run:
         if f.action in NET_ACTIONS:
             ns = self._node(f.target).ns
             assert ns is not None
-            if f.action in ("net-cut", "net-heal"):
-                await trio.to_thread.run_sync(ns.cut, f.action == "net-cut")
-            else:
-                await trio.to_thread.run_sync(ns.netem, f.netem)
+            try:
+                if f.action in ("net-cut", "net-heal"):
+                    await trio.to_thread.run_sync(ns.cut, f.action == "net-cut")
+                else:
+                    await trio.to_thread.run_sync(ns.netem, f.netem)
+            except NetworkError as exc:
+                raise _Abort(str(exc)) from None
             return
         if f.action in ("kill-broker", "stop-broker", "cont-broker", "restart-broker"):
             node = self._node(f.target)
@@ -1460,6 +1472,10 @@ def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
 
 class _Abort(Exception):
     """A phase cannot continue (reported as a problem by the caller)."""
+
+
+class _Skip(Exception):
+    """This machine cannot run the scenario (the result says why; nothing ran)."""
 
 
 def _compare(a: float, op: str, b: float) -> bool:
