@@ -102,7 +102,7 @@ class Operations:
         self.core = server.core
         self.config = config
         self.source = source
-        self.hub = TapHub(server.core, server._after_core, lambda: server.limits.out_soft_limit)
+        self.hub = TapHub(server.core, server.after_core, lambda: server.limits.out_soft_limit)
         self.totals = TrafficTotals()
         self.own_uid = os.geteuid()
         self.refusals = 0
@@ -515,7 +515,7 @@ class Operations:
             "gauge",
             "Clients whose reads are paused by backpressure (a receiver they feed is "
             "over out_soft_limit or has no room for their next frame).",
-            sum(1 for pc in server.conns.values() if pc.paused),
+            server.paused_readers,
         )
         e.family(
             "msgq_groups", "gauge", "Groups with at least one member.", len(core.router.groups)

@@ -361,7 +361,7 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                     # once it listens; "listening" is printed when they are ready too.
                     # (_shutting_down: a plugin leaving during shutdown is not restarted.)
                     supervisor = PluginSupervisor(
-                        server.path, config.plugins, stopping=lambda: server._shutting_down
+                        server.path, config.plugins, stopping=lambda: server.shutting_down
                     )
                     await nursery.start(supervisor.run)
                 started = True

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from msgq_trio.config import AccessRule
-from msgq_trio.io.server import unix_principals
+from msgq_trio.io.listeners import unix_principals
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: the test connects as another uid (nobody)"

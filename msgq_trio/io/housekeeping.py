@@ -1,0 +1,266 @@
+"""The broker's housekeeping tasks beside the connections: the RPC deadline timer, TCP
+heartbeats, memory give-back (malloc_trim) and busy polling, and the process figures of
+``stats``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..core.broker import Broker
+from ..protocol.codes import ErrorCode
+from .connection import Wakeup
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger("msgq_trio.io")
+
+#: Memory give-back (see trim_task): look every TRIM_INTERVAL seconds, trim when the
+#: resident size grew by TRIM_GROWTH bytes since the last trim.
+TRIM_INTERVAL = 2.0
+TRIM_GROWTH = 8 * 1024 * 1024
+
+
+class DeadlineTimer:
+    """Sleeps until the core's earliest RPC deadline and lets the core answer ``timeout``.
+
+    :meth:`arm` is called after every core change (``Server.after_core``) with the core's
+    next deadline; it wakes the task only for a deadline earlier than the one it sleeps
+    for.
+    """
+
+    __slots__ = ("_wake", "target")
+
+    def __init__(self) -> None:
+        self._wake = Wakeup()
+        #: The deadline the task sleeps until (inf: none).
+        self.target = math.inf
+
+    def arm(self, deadline: float | None) -> None:
+        """Make the task wake by ``deadline`` (None: no deadline, nothing to do)."""
+        if deadline is not None and deadline < self.target:
+            self.target = deadline
+            self._wake.set()
+
+    async def run(self, core: Broker, after_core: Callable[[], None]) -> None:
+        """Expire ``core``'s requests at their deadlines, then ``after_core()``; forever."""
+        while True:
+            d = core.next_deadline()
+            self.target = d if d is not None else math.inf
+            with trio.move_on_at(self.target):
+                await self._wake.wait()
+            # target stays at the deadline we slept for while we expire, so the
+            # after_core below re-arms only for an earlier deadline, never in a loop.
+            core.expire(trio.current_time())
+            after_core()
+
+
+class BusyPoller:
+    """``limits.busy_poll``: keeps the trio loop polling for a while after a read.
+
+    The reader of each connection, on every read: ``if not poller.polling and
+    poller.limit: poller.adapt(now)``, then ``poller.last_read = now`` (inline: it runs
+    per receive). :meth:`run` is the polling task.
+    """
+
+    __slots__ = (
+        "_last_gap_short",
+        "_wake",
+        "cpus",
+        "last_read",
+        "limit",
+        "passes",
+        "polling",
+        "window",
+    )
+
+    def __init__(self, limit: float) -> None:
+        #: When the last read came (trio clock).
+        self.last_read = -math.inf
+        self._wake = Wakeup()
+        #: True while the task polls (reads then are within the window: no adapting).
+        self.polling = False
+        #: Loop passes made polling (stats: its CPU is visible).
+        self.passes = 0
+        #: The limit in force (0: off, always so on one CPU); see :meth:`set_limit`.
+        self.limit = 0.0
+        #: How long after a read the task polls now (adaptive, see :meth:`adapt`).
+        self.window = 0.0
+        self._last_gap_short = False
+        self.cpus = len(os.sched_getaffinity(0))
+        self.set_limit(limit)
+
+    def set_limit(self, limit: float) -> None:
+        """Put ``limits.busy_poll`` in force: off where this process may run on one CPU
+        only (a spinning broker would only delay the clients it waits for)."""
+        if self.cpus < 2:
+            limit = 0.0
+        self.limit = limit
+        self.window = min(self.window, limit)
+
+    def adapt(self, now: float) -> None:
+        """A read came while the loop was asleep: adapt the polling window, then poll.
+
+        After KVM's halt polling: a read that came within ``limits.busy_poll`` of the
+        previous one would have been caught by polling that long. Two such reads in a row
+        grow the window (to a quarter of the limit, then doubling, up to the limit); one
+        that came later closes it. Reads caught while polling change nothing (they are
+        within the window). So the broker polls while frames come back to back (request,
+        answer, next request: every gap short) and not for traffic spaced wider than the
+        limit, nor for calls paced apart (an answer's short gap, then the next request's
+        long one): CPU is spent only where it buys latency.
+        """
+        limit = self.limit
+        short = now - self.last_read <= limit
+        if not short:
+            self.window = 0.0
+        elif self._last_gap_short:
+            self.window = min(limit, max(2 * self.window, limit / 4))
+            self._wake.set()
+        self._last_gap_short = short
+
+    async def run(self) -> None:
+        """``limits.busy_poll``: for ``window`` after the last read, keep this
+        trio loop running (every pass polls the sockets without sleeping, then yields the
+        CPU to any other runnable process), so the next frame is taken without the ~20 us
+        wake-up of a sleeping process. Parked, costing nothing, while the window is 0 or
+        once no read came for that long."""
+        clock = trio.current_time
+        checkpoint = trio.lowlevel.checkpoint
+        yield_cpu = os.sched_yield
+        while True:
+            await self._wake.wait()
+            self.polling = True
+            try:
+                while clock() - self.last_read < self.window:
+                    self.passes += 1
+                    await checkpoint()
+                    # Polite spinning: a process runnable on this CPU (a client of ours,
+                    # on a small machine) runs now rather than at the end of our time
+                    # slice. 16 requesters: 18-19k instead of 17k calls/s; round trip
+                    # 130-135 instead of 122-126 us (BENCHMARKS.md, "Busy polling").
+                    yield_cpu()
+            finally:
+                self.polling = False
+
+
+async def heartbeat_task(server: Server) -> None:
+    """Every heartbeat interval: ping each TCP client we heard nothing from during the
+    last interval; drop one silent for ``heartbeat_misses`` intervals (it crashed, its
+    host died, or the network path did: a Unix socket would have told us at once).
+
+    Not counted as silence: intervals in which our reader was paused by backpressure
+    (we were not listening; the client is pinged anyway, so that a dead one answers
+    with a reset the paused reader notices), or in which a backlog queued for it kept
+    draining (its stack is taking data; the slow-consumer rule judges that case).
+    """
+    while True:
+        interval = server.tcp.heartbeat_interval
+        await trio.sleep(interval)
+        for pc in list(server.conns.values()):
+            peer = pc.peer
+            if not peer.remote or not peer.alive or pc.conn.sent_goodbye:
+                continue
+            rx = pc.conn.received_bytes
+            draining = peer.outq_bytes > 0 and pc.writes != pc.hb_progress
+            pc.hb_progress = pc.writes
+            if pc.paused:
+                # Its silence is ours, but it is pinged all the same: over TCP a
+                # dead client's FIN waits behind the data we are not reading (a
+                # zero window), while its kernel answers our ping with a reset,
+                # which PeerConnection._await_progress's hang-up poll sees.
+                pc.hb_rx = rx
+                pc.hb_missed = 0
+                server.core.heartbeat(peer)
+                continue
+            if rx != pc.hb_rx or draining:
+                pc.hb_rx = rx
+                pc.hb_missed = 0
+                continue
+            pc.hb_missed += 1
+            if pc.hb_missed >= server.tcp.heartbeat_misses:
+                server.core.kick(
+                    peer,
+                    ErrorCode.HEARTBEAT_TIMEOUT,
+                    f"nothing received for {pc.hb_missed} heartbeat intervals of "
+                    f"{interval} s (tcp.heartbeat_misses)",
+                )
+            else:
+                server.core.heartbeat(peer)
+        server.after_core()
+
+
+async def trim_task() -> None:
+    """Hand freed heap memory back to the system after bursts of large frames.
+
+    Why: glibc raises its mmap threshold to the largest buffer freed so far, after
+    which multi-megabyte frames live on the heap, and freed heap pages stay resident:
+    a broker that relayed a burst of 8 MiB frames stayed up to 26 MiB larger for good
+    (scenario sigkill-mid-frame). Mapping every large buffer apart instead cost 10 %
+    of the 4 MiB throughput (each frame faults fresh pages). So: every
+    TRIM_INTERVAL, if the resident size grew by TRIM_GROWTH since the last trim,
+    ``malloc_trim(0)`` (1.9 ms here after freeing 40 MiB of large buffers among
+    200,000 small objects; it blocks the loop for that long, at most once per
+    interval). Under another C library this task ends at once.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return
+    floor = rss_bytes()
+    while True:
+        await trio.sleep(TRIM_INTERVAL)
+        rss = rss_bytes()
+        if rss - floor >= TRIM_GROWTH:
+            trim(0)
+            floor = rss_bytes()
+            log.debug("malloc_trim: resident %d -> %d bytes", rss, floor)
+        elif rss < floor:
+            floor = rss
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None under another C library."""
+    import ctypes
+
+    try:
+        fn: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return fn
+
+
+def count_tasks() -> int:
+    """Number of live trio tasks in this run (leak checks: back to baseline after faults)."""
+    todo = [trio.lowlevel.current_root_task()]
+    n = 0
+    while todo:
+        task = todo.pop()
+        if task is None:
+            continue
+        n += 1
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return n
+
+
+def count_fds() -> int:
+    """Open descriptors of this process (-1: cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process in bytes (-1: cannot tell)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return -1
