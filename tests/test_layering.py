@@ -114,3 +114,138 @@ def test_checker_catches_violations(source: str, package: str) -> None:
 def test_checker_allows_the_rest(source: str, package: str) -> None:
     """The checker does not flag look-alike or allowed imports."""
     assert violations(source, package) == []
+
+
+#: Packages around the broker's I/O -> (the dotted name they are installed as, what they
+#: may not import). The socket toolkit (transport) sits under both the broker's I/O and
+#: the clients, so it imports neither, nor the core; the clients stand beside the broker's
+#: I/O, not above it; the broker's I/O imports no client.
+SEPARATE_LAYERS = {
+    ROOT / "msgq_trio" / "transport": (
+        "msgq_trio.transport",
+        ("msgq_trio.io", "msgq_trio.client", "msgq_trio.core"),
+    ),
+    ROOT / "msgq_trio" / "client": ("msgq_trio.client", ("msgq_trio.io",)),
+    ROOT / "msgq_trio" / "io": ("msgq_trio.io", ("msgq_trio.client",)),
+}
+#: Submodules of msgq_trio (the installed plugins, storage and scenarios included): what
+#: ``from msgq_trio import NAME`` may name without going through the package face.
+FACE_SUBMODULES = (
+    {p.stem for p in (ROOT / "msgq_trio").glob("*.py")}
+    | {p.name for p in (ROOT / "msgq_trio").iterdir() if (p / "__init__.py").is_file()}
+    | {"plugins", "storage", "scenarios"}
+)
+
+
+def layer_violations(source: str, package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Imports in ``source`` (of ``package``) of a module under one of ``forbidden``."""
+    return [
+        f"line {lineno}: imports {mod}"
+        for lineno, mod in imported_modules(source, package)
+        if any(mod == f or mod.startswith(f + ".") for f in forbidden)
+    ]
+
+
+def face_imports(source: str, package: str) -> list[str]:
+    """Imports in ``source`` of the package face ``msgq_trio/__init__.py`` itself:
+    ``import msgq_trio`` or a name from it that is not a submodule
+    (``from .. import __version__``, ``from msgq_trio import connect``); the face imports
+    every client."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            bad += [
+                f"line {node.lineno}: imports msgq_trio"
+                for a in node.names
+                if a.name == "msgq_trio"
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            base = imported_modules(ast.unparse(node), package)[0][1]
+            if base == "msgq_trio":
+                bad += [
+                    f"line {node.lineno}: imports {a.name} from the package face"
+                    for a in node.names
+                    if a.name not in FACE_SUBMODULES
+                ]
+    return bad
+
+
+def separate_layer_files() -> list[tuple[Path, str, tuple[str, ...]]]:
+    files = []
+    for directory, (package, forbidden) in SEPARATE_LAYERS.items():
+        for path in sorted(directory.rglob("*.py")):
+            parts = [
+                p for p in path.relative_to(directory).with_suffix("").parts if p != "__init__"
+            ]
+            pkg_parts = parts if path.name == "__init__.py" else parts[:-1]
+            files.append((path, ".".join([package, *pkg_parts]), forbidden))
+    return files
+
+
+def test_separate_layers_have_files() -> None:
+    """transport/, client/ and io/ exist with their main modules (else the next test
+    would be vacuous)."""
+    names = {(p.parent.name, p.name) for p, _, _ in separate_layer_files()}
+    assert {("transport", "sockets.py"), ("client", "bus.py"), ("io", "server.py")} <= names
+
+
+@pytest.mark.parametrize(
+    "path,package,forbidden",
+    separate_layer_files(),
+    ids=[str(p.relative_to(ROOT)) for p, _, _ in separate_layer_files()],
+)
+def test_transport_client_and_io_stay_apart(
+    path: Path, package: str, forbidden: tuple[str, ...]
+) -> None:
+    """msgq_trio/transport imports neither the broker's I/O, the core nor a client;
+    msgq_trio/client never imports msgq_trio.io; msgq_trio/io imports no client and
+    nothing from the package face (not even ``__version__``: msgq_trio._version has it)."""
+    source = path.read_text()
+    assert layer_violations(source, package, forbidden) == []
+    if package.startswith("msgq_trio.io"):
+        assert face_imports(source, package) == []
+
+
+@pytest.mark.parametrize(
+    "source,package",
+    [
+        ("from ..io.server import Server", "msgq_trio.transport"),
+        ("from ..client import bus", "msgq_trio.transport"),
+        ("from ..core.peers import Peer", "msgq_trio.transport"),
+        ("import msgq_trio.io.listeners", "msgq_trio.client"),
+        ("def f():\n    from ..io import connection\n", "msgq_trio.client"),
+        ("from .. import io", "msgq_trio.client"),
+        ("from ..client.bus import Bus", "msgq_trio.io"),
+    ],
+)
+def test_layer_checker_catches_violations(source: str, package: str) -> None:
+    """The checker flags each forbidden arrow, also by relative or lazy import."""
+    forbidden = next(f for d, (p, f) in SEPARATE_LAYERS.items() if p == package)
+    assert layer_violations(source, package, forbidden)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["from .. import __version__", "import msgq_trio", "from msgq_trio import connect"],
+)
+def test_face_checker_catches_face_imports(source: str) -> None:
+    """Naming the package face from io/ is flagged in each spelling."""
+    assert face_imports(source, "msgq_trio.io")
+
+
+@pytest.mark.parametrize(
+    "source,package",
+    [
+        ("from ..transport.sockets import close_fds", "msgq_trio.client"),
+        ("from ..protocol.framing import FdBuffer", "msgq_trio.transport"),
+        ("from .._version import __version__", "msgq_trio.io"),
+        ("from .. import config", "msgq_trio.io"),
+        ("from ..config import Limits", "msgq_trio.io"),
+        ("import msgq_trio.iox", "msgq_trio.client"),
+    ],
+)
+def test_layer_checkers_allow_the_rest(source: str, package: str) -> None:
+    """Allowed imports and look-alikes pass both checkers."""
+    forbidden = next(f for d, (p, f) in SEPARATE_LAYERS.items() if p == package)
+    assert layer_violations(source, package, forbidden) == []
+    assert face_imports(source, package) == []
