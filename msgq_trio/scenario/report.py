@@ -356,6 +356,19 @@ to, one JSON object per line, from any language:
 delivery is a single `ok`. `time` is `CLOCK_MONOTONIC` seconds (Python's
 `time.monotonic()`). Python programs can use `msgq_trio.scenario.history.Recorder`.
 
+A byte stream is checked the same way: `pipe-stream-faults` and `pipe-reader-sigkill`
+run a writer and a reader of a named pipe (`pipe_writer.py`, `pipe_reader.py`). The
+writer writes fixed-size numbered records (its name, the number, a digest), so the
+reader turns the bytes back into one `deliver` per record and `lost`, `duplicates` and
+`order` apply to a stream; each write is one chunk of the pipe, so a write's timeout
+(`PipeTimeout.written`) says exactly which records went in (`ok`) and which did not
+(`fail`, written again). Faults follow the programs rather than the clock: the stopped
+reader is continued once the writer printed `blocked` (`when = "line:writer:blocked"`),
+and the writer is killed after it printed `resumed`. A hang becomes a named failure:
+each program turns its own timeout into a recorded error the scenario does not allow
+(`read-timeout`), and a program can check a bound of the system and record a failure
+(the writer's `--max-backlog`: the pipe holds at most `max_buffer` while it waits).
+
 A second broker is a program too: `link-chain-two-brokers` runs broker B as an exec
 service (`msgq-trio serve --socket {tmp}/b.sock ...`, ready on its `listening` line), the
 link plugin of the scenario's broker points at `{tmp}/b.sock` (placeholders work in
