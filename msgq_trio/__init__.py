@@ -4,7 +4,9 @@ General layout (each layer imports only the ones above it):
 
 * ``msgq_trio.protocol`` - sans-I/O wire codec: bytes in, frames out (no trio).
 * ``msgq_trio.core`` - routing, RPC tracking, the broker's logic (no trio, time passed in).
-* ``msgq_trio.io`` - the thin trio layer of the broker daemon.
+* ``msgq_trio.transport`` - socket receive/send, fd passing and the one OSError
+  translation, shared by the broker daemon and the clients.
+* ``msgq_trio.io`` - the thin trio layer of the broker daemon (imports no client).
 * ``msgq_trio.client`` - the trio client (``connect``), the direct blocking client
   (``connect_direct``) and the synchronous client.
 * ``msgq_trio.plugins`` / ``msgq_trio.storage`` - the plugins (durable queues, named pipes)
