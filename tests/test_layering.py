@@ -1,6 +1,7 @@
 """Layering: the sans-I/O protocol, the pure core and the storage backends never import
-trio or the I/O layer. Checked on the source with ast (importing would hide lazy imports
-and would itself import trio through the package)."""
+trio or the I/O layer; the client's sans-I/O session (and its value types) imports no
+event loop, no socket, no thread and none of its drivers. Checked on the source with ast
+(importing would hide lazy imports and would itself import trio through the package)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,24 @@ PURE_LAYERS = {
     ROOT / "storage": "msgq_trio.storage",
 }
 FORBIDDEN = ("trio", "msgq_trio.io")
+#: The client's sans-I/O modules -> the package their relative imports resolve against.
+CLIENT_SESSION = {
+    ROOT / "msgq_trio" / "client" / "session.py": "msgq_trio.client",
+    ROOT / "msgq_trio" / "client" / "message.py": "msgq_trio.client",
+}
+#: What the session may not import: an event loop, sockets, threads, the broker's I/O,
+#: the socket toolkit (it imports trio) or a driver (the drivers import the session).
+SESSION_FORBIDDEN = (
+    "trio",
+    "asyncio",
+    "socket",
+    "select",
+    "threading",
+    "msgq_trio.io",
+    "msgq_trio.transport",
+    "msgq_trio.client.bus",
+    "msgq_trio.client.direct",
+)
 
 
 def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
@@ -40,10 +59,12 @@ def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
     return out
 
 
-def violations(source: str, package: str) -> list[str]:
+def violations(
+    source: str, package: str, forbidden_modules: tuple[str, ...] = FORBIDDEN
+) -> list[str]:
     bad = []
     for lineno, mod in imported_modules(source, package):
-        for forbidden in FORBIDDEN:
+        for forbidden in forbidden_modules:
             if mod == forbidden or mod.startswith(forbidden + "."):
                 bad.append(f"line {lineno}: imports {mod}")
     return bad
@@ -114,6 +135,54 @@ def test_checker_catches_violations(source: str, package: str) -> None:
 def test_checker_allows_the_rest(source: str, package: str) -> None:
     """The checker does not flag look-alike or allowed imports."""
     assert violations(source, package) == []
+
+
+def test_the_client_session_modules_exist() -> None:
+    """The session modules the next test checks are there (it would be vacuous)."""
+    assert all(path.is_file() for path in CLIENT_SESSION)
+
+
+@pytest.mark.parametrize(
+    "path,package",
+    list(CLIENT_SESSION.items()),
+    ids=[str(p.relative_to(ROOT)) for p in CLIENT_SESSION],
+)
+def test_client_session_imports_no_io(path: Path, package: str) -> None:
+    """The client's sans-I/O session and its value types import no trio, asyncio,
+    socket, select, threading, broker I/O, socket toolkit or client driver, anywhere in
+    the file: the drivers own all of that."""
+    assert violations(path.read_text(), package, SESSION_FORBIDDEN) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import asyncio",
+        "import socket",
+        "from threading import Lock",
+        "from ..transport.sockets import close_fds",
+        "from .bus import Bus",
+        "from . import direct",
+        "def f():\n    import trio\n",
+    ],
+)
+def test_session_checker_catches_violations(source: str) -> None:
+    """The session checker flags an event loop, a socket, a thread, the socket toolkit
+    and a driver, also by relative import."""
+    assert violations(source, "msgq_trio.client", SESSION_FORBIDDEN)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from .message import Message",
+        "from ..protocol.framing import Frame",
+        "import socketserverx",
+    ],
+)
+def test_session_checker_allows_the_rest(source: str) -> None:
+    """The session checker does not flag the session's own imports or look-alikes."""
+    assert violations(source, "msgq_trio.client", SESSION_FORBIDDEN) == []
 
 
 #: Packages around the broker's I/O -> (the dotted name they are installed as, what they

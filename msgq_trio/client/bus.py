@@ -20,33 +20,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-import cbor2
 import trio
 
 from ..config import default_socket_path
-from ..errors import (
-    CommandFailed,
-    ConnectError,
-    ConnectionLost,
-    MalformedMessage,
-    MsgqError,
-    RequestTimeout,
-    UsageError,
-    rpc_error_from_wire,
-)
-from ..protocol.codes import ErrorCode, Flag, FrameType
-from ..protocol.connection import EOF, NEED_DATA, Connection, Role
-from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from ..protocol.framing import (
-    DEFAULT_MAX_FRAME_SIZE,
-    FdBuffer,
-    Frame,
-    encode_bytes_message,
-    encode_cbor,
-    encode_frame,
-    encode_simple,
-)
+from ..errors import ConnectError, ConnectionLost, UsageError
+from ..protocol.codes import ErrorCode, FrameType
+from ..protocol.connection import EOF, NEED_DATA
+from ..protocol.errors import LocalProtocolError, ProtocolError
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
 from ..transport.errors import translate_socket_errors
 from ..transport.sockets import (
     NO_JOIN,
@@ -57,6 +38,33 @@ from ..transport.sockets import (
     set_send_buffer,
     unconsumed_bytes,
 )
+from .message import Buffer, Member, Message, Reply, Result
+from .session import (
+    CLOSE_WAIT,
+    IN_HIGH_WATER,
+    RECEIVE_SIZE,
+    SEND_BUFFER,
+    Closed,
+    PendingCall,
+    Request,
+    Send,
+    Session,
+    as_handler,
+)
+
+__all__ = [
+    "CLOSE_WAIT",
+    "IN_HIGH_WATER",
+    "OUT_HIGH_WATER",
+    "RECEIVE_SIZE",
+    "SEND_BUFFER",
+    "Bus",
+    "Member",
+    "Message",
+    "Reply",
+    "Result",
+    "connect",
+]
 
 if TYPE_CHECKING:  # imported lazily at run time: client/queue.py and pipe.py import bus
     from .pipe import Pipe
@@ -64,425 +72,20 @@ if TYPE_CHECKING:  # imported lazily at run time: client/queue.py and pipe.py im
 
 log = logging.getLogger("msgq_trio.client")
 
-Buffer = bytes | bytearray | memoryview
-#: Encoded ``{"cmd": name}`` request headers by command name; stops growing at the cap.
-_CMD_HEADERS: dict[str, bytes] = {}
-_CMD_HEADERS_MAX = 256
-_FLAG_ALL = int(Flag.ALL)
-RECEIVE_SIZE = 256 * 1024
-#: Closing waits this long for the broker's GOODBYE; longer while bytes we sent are still
-#: unread by the broker (see close_patience: its reads of a sender it has paused for
-#: backpressure resume as receivers drain; bytes it never read are lost with the socket).
-CLOSE_WAIT = 2.0
 #: ``send`` waits for the writer once this many bytes are queued (bounds client memory
 #: while letting a fast publisher batch hundreds of frames per send_all).
 OUT_HIGH_WATER = 1024 * 1024
-#: The reader stops reading from the broker while this many bytes of received messages
-#: wait for the application: backpressure travels to the broker (which pauses the
-#: senders), never silent loss. Bound: 64 MiB, one default max frame.
-IN_HIGH_WATER = 64 * 1024 * 1024
-#: SO_SNDBUF asked for the client's socket: the bytes in flight towards the broker. Same
-#: default and reason as the broker's ``Limits.socket_send_buffer`` (1 MiB; the kernel's
-#: 208 KiB default costs a wakeup per 208 KiB of a large frame).
-SEND_BUFFER = 1024 * 1024
 _FAIRNESS = 256  # iteration yields to other tasks at least every this many messages
 _MEMBERSHIP = "msgq.membership"
 _SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
-
-_MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
-    FrameType.MESSAGE,
-    FrameType.REQUEST,
-    FrameType.REPLY,
-    FrameType.ERROR,
-    FrameType.NOTIFY,
-    FrameType.ROUTED,
-    FrameType.GOODBYE,
-)
-_KIND: dict[int, str] = {
-    _MESSAGE: "message",
-    _NOTIFY: "notification",
-    _REQUEST: "request",
-    _REPLY: "answer",
-}
-
-
-def read_welcome(frame: Frame, name: str) -> tuple[dict[str, object], str, bytes, int | None]:
-    """The broker's answer to HELLO: (WELCOME's header, our lname, our stamp, the
-    broker's ``max_fds_per_message`` or None).
-
-    Raises:
-        ConnectError: the broker refused the connection (an ERROR frame; ``code`` says
-            why: ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...).
-        RemoteProtocolError: the header is not well-formed CBOR.
-    """
-    header = frame.header()
-    if frame.type == _ERROR:
-        raise ConnectError(
-            f"broker refused the connection: {header.get('message')}",
-            code=str(header.get("code")),
-        )
-    lname = str(header["lname"])
-    # The broker names an empty HELLO name "anonymous" (io/server.py).
-    stamp = f"{lname}\0{name or 'anonymous'}".encode()
-    limits = header.get("limits")
-    max_fds = None
-    if isinstance(limits, dict) and isinstance(limits.get("max_fds_per_message"), int):
-        max_fds = limits["max_fds_per_message"]
-    return header, lname, stamp, max_fds
-
-
-def close_patience(header: dict[str, object]) -> float:
-    """How long a closing client waits for the broker's GOODBYE while the broker takes
-    none of its bytes: CLOSE_WAIT plus the broker's ``slow_consumer_timeout`` (WELCOME
-    ``limits``), the longest the broker lets a receiver hold up a sender it paused;
-    CLOSE_WAIT alone if the broker does not say."""
-    limits = header.get("limits")
-    t = limits.get("slow_consumer_timeout") if isinstance(limits, dict) else None
-    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 3600:
-        return CLOSE_WAIT + float(t)
-    return CLOSE_WAIT
-
-
-def request_header(command: str, timeout: float | None) -> bytes:
-    """The CBOR header of a REQUEST for ``command`` (and the caller's ``timeout``).
-
-    Raises:
-        UsageError: ``command`` is not a str, or ``timeout`` is not positive.
-        LocalProtocolError: ``timeout`` cannot be encoded.
-    """
-    if type(command) is not str:
-        raise UsageError(f"command must be a str, not {type(command).__name__}")
-    if timeout is None:
-        # Encoded once per command name (a CBOR encode per call is ~1.5 us here).
-        head = _CMD_HEADERS.get(command)
-        if head is None:
-            head = encode_cbor({"cmd": command})
-            if len(_CMD_HEADERS) < _CMD_HEADERS_MAX:
-                _CMD_HEADERS[command] = head
-        return head
-    if timeout <= 0:
-        raise UsageError("timeout must be positive")
-    return encode_cbor({"cmd": command, "timeout": float(timeout)})
-
-
-#: Parsed source sections by their bytes (see :func:`_split_source`), per connection.
-Sources = dict[bytes, tuple[str, str, str, str | None]]
-
-
-def _split_source(source: bytes, cache: Sources) -> tuple[str, str, str, str | None]:
-    """(sender lname, sender name, lname answers go to, relaying binder's name or None).
-
-    A plain stamp is ``lname NUL name``: the sender, who also gets the answers. A
-    relayed stamp (a binder such as the queue plugin forwarding stored traffic,
-    docs/PROTOCOL.md "Source") is ``binder_lname NUL binder_name NUL origin_lname NUL
-    origin_name``: the sender is the origin, answers go to the binder."""
-    hit = cache.get(source)
-    if hit is None:
-        lname, _, name = source.partition(b"\0")
-        hop = lname.decode()
-        if b"\0" in name:
-            via, _, origin = name.partition(b"\0")
-            olname, _, oname = origin.partition(b"\0")
-            hit = (olname.decode(), oname.decode(), hop, via.decode())
-        else:
-            hit = (hop, name.decode(), hop, None)
-        if len(cache) < 65536:
-            cache[source] = hit
-    return hit
-
-
-class Message:
-    """A message, notification or request received from the bus.
-
-    ``sender`` / ``sender_name`` were stamped by the broker (a client cannot forge them).
-    ``body`` and ``header`` are decoded on first access; ``attachments`` are binary blobs
-    (memoryviews into the received frame, no copies).
-    """
-
-    __slots__ = ("_body", "_decoded", "_fds_taken", "_frame", "_header", "_sources")
-
-    def __init__(self, frame: Frame, sources: Sources) -> None:
-        self._frame = frame
-        self._fds_taken = False
-        self._sources = sources
-        self._decoded = False
-        self._body: object = None
-        self._header: dict[str, object] | None = None
-
-    @property
-    def sender(self) -> str:
-        """The sender's lname (``l.N``), as stamped by the broker."""
-        return _split_source(self._frame.source, self._sources)[0]
-
-    @property
-    def sender_name(self) -> str:
-        """The sender's client name, as stamped by the broker."""
-        return _split_source(self._frame.source, self._sources)[1]
-
-    @property
-    def via(self) -> str | None:
-        """The lname of the binder that relayed this message (a queue bound to the group
-        stored it and forwarded it on behalf of ``sender``), or None if it came straight
-        from ``sender``. Answers to a relayed request go to the binder."""
-        hit = _split_source(self._frame.source, self._sources)
-        return hit[2] if hit[3] is not None else None
-
-    @property
-    def via_name(self) -> str | None:
-        """The client name of the relaying binder (``msgq-queue-binder`` for the queue
-        plugin), or None if the message came straight from ``sender``."""
-        return _split_source(self._frame.source, self._sources)[3]
-
-    @property
-    def _reply_to(self) -> str:
-        """Where an answer goes: the sender, or the binder that relayed the request."""
-        return _split_source(self._frame.source, self._sources)[2]
-
-    @property
-    def kind(self) -> str:
-        """``"message"``, ``"notification"`` or ``"request"``."""
-        return _KIND[self._frame.type]
-
-    @property
-    def target(self) -> str:
-        """The address the sender used (group, ``G[N]``, ``G[?]`` or an lname)."""
-        return self._frame.target
-
-    @property
-    def request_id(self) -> int:
-        return self._frame.request_id
-
-    @property
-    def header(self) -> dict[str, object]:
-        """The decoded header map.
-
-        Raises:
-            MalformedMessage: the sender put a header that is not a well-formed CBOR map
-                on the wire (its bug; nothing else is affected).
-        """
-        if self._header is None:
-            try:
-                self._header = self._frame.header()
-            except RemoteProtocolError as exc:
-                raise self._malformed("header", exc) from None
-        return self._header
-
-    def _malformed(self, section: str, exc: RemoteProtocolError) -> MalformedMessage:
-        lname, name = _split_source(self._frame.source, self._sources)[:2]
-        return MalformedMessage(
-            f"{self.kind} from {lname} ({name!r}) to {self.target!r} has a malformed "
-            f"{section}: {exc}",
-            f"{lname} {name}",
-        )
-
-    @property
-    def event(self) -> str | None:
-        """The event name of a notification (None for other kinds)."""
-        ev = self.header.get("event")
-        return ev if isinstance(ev, str) else None
-
-    @property
-    def command(self) -> str | None:
-        """The command name of a request (None for other kinds)."""
-        cmd = self.header.get("cmd")
-        return cmd if isinstance(cmd, str) else None
-
-    @property
-    def body(self) -> Any:
-        """The decoded body (None if empty).
-
-        Raises:
-            MalformedMessage: the body is not one well-formed CBOR item; the broker does
-                not decode bodies, so a sender's bug surfaces here, naming that sender.
-        """
-        if not self._decoded:
-            try:
-                self._body = self._frame.body()
-            except RemoteProtocolError as exc:
-                raise self._malformed("body", exc) from None
-            self._decoded = True
-        return self._body
-
-    @property
-    def attachments(self) -> list[memoryview]:
-        return self._frame.blobs()
-
-    @property
-    def fds(self) -> tuple[int, ...]:
-        """File descriptors that came with this message. The receiver owns them: keep
-        them with :meth:`take_fds`, or let :meth:`close` / the ``with`` block close them."""
-        return () if self._fds_taken else self._frame.fds
-
-    def take_fds(self) -> list[int]:
-        """Take ownership of the descriptors (the message will not close them)."""
-        fds = list(self.fds)
-        self._fds_taken = True
-        return fds
-
-    def close(self) -> None:
-        """Close the descriptors not taken with :meth:`take_fds` (idempotent)."""
-        if not self._fds_taken:
-            self._fds_taken = True
-            close_fds(self._frame.fds)
-
-    def __enter__(self) -> Message:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def size(self) -> int:
-        return len(self._frame.raw)
-
-    def __repr__(self) -> str:
-        return (
-            f"<Message {self.kind} from {self.sender} ({self.sender_name}) "
-            f"to {self.target!r} {self.size} bytes>"
-        )
-
-
-@attrs.frozen
-class Member:
-    lname: str
-    name: str
-    pid: int = -1
-
-
-@attrs.frozen
-class Result:
-    """One outcome of :meth:`Bus.call_many` / :meth:`Bus.call_all`: a value or an error."""
-
-    target: str
-    ok: bool
-    value: Any = None
-    error: MsgqError | None = None
-    #: For call_all: the member (lname) that answered or failed.
-    sender: str | None = None
-
-    def unwrap(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class Reply:
-    """Return this from a command handler to answer with descriptors or blobs.
-
-    The descriptors are duplicated right here, so the handler keeps (and may close at
-    once) its own; the duplicates are sent with the answer and then closed.
-
-    Raises:
-        UsageError: a descriptor is not open.
-    """
-
-    __slots__ = ("attachments", "fds", "result")
-
-    def __init__(
-        self, result: Any = None, *, fds: Sequence[int] = (), attachments: Sequence[Buffer] = ()
-    ) -> None:
-        self.result = result
-        self.attachments = attachments
-        self.fds = _dup_all(fds)
-
-
-def _dup_all(fds: Sequence[int]) -> tuple[int, ...]:
-    dups: list[int] = []
-    try:
-        for fd in fds:
-            dups.append(os.dup(fd))
-    except OSError as exc:
-        close_fds(dups)
-        raise UsageError(f"cannot send file descriptor {fd}: {exc}") from exc
-    return tuple(dups)
-
-
-class _Call:
-    __slots__ = ("answers", "done", "error", "expected", "frame", "multi", "result", "target")
-
-    def __init__(self, target: str, multi: bool) -> None:
-        self.target = target
-        self.multi = multi
-        self.done = trio.Event()
-        self.result: Any = None
-        self.error: MsgqError | None = None
-        self.expected: list[tuple[str, str]] | None = None  # ROUTED (multi only)
-        self.answers: dict[str, Result] = {}
-        self.frame: Frame | None = None  # the REPLY of a single call (for request())
-
-    def answer(self, frame: Frame, sender: str) -> None:
-        try:
-            self._answer(frame, sender)
-        except RemoteProtocolError as exc:
-            # The callee's bug (the broker does not decode bodies): this call fails with
-            # it, the connection carries on.
-            close_fds(frame.fds)
-            err = MalformedMessage(
-                f"answer from {sender} to a call to {self.target!r} is malformed: {exc}", sender
-            )
-            res = Result(self.target, False, None, err, sender)
-            self._answer_result(frame._replace(fds=()), res, sender)
-
-    def _answer(self, frame: Frame, sender: str) -> None:
-        if frame.type == _REPLY and not self.multi:
-            # The common case, without a Result: _answer_result's single-call branch.
-            if self.done.is_set():  # already failed (timeout, connection lost)
-                close_fds(frame.fds)
-                return
-            self.result = frame.body()
-            self.frame = frame
-            self.done.set()
-            return
-        if frame.type == _REPLY:
-            res = Result(self.target, True, frame.body(), None, sender)
-        else:
-            close_fds(frame.fds)
-            h = frame.header()
-            res = Result(
-                self.target,
-                False,
-                None,
-                rpc_error_from_wire(
-                    str(h.get("code", "")), str(h.get("message", "")), frame.body(), sender
-                ),
-                sender,
-            )
-        self._answer_result(frame, res, sender)
-
-    def _answer_result(self, frame: Frame, res: Result, sender: str) -> None:
-        if not self.multi:
-            self.result, self.error = res.value, res.error
-            if self.done.is_set():
-                close_fds(frame.fds)
-            else:
-                self.frame = frame
-            self.done.set()
-            return
-        close_fds(frame.fds)  # call_all answers carry no descriptors to the caller
-        if self.expected is None:
-            # ROUTED always precedes the members' answers on the same connection, so an
-            # answer before it is the broker refusing the whole call (e.g. no-recipient).
-            self.error = res.error
-            self.done.set()
-            return
-        self.answers[sender] = res
-        self._maybe_done()
-
-    def routed(self, to: list[tuple[str, str]]) -> None:
-        self.expected = to
-        self._maybe_done()
-
-    def _maybe_done(self) -> None:
-        if self.expected is not None and len(self.answers) >= len(self.expected):
-            self.done.set()
-
-    def fail(self, error: MsgqError) -> None:
-        if not self.done.is_set():
-            self.error = error
-            self.done.set()
-
-
+_MESSAGE = FrameType.MESSAGE
+#: A command handler as registered: ``fn(params)`` or ``fn(params, request)``, sync or async.
 Handler = Callable[..., Any]
+
+
+def _wake(call: PendingCall) -> None:
+    """The session's wake-up for a finished call: set the trio.Event its waiter waits on."""
+    call.waiter.set()
 
 
 def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
@@ -496,23 +99,16 @@ def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
 class Bus:
     """A connection to the broker. Create it with :func:`connect`.
 
-    Attributes:
-        lname: this connection's unique address, assigned by the broker (``l.N``).
-        name: the client name sent in HELLO.
+    The trio driver of the client :class:`~msgq_trio.client.session.Session`: the socket,
+    the reader and writer tasks, handler tasks, backpressure and descriptor passing are
+    here; what frames mean and what to answer is the session's.
     """
 
     def __init__(self, stream: trio.SocketStream, name: str, max_frame_size: int) -> None:
         self._stream = stream
-        self.name = name
-        self.lname = ""
-        #: The source section the broker stamps on our frames (``lname NUL name``), written
-        #: into them here so the broker only checks it and forwards the bytes as they are
-        #: (docs/PROTOCOL.md, "Source"). Empty until WELCOME.
-        self._stamp = b""
-        self.broker_version = ""
-        self._max_fds = 253  # replaced by the broker's limit from WELCOME
+        self._s = Session(name, max_frame_size, no_join=NO_JOIN, wake=_wake)
+        self._conn = self._s.conn
         self._out_fds = 0
-        self._conn = Connection(Role.CLIENT, max_frame_size)
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
         self._out_wake = trio.lowlevel.ParkingLot()
@@ -521,24 +117,13 @@ class Bus:
         self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
-        self._calls: dict[int, _Call] = {}
-        self._next_rid = 0
-        self._handlers: dict[str, Handler] = {}
-        #: Handlers called in the reader, in arrival order, without a task (add_inline_command).
-        self._inline: dict[str, Callable[[Message], None]] = {}
-        #: Handler for requests whose command has no handler (set_default_handler).
-        self._default_handler: Handler | None = None
         self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
         self._notify_inline: dict[str, Callable[[Message], None]] = {}
         self._message_inline: Callable[[Message], None] | None = None
-        self._sources: Sources = {}
-        self._targets: dict[str, bytes] = {}
         self._nursery: trio.Nursery | None = None
         self._closed = False
-        self._lost: ConnectionLost | None = None
         self._since_yield = 0
         self._broker_goodbye = trio.Event()
-        self._close_patience = CLOSE_WAIT
         self._writing = False
         # True while the reader handles one receive's frames: answers that handlers give
         # meanwhile are queued and written together after the batch (one write for a
@@ -551,12 +136,42 @@ class Bus:
         self._burst = False
         self._lost_event = trio.Event()
         self._fd = stream.socket.fileno()
-        #: The WELCOME header (identity and heartbeat settings for a TCP connection).
-        self._welcome: dict[str, object] = {}
+
+    @property
+    def name(self) -> str:
+        """The client name sent in HELLO."""
+        return self._s.name
+
+    @property
+    def lname(self) -> str:
+        """This connection's unique address, assigned by the broker (``l.N``)."""
+        return self._s.lname
+
+    @property
+    def broker_version(self) -> str:
+        """The broker's version from WELCOME."""
+        return self._s.broker_version
+
+    @property
+    def session(self) -> Session:
+        """The sans-I/O protocol state under this driver (for plugin clients and tests)."""
+        return self._s
+
+    @property
+    def _welcome(self) -> dict[str, object]:
+        return self._s.welcome
+
+    @property
+    def _stamp(self) -> bytes:
+        return self._s.stamp
+
+    @property
+    def _calls(self) -> dict[int, PendingCall]:
+        return self._s.calls
 
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_extra: dict[str, object]) -> None:
-        hello = self._conn.hello(self.name, {"pid": os.getpid(), **hello_extra})
+        hello = self._s.hello(hello_extra)
         try:
             with translate_socket_errors():
                 await self._stream.send_all(b"".join(hello))
@@ -570,12 +185,7 @@ class Bus:
                 if ev is NEED_DATA:
                     continue
                 assert isinstance(ev, Frame)
-                header, self.lname, self._stamp, max_fds = read_welcome(ev, self.name)
-                self._close_patience = close_patience(header)
-                self.broker_version = str(header.get("broker", ""))
-                self._welcome = header
-                if max_fds is not None:
-                    self._max_fds = max_fds
+                self._s.receive_welcome(ev)
                 return  # frames that came right behind WELCOME stay buffered for the reader
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
@@ -586,22 +196,23 @@ class Bus:
         """Flush queued frames, say GOODBYE, wait for the broker's, close.
 
         The wait ends after CLOSE_WAIT s, or while bytes we sent are still unread by the
-        broker, after :func:`close_patience` s in which it took none of them (it may be
-        pausing our reads for backpressure: what it has not read when the socket closes
-        is lost; it logs and counts that).
+        broker, after :func:`~msgq_trio.client.session.close_patience` s in which it took
+        none of them (it may be pausing our reads for backpressure: what it has not read
+        when the socket closes is lost; it logs and counts that).
         """
         if self._closed:
             return
         self._closed = True
-        if self._lost is None:
+        s = self._s
+        if s.lost is None:
             try:
-                self._queue(self._conn.send(_GOODBYE))
+                self._queue(s.goodbye())
             except LocalProtocolError:
                 pass
             fd = _socket_of(self._stream).fileno()
             clock = trio.current_time
             left, since = self._out_bytes + unconsumed_bytes(fd), clock()
-            while self._lost is None:
+            while s.lost is None:
                 with trio.move_on_after(CLOSE_WAIT):
                     await self._broker_goodbye.wait()
                     break
@@ -610,17 +221,14 @@ class Bus:
                     break
                 if left < before:
                     since = clock()  # the broker is still reading us
-                elif clock() - since >= self._close_patience:
+                elif clock() - since >= s.close_patience:
                     break
         await trio.aclose_forcefully(self._stream)
         self._fail_all(ConnectionLost("the bus was closed"))
 
     def _fail_all(self, exc: ConnectionLost) -> None:
-        if self._lost is None:
-            self._lost = exc
-            self._lost_event.set()
-        for call in self._calls.values():
-            call.fail(ConnectionLost(str(exc), code=exc.code))
+        self._s.fail(exc)
+        self._lost_event.set()
         self._in_wake.unpark_all()
         self._drained.unpark_all()
         self._in_taken.unpark_all()
@@ -630,8 +238,7 @@ class Bus:
         """The broker's limits from WELCOME (``max_frame_size``, ``request_timeout``,
         ``max_pending_requests``, ...; docs/PROTOCOL.md), empty before the handshake or
         from a broker that sent none."""
-        limits = self._welcome.get("limits")
-        return dict(limits) if isinstance(limits, dict) else {}
+        return self._s.limits
 
     @property
     def lost(self) -> ConnectionLost | None:
@@ -639,11 +246,19 @@ class Bus:
         down, the socket broke, or the bus was closed), the :class:`ConnectionLost` that
         calls raise, whose ``code`` says why. For a component that only sends and would
         not otherwise notice that the broker refused its last message."""
-        return self._lost
+        return self._s.lost
+
+    async def wait_lost(self) -> ConnectionLost:
+        """Wait until the connection ends; returns :attr:`lost` (for a plugin client
+        whose iteration must end with the connection)."""
+        await self._lost_event.wait()
+        lost = self._s.lost
+        assert lost is not None
+        return lost
 
     def _check_open(self) -> None:
-        if self._lost is not None:
-            raise self._lost
+        if self._s.lost is not None:
+            raise self._s.lost
         if self._closed:
             raise UsageError("the bus is closed")
 
@@ -656,26 +271,13 @@ class Bus:
         if self._out_wake:  # ParkingLot is truthy while the writer is parked
             self._out_wake.unpark_all()
 
-    def _attach_fds(
-        self, pieces: list[Buffer], fds: Sequence[int], *, owned: bool = False
-    ) -> list[Buffer]:
-        """Make the frame's first piece carry ``fds``: duplicates (the caller keeps its
-        own), or the descriptors themselves when ``owned`` (then they are ours to close,
-        also on error).
-
-        Raises:
-            UsageError: more than the broker's ``max_fds_per_message``, or a bad fd.
-        """
-        if len(fds) > self._max_fds:
-            if owned:
-                close_fds(tuple(fds))
-            raise UsageError(
-                f"{len(fds)} file descriptors in one message; the broker allows "
-                f"max_fds_per_message={self._max_fds}"
-            )
-        dups = tuple(fds) if owned else _dup_all(fds)
-        self._out_fds += len(dups)
-        return [FdBuffer(bytes(pieces[0]), dups), *pieces[1:]]
+    def _count_fds(self, pieces: list[Buffer]) -> list[Buffer]:
+        """Count the descriptors a frame carries (the session puts them on its first
+        piece): while any are queued, only the writer writes (they need sendmsg)."""
+        first = pieces[0]
+        if type(first) is FdBuffer:
+            self._out_fds += len(first.fds)
+        return pieces
 
     def _queue_urgent(self, pieces: list[Buffer]) -> None:
         """Queue a latency-sensitive frame (request, answer) and try to write it at once."""
@@ -690,6 +292,14 @@ class Bus:
         if out and self._out_wake:
             self._out_wake.unpark_all()
 
+    def _queue_answer(self, pieces: list[Buffer]) -> None:
+        """Queue an answer while the connection is up; otherwise drop it (nobody is there
+        to take it) and close the descriptors it would have carried."""
+        if self._s.lost is None and not self._closed:
+            self._queue_urgent(self._count_fds(pieces))
+        else:
+            close_fds([fd for p in pieces if type(p) is FdBuffer for fd in p.fds])
+
     def _send_now(self) -> None:
         """Latency path: if the writer is idle, write the (small) queue to the socket now,
         saving the writer task's wake-up. What the kernel does not take stays queued;
@@ -699,7 +309,7 @@ class Bus:
             or not self._out
             or self._out_bytes > 65536
             or self._out_fds  # descriptors need sendmsg: the writer does that
-            or self._lost is not None
+            or self._s.lost is not None
         ):
             return
         out = self._out
@@ -724,10 +334,11 @@ class Bus:
             self._out_wake.unpark_all()
 
     async def _wait_out(self) -> None:
-        while self._out_bytes > OUT_HIGH_WATER and self._lost is None:
+        s = self._s
+        while self._out_bytes > OUT_HIGH_WATER and s.lost is None:
             await self._drained.park()
-        if self._lost is not None:
-            raise self._lost
+        if s.lost is not None:
+            raise s.lost
 
     async def send(
         self,
@@ -759,76 +370,29 @@ class Bus:
             ConnectionLost: the broker went away.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._lost is not None or self._closed:
+        s = self._s
+        if s.lost is not None or self._closed:
             self._check_open()
-        try:
-            tb = self._targets.get(target)
-            if tb is None:
-                tb = self._encode_target(target)
-            if attachments or fds or on_behalf_of:
-                pieces = encode_frame(
-                    _MESSAGE,
-                    target=target,
-                    header=cbor2.dumps(header) if header else b"",
-                    body=cbor2.dumps(body) if body is not None else b"",
-                    blobs=attachments,
-                    n_fds=len(fds),
-                    source=self._relay_stamp(on_behalf_of) if on_behalf_of else self._stamp,
-                )
-                self._queue(self._attach_fds(pieces, fds) if fds else pieces)
-            elif type(body) is bytes and len(body) >= NO_JOIN and not header:
-                # A large binary body goes out as it is (bytes cannot change under us):
-                # no CBOR copy, no join; the writer sends both pieces in one sendmsg.
-                self._queue(encode_bytes_message(_MESSAGE, tb, body, self._stamp))  # type: ignore[arg-type]
-            else:
-                self._queue1(
-                    encode_simple(
-                        _MESSAGE,
-                        tb,
-                        cbor2.dumps(body) if body is not None else b"",
-                        cbor2.dumps(header) if header else b"",
-                        source=self._stamp,
-                    )
-                )
-        except (LocalProtocolError, cbor2.CBOREncodeError, TypeError) as exc:
-            raise UsageError(f"cannot send to {target!r}: {exc}") from exc
+        frame = s.encode_message(
+            target, body, header=header, attachments=attachments, fds=fds, on_behalf_of=on_behalf_of
+        )
+        if type(frame) is bytes:
+            self._queue1(frame)
+        else:
+            self._queue(self._count_fds(frame) if fds else frame)  # type: ignore[arg-type]
         if self._out_bytes > OUT_HIGH_WATER:
             await self._wait_out()
 
-    def _relay_stamp(self, origin: tuple[str, str]) -> bytes:
-        """The relayed stamp for traffic forwarded on behalf of ``origin`` (see
-        :meth:`send`): this client's stamp, NUL, the origin's lname, NUL, its name."""
-        lname, name = origin
-        if "\0" in lname or "\0" in name:
-            raise UsageError(f"on_behalf_of {origin!r}: names cannot contain NUL")
-        return self._stamp + f"\0{lname}\0{name}".encode()
-
-    def _encode_target(self, target: str) -> bytes:
-        tb = target.encode()
-        if len(self._targets) < 4096:  # bounded cache of encoded targets
-            self._targets[target] = tb
-        return tb
-
     async def flush(self) -> None:
         """Wait until everything queued so far has been written to the socket."""
-        while self._out_bytes and self._lost is None:
+        while self._out_bytes and self._s.lost is None:
             await self._drained.park()
         self._check_open()
 
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         """Publish notification ``event`` to ``group``; notifications are never answered."""
         self._check_open()
-        try:
-            self._queue(
-                encode_frame(
-                    _NOTIFY,
-                    target=group,
-                    header=encode_cbor({"event": event}),
-                    body=encode_cbor(params) if params is not None else b"",
-                )
-            )
-        except LocalProtocolError as exc:
-            raise UsageError(str(exc)) from exc
+        self._queue(self._s.encode_notify(group, event, params))
         await self._wait_out()
         await trio.lowlevel.checkpoint()
 
@@ -843,52 +407,34 @@ class Bus:
         multi: bool,
         fds: Sequence[int] = (),
         on_behalf_of: tuple[str, str] | None = None,
-    ) -> tuple[int, _Call]:
+    ) -> PendingCall:
         self._check_open()
-        head = request_header(command, timeout)  # UsageError before anything is sent
-        source = self._relay_stamp(on_behalf_of) if on_behalf_of else self._stamp
-        self._next_rid += 1
-        rid = self._next_rid
-        try:
-            pieces = encode_frame(
-                _REQUEST,
-                target=target,
-                request_id=rid,
-                flags=_FLAG_ALL if multi else 0,
-                header=head,
-                body=encode_cbor(params) if params is not None else b"",
-                blobs=attachments,
-                n_fds=len(fds),
-                source=source,
-            )
-        except LocalProtocolError as exc:
-            raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
-        if fds:
-            pieces = self._attach_fds(pieces, fds)
-        call = _Call(target, multi)
-        self._calls[rid] = call
-        self._queue_urgent(pieces)
-        return rid, call
+        call, pieces = self._s.start_call(
+            target,
+            command,
+            params,
+            now=trio.current_time() if timeout is not None else 0.0,
+            timeout=timeout,
+            attachments=attachments,
+            multi=multi,
+            fds=fds,
+            on_behalf_of=on_behalf_of,
+        )
+        call.waiter = trio.Event()
+        self._queue_urgent(self._count_fds(pieces) if fds else pieces)
+        return call
 
-    async def _finish_call(self, rid: int, call: _Call, timeout: float | None) -> None:
+    async def _finish_call(self, call: PendingCall) -> None:
+        """Wait for ``call``'s outcome (or its local deadline), then forget its slot."""
         try:
-            # The broker enforces the deadline and answers `timeout` itself; the local
-            # limit (deadline + 1 s) only covers a broker that stopped answering at all.
-            if timeout is None:
-                await call.done.wait()  # the common path needs no cancel scope
+            if call.deadline is None:
+                await call.waiter.wait()  # the common path needs no cancel scope
                 return
-            with trio.move_on_after(timeout + 1.0):
-                await call.done.wait()
-            if not call.done.is_set():
-                call.fail(
-                    RequestTimeout(
-                        f"no answer from {call.target!r} within {timeout} s "
-                        "(and none from the broker)",
-                        sender=None,
-                    )
-                )
+            with trio.move_on_at(call.deadline):
+                await call.waiter.wait()
+            call.expire(trio.current_time())
         finally:
-            self._calls.pop(rid, None)
+            self._s.finish(call)
 
     async def call(
         self,
@@ -912,23 +458,10 @@ class Bus:
             LimitExceeded: the broker's answers. RemoteError: the handler failed
             (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
         """
-        # request()'s steps without its Message: the result is decoded once, by _Call.
-        rid, call = self._start_call(target, command, params, timeout, attachments, False, fds)
+        call = self._start_call(target, command, params, timeout, attachments, False, fds)
         await self._wait_out()
-        await self._finish_call(rid, call, timeout)
-        if call.error is not None:
-            raise call.error
-        frame = call.frame
-        if frame is not None and frame.fds:
-            log.warning(
-                "answer to %r from %s carried %d file descriptors; call() closes them "
-                "(use request() to receive descriptors)",
-                command,
-                _split_source(frame.source, self._sources)[0],
-                len(frame.fds),
-            )
-            close_fds(frame.fds)
-        return call.result
+        await self._finish_call(call)
+        return self._s.call_result(call, command)
 
     async def request(
         self,
@@ -947,14 +480,14 @@ class Bus:
         Raises:
             The same exceptions as :meth:`call`.
         """
-        rid, call = self._start_call(target, command, params, timeout, attachments, False, fds)
+        call = self._start_call(target, command, params, timeout, attachments, False, fds)
         await self._wait_out()
-        await self._finish_call(rid, call, timeout)
+        await self._finish_call(call)
         if call.error is not None:
             raise call.error
         assert call.frame is not None
-        answer = Message(call.frame, self._sources)
-        answer._body, answer._decoded = call.result, True  # decoded once, by _Call
+        answer = Message(call.frame, self._s.sources)
+        answer._body, answer._decoded = call.result, True  # decoded once, by the call
         return answer
 
     def start_call(
@@ -979,12 +512,12 @@ class Bus:
         Raises:
             UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
         """
-        rid, call = self._start_call(
+        call = self._start_call(
             target, command, params, timeout, attachments, False, on_behalf_of=on_behalf_of
         )
 
         async def wait() -> Any:
-            await self._finish_call(rid, call, timeout)
+            await self._finish_call(call)
             if call.error is not None:
                 raise call.error
             if call.frame is not None and call.frame.fds:
@@ -992,6 +525,33 @@ class Bus:
             return call.result
 
         return wait
+
+    def start_request(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        attachments: Sequence[Buffer] = (),
+    ) -> PendingCall:
+        """Send a request now and return its :class:`~msgq_trio.client.session.PendingCall`
+        (for plugin clients that keep several in flight and wait for them in order, the
+        pipe client). Wait with :meth:`wait_call`; then read ``error``, ``result`` and
+        ``frame`` (whose descriptors the caller owns); :meth:`forget_call` frees the slot.
+
+        Raises:
+            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
+        """
+        return self._start_call(target, command, params, None, attachments, False)
+
+    async def wait_call(self, call: PendingCall) -> None:
+        """Wait until ``call`` (from :meth:`start_request`) is done. Cancel-safe: the call
+        stays in flight and registered, to be waited for again."""
+        await call.waiter.wait()
+
+    def forget_call(self, call: PendingCall) -> None:
+        """Free ``call``'s slot: an answer still to come is dropped."""
+        self._s.finish(call)
 
     async def call_all(
         self, group: str, command: str, params: Any = None, *, timeout: float | None = None
@@ -1004,20 +564,10 @@ class Bus:
         Raises:
             NoRecipient: the group is empty. ConnectionLost: the broker went away.
         """
-        rid, call = self._start_call(group, command, params, timeout, (), True)
+        call = self._start_call(group, command, params, timeout, (), True)
         await self._wait_out()
-        await self._finish_call(rid, call, timeout)
-        if call.error is not None and call.expected is None:
-            raise call.error
-        expected = call.expected or []
-        out = []
-        for lname, _name in expected:
-            res = call.answers.get(lname)
-            if res is None:
-                err = call.error or RequestTimeout(f"{lname} did not answer", sender=lname)
-                res = Result(group, False, None, err, lname)
-            out.append(res)
-        return out
+        await self._finish_call(call)
+        return call.member_results()
 
     async def call_many(
         self,
@@ -1030,8 +580,8 @@ class Bus:
         started = [self._start_call(t, c, p, timeout, (), False) for t, c, p in reqs]
         await self._wait_out()
         results: list[Result] = []
-        for (rid, call), (target, _c, _p) in zip(started, reqs, strict=True):
-            await self._finish_call(rid, call, timeout)
+        for call, (target, _c, _p) in zip(started, reqs, strict=True):
+            await self._finish_call(call)
             results.append(Result(target, call.error is None, call.result, call.error))
         return results
 
@@ -1044,18 +594,18 @@ class Bus:
         *,
         timeout: float | None = None,
     ) -> None:
-        """Start a call now; later run ``callback(ok, result_or_error)`` (seed 000's ``rpc``).
+        """Start a call now; later run ``callback(ok, result_or_error)``.
 
         The callback runs in the bus's nursery; exceptions it raises are logged.
         """
-        rid, call = self._start_call(target, command, params, timeout, (), False)
+        call = self._start_call(target, command, params, timeout, (), False)
 
         async def finish() -> None:
-            await self._finish_call(rid, call, timeout)
+            await self._finish_call(call)
             ok = call.error is None
             await self._run_callback(callback, ok, call.result if ok else call.error)
 
-        self._spawn(finish)
+        self.start_soon(finish)
 
     def call_many_cb(
         self,
@@ -1071,7 +621,7 @@ class Bus:
             results = await self.call_many(reqs, timeout=timeout)
             await self._run_callback(callback, results)
 
-        self._spawn(finish)
+        self.start_soon(finish)
 
     async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
         try:
@@ -1088,7 +638,13 @@ class Bus:
         except Exception:
             log.exception("callback %r raised", cb)
 
-    def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+    def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn()`` in a task of this bus's nursery: it is cancelled when the bus
+        closes (for plugin clients' background work: acks, watchers).
+
+        Raises:
+            UsageError: the bus is not running.
+        """
         if self._nursery is None:
             raise UsageError("the bus is not running")
         self._nursery.start_soon(fn)
@@ -1100,9 +656,12 @@ class Bus:
         ``fn(params)`` or ``fn(params, request)``, sync or async. A plain function is called
         by the reader as the request arrives, without a task (it must not block: it would
         block the whole event loop in a task too); an async one runs in its own task per
-        request. The return value is the answer; ``CommandFailed(code, message, data)``
-        answers with that error; ``TypeError``/``ValueError``/``KeyError`` from the handler
-        answer ``bad-request``; any other exception ``internal-error`` naming its type.
+        request. What the result or exception answers is the one handler contract of
+        every driver (:meth:`msgq_trio.client.session.Session.answer_for`): the return
+        value (or a :class:`Reply`) is the answer; ``CommandFailed(code, message, data)``
+        answers with that error; ``TypeError``/``ValueError``/``KeyError`` and a malformed
+        request answer ``bad-request``; any other exception ``internal-error`` naming its
+        type.
         """
 
         def register(fn: Handler) -> Handler:
@@ -1112,10 +671,12 @@ class Bus:
         return register
 
     def add_command(self, name: str, fn: Handler) -> None:
-        nparams = len(inspect.signature(fn).parameters)
-        if nparams not in (1, 2):
-            raise UsageError("a command handler takes (params) or (params, request)")
-        self._handlers[name] = fn if nparams == 2 else (lambda p, _r, fn=fn: fn(p))
+        """Register ``fn`` for ``name`` (see :meth:`command`).
+
+        Raises:
+            UsageError: ``fn`` takes neither (params) nor (params, request).
+        """
+        self._s.commands[name] = as_handler(fn)
 
     def add_inline_command(self, name: str, fn: Callable[[Message], None]) -> None:
         """Register ``fn(request)`` for command ``name``, called synchronously by the reader
@@ -1126,14 +687,14 @@ class Bus:
         increasing sequence numbers) or cannot afford a task per request. An exception
         from ``fn`` answers ``internal-error`` and is logged.
         """
-        self._inline[name] = fn
+        self._s.inline[name] = fn
 
     def set_default_handler(self, fn: Handler | None) -> None:
         """Handle requests for commands that have no handler with ``fn(params, request)``
         instead of answering ``unknown-command`` (a bound queue takes any command)."""
         if fn is not None and len(inspect.signature(fn).parameters) != 2:
             raise UsageError("a default handler takes (params, request)")
-        self._default_handler = fn
+        self._s.default_handler = fn
 
     def answer(
         self, request: Message, result: Any = None, *, attachments: Sequence[Buffer] = ()
@@ -1145,24 +706,15 @@ class Bus:
             UsageError: ``result`` cannot be encoded (nothing was sent).
         A request whose caller is gone is answered anyway; the broker discards it.
         """
-        try:
-            pieces = encode_frame(
-                _REPLY,
-                target=request._reply_to,
-                request_id=request.request_id,
-                body=encode_cbor(result) if result is not None else b"",
-                blobs=attachments,
-                source=self._stamp,
-            )
-        except LocalProtocolError as exc:
-            raise UsageError(f"answer cannot be encoded: {exc}") from exc
-        if self._lost is None and not self._closed:
-            self._queue_urgent(pieces)
+        self._queue_answer(self._s.encode_answer(request, result, attachments))
 
     def answer_error(self, request: Message, code: str, message: str, data: object = None) -> None:
-        """Answer ``request`` (received by an inline handler) with an ERROR ``code``."""
-        if self._lost is None and not self._closed:
-            self._queue_urgent(self._error_frame(request, code, message, data))
+        """Answer ``request`` (received by an inline handler) with an ERROR ``code``.
+
+        Raises:
+            UsageError: ``data`` cannot be encoded (nothing was sent).
+        """
+        self._queue_answer(self._s.encode_error(request, code, message, data))
 
     def _start_request(self, msg: Message, handler: Handler) -> None:
         """Run ``handler`` for a request, in the reader: a plain function is answered
@@ -1177,7 +729,7 @@ class Bus:
             msg.close()
             raise
         if inspect.isawaitable(result):
-            self._spawn(functools.partial(self._await_request, msg, result))
+            self.start_soon(functools.partial(self._await_request, msg, result))
         else:
             self._finish_request(msg, result, None)
 
@@ -1193,69 +745,10 @@ class Bus:
         self._finish_request(msg, value, None)
 
     def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
-        """Send the answer for ``result`` (or the ERROR for the handler's ``error``)."""
-        frame = msg._frame
-        try:
-            if error is not None:
-                raise error
-            if isinstance(result, Reply):
-                try:
-                    pieces = encode_frame(
-                        _REPLY,
-                        target=msg._reply_to,
-                        request_id=frame.request_id,
-                        body=encode_cbor(result.result) if result.result is not None else b"",
-                        blobs=result.attachments,
-                        n_fds=len(result.fds),
-                        source=self._stamp,
-                    )
-                except BaseException:
-                    close_fds(result.fds)
-                    raise
-                if result.fds:
-                    pieces = self._attach_fds(pieces, result.fds, owned=True)
-            else:
-                pieces = encode_frame(
-                    _REPLY,
-                    target=msg._reply_to,
-                    request_id=frame.request_id,
-                    body=encode_cbor(result) if result is not None else b"",
-                    source=self._stamp,
-                )
-        except CommandFailed as exc:
-            pieces = self._error_frame(msg, exc.code, exc.message, exc.data)
-        except (TypeError, ValueError, KeyError, RemoteProtocolError) as exc:
-            pieces = self._error_frame(msg, ErrorCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
-        except (LocalProtocolError, UsageError) as exc:
-            pieces = self._error_frame(
-                msg, ErrorCode.INTERNAL_ERROR, f"handler result cannot be encoded: {exc}"
-            )
-        except Exception as exc:
-            log.exception("handler for %r raised", msg.command)
-            pieces = self._error_frame(
-                msg,
-                ErrorCode.INTERNAL_ERROR,
-                f"{type(exc).__name__}: {exc}",
-                {"type": type(exc).__name__},
-            )
-        finally:
-            msg.close()  # descriptors the handler did not take_fds() are closed here
-        if self._lost is None and not self._closed:
-            self._queue_urgent(pieces)
-        else:
-            close_fds([fd for p in pieces if type(p) is FdBuffer for fd in p.fds])
-
-    def _error_frame(
-        self, msg: Message, code: str, message: str, data: object = None
-    ) -> list[Buffer]:
-        return encode_frame(
-            _ERROR,
-            target=msg._reply_to,
-            request_id=msg.request_id,
-            header=encode_cbor({"code": str(code), "message": message}),
-            body=encode_cbor(data) if data is not None else b"",
-            source=self._stamp,
-        )
+        """Send the session's answer for the handler's ``result`` or ``error``."""
+        pieces = self._s.answer_for(msg, result, error)
+        if pieces is not None:
+            self._queue_answer(pieces)
 
     # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
     def queue(self, name: str, *, producer: str | None = None) -> Queue:
@@ -1345,7 +838,7 @@ class Bus:
             return msg
         waited = await self._next_message()
         if waited is None:
-            lost = self._lost
+            lost = self._s.lost
             if self._closed or lost is None or lost.code == _SHUTDOWN:
                 raise StopAsyncIteration
             raise lost
@@ -1361,13 +854,13 @@ class Bus:
         with trio.fail_after(math.inf if timeout is None else timeout):
             msg = await self._next_message()
         if msg is None:
-            raise self._lost or ConnectionLost("the bus was closed")
+            raise self._s.lost or ConnectionLost("the bus was closed")
         return msg
 
     async def _next_message(self) -> Message | None:
         q = self._in
         while not q:
-            if self._lost is not None or self._closed:
+            if self._s.lost is not None or self._closed:
                 return None
             await self._in_wake.park()
         msg = q.popleft()
@@ -1414,8 +907,8 @@ class Bus:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
     async def _reader(self) -> None:
-        conn = self._conn
-        rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._max_fds))
+        conn, handle = self._conn, self._s.handle
+        rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._s.max_fds))
         receive = rx.receive_into
         received = False  # first pass: frames buffered behind WELCOME
         try:
@@ -1424,7 +917,7 @@ class Bus:
                     eof = not await receive(conn)
                 else:
                     eof, received = False, True
-                inq, sources, inline = self._in, self._sources, self._message_inline
+                inq, inline = self._in, self._message_inline
                 self._deferring = True
                 self._answered = 0
                 try:
@@ -1434,14 +927,17 @@ class Bus:
                             self._fail_all(ConnectionLost("the broker closed the connection"))
                             return
                         assert isinstance(ev, Frame)
-                        if ev.type == _MESSAGE:  # hot path: straight to the application
-                            if inline is None:
-                                inq.append(Message(ev, sources))
+                        event = handle(ev)
+                        if isinstance(event, Message):
+                            if ev.type != _MESSAGE:
+                                self._notification(event)
+                            elif inline is None:  # hot path: straight to the application
+                                inq.append(event)
                                 self._in_bytes += len(ev.raw)
                             else:
-                                self._message_inline_call(inline, Message(ev, sources))
-                        else:
-                            self._dispatch(ev)
+                                self._message_inline_call(inline, event)
+                        elif event is not None:
+                            self._dispatch(event)
                 finally:
                     self._deferring = False
                     if self._answered > 1:
@@ -1459,7 +955,7 @@ class Bus:
                     self._fail_all(ConnectionLost("the broker closed the connection"))
                     return
                 if self._in_bytes > IN_HIGH_WATER:
-                    while self._in_bytes > IN_HIGH_WATER and self._lost is None:
+                    while self._in_bytes > IN_HIGH_WATER and self._s.lost is None:
                         await self._in_taken.park()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
@@ -1477,84 +973,50 @@ class Bus:
             log.exception("inline message callback %r raised", callback)
             msg.close()
 
-    def _dispatch(self, frame: Frame) -> None:
-        t = frame.type
-        if t == _MESSAGE or t == _NOTIFY:
-            msg = Message(frame, self._sources)
-            if t == _NOTIFY and self._notify_inline:
-                icb = self._notify_inline.get(frame.target)
-                if icb is not None:
-                    try:
-                        icb(msg)
-                    except Exception:
-                        log.exception("inline notification callback %r raised", icb)
-                    finally:
-                        msg.close()
-                    return
-            if t == _NOTIFY and self._notify_cbs:
-                cbs = self._notify_cbs.get(frame.target)
-                if cbs:
-                    self._spawn(functools.partial(self._notify_callbacks, cbs, msg))
-                    return
-            self._in.append(msg)
-            self._in_bytes += len(frame.raw)  # the reader wakes the consumer once per batch
-        elif t == _REPLY or t == _ERROR:
-            if not frame.request_id:
-                h = frame.header()
-                code = str(h.get("code", ""))
-                log.error("broker reported: %s (%s)", h.get("message"), code)
-                self._fail_all(
-                    ConnectionLost(f"broker closed the connection: {h.get('message')}", code=code)
-                )
+    def _notification(self, msg: Message) -> None:
+        """A notification goes to its group's inline callback, else its callbacks (in a
+        task), else to iteration."""
+        if self._notify_inline:
+            icb = self._notify_inline.get(msg.target)
+            if icb is not None:
+                try:
+                    icb(msg)
+                except Exception:
+                    log.exception("inline notification callback %r raised", icb)
+                finally:
+                    msg.close()
                 return
-            call = self._calls.get(frame.request_id)
-            if call is not None:
-                call.answer(frame, _split_source(frame.source, self._sources)[0])
+        if self._notify_cbs:
+            cbs = self._notify_cbs.get(msg.target)
+            if cbs:
+                self.start_soon(functools.partial(self._notify_callbacks, cbs, msg))
+                return
+        self._in.append(msg)
+        self._in_bytes += msg.size  # the reader wakes the consumer once per batch
+
+    def _dispatch(self, event: Request | PendingCall | Send | Closed) -> None:
+        """Act on one of the session's events other than a received message."""
+        if isinstance(event, PendingCall):
+            if event.done:
                 self._answered += 1
+        elif isinstance(event, Request):
+            msg = event.message
+            if event.inline is not None:
+                try:
+                    event.inline(msg)
+                except Exception as exc:
+                    self._queue_answer(self._s.inline_failed(msg, exc))
             else:
-                close_fds(frame.fds)  # a late answer to a call we gave up on
-        elif t == _ROUTED:
-            call = self._calls.get(frame.request_id)
-            if call is not None:
-                to = frame.header().get("to", [])
-                assert isinstance(to, list)
-                call.routed([(str(a), str(b)) for a, b in to])
-        elif t == _REQUEST:
-            msg = Message(frame, self._sources)
-            if self._inline:
-                inline = self._inline.get(msg.command or "")
-                if inline is not None:
-                    try:
-                        inline(msg)
-                    except Exception as exc:
-                        log.exception("inline handler for %r raised", msg.command)
-                        self.answer_error(
-                            msg, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
-                        )
-                    return
-            handler = self._handlers.get(msg.command or "") or self._default_handler
-            if handler is None:
-                msg.close()
-                self._queue(
-                    self._error_frame(
-                        msg,
-                        ErrorCode.UNKNOWN_COMMAND,
-                        f"{self.name} ({self.lname}) has no command {msg.command!r}",
-                        sorted(self._handlers),
-                    )
-                )
-            else:
-                self._start_request(msg, handler)
-        elif t == _GOODBYE:
-            self._broker_goodbye.set()
-            reason = frame.header().get("reason")
-            if not self._closed:
-                self._fail_all(
-                    ConnectionLost(
-                        f"the broker closed the connection ({reason})",
-                        code=str(reason) if reason else None,
-                    )
-                )
+                assert event.handler is not None
+                self._start_request(msg, event.handler)
+        elif isinstance(event, Send):
+            if self._s.lost is None and not self._closed:
+                self._queue(event.pieces)
+        elif isinstance(event, Closed):
+            if event.goodbye:
+                self._broker_goodbye.set()
+            if event.error is not None:
+                self._fail_all(event.error)
 
 
 def _parse_address(address: str) -> tuple[str, str, int]:
@@ -1659,16 +1121,6 @@ async def _open_transport(
         raise body_error
 
 
-def _heartbeat_settings(bus: Bus) -> tuple[float, int] | None:
-    hb = bus._welcome.get("heartbeat")
-    if not isinstance(hb, dict):
-        return None
-    interval, misses = hb.get("interval"), hb.get("misses")
-    if not isinstance(interval, (int, float)) or not isinstance(misses, int) or interval <= 0:
-        return None
-    return float(interval), max(1, misses)
-
-
 async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
     """Detect a silent broker over TCP (a dead host or path sends no FIN or RST).
 
@@ -1700,16 +1152,7 @@ async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
             )
             await trio.aclose_forcefully(bus._stream)
             return
-        bus._next_rid += 1  # never registered as a call: the answer itself is ignored
-        bus._queue_urgent(
-            encode_frame(
-                _REQUEST,
-                target="msgq",
-                request_id=bus._next_rid,
-                header=encode_cbor({"cmd": "ping"}),
-                source=bus._stamp,
-            )
-        )
+        bus._queue_urgent(bus._s.encode_ping())
 
 
 def _answer_heartbeat(bus: Bus) -> Callable[[Message], None]:
@@ -1776,13 +1219,13 @@ async def connect(
             await trio.aclose_forcefully(stream)
             raise
         if remote:
-            bus._max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
-            bus._inline["msgq.heartbeat"] = _answer_heartbeat(bus)
+            bus._s.max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
+            bus._s.inline["msgq.heartbeat"] = _answer_heartbeat(bus)
         async with trio.open_nursery() as nursery:
             bus._nursery = nursery
             nursery.start_soon(bus._reader)
             nursery.start_soon(bus._writer)
-            hb = _heartbeat_settings(bus) if remote else None
+            hb = bus._s.heartbeat_settings() if remote else None
             if hb is not None:
                 nursery.start_soon(_heartbeat, bus, *hb)
             try:

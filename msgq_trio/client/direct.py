@@ -25,6 +25,7 @@ Where frames go while a method waits (all in the calling thread):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -38,62 +39,42 @@ from pathlib import Path
 from typing import Any
 
 from ..config import default_socket_path
-from ..errors import (
-    CommandFailed,
-    ConnectError,
-    ConnectionLost,
-    LimitExceeded,
-    MalformedMessage,
-    RequestTimeout,
-    UsageError,
-    rpc_error_from_wire,
-)
+from ..errors import ConnectError, ConnectionLost, LimitExceeded, UsageError
 from ..protocol.codes import ErrorCode, FrameType
-from ..protocol.connection import EOF, Connection, Role
-from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, encode_cbor, encode_simple
+from ..protocol.connection import EOF
+from ..protocol.errors import LocalProtocolError, ProtocolError
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame
 from ..transport.sockets import (
     ancillary_size,
     close_fds,
+    scratch_buffer,
     set_send_buffer,
+    take_fds,
     unconsumed_bytes,
 )
-from ..transport.sockets import scratch_buffer as _scratch
-from ..transport.sockets import take_fds as _take_fds
-from .bus import (
+from .message import Member, Message
+from .session import (
+    CLOSE_WAIT,
+    IN_HIGH_WATER,
     RECEIVE_SIZE,
     SEND_BUFFER,
-    Member,
-    Message,
-    Sources,
-    _split_source,
-    close_patience,
-    read_welcome,
-    request_header,
+    Closed,
+    Request,
+    Send,
+    Session,
+    as_handler,
 )
 
 log = logging.getLogger("msgq_trio.client.direct")
 
 #: Bytes of received one-way messages kept for receive() before the reading methods
-#: refuse to read more: the trio client's IN_HIGH_WATER (64 MiB), for the same reason
-#: (a burst the broker already accepted must fit; memory stays bounded).
-DEFAULT_MAX_BUFFERED = 64 * 1024 * 1024
-#: How long close() waits for the broker's GOODBYE (the trio client's value).
-CLOSE_WAIT = 2.0
-#: Descriptors one receive can take until WELCOME gives the broker's
-#: ``max_fds_per_message`` (its default, Linux's SCM_MAX_FD).
-_MAX_FDS = 253
+#: refuse to read more: the clients' shared bound (a burst the broker already accepted
+#: must fit; memory stays bounded).
+DEFAULT_MAX_BUFFERED = IN_HIGH_WATER
 
-_MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
-    int(FrameType.MESSAGE),
-    int(FrameType.REQUEST),
-    int(FrameType.REPLY),
-    int(FrameType.ERROR),
-    int(FrameType.NOTIFY),
-    int(FrameType.ROUTED),
-    int(FrameType.GOODBYE),
-)
-Handler = Callable[[Any], Any]
+_GOODBYE = FrameType.GOODBYE
+#: A command handler: ``fn(params)`` or ``fn(params, request)``, a plain function.
+Handler = Callable[..., Any]
 
 
 class DirectBus:
@@ -103,9 +84,12 @@ class DirectBus:
     use their own connection). Command handlers run in that thread, inside whichever
     method is waiting for the socket; a handler may itself call :meth:`call`.
 
+    The blocking driver of the client :class:`~msgq_trio.client.session.Session`: the
+    socket and the waits are here; what frames mean and what to answer is the session's.
+
     Resource handling: :meth:`close` (or leaving the ``with`` block) says GOODBYE, waits
     for the broker's (``CLOSE_WAIT`` s, longer while the broker still takes our bytes;
-    see :func:`msgq_trio.client.bus.close_patience`), and closes the socket and the
+    see :func:`msgq_trio.client.session.close_patience`), and closes the socket and the
     descriptors of messages never received. After the connection is lost every method raises
     :class:`~msgq_trio.errors.ConnectionLost`.
     """
@@ -118,34 +102,44 @@ class DirectBus:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
     ) -> None:
-        self.name = name
-        self.lname = ""
-        self.broker_version = ""
         self.max_buffered = max_buffered
         self._sock = sock
         self._fd = sock.fileno()
-        self._conn = Connection(Role.CLIENT, max_frame_size)
-        self._stamp = b""
-        self._sources: Sources = {}
-        self._targets: dict[str, bytes] = {}
+        self._s = Session(name, max_frame_size)
+        self._s.fd_passing = False  # plain send(): no SCM_RIGHTS on this driver
+        self._conn = self._s.conn
         self._poll_in = select.poll()
         self._poll_in.register(self._fd, select.POLLIN)
-        self._ancsize = ancillary_size(_MAX_FDS)
+        self._ancsize = ancillary_size(self._s.max_fds)
         #: Parsed frames not yet dispatched (a reading method dispatches them in order).
         self._frames: deque[Frame] = deque()
         self._frames_bytes = 0
         #: Received one-way messages for receive(), and their bytes.
         self._inbox: deque[Message] = deque()
         self._inbox_bytes = 0
-        self._handlers: dict[str, Handler] = {}
-        self._next_rid = 0
-        #: request id -> the answer frame, for the calls in progress (nested ones too).
-        self._answers: dict[int, Frame | None] = {}
-        self._lost: ConnectionLost | None = None
         self._closed = False
         self._goodbye = False
-        self._close_patience = CLOSE_WAIT
         self._goodbye_reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The client name sent in HELLO."""
+        return self._s.name
+
+    @property
+    def lname(self) -> str:
+        """This connection's address, assigned by the broker (``l.N``)."""
+        return self._s.lname
+
+    @property
+    def broker_version(self) -> str:
+        """The broker's version from WELCOME."""
+        return self._s.broker_version
+
+    @property
+    def session(self) -> Session:
+        """The sans-I/O protocol state under this driver."""
+        return self._s
 
     # -- connection ------------------------------------------------------------------
     def _handshake(self, timeout: float) -> None:
@@ -157,11 +151,11 @@ class DirectBus:
         """
         deadline = time.monotonic() + timeout
         try:
-            self._write(b"".join(self._conn.hello(self.name, {"pid": os.getpid()})))
+            self._write(b"".join(self._s.hello()))
             while not self._frames:
-                if self._lost is not None:
+                if self._s.lost is not None:
                     raise ConnectError(
-                        f"broker closed the connection during the handshake: {self._lost}"
+                        f"broker closed the connection during the handshake: {self._s.lost}"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -171,16 +165,10 @@ class DirectBus:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
         ev = self._frames.popleft()
         self._frames_bytes -= len(ev.raw)
-        try:
-            header, self.lname, self._stamp, max_fds = read_welcome(ev, self.name)
-            self._close_patience = close_patience(header)
-        except RemoteProtocolError as exc:
-            raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
-        self.broker_version = str(header.get("broker", ""))
-        if max_fds is not None:
-            # A message may carry that many; a smaller buffer would truncate them (and
-            # the kernel's MSG_CTRUNC ends the connection).
-            self._ancsize = ancillary_size(max_fds)
+        self._s.receive_welcome(ev)
+        # A message may carry the broker's max_fds_per_message; a smaller buffer would
+        # truncate them (and the kernel's MSG_CTRUNC ends the connection).
+        self._ancsize = ancillary_size(self._s.max_fds)
 
     def close(self) -> None:
         """Say GOODBYE, wait for the broker's, close the socket. Idempotent.
@@ -192,13 +180,13 @@ class DirectBus:
             return
         self._closed = True
         try:
-            if self._lost is None:
+            if self._s.lost is None:
                 try:
-                    self._write(b"".join(self._conn.send(FrameType.GOODBYE)))
+                    self._write(b"".join(self._s.goodbye()))
                     now = time.monotonic()
                     deadline, since = now + CLOSE_WAIT, now
                     unread = unconsumed_bytes(self._sock.fileno())
-                    while self._lost is None and not self._goodbye:
+                    while self._s.lost is None and not self._goodbye:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             # The broker may be pausing our reads (backpressure): wait on
@@ -207,7 +195,7 @@ class DirectBus:
                             now = time.monotonic()
                             if unread < before:
                                 since = now
-                            if not unread or now - since >= self._close_patience:
+                            if not unread or now - since >= self._s.close_patience:
                                 break
                             deadline = now + CLOSE_WAIT
                             continue
@@ -230,8 +218,7 @@ class DirectBus:
                 msg.close()
             self._inbox.clear()
             self._inbox_bytes = 0
-            if self._lost is None:
-                self._lost = ConnectionLost("the bus was closed")
+            self._s.fail(ConnectionLost("the bus was closed"))
 
     def __enter__(self) -> DirectBus:
         return self
@@ -241,13 +228,12 @@ class DirectBus:
 
     # -- socket I/O (the one place OSError is translated) -----------------------------
     def _fail(self, message: str, code: str | None = None) -> ConnectionLost:
-        if self._lost is None:
-            self._lost = ConnectionLost(message, code=code)
-        return self._lost
+        return self._s.fail(ConnectionLost(message, code=code))
 
     def _check_open(self) -> None:
-        if self._lost is not None:
-            raise ConnectionLost(str(self._lost), code=self._lost.code)
+        lost = self._s.lost
+        if lost is not None:
+            raise ConnectionLost(str(lost), code=lost.code)
         if self._closed:
             raise UsageError("the bus is closed")
 
@@ -282,21 +268,21 @@ class DirectBus:
                 raise self._fail(f"connection to the broker failed: {exc}") from exc
             if got and got[0][1] & select.POLLIN:
                 self._read(0)
-                if self._lost is not None:
+                if self._s.lost is not None:
                     # EOF while our write waits (a broker shutting down says GOODBYE,
                     # closes its side and reads no more): polling on would spin.
-                    raise ConnectionLost(str(self._lost), code=self._lost.code)
+                    self._check_open()
 
     def _read(self, timeout: float | None) -> bool:
         """Receive once (waiting up to ``timeout`` s, None = forever, 0 = not at all) and
         parse what came into ``_frames``. False if nothing came in time. At EOF the
-        connection is marked lost (``_lost``), after the frames that came before it.
+        connection is marked lost (the session's ``lost``), after the frames that came before it.
 
         Raises:
             ConnectionLost: the connection failed or the broker broke the protocol (the
                 socket is then unusable).
         """
-        if self._lost is not None:
+        if self._s.lost is not None:
             return False
         sock = self._sock
         how = _RECV_FLAGS
@@ -316,7 +302,7 @@ class DirectBus:
                     return False
             except OSError as exc:
                 raise self._fail(f"connection to the broker failed: {exc}") from exc
-        view = _scratch(RECEIVE_SIZE)  # the thread's receive buffer, shared with trio's
+        view = scratch_buffer(RECEIVE_SIZE)  # the thread's receive buffer, shared with trio's
         try:
             n, anc, flags, _addr = sock.recvmsg_into((view,), self._ancsize, how)
         except BlockingIOError:
@@ -324,7 +310,7 @@ class DirectBus:
         except OSError as exc:
             raise self._fail(f"connection to the broker failed: {exc}") from exc
         try:
-            fds = _take_fds(anc, flags) if anc else []
+            fds = take_fds(anc, flags) if anc else []
             conn = self._conn
             conn.receive_data(view[:n], fds)  # the parser copies it
             for ev in conn.events():
@@ -351,39 +337,33 @@ class DirectBus:
 
     # -- dispatch ----------------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Hand out every parsed frame (see the module docstring for where each goes)."""
-        frames = self._frames
+        """Hand every parsed frame to the session and act on its event (see the module
+        docstring for where each goes).
+
+        Raises:
+            ConnectionLost: the broker ended the connection (GOODBYE, a final ERROR).
+        """
+        frames, handle = self._frames, self._s.handle
         while frames:
             frame = frames.popleft()
             self._frames_bytes -= len(frame.raw)
-            t = frame.type
-            if t == _REPLY or t == _ERROR:
-                rid = frame.request_id
-                if not rid:
-                    h = frame.header()
-                    log.error("broker reported: %s (%s)", h.get("message"), h.get("code"))
-                    raise self._fail(
-                        f"broker closed the connection: {h.get('message')}",
-                        code=str(h.get("code", "")),
-                    )
-                if rid in self._answers and self._answers[rid] is None:
-                    self._answers[rid] = frame
-                else:
-                    close_fds(frame.fds)  # a late answer to a call we gave up on
-            elif t == _MESSAGE or t == _NOTIFY:
-                self._inbox.append(Message(frame, self._sources))
+            try:
+                event = handle(frame)
+            except ProtocolError as exc:
+                raise self._fail(f"the broker violated the protocol: {exc}") from exc
+            if isinstance(event, Message):
+                self._inbox.append(event)
                 self._inbox_bytes += len(frame.raw)
-            elif t == _REQUEST:
-                self._serve_request(Message(frame, self._sources))
-            elif t == _GOODBYE:
-                self._goodbye = True
-                reason = frame.header().get("reason")
-                if not self._closed:
-                    raise self._fail(
-                        f"the broker closed the connection ({reason})",
-                        code=str(reason) if reason else None,
-                    )
-            # ROUTED belongs to calls to every member, which this client does not make.
+            elif isinstance(event, Request):
+                self._serve_request(event)
+            elif isinstance(event, Send):
+                self._write(b"".join(event.pieces))
+            elif isinstance(event, Closed):
+                if event.goodbye:
+                    self._goodbye = True
+                if event.error is not None:
+                    raise event.error
+            # A PendingCall: its caller's loop sees ``done``.
 
     def _pump(self, timeout: float | None) -> bool:
         """Dispatch what is parsed; if nothing was, read once (up to ``timeout``) and
@@ -396,7 +376,7 @@ class DirectBus:
         if self._frames:
             self._dispatch()
             return True
-        if self._lost is not None:
+        if self._s.lost is not None:
             self._check_open()
         if self._inbox_bytes > self.max_buffered:
             raise LimitExceeded(
@@ -409,73 +389,40 @@ class DirectBus:
         self._dispatch()
         return got
 
-    def _serve_request(self, msg: Message) -> None:
-        command = msg.command or ""
-        handler = self._handlers.get(command)
-        try:
-            if handler is None:
-                pieces = self._error_frame(
-                    msg,
-                    ErrorCode.UNKNOWN_COMMAND,
-                    f"{self.name} ({self.lname}) has no command {command!r}",
-                    sorted(self._handlers),
-                )
-            else:
-                pieces = self._run_handler(msg, handler)
-        finally:
-            msg.close()
-        self._write(pieces)
+    def _serve_request(self, request: Request) -> None:
+        """Run the request's handler here and write the session's answer for it.
 
-    def _run_handler(self, msg: Message, handler: Handler) -> bytes:
+        Raises:
+            ConnectionLost: the handler ended with this connection's loss (no answer).
+        """
+        msg, handler = request.message, request.handler
+        assert handler is not None  # no inline handlers on this driver
+        error: Exception | None = None
+        result: Any = None
         try:
-            result = handler(msg.body)
-            return encode_simple(
-                _REPLY,
-                msg._frame.source.partition(b"\0")[0],  # the caller's lname, as sent
-                encode_cbor(result) if result is not None else b"",
-                request_id=msg.request_id,
-                source=self._stamp,
-            )
-        except CommandFailed as exc:
-            return self._error_frame(msg, str(exc.code), str(exc), exc.data)
-        except MalformedMessage as exc:
-            return self._error_frame(msg, ErrorCode.BAD_REQUEST, str(exc))
-        except (TypeError, ValueError, KeyError, RemoteProtocolError) as exc:
-            return self._error_frame(msg, ErrorCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
-        except LocalProtocolError as exc:
-            return self._error_frame(
-                msg, ErrorCode.INTERNAL_ERROR, f"handler result cannot be encoded: {exc}"
-            )
-        except ConnectionLost:
-            raise  # this connection's own end, not the handler's answer
+            result = handler(msg.body, msg)
         except Exception as exc:
-            log.exception("handler for %r raised", msg.command)
-            return self._error_frame(
-                msg,
-                ErrorCode.INTERNAL_ERROR,
-                f"{type(exc).__name__}: {exc}",
-                {"type": type(exc).__name__},
+            error = exc
+        except BaseException:
+            msg.close()
+            raise
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()  # never awaited: no "coroutine was never awaited" warning
+            result, error = (
+                None,
+                UsageError(
+                    f"the handler for {msg.command!r} is async; the direct client runs plain "
+                    "functions (use msgq_trio.connect for async handlers)"
+                ),
             )
-
-    def _error_frame(self, msg: Message, code: str, message: str, data: object = None) -> bytes:
-        return encode_simple(
-            _ERROR,
-            msg._frame.source.partition(b"\0")[0],  # the caller's lname, as sent
-            encode_cbor(data) if data is not None else b"",
-            encode_cbor({"code": str(code), "message": message}),
-            request_id=msg.request_id,
-            source=self._stamp,
-        )
+        pieces = self._s.answer_for(msg, result, error)
+        if pieces is None:
+            self._check_open()  # the handler met this connection's end: raise it here
+            return
+        self._write(b"".join(pieces))
 
     # -- the API ---------------------------------------------------------------------
-    def _target(self, target: str) -> bytes:
-        tb = self._targets.get(target)
-        if tb is None:
-            tb = target.encode()
-            if len(self._targets) < 4096:  # bounded cache of encoded targets
-                self._targets[target] = tb
-        return tb
-
     def call(
         self, target: str, command: str, params: Any = None, *, timeout: float | None = None
     ) -> Any:
@@ -495,53 +442,21 @@ class DirectBus:
             ConnectionLost: the broker went away.
         """
         self._check_open()
+        s = self._s
+        call, pieces = s.start_call(target, command, params, now=time.monotonic(), timeout=timeout)
         try:
-            head = request_header(command, timeout)
-            body = encode_cbor(params) if params is not None else b""
-            self._next_rid += 1
-            rid = self._next_rid
-            frame = encode_simple(
-                _REQUEST, self._target(target), body, head, request_id=rid, source=self._stamp
-            )
-        except LocalProtocolError as exc:
-            raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
-        answers = self._answers
-        answers[rid] = None
-        try:
-            self._write(frame)
-            deadline = None if timeout is None else time.monotonic() + timeout + 1.0
-            while answers[rid] is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RequestTimeout(
-                        f"no answer from {target!r} within {timeout} s (and none from the broker)",
-                        sender=None,
-                    )
+            self._write(b"".join(pieces))
+            while not call.done:
+                left = None
+                if call.deadline is not None:
+                    now = time.monotonic()
+                    if call.expire(now):
+                        break
+                    left = call.deadline - now
                 self._pump(left)
-            answer = answers[rid]
         finally:
-            del answers[rid]
-        assert answer is not None
-        sender = _split_source(answer.source, self._sources)[0]
-        if answer.fds:
-            log.warning(
-                "answer to %r from %s carried %d file descriptors; closed",
-                command,
-                sender,
-                len(answer.fds),
-            )
-            close_fds(answer.fds)
-        try:
-            if answer.type == _REPLY:
-                return answer.body()
-            h = answer.header()
-            raise rpc_error_from_wire(
-                str(h.get("code", "")), str(h.get("message", "")), answer.body(), sender
-            )
-        except RemoteProtocolError as exc:
-            raise MalformedMessage(
-                f"answer from {sender} to a call to {target!r} is malformed: {exc}", sender
-            ) from exc
+            s.finish(call)
+        return s.call_result(call, command)
 
     def send(self, target: str, body: Any = None) -> None:
         """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``);
@@ -552,16 +467,8 @@ class DirectBus:
             ConnectionLost: the broker went away.
         """
         self._check_open()
-        try:
-            frame = encode_simple(
-                _MESSAGE,
-                self._target(target),
-                encode_cbor(body) if body is not None else b"",
-                source=self._stamp,
-            )
-        except LocalProtocolError as exc:
-            raise UsageError(f"cannot send to {target!r}: {exc}") from exc
-        self._write(frame)
+        frame = self._s.encode_message(target, body)
+        self._write(frame if isinstance(frame, bytes) else b"".join(frame))
 
     def receive(self, timeout: float | None = None) -> Message:
         """The next one-way message or notification (a :class:`msgq_trio.Message`),
@@ -574,7 +481,7 @@ class DirectBus:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._inbox:
-            if self._lost is not None and not self._frames:
+            if self._s.lost is not None and not self._frames:
                 self._check_open()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -601,16 +508,28 @@ class DirectBus:
             self._pump(left)
 
     def command(self, name: str) -> Callable[[Handler], Handler]:
-        """Decorator: answer requests for ``name`` with ``fn(params)``'s return value.
+        """Decorator: answer requests for ``name`` with ``fn(params)`` or
+        ``fn(params, request)``'s return value (a plain function).
 
-        The handler runs in this thread inside whichever method is waiting. Raise
+        The handler runs in this thread inside whichever method is waiting. What its
+        result or exception answers is the handler contract of every driver
+        (:meth:`msgq_trio.client.session.Session.answer_for`): raise
         :class:`msgq_trio.CommandFailed` to answer with a chosen error code; ``TypeError``,
-        ``ValueError`` and ``KeyError`` answer ``bad-request``, other exceptions
-        ``internal-error`` (logged with the traceback).
+        ``ValueError``, ``KeyError`` and a malformed request answer ``bad-request``, other
+        exceptions ``internal-error`` (logged with the traceback). A :class:`msgq_trio.Reply`
+        with descriptors answers ``internal-error``: this client cannot pass them.
+
+        Raises:
+            UsageError: ``fn`` is async, or takes neither (params) nor (params, request).
         """
 
         def register(fn: Handler) -> Handler:
-            self._handlers[name] = fn
+            if inspect.iscoroutinefunction(fn):
+                raise UsageError(
+                    "the direct client runs plain-function handlers; use msgq_trio.connect "
+                    "for async ones"
+                )
+            self._s.commands[name] = as_handler(fn)
             return fn
 
         return register

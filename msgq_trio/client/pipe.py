@@ -35,7 +35,8 @@ from ..errors import MsgqError, PipeBroken, PipeTimeout, RecipientGone, UsageErr
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .bus import Bus, _Call
+    from .bus import Bus
+    from .session import PendingCall
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -164,15 +165,16 @@ class _End:
 
     def _start(
         self, command: str, params: dict[str, Any], attachments: tuple[memoryview, ...] = ()
-    ) -> tuple[int, _Call]:
-        return self._bus._start_call(self._pipe.group, command, params, None, attachments, False)
+    ) -> tuple[int, PendingCall]:
+        call = self._bus.start_request(self._pipe.group, command, params, attachments=attachments)
+        return call.request_id, call
 
-    async def _wait(self, inflight: tuple[int, _Call]) -> Any:
+    async def _wait(self, inflight: tuple[int, PendingCall]) -> Any:
         """The answer of a request started with :meth:`_start`. Cancel-safe: cancelled,
         the request stays in flight and registered, to be waited for again."""
-        rid, call = inflight
-        await call.done.wait()
-        self._bus._calls.pop(rid, None)
+        _rid, call = inflight
+        await self._bus.wait_call(call)
+        self._bus.forget_call(call)
         if call.error is not None:
             raise _translate(call.error, f"pipe {self.name!r}")
         return call
@@ -195,7 +197,7 @@ class _End:
         return max(0.0, min(deadline - trio.current_time(), self._max_hold))
 
     async def _close_handle(
-        self, inflight: list[tuple[int, _Call]], params: dict[str, Any] | None = None
+        self, inflight: list[tuple[int, PendingCall]], params: dict[str, Any] | None = None
     ) -> None:
         """Detach the handle (shielded, at most 5 s); the plugin answers the requests
         still in ``inflight`` before the close, so their slots are freed here."""
@@ -207,8 +209,8 @@ class _End:
                 )
             except (MsgqError, trio.ClosedResourceError):
                 pass  # the handle is already gone with the plugin or the connection
-        for rid, _call in inflight:
-            self._bus._calls.pop(rid, None)
+        for _rid, call in inflight:
+            self._bus.forget_call(call)
 
 
 class PipeReader(_End, trio.abc.ReceiveStream):
@@ -228,7 +230,7 @@ class PipeReader(_End, trio.abc.ReceiveStream):
         self._readahead = max(0, readahead)
         self._depth = READ_DEPTH if self._readahead else 1
         self._buf = memoryview(b"")
-        self._inflight: deque[tuple[int, _Call]] = deque()
+        self._inflight: deque[tuple[int, PendingCall]] = deque()
         self._eofs = 0  # ends of pipe returned so far (the plugin's Rule 5)
         self._consumed = 0  # persistent pipes: bytes returned to the caller (Rule P3)
         self._next_at: int | None = None  # persistent pipes: offset of _buf's next byte
@@ -286,7 +288,7 @@ class PipeReader(_End, trio.abc.ReceiveStream):
                     raise
                 finally:
                     # aclose() from another task may have emptied ``inflight`` meanwhile.
-                    if inflight and inflight[0][1].done.is_set():
+                    if inflight and inflight[0][1].done:
                         inflight.popleft()
                 if self._closed:
                     # Closed by another task while we waited: whatever the answer says,
@@ -340,7 +342,7 @@ class _Chunk:
         self.seq = seq
         self.data = data
         self.more = more
-        self.inflight: tuple[int, _Call] | None = None
+        self.inflight: tuple[int, PendingCall] | None = None
 
 
 class PipeWriter(_End, trio.abc.SendStream):

@@ -246,10 +246,10 @@ class Consumer:
             return  # delivered by a plugin process that is gone
         (self._acks if ok else self._nacks).append(mid)
         if len(self._acks) + len(self._nacks) >= self._ack_batch:
-            self._q._bus._spawn(self._flush)
+            self._q._bus.start_soon(self._flush)
         elif not self._flush_pending:
             self._flush_pending = True
-            self._q._bus._spawn(self._flush_later)
+            self._q._bus.start_soon(self._flush_later)
 
     async def _flush_later(self) -> None:
         await trio.sleep(ACK_DELAY)
@@ -284,7 +284,7 @@ class Consumer:
             await bus.subscribe(events)
         table[name] = self
         self._started = True
-        bus._spawn(self._watch_lost)
+        bus.start_soon(self._watch_lost)
         await self._consume()
 
     async def _consume(self) -> None:
@@ -301,7 +301,7 @@ class Consumer:
         if self._closed or self._instance is None or instance == self._instance:
             return
         self._instance = instance
-        self._q._bus._spawn(self._reattach)
+        self._q._bus.start_soon(self._reattach)
 
     async def _reattach(self) -> None:
         """The plugin process this consumer consumed from is gone and another started:
@@ -336,8 +336,7 @@ class Consumer:
         are still taken, then ``ConnectionLost`` (a consumer must not wait forever for
         deliveries from a broker that is gone)."""
         bus = self._q._bus
-        await bus._lost_event.wait()
-        self._lost = bus._lost
+        self._lost = await bus.wait_lost()
         self._send.close()
 
     def __aiter__(self) -> Consumer:
