@@ -218,6 +218,15 @@ _METRICS = [
         "end of run: alive before SIGTERM, exit status, socket file removed",
     ),
     ("`broker.{restarts,restart_ms}`", "broker restarts and the time to listen again"),
+    (
+        "`broker.NAME.{restarts,restart_ms,exit_status}`",
+        "the same for broker NAME of `[brokers]` (not leak-checked: only the scenario's "
+        "own broker is measured)",
+    ),
+    (
+        "`CLIENT.connections.{unix,tcp,tls}`",
+        "connections a built-in library role made, by transport (a reconnect is one more)",
+    ),
     ("`broker.log_{lines,warnings,errors,tracebacks}`", "broker log line counts"),
     ("`fault.NAME.at_ms`", "when the fault struck, ms after traffic started"),
     ("`CLIENT.restarts`", "restarts of the client's processes by the `restart` fault"),
@@ -340,7 +349,8 @@ silence = 30                      # no program silent longer than this (seconds)
 ```
 
 Placeholders in `command` and `env`: `{python}` (the runner's Python), `{socket}` (the
-broker's socket), `{tmp}` (the run's directory), `{name}` (`NAME-I`). Each program gets
+broker's socket), `{address}` (where clients connect: the socket or its TCP/TLS URL),
+`{tmp}` (the run's directory), `{name}` (`NAME-I`). Each program gets
 `MSGQ_TRIO_SOCKET` (so `msgq_trio.connect()` with no address finds the broker),
 `MSGQ_TRIO_CLIENT` (its name) and `MSGQ_TRIO_HISTORY`: a file to append its operations
 to, one JSON object per line, from any language:
@@ -369,11 +379,53 @@ each program turns its own timeout into a recorded error the scenario does not a
 (`read-timeout`), and a program can check a bound of the system and record a failure
 (the writer's `--max-backlog`: the pipe holds at most `max_buffer` while it waits).
 
-A second broker is a program too: `link-chain-two-brokers` runs broker B as an exec
-service (`msgq-trio serve --socket {tmp}/b.sock ...`, ready on its `listening` line), the
-link plugin of the scenario's broker points at `{tmp}/b.sock` (placeholders work in
-plugin settings), B's consumer gets `env = ["MSGQ_TRIO_SOCKET={tmp}/b.sock"]`, and the
-`restart` fault crashes and restarts B on its store. A
+### Brokers over TCP and TLS, more brokers, the network between them
+
+`[broker] listen = "tcp"` or `"tls"` makes the scenario's broker listen on 127.0.0.1 too
+(a free port, kept across its restarts) and gives the clients that address instead of
+the socket: `MSGQ_TRIO_SOCKET=tcp://...`, `MSGQ_TRIO_TOKEN` (a token made for the run;
+the broker grants it every verb) and, for TLS, `MSGQ_TRIO_TLS_CA` (the certificate the
+runner made with `openssl` and the broker serves). The built-in roles use them; a
+program of yours builds its `ssl.SSLContext` from `MSGQ_TRIO_TLS_CA`. `[broker.tcp]`
+takes the broker's other `[tcp]` settings (`heartbeat_interval`, `heartbeat_misses`).
+`tcp-broker-restart-reconnect` and `tls-callee-stalled-heartbeat` do this.
+
+More brokers are `[brokers.NAME]` tables with the same keys, started before the
+scenario's own; with `netns = true` (and `listen = "tls"`) a broker runs in a network
+namespace of its own, joined to the runner's by a veth pair, and the `net-cut`,
+`net-heal`, `net-netem` (`netem = "delay 50ms 20ms loss 10%"`) and `net-clear` faults
+act on that pair. The broker faults take `target = "NAME"`. Their addresses are
+placeholders, in plugin settings too: `{broker.NAME}` (where its clients connect),
+`{socket.NAME}` (its Unix socket, which reaches it from any namespace), `{token_file}`
+and `{tls_ca}` for a link to it:
+
+```toml
+[brokers.b]
+listen = "tls"
+netns = true
+plugins = ["queue"]
+
+[broker.plugin.link.links.to-b]
+address = "{broker.b}"
+from_queue = "orders"
+tls = true
+tls_ca = "{tls_ca}"
+token_file = "{token_file}"
+
+[[faults]]
+at = 1.5
+action = "net-cut"                # no FIN, no RST: only heartbeats notice
+target = "b"
+```
+
+`link-netns-cut-restart` and `link-netns-lossy` are built so. A scenario this machine
+cannot run (namespaces need root, `ip` and `tc`; TLS needs `openssl`; `net-netem` needs
+a kernel with netem) is not run: `run` prints `SKIP` with the reason, it counts as
+neither passed nor failed, JUnit gets a `skipped` testcase and pytest skips its test.
+
+A second broker can also be a program: `link-chain-two-brokers` runs broker B as an
+exec service (`msgq-trio serve --socket {tmp}/b.sock ...`, ready on its `listening`
+line), and the `restart` fault crashes and restarts B on its store. A
 broken invariant fails the scenario and names the operations (`history check lost: 1
 acked messages were never delivered: #1 producer-0 ok send p1:7 at 12.600`); the
 program's stdout is kept in `NAME-I.stdout` and its stderr in `NAME-I.log` (`run --keep`).
@@ -426,6 +478,10 @@ key_figures = ["sub.received", "caller.err.receiver-full"]
 flags = { out-soft-limit = "1 MiB", slow-consumer-timeout = 1.5 }   # any `serve` flag
 nofile = 64             # optional: RLIMIT_NOFILE of the broker process
 log_level = "INFO"
+listen = "unix"         # or "tcp" / "tls": clients connect over TCP (see the guide)
+tcp = { heartbeat_interval = 0.5 }   # more [tcp] settings, with tcp / tls
+
+[brokers.b]             # more brokers: the same keys, plus netns = true (root)
 
 [[clients]]             # one table per kind of client; started in parallel
 name = "sub"            # metric namespace: sub.received, sub.latency.p99_ms, ...

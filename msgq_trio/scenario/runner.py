@@ -4,8 +4,10 @@ schedule, every figure measured, the expectations checked.
 :func:`run_scenario` is the library entry point shared by pytest (tests/test_scenarios.py)
 and the command line (``msgq-trio scenario run``). The phases of a run:
 
-1. start ``msgq-trio serve`` with the scenario's flags (optionally a lower RLIMIT_NOFILE)
-   on a socket in a fresh directory under /tmp, wait until it listens;
+1. build the network (network namespaces, a TCP port per TCP/TLS broker, a TLS
+   certificate, the token: :mod:`msgq_trio.scenario.network`), start the brokers of
+   ``[brokers]``, then ``msgq-trio serve`` with the scenario's flags (optionally a lower
+   RLIMIT_NOFILE) on a socket in a fresh directory under /tmp, wait until each listens;
 2. baseline: the broker's ``stats`` (fds, tasks, connections, RSS) through a probe
    connection;
 3. start every client process at once and wait until each reports ``ready``;
