@@ -103,9 +103,10 @@ BENCH_TOKEN = "msgq-trio-bench-token"
 
 def _start_msgq_tcp(run_dir: Path, _pattern: str, _deadline: float, *, tls: bool) -> Service:
     """msgq_trio with its clients on TCP loopback (token auth, an allow-all rule), over
-    TLS with a fresh self-signed P-256 certificate (openssl CLI) when ``tls``."""
+    TLS with a fresh self-signed certificate (openssl CLI, :func:`make_tls`) when ``tls``."""
     from ..core.access import hash_token
     from ..demo import start_broker
+    from ..scenario.network import make_tls
 
     port = free_port()
     lines = [
@@ -118,32 +119,7 @@ def _start_msgq_tcp(run_dir: Path, _pattern: str, _deadline: float, *, tls: bool
         "token": BENCH_TOKEN,
     }
     if tls:
-        cert, key = run_dir / "cert.pem", run_dir / "key.pem"
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-                "-days",
-                "1",
-                "-subj",
-                "/CN=127.0.0.1",
-                "-addext",
-                "subjectAltName=IP:127.0.0.1",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
+        cert, key = make_tls(run_dir, ["127.0.0.1"])
         lines += [f'certfile = "{cert}"', f'keyfile = "{key}"']
         addr["cafile"] = str(cert)
     else:

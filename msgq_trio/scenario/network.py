@@ -1,4 +1,4 @@
-"""The network around a scenario's brokers: a free TCP port, TLS material, and network
+"""The network around a scenario's brokers: TLS material, and network
 namespaces joined to the runner's by a veth pair, with the faults on that pair.
 
 Blocking calls (``openssl``, ``ip``, ``tc``), each bounded by a timeout; the runner calls
@@ -14,7 +14,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,17 +51,14 @@ def missing_tools(*, tls: bool, netns: bool) -> str | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (the broker binds it a moment later; a restart
-    binds the same port again, so clients reconnect to the address they were given)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def make_tls(directory: Path, ips: Sequence[str]) -> tuple[Path, Path]:
-    """A self-signed certificate for ``ips`` (its own CA: clients trust exactly it) and
-    its key, in ``directory``; returns ``(cert, key)``."""
+    """A self-signed P-256 certificate for ``ips`` (its own CA: clients trust exactly it)
+    and its key, in ``directory``; returns ``(cert, key)``. Also the benchmark's TLS
+    broker's.
+
+    Raises:
+        NetworkError: openssl failed or is missing (:func:`missing_tools` says first).
+    """
     cert, key = directory / "tls-cert.pem", directory / "tls-key.pem"
     san = ",".join(f"IP:{ip}" for ip in ips)
     _run(

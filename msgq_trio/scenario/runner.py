@@ -46,6 +46,7 @@ import attrs
 import trio
 
 from .. import __version__
+from ..bench.procs import free_port
 from ..client.bus import connect
 from ..config import ACCESS_VERBS
 from ..core.access import hash_token
@@ -57,7 +58,6 @@ from .network import (
     NETNS_PORT,
     Namespace,
     NetworkError,
-    free_port,
     make_tls,
     missing_tools,
     new_token,
@@ -594,7 +594,7 @@ class _Run:
                 node.ns.create()
                 node.host, node.port = node.ns.inner_ip, NETNS_PORT
             elif node.spec.listen != "unix":
-                node.port = free_port(node.host)
+                node.port = free_port()  # the address is 127.0.0.1
         if any(f.action == "net-netem" for f in self.sc.faults):
             ns = next(n.ns for n in self.nodes if n.ns is not None)
             if not ns.has_netem():
