@@ -610,7 +610,7 @@ class TapHub:
 
     Args:
         core: the broker core whose ``tap`` this manages.
-        after_core: the I/O layer's hook to run after queueing frames (wakes writers).
+        after_core: ``Server.after_core``, run after queueing frames (wakes writers).
         soft_limit: returns the current ``out_soft_limit`` (dump clients above it wait).
     """
 

@@ -359,7 +359,7 @@ async def _serve(config: Any, source: ConfigSource) -> int:
 
                     # Plugins connect to the socket as ordinary clients, so they start
                     # once it listens; "listening" is printed when they are ready too.
-                    # (_shutting_down: a plugin leaving during shutdown is not restarted.)
+                    # (shutting_down: a plugin leaving during shutdown is not restarted.)
                     supervisor = PluginSupervisor(
                         server.path, config.plugins, stopping=lambda: server.shutting_down
                     )
