@@ -63,6 +63,7 @@ from .session import (
     Send,
     Session,
     as_handler,
+    goodbye_error,
 )
 
 log = logging.getLogger("msgq_trio.client.direct")
@@ -119,7 +120,7 @@ class DirectBus:
         self._inbox_bytes = 0
         self._closed = False
         self._goodbye = False
-        self._goodbye_reason: str | None = None
+        self._goodbye_error: ConnectionLost | None = None
 
     @property
     def name(self) -> str:
@@ -315,20 +316,15 @@ class DirectBus:
             conn.receive_data(view[:n], fds)  # the parser copies it
             for ev in conn.events():
                 if ev is EOF:
-                    reason = self._goodbye_reason
-                    self._fail(
-                        f"the broker closed the connection ({reason})"
-                        if reason
-                        else "the broker closed the connection",
-                        code=reason,
+                    self._s.fail(
+                        self._goodbye_error or ConnectionLost("the broker closed the connection")
                     )
                     break
                 assert isinstance(ev, Frame)
                 if ev.type == _GOODBYE:
                     # Kept now: the EOF right behind it may end a write before the
-                    # GOODBYE is dispatched, and the reason belongs in that error.
-                    said = ev.header().get("reason")
-                    self._goodbye_reason = str(said) if said else None
+                    # GOODBYE is dispatched, and its reason belongs in that error.
+                    self._goodbye_error = goodbye_error(ev)
                 self._frames.append(ev)
                 self._frames_bytes += len(ev.raw)
         except ProtocolError as exc:

@@ -142,6 +142,19 @@ def close_patience(header: dict[str, object]) -> float:
     return CLOSE_WAIT
 
 
+def goodbye_error(frame: Frame) -> ConnectionLost:
+    """The ConnectionLost for the broker's GOODBYE ``frame``: its ``reason`` (e.g.
+    ``broker-shutdown``) is the code.
+
+    Raises:
+        RemoteProtocolError: the GOODBYE's header is malformed.
+    """
+    reason = frame.header().get("reason")
+    if not reason:
+        return ConnectionLost("the broker closed the connection (GOODBYE without a reason)")
+    return ConnectionLost(f"the broker closed the connection ({reason})", code=str(reason))
+
+
 def as_handler(fn: Callable[..., Any]) -> Handler:
     """``fn`` as a :data:`Handler`: the one handler signature is ``fn(params)`` or
     ``fn(params, request)``.
@@ -860,6 +873,8 @@ class Session:
             try:
                 command = msg.command
             except MalformedMessage as exc:
+                # The broker decodes every REQUEST header and drops a sender whose header
+                # is malformed, so only a broker's bug gets here: answer, do not crash.
                 msg.close()
                 return Send(self.encode_error(msg, ErrorCode.BAD_REQUEST, str(exc)))
             if self.inline:
@@ -880,17 +895,9 @@ class Session:
             call.routed([(str(a), str(b)) for a, b in to])
             return call
         if t == _GOODBYE:
-            reason = frame.header().get("reason")
+            lost = goodbye_error(frame)
             if self.closing:
                 return Closed(None, goodbye=True)
-            return Closed(
-                self.fail(
-                    ConnectionLost(
-                        f"the broker closed the connection ({reason})",
-                        code=str(reason) if reason else None,
-                    )
-                ),
-                goodbye=True,
-            )
+            return Closed(self.fail(lost), goodbye=True)
         close_fds(frame.fds)
         return None
