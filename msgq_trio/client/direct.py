@@ -402,9 +402,8 @@ class DirectBus:
         except BaseException:
             msg.close()
             raise
-        if inspect.isawaitable(result):
-            if inspect.iscoroutine(result):
-                result.close()  # never awaited: no "coroutine was never awaited" warning
+        if inspect.iscoroutine(result):  # async handlers are refused at registration
+            result.close()  # never awaited: no "coroutine was never awaited" warning
             result, error = (
                 None,
                 UsageError(
@@ -439,7 +438,8 @@ class DirectBus:
         """
         self._check_open()
         s = self._s
-        call, pieces = s.start_call(target, command, params, now=time.monotonic(), timeout=timeout)
+        now = time.monotonic() if timeout is not None else 0.0  # no deadline without one
+        call, pieces = s.start_call(target, command, params, now=now, timeout=timeout)
         try:
             self._write(b"".join(pieces))
             while not call.done:

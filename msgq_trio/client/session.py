@@ -90,14 +90,15 @@ TARGET_CACHE_MAX = 4096
 _CMD_HEADERS: dict[str, bytes] = {}
 _CMD_HEADERS_MAX = 256
 
+# Plain ints: compared once or more per received frame (an IntEnum compares slower).
 _MESSAGE, _REQUEST, _REPLY, _ERROR, _NOTIFY, _ROUTED, _GOODBYE = (
-    FrameType.MESSAGE,
-    FrameType.REQUEST,
-    FrameType.REPLY,
-    FrameType.ERROR,
-    FrameType.NOTIFY,
-    FrameType.ROUTED,
-    FrameType.GOODBYE,
+    int(FrameType.MESSAGE),
+    int(FrameType.REQUEST),
+    int(FrameType.REPLY),
+    int(FrameType.ERROR),
+    int(FrameType.NOTIFY),
+    int(FrameType.ROUTED),
+    int(FrameType.GOODBYE),
 )
 _FLAG_ALL = int(Flag.ALL)
 
@@ -612,17 +613,23 @@ class Session:
         source = self.relay_stamp(on_behalf_of) if on_behalf_of else self.stamp
         rid = self._next_rid + 1
         try:
-            pieces = encode_frame(
-                _REQUEST,
-                target=target,
-                request_id=rid,
-                flags=_FLAG_ALL if multi else 0,
-                header=head,
-                body=encode_cbor(params) if params is not None else b"",
-                blobs=attachments,
-                n_fds=len(fds),
-                source=source,
-            )
+            body = encode_cbor(params) if params is not None else b""
+            flags = _FLAG_ALL if multi else 0
+            if attachments or fds:
+                pieces = encode_frame(
+                    _REQUEST,
+                    target=target,
+                    request_id=rid,
+                    flags=flags,
+                    header=head,
+                    body=body,
+                    blobs=attachments,
+                    n_fds=len(fds),
+                    source=source,
+                )
+            else:  # the common case: one bytes object, the target's encoding cached
+                tb = self._targets.get(target) or self.target(target)
+                pieces = [encode_simple(_REQUEST, tb, body, head, rid, flags, source)]
         except LocalProtocolError as exc:
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
         if fds:
@@ -783,13 +790,16 @@ class Session:
                 if result.fds:
                     pieces = self.attach_fds(pieces, result.fds, owned=True)
                 return pieces
-            return encode_frame(
-                _REPLY,
-                target=request._reply_to,
-                request_id=request.request_id,
-                body=encode_cbor(result) if result is not None else b"",
-                source=self.stamp,
-            )
+            reply_to = request._reply_to
+            return [
+                encode_simple(
+                    _REPLY,
+                    self._targets.get(reply_to) or self.target(reply_to),
+                    encode_cbor(result) if result is not None else b"",
+                    request_id=request.request_id,
+                    source=self.stamp,
+                )
+            ]
         except CommandFailed as exc:
             return self.encode_error(request, str(exc.code), exc.message, exc.data)
         except MalformedMessage as exc:
