@@ -3,11 +3,12 @@ msgq_trio.scenario.examples.statsd [--interval S] [--timeout T] [--members M]``.
 
 Waits until ``Auth`` has M members (the servers came up), prints ``ready``, then every S
 seconds asks every member of ``Auth`` for its counters (``call_all("Auth", "stats")``,
-deadline T) and records the round as one ``stats`` operation: ``ok`` with how many members answered and how many failed, by
-error code (``{"answered": 2, "recipient-gone": 1}``: a member that died is reported
-gone by the broker, the round does not wait for it), or ``fail`` with
-``no-recipient`` when ``Auth`` is empty. The deadline is long on purpose (default
-30 s): a round left waiting shows as silence in the history. Runs until SIGTERM.
+deadline T) and records the round as one ``stats`` operation: ``ok`` with how many
+members answered and how many failed, by error code (``{"answered": 2,
+"recipient-gone": 1}``: a member that died is reported gone by the broker, the round
+does not wait for it), or ``fail`` with ``no-recipient`` when ``Auth`` is empty. The
+deadline is long on purpose (default 30 s): a round left waiting shows as silence in
+the history. Runs until SIGTERM.
 """
 
 from __future__ import annotations
