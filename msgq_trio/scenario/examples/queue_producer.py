@@ -1,5 +1,6 @@
 """A producer that must not lose a message: ``python -m
-msgq_trio.scenario.examples.queue_producer QUEUE N [--producer NAME] [--rate R]``.
+msgq_trio.scenario.examples.queue_producer QUEUE N [--producer NAME] [--rate R]
+[--resend-new-identity]``.
 
 Puts the integers 1..N into the durable queue QUEUE with its own producer name and the
 integer as producer seq, at most R per second; a put that fails or whose answer is lost
@@ -8,6 +9,12 @@ answers ``duplicate`` if the first one was stored). After a restart it goes on f
 queue's record of its highest seq. Prints ``ready`` once connected; exits 0 when all N
 are acked. History: ``send`` invoke, then ok (acked), fail (``queue-full``: not stored)
 or info (outcome unknown).
+
+Deliberately broken variant, for scenarios that must catch it: ``--resend-new-identity``
+reconnects under a new producer name (``NAME~1``, ``NAME~2``...) and resends its last
+``RESEND_TAIL`` messages to be safe; the queue has not seen that producer, so it stores
+them again (the queue deduplicates per producer name: a resend is only safe under the
+same name and seq).
 """
 
 from __future__ import annotations
@@ -22,16 +29,26 @@ from msgq_trio.errors import ConnectError, ConnectionLost, QueueFull, RpcError
 from ._history import History
 
 RETRY = 0.05
+#: How many of its last messages the broken variant resends after a reconnect: more
+#: than can be in flight (one), so every reconnect resends messages the queue has.
+RESEND_TAIL = 10
 
 
-async def main(queue: str, n: int, producer: str, rate: float) -> None:
+async def main(queue: str, n: int, producer: str, rate: float, resend_new: bool) -> None:
     h = History()
     seq = 0
     ready = False
+    identity = producer
+    reconnects = 0
     while seq < n:
         try:
             async with msgq_trio.connect(name=f"producer-{producer}") as bus:
-                q = bus.queue(queue, producer=producer)
+                if ready and resend_new:
+                    # The bug: a new name, so the queue cannot tell a resend from news.
+                    reconnects += 1
+                    identity = f"{producer}~{reconnects}"
+                    seq = max(0, seq - RESEND_TAIL)
+                q = bus.queue(queue, producer=identity)
                 if not ready:
                     seq = await q.producer_state()  # after a restart: where it was
                     print("ready", flush=True)
@@ -66,5 +83,6 @@ if __name__ == "__main__":
     p.add_argument("n", type=int)
     p.add_argument("--producer", default="p1")
     p.add_argument("--rate", type=float, default=0.0)
+    p.add_argument("--resend-new-identity", action="store_true")
     a = p.parse_args()
-    trio.run(main, a.queue, a.n, a.producer, a.rate)
+    trio.run(main, a.queue, a.n, a.producer, a.rate, a.resend_new_identity)
