@@ -309,8 +309,15 @@ faults, and checks what your system promises on the operations they recorded. St
 with `msgq-trio scenario new my-system` (a template that runs as written), or from the
 shipped examples, whose programs are plain scripts (`msgq_trio/scenario/examples/`):
 `example-dns-auth-restart` (three auth servers, a config manager, a resolver on the
-blocking client; one server SIGKILLed and restarted) and `durable-queue-kill-loop` (a
-producer and a consumer of a durable queue while the plugin and the broker are killed):
+blocking client; one server SIGKILLed and restarted), `example-dns-xfrin-crash` (a zone
+manager, two zone transfer workers, a stats collector asking every auth server for its
+counters; a worker SIGKILLed with transfers pending on it and restarted, an auth server
+SIGSTOPped and SIGKILLed in the middle of a stats round: the callers' deadlines are 30 s
+and `silence = 5`, so a caller not told `recipient-gone` at once fails the check) and
+`durable-queue-kill-loop` (a producer and a consumer of a durable queue while the plugin
+and the broker are killed). Their deliberately broken variants (`auth --swallow` and
+`--drop-config`, `xfrin --swallow`, `queue_producer --resend-new-identity`) fail these
+checks, naming the operations; the tests run them. A scenario file, in outline:
 
 ```toml
 [broker]
