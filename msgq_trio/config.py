@@ -78,7 +78,8 @@ class Limits:
     * ``busy_poll`` 200 us: the longest the broker keeps polling its sockets after a read
       instead of sleeping in ``epoll_wait``, so that the next frame (the callee's answer,
       the caller's next request) is taken without a wake-up (about 20 us on this VM, two
-      per round trip). Adaptive, after KVM's halt polling (``Server._adapt_busy_poll``):
+      per round trip). Adaptive, after KVM's halt polling (io/housekeeping.py,
+      ``BusyPoller.adapt``):
       two reads in a row within ``busy_poll`` of the one before open the window, one
       later closes it; so the broker polls while frames come back to back, and not for a
       quiet bus or calls paced apart (1,000 calls/s: 14.0 % of a core with it, 13.8 %

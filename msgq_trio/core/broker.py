@@ -138,7 +138,7 @@ class Broker:
         # Broker-wide counters of rare events; per-message counts live on each Peer.
         # no_recipient counts one-way messages and requests that reached nobody;
         # discarded_frames, frames of a client that hung up while its reads were paused
-        # by backpressure and that were never delivered (io/server.py).
+        # by backpressure and that were never delivered (io/connection.py).
         self.stats = {
             "no_recipient": 0,
             "discarded_frames": 0,

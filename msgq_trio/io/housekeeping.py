@@ -143,8 +143,7 @@ class BusyPoller:
                     await checkpoint()
                     # Polite spinning: a process runnable on this CPU (a client of ours,
                     # on a small machine) runs now rather than at the end of our time
-                    # slice. 16 requesters: 18-19k instead of 17k calls/s; round trip
-                    # 130-135 instead of 122-126 us (BENCHMARKS.md, "Busy polling").
+                    # slice; what it gains and costs: BENCHMARKS.md, "Busy polling".
                     yield_cpu()
             finally:
                 self.polling = False
