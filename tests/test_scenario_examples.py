@@ -56,7 +56,8 @@ def test_a_swallowing_transfer_worker_is_caught_naming_the_unanswered_calls(
 
 # A smaller durable-queue-kill-loop: one broker restart, struck by an event (the
 # producer's 40th history line) so it comes while the consumer still sleeps on its
-# first connection (--delay 4): the consumer takes every message in its second session,
+# first connection (--delay 10: seconds of margin for the restart on a busy machine): the
+# consumer takes every message in its second session,
 # where a message stored twice is delivered twice.
 QUEUE_RESEND = """
 summary = "s"
@@ -82,7 +83,7 @@ name = "consumer"
 role = "exec"
 [clients.params]
 command = ["{{python}}", "-m", "msgq_trio.scenario.examples.queue_consumer", "dq", "400",
-           "--delay", "4"]
+           "--delay", "10"]
 ready = "line:ready"
 
 [[faults]]
