@@ -1,0 +1,14 @@
+"""The asyncio client's public face: ``async with msgq_trio.aio.connect(path, name) as bus``.
+
+:func:`connect` yields an :class:`AioBus`, the asyncio driver of the client session
+(``msgq_trio/client/aio.py``), with the trio ``Bus``'s API for what it has: send, notify,
+call, request and call_all, subscriptions, command handlers (plain or ``async def``),
+notification callbacks, iteration and ``receive(timeout=)``, attachments, descriptors on
+Unix sockets, and ``tcp://``/``tls://`` addresses. Messages, results and errors are the
+package's own types (:class:`msgq_trio.Message`, :mod:`msgq_trio.errors`).
+"""
+
+from .client.aio import OUT_HIGH_WATER, AioBus, connect
+from .client.message import Member, Message, Reply, Result
+
+__all__ = ["OUT_HIGH_WATER", "AioBus", "Member", "Message", "Reply", "Result", "connect"]

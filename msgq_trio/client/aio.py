@@ -1,0 +1,1079 @@
+"""The asyncio client: ``connect()`` yields an :class:`AioBus` with the trio ``Bus``'s API.
+
+The asyncio driver of the client :class:`~msgq_trio.client.session.Session`: it owns a
+non-blocking socket, the event loop's reader and writer callbacks, handler tasks and
+backpressure; what frames mean and what to answer is the session's. It imports no trio
+(``tests/test_layering.py``): a program under ``asyncio.run`` needs no trio run context.
+
+How it runs on the loop (no task of its own for I/O):
+
+* reading: ``loop.add_reader`` calls :meth:`AioBus._on_readable`, which receives once
+  (``recvmsg_into``, descriptors included), feeds the session's codec and acts on every
+  event at once: messages go to the inbox for iteration and :meth:`AioBus.receive`,
+  plain-function handlers are answered right there, ``async def`` handlers and
+  notification callbacks get an asyncio task each. Over ``IN_HIGH_WATER`` bytes of
+  messages nobody took, the reader is removed until the application takes some: the
+  broker then pauses the senders (backpressure, never loss).
+* writing: frames are queued and written at once while the socket takes them; what it
+  does not take waits for ``loop.add_writer``. ``send`` and friends wait while more than
+  :data:`OUT_HIGH_WATER` bytes are queued, so a fast producer's memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import fcntl
+import inspect
+import logging
+import os
+import socket as pysocket
+import ssl
+import sys
+import termios
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from ..config import default_socket_path
+from ..errors import ConnectError, ConnectionLost, UsageError
+from ..protocol.codes import ErrorCode, FrameType
+from ..protocol.connection import EOF, NEED_DATA
+from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
+from .message import Buffer, Member, Message, Result, close_fds
+from .session import (
+    CLOSE_WAIT,
+    IN_HIGH_WATER,
+    RECEIVE_SIZE,
+    SEND_BUFFER,
+    Closed,
+    PendingCall,
+    Request,
+    Send,
+    Session,
+    as_handler,
+)
+
+__all__ = ["OUT_HIGH_WATER", "AioBus", "connect"]
+
+log = logging.getLogger("msgq_trio.client.aio")
+
+#: ``send``, ``notify`` and the calls wait once this many bytes are queued for the
+#: socket: the trio client's bound (its ``OUT_HIGH_WATER``), for the same reason (bounded
+#: memory while a fast publisher still fills the socket's buffer in few writes).
+OUT_HIGH_WATER = 1024 * 1024
+#: Most buffers one ``sendmsg`` gathers (Linux's UIO_MAXIOV is 1024).
+_MAX_IOV = 512
+#: After a write fails, how long the connection waits for the reader to see the broker's
+#: final ERROR or EOF (its reason is the better one) before it fails with the write error.
+_WRITE_ERROR_GRACE = 1.0
+#: A call's local deadline timer may fire up to the loop's clock resolution early; it
+#: looks again this much later (the session decides with the clock, not the timer).
+_RECHECK = 0.01
+
+_MESSAGE = int(FrameType.MESSAGE)
+_SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
+_FD_SIZE = array.array("i").itemsize
+_RECV_FLAGS = pysocket.MSG_CMSG_CLOEXEC | pysocket.MSG_DONTWAIT
+_SEND_FLAGS = pysocket.MSG_DONTWAIT | pysocket.MSG_NOSIGNAL
+
+#: A command handler as registered: ``fn(params)`` or ``fn(params, request)``, a plain
+#: function or an ``async def``.
+Handler = Callable[..., Any]
+
+
+# XX The socket toolkit (msgq_trio.transport.sockets) has these three helpers, but it
+# imports trio, which this driver must not; they move there once the toolkit's trio-free
+# part is a module of its own.
+def _ancillary_size(max_fds: int) -> int:
+    """recvmsg's ancillary buffer for up to ``max_fds`` descriptors."""
+    return pysocket.CMSG_SPACE(max(1, max_fds) * _FD_SIZE)
+
+
+def _take_fds(anc: list[tuple[int, int, bytes]], flags: int) -> list[int]:
+    """The descriptors in recvmsg's ancillary data (ours to close from here on).
+
+    Raises:
+        RemoteProtocolError: the ancillary buffer was too small (the broker sent more than
+            it announced as ``max_fds_per_message``); the ones that came are closed.
+    """
+    fds: list[int] = []
+    for level, kind, cdata in anc:
+        if level == pysocket.SOL_SOCKET and kind == pysocket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(cdata[: len(cdata) - len(cdata) % _FD_SIZE])
+            fds.extend(arr)
+    if flags & pysocket.MSG_CTRUNC:
+        close_fds(fds)
+        raise RemoteProtocolError(
+            "the broker sent more file descriptors in one message than max_fds_per_message",
+            ErrorCode.LIMIT_EXCEEDED,
+        )
+    return fds
+
+
+def _unconsumed_bytes(fd: int) -> int:
+    """Bytes we wrote to socket ``fd`` that the broker has not taken yet (SIOCOUTQ);
+    0 if the kernel cannot tell."""
+    try:
+        buf = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return array.array("i", buf)[0]
+
+
+def _wake(call: PendingCall) -> None:
+    """The session's wake-up for a finished call: resolve the future its caller awaits
+    (unless that caller was cancelled and the future with it)."""
+    fut = call.waiter
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+class AioBus:
+    """A connection to the broker for asyncio programs. Create it with :func:`connect`.
+
+    The methods are those of the trio :class:`~msgq_trio.Bus` of the same name, with the
+    same arguments, results and exceptions, except that :meth:`receive` raises the
+    builtin ``TimeoutError``. Use it from the event loop it was created on (one loop, one
+    thread).
+
+    Resource handling: leaving :func:`connect`'s block writes what is queued, says
+    GOODBYE, waits for the broker's (``CLOSE_WAIT`` s, longer while the broker still
+    takes our bytes: see :func:`msgq_trio.client.session.close_patience`), closes the
+    socket and the descriptors of messages never received, and cancels handler and
+    callback tasks. Pending calls then fail with :class:`~msgq_trio.errors.ConnectionLost`.
+    """
+
+    def __init__(
+        self, sock: pysocket.socket, name: str, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    ) -> None:
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._s = Session(name, max_frame_size, wake=_wake)
+        self._conn = self._s.conn
+        self._rxbuf = memoryview(bytearray(RECEIVE_SIZE))
+        self._ancsize = _ancillary_size(self._s.max_fds)
+        self._out: deque[Buffer] = deque()
+        self._out_bytes = 0
+        self._writer_armed = False
+        self._write_failed = False
+        #: Futures of coroutines waiting for the queue to shrink (send) or empty (flush).
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._in: deque[Message] = deque()
+        self._in_bytes = 0
+        self._in_waiters: list[asyncio.Future[None]] = []
+        self._reading = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
+        self._closed = False
+        self._broker_goodbye = asyncio.Event()
+        self._lost_event = asyncio.Event()
+
+    @property
+    def name(self) -> str:
+        """The client name sent in HELLO."""
+        return self._s.name
+
+    @property
+    def lname(self) -> str:
+        """This connection's unique address, assigned by the broker (``l.N``)."""
+        return self._s.lname
+
+    @property
+    def broker_version(self) -> str:
+        """The broker's version from WELCOME."""
+        return self._s.broker_version
+
+    @property
+    def session(self) -> Session:
+        """The sans-I/O protocol state under this driver."""
+        return self._s
+
+    @property
+    def limits(self) -> dict[str, object]:
+        """The broker's limits from WELCOME (docs/PROTOCOL.md), empty before it."""
+        return self._s.limits
+
+    @property
+    def lost(self) -> ConnectionLost | None:
+        """None while the connection is up; then the :class:`ConnectionLost` that calls
+        raise (``code`` says why)."""
+        return self._s.lost
+
+    async def wait_lost(self) -> ConnectionLost:
+        """Wait until the connection ends; returns :attr:`lost`."""
+        await self._lost_event.wait()
+        lost = self._s.lost
+        assert lost is not None
+        return lost
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def _handshake(self, hello_extra: dict[str, object]) -> None:
+        """Send HELLO and take WELCOME; frames right behind it stay in the codec for the
+        reader.
+
+        Raises:
+            ConnectError: the broker refused (``code``), closed, broke the protocol, or
+                the socket failed.
+        """
+        loop = self._loop
+        try:
+            await loop.sock_sendall(self._sock, b"".join(self._s.hello(hello_extra)))
+            while True:
+                data = await loop.sock_recv(self._sock, RECEIVE_SIZE)
+                self._conn.receive_data(data)
+                ev = self._conn.next_event()
+                if ev is EOF:
+                    raise ConnectError("broker closed the connection during the handshake")
+                if ev is NEED_DATA:
+                    continue
+                assert isinstance(ev, Frame)
+                self._s.receive_welcome(ev)
+                break
+        except OSError as exc:
+            raise ConnectError(f"connection to the broker failed: {exc}") from exc
+        except ProtocolError as exc:
+            raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
+        # A message may carry the broker's max_fds_per_message: a smaller buffer would
+        # truncate them (MSG_CTRUNC ends the connection).
+        self._ancsize = _ancillary_size(self._s.max_fds)
+
+    def _start(self) -> None:
+        """Start reading: first the frames that came behind WELCOME, then the socket."""
+        self._process()
+        if self._s.lost is None:
+            self._resume_reading()
+
+    async def _close(self) -> None:
+        """Write what is queued, say GOODBYE, wait for the broker's, close the socket,
+        cancel handler tasks (see the class docstring)."""
+        if self._closed:
+            return
+        self._closed = True
+        s = self._s
+        if s.lost is None:
+            try:
+                self._queue(s.goodbye())
+            except LocalProtocolError:
+                pass
+            loop = self._loop
+            left, since = self._out_bytes + _unconsumed_bytes(self._fd), loop.time()
+            while s.lost is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._broker_goodbye.wait(), CLOSE_WAIT)
+                    break
+                before, left = left, self._out_bytes + _unconsumed_bytes(self._fd)
+                if not left:
+                    break
+                if left < before:
+                    since = loop.time()  # the broker is still reading us
+                elif loop.time() - since >= s.close_patience:
+                    break
+        self._shutdown(ConnectionLost("the bus was closed"))
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _shutdown(self, exc: ConnectionLost) -> None:
+        """Fail the connection with ``exc`` (unless it failed already) and release the
+        socket and everything queued."""
+        self._fail_all(exc)
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        if self._writer_armed:
+            self._loop.remove_writer(self._fd)
+            self._writer_armed = False
+        self._drop_out()
+        for msg in self._in:
+            msg.close()
+        self._in.clear()
+        self._in_bytes = 0
+        close_fds(self._conn.take_orphan_fds())
+        self._sock.close()
+
+    def _fail_all(self, exc: ConnectionLost) -> None:
+        """The connection ended: the session fails every pending call; every waiter
+        wakes to see it."""
+        self._s.fail(exc)
+        self._lost_event.set()
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        if self._writer_armed:  # a writable socket would call it for nothing, forever
+            self._loop.remove_writer(self._fd)
+            self._writer_armed = False
+        self._wake_all(self._in_waiters)
+        self._wake_all(self._drain_waiters)
+
+    @staticmethod
+    def _wake_all(waiters: list[asyncio.Future[None]]) -> None:
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        waiters.clear()
+
+    def _check_open(self) -> None:
+        if self._s.lost is not None:
+            raise self._s.lost
+        if self._closed:
+            raise UsageError("the bus is closed")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in a task of this bus (cancelled when it closes)."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- writing -----------------------------------------------------------------------
+    def _queue(self, pieces: Sequence[Buffer]) -> None:
+        """Queue a frame's pieces and write what the socket takes now."""
+        out = self._out
+        for p in pieces:
+            out.append(p)
+            self._out_bytes += len(p)
+        if not self._writer_armed:
+            self._write()
+
+    def _queue_answer(self, pieces: list[Buffer]) -> None:
+        """Queue an answer while the connection is up; otherwise drop it (nobody is there
+        to take it) and close the descriptors it would have carried."""
+        if self._s.lost is None and not self._write_failed:
+            self._queue(pieces)
+        else:
+            close_fds([fd for p in pieces if type(p) is FdBuffer for fd in p.fds])
+
+    def _drop_out(self) -> None:
+        for p in self._out:
+            if type(p) is FdBuffer:
+                close_fds(p.fds)
+        self._out.clear()
+        self._out_bytes = 0
+
+    def _write(self) -> None:
+        """Write queued buffers while the socket takes them (small ones gathered into one
+        ``sendmsg``, a frame with descriptors in a ``sendmsg`` of its own); arm the
+        loop's writer callback for the rest."""
+        out, sock = self._out, self._sock
+        if self._write_failed or self._s.lost is not None:
+            self._drop_out()  # nobody reads them any more
+            return
+        try:
+            while out:
+                first = out[0]
+                if type(first) is FdBuffer:
+                    anc = [(pysocket.SOL_SOCKET, pysocket.SCM_RIGHTS, array.array("i", first.fds))]
+                    n = sock.sendmsg([first], anc, _SEND_FLAGS)
+                    # The kernel holds its own references once any byte went out.
+                    close_fds(first.fds)
+                    out.popleft()
+                    if n < len(first):
+                        out.appendleft(memoryview(first)[n:])
+                    self._out_bytes -= n
+                    continue
+                bufs: list[Buffer] = []
+                for b in out:
+                    if type(b) is FdBuffer or len(bufs) >= _MAX_IOV:
+                        break
+                    bufs.append(b)
+                n = sock.sendmsg(bufs, (), _SEND_FLAGS)
+                self._out_bytes -= n
+                while n:
+                    head = out[0]
+                    if n >= len(head):
+                        n -= len(head)
+                        out.popleft()
+                    else:
+                        out[0] = memoryview(head)[n:]
+                        n = 0
+        except BlockingIOError:
+            if not self._writer_armed:
+                self._loop.add_writer(self._fd, self._on_writable)
+                self._writer_armed = True
+        except OSError as exc:
+            self._write_error(exc)
+            return
+        else:
+            if self._writer_armed:
+                self._loop.remove_writer(self._fd)
+                self._writer_armed = False
+        if self._drain_waiters and self._out_bytes <= OUT_HIGH_WATER:
+            self._wake_all(self._drain_waiters)
+
+    def _on_writable(self) -> None:
+        if self._s.lost is None:
+            self._write()
+
+    def _write_error(self, exc: OSError) -> None:
+        """A write failed: nothing more is written. A broker that drops us sends an
+        ERROR frame with the reason and closes; the reader reports that if it comes in
+        time, else the connection fails with this error."""
+        self._write_failed = True
+        if self._writer_armed:
+            self._loop.remove_writer(self._fd)
+            self._writer_armed = False
+        self._drop_out()
+        lost = ConnectionLost(f"connection to the broker lost: {exc}")
+        self._loop.call_later(_WRITE_ERROR_GRACE, self._fail_all, lost)
+        self._wake_all(self._drain_waiters)
+
+    async def _wait_out(self) -> None:
+        """Wait while more than OUT_HIGH_WATER bytes are queued.
+
+        Raises:
+            ConnectionLost: the connection ended meanwhile.
+        """
+        while self._out_bytes > OUT_HIGH_WATER and self._s.lost is None:
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._drain_waiters.append(fut)
+            await fut
+        if self._s.lost is not None:
+            raise self._s.lost
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been written to the socket.
+
+        Raises:
+            ConnectionLost: the connection ended first.
+        """
+        while self._out_bytes and self._s.lost is None and not self._write_failed:
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._drain_waiters.append(fut)
+            if not self._writer_armed:  # woken at every drain below the bound
+                self._write()
+            await fut
+        if self._write_failed and self._s.lost is None:
+            await self.wait_lost()
+        self._check_open()
+
+    # -- reading -----------------------------------------------------------------------
+    def _resume_reading(self) -> None:
+        if not self._reading and self._s.lost is None:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _on_readable(self) -> None:
+        """One receive: bytes and descriptors into the codec, then every event acted on."""
+        try:
+            n, anc, flags, _addr = self._sock.recvmsg_into(
+                (self._rxbuf,), self._ancsize, _RECV_FLAGS
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
+            return
+        try:
+            fds = _take_fds(anc, flags) if anc else []
+            # An empty read is EOF: the codec yields it after the frames before it.
+            self._conn.receive_data(self._rxbuf[:n], fds)
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+            return
+        self._process()
+
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        log.error("broker violated the protocol: %s", exc)
+        self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
+        close_fds(self._conn.take_orphan_fds())
+
+    def _process(self) -> None:
+        """Act on every frame the codec has: the session's event for each (its rule 3)."""
+        conn, handle = self._conn, self._s.handle
+        got_message = False
+        try:
+            for ev in conn.events():
+                if ev is EOF:
+                    self._broker_goodbye.set()
+                    self._fail_all(ConnectionLost("the broker closed the connection"))
+                    break
+                assert isinstance(ev, Frame)
+                event = handle(ev)
+                if isinstance(event, Message):
+                    if ev.type == _MESSAGE or not self._notification(event):
+                        self._in.append(event)
+                        self._in_bytes += len(ev.raw)
+                        got_message = True
+                elif isinstance(event, Request):
+                    self._request(event)
+                elif isinstance(event, Send):
+                    self._queue_answer(event.pieces)
+                elif isinstance(event, Closed):
+                    if event.goodbye:
+                        self._broker_goodbye.set()
+                    if event.error is not None:
+                        self._fail_all(event.error)
+                # A PendingCall: the session woke its caller.
+            if conn.error_pending:
+                conn.events()  # raises the protocol error that followed valid frames
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+        if got_message:
+            self._wake_all(self._in_waiters)
+        if self._in_bytes > IN_HIGH_WATER and self._reading:
+            # Nobody takes the messages: read no more until they do (the broker then
+            # pauses our senders), never drop.
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+
+    def _notification(self, msg: Message) -> bool:
+        """Hand a notification to its group's callbacks (in a task); False if it has
+        none (then it goes to iteration)."""
+        cbs = self._notify_cbs.get(msg.target) if self._notify_cbs else None
+        if not cbs:
+            return False
+        self._spawn(self._notify_callbacks(list(cbs), msg))
+        return True
+
+    async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
+        try:
+            for cb in cbs:
+                try:
+                    r = cb(msg)
+                    if inspect.isawaitable(r):
+                        await r
+                except Exception:
+                    log.exception("notification callback %r raised", cb)
+        finally:
+            msg.close()  # descriptors a callback did not take_fds() are closed here
+
+    # -- serving commands ----------------------------------------------------------------
+    def _request(self, event: Request) -> None:
+        """Run a request's handler: a plain function right here (answered at once, no
+        task), an ``async def`` in a task of its own; inline handlers answer by
+        themselves."""
+        msg = event.message
+        if event.inline is not None:
+            try:
+                event.inline(msg)
+            except Exception as exc:
+                self._queue_answer(self._s.inline_failed(msg, exc))
+            return
+        handler = event.handler
+        assert handler is not None
+        try:
+            result = handler(msg.body, msg)
+        except Exception as exc:
+            self._finish_request(msg, None, exc)
+            return
+        except BaseException:
+            msg.close()
+            raise
+        if inspect.isawaitable(result):
+            self._spawn(self._await_request(msg, result))
+        else:
+            self._finish_request(msg, result, None)
+
+    async def _await_request(self, msg: Message, result: Any) -> None:
+        try:
+            value = await result
+        except Exception as exc:
+            self._finish_request(msg, None, exc)
+            return
+        except BaseException:
+            msg.close()  # cancelled (the bus is closing): no answer
+            raise
+        self._finish_request(msg, value, None)
+
+    def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
+        """Send the session's answer for the handler's ``result`` or ``error``."""
+        pieces = self._s.answer_for(msg, result, error)
+        if pieces is not None:
+            self._queue_answer(pieces)
+
+    def command(self, name: str) -> Callable[[Handler], Handler]:
+        """Decorator: register ``fn`` to answer requests for ``name``.
+
+        ``fn(params)`` or ``fn(params, request)``, a plain function or an ``async def``.
+        A plain function is called as the request arrives, without a task (it must not
+        block: it would block the event loop); an ``async def`` runs in an asyncio task
+        per request. What the result or exception answers is the one handler contract of
+        every driver (:meth:`msgq_trio.client.session.Session.answer_for`).
+
+        Raises:
+            UsageError: ``fn`` takes neither (params) nor (params, request).
+        """
+
+        def register(fn: Handler) -> Handler:
+            self.add_command(name, fn)
+            return fn
+
+        return register
+
+    def add_command(self, name: str, fn: Handler) -> None:
+        """Register ``fn`` for ``name`` (see :meth:`command`).
+
+        Raises:
+            UsageError: ``fn`` takes neither (params) nor (params, request).
+        """
+        self._s.commands[name] = as_handler(fn)
+
+    # -- sending -----------------------------------------------------------------------
+    async def send(
+        self,
+        target: str,
+        body: Any = None,
+        attachments: Sequence[Buffer] = (),
+        *,
+        header: dict[str, object] | None = None,
+        fds: Sequence[int] = (),
+    ) -> None:
+        """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
+
+        Returns once the frame is queued; waits only while more than
+        :data:`OUT_HIGH_WATER` bytes are queued. ``attachments`` are binary blobs;
+        ``fds`` are passed with SCM_RIGHTS (Unix sockets): each recipient gets its own
+        duplicate, and the caller still owns (and closes) the ones it passed.
+
+        Raises:
+            UsageError: the bus is closed, ``body`` cannot be encoded as CBOR, or the
+                descriptors cannot be sent (too many, or over TCP).
+            ConnectionLost: the broker went away.
+        """
+        self._check_open()
+        frame = self._s.encode_message(
+            target, body, header=header, attachments=attachments, fds=fds
+        )
+        self._queue((frame,) if isinstance(frame, bytes) else frame)
+        if self._out_bytes > OUT_HIGH_WATER:
+            await self._wait_out()
+
+    async def notify(self, group: str, event: str, params: Any = None) -> None:
+        """Publish notification ``event`` to ``group``; notifications are never answered.
+
+        Raises:
+            UsageError: ``params`` cannot be encoded, or the bus is closed.
+            ConnectionLost: the broker went away.
+        """
+        self._check_open()
+        self._queue(self._s.encode_notify(group, event, params))
+        await self._wait_out()
+
+    # -- RPC ---------------------------------------------------------------------------
+    def _start_call(
+        self,
+        target: str,
+        command: str,
+        params: Any,
+        timeout: float | None,
+        attachments: Sequence[Buffer],
+        multi: bool,
+        fds: Sequence[int] = (),
+    ) -> PendingCall:
+        self._check_open()
+        loop = self._loop
+        call, pieces = self._s.start_call(
+            target,
+            command,
+            params,
+            now=loop.time() if timeout is not None else 0.0,
+            timeout=timeout,
+            attachments=attachments,
+            multi=multi,
+            fds=fds,
+        )
+        call.waiter = loop.create_future()
+        self._queue(pieces)
+        return call
+
+    async def _finish_call(self, call: PendingCall) -> None:
+        """Wait for ``call``'s outcome (or its local deadline), then forget its slot."""
+        timer: asyncio.TimerHandle | None = None
+        if call.deadline is not None:
+            timer = self._loop.call_at(call.deadline, self._expire, call)
+        try:
+            await call.waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._s.finish(call)
+
+    def _expire(self, call: PendingCall) -> None:
+        if not call.expire(self._loop.time()) and not call.done:
+            self._loop.call_later(_RECHECK, self._expire, call)
+
+    async def call(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        fds: Sequence[int] = (),
+    ) -> Any:
+        """Call ``command`` on exactly one recipient and return its result.
+
+        No timeout is needed: the broker answers at once when nobody is there or the
+        recipient goes away, and after its ``request_timeout`` when the recipient
+        black-holes the request; ``timeout`` shortens that deadline for this call (the
+        client gives up by itself ``LOCAL_GRACE`` s after it if even the broker is
+        silent).
+
+        Raises:
+            NoRecipient, RecipientGone, RequestTimeout, ReceiverFull, MultipleRecipients,
+            LimitExceeded: the broker's answers. RemoteError: the handler failed
+            (``.code``, ``.message``, ``.data``). UsageError: a bad argument or a closed
+            bus. ConnectionLost: the broker went away.
+        """
+        call = self._start_call(target, command, params, timeout, attachments, False, fds)
+        await self._wait_out()
+        await self._finish_call(call)
+        return self._s.call_result(call, command)
+
+    async def request(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        fds: Sequence[int] = (),
+    ) -> Message:
+        """Like :meth:`call`, but returns the whole answer: a :class:`Message` of kind
+        ``"answer"`` with ``.body``, ``.attachments``, ``.fds`` and ``.sender``. The
+        caller owns the answer's descriptors (``with answer: ...``).
+
+        Raises:
+            The same exceptions as :meth:`call`.
+        """
+        call = self._start_call(target, command, params, timeout, attachments, False, fds)
+        await self._wait_out()
+        await self._finish_call(call)
+        if call.error is not None:
+            raise call.error
+        assert call.frame is not None
+        answer = Message(call.frame, self._s.sources)
+        answer._body, answer._decoded = call.result, True  # decoded once, by the call
+        return answer
+
+    async def call_all(
+        self, group: str, command: str, params: Any = None, *, timeout: float | None = None
+    ) -> list[Result]:
+        """Call ``command`` on every member of ``group`` (except this client).
+
+        Returns one :class:`Result` per member, in join order of the members the broker
+        routed to; a member that fails or leaves yields an error Result.
+
+        Raises:
+            NoRecipient: the group is empty. ConnectionLost: the broker went away.
+        """
+        call = self._start_call(group, command, params, timeout, (), True)
+        await self._wait_out()
+        await self._finish_call(call)
+        return call.member_results()
+
+    # -- broker commands ---------------------------------------------------------------
+    async def subscribe(self, group: str) -> bool:
+        """Join ``group``; returns False if already a member. Confirmed by the broker."""
+        return bool(await self.call("msgq", "subscribe", {"group": group}))
+
+    async def unsubscribe(self, group: str) -> bool:
+        """Leave ``group``; returns False if not a member. Confirmed by the broker."""
+        return bool(await self.call("msgq", "unsubscribe", {"group": group}))
+
+    async def members(self, group: str) -> list[Member]:
+        """Members of ``group`` in join order (``G[0]`` first)."""
+        rows = await self.call("msgq", "members", {"group": group})
+        return [Member(r["lname"], r["name"], r.get("pid", -1)) for r in rows]
+
+    async def version(self) -> dict[str, Any]:
+        """The broker's ``version`` answer."""
+        return dict(await self.call("msgq", "version"))
+
+    def on_notification(self, group: str, callback: Callable[[Message], Any]) -> None:
+        """Run ``callback(message)`` (a plain function or an ``async def``) for every
+        notification to ``group``, in a task, instead of delivering it to iteration; an
+        exception it raises is logged. Subscribe to the group separately."""
+        self._notify_cbs.setdefault(group, []).append(callback)
+
+    # -- receiving ---------------------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[Message]:
+        """Iterate over received messages and notifications, in arrival order.
+
+        The iteration ends only when it was ended cleanly: this bus was closed, or the
+        broker shut down and said GOODBYE.
+
+        Raises:
+            ConnectionLost: the connection broke or the broker dropped this client
+                (``code`` says why); messages received before it are all yielded first.
+        """
+        return self
+
+    async def __anext__(self) -> Message:
+        msg = await self._next_message()
+        if msg is None:
+            lost = self._s.lost
+            if self._closed or lost is None or lost.code == _SHUTDOWN:
+                raise StopAsyncIteration
+            raise lost
+        return msg
+
+    async def receive(self, timeout: float | None = None) -> Message:
+        """The next message or notification.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout`` seconds.
+            ConnectionLost: the connection ended.
+        """
+        if timeout is None:
+            msg = await self._next_message()
+        else:
+            async with asyncio.timeout(timeout):
+                msg = await self._next_message()
+        if msg is None:
+            raise self._s.lost or ConnectionLost("the bus was closed")
+        return msg
+
+    async def _next_message(self) -> Message | None:
+        """The next received message, waiting for one; None once the connection ended
+        and every message before the end was taken."""
+        q = self._in
+        while not q:
+            if self._s.lost is not None or self._closed:
+                return None
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._in_waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._in_waiters:  # cancelled (a receive timeout)
+                    self._in_waiters.remove(fut)
+        msg = q.popleft()
+        self._in_bytes -= len(msg._frame.raw)
+        if not self._reading and self._in_bytes <= IN_HIGH_WATER:
+            self._resume_reading()
+        return msg
+
+
+def _parse_address(address: str) -> tuple[str, str, int]:
+    """``tcp://HOST:PORT`` / ``tls://HOST:PORT`` -> (scheme, host, port).
+
+    Raises:
+        UsageError: not such a URL.
+    """
+    scheme, _, rest = address.partition("://")
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if scheme not in ("tcp", "tls") or not sep or not host or not port.isdigit():
+        raise UsageError(f"bus address {address!r} must be tcp://HOST:PORT or tls://HOST:PORT")
+    return scheme, host, int(port)
+
+
+async def _open_tcp(host: str, port: int, target: str) -> pysocket.socket:
+    """A connected non-blocking TCP socket to ``host:port`` (each address in turn).
+
+    Raises:
+        ConnectError: no address could be reached.
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=pysocket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to the broker at {target}: {exc}") from exc
+    last: OSError | None = None
+    for family, kind, proto, _name, addr in infos:
+        sock = pysocket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except OSError as exc:
+            sock.close()
+            last = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(pysocket.IPPROTO_TCP, pysocket.TCP_NODELAY, 1)
+        return sock
+    raise ConnectError(f"cannot connect to the broker at {target}: {last}")
+
+
+async def _pump_in(reader: asyncio.StreamReader, sock: pysocket.socket) -> None:
+    """TLS bridge, network to the bus's socket pair: copy until EOF, then pass it on."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError, ConnectionError):
+        while data := await reader.read(RECEIVE_SIZE):
+            await loop.sock_sendall(sock, data)
+        sock.shutdown(pysocket.SHUT_WR)
+
+
+async def _pump_out(sock: pysocket.socket, writer: asyncio.StreamWriter) -> None:
+    """TLS bridge, the bus's socket pair to the network: copy until EOF, then close."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError, ConnectionError):
+        while data := await loop.sock_recv(sock, RECEIVE_SIZE):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+
+
+@asynccontextmanager
+async def _open_transport(
+    target: str, ssl_context: ssl.SSLContext | None, server_hostname: str | None
+) -> AsyncIterator[tuple[pysocket.socket, bool]]:
+    """A connected non-blocking socket to the broker and whether it is a TCP one.
+
+    For ``tls://`` asyncio's TLS runs in two copy tasks between the network and one end
+    of a local socket pair, and the bus gets the other end: the bus reads and writes a
+    plain socket whatever the transport (as the trio client does).
+
+    Raises:
+        ConnectError: cannot connect, or the TLS handshake failed.
+    """
+    loop = asyncio.get_running_loop()
+    if not target.startswith(("tcp://", "tls://")):
+        sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, target)
+        except OSError as exc:
+            sock.close()
+            raise ConnectError(
+                f"cannot connect to the broker at {target}: {exc.strerror or exc}"
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            yield sock, False
+        finally:
+            sock.close()
+        return
+    scheme, host, port = _parse_address(target)
+    if scheme == "tcp":
+        sock = await _open_tcp(host, port, target)
+        try:
+            yield sock, True
+        finally:
+            sock.close()
+        return
+    ctx = ssl_context if ssl_context is not None else ssl.create_default_context()
+    try:
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=ctx, server_hostname=server_hostname or host
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConnectError(f"TLS connection to the broker at {target} failed: {exc}") from exc
+    inner, outer = pysocket.socketpair(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    inner.setblocking(False)
+    outer.setblocking(False)
+    pumps = [
+        loop.create_task(_pump_in(reader, outer)),
+        loop.create_task(_pump_out(outer, writer)),
+    ]
+    try:
+        yield inner, True
+    finally:
+        inner.close()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        outer.close()
+        writer.close()
+
+
+async def _heartbeat(bus: AioBus, interval: float, misses: int) -> None:
+    """Detect a silent broker over TCP (a dead host or path sends no FIN or RST), as the
+    trio client does: every ``interval`` without traffic, ``ping``; after ``misses``
+    silent intervals the connection is lost (code ``heartbeat-timeout``). Intervals in
+    which the reader is paused (the application is not consuming) do not count."""
+    last, missed = -1, 0
+    while bus.lost is None:
+        await asyncio.sleep(interval)
+        rx = bus._conn.received_bytes
+        if rx != last or bus._in_bytes > IN_HIGH_WATER:
+            last, missed = rx, 0
+            continue
+        missed += 1
+        if missed >= misses:
+            log.error(
+                "the broker sent nothing for %d heartbeat intervals of %s s: connection lost",
+                missed,
+                interval,
+            )
+            bus._shutdown(
+                ConnectionLost(
+                    f"the broker sent nothing for {missed * interval:g} s (heartbeat)",
+                    code=str(ErrorCode.HEARTBEAT_TIMEOUT),
+                )
+            )
+            return
+        bus._queue(bus._s.encode_ping())
+
+
+@asynccontextmanager
+async def connect(
+    socket: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    *,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    send_buffer: int = SEND_BUFFER,
+    token: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    timeout: float = 30.0,
+) -> AsyncIterator[AioBus]:
+    """Connect to the broker from asyncio; yields an :class:`AioBus`.
+
+    Args:
+        socket: the broker's Unix socket path, or ``tcp://HOST:PORT`` / ``tls://HOST:PORT``;
+            default ``$MSGQ_TRIO_SOCKET`` (a path or such a URL) or the per-user path
+            (:func:`msgq_trio.config.default_socket_path`).
+        name: this client's name, shown to others as ``sender_name``.
+        max_frame_size: the largest frame accepted from the broker.
+        send_buffer: SO_SNDBUF for a Unix socket (``SEND_BUFFER``; 0 = kernel default).
+        token: the credential for TCP (sent in HELLO); default ``$MSGQ_TRIO_TOKEN``.
+        ssl_context: for ``tls://``: an :class:`ssl.SSLContext`; default the system's
+            trust store.
+        server_hostname: the name the broker's certificate must carry (default the host).
+        timeout: longest wait for the broker's WELCOME.
+
+    Resource handling: see :class:`AioBus`.
+
+    Raises:
+        ConnectError: no broker at the address, TLS failed, it refused the handshake
+            (``code``), or it sent no WELCOME within ``timeout`` s.
+        UsageError: a malformed ``tcp://``/``tls://`` address.
+    """
+    if socket is not None:
+        target = os.fspath(socket)
+    else:
+        env = os.environ.get("MSGQ_TRIO_SOCKET", "")
+        target = env or str(default_socket_path())
+    async with _open_transport(target, ssl_context, server_hostname) as (sock, remote):
+        if not remote and send_buffer:  # TCP keeps the kernel's send buffer autotuning
+            with contextlib.suppress(OSError):
+                sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
+        bus = AioBus(sock, name or Path(sys.argv[0] or "client").name, max_frame_size)
+        hello: dict[str, object] = {}
+        if remote:
+            tok = token if token is not None else os.environ.get("MSGQ_TRIO_TOKEN")
+            if tok:
+                hello["token"] = tok
+        try:
+            await asyncio.wait_for(bus._handshake(hello), timeout)
+        except TimeoutError:
+            raise ConnectError(f"no WELCOME from the broker within {timeout} s") from None
+        if remote:
+            bus._s.fd_passing = False  # no SCM_RIGHTS over TCP: refused up front
+            bus._s.inline["msgq.heartbeat"] = lambda request: bus._queue_answer(
+                bus._s.encode_answer(request)
+            )
+        bus._start()
+        hb = bus._s.heartbeat_settings() if remote else None
+        if hb is not None:
+            bus._spawn(_heartbeat(bus, *hb))
+        try:
+            yield bus
+        finally:
+            await bus._close()
