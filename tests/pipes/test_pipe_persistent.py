@@ -138,7 +138,7 @@ def test_acked_writes_survive_sigkill_of_broker_and_plugin(
     got = int(line.split()[1])
     assert acked <= got < 40 * MiB and (got - acked) % (300 * KiB) == 0, (acked, got)
     assert reader.wait(10) == 0
-    assert "recovered" in b2.log()
+    b2.log_with("recovered")
 
 
 def test_sigkill_reader_mid_transfer_next_reader_resumes(
