@@ -279,8 +279,10 @@ async def test_fast_consumer_downstream_skips_writes_at_both_hops(
 ) -> None:
     """A healthy link and a consumer acking at once at B: the consumer's ack travels
     back through B and the link to A within A's grace, so neither broker writes (almost)
-    anything; the producer's ack 1 is "consumed" for those."""
-    c = chain(a_queue={"ack_grace": 0.5})
+    anything; the producer's ack 1 is "consumed" for those. The graces are seconds, far
+    above a loaded machine's round trip through both brokers (0.5 s wrote 700 at A
+    once under CPU burners)."""
+    c = chain(a_queue={"ack_grace": 3.0}, b_queue={"ack_grace": 3.0})
     got: list[int] = []
     async with (
         msgq_trio.connect(c.address("b"), "c") as cb,
