@@ -38,6 +38,7 @@ from ..transport.sockets import (
     set_send_buffer,
     unconsumed_bytes,
 )
+from ..transport.tls import client_context_from_env
 from .message import Buffer, Member, Message, Reply, Result
 from .session import (
     CLOSE_WAIT,
@@ -1064,6 +1065,7 @@ async def _open_transport(
 
     Raises:
         ConnectError: cannot connect, or the TLS handshake failed.
+        UsageError: a malformed address, or a TLS file of the environment unusable.
     """
     if not target.startswith(("tcp://", "tls://")):
         path = target
@@ -1076,18 +1078,18 @@ async def _open_transport(
         yield stream, False
         return
     scheme, host, port = _parse_address(target)
+    ctx = None
+    if scheme == "tls":  # before connecting: a context that cannot be built leaks nothing
+        ctx = ssl_context if ssl_context is not None else client_context_from_env()
     try:
         tcp = await trio.open_tcp_stream(host, port)
     except OSError as exc:
         raise ConnectError(
             f"cannot connect to the broker at {target}: {exc.strerror or exc}"
         ) from exc
-    if scheme == "tcp":
+    if ctx is None:
         yield tcp, True
         return
-    import ssl
-
-    ctx = ssl_context if ssl_context is not None else ssl.create_default_context()
     tls = trio.SSLStream(tcp, ctx, server_hostname=server_hostname or host)
     try:
         await tls.do_handshake()
@@ -1185,7 +1187,9 @@ async def connect(
         token: the credential for TCP (sent in HELLO); default ``$MSGQ_TRIO_TOKEN``. Not
             needed with a client certificate (in ``ssl_context``). Ignored for Unix sockets.
         ssl_context: for ``tls://``: an :class:`ssl.SSLContext` (CA to trust the broker,
-            optionally a client certificate); default the system's trust store.
+            optionally a client certificate); default one trusting ``$MSGQ_TRIO_TLS_CA``
+            (else the system's trust store) with ``$MSGQ_TRIO_TLS_CERT``/``_KEY`` as
+            client certificate if set, as the command line does.
         server_hostname: the name the broker's certificate must carry (default the host).
 
     Resource handling: leaving the block flushes queued frames, says GOODBYE, waits for
@@ -1196,7 +1200,8 @@ async def connect(
     Raises:
         ConnectError: no broker at the address, TLS failed, or it refused the handshake
             (``code`` ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...).
-        UsageError: a malformed ``tcp://``/``tls://`` address.
+        UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file named by
+            the environment that cannot be loaded.
     """
     if socket is not None:
         target = os.fspath(socket)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import ssl
 import sys
 import time
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import trio
 
 from ..config import CAPTURE_BODY_MODES, CAPTURE_KINDS
+from ..errors import UsageError
+from ..transport.tls import client_context
 
 
 class CliUsageError(Exception):
@@ -51,17 +52,9 @@ def connect_options(args: argparse.Namespace) -> dict[str, Any]:
     key = get("tls_key", "MSGQ_TRIO_TLS_KEY")
     if ca or cert:
         try:
-            ctx = ssl.create_default_context(cafile=ca)
-        except (OSError, ssl.SSLError) as exc:
-            raise CliUsageError(f"--tls-ca {ca}: cannot load the CA bundle: {exc}") from None
-        if cert:
-            try:
-                ctx.load_cert_chain(cert, key)
-            except (OSError, ssl.SSLError) as exc:
-                raise CliUsageError(
-                    f"--tls-cert {cert}: cannot load the certificate and key: {exc}"
-                ) from None
-        out["ssl_context"] = ctx
+            out["ssl_context"] = client_context(ca, cert, key)
+        except UsageError as exc:
+            raise CliUsageError(str(exc)) from None
     return out
 
 

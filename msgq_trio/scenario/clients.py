@@ -29,7 +29,6 @@ import os
 import random
 import select
 import signal
-import ssl
 import struct
 import sys
 import time
@@ -41,8 +40,7 @@ from typing import Any
 
 import trio
 
-from ..client.bus import Bus, Message
-from ..client.bus import connect as _connect
+from ..client.bus import Bus, Message, connect
 from ..errors import ConnectError, ConnectionLost, LimitExceeded, MalformedMessage, RpcError
 from ..protocol.codes import PROTOCOL_VERSION, FrameType
 from ..protocol.errors import ProtocolError, RemoteProtocolError
@@ -1200,15 +1198,6 @@ async def _watch_signals(ctx: Ctx) -> None:
                 ctx.on_usr1()
             else:
                 ctx.on_usr2()
-
-
-def connect(socket: str, **kwargs: Any) -> Any:
-    """:func:`msgq_trio.connect`, trusting ``$MSGQ_TRIO_TLS_CA`` for a ``tls://``
-    address: the runner gives a TLS broker a certificate of its own making."""
-    ca = os.environ.get("MSGQ_TRIO_TLS_CA")
-    if socket.startswith("tls://") and ca:
-        kwargs.setdefault("ssl_context", ssl.create_default_context(cafile=ca))
-    return _connect(socket, **kwargs)
 
 
 async def _amain(ctx: Ctx) -> int:

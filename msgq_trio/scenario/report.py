@@ -392,8 +392,8 @@ each program turns its own timeout into a recorded error the scenario does not a
 (a free port, kept across its restarts) and gives the clients that address instead of
 the socket: `MSGQ_TRIO_SOCKET=tcp://...`, `MSGQ_TRIO_TOKEN` (a token made for the run;
 the broker grants it every verb) and, for TLS, `MSGQ_TRIO_TLS_CA` (the certificate the
-runner made with `openssl` and the broker serves). The built-in roles use them; a
-program of yours builds its `ssl.SSLContext` from `MSGQ_TRIO_TLS_CA`. `[broker.tcp]`
+runner made with `openssl` and the broker serves): `msgq_trio.connect()` with no
+arguments uses all three, as the command line does. `[broker.tcp]`
 takes the broker's other `[tcp]` settings (`heartbeat_interval`, `heartbeat_misses`).
 `tcp-broker-restart-reconnect` and `tls-callee-stalled-heartbeat` do this.
 

@@ -24,7 +24,7 @@ import trio
 import trustme
 
 import msgq_trio
-from msgq_trio import ConnectError, ConnectionLost, Forbidden, RecipientGone
+from msgq_trio import ConnectError, ConnectionLost, Forbidden, RecipientGone, UsageError
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode, FrameType
 from msgq_trio.protocol.framing import encode_cbor
@@ -475,6 +475,35 @@ async def test_tls_token_and_client_certificate(tcp_broker, pki) -> None:
                 pass
         assert ei.value.code == "unauthenticated"
     b.log_with("TLS handshake failed")
+
+
+async def test_tls_trust_and_client_certificate_from_the_environment(
+    tcp_broker, pki, short_tmp: Path, monkeypatch
+) -> None:
+    """Without ``ssl_context``, ``connect`` trusts ``$MSGQ_TRIO_TLS_CA`` and presents
+    ``$MSGQ_TRIO_TLS_CERT`` (as the command line does): a program started with only
+    environment variables connects; without the CA it refuses the broker's certificate;
+    a CA file that cannot be loaded is the caller's error, named."""
+    rules = [*DEFAULT_RULES, {"who": ["tcp:carol"], "call": ["Svc"]}]
+    b = tcp_broker(
+        rules=rules, certfile=pki["certfile"], keyfile=pki["certfile"], client_ca=pki["client_ca"]
+    )
+    with pytest.raises(ConnectError) as ei:
+        async with msgq_trio.connect(b.url, name="x", token=ALICE):
+            pass
+    assert "TLS" in str(ei.value)
+    monkeypatch.setenv("MSGQ_TRIO_TLS_CA", pki["client_ca"])
+    async with msgq_trio.connect(b.url, name="tok", token=ALICE) as t:
+        assert t._welcome["identity"] == "tcp:alice"
+    carol = short_tmp / "carol.pem"
+    pki["carol"].private_key_and_cert_chain_pem.write_to_path(str(carol))
+    monkeypatch.setenv("MSGQ_TRIO_TLS_CERT", str(carol))
+    async with msgq_trio.connect(b.url, name="cert") as c:
+        assert c._welcome["identity"] == "tcp:carol"
+    monkeypatch.setenv("MSGQ_TRIO_TLS_CA", str(short_tmp / "absent.pem"))
+    with pytest.raises(UsageError, match=r"absent\.pem"):
+        async with msgq_trio.connect(b.url, name="y", token=ALICE):
+            pass
 
 
 # -- heartbeats ----------------------------------------------------------------------------
