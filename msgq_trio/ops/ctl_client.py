@@ -52,7 +52,7 @@ def connect_options(args: argparse.Namespace) -> dict[str, Any]:
     key = get("tls_key", "MSGQ_TRIO_TLS_KEY")
     if ca or cert:
         try:
-            out["ssl_context"] = client_context(ca, cert, key)
+            out["ssl_context"] = client_context(ca, cert, key, names=("--tls-ca", "--tls-cert"))
         except UsageError as exc:
             raise CliUsageError(str(exc)) from None
     return out

@@ -16,10 +16,15 @@ from ..errors import UsageError
 
 
 def client_context(
-    ca: str | None, cert: str | None = None, key: str | None = None
+    ca: str | None,
+    cert: str | None = None,
+    key: str | None = None,
+    *,
+    names: tuple[str, str] = ("TLS CA bundle", "TLS client certificate"),
 ) -> ssl.SSLContext:
     """A context that trusts ``ca`` (a PEM bundle; None: the system's trust store) and
     presents ``cert``/``key`` (a client certificate; ``key`` None: in ``cert``).
+    ``names`` say where the two came from, for the error (``--tls-ca``, ...).
 
     Raises:
         UsageError: a file cannot be read or is not what it should be (names it).
@@ -27,12 +32,14 @@ def client_context(
     try:
         ctx = ssl.create_default_context(cafile=ca)
     except (OSError, ssl.SSLError) as exc:
-        raise UsageError(f"TLS CA bundle {ca}: cannot load it: {exc}") from None
+        raise UsageError(f"{names[0]} {ca}: cannot load the CA bundle: {exc}") from None
     if cert:
         try:
             ctx.load_cert_chain(cert, key)
         except (OSError, ssl.SSLError) as exc:
-            raise UsageError(f"TLS client certificate {cert}: cannot load it: {exc}") from None
+            raise UsageError(
+                f"{names[1]} {cert}: cannot load the certificate and key: {exc}"
+            ) from None
     return ctx
 
 
@@ -48,4 +55,5 @@ def client_context_from_env() -> ssl.SSLContext:
         env("MSGQ_TRIO_TLS_CA") or None,
         env("MSGQ_TRIO_TLS_CERT") or None,
         env("MSGQ_TRIO_TLS_KEY") or None,
+        names=("$MSGQ_TRIO_TLS_CA", "$MSGQ_TRIO_TLS_CERT"),
     )
