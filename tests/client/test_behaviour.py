@@ -1,0 +1,558 @@
+"""One client behaviour suite on every driver: the trio ``Bus``, the blocking ``DirectBus``
+and the asyncio ``AioBus`` each drive a real broker process through the same steps and
+must show the same behaviour, so a difference between drivers is a failing test.
+
+The tests run on trio (pytest-trio). The blocking driver's methods run in worker threads;
+the asyncio driver runs under ``asyncio.run`` in a thread of its own (no trio context
+there, as in an asyncio program), and the test submits coroutines to its loop. A driver
+that lacks a feature by design is left out of that test's parameter list, with the
+reason beside the list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import msgq_trio
+import msgq_trio.aio
+from msgq_trio import ConnectionLost, RecipientGone, RemoteError, Result
+from msgq_trio.protocol.codes import ErrorCode
+
+DRIVERS = ["trio", "direct", "asyncio"]
+#: The direct client sends no attachments, descriptors or notifications and has no
+#: call_all (README "The direct client": use the trio client or sync.connect() for those);
+#: its handlers are plain functions run in the one thread that uses the connection, so it
+#: has no async handlers and cannot be closed while a call or a handler is under way.
+ASYNC_DRIVERS = ["trio", "asyncio"]
+#: A bound for waits that only a broken driver reaches (never a figure under test).
+HANG = 30.0
+
+
+@attrs.frozen
+class Received:
+    """What a driver's ``receive`` returned, copied out of the driver's thread."""
+
+    kind: str
+    target: str
+    event: str | None
+    body: Any
+    sender: str
+    sender_name: str
+    attachments: list[bytes]
+
+
+def received(msg: msgq_trio.Message) -> Received:
+    with msg:
+        return Received(
+            msg.kind,
+            msg.target,
+            msg.event,
+            msg.body,
+            msg.sender,
+            msg.sender_name,
+            [bytes(a) for a in msg.attachments],
+        )
+
+
+class Client:
+    """One driver's connection behind the same async methods (run from trio)."""
+
+    lname: str
+
+    async def send(self, target: str, body: Any = None, attachments: Sequence[bytes] = ()) -> None:
+        raise NotImplementedError
+
+    async def notify(self, group: str, event: str, params: Any = None) -> None:
+        raise NotImplementedError
+
+    async def call(self, target: str, command: str, params: Any = None) -> Any:
+        raise NotImplementedError
+
+    async def call_all(self, group: str, command: str, params: Any = None) -> list[Result]:
+        raise NotImplementedError
+
+    async def subscribe(self, group: str) -> bool:
+        raise NotImplementedError
+
+    async def receive(self, timeout: float) -> Received:
+        raise NotImplementedError
+
+
+class TrioClient(Client):
+    def __init__(self, bus: msgq_trio.Bus) -> None:
+        self.bus, self.lname = bus, bus.lname
+
+    async def send(self, target: str, body: Any = None, attachments: Sequence[bytes] = ()) -> None:
+        await self.bus.send(target, body, attachments)
+
+    async def notify(self, group: str, event: str, params: Any = None) -> None:
+        await self.bus.notify(group, event, params)
+
+    async def call(self, target: str, command: str, params: Any = None) -> Any:
+        return await self.bus.call(target, command, params)
+
+    async def call_all(self, group: str, command: str, params: Any = None) -> list[Result]:
+        return await self.bus.call_all(group, command, params)
+
+    async def subscribe(self, group: str) -> bool:
+        return await self.bus.subscribe(group)
+
+    async def receive(self, timeout: float) -> Received:
+        return received(await self.bus.receive(timeout))
+
+
+class DirectClient(Client):
+    """The blocking driver: each method in a worker thread, one at a time (the
+    connection is used by one thread at a time, as its contract wants)."""
+
+    def __init__(self, bus: msgq_trio.DirectBus) -> None:
+        self.bus, self.lname = bus, bus.lname
+
+    async def send(self, target: str, body: Any = None, attachments: Sequence[bytes] = ()) -> None:
+        assert not attachments, "the direct client sends no attachments"
+        await trio.to_thread.run_sync(self.bus.send, target, body)
+
+    async def call(self, target: str, command: str, params: Any = None) -> Any:
+        return await trio.to_thread.run_sync(self.bus.call, target, command, params)
+
+    async def subscribe(self, group: str) -> bool:
+        return await trio.to_thread.run_sync(self.bus.subscribe, group)
+
+    async def receive(self, timeout: float) -> Received:
+        return received(await trio.to_thread.run_sync(self.bus.receive, timeout))
+
+
+class AioClient(Client):
+    """The asyncio driver on its loop in another thread; each method is a coroutine
+    submitted to that loop, its outcome (result or exception) brought back here."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        bus: msgq_trio.aio.AioBus,
+        pending: set[asyncio.Task[Any]],
+    ) -> None:
+        self.loop, self.bus, self.lname, self.pending = loop, bus, bus.lname, pending
+
+    async def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        async def tracked() -> Any:
+            # Kept in ``pending`` so that the loop outlives it (see open_client).
+            task = asyncio.current_task()
+            assert task is not None
+            self.pending.add(task)
+            try:
+                return await coro
+            finally:
+                self.pending.discard(task)
+
+        fut = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
+
+        def wait() -> Any:
+            done, _ = concurrent.futures.wait([fut], HANG)
+            if not done:
+                fut.cancel()
+                raise AssertionError(f"the asyncio client did not finish within {HANG} s")
+            return fut.result()
+
+        return await trio.to_thread.run_sync(wait)
+
+    async def send(self, target: str, body: Any = None, attachments: Sequence[bytes] = ()) -> None:
+        await self.run(self.bus.send(target, body, attachments))
+
+    async def notify(self, group: str, event: str, params: Any = None) -> None:
+        await self.run(self.bus.notify(group, event, params))
+
+    async def call(self, target: str, command: str, params: Any = None) -> Any:
+        return await self.run(self.bus.call(target, command, params))
+
+    async def call_all(self, group: str, command: str, params: Any = None) -> list[Result]:
+        return await self.run(self.bus.call_all(group, command, params))
+
+    async def subscribe(self, group: str) -> bool:
+        return await self.run(self.bus.subscribe(group))
+
+    async def receive(self, timeout: float) -> Received:
+        async def take() -> Received:
+            return received(await self.bus.receive(timeout))
+
+        return await self.run(take())
+
+
+@asynccontextmanager
+async def open_client(
+    driver: str,
+    path: Path,
+    name: str,
+    handlers: dict[str, Callable[..., Any]] | None = None,
+    group: str | None = None,
+) -> AsyncIterator[Client]:
+    """A connection named ``name`` on ``driver``; with ``handlers`` it answers those
+    commands (the direct one then serves in a thread of its own and is used for nothing
+    else), and joins ``group`` if given. Leaving the block closes it; what the driver's
+    thread raised fails the test."""
+    handlers = handlers or {}
+    if driver == "trio":
+        async with msgq_trio.connect(path, name) as bus:
+            for cmd, fn in handlers.items():
+                bus.add_command(cmd, fn)
+            if group:
+                await bus.subscribe(group)
+            yield TrioClient(bus)
+        return
+    errors: list[BaseException] = []
+    if driver == "direct":
+        direct = msgq_trio.connect_direct(path, name)
+        for cmd, fn in handlers.items():
+            direct.command(cmd)(fn)
+        if group:
+            direct.subscribe(group)
+        stop = threading.Event()
+
+        def serve() -> None:
+            try:
+                while not stop.is_set():
+                    direct.serve(0.02)
+            except BaseException as exc:
+                errors.append(exc)
+
+        server = threading.Thread(target=serve, daemon=True) if handlers else None
+        if server is not None:
+            server.start()
+        try:
+            yield DirectClient(direct)
+        finally:
+            if server is not None:
+                stop.set()
+                await trio.to_thread.run_sync(server.join, HANG)
+            direct.close()
+        assert server is None or not server.is_alive()
+        assert errors == []
+        return
+    assert driver == "asyncio"
+    ready = threading.Event()
+    started: list[tuple[asyncio.AbstractEventLoop, msgq_trio.aio.AioBus, asyncio.Event]] = []
+    pending: set[asyncio.Task[Any]] = set()
+
+    async def main() -> None:
+        async with msgq_trio.aio.connect(path, name) as bus:
+            for cmd, fn in handlers.items():
+                bus.add_command(cmd, fn)
+            if group:
+                await bus.subscribe(group)
+            stop = asyncio.Event()
+            started.append((asyncio.get_running_loop(), bus, stop))
+            ready.set()
+            await stop.wait()
+        # Methods still under way (a call the close fails) finish before asyncio.run
+        # would cancel them: the test sees their outcome.
+        if pending:
+            await asyncio.wait(pending, timeout=HANG)
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        await trio.to_thread.run_sync(ready.wait, HANG)
+        assert started, f"the asyncio client did not start: {errors!r}"
+        loop, bus, stop = started[0]
+        yield AioClient(loop, bus, pending)
+    finally:
+        if started:
+            started[0][0].call_soon_threadsafe(started[0][2].set)
+        await trio.to_thread.run_sync(thread.join, HANG)
+    assert not thread.is_alive()
+    assert errors == []
+
+
+async def wait_thread_event(event: threading.Event) -> None:
+    """Wait (from trio) for ``event``, set by a handler in any driver's thread."""
+    assert await trio.to_thread.run_sync(event.wait, HANG), "the handler never ran"
+
+
+def forever(driver: str) -> Callable[[], Coroutine[Any, Any, Any]]:
+    """An awaitable that never finishes, for ``driver``'s event loop."""
+    if driver == "trio":
+        return trio.sleep_forever
+
+    async def wait() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    return wait
+
+
+# -- messages --------------------------------------------------------------------------
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_send_and_receive_between_two_clients(driver: str, broker: Any) -> None:
+    """A message to a group and one to an lname arrive at the other client, in order,
+    stamped with the sender's name."""
+    async with (
+        open_client(driver, broker.path, "alice") as alice,
+        open_client(driver, broker.path, "bob") as bob,
+    ):
+        assert await bob.subscribe("Chat") is True
+        await alice.send("Chat", {"n": 1})
+        await alice.send(bob.lname, "to bob")
+        first, second = await bob.receive(HANG), await bob.receive(HANG)
+    assert (first.kind, first.target, first.body) == ("message", "Chat", {"n": 1})
+    assert (second.kind, second.target, second.body) == ("message", bob.lname, "to bob")
+    assert first.sender == second.sender == alice.lname
+    assert first.sender_name == second.sender_name == "alice"
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_receive_with_timeout(driver: str, broker: Any) -> None:
+    """With nothing sent, receive(timeout) raises the driver's timeout error (trio's
+    TooSlowError, the builtin TimeoutError for the others); the connection is fine after
+    it and a message sent then is received."""
+    expected = trio.TooSlowError if driver == "trio" else TimeoutError
+    async with (
+        open_client(driver, broker.path, "waiter") as waiter,
+        msgq_trio.connect(broker.path, "sender") as sender,
+    ):
+        with pytest.raises(expected):
+            await waiter.receive(0.2)
+        await sender.send(waiter.lname, "late")
+        got = await waiter.receive(HANG)
+    assert (got.body, got.sender_name) == ("late", "sender")
+
+
+@pytest.mark.parametrize("receiver", DRIVERS)
+@pytest.mark.parametrize("sender", ASYNC_DRIVERS)  # the direct client sends no attachments
+async def test_attachments_round_trip(sender: str, receiver: str, broker: Any) -> None:
+    """Binary attachments (an empty one, all byte values, a large one) arrive as sent,
+    beside the CBOR body."""
+    blobs = [b"", bytes(range(256)), os.urandom(300_000)]
+    async with (
+        open_client(sender, broker.path, "tx") as tx,
+        open_client(receiver, broker.path, "rx") as rx,
+    ):
+        await tx.send(rx.lname, {"parts": len(blobs)}, blobs)
+        got = await rx.receive(HANG)
+    assert got.body == {"parts": 3}
+    assert got.attachments == blobs
+
+
+@pytest.mark.parametrize("subscriber", DRIVERS)
+@pytest.mark.parametrize("notifier", ASYNC_DRIVERS)  # the direct client has no notify()
+async def test_notification_reaches_a_subscriber(
+    notifier: str, subscriber: str, broker: Any
+) -> None:
+    """A notification to a group reaches its subscriber as kind ``notification`` with
+    its event and params; a client outside the group gets nothing."""
+    async with (
+        open_client(subscriber, broker.path, "sub") as sub,
+        open_client(notifier, broker.path, "pub") as pub,
+        msgq_trio.connect(broker.path, "outsider") as outsider,
+    ):
+        await sub.subscribe("Zones")
+        await pub.notify("Zones", "zone-added", {"zone": "example."})
+        got = await sub.receive(HANG)
+        # The outsider's inbox stays empty: a message sent to it afterwards comes first.
+        await pub.send(outsider.lname, "only this")
+        assert (await outsider.receive(HANG)).body == "only this"
+    assert (got.kind, got.target, got.event) == ("notification", "Zones", "zone-added")
+    assert got.body == {"zone": "example."}
+    assert got.sender_name == "pub"
+
+
+# -- calls -----------------------------------------------------------------------------
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_call_and_its_answer(driver: str, broker: Any) -> None:
+    """A call to a group with one member is answered by its handler, ``fn(params)`` or
+    ``fn(params, request)``; None and nested values round-trip."""
+    handlers = {
+        "add": lambda p: p[0] + p[1],
+        "who": lambda _p, request: [request.sender_name, request.command],
+        "nothing": lambda _p: None,
+    }
+    async with (
+        open_client(driver, broker.path, "svc", handlers, group="Svc"),
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+        assert await caller.call("Svc", "add", [2, 3]) == 5
+        assert await caller.call("Svc", "who") == ["caller", "who"]
+        assert await caller.call("Svc", "nothing") is None
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client runs plain functions
+async def test_an_async_handler_answers(driver: str, broker: Any) -> None:
+    """An ``async def`` handler's awaited result is the answer, and its exception maps
+    like a plain function's; several are under way at once."""
+    gate = threading.Event()
+    waiting = threading.Event()
+    pause = trio.sleep if driver == "trio" else asyncio.sleep
+
+    async def slow(_params: object) -> str:
+        waiting.set()
+        while not gate.is_set():  # the other request gets answered meanwhile
+            await pause(0.01)
+        return "slow"
+
+    async def double(params: int) -> int:
+        return params * 2
+
+    async def broken(_params: object) -> None:
+        raise KeyError("zone")
+
+    handlers = {"slow": slow, "double": double, "broken": broken}
+    async with (
+        open_client(driver, broker.path, "svc", handlers, group="Svc"),
+        open_client(driver, broker.path, "caller") as caller,
+        trio.open_nursery() as nursery,
+    ):
+        slow_answer: list[Any] = []
+
+        async def call_slow() -> None:
+            slow_answer.append(await caller.call("Svc", "slow"))
+
+        nursery.start_soon(call_slow)
+        await wait_thread_event(waiting)
+        assert await caller.call("Svc", "double", 21) == 42
+        with pytest.raises(RemoteError) as info:
+            await caller.call("Svc", "broken")
+        assert info.value.code == ErrorCode.BAD_REQUEST
+        gate.set()
+    assert slow_answer == ["slow"]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_handler_raising_a_documented_error(driver: str, broker: Any) -> None:
+    """The handler contract (``Session.answer_for``) on every driver: CommandFailed's
+    code, message and data reach the caller; ValueError answers ``bad-request`` naming
+    it; any other exception ``internal-error`` naming its type. The callee goes on."""
+
+    def missing(params: str) -> None:
+        raise msgq_trio.CommandFailed("zone-unknown", f"no zone {params}", {"zone": params})
+
+    def bad(_params: object) -> None:
+        raise ValueError("class must be IN")
+
+    def buggy(_params: object) -> None:
+        raise RuntimeError("oops")
+
+    handlers = {"missing": missing, "bad": bad, "buggy": buggy, "ping": lambda _p: "pong"}
+    async with (
+        open_client(driver, broker.path, "svc", handlers, group="Svc"),
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+        with pytest.raises(RemoteError) as failed:
+            await caller.call("Svc", "missing", "example.")
+        with pytest.raises(RemoteError) as bad_request:
+            await caller.call("Svc", "bad")
+        with pytest.raises(RemoteError) as internal:
+            await caller.call("Svc", "buggy")
+        assert await caller.call("Svc", "ping") == "pong"
+    assert failed.value.code == "zone-unknown"
+    assert failed.value.message == "no zone example."
+    assert failed.value.data == {"zone": "example."}
+    assert bad_request.value.code == ErrorCode.BAD_REQUEST
+    assert "ValueError: class must be IN" in bad_request.value.message
+    assert internal.value.code == ErrorCode.INTERNAL_ERROR
+    assert internal.value.data == {"type": "RuntimeError"}
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client has no call_all
+async def test_call_all_with_two_members(driver: str, broker: Any) -> None:
+    """Every member of the group answers: one Result per member in join order, a
+    member's CommandFailed as its error Result."""
+
+    def refuse(_params: object) -> None:
+        raise msgq_trio.CommandFailed("busy", "try later")
+
+    async with (
+        open_client(driver, broker.path, "a", {"name": lambda p: f"a{p}"}, group="Svc") as a,
+        open_client(driver, broker.path, "b", {"name": refuse}, group="Svc") as b,
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+        results = await caller.call_all("Svc", "name", 1)
+    assert [r.sender for r in results] == [a.lname, b.lname]
+    assert (results[0].ok, results[0].value) == (True, "a1")
+    assert results[1].ok is False
+    assert isinstance(results[1].error, RemoteError) and results[1].error.code == "busy"
+
+
+@pytest.mark.parametrize("caller_driver", DRIVERS)
+@pytest.mark.parametrize(
+    "callee_driver",
+    # The direct client cannot be closed while its handler runs (one thread uses it).
+    ASYNC_DRIVERS,
+)
+async def test_a_callee_disconnecting_mid_call_is_recipient_gone(
+    callee_driver: str, caller_driver: str, broker: Any
+) -> None:
+    """The callee closes while its async handler is under way: the caller's call fails
+    at once with ``recipient-gone`` (no timeout involved), and the caller goes on."""
+    started = threading.Event()
+    hang = forever(callee_driver)
+
+    async def stuck(_params: object) -> None:
+        started.set()
+        await hang()
+
+    outcome: list[BaseException] = []
+    async with open_client(caller_driver, broker.path, "caller") as caller:
+        # Leaving this block closes the callee first, then waits for the call's end.
+        async with (
+            trio.open_nursery() as nursery,
+            open_client(callee_driver, broker.path, "svc", {"stuck": stuck}, "Svc"),
+        ):
+
+            async def call() -> None:
+                try:
+                    await caller.call("Svc", "stuck")
+                except Exception as exc:
+                    outcome.append(exc)
+
+            nursery.start_soon(call)
+            await wait_thread_event(started)
+        async with open_client("trio", broker.path, "svc2", {"ping": lambda _p: 1}, "Svc2"):
+            assert await caller.call("Svc2", "ping") == 1
+    assert len(outcome) == 1 and isinstance(outcome[0], RecipientGone), outcome
+    assert outcome[0].code == ErrorCode.RECIPIENT_GONE
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # a DirectBus is closed by its one thread
+async def test_closing_fails_pending_calls_with_connection_lost(driver: str, broker: Any) -> None:
+    """Closing a client while one of its calls waits for an answer fails that call with
+    ConnectionLost (not a hang, not a timeout)."""
+    started = threading.Event()
+
+    async def stuck(_params: object) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    outcome: list[BaseException] = []
+    # Leaving this block closes the caller first, then waits for its call's end.
+    async with (
+        open_client("trio", broker.path, "svc", {"stuck": stuck}, "Svc"),
+        trio.open_nursery() as nursery,
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+
+        async def call() -> None:
+            try:
+                await caller.call("Svc", "stuck")
+            except Exception as exc:
+                outcome.append(exc)
+
+        nursery.start_soon(call)
+        await wait_thread_event(started)
+    assert len(outcome) == 1 and isinstance(outcome[0], ConnectionLost), outcome
