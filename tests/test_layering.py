@@ -318,3 +318,39 @@ def test_layer_checkers_allow_the_rest(source: str, package: str) -> None:
     forbidden = next(f for d, (p, f) in SEPARATE_LAYERS.items() if p == package)
     assert layer_violations(source, package, forbidden) == []
     assert face_imports(source, package) == []
+
+
+#: The asyncio driver runs where there is no trio run context (``asyncio.run``): it
+#: imports no trio, nor what imports trio (the socket toolkit, the trio driver and the
+#: plugin clients over it, the broker's I/O).
+AIO_DRIVER = ROOT / "msgq_trio" / "client" / "aio.py"
+AIO_FORBIDDEN = (
+    "trio",
+    "msgq_trio.transport",
+    "msgq_trio.client.bus",
+    "msgq_trio.client.queue",
+    "msgq_trio.client.pipe",
+    "msgq_trio.io",
+)
+
+
+def test_the_asyncio_driver_imports_no_trio() -> None:
+    """msgq_trio/client/aio.py imports neither trio nor a module that does, anywhere in
+    the file."""
+    assert AIO_DRIVER.is_file()
+    assert violations(AIO_DRIVER.read_text(), "msgq_trio.client", AIO_FORBIDDEN) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import trio",
+        "def f():\n    from trio import sleep\n",
+        "from ..transport.sockets import take_fds",
+        "from .bus import Bus",
+        "from . import queue",
+    ],
+)
+def test_aio_checker_catches_violations(source: str) -> None:
+    """The asyncio driver's checker flags trio and each module that imports it."""
+    assert violations(source, "msgq_trio.client", AIO_FORBIDDEN)
