@@ -980,6 +980,11 @@ async def _open_transport(
         await asyncio.gather(*pumps, return_exceptions=True)
         outer.close()
         writer.close()
+        # TLS says close_notify first; a broker that is gone must not hold us up.
+        try:
+            await asyncio.wait_for(writer.wait_closed(), CLOSE_WAIT)
+        except (OSError, ConnectionError, ssl.SSLError, TimeoutError):
+            writer.transport.abort()
 
 
 async def _heartbeat(bus: AioBus, interval: float, misses: int) -> None:
