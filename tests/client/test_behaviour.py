@@ -869,3 +869,48 @@ async def test_over_tcp_and_tls(
         "remote",
         [b"\x00" * 100_000],
     )
+
+
+# -- backpressure ------------------------------------------------------------------------
+async def test_a_paused_asyncio_sender_waits_instead_of_buffering(
+    broker_factory: Any, raw_peer: Callable[[Path], Any]
+) -> None:
+    """The broker stops reading a sender whose receiver does not read: the asyncio
+    driver's ``send`` then waits with at most OUT_HIGH_WATER (plus the frame that crossed
+    it) queued, instead of buffering without bound; once the receiver reads, the waiting
+    send completes and every message arrives, in order. (The trio driver's bound is
+    tests/e2e/test_e2e_faults.py's; the direct driver's send returns only once the
+    kernel took the frame.)"""
+    b = broker_factory("--out-soft-limit", "65536", "--slow-consumer-timeout", "3600")
+    body = b"x" * 65536
+    #: Far more than the broker, both sockets' kernel buffers and OUT_HIGH_WATER hold.
+    most = 400
+    async with raw_peer(b.path) as sink, open_client("asyncio", b.path, "src") as src:
+        await sink.hello("sink")
+        assert isinstance(src, AioClient)
+        bus = src.bus
+        waiting: list[asyncio.Task[None]] = []
+
+        async def flood() -> tuple[int, int]:
+            """Send until a send waits (it is kept in ``waiting``); (its index, the bytes
+            queued then). A send that does not wait finishes at the first yield."""
+            for i in range(most):
+                task = asyncio.ensure_future(bus.send(sink.lname, body))
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                if not task.done():
+                    waiting.append(task)
+                    return i, bus._out_bytes
+                task.result()
+            return most, bus._out_bytes
+
+        sent, queued = await src.run(flood())
+        assert sent < most, f"{most} sends of 64 KiB never waited ({queued} bytes queued)"
+        assert queued <= msgq_trio.aio.OUT_HIGH_WATER + len(body) + 1024
+        bodies = []
+        while len(bodies) < sent + 1:
+            frame = await sink.receive_frame(HANG)
+            assert frame is not None
+            bodies.append(frame.body())
+        assert bodies == [body] * (sent + 1)
+        await src.run(waiting[0])
