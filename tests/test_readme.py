@@ -22,6 +22,7 @@ EXPECTED = {
     2: ["There are 42 zones"],
     3: ["There are 42 zones", "Bad luck happened: no-recipient"],
     4: ["line 0", "line 1", "line 2"],
+    5: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
 }
 
 
