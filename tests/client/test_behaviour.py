@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import re
+import signal
 import ssl
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -29,7 +31,15 @@ import trustme
 
 import msgq_trio
 import msgq_trio.aio
-from msgq_trio import ConnectError, ConnectionLost, RecipientGone, RemoteError, Result, UsageError
+from msgq_trio import (
+    ConnectError,
+    ConnectionLost,
+    RecipientGone,
+    RemoteError,
+    RequestTimeout,
+    Result,
+    UsageError,
+)
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
 
@@ -110,7 +120,9 @@ class Client:
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         raise NotImplementedError
 
-    async def call(self, target: str, command: str, params: Any = None) -> Any:
+    async def call(
+        self, target: str, command: str, params: Any = None, timeout: float | None = None
+    ) -> Any:
         raise NotImplementedError
 
     async def call_all(self, group: str, command: str, params: Any = None) -> list[Result]:
@@ -166,8 +178,10 @@ class TrioClient(Client):
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         await self.bus.notify(group, event, params)
 
-    async def call(self, target: str, command: str, params: Any = None) -> Any:
-        return await self.bus.call(target, command, params)
+    async def call(
+        self, target: str, command: str, params: Any = None, timeout: float | None = None
+    ) -> Any:
+        return await self.bus.call(target, command, params, timeout=timeout)
 
     async def call_all(self, group: str, command: str, params: Any = None) -> list[Result]:
         return await self.bus.call_all(group, command, params)
@@ -203,8 +217,12 @@ class DirectClient(Client):
         rows = await trio.to_thread.run_sync(self.bus.members, group)
         return [(m.lname, m.name) for m in rows]
 
-    async def call(self, target: str, command: str, params: Any = None) -> Any:
-        return await trio.to_thread.run_sync(self.bus.call, target, command, params)
+    async def call(
+        self, target: str, command: str, params: Any = None, timeout: float | None = None
+    ) -> Any:
+        return await trio.to_thread.run_sync(
+            functools.partial(self.bus.call, target, command, params, timeout=timeout)
+        )
 
     async def subscribe(self, group: str) -> bool:
         return await trio.to_thread.run_sync(self.bus.subscribe, group)
@@ -298,8 +316,10 @@ class AioClient(Client):
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         await self.run(self.bus.notify(group, event, params))
 
-    async def call(self, target: str, command: str, params: Any = None) -> Any:
-        return await self.run(self.bus.call(target, command, params))
+    async def call(
+        self, target: str, command: str, params: Any = None, timeout: float | None = None
+    ) -> Any:
+        return await self.run(self.bus.call(target, command, params, timeout=timeout))
 
     async def call_all(self, group: str, command: str, params: Any = None) -> list[Result]:
         return await self.run(self.bus.call_all(group, command, params))
@@ -519,6 +539,57 @@ async def test_call_and_its_answer(driver: str, broker: Any) -> None:
         assert await caller.call("Svc", "add", [2, 3]) == 5
         assert await caller.call("Svc", "who") == ["caller", "who"]
         assert await caller.call("Svc", "nothing") is None
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_call_timeout_is_the_brokers_answer(driver: str, broker: Any) -> None:
+    """A handler that never answers: with ``timeout`` the broker answers ``timeout``
+    after it (RequestTimeout naming the callee), and the caller goes on."""
+    started = threading.Event()
+
+    async def black_hole(_params: object) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    async with (
+        open_client("trio", broker.path, "svc", {"hole": black_hole, "ping": lambda _p: 1}, "Svc"),
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+        with pytest.raises(RequestTimeout) as info:
+            await caller.call("Svc", "hole", timeout=0.5)
+        assert started.is_set()
+        assert await caller.call("Svc", "ping") == 1
+    assert info.value.code == ErrorCode.TIMEOUT
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_silent_broker_times_the_call_out_locally(driver: str, broker: Any) -> None:
+    """With the broker stopped (SIGSTOP), a call with ``timeout`` gives up by itself
+    (LOCAL_GRACE after the timeout) with RequestTimeout saying the broker was silent;
+    after SIGCONT the connection works again."""
+    async with open_client(driver, broker.path, "caller") as caller:
+        os.kill(broker.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RequestTimeout, match="none from the broker"):
+                await caller.call("msgq", "version", timeout=0.2)
+        finally:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+        assert await caller.subscribe("After") is True
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_many_messages_arrive_in_order(driver: str, broker: Any) -> None:
+    """A burst of messages (many per receive, frames split across receives) arrives
+    complete and in order."""
+    count = 2000
+    async with (
+        open_client(driver, broker.path, "rx") as rx,
+        msgq_trio.connect(broker.path, "tx") as tx,
+    ):
+        for i in range(count):
+            await tx.send(rx.lname, [i, "x" * (i % 700)])
+        got = [(await rx.receive(HANG)).body for _ in range(count)]
+    assert got == [[i, "x" * (i % 700)] for i in range(count)]
 
 
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client runs plain functions
