@@ -110,6 +110,10 @@ class Client:
         """The next ``n`` messages by ``async for`` (all that come if it ends first)."""
         raise NotImplementedError
 
+    async def wait_lost(self) -> str | None:
+        """Wait until the connection ends; the ConnectionLost's code."""
+        raise NotImplementedError
+
     async def on_notification(
         self, group: str, seen: list[Received], done: threading.Event
     ) -> None:
@@ -156,6 +160,9 @@ class TrioClient(Client):
 
     async def members(self, group: str) -> list[tuple[str, str]]:
         return [(m.lname, m.name) for m in await self.bus.members(group)]
+
+    async def wait_lost(self) -> str | None:
+        return (await self.bus.wait_lost()).code
 
     async def iterate(self, n: int) -> list[Received]:
         out: list[Received] = []
@@ -288,6 +295,12 @@ class AioClient(Client):
             return [(m.lname, m.name) for m in await self.bus.members(group)]
 
         return await self.run(ask())
+
+    async def wait_lost(self) -> str | None:
+        async def wait() -> str | None:
+            return (await self.bus.wait_lost()).code
+
+        return await self.run(wait())
 
     async def iterate(self, n: int) -> list[Received]:
         async def take() -> list[Received]:
@@ -897,18 +910,15 @@ def pki(short_tmp: Path) -> dict[str, Any]:
     return {"ca": ca, "certfile": str(short_tmp / "server.pem")}
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "tls"])
-@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
-async def test_over_tcp_and_tls(
-    driver: str, scheme: str, broker_factory: Any, short_tmp: Path, pki: dict[str, Any]
-) -> None:
-    """Over ``tcp://`` (token) and ``tls://`` (token, the broker's certificate trusted):
-    calls, attachments and messages work as on a Unix socket; descriptors are refused
-    before anything is sent (no SCM_RIGHTS over TCP)."""
+def start_tcp_broker(
+    broker_factory: Any, short_tmp: Path, pki: dict[str, Any], scheme: str
+) -> tuple[Any, str, dict[str, Any]]:
+    """A broker listening on ``scheme``://127.0.0.1 (a token for ``remote``, allowed to
+    send to lnames and call Svc; heartbeat 0.5 s x 3): (broker, URL, connect kwargs)."""
     tls = f'certfile = "{pki["certfile"]}"\nkeyfile = "{pki["certfile"]}"\n'
-    config = short_tmp / "tcp.toml"
+    config = short_tmp / f"{scheme}.toml"
     config.write_text(
-        '[tcp]\nlisten = ["127.0.0.1:0"]\n'
+        '[tcp]\nlisten = ["127.0.0.1:0"]\nheartbeat_interval = 0.5\nheartbeat_misses = 3\n'
         + (tls if scheme == "tls" else "insecure = true\n")
         + f'tokens = {{ remote = "{hash_token(TOKEN)}" }}\n'
         + '[[access.rule]]\nwho = ["tcp:remote"]\nsend = ["l.*"]\ncall = ["Svc"]\n'
@@ -919,6 +929,18 @@ async def test_over_tcp_and_tls(
     if scheme == "tls":
         kw["ssl_context"] = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
         pki["ca"].configure_trust(kw["ssl_context"])
+    return b, url, kw
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "tls"])
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_over_tcp_and_tls(
+    driver: str, scheme: str, broker_factory: Any, short_tmp: Path, pki: dict[str, Any]
+) -> None:
+    """Over ``tcp://`` (token) and ``tls://`` (token, the broker's certificate trusted):
+    calls, attachments and messages work as on a Unix socket; descriptors are refused
+    before anything is sent (no SCM_RIGHTS over TCP)."""
+    b, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, scheme)
     handlers = {"who": lambda _p, request: request.sender_name}
     with pytest.raises(ConnectError) as refused:
         async with open_client(driver, url, "intruder", **{**kw, "token": "wrong-token"}):
@@ -985,3 +1007,23 @@ async def test_a_paused_asyncio_sender_waits_instead_of_buffering(
             bodies.append(frame.body())
         assert bodies == [body] * (sent + 1)
         await src.run(waiting[0])
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_a_silent_broker_is_detected_over_tcp(
+    driver: str, broker_factory: Any, short_tmp: Path, pki: dict[str, Any]
+) -> None:
+    """Over TCP a stopped broker sends no FIN: the heartbeat (WELCOME's 0.5 s x 3)
+    declares the connection lost with code ``heartbeat-timeout``; an idle connection to
+    a live broker is kept (the client answers the broker's heartbeats)."""
+    b, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, "tcp")
+    async with open_client(driver, url, "remote", **kw) as remote:
+        # Idle for several heartbeat intervals (the broker's own check): still connected.
+        await trio.sleep(2.0)
+        assert await remote.call("msgq", "version")
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            code = await remote.wait_lost()
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+    assert code == ErrorCode.HEARTBEAT_TIMEOUT
