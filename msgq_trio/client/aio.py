@@ -33,7 +33,7 @@ import ssl
 import sys
 import termios
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -126,6 +126,17 @@ def _unconsumed_bytes(fd: int) -> int:
     return array.array("i", buf)[0]
 
 
+async def _run_callback(cb: Callable[..., Any], *args: Any) -> None:
+    """Run a user callback (a plain function or an ``async def``); what it raises is
+    logged: nobody else would see it."""
+    try:
+        r = cb(*args)
+        if inspect.isawaitable(r):
+            await r
+    except Exception:
+        log.exception("callback %r raised", cb)
+
+
 def _wake(call: PendingCall) -> None:
     """The session's wake-up for a finished call: resolve the future its caller awaits
     (unless that caller was cancelled and the future with it)."""
@@ -171,6 +182,8 @@ class AioBus:
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
+        self._notify_inline: dict[str, Callable[[Message], None]] = {}
+        self._message_inline: Callable[[Message], None] | None = None
         self._closed = False
         self._broker_goodbye = asyncio.Event()
         self._lost_event = asyncio.Event()
@@ -498,7 +511,9 @@ class AioBus:
                 assert isinstance(ev, Frame)
                 event = handle(ev)
                 if isinstance(event, Message):
-                    if ev.type == _MESSAGE or not self._notification(event):
+                    if ev.type == _MESSAGE and self._message_inline is not None:
+                        self._inline_callback(self._message_inline, event)
+                    elif ev.type == _MESSAGE or not self._notification(event):
                         self._in.append(event)
                         self._in_bytes += len(ev.raw)
                         got_message = True
@@ -524,9 +539,28 @@ class AioBus:
             self._loop.remove_reader(self._fd)
             self._reading = False
 
+    @staticmethod
+    def _inline_callback(callback: Callable[[Message], None], msg: Message) -> None:
+        """Call an inline callback; what it raises is logged (its bug, nobody to answer)
+        and the descriptors it did not take are closed."""
+        try:
+            callback(msg)
+        except Exception:
+            log.exception("inline callback %r raised", callback)
+            msg.close()
+
     def _notification(self, msg: Message) -> bool:
-        """Hand a notification to its group's callbacks (in a task); False if it has
-        none (then it goes to iteration)."""
+        """Hand a notification to its group's inline callback, else its callbacks (in a
+        task); False if it has neither (then it goes to iteration)."""
+        icb = self._notify_inline.get(msg.target) if self._notify_inline else None
+        if icb is not None:
+            try:
+                icb(msg)
+            except Exception:
+                log.exception("inline notification callback %r raised", icb)
+            finally:
+                msg.close()
+            return True
         cbs = self._notify_cbs.get(msg.target) if self._notify_cbs else None
         if not cbs:
             return False
@@ -536,12 +570,7 @@ class AioBus:
     async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
         try:
             for cb in cbs:
-                try:
-                    r = cb(msg)
-                    if inspect.isawaitable(r):
-                        await r
-                except Exception:
-                    log.exception("notification callback %r raised", cb)
+                await _run_callback(cb, msg)
         finally:
             msg.close()  # descriptors a callback did not take_fds() are closed here
 
@@ -615,6 +644,55 @@ class AioBus:
             UsageError: ``fn`` takes neither (params) nor (params, request).
         """
         self._s.commands[name] = as_handler(fn)
+
+    def add_inline_command(self, name: str, fn: Callable[[Message], None]) -> None:
+        """Register ``fn(request)`` for command ``name``, called as requests arrive, in
+        order, without a task. ``fn`` must not block; it answers (at once or later) with
+        :meth:`answer` or :meth:`answer_error`, exactly once. An exception from ``fn``
+        answers ``internal-error`` and is logged."""
+        self._s.inline[name] = fn
+
+    def set_default_handler(self, fn: Handler | None) -> None:
+        """Handle requests for commands without a handler with ``fn(params, request)``
+        instead of answering ``unknown-command``; None restores that.
+
+        Raises:
+            UsageError: ``fn`` does not take (params, request).
+        """
+        if fn is not None and len(inspect.signature(fn).parameters) != 2:
+            raise UsageError("a default handler takes (params, request)")
+        self._s.default_handler = fn
+
+    def answer(
+        self, request: Message, result: Any = None, *, attachments: Sequence[Buffer] = ()
+    ) -> None:
+        """Answer ``request`` (received by an inline handler) with ``result`` and
+        ``attachments``. A request whose caller is gone is answered anyway; the broker
+        discards it.
+
+        Raises:
+            UsageError: ``result`` cannot be encoded (nothing was sent).
+        """
+        self._queue_answer(self._s.encode_answer(request, result, attachments))
+
+    def answer_error(self, request: Message, code: str, message: str, data: object = None) -> None:
+        """Answer ``request`` (received by an inline handler) with an ERROR ``code``.
+
+        Raises:
+            UsageError: ``data`` cannot be encoded (nothing was sent).
+        """
+        self._queue_answer(self._s.encode_error(request, code, message, data))
+
+    def start_soon(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``fn()`` in an asyncio task of this bus: it is cancelled when the bus
+        closes.
+
+        Raises:
+            UsageError: the bus is closed.
+        """
+        if self._closed:
+            raise UsageError("the bus is closed")
+        self._spawn(fn())
 
     # -- sending -----------------------------------------------------------------------
     async def send(
@@ -772,6 +850,83 @@ class AioBus:
         await self._finish_call(call)
         return call.member_results()
 
+    async def call_many(
+        self,
+        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
+        *,
+        timeout: float | None = None,
+    ) -> list[Result]:
+        """Issue many calls at once; returns each result or error, in request order.
+
+        Raises:
+            UsageError, ConnectionLost: as :meth:`call`, before anything is sent (calls
+                already started then go on, their answers dropped).
+        """
+        reqs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in requests]
+        started = []
+        try:
+            for target, command, params in reqs:
+                started.append(self._start_call(target, command, params, timeout, (), False))
+        except BaseException:
+            for call in started:
+                self._s.finish(call)
+            raise
+        await self._wait_out()
+        results: list[Result] = []
+        for call, (target, _c, _p) in zip(started, reqs, strict=True):
+            await self._finish_call(call)
+            if call.frame is not None and call.frame.fds:
+                close_fds(call.frame.fds)  # as call() does: only request() hands them out
+            results.append(Result(target, call.error is None, call.result, call.error))
+        return results
+
+    def call_cb(
+        self,
+        target: str,
+        command: str,
+        params: Any,
+        callback: Callable[[bool, Any], Any],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Start a call now; later run ``callback(ok, result_or_error)`` (a plain
+        function or an ``async def``) in a task of this bus; what it raises is logged.
+
+        Raises:
+            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
+        """
+        call = self._start_call(target, command, params, timeout, (), False)
+
+        async def finish() -> None:
+            await self._finish_call(call)
+            ok = call.error is None
+            if ok and call.frame is not None and call.frame.fds:
+                close_fds(call.frame.fds)
+            await _run_callback(callback, ok, call.result if ok else call.error)
+
+        self._spawn(finish())
+
+    def call_many_cb(
+        self,
+        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
+        callback: Callable[[list[Result]], Any],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Start many calls now; run ``callback(results)`` once all are done (see
+        :meth:`call_many` and :meth:`call_cb`). If they cannot be started (a bad
+        argument, the connection lost), every Result carries that error."""
+        reqs = list(requests)
+
+        async def finish() -> None:
+            try:
+                results = await self.call_many(reqs, timeout=timeout)
+            except (UsageError, ConnectionLost) as exc:
+                results = [Result(r[0], False, None, exc) for r in reqs]
+            await _run_callback(callback, results)
+
+        self._spawn(finish())
+
     # -- broker commands ---------------------------------------------------------------
     async def subscribe(self, group: str) -> bool:
         """Join ``group``; returns False if already a member. Confirmed by the broker."""
@@ -795,6 +950,20 @@ class AioBus:
         notification to ``group``, in a task, instead of delivering it to iteration; an
         exception it raises is logged. Subscribe to the group separately."""
         self._notify_cbs.setdefault(group, []).append(callback)
+
+    def on_notification_inline(self, group: str, callback: Callable[[Message], None]) -> None:
+        """Call ``callback(message)`` for every notification to ``group`` as it
+        arrives, in order with the requests to inline commands and everything else the
+        reader handles, instead of delivering it to iteration. ``callback`` must not
+        block; an exception it raises is logged. One callback per group."""
+        self._notify_inline[group] = callback
+
+    def on_message_inline(self, callback: Callable[[Message], None] | None) -> None:
+        """Call ``callback(message)`` for every one-way MESSAGE as it arrives, in order
+        with the requests it handles, instead of delivering it to iteration; None
+        restores iteration. ``callback`` must not block; an exception it raises is
+        logged and the message's descriptors are closed."""
+        self._message_inline = callback
 
     # -- receiving ---------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[Message]:

@@ -114,6 +114,13 @@ class Client:
         """Wait until the connection ends; the ConnectionLost's code."""
         raise NotImplementedError
 
+    async def setup(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(bus)`` where the driver's bus may be used (its loop's thread)."""
+        raise NotImplementedError
+
+    async def call_many(self, requests: list[tuple[Any, ...]]) -> list[Result]:
+        raise NotImplementedError
+
     async def on_notification(
         self, group: str, seen: list[Received], done: threading.Event
     ) -> None:
@@ -163,6 +170,12 @@ class TrioClient(Client):
 
     async def wait_lost(self) -> str | None:
         return (await self.bus.wait_lost()).code
+
+    async def setup(self, fn: Callable[[Any], Any]) -> Any:
+        return fn(self.bus)
+
+    async def call_many(self, requests: list[tuple[Any, ...]]) -> list[Result]:
+        return await self.bus.call_many(requests)  # type: ignore[arg-type]
 
     async def iterate(self, n: int) -> list[Received]:
         out: list[Received] = []
@@ -301,6 +314,15 @@ class AioClient(Client):
             return (await self.bus.wait_lost()).code
 
         return await self.run(wait())
+
+    async def setup(self, fn: Callable[[Any], Any]) -> Any:
+        async def on_loop() -> Any:
+            return fn(self.bus)
+
+        return await self.run(on_loop())
+
+    async def call_many(self, requests: list[tuple[Any, ...]]) -> list[Result]:
+        return await self.run(self.bus.call_many(requests))  # type: ignore[arg-type]
 
     async def iterate(self, n: int) -> list[Received]:
         async def take() -> list[Received]:
@@ -680,6 +702,99 @@ async def test_a_handler_raising_a_documented_error(driver: str, broker: Any) ->
     assert "ValueError: class must be IN" in bad_request.value.message
     assert internal.value.code == ErrorCode.INTERNAL_ERROR
     assert internal.value.data == {"type": "RuntimeError"}
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: one call at a time
+async def test_call_many_and_call_callbacks(driver: str, broker: Any) -> None:
+    """call_many answers every request in request order, each its value or its error;
+    call_cb and call_many_cb run their callbacks with the same outcomes."""
+
+    def refuse(_params: object) -> None:
+        raise msgq_trio.CommandFailed("busy", "try later")
+
+    requests = [("Svc", "echo", 1), ("Svc", "refuse"), ("Nobody", "x"), ("Svc", "echo", 3)]
+    outcomes: list[Any] = []
+    done = threading.Event()
+
+    def record(*args: Any) -> None:
+        outcomes.append(args)
+        if len(outcomes) == 3:
+            done.set()
+
+    async with (
+        open_client(driver, broker.path, "svc", {"echo": lambda p: p, "refuse": refuse}, "Svc"),
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+        results = await caller.call_many(requests)
+
+        def start(bus: Any) -> None:
+            bus.call_cb("Svc", "echo", "cb", record)
+            bus.call_cb("Svc", "refuse", None, record)
+            bus.call_many_cb(requests[:2], record)
+
+        await caller.setup(start)
+        await wait_thread_event(done)
+    assert [(r.target, r.ok, r.value) for r in results] == [
+        ("Svc", True, 1),
+        ("Svc", False, None),
+        ("Nobody", False, None),
+        ("Svc", True, 3),
+    ]
+    assert isinstance(results[1].error, RemoteError) and results[1].error.code == "busy"
+    assert isinstance(results[2].error, msgq_trio.NoRecipient)
+    assert (True, "cb") in outcomes
+    (refused,) = [o for o in outcomes if o[0] is False]
+    assert isinstance(refused[1], RemoteError) and refused[1].code == "busy"
+    (many,) = [o[0] for o in outcomes if len(o) == 1]
+    assert [(r.ok, r.value) for r in many] == [(True, 1), (False, None)]
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client has no inline API
+async def test_inline_handlers_see_arrival_order(driver: str, broker: Any) -> None:
+    """Inline message and notification callbacks and inline commands run as frames
+    arrive, in the order they were sent; an inline command answers with answer() or
+    answer_error(), and a default handler takes commands without a handler."""
+    seen: list[str] = []
+
+    def install(bus: Any) -> None:
+        bus.on_message_inline(lambda m: seen.append(f"message {m.body}"))
+        bus.on_notification_inline("Zones", lambda m: seen.append(f"event {m.event}"))
+
+        def get(request: msgq_trio.Message) -> None:
+            seen.append(f"get {request.body}")
+            if request.body == "missing":
+                bus.answer_error(request, "zone-unknown", "no such zone")
+            else:
+                bus.answer(request, {"zone": request.body}, attachments=[b"soa"])
+
+        bus.add_inline_command("get", get)
+        bus.set_default_handler(lambda params, request: [request.command, params])
+
+    async with (
+        open_client(driver, broker.path, "svc") as svc,
+        msgq_trio.connect(broker.path, "peer") as peer,
+    ):
+        await svc.setup(install)
+        await svc.subscribe("Zones")
+        await peer.send(svc.lname, 1)
+        await peer.notify("Zones", "zone-added")
+        answer = await peer.request(svc.lname, "get", "example.")
+        with pytest.raises(RemoteError) as info:
+            await peer.call(svc.lname, "get", "missing")
+        assert await peer.call(svc.lname, "anything", 7) == ["anything", 7]
+        await peer.send(svc.lname, 2)
+        await peer.call(svc.lname, "get", "last")  # the message before it was seen
+    assert seen == [
+        "message 1",
+        "event zone-added",
+        "get example.",
+        "get missing",
+        "message 2",
+        "get last",
+    ]
+    assert answer.body == {"zone": "example."}
+    assert [bytes(a) for a in answer.attachments] == [b"soa"]
+    assert info.value.code == "zone-unknown"
 
 
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client has no call_all
