@@ -2,10 +2,12 @@
 
 :func:`connect` yields an :class:`AioBus`, the asyncio driver of the client session
 (``msgq_trio/client/aio.py``), with the trio ``Bus``'s API for what it has: send, notify,
-call, request and call_all, subscriptions, command handlers (plain or ``async def``),
-notification callbacks, iteration and ``receive(timeout=)``, attachments, descriptors on
-Unix sockets, and ``tcp://``/``tls://`` addresses. Messages, results and errors are the
-package's own types (:class:`msgq_trio.Message`, :mod:`msgq_trio.errors`).
+call, request, call_all, call_many and the callback variants, subscriptions, command
+handlers (plain or ``async def``, inline ones, a default one), notification and message
+callbacks, iteration and ``receive(timeout=)``, attachments, descriptors on Unix
+sockets, and ``tcp://``/``tls://`` addresses. It has no queue or pipe client yet. Messages,
+results and errors are the package's own types (:class:`msgq_trio.Message`,
+:mod:`msgq_trio.errors`).
 """
 
 from .client.aio import OUT_HIGH_WATER, AioBus, connect
