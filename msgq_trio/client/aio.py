@@ -44,6 +44,7 @@ from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
+from ..transport.tls import client_context_from_env  # ssl only: no trio
 from .message import Buffer, Member, Message, Result, close_fds
 from .session import (
     CLOSE_WAIT,
@@ -1126,7 +1127,9 @@ async def _open_transport(
         finally:
             sock.close()
         return
-    ctx = ssl_context if ssl_context is not None else ssl.create_default_context()
+    # Built before connecting (a context that cannot be built leaks nothing), the same
+    # way as the trio client's and the command line's.
+    ctx = ssl_context if ssl_context is not None else client_context_from_env()
     try:
         reader, writer = await asyncio.open_connection(
             host, port, ssl=ctx, server_hostname=server_hostname or host
@@ -1207,8 +1210,9 @@ async def connect(
         max_frame_size: the largest frame accepted from the broker.
         send_buffer: SO_SNDBUF for a Unix socket (``SEND_BUFFER``; 0 = kernel default).
         token: the credential for TCP (sent in HELLO); default ``$MSGQ_TRIO_TOKEN``.
-        ssl_context: for ``tls://``: an :class:`ssl.SSLContext`; default the system's
-            trust store.
+        ssl_context: for ``tls://``: an :class:`ssl.SSLContext`; default one that
+            trusts ``$MSGQ_TRIO_TLS_CA`` (else the system's trust store) and presents
+            ``$MSGQ_TRIO_TLS_CERT``/``$MSGQ_TRIO_TLS_KEY`` if set, as the trio client's.
         server_hostname: the name the broker's certificate must carry (default the host).
         timeout: longest wait for the broker's WELCOME.
 
@@ -1217,7 +1221,8 @@ async def connect(
     Raises:
         ConnectError: no broker at the address, TLS failed, it refused the handshake
             (``code``), or it sent no WELCOME within ``timeout`` s.
-        UsageError: a malformed ``tcp://``/``tls://`` address.
+        UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file from the
+            environment that cannot be loaded (named).
     """
     if socket is not None:
         target = os.fspath(socket)

@@ -1142,3 +1142,27 @@ async def test_a_silent_broker_is_detected_over_tcp(
         finally:
             os.kill(b.proc.pid, signal.SIGCONT)
     assert code == ErrorCode.HEARTBEAT_TIMEOUT
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_tls_trust_from_the_environment(
+    driver: str,
+    broker_factory: Any,
+    short_tmp: Path,
+    pki: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without ``ssl_context``, ``tls://`` trusts ``$MSGQ_TRIO_TLS_CA`` (as the command
+    line does); a CA file that cannot be loaded is a UsageError naming the variable,
+    raised before connecting."""
+    _broker, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, "tls")
+    del kw["ssl_context"]
+    ca = short_tmp / "ca.pem"
+    pki["ca"].cert_pem.write_to_path(str(ca))
+    monkeypatch.setenv("MSGQ_TRIO_TLS_CA", str(ca))
+    async with open_client(driver, url, "remote", **kw) as remote:
+        assert await remote.call("msgq", "version")
+    monkeypatch.setenv("MSGQ_TRIO_TLS_CA", str(short_tmp / "missing.pem"))
+    with pytest.raises(UsageError, match=r"\$MSGQ_TRIO_TLS_CA"):
+        async with open_client(driver, url, "remote", **kw):
+            pass
