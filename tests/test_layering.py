@@ -321,12 +321,14 @@ def test_layer_checkers_allow_the_rest(source: str, package: str) -> None:
 
 
 #: The asyncio driver runs where there is no trio run context (``asyncio.run``): it
-#: imports no trio, nor what imports trio (the socket toolkit, the trio driver and the
-#: plugin clients over it, the broker's I/O).
+#: imports no trio, nor what imports trio (the socket toolkit's sockets and errors, the
+#: trio driver and the plugin clients over it, the broker's I/O). ``transport/tls.py``
+#: (ssl only) is allowed: every client builds its TLS context there.
 AIO_DRIVER = ROOT / "msgq_trio" / "client" / "aio.py"
 AIO_FORBIDDEN = (
     "trio",
-    "msgq_trio.transport",
+    "msgq_trio.transport.sockets",
+    "msgq_trio.transport.errors",
     "msgq_trio.client.bus",
     "msgq_trio.client.queue",
     "msgq_trio.client.pipe",
@@ -347,6 +349,7 @@ def test_the_asyncio_driver_imports_no_trio() -> None:
         "import trio",
         "def f():\n    from trio import sleep\n",
         "from ..transport.sockets import take_fds",
+        "from ..transport import errors",
         "from .bus import Bus",
         "from . import queue",
     ],
@@ -354,3 +357,13 @@ def test_the_asyncio_driver_imports_no_trio() -> None:
 def test_aio_checker_catches_violations(source: str) -> None:
     """The asyncio driver's checker flags trio and each module that imports it."""
     assert violations(source, "msgq_trio.client", AIO_FORBIDDEN)
+
+
+def test_the_tls_helper_the_asyncio_driver_uses_imports_no_trio() -> None:
+    """msgq_trio/transport/tls.py and the transport package's __init__ (both imported
+    by the asyncio driver) import no trio."""
+    for path in (
+        ROOT / "msgq_trio" / "transport" / "tls.py",
+        ROOT / "msgq_trio" / "transport" / "__init__.py",
+    ):
+        assert violations(path.read_text(), "msgq_trio.transport", AIO_FORBIDDEN) == []
