@@ -25,6 +25,7 @@ EXPECTED = {
         "msgq_trio.DirectBus.call",
     ],
     "sync.html": ["msgq_trio.sync.connect", "msgq_trio.sync.SyncBus"],
+    "aio.html": ["msgq_trio.aio.connect", "msgq_trio.aio.AioBus", "msgq_trio.aio.AioBus.call"],
     "queue.html": ["msgq_trio.client.queue.Queue", "msgq_trio.client.queue.QueueMessage"],
     "pipe.html": ["msgq_trio.client.pipe.PipeReader", "msgq_trio.client.pipe.PipeWriter"],
     "errors.html": [
