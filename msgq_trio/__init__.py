@@ -7,8 +7,10 @@ General layout (each layer imports only the ones above it):
 * ``msgq_trio.transport`` - socket receive/send, fd passing and the one OSError
   translation, shared by the broker daemon and the clients.
 * ``msgq_trio.io`` - the thin trio layer of the broker daemon (imports no client).
-* ``msgq_trio.client`` - the trio client (``connect``), the direct blocking client
-  (``connect_direct``) and the synchronous client.
+* ``msgq_trio.client`` - one sans-I/O client session under three drivers: the trio
+  client (``connect``), the direct blocking client (``connect_direct``; the synchronous
+  client ``msgq_trio.sync`` on top) and the asyncio client (``msgq_trio.aio.connect``:
+  import ``msgq_trio.aio``).
 * ``msgq_trio.plugins`` / ``msgq_trio.storage`` - the plugins (durable queues, named pipes)
   and the queue's storage backends.
 * ``msgq_trio.ops`` / ``msgq_trio.scenario`` / ``msgq_trio.bench`` / ``msgq_trio.analytics`` -
