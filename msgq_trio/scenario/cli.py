@@ -45,6 +45,13 @@ def all_scenarios(directory: Path | None = None) -> list[Path]:
     return sorted((directory or default_dir()).glob("*.toml"))
 
 
+def _unrun(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The shipped scenarios with no run among ``records`` (skipped on that machine:
+    a skipped run writes no record; or not run at all)."""
+    ran = {r["scenario"] for r in records if not r.get("skipped")}
+    return [p.stem for p in all_scenarios() if p.stem not in ran]
+
+
 def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="msgq-trio scenario", description=(__doc__ or "").replace("``", "")
@@ -126,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     if args.cmd == "report":
         records = _read_records(args.results)
-        args.faults_md.write_text(faults_markdown(latest_records(records)))
+        latest = latest_records(records)
+        args.faults_md.write_text(faults_markdown(latest, unrun=_unrun(latest)))
         print(f"wrote {args.faults_md} from {len(records)} records")
         return 0
     return _run(args)
@@ -311,6 +319,6 @@ def _run(args: argparse.Namespace) -> int:
             # A partial run: keep the other scenarios' newest rows from the results file.
             old = _read_records(args.results) if args.results is not None else []
             md_records = latest_records(old + records)
-        args.faults_md.write_text(faults_markdown(md_records))
+        args.faults_md.write_text(faults_markdown(md_records, unrun=_unrun(md_records)))
         print(f"wrote {args.faults_md}")
     return 1 if failed else 0

@@ -58,8 +58,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def faults_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """docs/FAULTS.md for ``records`` (one per scenario, in the order given)."""
+def faults_markdown(records: Sequence[dict[str, Any]], unrun: Sequence[str] = ()) -> str:
+    """docs/FAULTS.md for ``records`` (one per scenario, in the order given); ``unrun``
+    names the scenarios that have no run among them (said under the matrix)."""
     out: list[str] = [
         "# Fault resistance: the scenario matrix",
         "",
@@ -122,6 +123,12 @@ def faults_markdown(records: Sequence[dict[str, Any]]) -> str:
                 f"{_cell(r.get('broker_does', ''))} | {verdict} ({_fmt(r.get('duration_s'))} s)"
                 f" | {_fmt(met.get('broker.rss_peak_mib'))} MiB | {lat} | {figures} |"
             )
+        if unrun:
+            out += [
+                "",
+                "Not in this matrix (skipped on that machine, which `run` says with the "
+                "reason, or not run): " + ", ".join(f"`{n}`" for n in unrun) + ".",
+            ]
         failing = [r for r in records if not r.get("passed") and not r.get("skipped")]
         if failing:
             out += [
