@@ -323,7 +323,8 @@ def test_layer_checkers_allow_the_rest(source: str, package: str) -> None:
 #: The asyncio driver runs where there is no trio run context (``asyncio.run``): it
 #: imports no trio, nor what imports trio (the socket toolkit's sockets and errors, the
 #: trio driver and the plugin clients over it, the broker's I/O). ``transport/tls.py``
-#: (ssl only) is allowed: every client builds its TLS context there.
+#: (ssl only) is allowed: every client builds its TLS context there; so is
+#: ``transport/fdpass.py`` (descriptor passing, plain stdlib).
 AIO_DRIVER = ROOT / "msgq_trio" / "client" / "aio.py"
 AIO_FORBIDDEN = (
     "trio",
@@ -359,11 +360,12 @@ def test_aio_checker_catches_violations(source: str) -> None:
     assert violations(source, "msgq_trio.client", AIO_FORBIDDEN)
 
 
-def test_the_tls_helper_the_asyncio_driver_uses_imports_no_trio() -> None:
-    """msgq_trio/transport/tls.py and the transport package's __init__ (both imported
-    by the asyncio driver) import no trio."""
+def test_the_transport_helpers_the_asyncio_driver_uses_import_no_trio() -> None:
+    """msgq_trio/transport/tls.py, transport/fdpass.py and the transport package's
+    __init__ (all imported by the asyncio driver) import no trio."""
     for path in (
         ROOT / "msgq_trio" / "transport" / "tls.py",
+        ROOT / "msgq_trio" / "transport" / "fdpass.py",
         ROOT / "msgq_trio" / "transport" / "__init__.py",
     ):
         assert violations(path.read_text(), "msgq_trio.transport", AIO_FORBIDDEN) == []

@@ -24,14 +24,12 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import fcntl
 import inspect
 import logging
 import os
 import socket as pysocket
 import ssl
 import sys
-import termios
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -42,8 +40,9 @@ from ..config import default_socket_path
 from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA
-from ..protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
+from ..transport.fdpass import ancillary_size, take_fds, unconsumed_bytes  # no trio
 from ..transport.tls import client_context_from_env  # ssl only: no trio
 from .message import Buffer, Member, Message, Result, close_fds
 from .session import (
@@ -78,53 +77,12 @@ _RECHECK = 0.01
 
 _MESSAGE = int(FrameType.MESSAGE)
 _SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
-_FD_SIZE = array.array("i").itemsize
 _RECV_FLAGS = pysocket.MSG_CMSG_CLOEXEC | pysocket.MSG_DONTWAIT
 _SEND_FLAGS = pysocket.MSG_DONTWAIT | pysocket.MSG_NOSIGNAL
 
 #: A command handler as registered: ``fn(params)`` or ``fn(params, request)``, a plain
 #: function or an ``async def``.
 Handler = Callable[..., Any]
-
-
-# XX The socket toolkit (msgq_trio.transport.sockets) has these three helpers, but it
-# imports trio, which this driver must not; they move there once the toolkit's trio-free
-# part is a module of its own.
-def _ancillary_size(max_fds: int) -> int:
-    """recvmsg's ancillary buffer for up to ``max_fds`` descriptors."""
-    return pysocket.CMSG_SPACE(max(1, max_fds) * _FD_SIZE)
-
-
-def _take_fds(anc: list[tuple[int, int, bytes]], flags: int) -> list[int]:
-    """The descriptors in recvmsg's ancillary data (ours to close from here on).
-
-    Raises:
-        RemoteProtocolError: the ancillary buffer was too small (the broker sent more than
-            it announced as ``max_fds_per_message``); the ones that came are closed.
-    """
-    fds: list[int] = []
-    for level, kind, cdata in anc:
-        if level == pysocket.SOL_SOCKET and kind == pysocket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(cdata[: len(cdata) - len(cdata) % _FD_SIZE])
-            fds.extend(arr)
-    if flags & pysocket.MSG_CTRUNC:
-        close_fds(fds)
-        raise RemoteProtocolError(
-            "the broker sent more file descriptors in one message than max_fds_per_message",
-            ErrorCode.LIMIT_EXCEEDED,
-        )
-    return fds
-
-
-def _unconsumed_bytes(fd: int) -> int:
-    """Bytes we wrote to socket ``fd`` that the broker has not taken yet (SIOCOUTQ);
-    0 if the kernel cannot tell."""
-    try:
-        buf = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
-    except OSError:
-        return 0
-    return array.array("i", buf)[0]
 
 
 async def _run_callback(cb: Callable[..., Any], *args: Any) -> None:
@@ -170,7 +128,7 @@ class AioBus:
         self._s = Session(name, max_frame_size, wake=_wake)
         self._conn = self._s.conn
         self._rxbuf = memoryview(bytearray(RECEIVE_SIZE))
-        self._ancsize = _ancillary_size(self._s.max_fds)
+        self._ancsize = ancillary_size(self._s.max_fds)
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
         self._writer_armed = False
@@ -256,7 +214,7 @@ class AioBus:
             raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
         # A message may carry the broker's max_fds_per_message: a smaller buffer would
         # truncate them (MSG_CTRUNC ends the connection).
-        self._ancsize = _ancillary_size(self._s.max_fds)
+        self._ancsize = ancillary_size(self._s.max_fds)
 
     def _start(self) -> None:
         """Start reading: first the frames that came behind WELCOME, then the socket."""
@@ -277,12 +235,12 @@ class AioBus:
             except LocalProtocolError:
                 pass
             loop = self._loop
-            left, since = self._out_bytes + _unconsumed_bytes(self._fd), loop.time()
+            left, since = self._out_bytes + unconsumed_bytes(self._fd), loop.time()
             while s.lost is None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._broker_goodbye.wait(), CLOSE_WAIT)
                     break
-                before, left = left, self._out_bytes + _unconsumed_bytes(self._fd)
+                before, left = left, self._out_bytes + unconsumed_bytes(self._fd)
                 if not left:
                     break
                 if left < before:
@@ -486,7 +444,7 @@ class AioBus:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
             return
         try:
-            fds = _take_fds(anc, flags) if anc else []
+            fds = take_fds(anc, flags) if anc else []
             # An empty read is EOF: the codec yields it after the frames before it.
             self._conn.receive_data(self._rxbuf[:n], fds)
         except ProtocolError as exc:

@@ -1,27 +1,45 @@
 """Socket receive/send shared by the broker and the clients: fd passing over SCM_RIGHTS,
 the per-thread receive buffer, write batching, hang-up and unsent-byte queries.
 
-Errors from socket calls are translated by :mod:`msgq_trio.transport.errors`.
+Errors from socket calls are translated by :mod:`msgq_trio.transport.errors`; the
+trio-free helpers (descriptors in ancillary data, the unsent-byte query) live in
+:mod:`msgq_trio.transport.fdpass` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
-import fcntl
-import os
 import select
 import socket as pysocket
-import termios
 import threading
 
 import trio
 
-from ..protocol.codes import ErrorCode
 from ..protocol.connection import Connection
-from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import FdBuffer
 from .errors import translate_socket_errors, translated
+from .fdpass import ancillary_size, close_fds, take_fds, unconsumed_bytes
+
+# The fdpass helpers are re-exported: the broker and the trio client take them from here
+# with the rest.
+__all__ = [
+    "FD_DRAIN_ROUNDS",
+    "NO_JOIN",
+    "Buffer",
+    "SocketReceiver",
+    "ancillary_size",
+    "close_fds",
+    "coalesce",
+    "hung_up",
+    "receive_with_fds",
+    "scratch_buffer",
+    "send_buffers",
+    "send_with_fds",
+    "set_send_buffer",
+    "take_fds",
+    "unconsumed_bytes",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -42,17 +60,6 @@ def hung_up(fd: int) -> bool:
     except (OSError, ValueError):
         return True
     return any(ev & (_HANGUP_EVENTS | select.POLLNVAL) for _, ev in events)
-
-
-def unconsumed_bytes(fd: int) -> int:
-    """Bytes written to socket ``fd`` that its peer has not taken yet (SIOCOUTQ: on a
-    Unix stream socket, what the receiver has not read; on TCP, what is unsent or
-    unacknowledged); 0 if it cannot tell. A closing client waits while this shrinks."""
-    try:
-        buf = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
-    except OSError:
-        return 0
-    return array.array("i", buf)[0]
 
 
 def set_send_buffer(sock: pysocket.socket | trio.socket.SocketType, size: int) -> None:
@@ -89,40 +96,10 @@ def coalesce(bufs: list[Buffer]) -> list[Buffer]:
     return out
 
 
-_FD_SIZE = array.array("i").itemsize
-
-
-def ancillary_size(max_fds: int) -> int:
-    """recvmsg ancillary buffer for up to ``max_fds`` descriptors in one receive."""
-    return pysocket.CMSG_SPACE(max_fds * _FD_SIZE)
-
-
 #: Most extra receives taken without waiting after one that brought descriptors. Linux
 #: ends a recvmsg at every message that carries descriptors, so without this a burst of
 #: them costs one trio wake-up (~10 us plus a scheduler pass) per message.
 FD_DRAIN_ROUNDS = 64
-
-
-def take_fds(anc: list[tuple[int, int, bytes]], flags: int) -> list[int]:
-    """The descriptors in recvmsg's ancillary data (we own them from here on).
-
-    Raises:
-        RemoteProtocolError: the ancillary buffer was too small (MSG_CTRUNC); the
-            descriptors that did arrive are closed.
-    """
-    fds: list[int] = []
-    for level, kind, cdata in anc:
-        if level == pysocket.SOL_SOCKET and kind == pysocket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(cdata[: len(cdata) - len(cdata) % _FD_SIZE])
-            fds.extend(arr)
-    if flags & pysocket.MSG_CTRUNC:
-        close_fds(fds)
-        raise RemoteProtocolError(
-            "peer sent more file descriptors in one message than max_fds_per_message",
-            ErrorCode.LIMIT_EXCEEDED,
-        )
-    return fds
 
 
 def _raw_view(sock: trio.socket.SocketType) -> pysocket.socket:
@@ -342,15 +319,6 @@ def _send_fds_now(raw: pysocket.socket, data: FdBuffer) -> int:
         )
     except BlockingIOError:
         return 0
-
-
-def close_fds(fds: list[int] | tuple[int, ...]) -> None:
-    """Close descriptors we own, ignoring ones already closed."""
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 async def send_buffers(stream: trio.abc.SendStream, bufs: list[Buffer]) -> None:

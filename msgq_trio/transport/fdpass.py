@@ -1,0 +1,69 @@
+"""The trio-free part of the socket toolkit: descriptors in and out of ``recvmsg``'s
+ancillary data, and the unsent-byte query a closing client waits on.
+
+Plain stdlib (``socket``, ``fcntl``): :mod:`.sockets` (trio) re-exports these for the
+broker and the trio client, and the asyncio driver, which must not import trio, imports
+them from here (``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import socket as pysocket
+import termios
+
+from ..protocol.codes import ErrorCode
+from ..protocol.errors import RemoteProtocolError
+
+__all__ = ["ancillary_size", "close_fds", "take_fds", "unconsumed_bytes"]
+
+_FD_SIZE = array.array("i").itemsize
+
+
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    """Close descriptors we own, ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def ancillary_size(max_fds: int) -> int:
+    """recvmsg ancillary buffer for up to ``max_fds`` descriptors in one receive."""
+    return pysocket.CMSG_SPACE(max_fds * _FD_SIZE)
+
+
+def take_fds(anc: list[tuple[int, int, bytes]], flags: int) -> list[int]:
+    """The descriptors in recvmsg's ancillary data (we own them from here on).
+
+    Raises:
+        RemoteProtocolError: the ancillary buffer was too small (MSG_CTRUNC); the
+            descriptors that did arrive are closed.
+    """
+    fds: list[int] = []
+    for level, kind, cdata in anc:
+        if level == pysocket.SOL_SOCKET and kind == pysocket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(cdata[: len(cdata) - len(cdata) % _FD_SIZE])
+            fds.extend(arr)
+    if flags & pysocket.MSG_CTRUNC:
+        close_fds(fds)
+        raise RemoteProtocolError(
+            "peer sent more file descriptors in one message than max_fds_per_message",
+            ErrorCode.LIMIT_EXCEEDED,
+        )
+    return fds
+
+
+def unconsumed_bytes(fd: int) -> int:
+    """Bytes written to socket ``fd`` that its peer has not taken yet (SIOCOUTQ: on a
+    Unix stream socket, what the receiver has not read; on TCP, what is unsent or
+    unacknowledged); 0 if it cannot tell. A closing client waits while this shrinks."""
+    try:
+        buf = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return array.array("i", buf)[0]
