@@ -369,3 +369,44 @@ def test_the_transport_helpers_the_asyncio_driver_uses_import_no_trio() -> None:
         ROOT / "msgq_trio" / "transport" / "__init__.py",
     ):
         assert violations(path.read_text(), "msgq_trio.transport", AIO_FORBIDDEN) == []
+
+
+#: The API both asynchronous drivers share (client/api.py) is imported by the trio and
+#: the asyncio driver, so it imports neither event loop, nothing that does, and no driver
+#: (the drivers import it).
+CLIENT_API = ROOT / "msgq_trio" / "client" / "api.py"
+API_FORBIDDEN = (
+    "trio",
+    "asyncio",
+    "msgq_trio.transport.sockets",
+    "msgq_trio.transport.errors",
+    "msgq_trio.client.bus",
+    "msgq_trio.client.aio",
+    "msgq_trio.client.direct",
+    "msgq_trio.client.queue",
+    "msgq_trio.client.pipe",
+    "msgq_trio.io",
+)
+
+
+def test_the_shared_client_api_imports_no_event_loop() -> None:
+    """msgq_trio/client/api.py imports neither trio nor asyncio nor a driver, anywhere in
+    the file."""
+    assert CLIENT_API.is_file()
+    assert violations(CLIENT_API.read_text(), "msgq_trio.client", API_FORBIDDEN) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import asyncio",
+        "def f():\n    import trio\n",
+        "from ..transport.sockets import close_fds",
+        "from .bus import Bus",
+        "from . import aio",
+    ],
+)
+def test_api_checker_catches_violations(source: str) -> None:
+    """The shared API's checker flags either event loop, the trio socket toolkit and a
+    driver."""
+    assert violations(source, "msgq_trio.client", API_FORBIDDEN)

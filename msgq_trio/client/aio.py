@@ -24,27 +24,31 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import socket as pysocket
 import ssl
-import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
-from ..config import default_socket_path
 from ..errors import ConnectError, ConnectionLost, UsageError
-from ..protocol.codes import ErrorCode, FrameType
-from ..protocol.connection import EOF, NEED_DATA
-from ..protocol.errors import LocalProtocolError, ProtocolError
+from ..protocol.codes import FrameType
+from ..protocol.connection import EOF
+from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
 from ..transport.fdpass import ancillary_size, take_fds, unconsumed_bytes  # no trio
 from ..transport.tls import client_context_from_env  # ssl only: no trio
-from .message import Buffer, Member, Message, Result, close_fds
+from .api import (
+    BusBase,
+    HeartbeatMonitor,
+    client_name,
+    connect_target,
+    hello_extra,
+    parse_address,
+)
+from .message import Buffer, Message, close_fds
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
@@ -55,7 +59,6 @@ from .session import (
     Request,
     Send,
     Session,
-    as_handler,
 )
 
 __all__ = ["OUT_HIGH_WATER", "AioBus", "connect"]
@@ -76,24 +79,8 @@ _WRITE_ERROR_GRACE = 1.0
 _RECHECK = 0.01
 
 _MESSAGE = int(FrameType.MESSAGE)
-_SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
 _RECV_FLAGS = pysocket.MSG_CMSG_CLOEXEC | pysocket.MSG_DONTWAIT
 _SEND_FLAGS = pysocket.MSG_DONTWAIT | pysocket.MSG_NOSIGNAL
-
-#: A command handler as registered: ``fn(params)`` or ``fn(params, request)``, a plain
-#: function or an ``async def``.
-Handler = Callable[..., Any]
-
-
-async def _run_callback(cb: Callable[..., Any], *args: Any) -> None:
-    """Run a user callback (a plain function or an ``async def``); what it raises is
-    logged: nobody else would see it."""
-    try:
-        r = cb(*args)
-        if inspect.isawaitable(r):
-            await r
-    except Exception:
-        log.exception("callback %r raised", cb)
 
 
 def _wake(call: PendingCall) -> None:
@@ -104,13 +91,14 @@ def _wake(call: PendingCall) -> None:
         fut.set_result(None)
 
 
-class AioBus:
+class AioBus(BusBase):
     """A connection to the broker for asyncio programs. Create it with :func:`connect`.
 
     The methods are those of the trio :class:`~msgq_trio.Bus` of the same name, with the
     same arguments, results and exceptions, except that :meth:`receive` raises the
     builtin ``TimeoutError``. Use it from the event loop it was created on (one loop, one
-    thread).
+    thread). The API's shape and docstrings are :class:`~msgq_trio.client.api.BusBase`'s,
+    shared with the trio ``Bus``; this class does the I/O and the waiting.
 
     Resource handling: leaving :func:`connect`'s block writes what is queued, says
     GOODBYE, waits for the broker's (``CLOSE_WAIT`` s, longer while the broker still
@@ -140,53 +128,14 @@ class AioBus:
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
-        self._notify_inline: dict[str, Callable[[Message], None]] = {}
-        self._message_inline: Callable[[Message], None] | None = None
+        self._init_api()
         self._closed = False
         self._broker_goodbye = asyncio.Event()
         self._lost_event = asyncio.Event()
-
-    @property
-    def name(self) -> str:
-        """The client name sent in HELLO."""
-        return self._s.name
-
-    @property
-    def lname(self) -> str:
-        """This connection's unique address, assigned by the broker (``l.N``)."""
-        return self._s.lname
-
-    @property
-    def broker_version(self) -> str:
-        """The broker's version from WELCOME."""
-        return self._s.broker_version
-
-    @property
-    def session(self) -> Session:
-        """The sans-I/O protocol state under this driver."""
-        return self._s
-
-    @property
-    def limits(self) -> dict[str, object]:
-        """The broker's limits from WELCOME (docs/PROTOCOL.md), empty before it."""
-        return self._s.limits
-
-    @property
-    def lost(self) -> ConnectionLost | None:
-        """None while the connection is up; then the :class:`ConnectionLost` that calls
-        raise (``code`` says why)."""
-        return self._s.lost
-
-    async def wait_lost(self) -> ConnectionLost:
-        """Wait until the connection ends; returns :attr:`lost`."""
-        await self._lost_event.wait()
-        lost = self._s.lost
-        assert lost is not None
-        return lost
+        self._new_waiter = self._loop.create_future
 
     # -- lifecycle ---------------------------------------------------------------------
-    async def _handshake(self, hello_extra: dict[str, object]) -> None:
+    async def _handshake(self, hello_fields: dict[str, object]) -> None:
         """Send HELLO and take WELCOME; frames right behind it stay in the codec for the
         reader.
 
@@ -196,22 +145,11 @@ class AioBus:
         """
         loop = self._loop
         try:
-            await loop.sock_sendall(self._sock, b"".join(self._s.hello(hello_extra)))
-            while True:
-                data = await loop.sock_recv(self._sock, RECEIVE_SIZE)
-                self._conn.receive_data(data)
-                ev = self._conn.next_event()
-                if ev is EOF:
-                    raise ConnectError("broker closed the connection during the handshake")
-                if ev is NEED_DATA:
-                    continue
-                assert isinstance(ev, Frame)
-                self._s.receive_welcome(ev)
-                break
+            await loop.sock_sendall(self._sock, b"".join(self._s.hello(hello_fields)))
+            while not self._take_welcome(await loop.sock_recv(self._sock, RECEIVE_SIZE)):
+                pass
         except OSError as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
-        except ProtocolError as exc:
-            raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
         # A message may carry the broker's max_fds_per_message: a smaller buffer would
         # truncate them (MSG_CTRUNC ends the connection).
         self._ancsize = ancillary_size(self._s.max_fds)
@@ -228,31 +166,29 @@ class AioBus:
         if self._closed:
             return
         self._closed = True
-        s = self._s
-        if s.lost is None:
-            try:
-                self._queue(s.goodbye())
-            except LocalProtocolError:
-                pass
-            loop = self._loop
-            left, since = self._out_bytes + unconsumed_bytes(self._fd), loop.time()
-            while s.lost is None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._broker_goodbye.wait(), CLOSE_WAIT)
-                    break
-                before, left = left, self._out_bytes + unconsumed_bytes(self._fd)
-                if not left:
-                    break
-                if left < before:
-                    since = loop.time()  # the broker is still reading us
-                elif loop.time() - since >= s.close_patience:
-                    break
+        await self._say_goodbye()
         self._shutdown(ConnectionLost("the bus was closed"))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _now(self) -> float:
+        return self._loop.time()
+
+    def _unsent(self) -> int:
+        return self._out_bytes + unconsumed_bytes(self._fd)
+
+    async def _wait_goodbye(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._broker_goodbye.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _task(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        self._spawn(fn(*args))
 
     def _shutdown(self, exc: ConnectionLost) -> None:
         """Fail the connection with ``exc`` (unless it failed already) and release the
@@ -292,12 +228,6 @@ class AioBus:
             if not fut.done():
                 fut.set_result(None)
         waiters.clear()
-
-    def _check_open(self) -> None:
-        if self._s.lost is not None:
-            raise self._s.lost
-        if self._closed:
-            raise UsageError("the bus is closed")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in a task of this bus (cancelled when it closes)."""
@@ -498,41 +428,6 @@ class AioBus:
             self._loop.remove_reader(self._fd)
             self._reading = False
 
-    @staticmethod
-    def _inline_callback(callback: Callable[[Message], None], msg: Message) -> None:
-        """Call an inline callback; what it raises is logged (its bug, nobody to answer)
-        and the descriptors it did not take are closed."""
-        try:
-            callback(msg)
-        except Exception:
-            log.exception("inline callback %r raised", callback)
-            msg.close()
-
-    def _notification(self, msg: Message) -> bool:
-        """Hand a notification to its group's inline callback, else its callbacks (in a
-        task); False if it has neither (then it goes to iteration)."""
-        icb = self._notify_inline.get(msg.target) if self._notify_inline else None
-        if icb is not None:
-            try:
-                icb(msg)
-            except Exception:
-                log.exception("inline notification callback %r raised", icb)
-            finally:
-                msg.close()
-            return True
-        cbs = self._notify_cbs.get(msg.target) if self._notify_cbs else None
-        if not cbs:
-            return False
-        self._spawn(self._notify_callbacks(list(cbs), msg))
-        return True
-
-    async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
-        try:
-            for cb in cbs:
-                await _run_callback(cb, msg)
-        finally:
-            msg.close()  # descriptors a callback did not take_fds() are closed here
-
     # -- serving commands ----------------------------------------------------------------
     def _request(self, event: Request) -> None:
         """Run a request's handler: a plain function right here (answered at once, no
@@ -545,102 +440,8 @@ class AioBus:
             except Exception as exc:
                 self._queue_answer(self._s.inline_failed(msg, exc))
             return
-        handler = event.handler
-        assert handler is not None
-        try:
-            result = handler(msg.body, msg)
-        except Exception as exc:
-            self._finish_request(msg, None, exc)
-            return
-        except BaseException:
-            msg.close()
-            raise
-        if inspect.isawaitable(result):
-            self._spawn(self._await_request(msg, result))
-        else:
-            self._finish_request(msg, result, None)
-
-    async def _await_request(self, msg: Message, result: Any) -> None:
-        try:
-            value = await result
-        except Exception as exc:
-            self._finish_request(msg, None, exc)
-            return
-        except BaseException:
-            msg.close()  # cancelled (the bus is closing): no answer
-            raise
-        self._finish_request(msg, value, None)
-
-    def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
-        """Send the session's answer for the handler's ``result`` or ``error``."""
-        pieces = self._s.answer_for(msg, result, error)
-        if pieces is not None:
-            self._queue_answer(pieces)
-
-    def command(self, name: str) -> Callable[[Handler], Handler]:
-        """Decorator: register ``fn`` to answer requests for ``name``.
-
-        ``fn(params)`` or ``fn(params, request)``, a plain function or an ``async def``.
-        A plain function is called as the request arrives, without a task (it must not
-        block: it would block the event loop); an ``async def`` runs in an asyncio task
-        per request. What the result or exception answers is the one handler contract of
-        every driver (:meth:`msgq_trio.client.session.Session.answer_for`).
-
-        Raises:
-            UsageError: ``fn`` takes neither (params) nor (params, request).
-        """
-
-        def register(fn: Handler) -> Handler:
-            self.add_command(name, fn)
-            return fn
-
-        return register
-
-    def add_command(self, name: str, fn: Handler) -> None:
-        """Register ``fn`` for ``name`` (see :meth:`command`).
-
-        Raises:
-            UsageError: ``fn`` takes neither (params) nor (params, request).
-        """
-        self._s.commands[name] = as_handler(fn)
-
-    def add_inline_command(self, name: str, fn: Callable[[Message], None]) -> None:
-        """Register ``fn(request)`` for command ``name``, called as requests arrive, in
-        order, without a task. ``fn`` must not block; it answers (at once or later) with
-        :meth:`answer` or :meth:`answer_error`, exactly once. An exception from ``fn``
-        answers ``internal-error`` and is logged."""
-        self._s.inline[name] = fn
-
-    def set_default_handler(self, fn: Handler | None) -> None:
-        """Handle requests for commands without a handler with ``fn(params, request)``
-        instead of answering ``unknown-command``; None restores that.
-
-        Raises:
-            UsageError: ``fn`` does not take (params, request).
-        """
-        if fn is not None and len(inspect.signature(fn).parameters) != 2:
-            raise UsageError("a default handler takes (params, request)")
-        self._s.default_handler = fn
-
-    def answer(
-        self, request: Message, result: Any = None, *, attachments: Sequence[Buffer] = ()
-    ) -> None:
-        """Answer ``request`` (received by an inline handler) with ``result`` and
-        ``attachments``. A request whose caller is gone is answered anyway; the broker
-        discards it.
-
-        Raises:
-            UsageError: ``result`` cannot be encoded (nothing was sent).
-        """
-        self._queue_answer(self._s.encode_answer(request, result, attachments))
-
-    def answer_error(self, request: Message, code: str, message: str, data: object = None) -> None:
-        """Answer ``request`` (received by an inline handler) with an ERROR ``code``.
-
-        Raises:
-            UsageError: ``data`` cannot be encoded (nothing was sent).
-        """
-        self._queue_answer(self._s.encode_error(request, code, message, data))
+        assert event.handler is not None
+        self._start_request(msg, event.handler)
 
     def start_soon(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``fn()`` in an asyncio task of this bus: it is cancelled when the bus
@@ -683,43 +484,9 @@ class AioBus:
         if self._out_bytes > OUT_HIGH_WATER:
             await self._wait_out()
 
-    async def notify(self, group: str, event: str, params: Any = None) -> None:
-        """Publish notification ``event`` to ``group``; notifications are never answered.
-
-        Raises:
-            UsageError: ``params`` cannot be encoded, or the bus is closed.
-            ConnectionLost: the broker went away.
-        """
-        self._check_open()
-        self._queue(self._s.encode_notify(group, event, params))
-        await self._wait_out()
-
     # -- RPC ---------------------------------------------------------------------------
-    def _start_call(
-        self,
-        target: str,
-        command: str,
-        params: Any,
-        timeout: float | None,
-        attachments: Sequence[Buffer],
-        multi: bool,
-        fds: Sequence[int] = (),
-    ) -> PendingCall:
-        self._check_open()
-        loop = self._loop
-        call, pieces = self._s.start_call(
-            target,
-            command,
-            params,
-            now=loop.time() if timeout is not None else 0.0,
-            timeout=timeout,
-            attachments=attachments,
-            multi=multi,
-            fds=fds,
-        )
-        call.waiter = loop.create_future()
+    def _queue_request(self, pieces: list[Buffer], fds: Sequence[int]) -> None:
         self._queue(pieces)
-        return call
 
     async def _finish_call(self, call: PendingCall) -> None:
         """Wait for ``call``'s outcome (or its local deadline), then forget its slot."""
@@ -737,213 +504,11 @@ class AioBus:
         if not call.expire(self._loop.time()) and not call.done:
             self._loop.call_later(_RECHECK, self._expire, call)
 
-    async def call(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        fds: Sequence[int] = (),
-    ) -> Any:
-        """Call ``command`` on exactly one recipient and return its result.
-
-        No timeout is needed: the broker answers at once when nobody is there or the
-        recipient goes away, and after its ``request_timeout`` when the recipient
-        black-holes the request; ``timeout`` shortens that deadline for this call (the
-        client gives up by itself ``LOCAL_GRACE`` s after it if even the broker is
-        silent).
-
-        Raises:
-            NoRecipient, RecipientGone, RequestTimeout, ReceiverFull, MultipleRecipients,
-            LimitExceeded: the broker's answers. RemoteError: the handler failed
-            (``.code``, ``.message``, ``.data``). UsageError: a bad argument or a closed
-            bus. ConnectionLost: the broker went away.
-        """
-        call = self._start_call(target, command, params, timeout, attachments, False, fds)
-        await self._wait_out()
-        await self._finish_call(call)
-        return self._s.call_result(call, command)
-
-    async def request(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        fds: Sequence[int] = (),
-    ) -> Message:
-        """Like :meth:`call`, but returns the whole answer: a :class:`Message` of kind
-        ``"answer"`` with ``.body``, ``.attachments``, ``.fds`` and ``.sender``. The
-        caller owns the answer's descriptors (``with answer: ...``).
-
-        Raises:
-            The same exceptions as :meth:`call`.
-        """
-        call = self._start_call(target, command, params, timeout, attachments, False, fds)
-        await self._wait_out()
-        await self._finish_call(call)
-        if call.error is not None:
-            raise call.error
-        assert call.frame is not None
-        answer = Message(call.frame, self._s.sources)
-        answer._body, answer._decoded = call.result, True  # decoded once, by the call
-        return answer
-
-    async def call_all(
-        self, group: str, command: str, params: Any = None, *, timeout: float | None = None
-    ) -> list[Result]:
-        """Call ``command`` on every member of ``group`` (except this client).
-
-        Returns one :class:`Result` per member, in join order of the members the broker
-        routed to; a member that fails or leaves yields an error Result.
-
-        Raises:
-            NoRecipient: the group is empty. ConnectionLost: the broker went away.
-        """
-        call = self._start_call(group, command, params, timeout, (), True)
-        await self._wait_out()
-        await self._finish_call(call)
-        return call.member_results()
-
-    async def call_many(
-        self,
-        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
-        *,
-        timeout: float | None = None,
-    ) -> list[Result]:
-        """Issue many calls at once; returns each result or error, in request order.
-
-        Raises:
-            UsageError, ConnectionLost: as :meth:`call`, before anything is sent (calls
-                already started then go on, their answers dropped).
-        """
-        reqs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in requests]
-        started = []
-        try:
-            for target, command, params in reqs:
-                started.append(self._start_call(target, command, params, timeout, (), False))
-        except BaseException:
-            for call in started:
-                self._s.finish(call)
-            raise
-        await self._wait_out()
-        results: list[Result] = []
-        for call, (target, _c, _p) in zip(started, reqs, strict=True):
-            await self._finish_call(call)
-            if call.frame is not None and call.frame.fds:
-                close_fds(call.frame.fds)  # as call() does: only request() hands them out
-            results.append(Result(target, call.error is None, call.result, call.error))
-        return results
-
-    def call_cb(
-        self,
-        target: str,
-        command: str,
-        params: Any,
-        callback: Callable[[bool, Any], Any],
-        *,
-        timeout: float | None = None,
-    ) -> None:
-        """Start a call now; later run ``callback(ok, result_or_error)`` (a plain
-        function or an ``async def``) in a task of this bus; what it raises is logged.
-
-        Raises:
-            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
-        """
-        call = self._start_call(target, command, params, timeout, (), False)
-
-        async def finish() -> None:
-            await self._finish_call(call)
-            ok = call.error is None
-            if ok and call.frame is not None and call.frame.fds:
-                close_fds(call.frame.fds)
-            await _run_callback(callback, ok, call.result if ok else call.error)
-
-        self._spawn(finish())
-
-    def call_many_cb(
-        self,
-        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
-        callback: Callable[[list[Result]], Any],
-        *,
-        timeout: float | None = None,
-    ) -> None:
-        """Start many calls now; run ``callback(results)`` once all are done (see
-        :meth:`call_many` and :meth:`call_cb`). If they cannot be started (a bad
-        argument, the connection lost), every Result carries that error."""
-        reqs = list(requests)
-
-        async def finish() -> None:
-            try:
-                results = await self.call_many(reqs, timeout=timeout)
-            except (UsageError, ConnectionLost) as exc:
-                results = [Result(r[0], False, None, exc) for r in reqs]
-            await _run_callback(callback, results)
-
-        self._spawn(finish())
-
-    # -- broker commands ---------------------------------------------------------------
-    async def subscribe(self, group: str) -> bool:
-        """Join ``group``; returns False if already a member. Confirmed by the broker."""
-        return bool(await self.call("msgq", "subscribe", {"group": group}))
-
-    async def unsubscribe(self, group: str) -> bool:
-        """Leave ``group``; returns False if not a member. Confirmed by the broker."""
-        return bool(await self.call("msgq", "unsubscribe", {"group": group}))
-
-    async def members(self, group: str) -> list[Member]:
-        """Members of ``group`` in join order (``G[0]`` first)."""
-        rows = await self.call("msgq", "members", {"group": group})
-        return [Member(r["lname"], r["name"], r.get("pid", -1)) for r in rows]
-
-    async def version(self) -> dict[str, Any]:
-        """The broker's ``version`` answer."""
-        return dict(await self.call("msgq", "version"))
-
-    def on_notification(self, group: str, callback: Callable[[Message], Any]) -> None:
-        """Run ``callback(message)`` (a plain function or an ``async def``) for every
-        notification to ``group``, in a task, instead of delivering it to iteration; an
-        exception it raises is logged. Subscribe to the group separately."""
-        self._notify_cbs.setdefault(group, []).append(callback)
-
-    def on_notification_inline(self, group: str, callback: Callable[[Message], None]) -> None:
-        """Call ``callback(message)`` for every notification to ``group`` as it
-        arrives, in order with the requests to inline commands and everything else the
-        reader handles, instead of delivering it to iteration. ``callback`` must not
-        block; an exception it raises is logged. One callback per group."""
-        self._notify_inline[group] = callback
-
-    def on_message_inline(self, callback: Callable[[Message], None] | None) -> None:
-        """Call ``callback(message)`` for every one-way MESSAGE as it arrives, in order
-        with the requests it handles, instead of delivering it to iteration; None
-        restores iteration. ``callback`` must not block; an exception it raises is
-        logged and the message's descriptors are closed."""
-        self._message_inline = callback
-
     # -- receiving ---------------------------------------------------------------------
-    def __aiter__(self) -> AsyncIterator[Message]:
-        """Iterate over received messages and notifications, in arrival order.
-
-        The iteration ends only when it was ended cleanly: this bus was closed, or the
-        broker shut down and said GOODBYE.
-
-        Raises:
-            ConnectionLost: the connection broke or the broker dropped this client
-                (``code`` says why); messages received before it are all yielded first.
-        """
-        return self
-
     async def __anext__(self) -> Message:
         msg = await self._next_message()
         if msg is None:
-            lost = self._s.lost
-            if self._closed or lost is None or lost.code == _SHUTDOWN:
-                raise StopAsyncIteration
-            raise lost
+            raise self._end_of_iteration()
         return msg
 
     async def receive(self, timeout: float | None = None) -> Message:
@@ -981,20 +546,6 @@ class AioBus:
         if not self._reading and self._in_bytes <= IN_HIGH_WATER:
             self._resume_reading()
         return msg
-
-
-def _parse_address(address: str) -> tuple[str, str, int]:
-    """``tcp://HOST:PORT`` / ``tls://HOST:PORT`` -> (scheme, host, port).
-
-    Raises:
-        UsageError: not such a URL.
-    """
-    scheme, _, rest = address.partition("://")
-    host, sep, port = rest.rpartition(":")
-    host = host.strip("[]")
-    if scheme not in ("tcp", "tls") or not sep or not host or not port.isdigit():
-        raise UsageError(f"bus address {address!r} must be tcp://HOST:PORT or tls://HOST:PORT")
-    return scheme, host, int(port)
 
 
 async def _open_tcp(host: str, port: int, target: str) -> pysocket.socket:
@@ -1077,7 +628,7 @@ async def _open_transport(
         finally:
             sock.close()
         return
-    scheme, host, port = _parse_address(target)
+    scheme, host, port = parse_address(target)
     if scheme == "tcp":
         sock = await _open_tcp(host, port, target)
         try:
@@ -1122,28 +673,15 @@ async def _heartbeat(bus: AioBus, interval: float, misses: int) -> None:
     trio client does: every ``interval`` without traffic, ``ping``; after ``misses``
     silent intervals the connection is lost (code ``heartbeat-timeout``). Intervals in
     which the reader is paused (the application is not consuming) do not count."""
-    last, missed = -1, 0
+    monitor = HeartbeatMonitor(interval, misses)
     while bus.lost is None:
         await asyncio.sleep(interval)
-        rx = bus._conn.received_bytes
-        if rx != last or bus._in_bytes > IN_HIGH_WATER:
-            last, missed = rx, 0
-            continue
-        missed += 1
-        if missed >= misses:
-            log.error(
-                "the broker sent nothing for %d heartbeat intervals of %s s: connection lost",
-                missed,
-                interval,
-            )
-            bus._shutdown(
-                ConnectionLost(
-                    f"the broker sent nothing for {missed * interval:g} s (heartbeat)",
-                    code=str(ErrorCode.HEARTBEAT_TIMEOUT),
-                )
-            )
+        lost = monitor.tick(bus._conn.received_bytes, bus._in_bytes > IN_HIGH_WATER)
+        if lost is not None:
+            bus._shutdown(lost)
             return
-        bus._queue(bus._s.encode_ping())
+        if monitor.silent:
+            bus._queue(bus._s.encode_ping())
 
 
 @asynccontextmanager
@@ -1182,23 +720,14 @@ async def connect(
         UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file from the
             environment that cannot be loaded (named).
     """
-    if socket is not None:
-        target = os.fspath(socket)
-    else:
-        env = os.environ.get("MSGQ_TRIO_SOCKET", "")
-        target = env or str(default_socket_path())
+    target = connect_target(socket)
     async with _open_transport(target, ssl_context, server_hostname) as (sock, remote):
         if not remote and send_buffer:  # TCP keeps the kernel's send buffer autotuning
             with contextlib.suppress(OSError):
                 sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
-        bus = AioBus(sock, name or Path(sys.argv[0] or "client").name, max_frame_size)
-        hello: dict[str, object] = {}
-        if remote:
-            tok = token if token is not None else os.environ.get("MSGQ_TRIO_TOKEN")
-            if tok:
-                hello["token"] = tok
+        bus = AioBus(sock, client_name(name), max_frame_size)
         try:
-            await asyncio.wait_for(bus._handshake(hello), timeout)
+            await asyncio.wait_for(bus._handshake(hello_extra(remote, token)), timeout)
         except TimeoutError:
             raise ConnectError(f"no WELCOME from the broker within {timeout} s") from None
         if remote:

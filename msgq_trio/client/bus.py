@@ -8,25 +8,20 @@ frame); ``send`` only queues and waits when the queue is over its bound.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import math
 import os
-import sys
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..config import default_socket_path
 from ..errors import ConnectError, ConnectionLost, UsageError
-from ..protocol.codes import ErrorCode, FrameType
-from ..protocol.connection import EOF, NEED_DATA
-from ..protocol.errors import LocalProtocolError, ProtocolError
+from ..protocol.codes import FrameType
+from ..protocol.connection import EOF
+from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
 from ..transport.errors import translate_socket_errors
 from ..transport.sockets import (
@@ -39,6 +34,14 @@ from ..transport.sockets import (
     unconsumed_bytes,
 )
 from ..transport.tls import client_context_from_env
+from .api import (
+    BusBase,
+    HeartbeatMonitor,
+    client_name,
+    connect_target,
+    hello_extra,
+    parse_address,
+)
 from .message import Buffer, Member, Message, Reply, Result
 from .session import (
     CLOSE_WAIT,
@@ -50,7 +53,6 @@ from .session import (
     Request,
     Send,
     Session,
-    as_handler,
 )
 
 __all__ = [
@@ -78,10 +80,7 @@ log = logging.getLogger("msgq_trio.client")
 OUT_HIGH_WATER = 1024 * 1024
 _FAIRNESS = 256  # iteration yields to other tasks at least every this many messages
 _MEMBERSHIP = "msgq.membership"
-_SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
 _MESSAGE = FrameType.MESSAGE
-#: A command handler as registered: ``fn(params)`` or ``fn(params, request)``, sync or async.
-Handler = Callable[..., Any]
 
 
 def _wake(call: PendingCall) -> None:
@@ -89,20 +88,13 @@ def _wake(call: PendingCall) -> None:
     call.waiter.set()
 
 
-def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
-    """The socket under a client stream (a SocketStream, or TLS over one)."""
-    if isinstance(stream, trio.SSLStream):
-        stream = stream.transport_stream
-    assert isinstance(stream, trio.SocketStream)
-    return stream.socket
-
-
-class Bus:
+class Bus(BusBase):
     """A connection to the broker. Create it with :func:`connect`.
 
     The trio driver of the client :class:`~msgq_trio.client.session.Session`: the socket,
     the reader and writer tasks, handler tasks, backpressure and descriptor passing are
-    here; what frames mean and what to answer is the session's.
+    here; what frames mean and what to answer is the session's, and the API's shape is
+    :class:`~msgq_trio.client.api.BusBase`'s.
     """
 
     def __init__(self, stream: trio.SocketStream, name: str, max_frame_size: int) -> None:
@@ -118,9 +110,7 @@ class Bus:
         self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
-        self._notify_cbs: dict[str, list[Callable[[Message], Any]]] = {}
-        self._notify_inline: dict[str, Callable[[Message], None]] = {}
-        self._message_inline: Callable[[Message], None] | None = None
+        self._init_api()
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._since_yield = 0
@@ -136,27 +126,8 @@ class Bus:
         self._answered = 0
         self._burst = False
         self._lost_event = trio.Event()
+        self._new_waiter = trio.Event
         self._fd = stream.socket.fileno()
-
-    @property
-    def name(self) -> str:
-        """The client name sent in HELLO."""
-        return self._s.name
-
-    @property
-    def lname(self) -> str:
-        """This connection's unique address, assigned by the broker (``l.N``)."""
-        return self._s.lname
-
-    @property
-    def broker_version(self) -> str:
-        """The broker's version from WELCOME."""
-        return self._s.broker_version
-
-    @property
-    def session(self) -> Session:
-        """The sans-I/O protocol state under this driver (for plugin clients and tests)."""
-        return self._s
 
     @property
     def _welcome(self) -> dict[str, object]:
@@ -171,61 +142,51 @@ class Bus:
         return self._s.calls
 
     # -- lifecycle ---------------------------------------------------------------------
-    async def _handshake(self, hello_extra: dict[str, object]) -> None:
-        hello = self._s.hello(hello_extra)
+    async def _handshake(self, hello_fields: dict[str, object]) -> None:
+        """Send HELLO and take WELCOME (see ``_take_welcome``).
+
+        Raises:
+            ConnectError: the broker refused (``code``), closed, broke the protocol, or
+                the socket failed.
+        """
+        hello = self._s.hello(hello_fields)
         try:
             with translate_socket_errors():
                 await self._stream.send_all(b"".join(hello))
-            while True:
-                with translate_socket_errors():
-                    data = await self._stream.receive_some(RECEIVE_SIZE)
-                self._conn.receive_data(data)
-                ev = self._conn.next_event()
-                if ev is EOF:
-                    raise ConnectError("broker closed the connection during the handshake")
-                if ev is NEED_DATA:
-                    continue
-                assert isinstance(ev, Frame)
-                self._s.receive_welcome(ev)
-                return  # frames that came right behind WELCOME stay buffered for the reader
+                while not self._take_welcome(await self._stream.receive_some(RECEIVE_SIZE)):
+                    pass
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
-        except ProtocolError as exc:
-            raise ConnectError(f"broker violated the protocol in the handshake: {exc}") from exc
 
     async def _close(self) -> None:
-        """Flush queued frames, say GOODBYE, wait for the broker's, close.
-
-        The wait ends after CLOSE_WAIT s, or while bytes we sent are still unread by the
-        broker, after :func:`~msgq_trio.client.session.close_patience` s in which it took
-        none of them (it may be pausing our reads for backpressure: what it has not read
-        when the socket closes is lost; it logs and counts that).
-        """
+        """Flush queued frames, say GOODBYE, wait for the broker's (``_say_goodbye``),
+        close."""
         if self._closed:
             return
         self._closed = True
-        s = self._s
-        if s.lost is None:
-            try:
-                self._queue(s.goodbye())
-            except LocalProtocolError:
-                pass
-            fd = _socket_of(self._stream).fileno()
-            clock = trio.current_time
-            left, since = self._out_bytes + unconsumed_bytes(fd), clock()
-            while s.lost is None:
-                with trio.move_on_after(CLOSE_WAIT):
-                    await self._broker_goodbye.wait()
-                    break
-                before, left = left, self._out_bytes + unconsumed_bytes(fd)
-                if not left:
-                    break
-                if left < before:
-                    since = clock()  # the broker is still reading us
-                elif clock() - since >= s.close_patience:
-                    break
+        await self._say_goodbye()
         await trio.aclose_forcefully(self._stream)
         self._fail_all(ConnectionLost("the bus was closed"))
+
+    def _now(self) -> float:
+        return trio.current_time()
+
+    def _unsent(self) -> int:
+        return self._out_bytes + unconsumed_bytes(self._fd)
+
+    async def _wait_goodbye(self, timeout: float) -> bool:
+        with trio.move_on_after(timeout):
+            await self._broker_goodbye.wait()
+            return True
+        return False
+
+    async def _checkpoint(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def _task(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        if self._nursery is None:
+            raise UsageError("the bus is not running")
+        self._nursery.start_soon(fn, *args)
 
     def _fail_all(self, exc: ConnectionLost) -> None:
         self._s.fail(exc)
@@ -233,35 +194,6 @@ class Bus:
         self._in_wake.unpark_all()
         self._drained.unpark_all()
         self._in_taken.unpark_all()
-
-    @property
-    def limits(self) -> dict[str, object]:
-        """The broker's limits from WELCOME (``max_frame_size``, ``request_timeout``,
-        ``max_pending_requests``, ...; docs/PROTOCOL.md), empty before the handshake or
-        from a broker that sent none."""
-        return self._s.limits
-
-    @property
-    def lost(self) -> ConnectionLost | None:
-        """None while the connection is up; once it ended (the broker dropped us or shut
-        down, the socket broke, or the bus was closed), the :class:`ConnectionLost` that
-        calls raise, whose ``code`` says why. For a component that only sends and would
-        not otherwise notice that the broker refused its last message."""
-        return self._s.lost
-
-    async def wait_lost(self) -> ConnectionLost:
-        """Wait until the connection ends; returns :attr:`lost` (for a plugin client
-        whose iteration must end with the connection)."""
-        await self._lost_event.wait()
-        lost = self._s.lost
-        assert lost is not None
-        return lost
-
-    def _check_open(self) -> None:
-        if self._s.lost is not None:
-            raise self._s.lost
-        if self._closed:
-            raise UsageError("the bus is closed")
 
     # -- sending -----------------------------------------------------------------------
     def _queue(self, pieces: list[Buffer]) -> None:
@@ -390,40 +322,9 @@ class Bus:
             await self._drained.park()
         self._check_open()
 
-    async def notify(self, group: str, event: str, params: Any = None) -> None:
-        """Publish notification ``event`` to ``group``; notifications are never answered."""
-        self._check_open()
-        self._queue(self._s.encode_notify(group, event, params))
-        await self._wait_out()
-        await trio.lowlevel.checkpoint()
-
     # -- RPC ---------------------------------------------------------------------------
-    def _start_call(
-        self,
-        target: str,
-        command: str,
-        params: Any,
-        timeout: float | None,
-        attachments: Sequence[Buffer],
-        multi: bool,
-        fds: Sequence[int] = (),
-        on_behalf_of: tuple[str, str] | None = None,
-    ) -> PendingCall:
-        self._check_open()
-        call, pieces = self._s.start_call(
-            target,
-            command,
-            params,
-            now=trio.current_time() if timeout is not None else 0.0,
-            timeout=timeout,
-            attachments=attachments,
-            multi=multi,
-            fds=fds,
-            on_behalf_of=on_behalf_of,
-        )
-        call.waiter = trio.Event()
+    def _queue_request(self, pieces: list[Buffer], fds: Sequence[int]) -> None:
         self._queue_urgent(self._count_fds(pieces) if fds else pieces)
-        return call
 
     async def _finish_call(self, call: PendingCall) -> None:
         """Wait for ``call``'s outcome (or its local deadline), then forget its slot."""
@@ -436,60 +337,6 @@ class Bus:
             call.expire(trio.current_time())
         finally:
             self._s.finish(call)
-
-    async def call(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        fds: Sequence[int] = (),
-    ) -> Any:
-        """Call ``command`` on exactly one recipient and return its result.
-
-        ``target`` is an lname, ``G[N]``, ``G[?]`` or a group with exactly one member.
-        No timeout is needed: the broker answers at once when nobody is there or the
-        recipient goes away, and after its ``request_timeout`` when the recipient
-        black-holes the request; ``timeout`` shortens that deadline for this call.
-
-        Raises:
-            NoRecipient, RecipientGone, RequestTimeout, ReceiverFull, MultipleRecipients,
-            LimitExceeded: the broker's answers. RemoteError: the handler failed
-            (``.code``, ``.message``, ``.data``). ConnectionLost: the broker went away.
-        """
-        call = self._start_call(target, command, params, timeout, attachments, False, fds)
-        await self._wait_out()
-        await self._finish_call(call)
-        return self._s.call_result(call, command)
-
-    async def request(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        fds: Sequence[int] = (),
-    ) -> Message:
-        """Like :meth:`call`, but returns the whole answer: a :class:`Message` of kind
-        ``"answer"`` with ``.body`` (the result), ``.attachments``, ``.fds`` and
-        ``.sender``. The caller owns the answer's descriptors (``with answer: ...``).
-
-        Raises:
-            The same exceptions as :meth:`call`.
-        """
-        call = self._start_call(target, command, params, timeout, attachments, False, fds)
-        await self._wait_out()
-        await self._finish_call(call)
-        if call.error is not None:
-            raise call.error
-        assert call.frame is not None
-        answer = Message(call.frame, self._s.sources)
-        answer._body, answer._decoded = call.result, True  # decoded once, by the call
-        return answer
 
     def start_call(
         self,
@@ -554,91 +401,6 @@ class Bus:
         """Free ``call``'s slot: an answer still to come is dropped."""
         self._s.finish(call)
 
-    async def call_all(
-        self, group: str, command: str, params: Any = None, *, timeout: float | None = None
-    ) -> list[Result]:
-        """Call ``command`` on every member of ``group`` (except this client).
-
-        Returns one :class:`Result` per member, in join order of the members the broker
-        routed to; a member that fails or leaves yields an error Result.
-
-        Raises:
-            NoRecipient: the group is empty. ConnectionLost: the broker went away.
-        """
-        call = self._start_call(group, command, params, timeout, (), True)
-        await self._wait_out()
-        await self._finish_call(call)
-        return call.member_results()
-
-    async def call_many(
-        self,
-        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
-        *,
-        timeout: float | None = None,
-    ) -> list[Result]:
-        """Issue many calls concurrently; returns each result or error, in request order."""
-        reqs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in requests]
-        started = [self._start_call(t, c, p, timeout, (), False) for t, c, p in reqs]
-        await self._wait_out()
-        results: list[Result] = []
-        for call, (target, _c, _p) in zip(started, reqs, strict=True):
-            await self._finish_call(call)
-            results.append(Result(target, call.error is None, call.result, call.error))
-        return results
-
-    def call_cb(
-        self,
-        target: str,
-        command: str,
-        params: Any,
-        callback: Callable[[bool, Any], Any],
-        *,
-        timeout: float | None = None,
-    ) -> None:
-        """Start a call now; later run ``callback(ok, result_or_error)``.
-
-        The callback runs in the bus's nursery; exceptions it raises are logged.
-        """
-        call = self._start_call(target, command, params, timeout, (), False)
-
-        async def finish() -> None:
-            await self._finish_call(call)
-            ok = call.error is None
-            await self._run_callback(callback, ok, call.result if ok else call.error)
-
-        self.start_soon(finish)
-
-    def call_many_cb(
-        self,
-        requests: Iterable[tuple[str, str] | tuple[str, str, Any]],
-        callback: Callable[[list[Result]], Any],
-        *,
-        timeout: float | None = None,
-    ) -> None:
-        """Start many calls now; run ``callback(results)`` once all are done."""
-        reqs = list(requests)
-
-        async def finish() -> None:
-            results = await self.call_many(reqs, timeout=timeout)
-            await self._run_callback(callback, results)
-
-        self.start_soon(finish)
-
-    async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
-        try:
-            for cb in cbs:
-                await self._run_callback(cb, msg)
-        finally:
-            msg.close()  # descriptors a callback did not take_fds() are closed here
-
-    async def _run_callback(self, cb: Callable[..., Any], *args: Any) -> None:
-        try:
-            r = cb(*args)
-            if inspect.isawaitable(r):
-                await r
-        except Exception:
-            log.exception("callback %r raised", cb)
-
     def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run ``fn()`` in a task of this bus's nursery: it is cancelled when the bus
         closes (for plugin clients' background work: acks, watchers).
@@ -649,107 +411,6 @@ class Bus:
         if self._nursery is None:
             raise UsageError("the bus is not running")
         self._nursery.start_soon(fn)
-
-    # -- serving commands ----------------------------------------------------------------
-    def command(self, name: str) -> Callable[[Handler], Handler]:
-        """Decorator: register ``fn`` to answer requests for ``name``.
-
-        ``fn(params)`` or ``fn(params, request)``, sync or async. A plain function is called
-        by the reader as the request arrives, without a task (it must not block: it would
-        block the whole event loop in a task too); an async one runs in its own task per
-        request. What the result or exception answers is the one handler contract of
-        every driver (:meth:`msgq_trio.client.session.Session.answer_for`): the return
-        value (or a :class:`Reply`) is the answer; ``CommandFailed(code, message, data)``
-        answers with that error; ``TypeError``/``ValueError``/``KeyError`` and a malformed
-        request answer ``bad-request``; any other exception ``internal-error`` naming its
-        type.
-        """
-
-        def register(fn: Handler) -> Handler:
-            self.add_command(name, fn)
-            return fn
-
-        return register
-
-    def add_command(self, name: str, fn: Handler) -> None:
-        """Register ``fn`` for ``name`` (see :meth:`command`).
-
-        Raises:
-            UsageError: ``fn`` takes neither (params) nor (params, request).
-        """
-        self._s.commands[name] = as_handler(fn)
-
-    def add_inline_command(self, name: str, fn: Callable[[Message], None]) -> None:
-        """Register ``fn(request)`` for command ``name``, called synchronously by the reader
-        in the order requests arrive, without a task. ``fn`` must not block; it answers
-        later (or at once) with :meth:`answer` or :meth:`answer_error`, exactly once.
-
-        For plugins that must see requests in order (the queue's puts: deduplication by
-        increasing sequence numbers) or cannot afford a task per request. An exception
-        from ``fn`` answers ``internal-error`` and is logged.
-        """
-        self._s.inline[name] = fn
-
-    def set_default_handler(self, fn: Handler | None) -> None:
-        """Handle requests for commands that have no handler with ``fn(params, request)``
-        instead of answering ``unknown-command`` (a bound queue takes any command)."""
-        if fn is not None and len(inspect.signature(fn).parameters) != 2:
-            raise UsageError("a default handler takes (params, request)")
-        self._s.default_handler = fn
-
-    def answer(
-        self, request: Message, result: Any = None, *, attachments: Sequence[Buffer] = ()
-    ) -> None:
-        """Answer ``request`` (received by an inline handler) with ``result`` and
-        optional binary ``attachments`` (the pipe plugin's read answers).
-
-        Raises:
-            UsageError: ``result`` cannot be encoded (nothing was sent).
-        A request whose caller is gone is answered anyway; the broker discards it.
-        """
-        self._queue_answer(self._s.encode_answer(request, result, attachments))
-
-    def answer_error(self, request: Message, code: str, message: str, data: object = None) -> None:
-        """Answer ``request`` (received by an inline handler) with an ERROR ``code``.
-
-        Raises:
-            UsageError: ``data`` cannot be encoded (nothing was sent).
-        """
-        self._queue_answer(self._s.encode_error(request, code, message, data))
-
-    def _start_request(self, msg: Message, handler: Handler) -> None:
-        """Run ``handler`` for a request, in the reader: a plain function is answered
-        right here, without a task per request (a task costs more than a small handler);
-        an ``async`` one returns an awaitable, which a task of its own awaits."""
-        try:
-            result = handler(msg.body, msg)
-        except Exception as exc:
-            self._finish_request(msg, None, exc)
-            return
-        except BaseException:
-            msg.close()
-            raise
-        if inspect.isawaitable(result):
-            self.start_soon(functools.partial(self._await_request, msg, result))
-        else:
-            self._finish_request(msg, result, None)
-
-    async def _await_request(self, msg: Message, result: Awaitable[Any]) -> None:
-        try:
-            value = await result
-        except Exception as exc:
-            self._finish_request(msg, None, exc)
-            return
-        except BaseException:
-            msg.close()  # cancelled (the bus is closing): no answer
-            raise
-        self._finish_request(msg, value, None)
-
-    def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
-        """Send the session's answer for the handler's ``result`` or ``error``."""
-        pieces = self._s.answer_for(msg, result, error)
-        if pieces is not None:
-            self._queue_answer(pieces)
 
     # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
     def queue(self, name: str, *, producer: str | None = None) -> Queue:
@@ -772,60 +433,7 @@ class Bus:
 
         return Pipe(self, name)
 
-    # -- broker commands ---------------------------------------------------------------
-    async def subscribe(self, group: str) -> bool:
-        """Join ``group``; returns False if already a member. Confirmed by the broker."""
-        return bool(await self.call("msgq", "subscribe", {"group": group}))
-
-    async def unsubscribe(self, group: str) -> bool:
-        return bool(await self.call("msgq", "unsubscribe", {"group": group}))
-
-    async def members(self, group: str) -> list[Member]:
-        """Members of ``group`` in join order (``G[0]`` first)."""
-        rows = await self.call("msgq", "members", {"group": group})
-        return [Member(r["lname"], r["name"], r.get("pid", -1)) for r in rows]
-
-    async def version(self) -> dict[str, Any]:
-        return dict(await self.call("msgq", "version"))
-
-    def on_notification(self, group: str, callback: Callable[[Message], Any]) -> None:
-        """Run ``callback(message)`` for every notification to ``group`` (instead of
-        delivering it to iteration). Subscribe to the group separately."""
-        self._notify_cbs.setdefault(group, []).append(callback)
-
-    def on_notification_inline(self, group: str, callback: Callable[[Message], None]) -> None:
-        """Call ``callback(message)`` for every notification to ``group`` synchronously in
-        the reader, in arrival order with everything else the reader handles (requests
-        to inline commands, see :meth:`add_inline_command`), instead of delivering it to
-        iteration. For a service whose state depends on both: e.g. a request that
-        arrives after a ``disconnected`` event must see the event's effect. ``callback``
-        must not block; an exception it raises is logged. One callback per group."""
-        self._notify_inline[group] = callback
-
-    def on_message_inline(self, callback: Callable[[Message], None] | None) -> None:
-        """Call ``callback(message)`` for every one-way MESSAGE synchronously in the
-        reader, in arrival order with the requests it handles (a plain ``def`` handler
-        runs there too), instead of delivering it to iteration; None restores iteration.
-        For a service that must see one-way messages and requests in the order they were
-        sent (the queue plugin's bound groups). ``callback`` must not block; an
-        exception it raises is logged and the message's descriptors are closed."""
-        self._message_inline = callback
-
     # -- receiving ---------------------------------------------------------------------
-    def __aiter__(self) -> AsyncIterator[Message]:
-        """Iterate over received messages and notifications, in arrival order.
-
-        The iteration ends (like trio's ``EndOfChannel``) only when it was ended cleanly:
-        this bus was closed locally, or the broker shut down and said GOODBYE. Every other
-        end raises, so a consumer never mistakes a loss for the end of the stream.
-
-        Raises:
-            ConnectionLost: the connection broke (broker crashed) or the broker dropped this
-                client; ``code`` says why (``slow-consumer``, ``protocol-error``,
-                ``dropped``...). Messages received before it are all yielded first.
-        """
-        return self
-
     async def __anext__(self) -> Message:
         q = self._in
         if q and self._since_yield < _FAIRNESS - 1:
@@ -839,10 +447,7 @@ class Bus:
             return msg
         waited = await self._next_message()
         if waited is None:
-            lost = self._s.lost
-            if self._closed or lost is None or lost.code == _SHUTDOWN:
-                raise StopAsyncIteration
-            raise lost
+            raise self._end_of_iteration()
         return waited
 
     async def receive(self, timeout: float | None = None) -> Message:
@@ -930,13 +535,15 @@ class Bus:
                         assert isinstance(ev, Frame)
                         event = handle(ev)
                         if isinstance(event, Message):
-                            if ev.type != _MESSAGE:
-                                self._notification(event)
-                            elif inline is None:  # hot path: straight to the application
-                                inq.append(event)
+                            if ev.type == _MESSAGE:
+                                if inline is None:  # hot path: straight to the application
+                                    inq.append(event)
+                                    self._in_bytes += len(ev.raw)
+                                else:
+                                    self._inline_callback(inline, event)
+                            elif not self._notification(event):
+                                inq.append(event)  # the reader wakes the consumer below
                                 self._in_bytes += len(ev.raw)
-                            else:
-                                self._message_inline_call(inline, event)
                         elif event is not None:
                             self._dispatch(event)
                 finally:
@@ -967,34 +574,6 @@ class Bus:
             rx.close()
             close_fds(conn.take_orphan_fds())
 
-    def _message_inline_call(self, callback: Callable[[Message], None], msg: Message) -> None:
-        try:
-            callback(msg)
-        except Exception:
-            log.exception("inline message callback %r raised", callback)
-            msg.close()
-
-    def _notification(self, msg: Message) -> None:
-        """A notification goes to its group's inline callback, else its callbacks (in a
-        task), else to iteration."""
-        if self._notify_inline:
-            icb = self._notify_inline.get(msg.target)
-            if icb is not None:
-                try:
-                    icb(msg)
-                except Exception:
-                    log.exception("inline notification callback %r raised", icb)
-                finally:
-                    msg.close()
-                return
-        if self._notify_cbs:
-            cbs = self._notify_cbs.get(msg.target)
-            if cbs:
-                self.start_soon(functools.partial(self._notify_callbacks, cbs, msg))
-                return
-        self._in.append(msg)
-        self._in_bytes += msg.size  # the reader wakes the consumer once per batch
-
     def _dispatch(self, event: Request | PendingCall | Send | Closed) -> None:
         """Act on one of the session's events other than a received message."""
         if isinstance(event, PendingCall):
@@ -1018,20 +597,6 @@ class Bus:
                 self._broker_goodbye.set()
             if event.error is not None:
                 self._fail_all(event.error)
-
-
-def _parse_address(address: str) -> tuple[str, str, int]:
-    """``tcp://HOST:PORT`` / ``tls://HOST:PORT`` -> (scheme, host, port).
-
-    Raises:
-        UsageError: not such a URL.
-    """
-    scheme, _, rest = address.partition("://")
-    host, sep, port = rest.rpartition(":")
-    host = host.strip("[]")
-    if scheme not in ("tcp", "tls") or not sep or not host or not port.isdigit():
-        raise UsageError(f"bus address {address!r} must be tcp://HOST:PORT or tls://HOST:PORT")
-    return scheme, host, int(port)
 
 
 async def _pump(source: trio.abc.ReceiveStream, sink: trio.abc.HalfCloseableStream | Any) -> None:
@@ -1077,7 +642,7 @@ async def _open_transport(
             ) from exc
         yield stream, False
         return
-    scheme, host, port = _parse_address(target)
+    scheme, host, port = parse_address(target)
     ctx = None
     if scheme == "tls":  # before connecting: a context that cannot be built leaks nothing
         ctx = ssl_context if ssl_context is not None else client_context_from_env()
@@ -1132,29 +697,16 @@ async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
     which fails every pending call exactly as a Unix disconnect does. Intervals in which
     our own reader is paused (the application is not consuming) do not count.
     """
-    last, missed = -1, 0
+    monitor = HeartbeatMonitor(interval, misses)
     while True:
         await trio.sleep(interval)
-        rx = bus._conn.received_bytes
-        if rx != last or bus._in_bytes > IN_HIGH_WATER:
-            last, missed = rx, 0
-            continue
-        missed += 1
-        if missed >= misses:
-            log.error(
-                "the broker sent nothing for %d heartbeat intervals of %s s: connection lost",
-                missed,
-                interval,
-            )
-            bus._fail_all(
-                ConnectionLost(
-                    f"the broker sent nothing for {missed * interval:g} s (heartbeat)",
-                    code=str(ErrorCode.HEARTBEAT_TIMEOUT),
-                )
-            )
+        lost = monitor.tick(bus._conn.received_bytes, bus._in_bytes > IN_HIGH_WATER)
+        if lost is not None:
+            bus._fail_all(lost)
             await trio.aclose_forcefully(bus._stream)
             return
-        bus._queue_urgent(bus._s.encode_ping())
+        if monitor.silent:
+            bus._queue_urgent(bus._s.encode_ping())
 
 
 def _answer_heartbeat(bus: Bus) -> Callable[[Message], None]:
@@ -1203,23 +755,14 @@ async def connect(
         UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file named by
             the environment that cannot be loaded.
     """
-    if socket is not None:
-        target = os.fspath(socket)
-    else:
-        env = os.environ.get("MSGQ_TRIO_SOCKET", "")
-        target = env if env.startswith(("tcp://", "tls://")) else str(default_socket_path())
+    target = connect_target(socket)
     body_error: Exception | None = None
     async with _open_transport(target, ssl_context, server_hostname) as (stream, remote):
         if not remote:  # TCP keeps the kernel's send buffer autotuning
             set_send_buffer(stream.socket, send_buffer)
-        bus = Bus(stream, name or Path(sys.argv[0] or "client").name, max_frame_size)
-        hello: dict[str, object] = {}
-        if remote:
-            tok = token if token is not None else os.environ.get("MSGQ_TRIO_TOKEN")
-            if tok:
-                hello["token"] = tok
+        bus = Bus(stream, client_name(name), max_frame_size)
         try:
-            await bus._handshake(hello)
+            await bus._handshake(hello_extra(remote, token))
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise

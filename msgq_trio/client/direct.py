@@ -31,14 +31,11 @@ import math
 import os
 import select
 import socket as pysocket
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from ..config import default_socket_path
 from ..errors import ConnectError, ConnectionLost, LimitExceeded, UsageError
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF
@@ -52,6 +49,7 @@ from ..transport.sockets import (
     take_fds,
     unconsumed_bytes,
 )
+from .api import SessionView, client_name, connect_target
 from .message import Member, Message
 from .session import (
     CLOSE_WAIT,
@@ -78,7 +76,7 @@ _GOODBYE = FrameType.GOODBYE
 Handler = Callable[..., Any]
 
 
-class DirectBus:
+class DirectBus(SessionView):
     """A connection whose methods block the calling thread and do their own I/O.
 
     Create it with :func:`connect`. Not thread-safe: one thread uses it (other threads
@@ -121,26 +119,6 @@ class DirectBus:
         self._closed = False
         self._goodbye = False
         self._goodbye_error: ConnectionLost | None = None
-
-    @property
-    def name(self) -> str:
-        """The client name sent in HELLO."""
-        return self._s.name
-
-    @property
-    def lname(self) -> str:
-        """This connection's address, assigned by the broker (``l.N``)."""
-        return self._s.lname
-
-    @property
-    def broker_version(self) -> str:
-        """The broker's version from WELCOME."""
-        return self._s.broker_version
-
-    @property
-    def session(self) -> Session:
-        """The sans-I/O protocol state under this driver."""
-        return self._s
 
     # -- connection ------------------------------------------------------------------
     def _handshake(self, timeout: float) -> None:
@@ -576,10 +554,7 @@ def connect(
             not answer within ``timeout``.
         UsageError: a ``tcp://`` or ``tls://`` address (use :func:`msgq_trio.connect`).
     """
-    if socket is not None:
-        target = os.fspath(socket)
-    else:
-        target = os.environ.get("MSGQ_TRIO_SOCKET", "") or str(default_socket_path())
+    target = connect_target(socket)
     if target.startswith(("tcp://", "tls://")):
         raise UsageError("the direct client speaks to Unix sockets only; use msgq_trio.connect")
     sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
@@ -595,7 +570,7 @@ def connect(
         set_send_buffer(sock, send_buffer)
         bus = DirectBus(
             sock,
-            name or Path(sys.argv[0] or "client").name,
+            client_name(name),
             max_frame_size=max_frame_size,
             max_buffered=max_buffered,
         )
