@@ -1138,7 +1138,9 @@ async def test_a_silent_broker_is_detected_over_tcp(
         assert await remote.call("msgq", "version")
         os.kill(b.proc.pid, signal.SIGSTOP)
         try:
-            code = await remote.wait_lost()
+            # Bounded far above 3 x 0.5 s: a heartbeat that never fires fails, not hangs.
+            with trio.fail_after(60):
+                code = await remote.wait_lost()
         finally:
             os.kill(b.proc.pid, signal.SIGCONT)
     assert code == ErrorCode.HEARTBEAT_TIMEOUT

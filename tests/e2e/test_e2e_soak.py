@@ -154,7 +154,13 @@ async def test_fuzzed_streams_against_a_live_broker(broker_factory, raw_peer) ->
         async def one(stream: bytes) -> None:
             async with raw_peer(b.path) as raw:
                 # A GOODBYE after the stream lets an intact connection end at once.
-                await raw.send_bytes(stream + goodbye)
+                try:
+                    await raw.send_bytes(stream + goodbye)
+                except trio.BrokenResourceError:
+                    # The broker judged the stream before we finished writing it (its
+                    # verdict on garbage): it closed the connection, so our write
+                    # failed with EPIPE/ECONNRESET. That is one of the expected ends.
+                    return
                 with trio.move_on_after(1.5):
                     await raw.frames_until_eof(timeout=2)
 
