@@ -18,21 +18,16 @@ import msgq_trio
 from msgq_trio.errors import NoRecipient
 
 from ._history import History
+from ._members import wait_for_members
 
 #: A member that does not apply a version within this long fails it.
 PUSH_TIMEOUT = 5.0
-#: How long it waits for the auth servers to come up.
-STARTUP_TIMEOUT = 30.0
 
 
 async def main(n: int, interval: float, members: int) -> None:
     h = History()
     async with msgq_trio.connect(name="cfgmgr") as bus:
-        with trio.fail_after(STARTUP_TIMEOUT):
-            while True:  # polled: the group's membership is the broker's, not ours
-                if len(await bus.members("Auth")) >= members:
-                    break
-                await trio.sleep(0.05)
+        await wait_for_members(bus, "Auth", members)
         print("ready", flush=True)
         for v in range(1, n + 1):
             key = f"config:{v}"

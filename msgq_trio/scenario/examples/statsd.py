@@ -23,19 +23,13 @@ import msgq_trio
 from msgq_trio.errors import NoRecipient
 
 from ._history import History
-
-#: How long it waits for the auth servers to come up.
-STARTUP_TIMEOUT = 30.0
+from ._members import wait_for_members
 
 
 async def main(interval: float, timeout: float, members: int) -> None:
     h = History()
     async with msgq_trio.connect(name="statsd") as bus:
-        with trio.fail_after(STARTUP_TIMEOUT):
-            while True:  # polled: the group's membership is the broker's, not ours
-                if len(await bus.members("Auth")) >= members:
-                    break
-                await trio.sleep(0.05)
+        await wait_for_members(bus, "Auth", members)
         print("ready", flush=True)
         for n in itertools.count():
             key = f"round{n}"

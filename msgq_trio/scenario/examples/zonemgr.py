@@ -20,9 +20,7 @@ import msgq_trio
 from msgq_trio.errors import RpcError
 
 from ._history import History
-
-#: How long it waits for the workers to come up.
-STARTUP_TIMEOUT = 30.0
+from ._members import wait_for_members
 
 
 async def transfer(bus: msgq_trio.Bus, h: History, zone: str, timeout: float) -> None:
@@ -38,11 +36,7 @@ async def transfer(bus: msgq_trio.Bus, h: History, zone: str, timeout: float) ->
 async def main(n: int, rate: float, timeout: float, members: int) -> None:
     h = History()
     async with msgq_trio.connect(name="zonemgr") as bus:
-        with trio.fail_after(STARTUP_TIMEOUT):
-            while True:  # polled: the group's membership is the broker's, not ours
-                if len(await bus.members("Xfrin")) >= members:
-                    break
-                await trio.sleep(0.05)
+        await wait_for_members(bus, "Xfrin", members)
         print("ready", flush=True)
         async with trio.open_nursery() as nursery:
             for i in range(n):
