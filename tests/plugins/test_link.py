@@ -297,6 +297,13 @@ async def test_fast_consumer_downstream_skips_writes_at_both_hops(
                     await m.ack()
 
         n.start_soon(consume)
+
+        async def link_up() -> bool:
+            return (await link_status(c))["state"] == "up"
+
+        # Messages put before the link reaches B wait at A past its grace and are
+        # written: that is the link starting (slow on a loaded machine), not this path.
+        await eventually(link_up)
         q = p.queue("chain", producer="p1")
         results = []
         for i in range(0, 3000, 100):
