@@ -34,8 +34,9 @@ class Limits:
 
     Defaults and where they come from:
 
-    * ``max_frame_size`` 64 MiB: seed 000 wants multi-megabyte config snippets; NATS'
-      max_payload ceiling is 64 MiB, dbus-daemon allows 128 MiB. Checked on the length prefix.
+    * ``max_frame_size`` 64 MiB: a configuration push to a large component carries
+      multi-megabyte snippets; NATS' max_payload ceiling is 64 MiB, dbus-daemon allows
+      128 MiB. Checked on the length prefix.
     * ``out_soft_limit`` 4 MiB per receiver: above it the broker stops reading from the
       senders that feed this receiver until it drains (backpressure instead of loss). A
       prototype that dropped receivers at a hard bound disconnected healthy subscribers
@@ -51,8 +52,9 @@ class Limits:
       progress for this long is dropped, so one stopped reader (SIGSTOP) can pause its
       senders only this long. dbus-broker has no timer; NATS uses 2 s write_deadline for
       TCP over networks; a local bus can afford more patience for GC pauses.
-    * ``request_timeout`` 300 s: seed 000 asks for a long, configurable timeout that only
-      catches a black-holing recipient (always a bug, logged at ERROR).
+    * ``request_timeout`` 300 s: long enough for any honest handler (a zone
+      reload, a database write), so it only catches a black-holing recipient (always a
+      bug, logged at ERROR).
     * ``max_pending_requests`` 10,000 per caller: D-Bus max_replies_per_connection is 128
       in the system bus, 50,000 in the session bus; 10k covers mass RPC to large groups.
     * ``max_subscriptions`` 4,096 per client: dbus-daemon's max_match_rules_per_connection
@@ -60,7 +62,7 @@ class Limits:
     * ``max_connections`` 8,192: below the usual 1024/soft 1M fd limits once raised; each
       connection costs a socket fd and two tasks.
     * ``idle_in_frame_timeout`` 30 s: a client that starts a frame and stalls is dropped
-      (seed 000: a half-written frame froze BIND 10's whole msgq).
+      (a broker that waits forever on a half-written frame freezes every client behind it).
     * ``handshake_timeout`` 10 s: a connection that never sends HELLO is dropped.
     * ``shutdown_grace`` 2 s: on SIGTERM, time to flush queued frames and GOODBYEs.
     * ``max_fds_per_message`` 253: Linux's SCM_MAX_FD, also D-Bus' per-message maximum;

@@ -39,8 +39,9 @@ PREFIX_SIZE = PREFIX.size  # 32
 _FIXED_AFTER_LENGTH = PREFIX_SIZE - 4
 _BLOB_LEN = struct.Struct(">I")
 
-#: Default maximum frame size. 64 MiB: seed 000 asks for multi-megabyte configuration
-#: snippets (millions of zones); dbus-daemon allows 128 MiB messages, NATS 64 MiB max_payload.
+#: Default maximum frame size. 64 MiB: configuration pushes carry multi-megabyte
+#: snippets (a server with millions of zones); dbus-daemon allows 128 MiB messages,
+#: NATS 64 MiB max_payload.
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
 #: The u32 length field bounds any configured maximum.
 ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF

@@ -51,8 +51,9 @@ class PipeSettings:
     * ``max_pipes`` 10,000: bounds the plugin's memory against a client opening names in
       a loop (each open pipe costs ~1 KiB plus its buffer).
     * ``trace`` false: log every open, close, disconnect, read and write (pipe name,
-      client lname and name, sizes, timeouts) at INFO in the broker's log (seed 002 asks
-      for it to see what applications do). Off by default: a line per chunk.
+      client lname and name, sizes, timeouts) at INFO in the broker's log (an operator
+      debugging a pipeline needs to see what each application does). Off by default:
+      a line per chunk.
 
     Persistent pipes (docs/PIPES.md, "Persistent pipes"):
 

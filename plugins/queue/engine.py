@@ -803,11 +803,11 @@ class Engine:
 
     async def _grace(self) -> None:
         """Hold the commit while everything pending is a message in flight to a consumer
-        for less than its queue's grace (seed 003: an ack in that time means it is never
-        written). Returns as soon as anything else needs a commit (a message no
-        consumer holds, one held longer, deletes...); the commit then leaves out the
-        young in-flight ones (and their producers' later messages). Drops acked
-        messages from ``pending`` on the way."""
+        for less than its queue's grace (an ack in that time means it is never written:
+        the consumer has it, so the disk is not needed). Returns as soon as anything
+        else needs a commit (a message no consumer holds, one held longer, deletes...);
+        the commit then leaves out the young in-flight ones (and their producers' later
+        messages). Drops acked messages from ``pending`` on the way."""
         while True:
             self.dispatch_pending()
             live = deque(m for m in self.pending if m.state != DONE)

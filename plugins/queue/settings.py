@@ -36,7 +36,7 @@ class QueueOptions:
       local bus's consumers answer in milliseconds, 30 s only catches stuck ones).
     * ``window`` 16: in-flight deliveries per member of a bound group (API consumers choose
       their own window); 16 keeps a fast local consumer busy across one round trip while
-      a slow member holds back little (seed 003 asks that window 1 works: it does).
+      a slow member holds back little (window 1, strict one-at-a-time delivery, works too).
     * ``ack_grace`` None = the plugin's ``ack_grace``: how long a message in flight to a
       consumer of this queue is left out of commits waiting for its ack. A queue whose
       consumer is a link to another broker (docs/QUEUE.md, "Chained queues") needs the
@@ -97,16 +97,16 @@ class QueueSettings:
       memory (≈ 1 MiB of 100-byte messages).
     * ``max_delay`` 0 s: group commit flushes as soon as the previous commit finished,
       taking everything that arrived meanwhile; a positive delay waits that long for more
-      before each commit (seed 003: a fixed 100 ms wait limits a producer that waits for
-      each ack to 10 msgs/s, so it is opt-in).
+      before each commit (a fixed 100 ms wait limits a producer that waits for each ack
+      to 10 msgs/s, so it is opt-in).
     * ``ack_grace`` 0.05 s: a message in flight to a consumer is left out of commits for
       up to this long, waiting for its ack (then it is never written); messages no
       consumer holds are committed at once. An ack 1 is delayed by it only while a
       consumer holds the message without acking (a consumer that acks gives the ack 1
       at that moment). Measured here: one put through broker, plugin and an acking
       consumer takes ~2 ms alone, up to ~30 ms with 16 producers saturating the 2 cores;
-      50 ms covers that, below seed 003's "say 100 ms". 0 disables it (then only acks
-      racing a running commit skip writes).
+      50 ms covers that and keeps an ack 1 held by a slow consumer under 0.1 s. 0
+      disables it (then only acks racing a running commit skip writes).
     * ``metrics`` "" (off): ``HOST:PORT`` (port 0: any free one; ``[::1]:PORT`` for
       IPv6) where the plugin process serves its queues as Prometheus text at
       ``/metrics`` (plugins/queue/metrics.py). Opt-in because it opens a TCP port; the

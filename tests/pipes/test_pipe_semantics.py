@@ -31,7 +31,7 @@ async def read_all(r: PipeReader, n: int | None = None, timeout: float = 10) -> 
 
 
 async def test_rapid_open_close_sequences(pipe_broker: Callable[..., Any]) -> None:
-    """Seed 002 "rapid writer opens asserts" / "zpipes_client_new asserts on rapid open":
+    """ZPIPES bug "rapid writer opens asserts" / "zpipes_client_new asserts on rapid open":
     writer on A, reader on B, a second writer on B, write through it, close, over and
     over, interleaved with opens that close at once: every byte arrives, nothing
     asserts (the broker log is checked for tracebacks at teardown), no pipe is left."""
@@ -53,7 +53,7 @@ async def test_rapid_open_close_sequences(pipe_broker: Callable[..., Any]) -> No
 
 
 async def test_reader_attaching_after_the_writer(pipe_broker: Callable[..., Any]) -> None:
-    """Seed 002 "readers and writers that never connect" / "writer blocked forever": a
+    """ZPIPES bug "readers and writers that never connect" / "writer blocked forever": a
     writer that opened first waits while no reader is attached (or times out with
     PipeTimeout, nothing written), and resumes as soon as a reader attaches."""
     b = pipe_broker()
@@ -79,7 +79,7 @@ async def test_reader_attaching_after_the_writer(pipe_broker: Callable[..., Any]
 
 
 async def test_small_read_buffers_lose_nothing(pipe_broker: Callable[..., Any]) -> None:
-    """Seed 002 "data discarded when the reader's buffer is smaller than a chunk": writes
+    """ZPIPES bug "data discarded when the reader's buffer is smaller than a chunk": writes
     of random sizes (up to 600 KiB, several chunks), reads of random sizes down to one
     byte, with and without read-ahead: the reader gets exactly the bytes written."""
     b = pipe_broker()
@@ -110,7 +110,7 @@ async def test_small_read_buffers_lose_nothing(pipe_broker: Callable[..., Any]) 
 
 
 async def test_close_while_reader_waits_for_more(pipe_broker: Callable[..., Any]) -> None:
-    """Seed 002 "reads that cannot tell a timeout from a closed pipe": a reader waiting
+    """ZPIPES bug "reads that cannot tell a timeout from a closed pipe": a reader waiting
     for 1 MB while 10 bytes are buffered gets the 10 bytes, then b"" once the writer
     closed; a read with nothing to get raises PipeTimeout (the pipe stays usable),
     distinct from end of pipe (b"") and from errors (PipeBroken)."""
@@ -137,7 +137,7 @@ async def test_close_while_reader_waits_for_more(pipe_broker: Callable[..., Any]
 async def test_pipelined_and_cancelled_reads_keep_their_bytes(
     pipe_broker: Callable[..., Any],
 ) -> None:
-    """Seed 002 "pipelined reads that break": reads cancelled while their request is in
+    """ZPIPES bug "pipelined reads that break": reads cancelled while their request is in
     flight keep what the request brings; the next read returns it in order."""
     b = pipe_broker()
     async with msgq_trio.connect(b.path, "w") as wb, msgq_trio.connect(b.path, "r") as rb:
@@ -157,7 +157,7 @@ async def test_pipelined_and_cancelled_reads_keep_their_bytes(
 async def test_both_ends_gone_then_reopened_has_no_old_data(
     pipe_broker: Callable[..., Any],
 ) -> None:
-    """Seed 002 "zpipes retains data for disconnected pipes": bytes nobody read are
+    """ZPIPES bug "zpipes retains data for disconnected pipes": bytes nobody read are
     flushed once both ends left (closed or disconnected); the reopened pipe starts
     empty."""
     b = pipe_broker()
@@ -305,7 +305,7 @@ def test_sync_file_objects(pipe_broker: Callable[..., Any]) -> None:
 
 
 async def test_trace_logs_name_client_and_sizes(pipe_broker: Callable[..., Any]) -> None:
-    """Seed 002 "no log details of read/write requests": with ``trace = true`` the
+    """ZPIPES bug "no log details of read/write requests": with ``trace = true`` the
     broker's log names the pipe, the client (lname and name) and each read/write size."""
     b = pipe_broker(trace=True)
     async with (

@@ -425,7 +425,7 @@ async def test_link_metrics_port_in_use_fails_the_start(
 
 @pytest.mark.slow
 async def test_chain_survives_cut_links_and_upstream_kill(chain: Callable[..., LocalChain]) -> None:
-    """Acceptance (issue 11, seed 003): 12,000 messages through A -> link -> B while the
+    """Acceptance (issue 11): 12,000 messages through A -> link -> B while the
     link is cut five ways (B SIGKILLed and restarted twice, the link plugin SIGKILLed,
     the link SIGSTOPped, B SIGSTOPped) and A is SIGKILLed once and restarted. The
     consumer at B receives every message the producer got ack 1 for; duplicates and the
