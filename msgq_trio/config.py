@@ -84,14 +84,12 @@ class Limits:
       ``BusyPoller.adapt``):
       two reads in a row within ``busy_poll`` of the one before open the window, one
       later closes it; so the broker polls while frames come back to back, and not for a
-      quiet bus or calls paced apart (1,000 calls/s: 14.0 % of a core with it, 13.8 %
-      without). Back to back it took the direct client's round trip p50 from 222 to
-      132 us, and the broker polls all the time (one vCPU, yielding it to any other
-      runnable process after each pass); the worst case is steady traffic with reads
-      just under 200 us apart (5,000 one-way messages/s: 25 % of a core instead of
-      17 %). BENCHMARKS.md, "Busy polling". 0 turns it off; off anyway
-      where the broker may run on one CPU only. 200 us and not 100: a sleeping broker
-      sees the reads of a round trip ~110 us apart, so a 100 us limit never opens.
+      quiet bus or calls paced apart. Back to back it takes a wake-up off each hop of a
+      round trip; its cost is the polling itself, worst for steady traffic with reads
+      just under the limit apart (figures: BENCHMARKS.md, "Busy polling"). 0 turns it
+      off; off anyway where the broker may run on one CPU only. The default is the
+      smallest limit that opens for a round trip's reads as a sleeping broker sees them
+      (the same section).
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)

@@ -2,13 +2,13 @@
 
 No event loop and no background thread: ``call()`` writes the request and reads the
 socket itself until the answer is there. For synchronous programs (command-line tools,
-scripts, a component written without async) and for the lowest round-trip latency: in
-the benchmark a requester and a responder on it spend ~50 us of CPU each per call against
-~90 us on the trio client, and the round trip is a fifth shorter (BENCHMARKS.md, "The
-round trip, measured hop by hop"). :func:`msgq_trio.sync.connect` is the full
-synchronous API (queues, pipes, handlers in worker threads) over a background trio loop;
-this one covers what a component needs on the hot path: calls, one-way messages,
-subscriptions and serving commands. Unix sockets only.
+scripts, a component written without async) and for the lowest round-trip latency: no
+scheduler between the socket and the caller, so a call costs less CPU and less time than
+on the trio client (BENCHMARKS.md, "The round trip, measured hop by hop").
+:func:`msgq_trio.sync.connect` is the full synchronous API (queues, pipes, handlers in
+worker threads) over a background trio loop; this one covers what a component needs on
+the hot path: calls, one-way messages, subscriptions and serving commands. Unix sockets
+only.
 
 Where frames go while a method waits (all in the calling thread):
 
@@ -268,12 +268,10 @@ class DirectBus(SessionView):
         if timeout is None:
             # Wait in the receive itself (the socket is blocking; every other call passes
             # MSG_DONTWAIT). A sleeper in recvmsg is woken with the kernel's sync hint,
-            # which the broker's write pays less for than a poll() sleeper's wake-up:
-            # request/reply p50 125-129 instead of 139-153 us, broker CPU per call 128-134
-            # instead of 146-156 us (BENCHMARKS.md, "The direct client waits in the
-            # receive"). It is also woken, for nothing, when the broker reads what we
-            # sent (send-buffer space on the same wait queue); that costs less than it
-            # saves.
+            # which the broker's write pays less for than a poll() sleeper's wake-up
+            # (BENCHMARKS.md, "The direct client waits in the receive"). It is also
+            # woken, for nothing, when the broker reads what we sent (send-buffer space
+            # on the same wait queue); that costs less than it saves.
             how = _RECV_WAIT_FLAGS
         elif timeout > 0:
             try:
