@@ -56,6 +56,7 @@ from ..protocol.framing import (
     encode_cbor,
     encode_frame,
     encode_simple,
+    encode_small_bytes,
 )
 from .message import Buffer, Message, Reply, Result, Sources, close_fds, dup_all, split_source
 
@@ -556,11 +557,14 @@ class Session:
                 )
                 return self.attach_fds(pieces, fds) if fds else pieces
             tb = self._targets.get(target) or self.target(target)
-            no_join = self._no_join
-            if no_join is not None and type(body) is bytes and len(body) >= no_join and not header:
-                # A large binary body goes out as it is (bytes cannot change under us):
-                # no CBOR copy, no join; the driver sends both pieces in one sendmsg.
-                return encode_bytes_message(_MESSAGE, tb, body, self.stamp)  # type: ignore[return-value]
+            if type(body) is bytes and not header:
+                no_join = self._no_join
+                if no_join is not None and len(body) >= no_join:
+                    # A large binary body goes out as it is (bytes cannot change under
+                    # us): no CBOR copy, no join; the driver sends both pieces in one
+                    # sendmsg.
+                    return encode_bytes_message(_MESSAGE, tb, body, self.stamp)  # type: ignore[return-value]
+                return encode_small_bytes(_MESSAGE, tb, body, self.stamp)
             return encode_simple(
                 _MESSAGE,
                 tb,

@@ -437,6 +437,40 @@ def cbor_bytes_head(n: int) -> bytes:
     return b"\x5b" + n.to_bytes(8, "big")
 
 
+def encode_small_bytes(type: int, target: bytes, payload: bytes, source: bytes) -> bytes:
+    """A frame without header whose body is the CBOR byte string ``payload``, in one
+    step: the same bytes as :func:`encode_simple` with ``cbor2.dumps(payload)``, without
+    the encoder call and the intermediate copy (a small binary body is the common
+    one-way message). ``target`` and ``source`` as for :func:`encode_simple`.
+
+    Raises:
+        LocalProtocolError: ``target`` or ``source`` is longer than 65535 bytes.
+    """
+    n = len(payload)
+    tl = len(target)
+    sl = len(source)
+    if tl > _U16 or sl > _U16:
+        raise LocalProtocolError("target or source longer than 65535 bytes")
+    if n < 24:
+        head = _SMALL_HEADS[n]
+    elif n < 0x100:
+        head = bytes((0x58, n))
+    else:
+        head = cbor_bytes_head(n)
+    blen = len(head) + n
+    return (
+        PREFIX.pack(_FIXED_AFTER_LENGTH + tl + sl + blen, type, 0, tl, sl, 0, 0, 0, 0, 0, blen)
+        + target
+        + source
+        + head
+        + payload
+    )
+
+
+#: CBOR heads of byte strings shorter than 24 bytes (the length is in the head byte).
+_SMALL_HEADS = tuple(bytes((0x40 + n,)) for n in range(24))
+
+
 def encode_bytes_message(
     type: int, target: bytes, payload: bytes, source: bytes = b""
 ) -> list[bytes]:

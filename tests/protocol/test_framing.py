@@ -615,6 +615,19 @@ def test_encode_bytes_message_is_encode_simple_of_the_cbor_bytes(n: int) -> None
     assert frame is not None and frame.body() == payload and frame.source == b"l.7\0me"
 
 
+@pytest.mark.parametrize("n", [0, 1, 23, 24, 255, 256, 65535, 65536, 70_000])
+def test_encode_small_bytes_is_encode_simple_of_the_cbor_bytes(n: int) -> None:
+    """The one-step binary-body encoding is byte-identical to encode_simple over
+    cbor2's encoding, at every CBOR head width, and refuses an oversized target."""
+    payload = random.randbytes(n)
+    whole = framing.encode_simple(
+        int(FrameType.MESSAGE), b"Grp", cbor2.dumps(payload), source=b"l.7\0me"
+    )
+    assert framing.encode_small_bytes(int(FrameType.MESSAGE), b"Grp", payload, b"l.7\0me") == whole
+    with pytest.raises(LocalProtocolError):
+        framing.encode_small_bytes(int(FrameType.MESSAGE), b"G" * 65536, payload, b"")
+
+
 # -- the small-header cache ------------------------------------------------------------------
 def test_cached_header_is_a_fresh_dict_each_time() -> None:
     """Frame.header() serves repeated small headers from a cache: what one caller does to
