@@ -167,3 +167,29 @@ async def test_the_direct_client_refuses_descriptors_and_async_handlers(broker: 
 
         with pytest.raises(UsageError, match="plain-function handlers"):
             direct.command("a")(handler)
+
+
+async def test_a_cancelled_publisher_loop_stops_and_loses_nothing_it_queued(
+    broker: Any,
+) -> None:
+    """``Bus.send`` checks for cancellation every 256 calls (and whenever it waits), not
+    at every call: a publisher loop in a cancelled scope stops within 256 messages, and
+    every message it queued before that reaches the subscriber."""
+    async with (
+        msgq_trio.connect(broker.path, "sub") as sub,
+        msgq_trio.connect(broker.path, "pub") as pub,
+    ):
+        await sub.subscribe("G")
+        queued = 0
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            for i in range(10_000):
+                await pub.send("G", i)
+                queued += 1
+        assert 0 < queued < 256
+        await pub.flush()
+        got = []
+        with trio.fail_after(30):  # only a broken client gets near this
+            while len(got) < queued:
+                got.append((await sub.receive()).body)
+        assert got == list(range(queued))
