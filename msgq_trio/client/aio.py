@@ -51,7 +51,6 @@ from .api import (
 from .message import Buffer, Message, close_fds
 from .session import (
     CLOSE_WAIT,
-    IN_HIGH_WATER,
     RECEIVE_SIZE,
     SEND_BUFFER,
     Closed,
@@ -357,6 +356,10 @@ class AioBus(BusBase):
         self._check_open()
 
     # -- reading -----------------------------------------------------------------------
+    def _call_started(self) -> None:
+        if not self._reading and not self._in_full():
+            self._resume_reading()
+
     def _resume_reading(self) -> None:
         if not self._reading and self._s.lost is None:
             self._loop.add_reader(self._fd, self._on_readable)
@@ -422,7 +425,7 @@ class AioBus(BusBase):
             self._protocol_error(exc)
         if got_message:
             self._wake_all(self._in_waiters)
-        if self._in_bytes > IN_HIGH_WATER and self._reading:
+        if self._reading and self._in_full():
             # Nobody takes the messages: read no more until they do (the broker then
             # pauses our senders), never drop.
             self._loop.remove_reader(self._fd)
@@ -543,7 +546,7 @@ class AioBus(BusBase):
                     self._in_waiters.remove(fut)
         msg = q.popleft()
         self._in_bytes -= len(msg._frame.raw)
-        if not self._reading and self._in_bytes <= IN_HIGH_WATER:
+        if not self._reading and not self._in_full():
             self._resume_reading()
         return msg
 
@@ -676,7 +679,7 @@ async def _heartbeat(bus: AioBus, interval: float, misses: int) -> None:
     monitor = HeartbeatMonitor(interval, misses)
     while bus.lost is None:
         await asyncio.sleep(interval)
-        lost = monitor.tick(bus._conn.received_bytes, bus._in_bytes > IN_HIGH_WATER)
+        lost = monitor.tick(bus._conn.received_bytes, bus._in_full())
         if lost is not None:
             bus._shutdown(lost)
             return

@@ -18,6 +18,7 @@ tasks to run callbacks in.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import os
@@ -33,7 +34,14 @@ from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame
 from .message import Buffer, Member, Message, Result, close_fds
-from .session import CLOSE_WAIT, PendingCall, Session, as_handler
+from .session import (
+    CLOSE_WAIT,
+    IN_HIGH_COUNT,
+    IN_HIGH_WATER,
+    PendingCall,
+    Session,
+    as_handler,
+)
 
 __all__ = [
     "BusBase",
@@ -189,6 +197,9 @@ class BusBase(SessionView):
     _notify_cbs: dict[str, list[Callable[[Message], Any]]]
     _notify_inline: dict[str, Callable[[Message], None]]
     _message_inline: Callable[[Message], None] | None
+    #: Received messages the application has not taken yet, and their frames' bytes.
+    _in: collections.deque[Message]
+    _in_bytes: int
 
     def _init_api(self) -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
@@ -244,6 +255,21 @@ class BusBase(SessionView):
 
     async def _wait_goodbye(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the broker's GOODBYE (or EOF); whether it came."""
+        raise NotImplementedError
+
+    def _in_full(self) -> bool:
+        """Over ``IN_HIGH_WATER`` bytes, or ``IN_HIGH_COUNT`` messages while none of our
+        calls waits for its answer, wait for the application: the driver reads no more
+        until it takes some (backpressure to the broker, never loss). The count does not
+        apply while a call is pending: its answer may be behind the messages, and a
+        caller that takes its messages after the answer would wait for ever."""
+        return self._in_bytes > IN_HIGH_WATER or (
+            len(self._in) > IN_HIGH_COUNT and not self._s.calls
+        )
+
+    def _call_started(self) -> None:
+        """A call was queued: a driver whose reader paused on ``IN_HIGH_COUNT`` reads
+        again (see :meth:`_in_full`)."""
         raise NotImplementedError
 
     # -- state ---------------------------------------------------------------------------
@@ -368,6 +394,7 @@ class BusBase(SessionView):
         )
         call.waiter = self._new_waiter()
         self._queue_request(pieces, fds)
+        self._call_started()
         return call
 
     async def call(

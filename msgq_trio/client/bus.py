@@ -460,6 +460,10 @@ class Bus(BusBase):
             raise self._end_of_iteration()
         return waited
 
+    def _call_started(self) -> None:
+        if self._in_taken:  # the reader waits for the application (see _in_full)
+            self._in_taken.unpark_all()
+
     async def receive(self, timeout: float | None = None) -> Message:
         """The next message or notification.
 
@@ -481,7 +485,7 @@ class Bus(BusBase):
             await self._in_wake.park()
         msg = q.popleft()
         self._in_bytes -= len(msg._frame.raw)
-        if self._in_taken:  # only the reader parks here, and only over IN_HIGH_WATER
+        if self._in_taken:  # only the reader parks here, and only when _in_full()
             self._in_taken.unpark_all()
         # A full checkpoint every _FAIRNESS messages keeps iteration cancellable and lets
         # other tasks run; one per message would cost more than the message itself.
@@ -572,8 +576,8 @@ class Bus(BusBase):
                     self._broker_goodbye.set()
                     self._fail_all(ConnectionLost("the broker closed the connection"))
                     return
-                if self._in_bytes > IN_HIGH_WATER:
-                    while self._in_bytes > IN_HIGH_WATER and self._s.lost is None:
+                if self._in_full():
+                    while self._in_full() and self._s.lost is None:
                         await self._in_taken.park()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
@@ -710,7 +714,7 @@ async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
     monitor = HeartbeatMonitor(interval, misses)
     while True:
         await trio.sleep(interval)
-        lost = monitor.tick(bus._conn.received_bytes, bus._in_bytes > IN_HIGH_WATER)
+        lost = monitor.tick(bus._conn.received_bytes, bus._in_full())
         if lost is not None:
             bus._fail_all(lost)
             await trio.aclose_forcefully(bus._stream)

@@ -72,6 +72,14 @@ CLOSE_WAIT = 2.0
 #: the waiting method raises LimitExceeded): never silent loss. 64 MiB, one default
 #: max frame.
 IN_HIGH_WATER = 64 * 1024 * 1024
+#: Received messages of any size a trio or asyncio client holds for the application
+#: before it reads no more (the same backpressure as ``IN_HIGH_WATER``). A reader far
+#: ahead of the application keeps every waiting message alive through the garbage
+#: collector's passes, and full passes over a hundred thousand of them cost more than
+#: the messages themselves (BENCHMARKS.md, "Client CPU per message"). 2,048 is about
+#: one receive of 100-byte messages (``RECEIVE_SIZE``): the application always has a
+#: receive's worth to take while the next one arrives; 8,192 cost more CPU per message.
+IN_HIGH_COUNT = 2048
 #: Bytes one receive asks the kernel for.
 RECEIVE_SIZE = 256 * 1024
 #: SO_SNDBUF asked for the client's socket: the bytes in flight towards the broker. Same

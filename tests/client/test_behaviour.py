@@ -40,6 +40,7 @@ from msgq_trio import (
     Result,
     UsageError,
 )
+from msgq_trio.client.session import IN_HIGH_COUNT, RECEIVE_SIZE
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
 
@@ -625,6 +626,43 @@ async def test_many_messages_arrive_in_order(driver: str, broker: Any) -> None:
             await tx.send(rx.lname, [i, "x" * (i % 700)])
         got = [(await rx.receive(HANG)).body for _ in range(count)]
     assert got == [[i, "x" * (i % 700)] for i in range(count)]
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client reads on demand
+async def test_a_reader_ahead_of_the_application_holds_a_bounded_count(
+    driver: str, broker: Any
+) -> None:
+    """Small messages that the application does not take: the driver holds at most
+    ``IN_HIGH_COUNT`` of them plus one receive's worth (far under ``IN_HIGH_WATER``
+    bytes) and reads no more; the rest wait in the broker and the socket. A call it
+    makes meanwhile still gets its answer; then every message arrives, in order:
+    backpressure, never loss."""
+    count = 20_000  # ~2.6 MB: the broker's queue and the socket buffers take the rest
+    most = IN_HIGH_COUNT + RECEIVE_SIZE // 32  # 32 bytes: the smallest frame
+    async with (
+        open_client("trio", broker.path, "svc", {"echo": lambda p: p}, group="Svc"),
+        open_client(driver, broker.path, "rx") as rx,
+        msgq_trio.connect(broker.path, "tx") as tx,
+    ):
+        for i in range(count):
+            await tx.send(rx.lname, i)
+        await tx.flush()
+        held = 0
+        with trio.fail_after(HANG):
+            while held < IN_HIGH_COUNT:  # it reads ahead up to the bound...
+                held = await rx.setup(lambda bus: len(bus._in))
+                assert held <= most
+                await trio.sleep(0.05)
+        for _ in range(20):  # ...and no further (without the bound it reads all 20,000)
+            assert await rx.setup(lambda bus: len(bus._in)) <= most
+            await trio.sleep(0.05)
+        # A call's answer is read past the bound: the caller gets it before it takes
+        # its messages.
+        assert await rx.call("Svc", "echo", "past the messages", timeout=HANG) == (
+            "past the messages"
+        )
+        got = [(await rx.receive(HANG)).body for _ in range(count)]
+    assert got == list(range(count))
 
 
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client runs plain functions
