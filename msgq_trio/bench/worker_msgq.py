@@ -27,7 +27,7 @@ import trio
 
 from .. import Bus, connect
 from ..aio import AioBus
-from .common import Deadline, RoleFn, Spec, payloads, ready, wait_go, worker_main
+from .common import Deadline, RoleFn, Spec, calls_result, payloads, ready, wait_go, worker_main
 
 GROUP = "bench.data"
 ECHO = "bench.echo"
@@ -181,16 +181,7 @@ async def _requester(rt: Runtime, spec: Spec) -> dict[str, Any]:
         async with rt.within(deadline.left()):
             await rt.gather([requester(slot) for slot in range(conc)])
         end = time.monotonic()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": errors,
-        "start": start,
-        "end": end,
-        "timeout": done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls_result(spec, done, errors, start, end, lat)
 
 
 def roles(rt: Runtime) -> dict[str, RoleFn]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
+from .common import Deadline, Spec, Tally, calls_result, payloads, ready, wait_go, worker_main
 
 CHANNEL = "bench.data"
 ECHO = "bench.echo"
@@ -88,36 +88,21 @@ def _subscribe(r: Any, channel: str, deadline: Deadline) -> Any:
 
 def _sub(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    n, size = spec["n"], spec["size"]
+    tally = Tally(spec)
     r = _client(spec, deadline)
     ps = _subscribe(r, CHANNEL, deadline)
     ready()
-    count = bad = 0
-    first = 0.0
     timed_out = False
     try:
         for m in ps.listen():
-            if m["type"] != "message":
-                continue
-            if len(m["data"]) != size:
-                bad += 1
-            count += 1
-            if count == 1:
-                first = time.monotonic()
-            if count >= n:
+            if m["type"] == "message" and tally.add(len(m["data"])):
                 break
     except redis.TimeoutError:
         timed_out = True
-    last = time.monotonic()
+    result = tally.result(timed_out=timed_out)
     ps.close()
     r.close()
-    return {
-        "count": count,
-        "bad": bad,
-        "first": first,
-        "last": last,
-        "timeout": timed_out or count < n,
-    }
+    return result
 
 
 def _pub(spec: Spec) -> dict[str, Any]:
@@ -221,16 +206,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
         timed_out = True
         done = len(lat)
     end = time.monotonic()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": timed_out or done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls_result(spec, done, bad, start, end, lat, timed_out=timed_out)
 
 
 ROLES = {"sub": _sub, "pub": _pub, "responder": _responder, "requester": _requester}

@@ -26,7 +26,17 @@ from typing import Any
 
 import redis.asyncio
 
-from .common import Deadline, Spec, asyncio_role, payloads, ready, wait_go, worker_main
+from .common import (
+    Calls,
+    Deadline,
+    Spec,
+    Tally,
+    asyncio_roles,
+    payloads,
+    ready,
+    wait_go,
+    worker_main,
+)
 from .worker_redis import (
     CHANNEL,
     ECHO,
@@ -38,41 +48,34 @@ from .worker_redis import (
 )
 
 
-async def _subscribe(r: Any, channel: str) -> Any:
+async def _subscribe(r: Any, channel: str, deadline: Deadline) -> Any:
     """A pubsub subscribed to ``channel``, once the server confirmed it."""
     ps = r.pubsub()
-    await ps.subscribe(channel)
-    async for m in ps.listen():
-        if m["type"] == "subscribe":
-            break
+    async with asyncio.timeout(deadline.left()):
+        await ps.subscribe(channel)
+        async for m in ps.listen():
+            if m["type"] == "subscribe":
+                break
     return ps
 
 
 async def _sub(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    n, size = spec["n"], spec["size"]
-    count = bad = 0
-    first = 0.0
+    tally = Tally(spec)
+    timed_out = False
     async with redis.asyncio.Redis(**client_options(spec, deadline)) as r:
-        ps = await _subscribe(r, CHANNEL)
+        ps = await _subscribe(r, CHANNEL, deadline)
         ready()
         try:
             async with asyncio.timeout(deadline.left()):
                 async for m in ps.listen():
-                    if m["type"] != "message":
-                        continue
-                    if len(m["data"]) != size:
-                        bad += 1
-                    count += 1
-                    if count == 1:
-                        first = time.monotonic()
-                    if count >= n:
+                    if m["type"] == "message" and tally.add(len(m["data"])):
                         break
         except TimeoutError:
-            pass
-        last = time.monotonic()
+            timed_out = True
+        result = tally.result(timed_out=timed_out)
         await ps.aclose()
-    return {"count": count, "bad": bad, "first": first, "last": last, "timeout": count < n}
+    return result
 
 
 async def _pub(spec: Spec) -> dict[str, Any]:
@@ -100,7 +103,7 @@ async def _responder(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
     served = 0
     async with redis.asyncio.Redis(**client_options(spec, deadline)) as r:
-        ps = await _subscribe(r, ECHO)
+        ps = await _subscribe(r, ECHO, deadline)
         ready()
         pipe = r.pipeline(transaction=False)
         # Serves until the parent ends this process (or the deadline).
@@ -123,17 +126,13 @@ async def _responder(spec: Spec) -> dict[str, Any]:
 
 async def _requester(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    conc, calls = spec["conc"], spec["calls"]
     index = spec.get("index", 0)
-    bodies = payloads(spec["size"], spec.get("seed", 0))
-    mask = len(bodies) - 1
-    lat: list[int] = []
-    done = bad = 0
+    calls = Calls(spec)
     waiting: dict[int, asyncio.Future[bytes]] = {}
     seq = 0
 
     async with redis.asyncio.Redis(**client_options(spec, deadline)) as r:
-        ps = await _subscribe(r, reply_channel(index))
+        ps = await _subscribe(r, reply_channel(index), deadline)
 
         async def replies() -> None:
             async for m in ps.listen():
@@ -142,7 +141,7 @@ async def _requester(spec: Spec) -> dict[str, Any]:
                     waiting.pop(TAG.unpack_from(data)[1]).set_result(data)
 
         async def call(body: bytes) -> bytes:
-            """Publish ``body`` tagged with a new sequence number; its reply."""
+            """Publish ``body`` tagged with a new sequence number; its reply, untagged."""
             nonlocal seq
             seq += 1
             request = TAG.pack(index, seq) + body
@@ -152,28 +151,15 @@ async def _requester(spec: Spec) -> dict[str, Any]:
                 raise RuntimeError("PUBLISH reached no responder")
             return (await reply)[TAG.size :]
 
-        async def requester(slot: int) -> None:
-            nonlocal done, bad
-            clock = time.perf_counter_ns
-            for i in range(calls):
-                body = bodies[(i + slot) & mask]
-                t0 = clock()
-                reply = await call(body)
-                lat.append(clock() - t0)
-                if reply != body:
-                    bad += 1
-                done += 1
-
         reader = asyncio.create_task(replies())
-        start = end = 0.0
+        start = 0.0
         try:
             async with asyncio.timeout(deadline.left()):
-                for i in range(spec.get("warmup", 0)):
-                    await call(bodies[i & mask])
+                await calls.warm_up(call)
                 ready()
                 await asyncio.to_thread(wait_go, deadline.left())
                 start = time.monotonic()
-                await asyncio.gather(*(requester(s) for s in range(conc)))
+                await asyncio.gather(*(calls.loop(call, s) for s in range(spec["conc"])))
         except TimeoutError:
             pass
         end = time.monotonic()
@@ -181,24 +167,10 @@ async def _requester(spec: Spec) -> dict[str, Any]:
         with contextlib.suppress(asyncio.CancelledError):
             await reader
         await ps.aclose()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls.result(start, end)
 
 
-ROLES = {
-    "sub": asyncio_role(_sub),
-    "pub": asyncio_role(_pub),
-    "responder": asyncio_role(_responder),
-    "requester": asyncio_role(_requester),
-}
+ROLES = asyncio_roles(_sub, _pub, _responder, _requester)
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))
