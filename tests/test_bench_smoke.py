@@ -101,6 +101,15 @@ def test_asyncio_table_needs_an_asyncio_peer_beside_msgq_trio() -> None:
     assert asyncio_systems(run) == ["msgq_trio-asyncio", "nats", "redis-asyncio"]
     assert asyncio_systems(["msgq_trio-asyncio", "msgq_trio-asyncio-def-handler"]) == []
     assert asyncio_systems(["msgq_trio", "nats", "redis-asyncio"]) == []
+    # Its ratios are against the best asyncio peer, though a sync peer did better.
+    results = {
+        name: {"req-reply": {"status": "ok", "median": p50, "min": p50, "max": p50}}
+        for name, p50 in (("msgq_trio-asyncio", 200.0), ("redis", 100.0), ("nats", 400.0))
+    }
+    assert cell(results, "msgq_trio-asyncio", "req-reply").endswith(f"(2.0{TIMES} redis)")
+    assert cell(results, "msgq_trio-asyncio", "req-reply", asyncio=True).endswith(
+        f"(0.5{TIMES} nats)"
+    )
 
 
 def test_bench_smoke_asyncio_clients_side_by_side() -> None:
