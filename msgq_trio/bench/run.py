@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msgq-trio bench",
         description="Benchmark msgq_trio against raw-socket ceilings and, with --peers, "
-        "NATS, Redis and ZeroMQ.",
+        "NATS, Redis (sync and asyncio) and ZeroMQ.",
     )
     p.add_argument(
         "--quick",
