@@ -13,7 +13,8 @@ writes it:
   one task reads the process's reply channel and hands each reply to its caller by its
   sequence number.
 
-Every role runs under ``asyncio.timeout`` of the worker's deadline.
+Every wait is bounded by the worker's deadline: ``asyncio.timeout``, or for the
+publisher the deadline checked before each pipeline and the socket timeout.
 """
 
 from __future__ import annotations
