@@ -1,9 +1,11 @@
 """The benchmark harness runs end to end with tiny counts (the full run is not a test).
 
-One quick run (msgq_trio and the raw-socket ceiling, no peers, nothing installed) is
-shared by the tests below; it takes 25-35 s on the 2-CPU machine. The durable workload's
-NATS and Redis producers run on their own when those servers are installed (a few
-seconds); RabbitMQ's is left out here, its server alone takes ~10 s to start.
+One quick run (msgq_trio's trio and direct clients and the raw-socket ceiling, no peers,
+nothing installed) is shared by the tests below; it takes 25-35 s on the 2-CPU machine.
+The asyncio clients (msgq_trio.aio, nats-py, redis.asyncio) have a quick run of their own
+(about 10 s), and so do the durable workload's NATS and Redis producers (a few seconds);
+those need the servers installed. RabbitMQ's are left out here, its server alone takes
+~10 s to start.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from msgq_trio import cli
 from msgq_trio.bench import durable
-from msgq_trio.bench.report import goal_table
+from msgq_trio.bench.report import TIMES, asyncio_systems, cell, goal_table
 from msgq_trio.bench.run import render, smoke
 from msgq_trio.bench.workloads import PUBSUB, QUICK, WORKLOADS
 
@@ -79,6 +81,66 @@ def test_bench_smoke_measures_the_direct_client(report: dict[str, Any]) -> None:
     rows = [line for line in goal_table(report).splitlines() if "req/reply" in line]
     assert ("(direct client)" in rows[0]) == (rr["msgq_trio-direct"] < rr["msgq_trio"]), rows
     assert "busy polling off" not in rows[0]
+
+
+def test_bench_smoke_measures_the_def_handler_row(report: dict[str, Any]) -> None:
+    """msgq_trio-def-handler (the trio responder's handler a plain ``def``, beside
+    msgq_trio's ``async def``) answers both request/reply workloads with every call
+    checked, and is n/a with its reason on the streaming ones."""
+    results = report["results"]["msgq_trio-def-handler"]
+    for workload in ("req-reply", "concurrent"):
+        assert results[workload]["status"] == "ok", (workload, results[workload])
+        _check_counts_and_figure(workload, results[workload]["runs"][0])
+    for workload in ("one-way", "fan-out", "large"):
+        assert results[workload]["status"] == "n/a", (workload, results[workload])
+        assert "calls only" in results[workload]["reason"], results[workload]
+
+
+def test_asyncio_table_needs_an_asyncio_peer_beside_msgq_trio() -> None:
+    """The asyncio table holds the asyncio clients of the run, in run order, and only
+    when an asyncio peer ran beside an asyncio client of msgq_trio's."""
+    run = ["msgq_trio", "msgq_trio-asyncio", "redis", "nats", "redis-asyncio", "zeromq"]
+    assert asyncio_systems(run) == ["msgq_trio-asyncio", "nats", "redis-asyncio"]
+    assert asyncio_systems(["msgq_trio-asyncio", "msgq_trio-asyncio-def-handler"]) == []
+    assert asyncio_systems(["msgq_trio", "nats", "redis-asyncio"]) == []
+    # Its ratios are against the best asyncio peer, though a sync peer did better.
+    results = {
+        name: {"req-reply": {"status": "ok", "median": p50, "min": p50, "max": p50}}
+        for name, p50 in (("msgq_trio-asyncio", 200.0), ("redis", 100.0), ("nats", 400.0))
+    }
+    assert cell(results, "msgq_trio-asyncio", "req-reply").endswith(f"(2.0{TIMES} redis)")
+    assert cell(results, "msgq_trio-asyncio", "req-reply", asyncio=True).endswith(
+        f"(0.5{TIMES} nats)"
+    )
+
+
+def test_bench_smoke_asyncio_clients_side_by_side() -> None:
+    """The asyncio clients (msgq_trio.aio with an ``async def`` and a plain ``def``
+    responder, nats-py, redis.asyncio) run every workload they are meant to with every
+    message and call checked, and the report sets them side by side, each ratio against
+    the best other asyncio peer. Needs nats-server and redis-server (installed for the
+    suite: see the durable producer test)."""
+    for binary in ("nats-server", "redis-server"):
+        assert shutil.which(binary), f"{binary} is not installed (apt-get install {binary})"
+    aio = ["msgq_trio-asyncio", "msgq_trio-asyncio-def-handler", "nats", "redis-asyncio"]
+    report = smoke(systems=aio, sections=("main",))
+    results = report["results"]
+    for system in aio:
+        for workload in WORKLOADS:
+            result = results[system][workload]
+            if system.endswith("-def-handler") and workload not in ("req-reply", "concurrent"):
+                assert result["status"] == "n/a", (system, workload, result)
+                continue
+            assert result["status"] == "ok", (system, workload, result)
+            _check_counts_and_figure(workload, result["runs"][0])
+    text = render(report)
+    assert "asyncio clients side by side" in text
+    # The asyncio table repeats the main table's rows, and the ratio names the best
+    # asyncio peer of the column (lowest p50 of nats and redis-asyncio).
+    best = min(("nats", "redis-asyncio"), key=lambda n: results[n]["req-reply"]["median"])
+    want = cell(results, "msgq_trio-asyncio", "req-reply", asyncio=True)
+    assert f"{TIMES} {best})" in want, want
+    assert text.count(want) == 2, text
 
 
 def test_bench_smoke_measures_the_broker_without_busy_polling(report: dict[str, Any]) -> None:

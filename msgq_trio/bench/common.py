@@ -28,7 +28,7 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 Spec = dict[str, Any]
@@ -123,6 +123,115 @@ def asyncio_role(fn: Callable[[Spec], Any]) -> RoleFn:
         return result
 
     return role
+
+
+def asyncio_roles(
+    sub: Callable[[Spec], Any],
+    pub: Callable[[Spec], Any],
+    responder: Callable[[Spec], Any],
+    requester: Callable[[Spec], Any],
+) -> dict[str, RoleFn]:
+    """The four roles of an asyncio worker, each ``async fn(spec)``, for :func:`worker_main`."""
+    return {
+        "sub": asyncio_role(sub),
+        "pub": asyncio_role(pub),
+        "responder": asyncio_role(responder),
+        "requester": asyncio_role(requester),
+    }
+
+
+class Tally:
+    """A subscriber's count of the spec's ``n`` messages of ``size`` bytes: how many came,
+    how many had another size, when the first came; :meth:`result` is its RESULT."""
+
+    __slots__ = ("bad", "count", "first", "n", "size")
+
+    def __init__(self, spec: Spec) -> None:
+        self.n: int = spec["n"]
+        self.size: int = spec["size"]
+        self.count = self.bad = 0
+        self.first = 0.0
+
+    def add(self, length: int) -> bool:
+        """Count a message of ``length`` bytes; true once ``n`` came."""
+        if length != self.size:
+            self.bad += 1
+        self.count += 1
+        if self.count == 1:
+            self.first = time.monotonic()
+        return self.count >= self.n
+
+    def result(self, *, timed_out: bool = False) -> dict[str, Any]:
+        """The RESULT, ``last`` being now: call it as the last message is counted."""
+        return {
+            "count": self.count,
+            "bad": self.bad,
+            "first": self.first,
+            "last": time.monotonic(),
+            "timeout": timed_out or self.count < self.n,
+        }
+
+
+def calls_result(
+    spec: Spec,
+    done: int,
+    bad: int,
+    start: float,
+    end: float,
+    lat: list[int],
+    *,
+    timed_out: bool = False,
+) -> dict[str, Any]:
+    """A requester's RESULT: ``done`` calls answered (``bad`` of them with a reply other
+    than the request) between ``start`` and ``end``; it timed out when told so or when
+    fewer than the spec's ``conc * calls`` were answered; the latencies (ns) when the
+    spec asks for them."""
+    out: dict[str, Any] = {
+        "calls": done,
+        "bad": bad,
+        "start": start,
+        "end": end,
+        "timeout": timed_out or done < spec["conc"] * spec["calls"],
+    }
+    if spec.get("latencies"):
+        out["lat_ns"] = lat
+    return out
+
+
+class Calls:
+    """An asyncio requester's calls over its concurrent loops: the bodies it sends, calls
+    answered, replies other than their request, round-trip latencies (ns)."""
+
+    __slots__ = ("bad", "bodies", "done", "lat", "spec")
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.bodies = payloads(spec["size"], spec.get("seed", 0))
+        self.done = self.bad = 0
+        self.lat: list[int] = []
+
+    async def warm_up(self, call: Callable[[bytes], Awaitable[bytes]]) -> None:
+        """The spec's ``warmup`` sequential calls (not counted)."""
+        for i in range(self.spec.get("warmup", 0)):
+            await call(self.bodies[i % len(self.bodies)])
+
+    async def loop(self, call: Callable[[bytes], Awaitable[bytes]], slot: int) -> None:
+        """The spec's ``calls`` sequential ``await call(body)`` (the bodies from ``slot``
+        on), each timed and its reply compared with its body."""
+        bodies, lat, clock = self.bodies, self.lat, time.perf_counter_ns
+        mask = len(bodies) - 1
+        for i in range(self.spec["calls"]):
+            body = bodies[(i + slot) & mask]
+            t0 = clock()
+            reply = await call(body)
+            lat.append(clock() - t0)
+            if reply != body:
+                self.bad += 1
+            self.done += 1
+
+    def result(self, start: float, end: float) -> dict[str, Any]:
+        """The RESULT (:func:`calls_result`)."""
+        return calls_result(self.spec, self.done, self.bad, start, end, self.lat)
 
 
 def worker_main(roles: Mapping[str, RoleFn], argv: list[str] | None = None) -> int:

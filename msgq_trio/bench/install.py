@@ -5,8 +5,9 @@ runs. Anything that cannot be installed makes that peer ``n/a (reason)`` in the 
 instead of failing the run.
 
 * NATS: Debian ``nats-server`` + ``nats-py``;
-* Redis: Debian ``redis-server`` + ``redis`` (redis-py) and its optional C parser
-  ``hiredis`` (what redis-py uses in production; its absence is not an error);
+* Redis (``redis`` and ``redis-asyncio``): Debian ``redis-server`` + ``redis`` (redis-py,
+  with redis.asyncio) and its optional C parser ``hiredis`` (what redis-py uses in
+  production, sync and asyncio; its absence is not an error);
 * ZeroMQ: ``pyzmq`` (bundles libzmq);
 * RabbitMQ (durable workload only): Debian ``rabbitmq-server`` + ``aio-pika``.
 """
@@ -25,11 +26,12 @@ from collections.abc import Callable, Iterable
 PEER_NEEDS: dict[str, tuple[str | None, str | None, list[tuple[str, str]]]] = {
     "nats": ("nats-server", "nats-server", [("nats", "nats-py")]),
     "redis": ("redis-server", "redis-server", [("redis", "redis")]),
+    "redis-asyncio": ("redis-server", "redis-server", [("redis", "redis")]),
     "zeromq": (None, None, [("zmq", "pyzmq")]),
     "rabbitmq": ("rabbitmq-server", "rabbitmq-server", [("aio_pika", "aio-pika")]),
 }
 #: Installed when Redis is wanted, but only nice to have.
-OPTIONAL_PIP = {"redis": [("hiredis", "hiredis")]}
+OPTIONAL_PIP = {s: [("hiredis", "hiredis")] for s in ("redis", "redis-asyncio")}
 APT_TIMEOUT = 600.0
 PIP_TIMEOUT = 600.0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -76,8 +77,9 @@ def _profiled(out: Path, rate: int, spy: str) -> tuple[System, list[float]]:
         svc.stops.append(stop)
         return svc
 
-    system = SYSTEMS["msgq_trio"]
-    return System(system.name, system.kind, system.module, "profiled broker", start), started
+    return dataclasses.replace(
+        SYSTEMS["msgq_trio"], description="profiled broker", start=start
+    ), started
 
 
 #: Leaf frames that are trio blocked in epoll_wait: py-spy's ``--nonblocking`` mode

@@ -70,16 +70,20 @@ def fmt_ratio(r: float) -> str:
     return f"{r:.2g}"
 
 
-def reference(results: Results, system: str, wkey: str) -> tuple[str, float] | None:
+def reference(
+    results: Results, system: str, wkey: str, *, asyncio: bool = False
+) -> tuple[str, float] | None:
     """The best peer in this column other than ``system`` (or the best ceiling if no peer
-    has a figure): the figure a cell's ratio is against."""
+    has a figure): the figure a cell's ratio is against. ``asyncio``: the best asyncio
+    peer only (no ceiling)."""
     w = WORKLOADS[wkey]
-    for kinds in ((PEER,), ("ceiling",)):
+    for kinds in ((PEER,), () if asyncio else ("ceiling",)):
         cands = [
             (name, s[wkey]["median"])
             for name, s in results.items()
             if name != system
             and SYSTEMS[name].kind in kinds
+            and (SYSTEMS[name].asyncio or not asyncio)
             and s.get(wkey, {}).get("status") == "ok"
         ]
         if cands:
@@ -88,7 +92,15 @@ def reference(results: Results, system: str, wkey: str) -> tuple[str, float] | N
     return None
 
 
-def cell(results: Results, system: str, wkey: str, *, ranges: bool = True, width: int = 40) -> str:
+def cell(
+    results: Results,
+    system: str,
+    wkey: str,
+    *,
+    ranges: bool = True,
+    width: int = 40,
+    asyncio: bool = False,
+) -> str:
     w = WORKLOADS[wkey]
     s = results[system].get(wkey)
     if s is None:
@@ -99,7 +111,7 @@ def cell(results: Results, system: str, wkey: str, *, ranges: bool = True, width
     text = fmt_value(s["median"], w)
     if ranges and s["min"] != s["max"]:
         text += f" [{fmt_value(s['min'], w)}{DASH}{fmt_value(s['max'], w)}]"
-    ref = reference(results, system, wkey)
+    ref = reference(results, system, wkey, asyncio=asyncio)
     if ref is not None and ref[1] > 0:
         text += f" ({fmt_ratio(s['median'] / ref[1])}{TIMES} {ref[0]})"
     if s.get("note"):
@@ -108,16 +120,23 @@ def cell(results: Results, system: str, wkey: str, *, ranges: bool = True, width
 
 
 def table(
-    results: Results, systems: list[str], workloads: list[str], *, markdown: bool = False
+    results: Results,
+    systems: list[str],
+    workloads: list[str],
+    *,
+    markdown: bool = False,
+    asyncio: bool = False,
 ) -> str:
-    """One row per system, one column per workload."""
+    """One row per system, one column per workload. ``asyncio``: ratios against the best
+    asyncio peer (:func:`asyncio_systems` gives the rows of that table)."""
     head = ["system"] + [
         f"{WORKLOADS[k].title} ({WORKLOADS[k].unit}"
         + (")" if WORKLOADS[k].higher_is_better else ", lower is better)")
         for k in workloads
     ]
+    width = 60 if markdown else 40
     rows = [
-        [name] + [cell(results, name, k, width=60 if markdown else 40) for k in workloads]
+        [name] + [cell(results, name, k, width=width, asyncio=asyncio) for k in workloads]
         for name in systems
     ]
     if markdown:
@@ -129,6 +148,15 @@ def table(
     lines = [fmt.format(*head), fmt.format(*("-" * wd for wd in widths))]
     lines += [fmt.format(*r) for r in rows]
     return "\n".join(lines)
+
+
+def asyncio_systems(systems: list[str]) -> list[str]:
+    """The asyncio clients of a run (msgq_trio.aio, nats-py, redis.asyncio, aiormq), for
+    the table that sets them side by side; none unless an asyncio peer ran beside one
+    of msgq_trio's (a table without a peer compares nothing)."""
+    mine = [s for s in systems if SYSTEMS[s].asyncio]
+    kinds = {SYSTEMS[s].kind for s in mine}
+    return mine if PEER in kinds and len(kinds) > 1 else []
 
 
 def latency_table(results: Results, systems: list[str], *, markdown: bool = False) -> str:

@@ -17,12 +17,16 @@ its restart time, then drained: :mod:`msgq_trio.bench.backlog`; 4,000,000 x 1 Ki
 default, which writes about 5 GiB and takes a minute and a half here).
 
 Workloads: one-way, fan-out, req-reply, concurrent, large (see
-:mod:`msgq_trio.bench.workloads`). Systems: msgq_trio, raw-unix, py-relay (the default
-set) and nats, redis, zeromq (``--peers``; installed when missing, see
-:mod:`msgq_trio.bench.install`). Each figure is the median of R repetitions; repetitions
-are interleaved (rep 1 of everything, then rep 2...) so slow drifts of the machine hit
-every system alike. A run that exceeds its hard timeout is reported as ``timeout``, and
-the remaining repetitions of that system and workload are skipped.
+:mod:`msgq_trio.bench.workloads`). Systems (:mod:`msgq_trio.bench.systems`): msgq_trio
+with its trio, asyncio and direct clients (the trio and asyncio responders answer through
+an ``async def`` handler; the ``-def-handler`` rows through a plain ``def``), raw-unix,
+py-relay (the default set) and nats, redis, redis-asyncio, zeromq (``--peers``; installed
+when missing, see :mod:`msgq_trio.bench.install`). The asyncio clients (msgq_trio.aio,
+nats-py, redis.asyncio) also get a table of their own, side by side. Each figure is the
+median of R repetitions; repetitions are interleaved (rep 1 of everything, then rep 2...)
+so slow drifts of the machine hit every system alike. A run that exceeds its hard timeout
+is reported as ``timeout``, and the remaining repetitions of that system and workload are
+skipped.
 
 Exit status: 0 when msgq_trio and the ceilings were measured everywhere, 1 when one of
 their runs failed or timed out (peers that are n/a or fail do not change it), 2 on a
@@ -45,6 +49,7 @@ from .install import ensure_peers, missing, peer_versions
 from .report import (
     DASH,
     Results,
+    asyncio_systems,
     cpu_table,
     durable_table,
     goal_table,
@@ -104,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msgq-trio bench",
         description="Benchmark msgq_trio against raw-socket ceilings and, with --peers, "
-        "NATS, Redis and ZeroMQ.",
+        "NATS, Redis (sync and asyncio) and ZeroMQ.",
     )
     p.add_argument(
         "--quick",
@@ -113,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny counts, 1 repetition: checks that everything runs (< 60 s)",
     )
     p.add_argument(
-        "--peers", action="store_true", help="also run nats, redis, zeromq (installed if missing)"
+        "--peers",
+        action="store_true",
+        help="also run nats, redis, redis-asyncio, zeromq (installed if missing)",
     )
     p.add_argument(
         "--rabbitmq",
@@ -487,6 +494,15 @@ def render(report: dict[str, Any], *, markdown: bool = False) -> str:
         ]
     if systems:
         lines += ["", table(results, systems, workloads, markdown=markdown)]
+    aio = asyncio_systems(systems)
+    if aio:
+        lines += [
+            "",
+            "asyncio clients side by side (msgq_trio.aio, nats-py, redis.asyncio; ratio to "
+            "the best other asyncio peer):",
+            *gap,
+            table(results, aio, workloads, markdown=markdown, asyncio=True),
+        ]
     if systems and "req-reply" in workloads:
         lines += [
             "",
@@ -667,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
 def smoke(
     systems: Sequence[str] = (
         "msgq_trio",
+        "msgq_trio-def-handler",
         "msgq_trio-direct",
         "msgq_trio-direct-no-busy-poll",
         "raw-unix",

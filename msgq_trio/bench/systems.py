@@ -2,6 +2,13 @@
 
 * ``msgq_trio``: a real broker process (``python -m msgq_trio serve``, via
   :func:`msgq_trio.demo.start_broker`) on a Unix socket in the run's directory;
+  Its responder answers through an ``async def`` handler, the form the README teaches
+  (a task per request);
+* ``msgq_trio-def-handler``: the same, the responder's handler a plain ``def`` (answered
+  inline by the reader), on the request/reply workloads: the form that earlier
+  records in BENCHMARKS.md measured as ``msgq_trio``;
+* ``msgq_trio-asyncio`` and ``msgq_trio-asyncio-def-handler``: the same broker and roles
+  with the asyncio client (``msgq_trio.aio.connect``, :mod:`msgq_trio.bench.worker_msgq_aio`);
 * ``msgq_trio-direct``: the same broker, with the direct blocking client
   (:func:`msgq_trio.connect_direct`) on the request/reply workloads;
 * ``msgq_trio-no-busy-poll`` and ``msgq_trio-direct-no-busy-poll``: the same two clients
@@ -15,13 +22,16 @@
   ``max_payload`` raised to 8 MiB for the 4 MiB messages, big ``max_pending`` so no
   subscriber is cut off as a slow consumer;
 * ``redis``: ``redis-server`` on a Unix socket only, no persistence, no output-buffer
-  limit for pub/sub clients;
+  limit for pub/sub clients; ``redis-asyncio``: the same server, redis.asyncio clients;
 * ``zeromq``: a ``zmq.proxy`` process (XSUB/XPUB or ROUTER/DEALER) on ``ipc://``;
 * ``rabbitmq`` (``--rabbitmq``): one rabbitmq-server for the whole benchmark (it takes
   ~10 s to start), :data:`msgq_trio.bench.durable.SHARED_RABBIT`, on free loopback ports;
   each run uses its own exchange and queues, named after the run's directory.
 
 A fresh broker is started for every run and stopped after it, except RabbitMQ.
+
+The asyncio clients (``System.asyncio``: msgq_trio-asyncio, nats-py, redis.asyncio,
+aiormq) also get a table of their own in the report, side by side.
 """
 
 from __future__ import annotations
@@ -65,6 +75,10 @@ class System:
     #: Workloads this system runs (all when empty); the others show as ``n/a (not_run)``.
     only: tuple[str, ...] = ()
     not_run: str = ""
+    #: Extra entries of every worker's spec (``{"handler": "plain"}``...).
+    spec: dict[str, Any] = field(default_factory=dict)
+    #: An asyncio client: the report's "asyncio clients" table puts it beside the others.
+    asyncio: bool = False
 
 
 def _stop_popen(proc: subprocess.Popen[bytes]) -> Callable[[], None]:
@@ -271,6 +285,9 @@ def _start_rabbit(run_dir: Path, _pattern: str, _deadline: float) -> Service:
 
 
 _CALLS_ONLY = ("req-reply", "concurrent")
+#: The plain-``def`` responder rows: the handler form matters for calls only.
+_PLAIN = {"handler": "plain"}
+_PLAIN_NOT_RUN = "a handler row: calls only"
 
 SYSTEMS: dict[str, System] = {
     s.name: s
@@ -279,8 +296,37 @@ SYSTEMS: dict[str, System] = {
             "msgq_trio",
             SUBJECT,
             "worker_msgq",
-            "msgq_trio broker process; trio clients (group send, bus.call)",
+            "msgq_trio broker process; trio clients (group send, bus.call, async def handler)",
             _start_msgq,
+        ),
+        System(
+            "msgq_trio-def-handler",
+            SUBJECT,
+            "worker_msgq",
+            "msgq_trio broker process; trio clients, the handler a plain def (inline)",
+            _start_msgq,
+            only=_CALLS_ONLY,
+            not_run=_PLAIN_NOT_RUN,
+            spec=_PLAIN,
+        ),
+        System(
+            "msgq_trio-asyncio",
+            SUBJECT,
+            "worker_msgq_aio",
+            "msgq_trio broker process; asyncio clients (msgq_trio.aio, async def handler)",
+            _start_msgq,
+            asyncio=True,
+        ),
+        System(
+            "msgq_trio-asyncio-def-handler",
+            SUBJECT,
+            "worker_msgq_aio",
+            "msgq_trio broker process; asyncio clients, the handler a plain def (inline)",
+            _start_msgq,
+            only=_CALLS_ONLY,
+            not_run=_PLAIN_NOT_RUN,
+            spec=_PLAIN,
+            asyncio=True,
         ),
         # The direct client is for calls (a blocking thread per connection, a syscall per
         # send): the two request/reply columns.
@@ -347,7 +393,12 @@ SYSTEMS: dict[str, System] = {
             _start_relay,
         ),
         System(
-            "nats", PEER, "worker_nats", "nats-server (TCP loopback), nats-py asyncio", _start_nats
+            "nats",
+            PEER,
+            "worker_nats",
+            "nats-server (TCP loopback), nats-py asyncio",
+            _start_nats,
+            asyncio=True,
         ),
         System(
             "redis",
@@ -355,6 +406,14 @@ SYSTEMS: dict[str, System] = {
             "worker_redis",
             "redis-server pub/sub (Unix socket), redis-py sync + hiredis",
             _start_redis,
+        ),
+        System(
+            "redis-asyncio",
+            PEER,
+            "worker_redis_aio",
+            "redis-server pub/sub (Unix socket), redis.asyncio + hiredis",
+            _start_redis,
+            asyncio=True,
         ),
         System(
             "zeromq",
@@ -373,17 +432,21 @@ SYSTEMS: dict[str, System] = {
             # Measured here: 2-4k msgs/s one-way, ~300 µs of client CPU a message
             # (pamqp framing in Python); 200,000 messages would take a minute or more.
             not_run="not run: the Python AMQP client costs ~300 µs CPU a message",
+            asyncio=True,
         ),
     )
 }
 DEFAULT_SYSTEMS = [
     "msgq_trio",
+    "msgq_trio-def-handler",
+    "msgq_trio-asyncio",
+    "msgq_trio-asyncio-def-handler",
     "msgq_trio-direct",
     "msgq_trio-no-busy-poll",
     "msgq_trio-direct-no-busy-poll",
     "raw-unix",
     "py-relay",
 ]
-PEER_SYSTEMS = ["nats", "redis", "zeromq"]
+PEER_SYSTEMS = ["nats", "redis", "redis-asyncio", "zeromq"]
 #: msgq_trio over TCP and TLS (``--peers`` runs them too: NATS is measured over TCP).
 TCP_SYSTEMS = ["msgq_trio-tcp", "msgq_trio-tls"]

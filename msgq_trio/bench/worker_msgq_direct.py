@@ -20,7 +20,7 @@ from typing import Any
 
 from ..client.direct import DirectBus
 from ..client.direct import connect as connect_direct
-from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
+from .common import Deadline, Spec, calls_result, payloads, ready, wait_go, worker_main
 from .worker_msgq import ECHO
 
 
@@ -91,16 +91,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
     finally:
         for bus in buses:
             bus.close()
-    out: dict[str, Any] = {
-        "calls": sum(done),
-        "bad": sum(errors),
-        "start": start,
-        "end": end,
-        "timeout": sum(done) < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls_result(spec, sum(done), sum(errors), start, end, lat)
 
 
 ROLES = {"responder": _responder, "requester": _requester}

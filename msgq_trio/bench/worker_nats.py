@@ -18,7 +18,17 @@ from typing import Any
 import nats
 import nats.errors
 
-from .common import Deadline, Spec, asyncio_role, payloads, ready, wait_go, worker_main
+from .common import (
+    Calls,
+    Deadline,
+    Spec,
+    Tally,
+    asyncio_roles,
+    payloads,
+    ready,
+    wait_go,
+    worker_main,
+)
 
 SUBJECT = "bench.data"
 ECHO = "bench.echo"
@@ -32,19 +42,12 @@ async def _connect(spec: Spec) -> Any:
 
 async def _sub(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    n, size = spec["n"], spec["size"]
-    count = bad = 0
-    first = 0.0
+    tally = Tally(spec)
     done = asyncio.Event()
+    timed_out = False
 
     async def on_msg(msg: Any) -> None:
-        nonlocal count, bad, first
-        if len(msg.data) != size:
-            bad += 1
-        count += 1
-        if count == 1:
-            first = time.monotonic()
-        if count >= n:
+        if tally.add(len(msg.data)):
             done.set()
 
     nc = await _connect(spec)
@@ -55,11 +58,11 @@ async def _sub(spec: Spec) -> dict[str, Any]:
         try:
             await asyncio.wait_for(done.wait(), deadline.left())
         except TimeoutError:
-            pass
-        last = time.monotonic()
+            timed_out = True
+        result = tally.result(timed_out=timed_out)
     finally:
         await nc.close()
-    return {"count": count, "bad": bad, "first": first, "last": last, "timeout": count < n}
+    return result
 
 
 async def _pub(spec: Spec) -> dict[str, Any]:
@@ -107,58 +110,33 @@ async def _responder(spec: Spec) -> dict[str, Any]:
 
 async def _requester(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    conc, calls = spec["conc"], spec["calls"]
-    bodies = payloads(spec["size"], spec.get("seed", 0))
-    mask = len(bodies) - 1
-    lat: list[int] = []
-    done = bad = 0
+    calls = Calls(spec)
     nc = await _connect(spec)
+
+    async def call(body: bytes) -> bytes:
+        reply = await nc.request(ECHO, body, timeout=max(0.1, deadline.left()))
+        data: bytes = reply.data
+        return data
+
     try:
-        for i in range(spec.get("warmup", 0)):
-            await nc.request(ECHO, bodies[i & mask], timeout=max(1.0, deadline.left()))
+        await calls.warm_up(call)
         ready()
         await asyncio.to_thread(wait_go, deadline.left())
-
-        async def requester(slot: int) -> None:
-            nonlocal done, bad
-            request, clock = nc.request, time.perf_counter_ns
-            for i in range(calls):
-                body = bodies[(i + slot) & mask]
-                t0 = clock()
-                reply = await request(ECHO, body, timeout=max(0.1, deadline.left()))
-                lat.append(clock() - t0)
-                if reply.data != body:
-                    bad += 1
-                done += 1
-
         start = time.monotonic()
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(requester(s) for s in range(conc))), deadline.left()
+                asyncio.gather(*(calls.loop(call, s) for s in range(spec["conc"]))),
+                deadline.left(),
             )
         except (TimeoutError, nats.errors.TimeoutError):
             pass
         end = time.monotonic()
     finally:
         await nc.close()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls.result(start, end)
 
 
-ROLES = {
-    "sub": asyncio_role(_sub),
-    "pub": asyncio_role(_pub),
-    "responder": asyncio_role(_responder),
-    "requester": asyncio_role(_requester),
-}
+ROLES = asyncio_roles(_sub, _pub, _responder, _requester)
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))

@@ -24,7 +24,16 @@ import sys
 import time
 from typing import Any
 
-from .common import Deadline, Spec, asyncio_role, payloads, ready, wait_go, worker_main
+from .common import (
+    Calls,
+    Deadline,
+    Spec,
+    asyncio_roles,
+    payloads,
+    ready,
+    wait_go,
+    worker_main,
+)
 
 REPLY_TO = "amq.rabbitmq.reply-to"
 
@@ -131,12 +140,8 @@ async def _requester(spec: Spec) -> dict[str, Any]:
     from aiormq import spec as amqp
 
     deadline = Deadline(spec["deadline"])
-    conc, calls = spec["conc"], spec["calls"]
     queue = spec["addr"]["ns"] + ".rpc"
-    bodies = payloads(spec["size"], spec.get("seed", 0))
-    mask = len(bodies) - 1
-    lat: list[int] = []
-    done = bad = 0
+    calls = Calls(spec)
     waiting: dict[str, asyncio.Future[bytes]] = {}
     loop = asyncio.get_running_loop()
 
@@ -166,51 +171,25 @@ async def _requester(spec: Spec) -> dict[str, Any]:
             )
             return await asyncio.wait_for(fut, max(0.1, deadline.left()))
 
-        for i in range(spec.get("warmup", 0)):
-            await call(bodies[i & mask])
+        await calls.warm_up(call)
         ready()
         await asyncio.to_thread(wait_go, deadline.left())
-
-        async def requester(slot: int) -> None:
-            nonlocal done, bad
-            clock = time.perf_counter_ns
-            for i in range(calls):
-                body = bodies[(i + slot) & mask]
-                t0 = clock()
-                reply = await call(body)
-                lat.append(clock() - t0)
-                if reply != body:
-                    bad += 1
-                done += 1
 
         start = time.monotonic()
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(requester(s) for s in range(conc))), deadline.left()
+                asyncio.gather(*(calls.loop(call, s) for s in range(spec["conc"]))),
+                deadline.left(),
             )
         except TimeoutError:
             pass
         end = time.monotonic()
     finally:
         await conn.close()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls.result(start, end)
 
 
-ROLES = {
-    "sub": asyncio_role(_sub),
-    "pub": asyncio_role(_pub),
-    "responder": asyncio_role(_responder),
-    "requester": asyncio_role(_requester),
-}
+ROLES = asyncio_roles(_sub, _pub, _responder, _requester)
 
 if __name__ == "__main__":
     sys.exit(worker_main(ROLES))

@@ -31,6 +31,7 @@ from .common import (
     Deadline,
     FrameReader,
     Spec,
+    calls_result,
     payloads,
     ready,
     wait_go,
@@ -295,16 +296,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
         done = len(lat)
     end = time.monotonic()
     sock.close()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": timed_out or done < total,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls_result(spec, done, bad, start, end, lat, timed_out=timed_out)
 
 
 ROLES = {"sub": _sub, "pub": _pub, "responder": _responder, "requester": _requester}

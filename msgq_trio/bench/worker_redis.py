@@ -11,6 +11,8 @@
   (each tagged with a sequence number) and matches replies by it.
 
 All connections use the broker's Unix socket; ``socket_timeout`` is the worker deadline.
+The ``redis-asyncio`` system's clients (:mod:`msgq_trio.bench.worker_redis_aio`) share the
+options, channels, pipelines and request tags defined here.
 """
 
 from __future__ import annotations
@@ -18,32 +20,60 @@ from __future__ import annotations
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import redis
 
-from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
+from .common import Deadline, Spec, Tally, calls_result, payloads, ready, wait_go, worker_main
 
 CHANNEL = "bench.data"
 ECHO = "bench.echo"
 PIPELINE = 128
 #: ... and at most about this many bytes per pipeline (large messages go one by one).
 PIPELINE_BYTES = 1024 * 1024
-_TAG = struct.Struct(">HI")  # requester process, sequence number
+TAG = struct.Struct(">HI")  # requester process, sequence number
 
 
-def _client(spec: Spec, deadline: Deadline) -> Any:
+def reply_channel(process: int) -> str:
+    """Where the responder publishes the replies to requester process ``process``."""
+    return f"bench.reply.{process}"
+
+
+def client_options(spec: Spec, deadline: Deadline) -> dict[str, Any]:
+    """``redis.Redis`` (and ``redis.asyncio.Redis``) arguments for the run's server."""
     # Reads of up to 1 MiB (default 64 KiB) when messages are large: fewer recv calls.
     read_size = min(1024 * 1024, max(65536, spec.get("size", 0)))
     # RESP2: with RESP3 (redis-py 8's default) + hiredis, every pub/sub message goes
     # through a push handler that builds str(message) for a debug log line, even with
     # logging off: 95 % of a 4 MiB subscriber's time (py-spy). RESP2 is the classic path.
-    return redis.Redis(
-        unix_socket_path=spec["addr"]["socket"],
-        protocol=2,
-        socket_timeout=max(1.0, deadline.left()),
-        socket_read_size=read_size,
-    )
+    return {
+        "unix_socket_path": spec["addr"]["socket"],
+        "protocol": 2,
+        "socket_timeout": max(1.0, deadline.left()),
+        "socket_read_size": read_size,
+    }
+
+
+def publish_batches(n: int, size: int, deadline: Deadline) -> Iterator[range]:
+    """The message indexes of each PUBLISH pipeline: up to :data:`PIPELINE` messages or
+    about :data:`PIPELINE_BYTES`, until ``n`` or the deadline."""
+    per_pipeline = max(1, min(PIPELINE, PIPELINE_BYTES // size))
+    sent = 0
+    while sent < n and not deadline.expired():
+        k = min(per_pipeline, n - sent)
+        yield range(sent, sent + k)
+        sent += k
+
+
+def check_first_batch(batch: range, receivers: list[int]) -> None:
+    """A first PUBLISH that reached nobody means the subscriber is not there: fail."""
+    if not batch.start and not receivers[0]:
+        raise RuntimeError("PUBLISH reached no subscriber")
+
+
+def _client(spec: Spec, deadline: Deadline) -> Any:
+    return redis.Redis(**client_options(spec, deadline))
 
 
 def _subscribe(r: Any, channel: str, deadline: Deadline) -> Any:
@@ -58,36 +88,21 @@ def _subscribe(r: Any, channel: str, deadline: Deadline) -> Any:
 
 def _sub(spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    n, size = spec["n"], spec["size"]
+    tally = Tally(spec)
     r = _client(spec, deadline)
     ps = _subscribe(r, CHANNEL, deadline)
     ready()
-    count = bad = 0
-    first = 0.0
     timed_out = False
     try:
         for m in ps.listen():
-            if m["type"] != "message":
-                continue
-            if len(m["data"]) != size:
-                bad += 1
-            count += 1
-            if count == 1:
-                first = time.monotonic()
-            if count >= n:
+            if m["type"] == "message" and tally.add(len(m["data"])):
                 break
     except redis.TimeoutError:
         timed_out = True
-    last = time.monotonic()
+    result = tally.result(timed_out=timed_out)
     ps.close()
     r.close()
-    return {
-        "count": count,
-        "bad": bad,
-        "first": first,
-        "last": last,
-        "timeout": timed_out or count < n,
-    }
+    return result
 
 
 def _pub(spec: Spec) -> dict[str, Any]:
@@ -102,15 +117,11 @@ def _pub(spec: Spec) -> dict[str, Any]:
     start = time.monotonic()
     sent = 0
     pipe = r.pipeline(transaction=False)
-    per_pipeline = max(1, min(PIPELINE, PIPELINE_BYTES // spec["size"]))
-    while sent < n and not deadline.expired():
-        k = min(per_pipeline, n - sent)
-        for i in range(sent, sent + k):
+    for batch in publish_batches(n, spec["size"], deadline):
+        for i in batch:
             pipe.publish(CHANNEL, bodies[i & mask])
-        receivers = pipe.execute()
-        if not sent and not receivers[0]:
-            raise RuntimeError("PUBLISH reached no subscriber")
-        sent += k
+        check_first_batch(batch, pipe.execute())
+        sent = batch.stop
     end = time.monotonic()
     r.close()
     return {"sent": sent, "start": start, "end": end, "timeout": sent < n}
@@ -128,7 +139,7 @@ def _responder(spec: Spec) -> dict[str, Any]:
         while m is not None:
             if m["type"] == "message":
                 data = m["data"]
-                pipe.publish(f"bench.reply.{_TAG.unpack_from(data)[0]}", data)
+                pipe.publish(reply_channel(TAG.unpack_from(data)[0]), data)
                 served += 1
             m = ps.get_message(timeout=0.0)
         if len(pipe):
@@ -143,7 +154,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
     bodies = payloads(size, spec.get("seed", 0))
     mask = len(bodies) - 1
     r = _client(spec, deadline)
-    ps = _subscribe(r, f"bench.reply.{index}", deadline)
+    ps = _subscribe(r, reply_channel(index), deadline)
     clock = time.perf_counter_ns
     replies = ps.listen()
     seq = 0
@@ -156,7 +167,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
         def send_one() -> None:
             nonlocal seq, sent
             seq += 1
-            body = _TAG.pack(index, seq) + bodies[sent & mask]
+            body = TAG.pack(index, seq) + bodies[sent & mask]
             t0s[seq] = (clock(), body)
             if not r.publish(ECHO, body):
                 raise RuntimeError("PUBLISH reached no responder")
@@ -170,7 +181,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
             if m["type"] != "message":
                 continue
             data = m["data"]
-            t0, body = t0s.pop(_TAG.unpack_from(data)[1])
+            t0, body = t0s.pop(TAG.unpack_from(data)[1])
             if lat is not None:
                 lat.append(clock() - t0)
             if data != body:
@@ -195,16 +206,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
         timed_out = True
         done = len(lat)
     end = time.monotonic()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": timed_out or done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls_result(spec, done, bad, start, end, lat, timed_out=timed_out)
 
 
 ROLES = {"sub": _sub, "pub": _pub, "responder": _responder, "requester": _requester}

@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
+from .common import Deadline, Spec, calls_result, payloads, ready, wait_go, worker_main
 
 _SEQ = struct.Struct(">I")
 _POLL_MS = 500
@@ -210,16 +210,7 @@ def _requester(spec: Spec) -> dict[str, Any]:
     end = time.monotonic()
     s.close(linger=0)
     ctx.term()
-    out: dict[str, Any] = {
-        "calls": done,
-        "bad": bad,
-        "start": start,
-        "end": end,
-        "timeout": timed_out or done < conc * calls,
-    }
-    if spec.get("latencies"):
-        out["lat_ns"] = lat
-    return out
+    return calls_result(spec, done, bad, start, end, lat, timed_out=timed_out)
 
 
 ROLES = {

@@ -123,6 +123,7 @@ def run_one(
                 "seed": seed,
                 "deadline": max(1.0, deadline - time.monotonic()),
                 **params,
+                **system.spec,
                 **extra,
             }
             p = Proc.worker(name, system.module, spec, run_dir)
