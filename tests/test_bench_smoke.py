@@ -237,3 +237,14 @@ def test_bench_report_renders_several_repetitions(report: dict[str, Any]) -> Non
     text = render(tripled)
     assert "msgq_trio +consumer" in text and "median of 3" in text
     assert "| msgq_trio |" in render(tripled, markdown=True)
+
+
+def test_clientcpu_measures_both_clients() -> None:
+    """``python -m msgq_trio.bench.clientcpu`` runs a real broker, publisher and
+    subscriber: every message arrives with its 100-byte body (the subscriber checks each
+    and would report no RESULT), and both sides report their CPU per message."""
+    from msgq_trio.bench.clientcpu import run_once
+
+    r = run_once(3000)
+    assert r["pub"]["cpu_us"] > 0 and r["sub"]["cpu_us"] > 0
+    assert r["sub"]["receives"] >= 1 and len(r["sub"]["gc_ms"]) == 3
