@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import (
@@ -582,6 +582,43 @@ class Session:
             )
         except LocalProtocolError as exc:
             raise UsageError(f"cannot send to {target!r}: {exc}") from exc
+
+    def encode_messages(self, target: str, bodies: Iterable[Any]) -> list[Buffer]:
+        """One-way MESSAGEs to ``target``, one per body, in order: the pieces of all the
+        frames, consecutive small ones joined into one buffer (one append and one write
+        for a batch instead of one per message). Every body is encoded before anything
+        is returned, so a body that cannot be encoded sends none of them.
+
+        Raises:
+            UsageError: a body cannot be encoded (named by its index), or ``target`` is
+                too long.
+        """
+        try:
+            tb = self._targets.get(target) or self.target(target)
+        except LocalProtocolError as exc:
+            raise UsageError(f"cannot send to {target!r}: {exc}") from exc
+        stamp = self.stamp
+        no_join = self._no_join
+        out: list[Buffer] = []
+        run: list[bytes] = []
+        for i, body in enumerate(bodies):
+            if type(body) is bytes and (no_join is None or len(body) < no_join):
+                run.append(encode_small_bytes(_MESSAGE, tb, body, stamp))
+                continue
+            try:
+                frame = self.encode_message(target, body)
+            except UsageError as exc:
+                raise UsageError(f"body {i} of the batch: {exc}") from exc
+            if type(frame) is bytes:
+                run.append(frame)
+                continue
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.extend(frame)  # type: ignore[arg-type]  # a large body's two pieces
+        if run:
+            out.append(b"".join(run))
+        return out
 
     def encode_notify(self, group: str, event: str, params: Any = None) -> list[Buffer]:
         """A NOTIFY of ``event`` to ``group``.

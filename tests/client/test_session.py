@@ -489,3 +489,30 @@ def test_a_connection_level_error_ends_the_session_and_the_first_reason_stays() 
     assert s.lost is not None and s.lost.code == "slow-consumer"
     assert isinstance(call.error, ConnectionLost) and call.error.code == "slow-consumer"
     assert s.fail(ConnectionLost("the bus was closed")).code == "slow-consumer"
+
+
+def test_a_batch_of_messages_is_each_message_in_order_small_ones_joined() -> None:
+    """``encode_messages`` writes exactly the frames ``encode_message`` would, in order;
+    consecutive small frames come as one buffer, a large binary body as its own pieces
+    (not copied); a body that cannot be encoded fails the batch with its index and
+    nothing to send."""
+    s = ready("pub")
+    s._no_join = 1024 * 1024  # as the trio driver makes its session (NO_JOIN)
+    big = os.urandom(2 * 1024 * 1024)
+    bodies: list[Any] = [b"a", {"k": 1}, None, big, b"b" * 300, "text"]
+    pieces = s.encode_messages("G", bodies)
+    expected = b"".join(
+        bytes(p) if not isinstance(p, list) else b"".join(bytes(x) for x in p)
+        for p in (s.encode_message("G", b) for b in bodies)
+    )
+    assert b"".join(bytes(p) for p in pieces) == expected
+    assert len(pieces) == 4 and any(p is big for p in pieces)  # 3 small, big (2), 2 small
+    p = FrameParser()
+    p.feed(expected)
+    got = []
+    while (f := p.next_frame()) is not None:
+        assert f.target == "G" and f.source == s.stamp
+        got.append(f.body())
+    assert got == bodies
+    with pytest.raises(UsageError, match="body 1 of the batch"):
+        s.encode_messages("G", [b"ok", object()])
