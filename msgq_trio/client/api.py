@@ -455,19 +455,9 @@ class BusBase(SessionView):
                 break
 
     # -- sending -----------------------------------------------------------------------
-    async def send(
-        self,
-        target: str,
-        body: Any = None,
-        attachments: Sequence[Buffer] = (),
-        *,
-        header: dict[str, object] | None = None,
-        fds: Sequence[int] = (),
-        on_behalf_of: tuple[str, str] | None = None,
-    ) -> None:
-        """Send a one-way message to ``target`` (the driver's: its backpressure and
-        writing are its own; see :meth:`msgq_trio.Bus.send` for the contract)."""
-        raise NotImplementedError
+    #: ``send(target, body, attachments, *, header, fds, on_behalf_of)``: the driver's
+    #: (its backpressure and writing are its own); see :meth:`msgq_trio.Bus.send`.
+    send: Callable[..., Coroutine[Any, Any, None]]
 
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         """Publish notification ``event`` to ``group``; notifications are never answered.

@@ -10,12 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import trio
 from driver_harness import ASYNC_DRIVERS, open_driver
-from plugin_helpers import eventually, ready_plugin_pids
+from plugin_helpers import eventually, put_until_stored, ready_plugin_pids
 
 import msgq_trio
-from msgq_trio.errors import RpcError
 
 Start = Callable[..., Any]
 
@@ -98,17 +96,6 @@ async def test_fetch_and_ack(driver: str, queue_broker: Start) -> None:
 
         first, second, owed, after = await d.run(pull)
     assert (first, second, owed, after) == ([1, 2], [3], 3, [])
-
-
-async def put_until_stored(q: Any, body: Any, seq: int) -> None:
-    """Put with a fixed seq, resending after a failure (the plugin is restarting)."""
-    with trio.fail_after(30):
-        while True:
-            try:
-                assert await q.put(body, seq=seq) in ("stored", "consumed", "duplicate")
-                return
-            except RpcError:
-                await trio.sleep(0.05)
 
 
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)
