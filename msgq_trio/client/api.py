@@ -9,11 +9,14 @@ tasks, clocks and waiting are the drivers'. It imports neither trio nor asyncio
 (``tests/test_layering.py``), so the asyncio driver can use it.
 
 The primitives a driver implements (see each one's docstring below): ``_queue_request``,
-``_wait_out``, ``_finish_call``, ``_queue``, ``_queue_answer``, ``_checkpoint``,
-``_task``, ``_now``, ``_unsent`` and ``_wait_goodbye``; and the attributes ``_s`` (the
-session), ``_closed``, ``_lost_event`` (an event with ``set()`` and ``async wait()``) and
-``_new_waiter``. The blocking ``DirectBus`` shares :class:`SessionView` only: it has no
-tasks to run callbacks in.
+``_wait_out``, ``_finish_call``, ``_wait_done``, ``_queue``, ``_queue_answer``,
+``_checkpoint``, ``_task``, ``_now``, ``_unsent`` and ``_wait_goodbye``; the public
+``send`` and the event-loop services the plugin clients build on (``sleep``,
+``checkpoint``, ``new_event``, ``shielded``); and the attributes ``_s`` (the session),
+``_closed``, ``_lost_event`` (an event with ``set()`` and ``async wait()``) and
+``_new_waiter``. The plugin clients (client/queue.py, client/pipe_core.py) use this
+public API only, so they run on either driver. The blocking ``DirectBus`` shares
+:class:`SessionView` only: it has no tasks to run callbacks in.
 """
 
 from __future__ import annotations

@@ -299,6 +299,9 @@ class Consumer:
         await self._consume()
 
     async def _consume(self) -> None:
+        """Ask the plugin to push to this consumer: the one place that (re)starts
+        consuming, at the start and after the plugin process changed (``_reattach``;
+        a driver that reconnects would consume again here too)."""
         params: dict[str, Any] = {"queue": self._q.name, "window": self._window}
         if self._ack_timeout is not None:
             params["ack_timeout"] = self._ack_timeout
