@@ -356,6 +356,7 @@ class Bus(BusBase):
         with trio.move_on_after(math.inf if timeout is None else timeout) as cs:
             cs.shield = True
             await fn()
+        await trio.lowlevel.checkpoint_if_cancelled()  # the caller's cancellation, now
 
     # -- named pipes (plugins/pipe, docs/PIPES.md) ---------------------------------------
     def pipe(self, name: str) -> Pipe:
