@@ -13,7 +13,7 @@ import pytest
 import trio
 from driver_harness import ASYNC_DRIVERS, open_driver
 
-from msgq_trio.errors import PipeBroken, PipeTimeout
+from msgq_trio.errors import PipeBroken, PipeTimeout, UsageError
 
 
 async def read_to_end(r: Any) -> bytes:
@@ -89,3 +89,36 @@ async def test_pipe_errors_are_the_same_on_both(
         assert await wd.run(outcome_of(lambda: w.write(b"after"))) is PipeBroken
         assert await wd.run(outcome_of(lambda: w.send_all(b"again"))) is PipeBroken
         await wd.run(lambda _bus: w.aclose())
+
+
+@pytest.mark.parametrize(
+    "driver,closed_error",
+    [("trio", trio.ClosedResourceError), ("asyncio", UsageError)],
+)
+async def test_using_a_closed_end(
+    driver: str, closed_error: type[Exception], pipe_broker: Callable[..., Any]
+) -> None:
+    """A closed end refuses reads and writes with its face's closed error (trio's
+    ClosedResourceError on trio, UsageError on asyncio), the caller's mistake; closing
+    again is a no-op."""
+    b = pipe_broker()
+    async with open_driver(driver, b.path, "c") as d:
+
+        async def misuse(bus: Any) -> list[type[Exception] | None]:
+            r = await bus.pipe("c").open_reader()
+            w = await bus.pipe("c").open_writer()
+            await r.aclose()
+            await w.aclose()
+            out: list[type[Exception] | None] = []
+            for attempt in (lambda: r.read(1), lambda: w.write(b"x")):
+                try:
+                    await attempt()
+                except Exception as exc:
+                    out.append(type(exc))
+                else:
+                    out.append(None)
+            await r.aclose()
+            await w.aclose()
+            return out
+
+        assert await d.run(misuse) == [closed_error, closed_error]
