@@ -25,9 +25,20 @@ EXPECTED = {
         "msgq_trio.DirectBus.call",
     ],
     "sync.html": ["msgq_trio.sync.connect", "msgq_trio.sync.SyncBus"],
-    "aio.html": ["msgq_trio.aio.connect", "msgq_trio.aio.AioBus", "msgq_trio.aio.AioBus.call"],
+    "aio.html": [
+        "msgq_trio.aio.connect",
+        "msgq_trio.aio.AioBus",
+        "msgq_trio.aio.AioBus.call",
+        "msgq_trio.aio.AioBus.queue",
+        "msgq_trio.aio.AioPipeReader.read",
+    ],
     "queue.html": ["msgq_trio.client.queue.Queue", "msgq_trio.client.queue.QueueMessage"],
-    "pipe.html": ["msgq_trio.client.pipe.PipeReader", "msgq_trio.client.pipe.PipeWriter"],
+    "pipe.html": [
+        "msgq_trio.client.pipe.PipeReader",
+        "msgq_trio.client.pipe.PipeReader.read",
+        "msgq_trio.client.pipe.PipeWriter",
+        "msgq_trio.client.pipe.PipeWriter.write",
+    ],
     "errors.html": [
         "msgq_trio.errors.RpcError",
         "msgq_trio.errors.NoRecipient",

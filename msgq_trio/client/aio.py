@@ -31,7 +31,7 @@ import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import FrameType
@@ -59,6 +59,9 @@ from .session import (
     Send,
     Session,
 )
+
+if TYPE_CHECKING:  # imported lazily at run time: client/aio_pipe.py imports this module
+    from .aio_pipe import AioPipe
 
 __all__ = ["OUT_HIGH_WATER", "AioBus", "connect"]
 
@@ -187,6 +190,8 @@ class AioBus(BusBase):
         return True
 
     def _task(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        if self._closed:
+            raise UsageError("the bus is closed")
         self._spawn(fn(*args))
 
     def _shutdown(self, exc: ConnectionLost) -> None:
@@ -446,16 +451,39 @@ class AioBus(BusBase):
         assert event.handler is not None
         self._start_request(msg, event.handler)
 
-    def start_soon(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run ``fn()`` in an asyncio task of this bus: it is cancelled when the bus
-        closes.
+    # -- what plugin clients build on (see BusBase) ------------------------------------
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
-        Raises:
-            UsageError: the bus is closed.
-        """
-        if self._closed:
-            raise UsageError("the bus is closed")
-        self._spawn(fn())
+    async def checkpoint(self) -> None:
+        await asyncio.sleep(0)
+
+    def new_event(self) -> asyncio.Event:
+        return asyncio.Event()
+
+    async def shielded(
+        self, fn: Callable[[], Coroutine[Any, Any, None]], timeout: float | None = None
+    ) -> None:
+        async def bounded() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fn(), timeout)
+
+        # A task of this bus: a cancelled caller leaves it running to its end (or the
+        # bus's close), as trio's shielded scope would.
+        task = self._loop.create_task(bounded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await asyncio.shield(task)
+
+    # -- pipes (plugins/pipe, docs/PIPES.md) ---------------------------------------------
+    def pipe(self, name: str) -> AioPipe:
+        """The named pipe ``name`` of the pipe plugin (docs/PIPES.md): ``await
+        open_reader()`` / ``await open_writer()`` on the returned
+        :class:`~msgq_trio.client.aio_pipe.AioPipe` give its asyncio ends (the trio
+        client's pipe API, on the same pipe logic)."""
+        from .aio_pipe import AioPipe
+
+        return AioPipe(self, name)
 
     # -- sending -----------------------------------------------------------------------
     async def send(
@@ -466,6 +494,7 @@ class AioBus(BusBase):
         *,
         header: dict[str, object] | None = None,
         fds: Sequence[int] = (),
+        on_behalf_of: tuple[str, str] | None = None,
     ) -> None:
         """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
 
@@ -473,6 +502,8 @@ class AioBus(BusBase):
         :data:`OUT_HIGH_WATER` bytes are queued. ``attachments`` are binary blobs;
         ``fds`` are passed with SCM_RIGHTS (Unix sockets): each recipient gets its own
         duplicate, and the caller still owns (and closes) the ones it passed.
+        ``on_behalf_of``: as the trio ``Bus.send``'s (a binder forwarding stored
+        traffic: receivers see that sender, ``via`` this client).
 
         Raises:
             UsageError: the bus is closed, ``body`` cannot be encoded as CBOR, or the
@@ -481,7 +512,7 @@ class AioBus(BusBase):
         """
         self._check_open()
         frame = self._s.encode_message(
-            target, body, header=header, attachments=attachments, fds=fds
+            target, body, header=header, attachments=attachments, fds=fds, on_behalf_of=on_behalf_of
         )
         self._queue((frame,) if isinstance(frame, bytes) else frame)
         if self._out_bytes > OUT_HIGH_WATER:
@@ -490,6 +521,13 @@ class AioBus(BusBase):
     # -- RPC ---------------------------------------------------------------------------
     def _queue_request(self, pieces: list[Buffer], fds: Sequence[int]) -> None:
         self._queue(pieces)
+
+    async def _wait_done(self, call: PendingCall) -> None:
+        fut = call.waiter
+        if not fut.done():
+            # Shielded: a cancelled waiter must not cancel the future, which the
+            # session sets when the answer comes (the call stays waitable).
+            await asyncio.shield(fut)
 
     async def _finish_call(self, call: PendingCall) -> None:
         """Wait for ``call``'s outcome (or its local deadline), then forget its slot."""

@@ -9,11 +9,14 @@ tasks, clocks and waiting are the drivers'. It imports neither trio nor asyncio
 (``tests/test_layering.py``), so the asyncio driver can use it.
 
 The primitives a driver implements (see each one's docstring below): ``_queue_request``,
-``_wait_out``, ``_finish_call``, ``_queue``, ``_queue_answer``, ``_checkpoint``,
-``_task``, ``_now``, ``_unsent`` and ``_wait_goodbye``; and the attributes ``_s`` (the
-session), ``_closed``, ``_lost_event`` (an event with ``set()`` and ``async wait()``) and
-``_new_waiter``. The blocking ``DirectBus`` shares :class:`SessionView` only: it has no
-tasks to run callbacks in.
+``_wait_out``, ``_finish_call``, ``_wait_done``, ``_queue``, ``_queue_answer``,
+``_checkpoint``, ``_task``, ``_now``, ``_unsent`` and ``_wait_goodbye``; the public
+``send`` and the event-loop services the plugin clients build on (``sleep``,
+``checkpoint``, ``new_event``, ``shielded``); and the attributes ``_s`` (the session),
+``_closed``, ``_lost_event`` (an event with ``set()`` and ``async wait()``) and
+``_new_waiter``. The plugin clients (client/queue.py, client/pipe_core.py) use this
+public API only, so they run on either driver. The blocking ``DirectBus`` shares
+:class:`SessionView` only: it has no tasks to run callbacks in.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import default_socket_path
 from ..errors import ConnectError, ConnectionLost, UsageError
@@ -42,6 +45,9 @@ from .session import (
     Session,
     as_handler,
 )
+
+if TYPE_CHECKING:  # imported lazily at run time: client/queue.py imports this module
+    from .queue import Queue
 
 __all__ = [
     "BusBase",
@@ -272,6 +278,134 @@ class BusBase(SessionView):
         again (see :meth:`_in_full`)."""
         raise NotImplementedError
 
+    async def _wait_done(self, call: PendingCall) -> None:
+        """Wait until the session woke ``call`` (its ``waiter``); cancel-safe: the waiter
+        stays usable to be waited for again."""
+        raise NotImplementedError
+
+    # -- what plugin clients build on (client/queue.py, client/pipe_core.py) -----------
+    # The event-loop services a plugin client needs, so that its protocol logic is
+    # written once for every asynchronous driver: a clock, sleeping, scheduling points,
+    # events, background tasks and cleanup that outlives the caller's cancellation.
+    def current_time(self) -> float:
+        """The driver's clock in seconds (trio's ``current_time``, the asyncio loop's
+        ``time()``): the one call deadlines are on."""
+        return self._now()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds`` on the driver's event loop."""
+        raise NotImplementedError
+
+    async def checkpoint(self) -> None:
+        """A scheduling point: other tasks run, and a cancelled caller is cancelled
+        here (for plugin clients that must stay fair and cancellable in a loop that
+        otherwise never waits)."""
+        raise NotImplementedError
+
+    def new_event(self) -> Any:
+        """A new event of the driver's event loop (``trio.Event`` / ``asyncio.Event``):
+        ``set()``, ``is_set()``, ``await wait()``."""
+        raise NotImplementedError
+
+    async def shielded(
+        self, fn: Callable[[], Coroutine[Any, Any, None]], timeout: float | None = None
+    ) -> None:
+        """Run ``fn()`` to its end even if the caller is cancelled meanwhile (cleanup
+        that must reach the broker: a consumer's last acks, a handle's close), giving it
+        up after ``timeout`` s (None: no limit). ``fn`` must catch its own errors:
+        under asyncio a cancelled caller returns at once while ``fn`` finishes in a
+        task of this bus, where nobody would see them.
+
+        Raises:
+            The caller's cancellation, once ``fn`` is done (trio) or at once (asyncio).
+        """
+        raise NotImplementedError
+
+    def start_soon(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``fn()`` in a task of this bus: it is cancelled when the bus closes (for
+        plugin clients' background work: acks, watchers).
+
+        Raises:
+            UsageError: the bus is not running (closed, or not yet started).
+        """
+        self._task(fn)
+
+    def start_call(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        attachments: Sequence[Buffer] = (),
+        on_behalf_of: tuple[str, str] | None = None,
+    ) -> Callable[[], Awaitable[Any]]:
+        """Send a request now, synchronously, and return ``wait()`` for its result.
+
+        Requests started this way leave in the order of the ``start_call`` calls (tasks
+        doing ``call`` may start in any order), and the caller needs no task until it
+        wants the answer (the queue plugin's ordered deliveries). ``await wait()``
+        returns the result or raises what :meth:`call` raises; it must be awaited once,
+        or the call's slot stays until the answer arrives. Descriptors in the answer are
+        closed. ``on_behalf_of``: as in :meth:`send` (the answer still comes here).
+
+        Raises:
+            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
+        """
+        call = self._start_call(
+            target, command, params, timeout, attachments, False, on_behalf_of=on_behalf_of
+        )
+
+        async def wait() -> Any:
+            await self._finish_call(call)
+            if call.error is not None:
+                raise call.error
+            if call.frame is not None and call.frame.fds:
+                close_fds(call.frame.fds)
+            return call.result
+
+        return wait
+
+    def start_request(
+        self,
+        target: str,
+        command: str,
+        params: Any = None,
+        *,
+        attachments: Sequence[Buffer] = (),
+    ) -> PendingCall:
+        """Send a request now and return its :class:`~msgq_trio.client.session.PendingCall`
+        (for plugin clients that keep several in flight and wait for them in order, the
+        pipe client). Wait with :meth:`wait_call`; then read ``error``, ``result`` and
+        ``frame`` (whose descriptors the caller owns); :meth:`forget_call` frees the slot.
+
+        Raises:
+            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
+        """
+        return self._start_call(target, command, params, None, attachments, False)
+
+    async def wait_call(self, call: PendingCall) -> None:
+        """Wait until ``call`` (from :meth:`start_request`) is done. Cancel-safe: the call
+        stays in flight and registered, to be waited for again."""
+        await self._wait_done(call)
+
+    def forget_call(self, call: PendingCall) -> None:
+        """Free ``call``'s slot: an answer still to come is dropped."""
+        self._s.finish(call)
+
+    # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
+    def queue(self, name: str, *, producer: str | None = None) -> Queue:
+        """A handle on the durable queue ``name`` of the queue plugin (docs/QUEUE.md).
+
+        ``producer`` names this producer for deduplication; give a stable name to resend
+        after a crash without duplicates, default a fresh random one per handle.
+        Returns a :class:`msgq_trio.client.queue.Queue` (one implementation for every
+        asynchronous driver).
+        """
+        from .queue import Queue
+
+        return Queue(self, name, producer=producer)
+
     # -- state ---------------------------------------------------------------------------
     @property
     def limits(self) -> dict[str, object]:
@@ -350,6 +484,10 @@ class BusBase(SessionView):
                 break
 
     # -- sending -----------------------------------------------------------------------
+    #: ``send(target, body, attachments, *, header, fds, on_behalf_of)``: the driver's
+    #: (its backpressure and writing are its own); see :meth:`msgq_trio.Bus.send`.
+    send: Callable[..., Coroutine[Any, Any, None]]
+
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         """Publish notification ``event`` to ``group``; notifications are never answered.
 

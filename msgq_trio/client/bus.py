@@ -12,7 +12,7 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +69,8 @@ __all__ = [
     "connect",
 ]
 
-if TYPE_CHECKING:  # imported lazily at run time: client/queue.py and pipe.py import bus
+if TYPE_CHECKING:  # imported lazily at run time: client/pipe.py imports bus
     from .pipe import Pipe
-    from .queue import Queue
 
 log = logging.getLogger("msgq_trio.client")
 
@@ -348,91 +347,26 @@ class Bus(BusBase):
         finally:
             self._s.finish(call)
 
-    def start_call(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        on_behalf_of: tuple[str, str] | None = None,
-    ) -> Callable[[], Awaitable[Any]]:
-        """Send a request now, synchronously, and return ``wait()`` for its result.
-
-        Requests started this way leave in the order of the ``start_call`` calls (tasks
-        doing ``call`` may start in any order), and the caller needs no task until it
-        wants the answer (the queue plugin's ordered deliveries). ``await wait()``
-        returns the result or raises what :meth:`call` raises; it must be awaited once,
-        or the call's slot stays until the answer arrives. Descriptors in the answer are
-        closed. ``on_behalf_of``: as in :meth:`send` (the answer still comes here).
-
-        Raises:
-            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
-        """
-        call = self._start_call(
-            target, command, params, timeout, attachments, False, on_behalf_of=on_behalf_of
-        )
-
-        async def wait() -> Any:
-            await self._finish_call(call)
-            if call.error is not None:
-                raise call.error
-            if call.frame is not None and call.frame.fds:
-                close_fds(call.frame.fds)
-            return call.result
-
-        return wait
-
-    def start_request(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        attachments: Sequence[Buffer] = (),
-    ) -> PendingCall:
-        """Send a request now and return its :class:`~msgq_trio.client.session.PendingCall`
-        (for plugin clients that keep several in flight and wait for them in order, the
-        pipe client). Wait with :meth:`wait_call`; then read ``error``, ``result`` and
-        ``frame`` (whose descriptors the caller owns); :meth:`forget_call` frees the slot.
-
-        Raises:
-            UsageError, ConnectionLost: as :meth:`call`, before anything is sent.
-        """
-        return self._start_call(target, command, params, None, attachments, False)
-
-    async def wait_call(self, call: PendingCall) -> None:
-        """Wait until ``call`` (from :meth:`start_request`) is done. Cancel-safe: the call
-        stays in flight and registered, to be waited for again."""
+    async def _wait_done(self, call: PendingCall) -> None:
         await call.waiter.wait()
 
-    def forget_call(self, call: PendingCall) -> None:
-        """Free ``call``'s slot: an answer still to come is dropped."""
-        self._s.finish(call)
+    # -- what plugin clients build on (see BusBase) ------------------------------------
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
 
-    def start_soon(self, fn: Callable[[], Awaitable[None]]) -> None:
-        """Run ``fn()`` in a task of this bus's nursery: it is cancelled when the bus
-        closes (for plugin clients' background work: acks, watchers).
+    async def checkpoint(self) -> None:
+        await trio.lowlevel.checkpoint()
 
-        Raises:
-            UsageError: the bus is not running.
-        """
-        if self._nursery is None:
-            raise UsageError("the bus is not running")
-        self._nursery.start_soon(fn)
+    def new_event(self) -> trio.Event:
+        return trio.Event()
 
-    # -- durable queues (plugins/queue, docs/QUEUE.md) ----------------------------------
-    def queue(self, name: str, *, producer: str | None = None) -> Queue:
-        """A handle on the durable queue ``name`` of the queue plugin (docs/QUEUE.md).
-
-        ``producer`` names this producer for deduplication; give a stable name to resend
-        after a crash without duplicates, default a fresh random one per handle.
-        Returns a :class:`msgq_trio.client.queue.Queue`.
-        """
-        from .queue import Queue
-
-        return Queue(self, name, producer=producer)
+    async def shielded(
+        self, fn: Callable[[], Coroutine[Any, Any, None]], timeout: float | None = None
+    ) -> None:
+        with trio.move_on_after(math.inf if timeout is None else timeout) as cs:
+            cs.shield = True
+            await fn()
+        await trio.lowlevel.checkpoint_if_cancelled()  # the caller's cancellation, now
 
     # -- named pipes (plugins/pipe, docs/PIPES.md) ---------------------------------------
     def pipe(self, name: str) -> Pipe:

@@ -3,6 +3,14 @@
 ``bus.queue(name)`` returns a :class:`Queue`. Producers ``put``/``put_many`` and get the
 answer when the messages are durable (ack 1); consumers ``consume`` (push, credit window)
 or ``fetch`` (pull) and ``ack`` each message (ack 2).
+
+One implementation for every asynchronous driver (the trio ``Bus`` and the asyncio
+``AioBus``): the protocol logic here (requests, producer seqs, the window and ack
+batching, re-attach after a plugin restart) is written against the public API of
+:class:`~msgq_trio.client.api.BusBase` only (calls, inline commands and notifications,
+``start_soon``, ``sleep``, ``checkpoint``, ``new_event``, ``shielded``, ``wait_lost``)
+and a :class:`~msgq_trio.client.mailbox.Mailbox`. It imports no event loop
+(``tests/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +24,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import cbor2
-import trio
 
 from ..errors import ConnectionLost, MsgqError, UsageError
+from .mailbox import Mailbox
 
 if TYPE_CHECKING:
-    from .bus import Bus, Message
+    from .api import BusBase as Bus
+    from .message import Message
 
 __all__ = ["DEFAULT_GROUP", "Consumer", "Queue", "QueueMessage"]
 
@@ -41,6 +50,10 @@ ACK_DELAY = 0.002
 #: Iteration over a consumer and acks yield to other tasks at least every this many
 #: messages (the trio client's iteration uses the same rule).
 FAIRNESS = 256
+#: Longest a consumer's close waits for the plugin to answer its ``cancel`` (the plugin
+#: answers at once when it runs; a plugin that is gone fails the call at once too): a
+#: bound only for a plugin that is stopped (SIGSTOP) or a broker that stopped reading.
+CANCEL_WAIT = 5.0
 
 #: Per bus: queue name -> its active push consumer.
 _consumers: weakref.WeakKeyDictionary[Bus, dict[str, Consumer]] = weakref.WeakKeyDictionary()
@@ -123,7 +136,7 @@ class QueueMessage:
 
     async def _finish(self, ok: bool) -> None:
         if self._done:
-            await trio.lowlevel.checkpoint()
+            await self._bus.checkpoint()
             return
         self._done = True
         consumer = self._consumer
@@ -132,7 +145,7 @@ class QueueMessage:
             consumer._acked_since_yield += 1
             if consumer._acked_since_yield >= FAIRNESS:
                 consumer._acked_since_yield = 0
-                await trio.lowlevel.checkpoint()
+                await self._bus.checkpoint()
         else:
             await self._bus.call(
                 _group(self._bus), "ack" if ok else "nack", {"queue": self.queue, "ids": [self.id]}
@@ -172,22 +185,19 @@ def _on_deliver(bus: Bus, request: Message) -> None:
         bus.answer_error(request, NACK, f"{bus.lname} no longer consumes {name!r}")
         return
     msgs = p["msgs"]
-    send = consumer._send
-    st = send.statistics()
-    if st.current_buffer_used + len(msgs) > st.max_buffer_size:
+    box = consumer._box
+    if len(msgs) > box.room:
         # The plugin keeps within the window, so this is a bug on one side: refuse all.
         bus.answer_error(
             request,
             NACK,
             f"{bus.lname}: delivery beyond the window "
-            f"({st.current_buffer_used} held + {len(msgs)} > {consumer._window})",
+            f"({len(box)} held + {len(msgs)} > {consumer._window})",
         )
         return
     for row in msgs:
         # [id, body, deliveries] or, for ``consume(ids=True)``, also producer and seq
-        send.send_nowait(
-            QueueMessage(bus, name, row[0], bytes(row[1]), row[2], consumer, *row[3:5])
-        )
+        box.put(QueueMessage(bus, name, row[0], bytes(row[1]), row[2], consumer, *row[3:5]))
     bus.answer(request, True)
 
 
@@ -218,7 +228,8 @@ class Consumer:
         #: why the iteration ends with an error: the connection's end, or a failed
         #: consume after a plugin restart
         self._lost: MsgqError | None = None
-        self._send, self._recv = trio.open_memory_channel[QueueMessage](window)
+        #: received deliveries, taken by the iteration (the window bounds them)
+        self._box: Mailbox[QueueMessage] = Mailbox(window, q._bus.new_event)
         self._started = False
         self._closed = False
         # Acks and nacks are collected and sent as one one-way message per scheduler
@@ -252,7 +263,7 @@ class Consumer:
             self._q._bus.start_soon(self._flush_later)
 
     async def _flush_later(self) -> None:
-        await trio.sleep(ACK_DELAY)
+        await self._q._bus.sleep(ACK_DELAY)
         self._flush_pending = False
         await self._flush()
 
@@ -288,6 +299,9 @@ class Consumer:
         await self._consume()
 
     async def _consume(self) -> None:
+        """Ask the plugin to push to this consumer: the one place that (re)starts
+        consuming, at the start and after the plugin process changed (``_reattach``;
+        a driver that reconnects would consume again here too)."""
         params: dict[str, Any] = {"queue": self._q.name, "window": self._window}
         if self._ack_timeout is not None:
             params["ack_timeout"] = self._ack_timeout
@@ -311,7 +325,7 @@ class Consumer:
         fails the iteration ends with the error."""
         self._gen += 1
         self.reattached += 1
-        dropped = _drain(self._recv)
+        dropped = self._box.drain()
         self._acks.clear()
         self._nacks.clear()
         log.warning(
@@ -329,7 +343,7 @@ class Consumer:
                 "queue %s: cannot consume again after the plugin restarted: %s", self._q.name, exc
             )
             self._lost = exc
-            self._send.close()
+            self._box.close()
 
     async def _watch_lost(self) -> None:
         """End the iteration when the connection ends: the messages already received
@@ -337,7 +351,7 @@ class Consumer:
         deliveries from a broker that is gone)."""
         bus = self._q._bus
         self._lost = await bus.wait_lost()
-        self._send.close()
+        self._box.close()
 
     def __aiter__(self) -> Consumer:
         return self
@@ -349,24 +363,22 @@ class Consumer:
         # with a full checkpoint every FAIRNESS messages (as Bus iteration does): the
         # iteration stays cancellable and fair, and a busy consumer does not pay a
         # schedule point per message.
+        box = self._box
         if self._since_yield < FAIRNESS - 1:
-            try:
-                m = self._recv.receive_nowait()
-            except trio.WouldBlock:
-                pass
-            except trio.EndOfChannel:
-                return self._ended()
-            else:
+            m = box.get_nowait()
+            if m is not None:
                 self._since_yield += 1
                 return m
+            if box.ended:
+                return self._ended()
         self._since_yield = 0
         if self._acks or self._nacks:
             # About to wait (or at a checkpoint): the plugin needs our acks to send more.
             await self._flush()
-        try:
-            return await self._recv.receive()
-        except trio.EndOfChannel:
-            return self._ended()
+        if len(box):
+            await self._q._bus.checkpoint()  # the fairness checkpoint (get would not wait)
+        m = await box.get()
+        return self._ended() if m is None else m
 
     def _ended(self) -> NoReturn:
         if self._lost is not None and not self._closed:
@@ -379,13 +391,16 @@ class Consumer:
         batch."""
         out: list[QueueMessage] = []
         while len(out) < limit:
-            try:
-                out.append(self._recv.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            m = self._box.get_nowait()
+            if m is None:
                 break
+            out.append(m)
         return out
 
     async def aclose(self) -> None:
+        """Stop consuming (see the class docstring); the last acks and the ``cancel``
+        are sent even if the caller is cancelled meanwhile (the cancel waits at most
+        ``CANCEL_WAIT`` s). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -393,18 +408,20 @@ class Consumer:
         table = _consumers.get(bus, {})
         if table.get(name) is self:
             del table[name]
-        self._send.close()
-        for m in _drain(self._recv):
+        self._box.close()
+        for m in self._box.drain():
             await m.nack()
         if self._acks or self._nacks:
-            with trio.CancelScope(shield=True):
-                await self._flush()
+            await bus.shielded(self._flush)
         if self._started:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
+
+            async def cancel() -> None:
                 try:
                     await bus.call(self._q.group, "cancel", {"queue": name})
                 except Exception:  # the bus or the plugin is gone: nothing to cancel
                     pass
+
+            await bus.shielded(cancel, CANCEL_WAIT)
 
     async def __aenter__(self) -> Consumer:
         await self._start()
@@ -412,15 +429,6 @@ class Consumer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _drain(recv: trio.MemoryReceiveChannel[QueueMessage]) -> list[QueueMessage]:
-    out = []
-    while True:
-        try:
-            out.append(recv.receive_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            return out
 
 
 class Queue:
@@ -446,7 +454,9 @@ class Queue:
         self.producer = producer or f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
         self._declared = False
         self._next_seq: int | None = None
-        self._seq_lock = trio.Lock()
+        #: set while one task asks the plugin for this producer's state; the others
+        #: wait for it (see ``_seqs``)
+        self._seq_asked: Any = None
 
     async def declare(self, **options: Any) -> bool:
         """Declare the queue with ``options`` (docs/QUEUE.md: bind, max_deliveries,
@@ -470,10 +480,18 @@ class Queue:
         )
 
     async def _seqs(self, n: int) -> int:
-        if self._next_seq is None:
-            async with self._seq_lock:
-                if self._next_seq is None:
-                    self._next_seq = await self.producer_state() + 1
+        # The first task asks the plugin; concurrent ones wait for its answer (and ask
+        # again themselves if it failed), so seqs are taken in the order tasks came.
+        while self._next_seq is None:
+            if self._seq_asked is not None:
+                await self._seq_asked.wait()
+                continue
+            self._seq_asked = asked = self._bus.new_event()
+            try:
+                self._next_seq = await self.producer_state() + 1
+            finally:
+                self._seq_asked = None
+                asked.set()
         first = self._next_seq
         self._next_seq += n
         return first

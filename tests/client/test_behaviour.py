@@ -12,7 +12,6 @@ reason beside the list.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import os
 import re
@@ -28,6 +27,7 @@ import attrs
 import pytest
 import trio
 import trustme
+from driver_harness import HANG, asyncio_bus, run_on_loop
 
 import msgq_trio
 import msgq_trio.aio
@@ -50,8 +50,6 @@ DRIVERS = ["trio", "direct", "asyncio"]
 #: its handlers are plain functions run in the one thread that uses the connection, so it
 #: has no async handlers and cannot be closed while a call or a handler is under way.
 ASYNC_DRIVERS = ["trio", "asyncio"]
-#: A bound for waits that only a broken driver reaches (never a figure under test).
-HANG = 30.0
 
 
 @attrs.frozen
@@ -265,26 +263,7 @@ class AioClient(Client):
         self.loop, self.bus, self.lname, self.pending = loop, bus, bus.lname, pending
 
     async def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        async def tracked() -> Any:
-            # Kept in ``pending`` so that the loop outlives it (see open_client).
-            task = asyncio.current_task()
-            assert task is not None
-            self.pending.add(task)
-            try:
-                return await coro
-            finally:
-                self.pending.discard(task)
-
-        fut = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
-
-        def wait() -> Any:
-            done, _ = concurrent.futures.wait([fut], HANG)
-            if not done:
-                fut.cancel()
-                raise AssertionError(f"the asyncio client did not finish within {HANG} s")
-            return fut.result()
-
-        return await trio.to_thread.run_sync(wait)
+        return await run_on_loop(self.loop, self.pending, coro)
 
     async def send(
         self,
@@ -423,48 +402,15 @@ async def open_client(
         assert errors == []
         return
     assert driver == "asyncio"
-    ready = threading.Event()
-    started: list[tuple[asyncio.AbstractEventLoop, msgq_trio.aio.AioBus, asyncio.Event]] = []
-    pending: set[asyncio.Task[Any]] = set()
 
-    async def main() -> None:
-        async with msgq_trio.aio.connect(path, name, **connect_kw) as bus:
-            for cmd, fn in handlers.items():
-                bus.add_command(cmd, fn)
-            if group:
-                await bus.subscribe(group)
-            stop = asyncio.Event()
-            started.append((asyncio.get_running_loop(), bus, stop))
-            ready.set()
-            await stop.wait()
-        # Methods still under way (a call the close fails) finish before asyncio.run
-        # would cancel them: the test sees their outcome.
-        if pending:
-            await asyncio.wait(pending, timeout=HANG)
+    async def setup(bus: msgq_trio.aio.AioBus) -> None:
+        for cmd, fn in handlers.items():
+            bus.add_command(cmd, fn)
+        if group:
+            await bus.subscribe(group)
 
-    def run() -> None:
-        try:
-            asyncio.run(main())
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        await trio.to_thread.run_sync(ready.wait, HANG)
-        if not started:  # connect() failed: its error, as the other drivers raise it
-            assert len(errors) == 1, errors
-            raise errors.pop()
-        loop, bus, stop = started[0]
+    async with asyncio_bus(path, name, setup, **connect_kw) as (loop, bus, pending):
         yield AioClient(loop, bus, pending)
-    finally:
-        if started:
-            started[0][0].call_soon_threadsafe(started[0][2].set)
-        await trio.to_thread.run_sync(thread.join, HANG)
-    assert not thread.is_alive()
-    assert errors == []
 
 
 async def wait_thread_event(event: threading.Event) -> None:

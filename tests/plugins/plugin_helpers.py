@@ -14,6 +14,8 @@ from msgq_trio.plugins.queue.settings import QueueSettings
 from msgq_trio.plugins.queue.writer import StoreThread
 from msgq_trio.storage.memory import MemoryQueueStore
 
+from msgq_trio.errors import RpcError
+
 
 async def eventually(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
     """Poll ``cond`` (sync or async) until truthy and return its value: the state is in
@@ -26,6 +28,18 @@ async def eventually(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
             if value:
                 return value
             await trio.sleep(0.02)
+
+
+async def put_until_stored(q: Any, body: Any, seq: int) -> None:
+    """Put with a fixed seq, resending after a failure (the plugin is restarting), as a
+    producer that must not lose a message does; dedup makes the resend harmless."""
+    with trio.fail_after(30):
+        while True:
+            try:
+                assert await q.put(body, seq=seq) in ("stored", "consumed", "duplicate")
+                return
+            except RpcError:
+                await trio.sleep(0.05)
 
 
 def ready_plugin_pids(log: str, plugin: str = "queue") -> list[int]:

@@ -16,46 +16,6 @@ from msgq_trio.errors import RpcError
 Start = Callable[..., Any]
 
 
-async def put_until_stored(q: Any, body: Any, seq: int) -> None:
-    """Put with a fixed seq, resending after a failure (the plugin is restarting), as a
-    producer that must not lose a message does; dedup makes the resend harmless."""
-    with trio.fail_after(30):
-        while True:
-            try:
-                assert await q.put(body, seq=seq) in ("stored", "consumed", "duplicate")
-                return
-            except RpcError:
-                await trio.sleep(0.05)
-
-
-async def test_push_consumer_goes_on_after_the_plugin_is_killed(queue_broker: Start) -> None:
-    """A push consumer whose plugin is SIGKILLed and restarted by the supervisor consumes
-    again from the new process: every message put before and after arrives."""
-    b = queue_broker({"r": {}})
-    got: set[int] = set()
-    async with msgq_trio.connect(b.path, "p") as p, msgq_trio.connect(b.path, "c") as c:
-        q = p.queue("r", producer="p1")
-        async with c.queue("r").consume(window=4) as consumer, trio.open_nursery() as n:
-
-            async def consume() -> None:
-                async for m in consumer:
-                    got.add(m.body)
-                    await m.ack()
-
-            n.start_soon(consume)
-            for i in range(50):
-                await put_until_stored(q, i, i + 1)
-            await eventually(lambda: len(got) == 50)
-            os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
-            await eventually(lambda: len(ready_plugin_pids(b.log())) == 2)
-            for i in range(50, 100):
-                await put_until_stored(q, i, i + 1)
-            await eventually(lambda: len(got) == 100)
-            assert consumer.reattached == 1
-            n.cancel_scope.cancel()
-    assert got == set(range(100))
-
-
 async def test_pending_put_fails_when_the_plugin_dies(queue_broker: Start) -> None:
     """A put the plugin holds when it is killed fails at once with an error (the broker
     fails calls pending on a client that is gone), never waits in silence."""
