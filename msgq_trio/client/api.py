@@ -488,6 +488,24 @@ class BusBase(SessionView):
     #: (its backpressure and writing are its own); see :meth:`msgq_trio.Bus.send`.
     send: Callable[..., Coroutine[Any, Any, None]]
 
+    async def send_many(self, target: str, bodies: Iterable[Any]) -> None:
+        """Send one one-way message per body to ``target``, in order, as :meth:`send`
+        would one by one (no attachments, descriptors or header): for a program that
+        has many messages at hand, without a call, an encoder call and a queue append
+        per message. Every body is encoded before anything is queued, so a body that
+        cannot be encoded sends none of them. Waits, like ``send``, while more than
+        ``OUT_HIGH_WATER`` bytes are queued; a scheduling point once per call.
+
+        Raises:
+            UsageError: the bus is closed, or a body cannot be encoded (named by its
+                index in the error; nothing was sent).
+            ConnectionLost: the broker went away.
+        """
+        self._check_open()
+        self._queue(self._s.encode_messages(target, bodies))
+        await self._wait_out()
+        await self._checkpoint()
+
     async def notify(self, group: str, event: str, params: Any = None) -> None:
         """Publish notification ``event`` to ``group``; notifications are never answered.
 

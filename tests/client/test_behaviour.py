@@ -96,6 +96,9 @@ class Client:
     ) -> None:
         raise NotImplementedError
 
+    async def send_many(self, target: str, bodies: list[Any]) -> None:
+        raise NotImplementedError
+
     async def request(self, target: str, command: str, params: Any = None) -> Received:
         raise NotImplementedError
 
@@ -157,6 +160,9 @@ class TrioClient(Client):
         fds: Sequence[int] = (),
     ) -> None:
         await self.bus.send(target, body, attachments, fds=fds)
+
+    async def send_many(self, target: str, bodies: list[Any]) -> None:
+        await self.bus.send_many(target, bodies)
 
     async def request(self, target: str, command: str, params: Any = None) -> Received:
         return received(await self.bus.request(target, command, params))
@@ -273,6 +279,9 @@ class AioClient(Client):
         fds: Sequence[int] = (),
     ) -> None:
         await self.run(self.bus.send(target, body, attachments, fds=fds))
+
+    async def send_many(self, target: str, bodies: list[Any]) -> None:
+        await self.run(self.bus.send_many(target, bodies))
 
     async def request(self, target: str, command: str, params: Any = None) -> Received:
         async def ask() -> Received:
@@ -572,6 +581,25 @@ async def test_many_messages_arrive_in_order(driver: str, broker: Any) -> None:
             await tx.send(rx.lname, [i, "x" * (i % 700)])
         got = [(await rx.receive(HANG)).body for _ in range(count)]
     assert got == [[i, "x" * (i % 700)] for i in range(count)]
+
+
+@pytest.mark.parametrize("receiver", DRIVERS)
+@pytest.mark.parametrize("sender", ASYNC_DRIVERS)  # the direct client has no send_many
+async def test_send_many_is_each_message_in_order(sender: str, receiver: str, broker: Any) -> None:
+    """``send_many`` delivers what ``send`` would one by one, in order (small bodies of
+    any type, a large binary one among them); a batch with a body that cannot be encoded
+    sends none of them."""
+    big = os.urandom(2 * 1024 * 1024)
+    bodies: list[Any] = [*range(3000), big, *(b"x" * i for i in range(100)), "end"]
+    async with (
+        open_client(sender, broker.path, "tx") as tx,
+        open_client(receiver, broker.path, "rx") as rx,
+    ):
+        with pytest.raises(UsageError, match="body 1 of the batch"):
+            await tx.send_many(rx.lname, ["never sent", object()])
+        await tx.send_many(rx.lname, bodies)
+        got = [(await rx.receive(HANG)).body for _ in range(len(bodies))]
+    assert got == bodies
 
 
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client reads on demand
