@@ -12,5 +12,15 @@ results and errors are the package's own types (:class:`msgq_trio.Message`,
 
 from .client.aio import OUT_HIGH_WATER, AioBus, connect
 from .client.message import Member, Message, Reply, Result
+from .client.reconnect import Reconnect
 
-__all__ = ["OUT_HIGH_WATER", "AioBus", "Member", "Message", "Reply", "Result", "connect"]
+__all__ = [
+    "OUT_HIGH_WATER",
+    "AioBus",
+    "Member",
+    "Message",
+    "Reconnect",
+    "Reply",
+    "Result",
+    "connect",
+]
