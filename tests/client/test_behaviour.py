@@ -40,6 +40,7 @@ from msgq_trio import (
     Result,
     UsageError,
 )
+from msgq_trio.client.reconnect import GAVE_UP
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
 
@@ -145,6 +146,16 @@ class Client:
     async def receive(self, timeout: float) -> Received:
         raise NotImplementedError
 
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        raise NotImplementedError
+
+    async def wait_connected(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    async def state(self) -> tuple[str, int]:
+        """(the current lname, reconnects so far)."""
+        raise NotImplementedError
+
 
 class TrioClient(Client):
     def __init__(self, bus: msgq_trio.Bus) -> None:
@@ -212,6 +223,15 @@ class TrioClient(Client):
     async def receive(self, timeout: float) -> Received:
         return received(await self.bus.receive(timeout))
 
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        self.bus.add_command(name, fn)
+
+    async def wait_connected(self, timeout: float) -> None:
+        await self.bus.wait_connected(timeout)
+
+    async def state(self) -> tuple[str, int]:
+        return self.bus.lname, self.bus.reconnects
+
 
 class DirectClient(Client):
     """The blocking driver: each method in a worker thread, one at a time (the
@@ -249,6 +269,15 @@ class DirectClient(Client):
 
     async def receive(self, timeout: float) -> Received:
         return received(await trio.to_thread.run_sync(self.bus.receive, timeout))
+
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        self.bus.command(name)(fn)
+
+    async def wait_connected(self, timeout: float) -> None:
+        await trio.to_thread.run_sync(self.bus.wait_connected, timeout)
+
+    async def state(self) -> tuple[str, int]:
+        return self.bus.lname, self.bus.reconnects
 
 
 class AioClient(Client):
@@ -368,6 +397,21 @@ class AioClient(Client):
 
         return await self.run(take())
 
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        async def register() -> None:
+            self.bus.add_command(name, fn)
+
+        await self.run(register())
+
+    async def wait_connected(self, timeout: float) -> None:
+        await self.run(self.bus.wait_connected(timeout))
+
+    async def state(self) -> tuple[str, int]:
+        async def read() -> tuple[str, int]:
+            return self.bus.lname, self.bus.reconnects
+
+        return await self.run(read())
+
 
 @asynccontextmanager
 async def open_client(
@@ -393,8 +437,8 @@ async def open_client(
         return
     errors: list[BaseException] = []
     if driver == "direct":
-        assert not connect_kw, "the direct client speaks to Unix sockets only"
-        direct = msgq_trio.connect_direct(path, name)
+        assert set(connect_kw) <= {"reconnect"}, "the direct client speaks to Unix sockets only"
+        direct = msgq_trio.connect_direct(path, name, **connect_kw)
         for cmd, fn in handlers.items():
             direct.command(cmd)(fn)
         if group:
@@ -1168,3 +1212,122 @@ async def test_tls_trust_from_the_environment(
     with pytest.raises(UsageError, match=r"\$MSGQ_TRIO_TLS_CA"):
         async with open_client(driver, url, "remote", **kw):
             pass
+
+
+# -- reconnect (connect(..., reconnect=...)) ---------------------------------------------
+#: Quick attempts, and a bound only a broken reconnect reaches.
+FAST = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.5, give_up_after=2 * HANG)
+
+
+async def next_message(client: Client, driver: str) -> Received:
+    """The next message: by ``async for`` where the driver has it, else receive()."""
+    if driver == "direct":
+        return await client.receive(HANG)
+    got = await client.iterate(1)
+    assert len(got) == 1
+    return got[0]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_reconnecting_client_survives_a_broker_restart(
+    driver: str, broker_factory: Any
+) -> None:
+    """The broker is SIGKILLed under a client with reconnect on that joined a group,
+    has a command handler and has a call in flight to a handler that never answers: the
+    call fails with ConnectionLost; while the broker is down a send fails at once saying
+    the client is reconnecting; once the broker is back on the same socket, without user
+    code, a call to the handler (through the group) is answered and a notification to
+    the group reaches the client, on its new connection (members shows the new lname)."""
+    b = broker_factory()
+    started = threading.Event()
+
+    async def stuck(_params: object) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    async with open_client(driver, b.path, "x", reconnect=FAST) as x:
+        await x.add_command("echo", lambda params: {"echo": params})
+        assert await x.subscribe("Grp") is True
+        outcome: list[BaseException] = []
+        async with msgq_trio.connect(b.path, "hanger") as hanger:
+            hanger.add_command("hang", stuck)
+            await hanger.subscribe("Hang")
+            async with trio.open_nursery() as nursery:
+
+                async def call() -> None:
+                    try:
+                        await x.call("Hang", "hang")
+                    except Exception as exc:
+                        outcome.append(exc)
+
+                nursery.start_soon(call)
+                await wait_thread_event(started)
+                await trio.to_thread.run_sync(b.kill)
+        assert len(outcome) == 1 and isinstance(outcome[0], ConnectionLost), outcome
+        with pytest.raises(ConnectionLost, match="reconnecting"):
+            await x.send("Grp", "while down")
+        b2 = broker_factory(path=b.path)
+        await x.wait_connected(HANG)
+        new_lname, reconnects = await x.state()
+        assert reconnects == 1
+        answers: list[Any] = []
+        async with msgq_trio.connect(b2.path, "peer") as peer, trio.open_nursery() as nursery:
+            # Joined again as the new connection (a restarted broker numbers lnames
+            # afresh, so the new one may even equal the old).
+            assert [(m.lname, m.name) for m in await peer.members("Grp")] == [(new_lname, "x")]
+
+            async def ask_then_notify() -> None:
+                # The direct client answers while it waits in receive() below.
+                answers.append(await peer.call("Grp", "echo", 7))
+                await peer.notify("Grp", "after-restart", {"n": 1})
+
+            nursery.start_soon(ask_then_notify)
+            got = await next_message(x, driver)
+    assert answers == [{"echo": 7}]
+    assert (got.kind, got.target, got.event, got.body) == (
+        "notification",
+        "Grp",
+        "after-restart",
+        {"n": 1},
+    )
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_without_reconnect_a_restart_leaves_the_bus_lost(
+    driver: str, broker_factory: Any
+) -> None:
+    """Reconnect is off by default: after the broker is killed and started again on the
+    same socket, the bus stays lost (calls raise ConnectionLost without "reconnecting",
+    wait_connected raises it, no reconnect is counted)."""
+    b = broker_factory()
+    async with open_client(driver, b.path, "x") as x:
+        await x.subscribe("Grp")
+        await trio.to_thread.run_sync(b.kill)
+        with pytest.raises(ConnectionLost) as first:
+            await x.call("msgq", "version")
+        broker_factory(path=b.path)
+        with pytest.raises(ConnectionLost) as later:
+            await x.call("msgq", "version")
+        with pytest.raises(ConnectionLost):
+            await x.wait_connected(HANG)
+        _, reconnects = await x.state()
+    assert reconnects == 0
+    assert "reconnecting" not in str(first.value) and "reconnecting" not in str(later.value)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_reconnect_gives_up_after_its_bound(
+    driver: str, broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker never comes back: once ``give_up_after`` passed, the loss is final:
+    receiving ends with ConnectionLost (code ``reconnect-gave-up``) and an ERROR is
+    logged."""
+    policy = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.2, give_up_after=1.0)
+    async with open_client(driver, broker.path, "x", reconnect=policy) as x:
+        await trio.to_thread.run_sync(broker.kill)
+        with pytest.raises(ConnectionLost) as lost:
+            await next_message(x, driver)
+        with pytest.raises(ConnectionLost):
+            await x.wait_connected(HANG)
+    assert lost.value.code == GAVE_UP, lost.value
+    assert [r for r in caplog.records if r.levelname == "ERROR" and "gave up" in r.getMessage()]
