@@ -1220,10 +1220,12 @@ FAST = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.5, give_up_after=2 * 
 
 
 async def next_message(client: Client, driver: str) -> Received:
-    """The next message: by ``async for`` where the driver has it, else receive()."""
+    """The next message: by ``async for`` where the driver has it, else receive()
+    (bounded by HANG either way)."""
     if driver == "direct":
         return await client.receive(HANG)
-    got = await client.iterate(1)
+    with trio.fail_after(HANG):
+        got = await client.iterate(1)
     assert len(got) == 1
     return got[0]
 
@@ -1252,17 +1254,19 @@ async def test_a_reconnecting_client_survives_a_broker_restart(
         async with msgq_trio.connect(b.path, "hanger") as hanger:
             hanger.add_command("hang", stuck)
             await hanger.subscribe("Hang")
-            async with trio.open_nursery() as nursery:
+            # Bounded: a call the loss does not fail would hang here.
+            with trio.fail_after(HANG):
+                async with trio.open_nursery() as nursery:
 
-                async def call() -> None:
-                    try:
-                        await x.call("Hang", "hang")
-                    except Exception as exc:
-                        outcome.append(exc)
+                    async def call() -> None:
+                        try:
+                            await x.call("Hang", "hang")
+                        except Exception as exc:
+                            outcome.append(exc)
 
-                nursery.start_soon(call)
-                await wait_thread_event(started)
-                await trio.to_thread.run_sync(b.kill)
+                    nursery.start_soon(call)
+                    await wait_thread_event(started)
+                    await trio.to_thread.run_sync(b.kill)
         assert len(outcome) == 1 and isinstance(outcome[0], ConnectionLost), outcome
         with pytest.raises(ConnectionLost, match="reconnecting"):
             await x.send("Grp", "while down")
