@@ -202,12 +202,13 @@ class AioBus(BusBase):
                         with contextlib.suppress(OSError):
                             sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
                     self._attach(sock)
+                    limit = timeout
+                    if started.done() and policy is not None:
+                        limit = min(timeout, policy.attempt_timeout)
                     try:
-                        await asyncio.wait_for(self._handshake(hello_extra(remote, token)), timeout)
+                        await asyncio.wait_for(self._handshake(hello_extra(remote, token)), limit)
                     except TimeoutError:
-                        raise ConnectError(
-                            f"no WELCOME from the broker within {timeout} s"
-                        ) from None
+                        raise ConnectError(f"no WELCOME from the broker within {limit} s") from None
                     self._connected_as(remote)
                     connected = True
                     self._start()

@@ -292,35 +292,36 @@ class Bus(BusBase):
         while True:
             connected = False
             try:
-                async with _open_transport(self._target, ssl_context, server_hostname) as (
-                    stream,
-                    remote,
-                ):
-                    if not remote:  # TCP keeps the kernel's send buffer autotuning
-                        set_send_buffer(stream.socket, send_buffer)
-                    self._attach(stream)
-                    try:
-                        await self._handshake(hello_extra(remote, token))
-                    except BaseException:
-                        await trio.aclose_forcefully(stream)
-                        raise
-                    self._connected_as(remote)
-                    connected = True
-                    async with trio.open_nursery() as tasks:
-                        tasks.start_soon(self._reader)
-                        tasks.start_soon(self._writer)
-                        hb = self._s.heartbeat_settings() if remote else None
-                        if hb is not None:
-                            tasks.start_soon(_heartbeat, self, *hb)
-                        if not started:
-                            started = True
-                            task_status.started()
-                        else:
-                            assert backoff is not None
-                            tasks.start_soon(self._restore_quietly, backoff.attempts)
-                        await self._down.wait()
-                        tasks.cancel_scope.cancel()
-                    await trio.aclose_forcefully(stream)
+                with trio.CancelScope() as attempt:
+                    if started and policy is not None:
+                        # A broker that accepts but never answers (stopped, or a dead
+                        # path behind a live listener) must not hold a reconnect forever.
+                        attempt.deadline = trio.current_time() + policy.attempt_timeout
+                    async with _open_transport(self._target, ssl_context, server_hostname) as (
+                        stream,
+                        remote,
+                    ):
+                        if not remote:  # TCP keeps the kernel's send buffer autotuning
+                            set_send_buffer(stream.socket, send_buffer)
+                        self._attach(stream)
+                        try:
+                            await self._handshake(hello_extra(remote, token))
+                        except BaseException:
+                            await trio.aclose_forcefully(stream)
+                            raise
+                        attempt.deadline = math.inf
+                        self._connected_as(remote)
+                        connected = True
+                        first, started = not started, True
+                        await self._serve_connection(
+                            stream, remote, task_status if first else None, backoff
+                        )
+                if attempt.cancelled_caught:
+                    assert policy is not None
+                    last = ConnectError(
+                        f"no connection and WELCOME within {policy.attempt_timeout} s "
+                        "(Reconnect.attempt_timeout)"
+                    )
             except (ConnectError, UsageError) as exc:
                 if not started:
                     raise
@@ -339,6 +340,31 @@ class Bus(BusBase):
                 self._state_changed()
                 return
             await trio.sleep(delay)
+
+    async def _serve_connection(
+        self,
+        stream: trio.SocketStream,
+        remote: bool,
+        task_status: trio.TaskStatus[None] | None,
+        backoff: Backoff | None,
+    ) -> None:
+        """Run the connection's reader, writer (and heartbeat) until it ends, then close
+        it. The first connection reports ``task_status.started()``; a reconnect's joins
+        the groups again (``_restore``)."""
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(self._reader)
+            tasks.start_soon(self._writer)
+            hb = self._s.heartbeat_settings() if remote else None
+            if hb is not None:
+                tasks.start_soon(_heartbeat, self, *hb)
+            if task_status is not None:
+                task_status.started()
+            else:
+                assert backoff is not None
+                tasks.start_soon(self._restore_quietly, backoff.attempts)
+            await self._down.wait()
+            tasks.cancel_scope.cancel()
+        await trio.aclose_forcefully(stream)
 
     def _connected_as(self, remote: bool) -> None:
         """WELCOME taken: the connection is up (sends and calls go out again)."""

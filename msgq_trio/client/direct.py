@@ -209,6 +209,8 @@ class DirectBus(SessionView):
                     self._backoff = None
                     self._check_open()
                 self._next_attempt = now + (delay or 0.0)
+                if deadline is not None and deadline <= now:
+                    return False
                 continue
             left = self._next_attempt - now
             if not wait:

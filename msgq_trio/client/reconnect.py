@@ -64,6 +64,9 @@ class Reconnect:
             upgrade; short enough that a client whose broker is gone for good says so
             (its iteration ends with ConnectionLost, ERROR logged) instead of waiting in
             silence. None: try forever.
+        attempt_timeout: the longest one attempt may take to connect and get WELCOME
+            (30 s: the asyncio and direct clients' ``timeout`` for WELCOME), so a broker
+            that accepts but never answers (stopped) does not hold the reconnect.
     """
 
     initial_delay: float = attrs.field(default=0.1, validator=_positive)
@@ -71,6 +74,7 @@ class Reconnect:
     max_delay: float = attrs.field(default=2.0, validator=_positive)
     jitter: float = 0.1
     give_up_after: float | None = attrs.field(default=120.0, validator=_optional_positive)
+    attempt_timeout: float = attrs.field(default=30.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.jitter < 1:

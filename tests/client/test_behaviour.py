@@ -1073,7 +1073,8 @@ def start_tcp_broker(
     broker_factory: Any, short_tmp: Path, pki: dict[str, Any], scheme: str
 ) -> tuple[Any, str, dict[str, Any]]:
     """A broker listening on ``scheme``://127.0.0.1 (a token for ``remote``, allowed to
-    send to lnames and call Svc; heartbeat 0.5 s x 3): (broker, URL, connect kwargs)."""
+    send to lnames, call Svc and join Grp; heartbeat 0.5 s x 3): (broker, URL, connect
+    kwargs)."""
     tls = f'certfile = "{pki["certfile"]}"\nkeyfile = "{pki["certfile"]}"\n'
     config = short_tmp / f"{scheme}.toml"
     config.write_text(
@@ -1081,6 +1082,7 @@ def start_tcp_broker(
         + (tls if scheme == "tls" else "insecure = true\n")
         + f'tokens = {{ remote = "{hash_token(TOKEN)}" }}\n'
         + '[[access.rule]]\nwho = ["tcp:remote"]\nsend = ["l.*"]\ncall = ["Svc"]\n'
+        + 'subscribe = ["Grp"]\n'
     )
     b = broker_factory("--config", str(config))
     url = re.findall(rf"listening on ({scheme}://\S+)", b.log_with(f"listening on {scheme}://"))[0]
@@ -1363,3 +1365,27 @@ async def test_receiving_goes_on_across_a_reconnect(driver: str, broker_factory:
                         await trio.sleep(0.02)
                     await tx.send("Grp", "after the restart")
     assert [(m.kind, m.body) for m in got] == [("message", "after the restart")]
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_reconnect_over_tcp_after_a_broker_restart(
+    driver: str, broker_factory: Any, short_tmp: Path, pki: dict[str, Any]
+) -> None:
+    """Over ``tcp://`` with a token: the broker is SIGKILLed and started again on the
+    same port; the client reconnects with the same token, joins its group again, and a
+    message to the group reaches it."""
+    b, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, "tcp")
+    config = short_tmp / "tcp.toml"
+    port = url.rsplit(":", 1)[1]
+    config.write_text(config.read_text().replace("127.0.0.1:0", f"127.0.0.1:{port}"))
+    async with open_client(driver, url, "remote", reconnect=FAST, **kw) as remote:
+        await remote.subscribe("Grp")
+        await trio.to_thread.run_sync(b.kill)
+        b2 = broker_factory("--config", str(config), path=b.path)
+        await remote.wait_connected(HANG)
+        async with msgq_trio.connect(b2.path, "local") as local:
+            assert [m.name for m in await local.members("Grp")] == ["remote"]
+            await local.send("Grp", "over tcp again")
+            got = await next_message(remote, driver)
+        _, reconnects = await remote.state()
+    assert (got.body, reconnects) == ("over tcp again", 1)
