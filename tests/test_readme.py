@@ -23,6 +23,7 @@ EXPECTED = {
     3: ["There are 42 zones", "Bad luck happened: no-recipient"],
     4: ["line 0", "line 1", "line 2"],
     5: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
+    6: ["connected; reconnects so far: 0"],
 }
 
 
