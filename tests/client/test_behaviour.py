@@ -1389,3 +1389,22 @@ async def test_reconnect_over_tcp_after_a_broker_restart(
             got = await next_message(remote, driver)
         _, reconnects = await remote.state()
     assert (got.body, reconnects) == ("over tcp again", 1)
+
+
+async def test_the_sync_client_passes_reconnect_to_its_bus(broker_factory: Any) -> None:
+    """``msgq_trio.sync.connect(..., reconnect=...)`` is the trio Bus's reconnect: after
+    the broker is killed and restarted, wait_connected returns, the group is joined
+    again and calls work."""
+    import msgq_trio.sync
+
+    b = broker_factory()
+
+    def run() -> tuple[int, list[Any]]:
+        with msgq_trio.sync.connect(b.path, "s", reconnect=FAST) as bus:
+            bus.subscribe("Grp")
+            b.kill()
+            broker_factory(path=b.path)
+            bus.wait_connected(HANG)
+            return bus.reconnects, [m.name for m in bus.members("Grp")]
+
+    assert await trio.to_thread.run_sync(run) == (1, ["s"])
