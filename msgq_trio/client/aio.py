@@ -193,22 +193,30 @@ class AioBus(BusBase):
         last: BaseException | None = None
         while True:
             connected = False
+            # A reconnect attempt is bounded as a whole (a broker that accepts but never
+            # answers, or a SYN nobody answers, must not hold it); the first connection
+            # waits ``timeout`` for WELCOME, as before.
+            bound = (
+                self._loop.time() + policy.attempt_timeout if started.done() and policy else None
+            )
             try:
-                async with _open_transport(self._target, ssl_context, server_hostname) as (
-                    sock,
-                    remote,
+                async with (
+                    asyncio.timeout_at(bound) as attempt,
+                    _open_transport(self._target, ssl_context, server_hostname) as (sock, remote),
                 ):
                     if not remote and send_buffer:  # TCP keeps the kernel's autotuning
                         with contextlib.suppress(OSError):
                             sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
                     self._attach(sock)
-                    limit = timeout
-                    if started.done() and policy is not None:
-                        limit = min(timeout, policy.attempt_timeout)
                     try:
-                        await asyncio.wait_for(self._handshake(hello_extra(remote, token)), limit)
+                        await asyncio.wait_for(self._handshake(hello_extra(remote, token)), timeout)
                     except TimeoutError:
-                        raise ConnectError(f"no WELCOME from the broker within {limit} s") from None
+                        if attempt.expired():
+                            raise
+                        raise ConnectError(
+                            f"no WELCOME from the broker within {timeout} s"
+                        ) from None
+                    attempt.reschedule(None)
                     self._connected_as(remote)
                     connected = True
                     self._start()
@@ -226,9 +234,15 @@ class AioBus(BusBase):
                             beat.cancel()
                             await asyncio.gather(beat, return_exceptions=True)
                         self._stop_io()
-            except (ConnectError, UsageError) as exc:
+            except (ConnectError, UsageError, TimeoutError) as exc:
                 if not started.done():
                     raise
+                if isinstance(exc, TimeoutError):
+                    assert policy is not None
+                    exc = ConnectError(
+                        f"no connection and WELCOME within {policy.attempt_timeout} s "
+                        "(Reconnect.attempt_timeout)"
+                    )
                 last = exc
                 log.debug("reconnect attempt to %s failed: %s", self._target, exc)
             if self._closed or not self._reconnecting or policy is None:

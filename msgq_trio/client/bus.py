@@ -322,6 +322,7 @@ class Bus(BusBase):
                         f"no connection and WELCOME within {policy.attempt_timeout} s "
                         "(Reconnect.attempt_timeout)"
                     )
+                    log.debug("reconnect attempt to %s failed: %s", self._target, last)
             except (ConnectError, UsageError) as exc:
                 if not started:
                     raise

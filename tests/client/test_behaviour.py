@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import os
 import re
 import signal
@@ -1217,6 +1218,18 @@ async def test_tls_trust_from_the_environment(
 
 
 # -- reconnect (connect(..., reconnect=...)) ---------------------------------------------
+class Messages(logging.Handler):
+    """Collects the messages logged to it, from any thread (the asyncio driver logs from
+    its loop's thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 #: Quick attempts, and a bound only a broken reconnect reaches.
 FAST = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.5, give_up_after=2 * HANG)
 
@@ -1234,7 +1247,7 @@ async def next_message(client: Client, driver: str) -> Received:
 
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_reconnecting_client_survives_a_broker_restart(
-    driver: str, broker_factory: Any
+    driver: str, broker_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The broker is SIGKILLed under a client with reconnect on that joined a group,
     has a command handler and has a call in flight to a handler that never answers: the
@@ -1242,6 +1255,7 @@ async def test_a_reconnecting_client_survives_a_broker_restart(
     the client is reconnecting; once the broker is back on the same socket, without user
     code, a call to the handler (through the group) is answered and a notification to
     the group reaches the client, on its new connection (members shows the new lname)."""
+    caplog.set_level(logging.INFO, logger="msgq_trio.client")
     b = broker_factory()
     started = threading.Event()
 
@@ -1276,6 +1290,9 @@ async def test_a_reconnecting_client_survives_a_broker_restart(
         await x.wait_connected(HANG)
         new_lname, reconnects = await x.state()
         assert reconnects == 1
+        logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert [m for lvl, m in logged if lvl == "WARNING" and str(b.path) in m and "lost" in m]
+        assert [m for lvl, m in logged if lvl == "INFO" and f"now {new_lname}" in m]
         answers: list[Any] = []
         async with msgq_trio.connect(b2.path, "peer") as peer, trio.open_nursery() as nursery:
             # Joined again as the new connection (a restarted broker numbers lnames
@@ -1408,3 +1425,47 @@ async def test_the_sync_client_passes_reconnect_to_its_bus(broker_factory: Any) 
             return bus.reconnects, [m.name for m in bus.members("Grp")]
 
     assert await trio.to_thread.run_sync(run) == (1, ["s"])
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_reconnect_after_heartbeat_silence_over_tcp(
+    driver: str,
+    broker_factory: Any,
+    short_tmp: Path,
+    pki: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Over TCP a stopped broker is found silent by the heartbeat (WELCOME's 0.5 s x 3):
+    the client's call in flight fails with ConnectionLost (``heartbeat-timeout``) and it
+    reconnects; attempts that reach the stopped broker get no WELCOME and end after
+    ``attempt_timeout``. Once the broker runs again, the client is back in its group."""
+    caplog.set_level(logging.DEBUG, logger="msgq_trio.client")
+    seen = Messages()
+    logging.getLogger("msgq_trio.client").addHandler(seen)
+    b, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, "tcp")
+    policy = msgq_trio.Reconnect(
+        initial_delay=0.05, max_delay=0.5, give_up_after=2 * HANG, attempt_timeout=1.0
+    )
+    async with open_client(driver, url, "remote", reconnect=policy, **kw) as remote:
+        await remote.subscribe("Grp")
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ConnectionLost) as lost, trio.fail_after(HANG):
+                await remote.call("msgq", "version")
+            # The kernel accepts for the stopped broker: wait until an attempt has
+            # timed out waiting for WELCOME (logged at DEBUG).
+            with trio.fail_after(HANG):
+                while True:
+                    if any("WELCOME within" in m for m in seen.messages):
+                        break
+                    await trio.sleep(0.05)
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        await remote.wait_connected(HANG)
+        async with msgq_trio.connect(b.path, "local") as local:
+            await local.send("Grp", "after the silence")
+            got = await next_message(remote, driver)
+        _, reconnects = await remote.state()
+        logging.getLogger("msgq_trio.client").removeHandler(seen)
+    assert lost.value.code == ErrorCode.HEARTBEAT_TIMEOUT
+    assert (got.body, reconnects) == ("after the silence", 1)
