@@ -10,10 +10,11 @@ tasks, clocks and waiting are the drivers'. It imports neither trio nor asyncio
 
 The primitives a driver implements (see each one's docstring below): ``_queue_request``,
 ``_wait_out``, ``_finish_call``, ``_queue``, ``_queue_answer``, ``_checkpoint``,
-``_task``, ``_now``, ``_unsent`` and ``_wait_goodbye``; and the attributes ``_s`` (the
-session), ``_closed``, ``_lost_event`` (an event with ``set()`` and ``async wait()``) and
-``_new_waiter``. The blocking ``DirectBus`` shares :class:`SessionView` only: it has no
-tasks to run callbacks in.
+``_task``, ``_now``, ``_unsent``, ``_wait_goodbye`` and ``_state_changed`` (and, for
+reconnect, a supervisor that calls ``_ended_connection``, ``_restore`` and
+``_gave_up``); and the attributes ``_s`` (the session), ``_closed``, ``_lost_event`` (an
+event with ``set()`` and ``async wait()``) and ``_new_waiter``. The blocking
+``DirectBus`` shares :class:`SessionView` only: it has no tasks to run callbacks in.
 """
 
 from __future__ import annotations
@@ -279,7 +280,9 @@ class BusBase(SessionView):
     def lost(self) -> ConnectionLost | None:
         """None while the connection is up; once it ended (the broker dropped us or shut
         down, the socket broke, or the bus was closed), the :class:`ConnectionLost` that
-        calls raise, whose ``code`` says why. For a component that only sends and would
+        calls raise, whose ``code`` says why (with ``reconnect``, while reconnecting: the
+        loss's, its message saying that the client is reconnecting; after giving up:
+        ``reconnect-gave-up``). For a component that only sends and would
         not otherwise notice that the broker refused its last message."""
         return self._s.lost
 
@@ -364,6 +367,7 @@ class BusBase(SessionView):
     def _state_changed(self) -> None:
         """Wake whoever waits for the connection's state (``wait_connected``, the
         iteration)."""
+        raise NotImplementedError
 
     def _take_welcome(self, data: bytes) -> bool:
         """Feed bytes received during the handshake to the codec; True once WELCOME was
