@@ -624,7 +624,8 @@ class DirectBus(SessionView):
         Raises:
             TimeoutError: nothing arrived within ``timeout`` seconds.
             ConnectionLost: the connection ended (messages that came before are still
-                returned first).
+                returned first); with ``reconnect`` only when the loss is final: the
+                reconnect attempts are made while this waits.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._inbox:
@@ -641,7 +642,8 @@ class DirectBus(SessionView):
         seconds, or until the connection ends when None.
 
         Raises:
-            ConnectionLost: the connection ended.
+            ConnectionLost: the connection ended (with ``reconnect``: for good; the
+                reconnect attempts are made while this serves).
             LimitExceeded: ``max_buffered`` bytes of messages wait for receive().
         """
         deadline = None if duration is None else time.monotonic() + duration
