@@ -21,6 +21,7 @@ from ._version import __version__
 from .client.bus import Bus, Member, Message, Reply, Result, connect
 from .client.direct import DirectBus
 from .client.direct import connect as connect_direct
+from .client.reconnect import Reconnect
 from .errors import (
     CommandFailed,
     ConnectError,
@@ -63,6 +64,7 @@ __all__ = [
     "QueueFull",
     "ReceiverFull",
     "RecipientGone",
+    "Reconnect",
     "RemoteError",
     "Reply",
     "RequestTimeout",

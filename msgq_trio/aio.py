@@ -16,6 +16,7 @@ from .client.aio import OUT_HIGH_WATER, AioBus, connect
 from .client.aio_pipe import AioPipe, AioPipeReader, AioPipeWriter
 from .client.message import Member, Message, Reply, Result
 from .client.queue import Consumer, Queue, QueueMessage
+from .client.reconnect import Reconnect
 
 __all__ = [
     "OUT_HIGH_WATER",
@@ -28,6 +29,7 @@ __all__ = [
     "Message",
     "Queue",
     "QueueMessage",
+    "Reconnect",
     "Reply",
     "Result",
     "connect",

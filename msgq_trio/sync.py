@@ -23,6 +23,7 @@ import trio
 from .client.bus import Bus, Member, Message, Result
 from .client.bus import connect as aconnect
 from .client.queue import Queue, QueueMessage
+from .client.reconnect import Reconnect
 from .errors import ConnectionLost, UsageError
 
 Buffer = bytes | bytearray | memoryview
@@ -88,7 +89,17 @@ class SyncBus:
 
     @property
     def lname(self) -> str:
+        """This connection's lname (a new one after each reconnect)."""
         return self.bus.lname
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the bus reconnected (``connect(..., reconnect=...)``)."""
+        return self.bus.reconnects
+
+    def wait_connected(self, timeout: float | None = None) -> None:
+        """Blocking :meth:`msgq_trio.Bus.wait_connected`."""
+        self._run(self.bus.wait_connected, timeout)
 
     def call(
         self,
@@ -333,15 +344,22 @@ def connect(
     token: str | None = None,
     ssl_context: Any = None,
     server_hostname: str | None = None,
+    reconnect: bool | Reconnect = False,
 ) -> SyncBus:
     """Connect to the broker; returns a :class:`SyncBus` (use it as a context manager).
 
-    ``socket``, ``token``, ``ssl_context`` and ``server_hostname`` are as for
-    :func:`msgq_trio.connect` (``tcp://`` / ``tls://`` addresses included).
+    ``socket``, ``token``, ``ssl_context``, ``server_hostname`` and ``reconnect`` are as
+    for :func:`msgq_trio.connect` (``tcp://`` / ``tls://`` addresses included; the trio
+    Bus underneath reconnects by itself, see :meth:`SyncBus.wait_connected`).
 
     Raises:
         ConnectError: as :func:`msgq_trio.connect`.
     """
     return SyncBus(
-        socket, name, token=token, ssl_context=ssl_context, server_hostname=server_hostname
+        socket,
+        name,
+        token=token,
+        ssl_context=ssl_context,
+        server_hostname=server_hostname,
+        reconnect=reconnect,
     )

@@ -23,6 +23,8 @@ EXPECTED = {
         "msgq_trio.Message.body",
         "msgq_trio.connect_direct",
         "msgq_trio.DirectBus.call",
+        "msgq_trio.Reconnect",
+        "msgq_trio.Bus.wait_connected",
     ],
     "sync.html": ["msgq_trio.sync.connect", "msgq_trio.sync.SyncBus"],
     "aio.html": [

@@ -22,6 +22,7 @@ FORBIDDEN = ("trio", "msgq_trio.io")
 CLIENT_SESSION = {
     ROOT / "msgq_trio" / "client" / "session.py": "msgq_trio.client",
     ROOT / "msgq_trio" / "client" / "message.py": "msgq_trio.client",
+    ROOT / "msgq_trio" / "client" / "reconnect.py": "msgq_trio.client",
 }
 #: What the session may not import: an event loop, sockets, threads, the broker's I/O,
 #: the socket toolkit (it imports trio) or a driver (the drivers import the session).

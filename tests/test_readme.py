@@ -24,6 +24,7 @@ EXPECTED = {
     4: ["line 0", "line 1", "line 2"],
     5: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
     6: ["line 0", "line 1", "line 2"],
+    7: ["connected; reconnects so far: 0"],
 }
 
 

@@ -49,6 +49,7 @@ from .api import (
     parse_address,
 )
 from .message import Buffer, Message, close_fds
+from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     RECEIVE_SIZE,
@@ -110,13 +111,14 @@ class AioBus(BusBase):
     """
 
     def __init__(
-        self, sock: pysocket.socket, name: str, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+        self,
+        name: str,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        target: str = "",
+        reconnect: Reconnect | None = None,
     ) -> None:
-        self._sock = sock
-        self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._s = Session(name, max_frame_size, wake=_wake)
-        self._conn = self._s.conn
         self._rxbuf = memoryview(bytearray(RECEIVE_SIZE))
         self._ancsize = ancillary_size(self._s.max_fds)
         self._out: deque[Buffer] = deque()
@@ -130,11 +132,179 @@ class AioBus(BusBase):
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._init_api()
+        self._init_api(target, reconnect)
         self._closed = False
-        self._broker_goodbye = asyncio.Event()
         self._lost_event = asyncio.Event()
         self._new_waiter = self._loop.create_future
+        #: Futures of coroutines waiting for the connection's state to change.
+        self._state_waiters: list[asyncio.Future[None]] = []
+        self._up = False
+
+    def _attach(self, sock: pysocket.socket) -> None:
+        """Take ``sock`` as the connection (the first, or a reconnect's: then the
+        session starts over, still down until WELCOME, and frames queued for the old
+        connection are dropped)."""
+        s = self._s
+        if s.generation or s.lname:
+            lost = s.lost
+            s.reset()
+            s.lost = lost  # nothing may be sent before HELLO
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._conn = s.conn
+        self._ancsize = ancillary_size(s.max_fds)
+        self._drop_out()
+        self._writer_armed = False
+        self._write_failed = False
+        self._reading = False
+        self._broker_goodbye = asyncio.Event()
+        #: Set when this connection ends (the supervisor then closes it).
+        self._down = asyncio.Event()
+        self._up = True
+
+    def _connected_as(self, remote: bool) -> None:
+        """WELCOME taken: the connection is up (sends and calls go out again)."""
+        s = self._s
+        s.lost = None
+        if remote:
+            s.fd_passing = False  # no SCM_RIGHTS over TCP: refused up front
+            s.inline["msgq.heartbeat"] = lambda request: self._queue_answer(
+                s.encode_answer(request)
+            )
+
+    async def _run(
+        self,
+        ssl_context: ssl.SSLContext | None,
+        server_hostname: str | None,
+        send_buffer: int,
+        token: str | None,
+        timeout: float,
+        started: asyncio.Future[None],
+    ) -> None:
+        """The bus's connections, one after another (as the trio ``Bus._run``): connect,
+        handshake, read and write until the connection ends; with ``reconnect``, wait as
+        the backoff says and connect again until one succeeds (the groups are joined
+        again) or the policy gives up. ``started`` is resolved once the first
+        connection is up.
+
+        Raises:
+            ConnectError, UsageError: the first connection failed (see :func:`connect`).
+        """
+        policy = self._reconnect
+        backoff: Backoff | None = None
+        last: BaseException | None = None
+        while True:
+            connected = False
+            # A reconnect attempt is bounded as a whole (a broker that accepts but never
+            # answers, or a SYN nobody answers, must not hold it); the first connection
+            # waits ``timeout`` for WELCOME, as before.
+            bound = (
+                self._loop.time() + policy.attempt_timeout if started.done() and policy else None
+            )
+            try:
+                async with (
+                    asyncio.timeout_at(bound) as attempt,
+                    _open_transport(self._target, ssl_context, server_hostname) as (sock, remote),
+                ):
+                    if not remote and send_buffer:  # TCP keeps the kernel's autotuning
+                        with contextlib.suppress(OSError):
+                            sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
+                    self._attach(sock)
+                    try:
+                        await asyncio.wait_for(self._handshake(hello_extra(remote, token)), timeout)
+                    except TimeoutError:
+                        if attempt.expired():
+                            raise
+                        raise ConnectError(
+                            f"no WELCOME from the broker within {timeout} s"
+                        ) from None
+                    attempt.reschedule(None)
+                    self._connected_as(remote)
+                    connected = True
+                    self._start()
+                    hb = self._s.heartbeat_settings() if remote else None
+                    beat = self._loop.create_task(_heartbeat(self, *hb)) if hb else None
+                    if not started.done():
+                        started.set_result(None)
+                    else:
+                        assert backoff is not None
+                        self._spawn(self._restore_quietly(backoff.attempts))
+                    try:
+                        await self._down.wait()
+                    finally:
+                        if beat is not None:
+                            beat.cancel()
+                            await asyncio.gather(beat, return_exceptions=True)
+                        self._stop_io()
+            except (ConnectError, UsageError, TimeoutError) as exc:
+                if not started.done():
+                    raise
+                if isinstance(exc, TimeoutError):
+                    assert policy is not None
+                    exc = ConnectError(
+                        f"no connection and WELCOME within {policy.attempt_timeout} s "
+                        "(Reconnect.attempt_timeout)"
+                    )
+                last = exc
+                log.debug("reconnect attempt to %s failed: %s", self._target, exc)
+            if self._closed or not self._reconnecting or policy is None:
+                return  # the loss is final (reconnect off, or the bus closed)
+            now = self._loop.time()
+            if connected or backoff is None:
+                backoff, last = Backoff(policy, now), None
+            delay = backoff.next_delay(now)
+            if delay is None:
+                self._gave_up(backoff, last)
+                self._lost_event.set()
+                self._state_changed()
+                return
+            await asyncio.sleep(delay)
+
+    async def _restore_quietly(self, attempts: int) -> None:
+        """``_restore`` on a new connection; if that is lost meanwhile, the supervisor
+        goes on reconnecting."""
+        with contextlib.suppress(ConnectionLost):
+            await self._restore(attempts)
+
+    def _stop_io(self) -> None:
+        """The connection is over: no more reader or writer callbacks on its socket
+        (the transport closes it), nothing left queued for it."""
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        if self._writer_armed:
+            self._loop.remove_writer(self._fd)
+            self._writer_armed = False
+        self._drop_out()
+        close_fds(self._conn.take_orphan_fds())
+
+    def _state_changed(self) -> None:
+        self._wake_all(self._state_waiters)
+        self._wake_all(self._in_waiters)
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait until the bus is connected: at once while it is; after a loss with
+        ``reconnect``, until the new connection is up and the groups are joined again.
+
+        Raises:
+            TimeoutError: not connected within ``timeout`` s.
+            ConnectionLost: the loss is final (reconnect off or given up).
+            UsageError: the bus is closed.
+        """
+        async with asyncio.timeout(timeout):
+            while not self.connected:
+                if self._closed:
+                    raise UsageError("the bus is closed")
+                if self._final():
+                    assert self._s.lost is not None
+                    raise self._s.lost
+                fut: asyncio.Future[None] = self._loop.create_future()
+                self._state_waiters.append(fut)
+                try:
+                    await fut
+                finally:
+                    if fut in self._state_waiters:
+                        self._state_waiters.remove(fut)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_fields: dict[str, object]) -> None:
@@ -213,10 +383,21 @@ class AioBus(BusBase):
         self._sock.close()
 
     def _fail_all(self, exc: ConnectionLost) -> None:
-        """The connection ended: the session fails every pending call; every waiter
-        wakes to see it."""
-        self._s.fail(exc)
-        self._lost_event.set()
+        """The connection ended (or the bus closed): the session fails every pending
+        call; unless a reconnect follows, the bus is lost for good. Every waiter wakes to
+        see it."""
+        if self._up:
+            self._up = False
+            self._s.fail(exc)
+            if not self._ended_connection():
+                self._lost_event.set()
+            self._down.set()
+        else:
+            self._s.fail(exc)  # the first reason stays
+            if self._closed:
+                self._reconnecting = False
+                self._lost_event.set()
+        self._wake_all(self._state_waiters)
         if self._reading:
             self._loop.remove_reader(self._fd)
             self._reading = False
@@ -328,8 +509,13 @@ class AioBus(BusBase):
             self._writer_armed = False
         self._drop_out()
         lost = ConnectionLost(f"connection to the broker lost: {exc}")
-        self._loop.call_later(_WRITE_ERROR_GRACE, self._fail_all, lost)
+        self._loop.call_later(_WRITE_ERROR_GRACE, self._fail_connection, self._down, lost)
         self._wake_all(self._drain_waiters)
+
+    def _fail_connection(self, down: asyncio.Event, lost: ConnectionLost) -> None:
+        """Fail the connection whose end is ``down`` (not a later one) with ``lost``."""
+        if down is self._down:
+            self._fail_all(lost)
 
     async def _wait_out(self) -> None:
         """Wait while more than OUT_HIGH_WATER bytes are queued.
@@ -357,7 +543,7 @@ class AioBus(BusBase):
                 self._write()
             await fut
         if self._write_failed and self._s.lost is None:
-            await self.wait_lost()
+            await self._down.wait()
         self._check_open()
 
     # -- reading -----------------------------------------------------------------------
@@ -573,7 +759,7 @@ class AioBus(BusBase):
         and every message before the end was taken."""
         q = self._in
         while not q:
-            if self._s.lost is not None or self._closed:
+            if self._closed or self._final():
                 return None
             fut: asyncio.Future[None] = self._loop.create_future()
             self._in_waiters.append(fut)
@@ -719,7 +905,7 @@ async def _heartbeat(bus: AioBus, interval: float, misses: int) -> None:
         await asyncio.sleep(interval)
         lost = monitor.tick(bus._conn.received_bytes, bus._in_full())
         if lost is not None:
-            bus._shutdown(lost)
+            bus._fail_all(lost)  # the supervisor closes the socket
             return
         if monitor.silent:
             bus._queue(bus._s.encode_ping())
@@ -736,6 +922,7 @@ async def connect(
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
     timeout: float = 30.0,
+    reconnect: bool | Reconnect = False,
 ) -> AsyncIterator[AioBus]:
     """Connect to the broker from asyncio; yields an :class:`AioBus`.
 
@@ -752,6 +939,9 @@ async def connect(
             ``$MSGQ_TRIO_TLS_CERT``/``$MSGQ_TRIO_TLS_KEY`` if set, as the trio client's.
         server_hostname: the name the broker's certificate must carry (default the host).
         timeout: longest wait for the broker's WELCOME.
+        reconnect: off by default; True or a :class:`~msgq_trio.client.reconnect.Reconnect`
+            reconnects after a loss as the trio client's ``connect`` does (README
+            "Reconnecting"). Only the first connection's failure is raised here.
 
     Resource handling: see :class:`AioBus`.
 
@@ -761,26 +951,26 @@ async def connect(
         UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file from the
             environment that cannot be loaded (named).
     """
-    target = connect_target(socket)
-    async with _open_transport(target, ssl_context, server_hostname) as (sock, remote):
-        if not remote and send_buffer:  # TCP keeps the kernel's send buffer autotuning
-            with contextlib.suppress(OSError):
-                sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
-        bus = AioBus(sock, client_name(name), max_frame_size)
-        try:
-            await asyncio.wait_for(bus._handshake(hello_extra(remote, token)), timeout)
-        except TimeoutError:
-            raise ConnectError(f"no WELCOME from the broker within {timeout} s") from None
-        if remote:
-            bus._s.fd_passing = False  # no SCM_RIGHTS over TCP: refused up front
-            bus._s.inline["msgq.heartbeat"] = lambda request: bus._queue_answer(
-                bus._s.encode_answer(request)
-            )
-        bus._start()
-        hb = bus._s.heartbeat_settings() if remote else None
-        if hb is not None:
-            bus._spawn(_heartbeat(bus, *hb))
-        try:
-            yield bus
-        finally:
-            await bus._close()
+    bus = AioBus(
+        client_name(name), max_frame_size, connect_target(socket), reconnect_policy(reconnect)
+    )
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[None] = loop.create_future()
+    runner = loop.create_task(
+        bus._run(ssl_context, server_hostname, send_buffer, token, timeout, started)
+    )
+    try:
+        await asyncio.wait([started, runner], return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            runner.result()  # the first connection's error
+            raise ConnectError(f"no connection to the broker at {bus._target}")
+    except BaseException:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        raise
+    try:
+        yield bus
+    finally:
+        await bus._close()
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)

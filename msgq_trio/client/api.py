@@ -10,11 +10,13 @@ tasks, clocks and waiting are the drivers'. It imports neither trio nor asyncio
 
 The primitives a driver implements (see each one's docstring below): ``_queue_request``,
 ``_wait_out``, ``_finish_call``, ``_wait_done``, ``_queue``, ``_queue_answer``,
-``_checkpoint``, ``_task``, ``_now``, ``_unsent`` and ``_wait_goodbye``; the public
-``send`` and the event-loop services the plugin clients build on (``sleep``,
-``checkpoint``, ``new_event``, ``shielded``); and the attributes ``_s`` (the session),
-``_closed``, ``_lost_event`` (an event with ``set()`` and ``async wait()``) and
-``_new_waiter``. The plugin clients (client/queue.py, client/pipe_core.py) use this
+``_checkpoint``, ``_task``, ``_now``, ``_unsent``, ``_wait_goodbye``,
+``_state_changed`` and ``_call_started`` (and, for reconnect, a supervisor that calls
+``_ended_connection``, ``_restore`` and ``_gave_up``); the public ``send`` and the
+event-loop services the plugin clients build on (``sleep``, ``checkpoint``,
+``new_event``, ``shielded``); and the attributes ``_s`` (the session), ``_closed``,
+``_lost_event`` (an event with ``set()`` and ``async wait()``), ``_new_waiter``, ``_in``
+and ``_in_bytes``. The plugin clients (client/queue.py, client/pipe_core.py) use this
 public API only, so they run on either driver. The blocking ``DirectBus`` shares
 :class:`SessionView` only: it has no tasks to run callbacks in.
 """
@@ -31,12 +33,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import default_socket_path
-from ..errors import ConnectError, ConnectionLost, UsageError
+from ..errors import ConnectError, ConnectionLost, MsgqError, UsageError
 from ..protocol.codes import ErrorCode
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame
 from .message import Buffer, Member, Message, Result, close_fds
+from .reconnect import (
+    Backoff,
+    Reconnect,
+    gave_up_error,
+    log_lost,
+    log_reconnected,
+    reconnecting_error,
+)
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_COUNT,
@@ -207,11 +217,24 @@ class BusBase(SessionView):
     _in: collections.deque[Message]
     _in_bytes: int
 
-    def _init_api(self) -> None:
+    #: The reconnect policy (None: off), the address dialled, and whether the bus is
+    #: between a loss and a new connection whose groups are joined again.
+    _reconnect: Reconnect | None
+    _target: str
+    _reconnecting: bool
+    _reconnected_cbs: list[Callable[[], Any]]
+
+    def _init_api(self, target: str = "", reconnect: Reconnect | None = None) -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
         self._notify_cbs = {}
         self._notify_inline = {}
         self._message_inline = None
+        self._target = target
+        self._reconnect = reconnect
+        self._reconnecting = False
+        self._reconnected_cbs = []
+        #: How many times this bus reconnected (``connect(..., reconnect=...)``).
+        self.reconnects = 0
 
     #: Makes a pending call's waiter (trio.Event, an asyncio future), which the
     #: session's ``wake`` sets; the driver's ``_finish_call`` waits on it.
@@ -418,13 +441,16 @@ class BusBase(SessionView):
     def lost(self) -> ConnectionLost | None:
         """None while the connection is up; once it ended (the broker dropped us or shut
         down, the socket broke, or the bus was closed), the :class:`ConnectionLost` that
-        calls raise, whose ``code`` says why. For a component that only sends and would
+        calls raise, whose ``code`` says why (with ``reconnect``, while reconnecting: the
+        loss's, its message saying that the client is reconnecting; after giving up:
+        ``reconnect-gave-up``). For a component that only sends and would
         not otherwise notice that the broker refused its last message."""
         return self._s.lost
 
     async def wait_lost(self) -> ConnectionLost:
-        """Wait until the connection ends; returns :attr:`lost` (for a plugin client
-        whose iteration must end with the connection)."""
+        """Wait until the connection ends for good; returns :attr:`lost` (for a plugin
+        client whose iteration must end with the connection). With ``reconnect`` that is
+        when the bus is closed or gave up reconnecting, not at each loss."""
         await self._lost_event.wait()
         lost = self._s.lost
         assert lost is not None
@@ -435,6 +461,74 @@ class BusBase(SessionView):
             raise self._s.lost
         if self._closed:
             raise UsageError("the bus is closed")
+
+    # -- reconnect (connect(..., reconnect=...); client/reconnect.py) ---------------------
+    @property
+    def connected(self) -> bool:
+        """Whether the bus is connected (after a reconnect: once the groups it had
+        joined are joined again)."""
+        return self._s.lost is None and not self._reconnecting and not self._closed
+
+    def on_reconnected(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback()`` (a plain function or an ``async def``) in a task of this
+        bus after each reconnect, once the groups it had joined are joined again: for
+        state the broker keeps per connection that the bus cannot restore by itself (the
+        queue client consumes again). What it raises is logged."""
+        self._reconnected_cbs.append(callback)
+
+    def _final(self) -> bool:
+        """Whether the connection ended for good (no reconnect under way)."""
+        return self._s.lost is not None and not self._reconnecting
+
+    def _ended_connection(self) -> bool:
+        """A connection just ended (the session's ``lost`` says why, its pending calls
+        have failed with it): True if the driver reconnects (logged as a WARNING; from
+        now on sends and calls fail at once, saying so), False if the loss is final
+        (reconnect off, or the bus closed)."""
+        lost = self._s.lost
+        assert lost is not None
+        if self._reconnect is None or self._closed or self._s.closing:
+            self._reconnecting = False
+            return False
+        log_lost(self._target, lost)
+        self._s.lost = reconnecting_error(lost)
+        self._reconnecting = True
+        return True
+
+    def _gave_up(self, backoff: Backoff, last: BaseException | None) -> None:
+        """The reconnect ran out of time: the loss is final (logged as an ERROR)."""
+        self._s.lost = gave_up_error(self._target, backoff, self._now(), last)
+        self._reconnecting = False
+
+    async def _restore(self, attempts: int) -> None:
+        """After a reconnect: join the groups again (in the order they were joined;
+        a group the broker now refuses is logged and skipped), then count the reconnect,
+        log it, mark the bus connected and run the :meth:`on_reconnected` callbacks.
+        Handlers need no restoring: they are client-side.
+
+        Raises:
+            ConnectionLost: the new connection was lost meanwhile (the driver goes on
+                reconnecting).
+        """
+        for group in list(self._s.groups):
+            try:
+                await self.call("msgq", "subscribe", {"group": group})
+            except ConnectionLost:
+                raise
+            except MsgqError as exc:
+                log.error("after reconnecting, cannot join %r again: %s", group, exc)
+                self._s.unsubscribed(group)
+        self.reconnects += 1
+        self._reconnecting = False
+        log_reconnected(self._target, attempts, self._s.lname)
+        self._state_changed()
+        for cb in list(self._reconnected_cbs):
+            self._task(run_callback, cb)
+
+    def _state_changed(self) -> None:
+        """Wake whoever waits for the connection's state (``wait_connected``, the
+        iteration)."""
+        raise NotImplementedError
 
     def _take_welcome(self, data: bytes) -> bool:
         """Feed bytes received during the handshake to the codec; True once WELCOME was
@@ -796,35 +890,47 @@ class BusBase(SessionView):
             msg.close()
             raise
         if inspect.isawaitable(result):
-            self._task(self._await_request, msg, result)
+            self._task(self._await_request, msg, result, self._s.generation)
         else:
             self._finish_request(msg, result, None)
 
-    async def _await_request(self, msg: Message, result: Awaitable[Any]) -> None:
+    async def _await_request(self, msg: Message, result: Awaitable[Any], generation: int) -> None:
         try:
             value = await result
         except Exception as exc:
-            self._finish_request(msg, None, exc)
+            self._finish_request(msg, None, exc, generation)
             return
         except BaseException:
             msg.close()  # cancelled (the bus is closing): no answer
             raise
-        self._finish_request(msg, value, None)
+        self._finish_request(msg, value, None, generation)
 
-    def _finish_request(self, msg: Message, result: Any, error: Exception | None) -> None:
-        """Send the session's answer for the handler's ``result`` or ``error``."""
+    def _finish_request(
+        self, msg: Message, result: Any, error: Exception | None, generation: int | None = None
+    ) -> None:
+        """Send the session's answer for the handler's ``result`` or ``error``; none for
+        a request that came over an earlier connection (a reconnect since: its caller
+        was told ``recipient-gone`` by the broker)."""
+        if generation is not None and generation != self._s.generation:
+            msg.close()
+            return
         pieces = self._s.answer_for(msg, result, error)
         if pieces is not None:
             self._queue_answer(pieces)
 
     # -- broker commands ---------------------------------------------------------------
     async def subscribe(self, group: str) -> bool:
-        """Join ``group``; returns False if already a member. Confirmed by the broker."""
-        return bool(await self.call("msgq", "subscribe", {"group": group}))
+        """Join ``group``; returns False if already a member. Confirmed by the broker.
+        With ``reconnect``, a reconnect joins it again (at the end of its join order)."""
+        joined = bool(await self.call("msgq", "subscribe", {"group": group}))
+        self._s.subscribed(group)
+        return joined
 
     async def unsubscribe(self, group: str) -> bool:
         """Leave ``group``; returns False if not a member. Confirmed by the broker."""
-        return bool(await self.call("msgq", "unsubscribe", {"group": group}))
+        left = bool(await self.call("msgq", "unsubscribe", {"group": group}))
+        self._s.unsubscribed(group)
+        return left
 
     async def members(self, group: str) -> list[Member]:
         """Members of ``group`` in join order (``G[0]`` first)."""
@@ -903,7 +1009,10 @@ class BusBase(SessionView):
 
         The iteration ends (like trio's ``EndOfChannel``) only when it was ended cleanly:
         this bus was closed locally, or the broker shut down and said GOODBYE. Every other
-        end raises, so a consumer never mistakes a loss for the end of the stream.
+        end raises, so a consumer never mistakes a loss for the end of the stream. With
+        ``reconnect`` it goes on across a reconnect (messages sent to the old lname while
+        the bus was down are lost: the bus is not durable, a queue is) and ends when the
+        bus is closed or gave up reconnecting (ConnectionLost, code ``reconnect-gave-up``).
 
         Raises:
             ConnectionLost: the connection broke (broker crashed) or the broker dropped this

@@ -43,6 +43,7 @@ from .api import (
     parse_address,
 )
 from .message import Buffer, Member, Message, Reply, Result
+from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
@@ -64,6 +65,7 @@ __all__ = [
     "Bus",
     "Member",
     "Message",
+    "Reconnect",
     "Reply",
     "Result",
     "connect",
@@ -96,10 +98,14 @@ class Bus(BusBase):
     :class:`~msgq_trio.client.api.BusBase`'s.
     """
 
-    def __init__(self, stream: trio.SocketStream, name: str, max_frame_size: int) -> None:
-        self._stream = stream
+    def __init__(
+        self,
+        name: str,
+        max_frame_size: int,
+        target: str = "",
+        reconnect: Reconnect | None = None,
+    ) -> None:
         self._s = Session(name, max_frame_size, no_join=NO_JOIN, wake=_wake)
-        self._conn = self._s.conn
         self._out_fds = 0
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
@@ -109,12 +115,11 @@ class Bus(BusBase):
         self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
-        self._init_api()
+        self._init_api(target, reconnect)
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._since_yield = 0
         self._sends_unchecked = 0
-        self._broker_goodbye = trio.Event()
         self._writing = False
         # True while the reader handles one receive's frames: answers that handlers give
         # meanwhile are queued and written together after the batch (one write for a
@@ -127,7 +132,38 @@ class Bus(BusBase):
         self._burst = False
         self._lost_event = trio.Event()
         self._new_waiter = trio.Event
+        #: Woken when the connection's state changes (lost, reconnected, given up).
+        self._state_wake = trio.lowlevel.ParkingLot()
+        self._up = False
+
+    def _attach(self, stream: trio.SocketStream) -> None:
+        """Take ``stream`` as the connection (the first, or a reconnect's: then the
+        session starts over, and frames queued for the old one are dropped)."""
+        s = self._s
+        if s.generation or s.lname:
+            lost = s.lost
+            s.reset()
+            # Still down until WELCOME: nothing may be sent before HELLO.
+            s.lost = lost
+        self._stream = stream
         self._fd = stream.socket.fileno()
+        self._conn = self._s.conn
+        self._drop_out()
+        self._writing = False
+        self._deferring = False
+        self._burst = False
+        self._broker_goodbye = trio.Event()
+        #: Set when this connection ends (the supervisor then closes it).
+        self._down = trio.Event()
+        self._up = True
+
+    def _drop_out(self) -> None:
+        """Forget the frames queued for a connection that is gone (and close the
+        descriptors they would have carried)."""
+        close_fds([fd for p in self._out if type(p) is FdBuffer for fd in p.fds])
+        self._out.clear()
+        self._out_bytes = 0
+        self._out_fds = 0
 
     @property
     def _welcome(self) -> dict[str, object]:
@@ -189,11 +225,163 @@ class Bus(BusBase):
         self._nursery.start_soon(fn, *args)
 
     def _fail_all(self, exc: ConnectionLost) -> None:
-        self._s.fail(exc)
-        self._lost_event.set()
+        """The connection ended (or the bus closed): the session fails the pending calls
+        with ``exc``; unless a reconnect follows, the bus is lost for good. Every waiter
+        wakes to see it."""
+        if self._up:
+            self._up = False
+            self._s.fail(exc)
+            if not self._ended_connection():
+                self._lost_event.set()
+            self._down.set()
+        else:
+            self._s.fail(exc)  # the first reason stays
+            if self._closed:
+                self._reconnecting = False
+                self._lost_event.set()
         self._in_wake.unpark_all()
         self._drained.unpark_all()
         self._in_taken.unpark_all()
+        self._state_wake.unpark_all()
+
+    def _state_changed(self) -> None:
+        self._state_wake.unpark_all()
+        self._in_wake.unpark_all()
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait until the bus is connected: at once while it is; after a loss with
+        ``reconnect``, until the new connection is up and the groups are joined again.
+
+        Raises:
+            trio.TooSlowError: not connected within ``timeout`` s.
+            ConnectionLost: the loss is final (reconnect off or given up).
+            UsageError: the bus is closed.
+        """
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            while not self.connected:
+                if self._closed:
+                    raise UsageError("the bus is closed")
+                if self._final():
+                    assert self._s.lost is not None
+                    raise self._s.lost
+                await self._state_wake.park()
+        await trio.lowlevel.checkpoint()
+
+    async def _run(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None,
+        send_buffer: int,
+        token: str | None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The bus's connections, one after another: connect, handshake, run the
+        reader, writer (and heartbeat) until the connection ends; then, with
+        ``reconnect``, wait as the backoff says and connect again, until one succeeds
+        (the groups are joined again, see ``_restore``) or the policy gives up (the loss
+        is final). ``task_status.started()`` once the first connection is up.
+
+        Raises:
+            ConnectError, UsageError: the first connection failed (see :func:`connect`).
+        """
+        policy = self._reconnect
+        started = False
+        backoff: Backoff | None = None
+        last: BaseException | None = None
+        while True:
+            connected = False
+            try:
+                with trio.CancelScope() as attempt:
+                    if started and policy is not None:
+                        # A broker that accepts but never answers (stopped, or a dead
+                        # path behind a live listener) must not hold a reconnect forever.
+                        attempt.deadline = trio.current_time() + policy.attempt_timeout
+                    async with _open_transport(self._target, ssl_context, server_hostname) as (
+                        stream,
+                        remote,
+                    ):
+                        if not remote:  # TCP keeps the kernel's send buffer autotuning
+                            set_send_buffer(stream.socket, send_buffer)
+                        self._attach(stream)
+                        try:
+                            await self._handshake(hello_extra(remote, token))
+                        except BaseException:
+                            await trio.aclose_forcefully(stream)
+                            raise
+                        attempt.deadline = math.inf
+                        self._connected_as(remote)
+                        connected = True
+                        first, started = not started, True
+                        await self._serve_connection(
+                            stream, remote, task_status if first else None, backoff
+                        )
+                if attempt.cancelled_caught:
+                    assert policy is not None
+                    last = ConnectError(
+                        f"no connection and WELCOME within {policy.attempt_timeout} s "
+                        "(Reconnect.attempt_timeout)"
+                    )
+                    log.debug("reconnect attempt to %s failed: %s", self._target, last)
+            except (ConnectError, UsageError) as exc:
+                if not started:
+                    raise
+                last = exc
+                log.debug("reconnect attempt to %s failed: %s", self._target, exc)
+            if self._closed or not self._reconnecting or policy is None:
+                return  # the loss is final (reconnect off, or the bus closed)
+            now = trio.current_time()
+            if connected or backoff is None:
+                backoff, last = Backoff(policy, now), None
+            delay = backoff.next_delay(now)
+            if delay is None:
+                self._gave_up(backoff, last)
+                self._lost_event.set()
+                self._in_wake.unpark_all()
+                self._state_changed()
+                return
+            await trio.sleep(delay)
+
+    async def _serve_connection(
+        self,
+        stream: trio.SocketStream,
+        remote: bool,
+        task_status: trio.TaskStatus[None] | None,
+        backoff: Backoff | None,
+    ) -> None:
+        """Run the connection's reader, writer (and heartbeat) until it ends, then close
+        it. The first connection reports ``task_status.started()``; a reconnect's joins
+        the groups again (``_restore``)."""
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(self._reader)
+            tasks.start_soon(self._writer)
+            hb = self._s.heartbeat_settings() if remote else None
+            if hb is not None:
+                tasks.start_soon(_heartbeat, self, *hb)
+            if task_status is not None:
+                task_status.started()
+            else:
+                assert backoff is not None
+                tasks.start_soon(self._restore_quietly, backoff.attempts)
+            await self._down.wait()
+            tasks.cancel_scope.cancel()
+        await trio.aclose_forcefully(stream)
+
+    def _connected_as(self, remote: bool) -> None:
+        """WELCOME taken: the connection is up (sends and calls go out again)."""
+        s = self._s
+        s.lost = None
+        if remote:
+            s.max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
+            s.inline["msgq.heartbeat"] = _answer_heartbeat(self)
+
+    async def _restore_quietly(self, attempts: int) -> None:
+        """``_restore`` on a new connection; if that is lost meanwhile, the supervisor
+        goes on reconnecting."""
+        try:
+            await self._restore(attempts)
+        except ConnectionLost:
+            pass
 
     # -- sending -----------------------------------------------------------------------
     def _queue(self, pieces: list[Buffer]) -> None:
@@ -414,7 +602,7 @@ class Bus(BusBase):
     async def _next_message(self) -> Message | None:
         q = self._in
         while not q:
-            if self._s.lost is not None or self._closed:
+            if self._closed or self._final():
                 return None
             await self._in_wake.park()
         msg = q.popleft()
@@ -457,7 +645,7 @@ class Bus(BusBase):
             # write may fail before the reader has seen that frame. Let the reader report
             # the reason first; fall back to the write error.
             with trio.move_on_after(1.0):
-                await self._lost_event.wait()
+                await self._down.wait()
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
     async def _reader(self) -> None:
@@ -629,9 +817,12 @@ async def _open_transport(
                 body_error = exc  # re-raised outside the nursery (no ExceptionGroup)
             nursery.cancel_scope.cancel()
     finally:
-        await trio.aclose_forcefully(inner)
-        await trio.aclose_forcefully(outer)
-        await trio.aclose_forcefully(tls)
+        # Shielded: closing the bus cancels the task that runs the connection, and an
+        # await under that cancel would skip the closes after it.
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(inner)
+            await trio.aclose_forcefully(outer)
+            await trio.aclose_forcefully(tls)
     if body_error is not None:
         raise body_error
 
@@ -674,6 +865,7 @@ async def connect(
     token: str | None = None,
     ssl_context: Any = None,
     server_hostname: str | None = None,
+    reconnect: bool | Reconnect = False,
 ) -> AsyncIterator[Bus]:
     """Connect to the broker; yields a :class:`Bus`.
 
@@ -691,39 +883,38 @@ async def connect(
             (else the system's trust store) with ``$MSGQ_TRIO_TLS_CERT``/``_KEY`` as
             client certificate if set, as the command line does.
         server_hostname: the name the broker's certificate must carry (default the host).
+        reconnect: off by default (a lost connection ends the bus). True (the defaults
+            of :class:`~msgq_trio.client.reconnect.Reconnect`) or a ``Reconnect``: after
+            a loss, reconnect to the same address with the same name, token and TLS
+            context, with backoff, join the groups again and run the
+            :meth:`~Bus.on_reconnected` callbacks (README "Reconnecting"). Only the first
+            connection's failure is raised here.
 
     Resource handling: leaving the block flushes queued frames, says GOODBYE, waits for
     the broker's (CLOSE_WAIT s, longer while the broker still takes our bytes: it may be
     pausing our reads for backpressure; see ``close_patience``), closes the socket and
-    cancels handler tasks; pending calls fail with ConnectionLost.
+    cancels handler tasks (and a reconnect under way); pending calls fail with
+    ConnectionLost.
 
     Raises:
         ConnectError: no broker at the address, TLS failed, or it refused the handshake
             (``code`` ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...).
-        UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file named by
-            the environment that cannot be loaded.
+        UsageError: a malformed ``tcp://``/``tls://`` address, a TLS file named by the
+            environment that cannot be loaded, or a bad ``reconnect``.
     """
-    target = connect_target(socket)
+    bus = Bus(
+        client_name(name), max_frame_size, connect_target(socket), reconnect_policy(reconnect)
+    )
     body_error: Exception | None = None
-    async with _open_transport(target, ssl_context, server_hostname) as (stream, remote):
-        if not remote:  # TCP keeps the kernel's send buffer autotuning
-            set_send_buffer(stream.socket, send_buffer)
-        bus = Bus(stream, client_name(name), max_frame_size)
+    async with trio.open_nursery() as nursery:
+        bus._nursery = nursery
         try:
-            await bus._handshake(hello_extra(remote, token))
-        except BaseException:
-            await trio.aclose_forcefully(stream)
-            raise
-        if remote:
-            bus._s.max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
-            bus._s.inline["msgq.heartbeat"] = _answer_heartbeat(bus)
-        async with trio.open_nursery() as nursery:
-            bus._nursery = nursery
-            nursery.start_soon(bus._reader)
-            nursery.start_soon(bus._writer)
-            hb = bus._s.heartbeat_settings() if remote else None
-            if hb is not None:
-                nursery.start_soon(_heartbeat, bus, *hb)
+            await nursery.start(bus._run, ssl_context, server_hostname, send_buffer, token)
+        except Exception as exc:
+            # The first connection failed: raised as it is (no ExceptionGroup).
+            body_error = exc
+            nursery.cancel_scope.cancel()
+        else:
             try:
                 yield bus
             except Exception as exc:

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConnectError, ConnectionLost, LimitExceeded, UsageError
+from ..errors import ConnectError, ConnectionLost, LimitExceeded, MsgqError, UsageError
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import LocalProtocolError, ProtocolError
@@ -51,6 +51,15 @@ from ..transport.sockets import (
 )
 from .api import SessionView, client_name, connect_target
 from .message import Member, Message
+from .reconnect import (
+    Backoff,
+    Reconnect,
+    gave_up_error,
+    log_lost,
+    log_reconnected,
+    reconnect_policy,
+    reconnecting_error,
+)
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
@@ -72,6 +81,8 @@ log = logging.getLogger("msgq_trio.client.direct")
 DEFAULT_MAX_BUFFERED = IN_HIGH_WATER
 
 _GOODBYE = FrameType.GOODBYE
+_MESSAGE = FrameType.MESSAGE
+_NOTIFY = FrameType.NOTIFY
 #: A command handler: ``fn(params)`` or ``fn(params, request)``, a plain function.
 Handler = Callable[..., Any]
 
@@ -100,16 +111,28 @@ class DirectBus(SessionView):
         *,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
+        target: str = "",
+        reconnect: Reconnect | None = None,
+        send_buffer: int = SEND_BUFFER,
+        timeout: float = 30.0,
     ) -> None:
         self.max_buffered = max_buffered
-        self._sock = sock
-        self._fd = sock.fileno()
         self._s = Session(name, max_frame_size)
         self._s.fd_passing = False  # plain send(): no SCM_RIGHTS on this driver
-        self._conn = self._s.conn
-        self._poll_in = select.poll()
-        self._poll_in.register(self._fd, select.POLLIN)
-        self._ancsize = ancillary_size(self._s.max_fds)
+        self._attach(sock)
+        self._target = target
+        self._reconnect = reconnect
+        self._send_buffer = send_buffer
+        self._timeout = timeout
+        #: The outage under way (None while connected or when the loss is final), when
+        #: its next attempt is due, and why the last one failed.
+        self._backoff: Backoff | None = None
+        self._next_attempt = 0.0
+        self._last_error: BaseException | None = None
+        self._gave_up = False
+        self._restoring = False
+        #: How many times this bus reconnected (``connect(..., reconnect=...)``).
+        self.reconnects = 0
         #: Parsed frames not yet dispatched (a reading method dispatches them in order).
         self._frames: deque[Frame] = deque()
         self._frames_bytes = 0
@@ -117,8 +140,154 @@ class DirectBus(SessionView):
         self._inbox: deque[Message] = deque()
         self._inbox_bytes = 0
         self._closed = False
+
+    def _attach(self, sock: pysocket.socket) -> None:
+        """Take ``sock`` as the connection (the first, or a reconnect's)."""
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._conn = self._s.conn
+        self._poll_in = select.poll()
+        self._poll_in.register(self._fd, select.POLLIN)
+        self._ancsize = ancillary_size(self._s.max_fds)
         self._goodbye = False
         self._goodbye_error: ConnectionLost | None = None
+
+    # -- reconnect (connect(..., reconnect=...); client/reconnect.py) -------------------
+    @property
+    def connected(self) -> bool:
+        """Whether the bus is connected (after a reconnect: once the groups it had
+        joined are joined again)."""
+        return self._s.lost is None and not self._closed
+
+    def wait_connected(self, timeout: float | None = None) -> None:
+        """Return once the bus is connected: at once while it is; after a loss with
+        ``reconnect``, reconnect (this driver has no thread of its own: its waiting
+        methods make the attempts) and join the groups again.
+
+        Raises:
+            TimeoutError: not connected within ``timeout`` s.
+            ConnectionLost: the loss is final (reconnect off or given up).
+            UsageError: the bus is closed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._s.lost is not None or self._frames:
+            if self._frames:  # what came before the loss is handled first
+                self._dispatch()
+                continue
+            if not self._reconnected(deadline, wait=True):
+                raise TimeoutError(f"not connected within {timeout} s")
+        if self._closed:
+            raise UsageError("the bus is closed")
+
+    def _reconnected(self, deadline: float | None, *, wait: bool) -> bool:
+        """The connection is lost: with ``reconnect``, make the attempts that are due
+        (``wait``: sleeping until each, up to ``deadline``). True once connected again,
+        False if ``deadline`` came first.
+
+        Raises:
+            ConnectionLost: reconnect is off, the bus is closed, the policy gave up
+                (final), or (not ``wait``) no attempt succeeded now: the client is
+                reconnecting.
+        """
+        s = self._s
+        if self._reconnect is None or self._closed or self._gave_up or self._restoring:
+            self._check_open()
+        if self._backoff is None:
+            self._begin_outage()
+        backoff = self._backoff
+        assert backoff is not None and s.lost is not None
+        while True:
+            now = time.monotonic()
+            if now >= self._next_attempt:
+                if self._attempt(backoff.attempts):
+                    return True
+                now = time.monotonic()
+                delay = backoff.next_delay(now)
+                if delay is None:
+                    s.lost = gave_up_error(self._target, backoff, now, self._last_error)
+                    self._gave_up = True
+                    self._backoff = None
+                    self._check_open()
+                self._next_attempt = now + (delay or 0.0)
+                if deadline is not None and deadline <= now:
+                    return False
+                continue
+            left = self._next_attempt - now
+            if not wait:
+                self._check_open()  # the reconnecting error
+            if deadline is not None:
+                if deadline <= now:
+                    return False
+                left = min(left, deadline - now)
+            time.sleep(left)
+
+    def _ready(self) -> None:
+        """Raise unless connected; while reconnecting, first make an attempt that is
+        due (without waiting for one)."""
+        if self._s.lost is not None:
+            self._reconnected(None, wait=False)
+        elif self._closed:
+            self._check_open()
+
+    def _begin_outage(self) -> None:
+        """The loss is noticed (logged as a WARNING): close the socket; sends and calls
+        fail at once, saying the client is reconnecting; the first attempt is due after
+        the policy's first delay."""
+        s = self._s
+        assert s.lost is not None and self._reconnect is not None
+        log_lost(self._target, s.lost)
+        s.lost = reconnecting_error(s.lost)
+        self._sock.close()
+        close_fds(self._conn.take_orphan_fds())
+        # What came before the loss: messages are kept for receive(); requests and
+        # answers belong to the old connection (their callers were told by the broker).
+        while self._frames:
+            frame = self._frames.popleft()
+            self._frames_bytes -= len(frame.raw)
+            if frame.type in (_MESSAGE, _NOTIFY):
+                self._inbox.append(Message(frame, s.sources))
+                self._inbox_bytes += len(frame.raw)
+            else:
+                close_fds(frame.fds)
+        now = time.monotonic()
+        self._backoff = Backoff(self._reconnect, now)
+        self._last_error = None
+        self._next_attempt = now + (self._backoff.next_delay(now) or 0.0)
+
+    def _attempt(self, attempts: int) -> bool:
+        """One reconnect attempt: dial, handshake, join the groups again. False (and the
+        reason kept for the give-up message) if any of it failed."""
+        s = self._s
+        down = s.lost
+        try:
+            sock = _dial(self._target, self._send_buffer, self._timeout)
+        except ConnectError as exc:
+            self._last_error = exc
+            return False
+        s.reset()
+        self._attach(sock)
+        self._restoring = True
+        try:
+            self._handshake(self._timeout)
+            for group in list(s.groups):
+                try:
+                    self.call("msgq", "subscribe", {"group": group})
+                except ConnectionLost:
+                    raise
+                except MsgqError as exc:
+                    log.error("after reconnecting, cannot join %r again: %s", group, exc)
+                    s.unsubscribed(group)
+        except (ConnectError, ConnectionLost) as exc:
+            self._last_error = exc
+            sock.close()
+            s.lost = down
+            return False
+        finally:
+            self._restoring = False
+        self._backoff = None
+        self.reconnects += 1
+        log_reconnected(self._target, attempts, s.lname)
+        return True
 
     # -- connection ------------------------------------------------------------------
     def _handshake(self, timeout: float) -> None:
@@ -349,7 +518,9 @@ class DirectBus(SessionView):
             self._dispatch()
             return True
         if self._s.lost is not None:
-            self._check_open()
+            # Raises unless a reconnect is under way; its attempts are this wait's.
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return self._reconnected(deadline, wait=True)
         if self._inbox_bytes > self.max_buffered:
             raise LimitExceeded(
                 f"{len(self._inbox)} received messages ({self._inbox_bytes} bytes) wait for "
@@ -410,9 +581,10 @@ class DirectBus(SessionView):
             MalformedMessage: the answer's body is not well-formed CBOR.
             LimitExceeded: ``max_buffered`` bytes of messages wait for receive().
             UsageError: a bad argument, or the bus is closed.
-            ConnectionLost: the broker went away.
+            ConnectionLost: the broker went away (with ``reconnect``: a call under way at
+                the loss; one while the client reconnects fails at once, saying so).
         """
-        self._check_open()
+        self._ready()
         s = self._s
         now = time.monotonic() if timeout is not None else 0.0  # no deadline without one
         call, pieces = s.start_call(target, command, params, now=now, timeout=timeout)
@@ -436,9 +608,10 @@ class DirectBus(SessionView):
 
         Raises:
             UsageError: ``body`` cannot be encoded as CBOR, or the bus is closed.
-            ConnectionLost: the broker went away.
+            ConnectionLost: the broker went away (with ``reconnect``: the client is
+                reconnecting; nothing is queued).
         """
-        self._check_open()
+        self._ready()
         frame = self._s.encode_message(target, body)
         self._write(frame if isinstance(frame, bytes) else b"".join(frame))
 
@@ -449,12 +622,11 @@ class DirectBus(SessionView):
         Raises:
             TimeoutError: nothing arrived within ``timeout`` seconds.
             ConnectionLost: the connection ended (messages that came before are still
-                returned first).
+                returned first); with ``reconnect`` only when the loss is final: the
+                reconnect attempts are made while this waits.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._inbox:
-            if self._s.lost is not None and not self._frames:
-                self._check_open()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no message within {timeout} s")
@@ -468,12 +640,14 @@ class DirectBus(SessionView):
         seconds, or until the connection ends when None.
 
         Raises:
-            ConnectionLost: the connection ended.
+            ConnectionLost: the connection ended (with ``reconnect``: for good; the
+                reconnect attempts are made while this serves).
             LimitExceeded: ``max_buffered`` bytes of messages wait for receive().
         """
         deadline = None if duration is None else time.monotonic() + duration
-        while True:
+        if self._closed:
             self._check_open()
+        while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
@@ -507,11 +681,17 @@ class DirectBus(SessionView):
         return register
 
     def subscribe(self, group: str) -> bool:
-        """Join ``group``; False if already a member. Confirmed by the broker."""
-        return bool(self.call("msgq", "subscribe", {"group": group}))
+        """Join ``group``; False if already a member. Confirmed by the broker. With
+        ``reconnect``, a reconnect joins it again (at the end of its join order)."""
+        joined = bool(self.call("msgq", "subscribe", {"group": group}))
+        self._s.subscribed(group)
+        return joined
 
     def unsubscribe(self, group: str) -> bool:
-        return bool(self.call("msgq", "unsubscribe", {"group": group}))
+        """Leave ``group``; False if not a member. Confirmed by the broker."""
+        left = bool(self.call("msgq", "unsubscribe", {"group": group}))
+        self._s.unsubscribed(group)
+        return left
 
     def members(self, group: str) -> list[Member]:
         """Members of ``group`` in join order (``G[0]`` first)."""
@@ -535,6 +715,7 @@ def connect(
     max_buffered: int = DEFAULT_MAX_BUFFERED,
     send_buffer: int = SEND_BUFFER,
     timeout: float = 30.0,
+    reconnect: bool | Reconnect = False,
 ) -> DirectBus:
     """Connect to the broker on a Unix socket; returns a :class:`DirectBus` (a context
     manager).
@@ -546,6 +727,11 @@ def connect(
         max_buffered: bytes of received one-way messages kept for ``receive()``.
         send_buffer: SO_SNDBUF for the socket (0 = kernel default).
         timeout: longest wait for the broker's WELCOME.
+        reconnect: off by default; True or a :class:`~msgq_trio.client.reconnect.Reconnect`
+            reconnects after a loss (README "Reconnecting"). This driver has no thread
+            of its own: the attempts are made inside its waiting methods (``receive``,
+            ``serve``, :meth:`DirectBus.wait_connected`); ``call`` and ``send`` make one
+            that is due and otherwise fail at once with ConnectionLost saying so.
 
     Raises:
         ConnectError: no broker there, it refused the handshake (``code``), or it did
@@ -555,6 +741,32 @@ def connect(
     target = connect_target(socket)
     if target.startswith(("tcp://", "tls://")):
         raise UsageError("the direct client speaks to Unix sockets only; use msgq_trio.connect")
+    policy = reconnect_policy(reconnect)
+    sock = _dial(target, send_buffer, timeout)
+    try:
+        bus = DirectBus(
+            sock,
+            client_name(name),
+            max_frame_size=max_frame_size,
+            max_buffered=max_buffered,
+            target=target,
+            reconnect=policy,
+            send_buffer=send_buffer,
+            timeout=timeout,
+        )
+        bus._handshake(timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return bus
+
+
+def _dial(target: str, send_buffer: int, timeout: float) -> pysocket.socket:
+    """A connected Unix socket to the broker at ``target``.
+
+    Raises:
+        ConnectError: no broker there (or it did not accept within ``timeout`` s).
+    """
     sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -566,14 +778,7 @@ def connect(
         # MSG_DONTWAIT (and waits, if at all, in poll()).
         sock.settimeout(None)
         set_send_buffer(sock, send_buffer)
-        bus = DirectBus(
-            sock,
-            client_name(name),
-            max_frame_size=max_frame_size,
-            max_buffered=max_buffered,
-        )
-        bus._handshake(timeout)
     except BaseException:
         sock.close()
         raise
-    return bus
+    return sock

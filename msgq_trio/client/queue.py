@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import cbor2
 
-from ..errors import ConnectionLost, MsgqError, UsageError
+from ..errors import ConnectionLost, MsgqError, NoRecipient, UsageError
 from .mailbox import Mailbox
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ CANCEL_WAIT = 5.0
 
 #: Per bus: queue name -> its active push consumer.
 _consumers: weakref.WeakKeyDictionary[Bus, dict[str, Consumer]] = weakref.WeakKeyDictionary()
+#: Buses whose reconnects re-attach their consumers (hooked once per bus).
+_reconnect_hooked: weakref.WeakSet[Bus] = weakref.WeakSet()
 
 
 class QueueMessage:
@@ -172,6 +174,13 @@ def _on_event(bus: Bus, msg: Message) -> None:
         consumer._plugin_started(instance)
 
 
+def _on_reconnected(bus: Bus) -> None:
+    """The bus reconnected (``connect(..., reconnect=...)``): no plugin process knows
+    the new connection's consumers, so each consumes again."""
+    for consumer in list(_consumers.get(bus, {}).values()):
+        consumer._reconnected()
+
+
 def _on_deliver(bus: Bus, request: Message) -> None:
     """Inline handler of ``queue.deliver`` (a batch): hand the messages to the queue's
     consumer and answer "received"; an error answer gives the whole batch back."""
@@ -210,8 +219,10 @@ class Consumer:
     When the queue plugin restarts (the broker's supervisor restarts it after a crash),
     the consumer consumes again from the new plugin process: messages received from the
     old one and not yet taken are dropped, acks of those taken are ignored, and the new
-    process delivers them again (``reattached`` counts this). If consuming again fails,
-    the iteration raises that error.
+    process delivers them again (``reattached`` counts this). The same happens after the
+    bus reconnects (``connect(..., reconnect=...)``), and the iteration goes on: if the
+    plugin is not back yet, the consumer consumes again when it announces itself. If
+    consuming again fails otherwise, the iteration raises that error.
 
     Resource handling: ``aclose()`` (or leaving ``async with``) tells the plugin to stop
     pushing and refuses deliveries still arriving (they are redelivered); messages taken
@@ -248,6 +259,11 @@ class Consumer:
         #: dropped (their plugin process is gone; the new one redelivers them)
         self._gen = 0
         self.reattached = 0
+        #: a consume after a restart or reconnect is under way; a plugin's "started"
+        #: meanwhile is noted in ``_started_meanwhile`` (its answer may still be
+        #: ``no-recipient``: then consume once more)
+        self._attaching = False
+        self._started_meanwhile = False
         #: messages returned / acked since the last checkpoint (see ``FAIRNESS``)
         self._since_yield = 0
         self._acked_since_yield = 0
@@ -292,6 +308,9 @@ class Consumer:
             # ``consume`` goes unseen).
             events = f"{self._q.group}.events"
             bus.on_notification_inline(events, lambda m: _on_event(bus, m))
+            if bus not in _reconnect_hooked:
+                _reconnect_hooked.add(bus)
+                bus.on_reconnected(lambda: _on_reconnected(bus))
             await bus.subscribe(events)
         table[name] = self
         self._started = True
@@ -314,7 +333,17 @@ class Consumer:
     def _plugin_started(self, instance: str) -> None:
         if self._closed or self._instance is None or instance == self._instance:
             return
+        if self._attaching:
+            self._started_meanwhile = True
+            return
         self._instance = instance
+        self._q._bus.start_soon(self._reattach)
+
+    def _reconnected(self) -> None:
+        if self._closed:
+            return
+        # Any plugin process's "started" is news to the new connection.
+        self._instance = ""
         self._q._bus.start_soon(self._reattach)
 
     async def _reattach(self) -> None:
@@ -329,13 +358,27 @@ class Consumer:
         self._acks.clear()
         self._nacks.clear()
         log.warning(
-            "queue %s: the queue plugin restarted; consuming again (%d received "
-            "messages dropped: they are redelivered)",
+            "queue %s: the queue plugin restarted or the bus reconnected; consuming again "
+            "(%d received messages dropped: they are redelivered)",
             self._q.name,
             len(dropped),
         )
+        self._attaching = True
         try:
-            await self._consume()
+            while True:
+                self._started_meanwhile = False
+                try:
+                    await self._consume()
+                    return
+                except NoRecipient:
+                    if self._started_meanwhile:
+                        continue
+                    # No plugin process yet (the broker restarted with us): its
+                    # "started" notification brings us back here.
+                    self._instance = ""
+                    return
+        except ConnectionLost:
+            return  # the bus reconnects (then we are back here) or is lost for good
         except MsgqError as exc:
             if self._closed:
                 return
@@ -344,6 +387,8 @@ class Consumer:
             )
             self._lost = exc
             self._box.close()
+        finally:
+            self._attaching = False
 
     async def _watch_lost(self) -> None:
         """End the iteration when the connection ends: the messages already received

@@ -412,8 +412,15 @@ class Session:
         wake: Callable[[PendingCall], None] | None = None,
     ) -> None:
         self.name = name
+        self._max_frame_size = max_frame_size
         #: The codec: the driver feeds it bytes (and descriptors) and takes its frames.
         self.conn = Connection(Role.CLIENT, max_frame_size)
+        #: How many connections came before this one (:meth:`reset` counts them): a
+        #: request handled on an earlier one is not answered on this one.
+        self.generation = 0
+        #: Groups this client is a member of by its own ``subscribe`` (not left by
+        #: ``unsubscribe``), in join order: what a reconnect joins again.
+        self.groups: dict[str, None] = {}
         self.lname = ""
         #: The source section the broker stamps on our frames (``lname NUL name``),
         #: written into them here so the broker only checks it and forwards the bytes as
@@ -494,6 +501,38 @@ class Session:
         return float(interval), max(1, misses)
 
     # -- lifecycle -------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start over for a new connection (a reconnect): a fresh codec, no identity
+        until WELCOME, not lost, not closing; the generation counts one more.
+
+        What the client set up stays: the command handlers, inline handlers and default
+        handler (client-side only: the broker routes a request by the target's lname or
+        group, and knows nothing of the handlers), the joined :attr:`groups` (the driver
+        subscribes to them again), the caches. Calls pending at the loss were failed by
+        :meth:`fail`; their answers can no longer come (request ids go on increasing, so
+        none is reused).
+        """
+        close_fds(self.conn.take_orphan_fds())
+        self.conn = Connection(Role.CLIENT, self._max_frame_size)
+        self.generation += 1
+        self.lname = ""
+        self.stamp = b""
+        self.broker_version = ""
+        self.welcome = {}
+        self.max_fds = DEFAULT_MAX_FDS
+        self.close_patience = CLOSE_WAIT
+        self.lost = None
+        self.closing = False
+
+    def subscribed(self, group: str) -> None:
+        """The broker confirmed a ``subscribe`` to ``group``: a reconnect joins it
+        again."""
+        self.groups[group] = None
+
+    def unsubscribed(self, group: str) -> None:
+        """The broker confirmed an ``unsubscribe``: a reconnect does not join it."""
+        self.groups.pop(group, None)
+
     def fail(self, exc: ConnectionLost) -> ConnectionLost:
         """The connection ended: record why (the first reason stays) and fail every
         pending call with it. Returns the recorded reason."""

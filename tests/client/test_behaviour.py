@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import re
 import signal
@@ -40,6 +41,7 @@ from msgq_trio import (
     Result,
     UsageError,
 )
+from msgq_trio.client.reconnect import GAVE_UP
 from msgq_trio.client.session import IN_HIGH_COUNT, RECEIVE_SIZE
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
@@ -147,6 +149,16 @@ class Client:
     async def receive(self, timeout: float) -> Received:
         raise NotImplementedError
 
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        raise NotImplementedError
+
+    async def wait_connected(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    async def state(self) -> tuple[str, int]:
+        """(the current lname, reconnects so far)."""
+        raise NotImplementedError
+
 
 class TrioClient(Client):
     def __init__(self, bus: msgq_trio.Bus) -> None:
@@ -217,6 +229,15 @@ class TrioClient(Client):
     async def receive(self, timeout: float) -> Received:
         return received(await self.bus.receive(timeout))
 
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        self.bus.add_command(name, fn)
+
+    async def wait_connected(self, timeout: float) -> None:
+        await self.bus.wait_connected(timeout)
+
+    async def state(self) -> tuple[str, int]:
+        return self.bus.lname, self.bus.reconnects
+
 
 class DirectClient(Client):
     """The blocking driver: each method in a worker thread, one at a time (the
@@ -254,6 +275,15 @@ class DirectClient(Client):
 
     async def receive(self, timeout: float) -> Received:
         return received(await trio.to_thread.run_sync(self.bus.receive, timeout))
+
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        self.bus.command(name)(fn)
+
+    async def wait_connected(self, timeout: float) -> None:
+        await trio.to_thread.run_sync(self.bus.wait_connected, timeout)
+
+    async def state(self) -> tuple[str, int]:
+        return self.bus.lname, self.bus.reconnects
 
 
 class AioClient(Client):
@@ -357,6 +387,21 @@ class AioClient(Client):
 
         return await self.run(take())
 
+    async def add_command(self, name: str, fn: Callable[..., Any]) -> None:
+        async def register() -> None:
+            self.bus.add_command(name, fn)
+
+        await self.run(register())
+
+    async def wait_connected(self, timeout: float) -> None:
+        await self.run(self.bus.wait_connected(timeout))
+
+    async def state(self) -> tuple[str, int]:
+        async def read() -> tuple[str, int]:
+            return self.bus.lname, self.bus.reconnects
+
+        return await self.run(read())
+
 
 @asynccontextmanager
 async def open_client(
@@ -382,8 +427,8 @@ async def open_client(
         return
     errors: list[BaseException] = []
     if driver == "direct":
-        assert not connect_kw, "the direct client speaks to Unix sockets only"
-        direct = msgq_trio.connect_direct(path, name)
+        assert set(connect_kw) <= {"reconnect"}, "the direct client speaks to Unix sockets only"
+        direct = msgq_trio.connect_direct(path, name, **connect_kw)
         for cmd, fn in handlers.items():
             direct.command(cmd)(fn)
         if group:
@@ -1041,7 +1086,8 @@ def start_tcp_broker(
     broker_factory: Any, short_tmp: Path, pki: dict[str, Any], scheme: str
 ) -> tuple[Any, str, dict[str, Any]]:
     """A broker listening on ``scheme``://127.0.0.1 (a token for ``remote``, allowed to
-    send to lnames and call Svc; heartbeat 0.5 s x 3): (broker, URL, connect kwargs)."""
+    send to lnames, call Svc and join Grp; heartbeat 0.5 s x 3): (broker, URL, connect
+    kwargs)."""
     tls = f'certfile = "{pki["certfile"]}"\nkeyfile = "{pki["certfile"]}"\n'
     config = short_tmp / f"{scheme}.toml"
     config.write_text(
@@ -1049,6 +1095,7 @@ def start_tcp_broker(
         + (tls if scheme == "tls" else "insecure = true\n")
         + f'tokens = {{ remote = "{hash_token(TOKEN)}" }}\n'
         + '[[access.rule]]\nwho = ["tcp:remote"]\nsend = ["l.*"]\ncall = ["Svc"]\n'
+        + 'subscribe = ["Grp"]\n'
     )
     b = broker_factory("--config", str(config))
     url = re.findall(rf"listening on ({scheme}://\S+)", b.log_with(f"listening on {scheme}://"))[0]
@@ -1180,3 +1227,257 @@ async def test_tls_trust_from_the_environment(
     with pytest.raises(UsageError, match=r"\$MSGQ_TRIO_TLS_CA"):
         async with open_client(driver, url, "remote", **kw):
             pass
+
+
+# -- reconnect (connect(..., reconnect=...)) ---------------------------------------------
+class Messages(logging.Handler):
+    """Collects the messages logged to it, from any thread (the asyncio driver logs from
+    its loop's thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+#: Quick attempts, and a bound only a broken reconnect reaches.
+FAST = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.5, give_up_after=2 * HANG)
+
+
+async def next_message(client: Client, driver: str) -> Received:
+    """The next message: by ``async for`` where the driver has it, else receive()
+    (bounded by HANG either way)."""
+    if driver == "direct":
+        return await client.receive(HANG)
+    with trio.fail_after(HANG):
+        got = await client.iterate(1)
+    assert len(got) == 1
+    return got[0]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_reconnecting_client_survives_a_broker_restart(
+    driver: str, broker_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker is SIGKILLed under a client with reconnect on that joined a group,
+    has a command handler and has a call in flight to a handler that never answers: the
+    call fails with ConnectionLost; while the broker is down a send fails at once saying
+    the client is reconnecting; once the broker is back on the same socket, without user
+    code, a call to the handler (through the group) is answered and a notification to
+    the group reaches the client, on its new connection (members shows the new lname)."""
+    caplog.set_level(logging.INFO, logger="msgq_trio.client")
+    b = broker_factory()
+    started = threading.Event()
+
+    async def stuck(_params: object) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    async with open_client(driver, b.path, "x", reconnect=FAST) as x:
+        await x.add_command("echo", lambda params: {"echo": params})
+        assert await x.subscribe("Grp") is True
+        outcome: list[BaseException] = []
+        async with msgq_trio.connect(b.path, "hanger") as hanger:
+            hanger.add_command("hang", stuck)
+            await hanger.subscribe("Hang")
+            # Bounded: a call the loss does not fail would hang here.
+            with trio.fail_after(HANG):
+                async with trio.open_nursery() as nursery:
+
+                    async def call() -> None:
+                        try:
+                            await x.call("Hang", "hang")
+                        except Exception as exc:
+                            outcome.append(exc)
+
+                    nursery.start_soon(call)
+                    await wait_thread_event(started)
+                    await trio.to_thread.run_sync(b.kill)
+        assert len(outcome) == 1 and isinstance(outcome[0], ConnectionLost), outcome
+        with pytest.raises(ConnectionLost, match="reconnecting"):
+            await x.send("Grp", "while down")
+        b2 = broker_factory(path=b.path)
+        await x.wait_connected(HANG)
+        new_lname, reconnects = await x.state()
+        assert reconnects == 1
+        logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert [m for lvl, m in logged if lvl == "WARNING" and str(b.path) in m and "lost" in m]
+        assert [m for lvl, m in logged if lvl == "INFO" and f"now {new_lname}" in m]
+        answers: list[Any] = []
+        async with msgq_trio.connect(b2.path, "peer") as peer, trio.open_nursery() as nursery:
+            # Joined again as the new connection (a restarted broker numbers lnames
+            # afresh, so the new one may even equal the old).
+            assert [(m.lname, m.name) for m in await peer.members("Grp")] == [(new_lname, "x")]
+
+            async def ask_then_notify() -> None:
+                # The direct client answers while it waits in receive() below.
+                answers.append(await peer.call("Grp", "echo", 7))
+                await peer.notify("Grp", "after-restart", {"n": 1})
+
+            nursery.start_soon(ask_then_notify)
+            got = await next_message(x, driver)
+    assert answers == [{"echo": 7}]
+    assert (got.kind, got.target, got.event, got.body) == (
+        "notification",
+        "Grp",
+        "after-restart",
+        {"n": 1},
+    )
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_without_reconnect_a_restart_leaves_the_bus_lost(
+    driver: str, broker_factory: Any
+) -> None:
+    """Reconnect is off by default: after the broker is killed and started again on the
+    same socket, the bus stays lost (calls raise ConnectionLost without "reconnecting",
+    wait_connected raises it, no reconnect is counted)."""
+    b = broker_factory()
+    async with open_client(driver, b.path, "x") as x:
+        await x.subscribe("Grp")
+        await trio.to_thread.run_sync(b.kill)
+        with pytest.raises(ConnectionLost) as first:
+            await x.call("msgq", "version")
+        broker_factory(path=b.path)
+        with pytest.raises(ConnectionLost) as later:
+            await x.call("msgq", "version")
+        with pytest.raises(ConnectionLost):
+            await x.wait_connected(HANG)
+        _, reconnects = await x.state()
+    assert reconnects == 0
+    assert "reconnecting" not in str(first.value) and "reconnecting" not in str(later.value)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_reconnect_gives_up_after_its_bound(
+    driver: str, broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker never comes back: once ``give_up_after`` passed, the loss is final:
+    receiving ends with ConnectionLost (code ``reconnect-gave-up``) and an ERROR is
+    logged."""
+    policy = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.2, give_up_after=1.0)
+    async with open_client(driver, broker.path, "x", reconnect=policy) as x:
+        await trio.to_thread.run_sync(broker.kill)
+        with pytest.raises(ConnectionLost) as lost:
+            await next_message(x, driver)
+        with pytest.raises(ConnectionLost):
+            await x.wait_connected(HANG)
+    assert lost.value.code == GAVE_UP, lost.value
+    assert [r for r in caplog.records if r.levelname == "ERROR" and "gave up" in r.getMessage()]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_receiving_goes_on_across_a_reconnect(driver: str, broker_factory: Any) -> None:
+    """A receive (``async for``; the direct client's receive()) under way when the broker
+    is killed does not end: it waits across the reconnect and returns the message sent
+    to the group after the broker was restarted."""
+    b = broker_factory()
+    got: list[Received] = []
+    async with open_client(driver, b.path, "rx", reconnect=FAST) as rx:
+        await rx.subscribe("Grp")
+        with trio.fail_after(2 * HANG):
+            async with trio.open_nursery() as nursery:
+
+                async def take() -> None:
+                    got.append(await next_message(rx, driver))
+
+                nursery.start_soon(take)
+                await trio.to_thread.run_sync(b.kill)
+                b2 = broker_factory(path=b.path)
+                async with msgq_trio.connect(b2.path, "tx") as tx:
+                    # rx joins again by itself; the broker is another process, so poll.
+                    while True:
+                        if await tx.members("Grp"):
+                            break
+                        await trio.sleep(0.02)
+                    await tx.send("Grp", "after the restart")
+    assert [(m.kind, m.body) for m in got] == [("message", "after the restart")]
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_reconnect_over_tcp_after_a_broker_restart(
+    driver: str, broker_factory: Any, short_tmp: Path, pki: dict[str, Any]
+) -> None:
+    """Over ``tcp://`` with a token: the broker is SIGKILLed and started again on the
+    same port; the client reconnects with the same token, joins its group again, and a
+    message to the group reaches it."""
+    b, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, "tcp")
+    config = short_tmp / "tcp.toml"
+    port = url.rsplit(":", 1)[1]
+    config.write_text(config.read_text().replace("127.0.0.1:0", f"127.0.0.1:{port}"))
+    async with open_client(driver, url, "remote", reconnect=FAST, **kw) as remote:
+        await remote.subscribe("Grp")
+        await trio.to_thread.run_sync(b.kill)
+        b2 = broker_factory("--config", str(config), path=b.path)
+        await remote.wait_connected(HANG)
+        async with msgq_trio.connect(b2.path, "local") as local:
+            assert [m.name for m in await local.members("Grp")] == ["remote"]
+            await local.send("Grp", "over tcp again")
+            got = await next_message(remote, driver)
+        _, reconnects = await remote.state()
+    assert (got.body, reconnects) == ("over tcp again", 1)
+
+
+async def test_the_sync_client_passes_reconnect_to_its_bus(broker_factory: Any) -> None:
+    """``msgq_trio.sync.connect(..., reconnect=...)`` is the trio Bus's reconnect: after
+    the broker is killed and restarted, wait_connected returns, the group is joined
+    again and calls work."""
+    import msgq_trio.sync
+
+    b = broker_factory()
+
+    def run() -> tuple[int, list[Any]]:
+        with msgq_trio.sync.connect(b.path, "s", reconnect=FAST) as bus:
+            bus.subscribe("Grp")
+            b.kill()
+            broker_factory(path=b.path)
+            bus.wait_connected(HANG)
+            return bus.reconnects, [m.name for m in bus.members("Grp")]
+
+    assert await trio.to_thread.run_sync(run) == (1, ["s"])
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client: Unix sockets only
+async def test_reconnect_after_heartbeat_silence_over_tcp(
+    driver: str,
+    broker_factory: Any,
+    short_tmp: Path,
+    pki: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Over TCP a stopped broker is found silent by the heartbeat (WELCOME's 0.5 s x 3):
+    the client's call in flight fails with ConnectionLost (``heartbeat-timeout``) and it
+    reconnects; attempts that reach the stopped broker get no WELCOME and end after
+    ``attempt_timeout``. Once the broker runs again, the client is back in its group."""
+    caplog.set_level(logging.DEBUG, logger="msgq_trio.client")
+    seen = Messages()
+    logging.getLogger("msgq_trio.client").addHandler(seen)
+    b, url, kw = start_tcp_broker(broker_factory, short_tmp, pki, "tcp")
+    policy = msgq_trio.Reconnect(
+        initial_delay=0.05, max_delay=0.5, give_up_after=2 * HANG, attempt_timeout=1.0
+    )
+    async with open_client(driver, url, "remote", reconnect=policy, **kw) as remote:
+        await remote.subscribe("Grp")
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ConnectionLost) as lost, trio.fail_after(HANG):
+                await remote.call("msgq", "version")
+            # The kernel accepts for the stopped broker: wait until an attempt has
+            # timed out waiting for WELCOME (logged at DEBUG).
+            with trio.fail_after(HANG):
+                while True:
+                    if any("WELCOME within" in m for m in seen.messages):
+                        break
+                    await trio.sleep(0.05)
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        await remote.wait_connected(HANG)
+        async with msgq_trio.connect(b.path, "local") as local:
+            await local.send("Grp", "after the silence")
+            got = await next_message(remote, driver)
+        _, reconnects = await remote.state()
+        logging.getLogger("msgq_trio.client").removeHandler(seen)
+    assert lost.value.code == ErrorCode.HEARTBEAT_TIMEOUT
+    assert (got.body, reconnects) == ("after the silence", 1)

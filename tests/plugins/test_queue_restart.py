@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from plugin_helpers import eventually, ready_plugin_pids
+from plugin_helpers import eventually, put_until_stored, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio.errors import RpcError
@@ -84,3 +84,46 @@ async def test_consumed_unwritten_messages_stay_duplicates_after_a_kill(
         assert await q2.producer_state() == 20
         assert [await q2.put(i, seq=i + 1) for i in range(20)] == ["duplicate"] * 20
         assert await q2.fetch(5) == []
+
+
+async def test_a_reconnecting_consumer_goes_on_after_the_broker_is_killed(
+    queue_broker: Start,
+) -> None:
+    """The broker (and with it the queue plugin) is SIGKILLed and restarted on the same
+    socket and store under a push consumer whose bus reconnects: the consumer consumes
+    again by itself and every message whose put was answered, before the kill or after
+    the restart, is delivered (one delivered but not acked at the kill comes again: the
+    consumer sees duplicates, never gaps)."""
+    b = queue_broker({"r": {}})
+    got: list[int] = []
+    policy = msgq_trio.Reconnect(initial_delay=0.05, max_delay=0.5, give_up_after=60)
+    async with (
+        msgq_trio.connect(b.path, "c", reconnect=policy) as c,
+        c.queue("r").consume(window=4) as consumer,
+        trio.open_nursery() as n,
+    ):
+
+        async def consume() -> None:
+            async for m in consumer:
+                got.append(m.body)
+                await m.ack()
+
+        n.start_soon(consume)
+        async with msgq_trio.connect(b.path, "p") as p:
+            q = p.queue("r", producer="p1")
+            for i in range(50):
+                await put_until_stored(q, i, i + 1)
+        b.kill()
+        # The new broker listens elsewhere until its queue plugin is ready, then its
+        # socket is renamed onto the old path: the consumer reconnects only after the
+        # plugin announced itself, so consuming again is the reconnect's doing.
+        b2 = queue_broker({"r": {}}, path=b.path.with_name("b2.sock"))
+        await eventually(lambda: ready_plugin_pids(b2.log()))
+        os.rename(b2.path, b.path)
+        async with msgq_trio.connect(b.path, "p") as p:
+            q = p.queue("r", producer="p1")
+            for i in range(50, 100):
+                await put_until_stored(q, i, i + 1)
+        await eventually(lambda: set(got) == set(range(100)))
+        assert c.reconnects == 1
+        n.cancel_scope.cancel()
