@@ -10,6 +10,7 @@ is what a stalled syslog daemon does to a synchronous ``SysLogHandler``.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import struct
 import threading
@@ -95,9 +96,12 @@ def test_stalled_syslog_drops_and_counts_then_says_so(short_tmp: Path) -> None:
     records = [s for s in seen if "record " in s]
     assert len(records) + dropped == 200 and dropped == prepared.front.dropped
     notice = [s for s in seen if "log records dropped" in s]
-    assert len(notice) == 1 and f"{dropped} log records dropped" in notice[0], notice
-    assert seen.index(notice[0]) < next(i for i, s in enumerate(seen) if "after the stall" in s)
-    assert "<28>" in notice[0]  # daemon.warning
+    # One notice, or (on a busy machine, when the listener got the socket back for a
+    # moment mid-burst) several whose counts add up: every dropped record is counted.
+    counts = [int(m.group(1)) for s in notice if (m := re.search(r"(\d+) log records dropped", s))]
+    assert notice and len(counts) == len(notice) and sum(counts) == dropped, notice
+    assert seen.index(notice[-1]) < next(i for i, s in enumerate(seen) if "after the stall" in s)
+    assert all("<28>" in s for s in notice)  # daemon.warning
 
 
 async def test_broker_answers_while_syslog_is_stalled(
