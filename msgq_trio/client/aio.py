@@ -127,6 +127,8 @@ class AioBus(BusBase):
         self._write_failed = False
         #: Futures of coroutines waiting for the queue to shrink (send) or empty (flush).
         self._drain_waiters: list[asyncio.Future[None]] = []
+        #: A write is scheduled for the end of this loop pass (see ``send``).
+        self._write_soon = False
         self._in: deque[Message] = deque()
         self._in_bytes = 0
         self._in_waiters: list[asyncio.Future[None]] = []
@@ -495,6 +497,12 @@ class AioBus(BusBase):
         if self._drain_waiters and self._out_bytes <= OUT_HIGH_WATER:
             self._wake_all(self._drain_waiters)
 
+    def _write_later(self) -> None:
+        """The write that one-way sends left for the end of the loop pass."""
+        self._write_soon = False
+        if not self._writer_armed:
+            self._write()
+
     def _on_writable(self) -> None:
         if self._s.lost is None:
             self._write()
@@ -700,7 +708,20 @@ class AioBus(BusBase):
         frame = self._s.encode_message(
             target, body, header=header, attachments=attachments, fds=fds, on_behalf_of=on_behalf_of
         )
-        self._queue((frame,) if isinstance(frame, bytes) else frame)
+        out = self._out
+        if isinstance(frame, bytes):
+            out.append(frame)
+            self._out_bytes += len(frame)
+        else:
+            for piece in frame:
+                out.append(piece)
+                self._out_bytes += len(piece)
+        if not self._write_soon and not self._writer_armed:
+            # One write for all the messages this loop pass queues (a program sending
+            # in a loop) instead of a sendmsg per message; calls and answers still
+            # write at once (they carry what went before them too).
+            self._write_soon = True
+            self._loop.call_soon(self._write_later)
         if self._out_bytes > OUT_HIGH_WATER:
             await self._wait_out()
 
