@@ -54,6 +54,7 @@ from .session import (
     PendingCall,
     Session,
     as_handler,
+    never_suspends,
 )
 
 if TYPE_CHECKING:  # imported lazily at run time: client/queue.py imports this module
@@ -879,8 +880,10 @@ class BusBase(SessionView):
 
     def _start_request(self, msg: Message, handler: Handler) -> None:
         """Run ``handler`` for a request, in the reader: a plain function is answered
-        right here, without a task per request (a task costs more than a small handler);
-        an ``async`` one returns an awaitable, which a task of its own awaits."""
+        right here, without a task per request (a task costs more than a small handler),
+        and so is an ``async`` one whose code has no ``await`` (it cannot suspend:
+        :func:`~msgq_trio.client.session.never_suspends`); any other ``async`` one
+        returns an awaitable, which a task of its own awaits."""
         try:
             result = handler(msg.body, msg)
         except Exception as exc:
@@ -889,7 +892,22 @@ class BusBase(SessionView):
         except BaseException:
             msg.close()
             raise
-        if inspect.isawaitable(result):
+        if never_suspends(result):
+            # An async handler without an await: its answer is ready on the first
+            # step, here in the reader, without a task and a scheduler pass for it.
+            try:
+                result.send(None)
+            except StopIteration as done:
+                self._finish_request(msg, done.value, None)
+            except Exception as exc:
+                self._finish_request(msg, None, exc)
+            except BaseException:
+                msg.close()
+                raise
+            else:  # cannot happen (no await in its code); never leave it half run
+                result.close()
+                self._finish_request(msg, None, RuntimeError("the handler suspended"))
+        elif inspect.isawaitable(result):
             self._task(self._await_request, msg, result, self._s.generation)
         else:
             self._finish_request(msg, result, None)

@@ -29,9 +29,11 @@ Rules:
 
 from __future__ import annotations
 
+import dis
 import inspect
 import logging
 import os
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -178,6 +180,31 @@ def as_handler(fn: Callable[..., Any]) -> Handler:
     if nparams == 1:
         return lambda params, _request: fn(params)
     raise UsageError("a command handler takes (params) or (params, request)")
+
+
+#: Bytecode that lets a coroutine suspend (an ``await``, ``async with``, ``async for``).
+_SUSPENDING_OPS = frozenset(
+    {"GET_AWAITABLE", "SEND", "YIELD_VALUE", "BEFORE_ASYNC_WITH", "GET_AITER", "GET_ANEXT"}
+)
+_never_suspends: dict[types.CodeType, bool] = {}
+
+
+def never_suspends(coro: object) -> bool:
+    """Whether ``coro`` is a coroutine whose code has no ``await``, ``async with`` or
+    ``async for``: it cannot suspend, so running it to its end with one ``send(None)``
+    is the same as awaiting it, in any event loop, without a task. (An ``async def``
+    handler that only computes its answer is common: the README's is one.) Cached per
+    code object.
+    """
+    if not isinstance(coro, types.CoroutineType):
+        return False
+    code = coro.cr_code
+    hit = _never_suspends.get(code)
+    if hit is None:
+        hit = not any(i.opname in _SUSPENDING_OPS for i in dis.get_instructions(code))
+        if len(_never_suspends) < 4096:  # bounded: handlers are few, code objects fixed
+            _never_suspends[code] = hit
+    return hit
 
 
 class PendingCall:

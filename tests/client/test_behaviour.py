@@ -725,6 +725,43 @@ async def test_an_async_handler_answers(driver: str, broker: Any) -> None:
     assert slow_answer == ["slow"]
 
 
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)
+async def test_an_async_handler_without_await_is_answered_in_the_reader(
+    driver: str, broker: Any
+) -> None:
+    """An ``async def`` handler whose code has no ``await`` cannot suspend: it runs to
+    its end in the reader, as a plain function does, without a task of its own; one
+    that awaits gets its task. The answer and the error mapping are the same."""
+    pause = trio.sleep if driver == "trio" else asyncio.sleep
+
+    def where() -> str:
+        if driver == "trio":
+            name = trio.lowlevel.current_task().name
+            return "task" if "_await_request" in name else "reader"
+        return "task" if asyncio.current_task() is not None else "reader"
+
+    async def quick(_params: object) -> str:
+        return where()
+
+    async def awaiting(_params: object) -> str:
+        await pause(0)
+        return where()
+
+    async def broken(_params: object) -> None:
+        raise KeyError("zone")
+
+    handlers = {"quick": quick, "awaiting": awaiting, "broken": broken}
+    async with (
+        open_client(driver, broker.path, "svc", handlers, group="Svc"),
+        open_client(driver, broker.path, "caller") as caller,
+    ):
+        assert await caller.call("Svc", "quick") == "reader"
+        assert await caller.call("Svc", "awaiting") == "task"
+        with pytest.raises(RemoteError) as info:
+            await caller.call("Svc", "broken")
+        assert info.value.code == ErrorCode.BAD_REQUEST
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_handler_raising_a_documented_error(driver: str, broker: Any) -> None:
     """The handler contract (``Session.answer_for``) on every driver: CommandFailed's

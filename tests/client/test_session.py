@@ -4,6 +4,7 @@ answers with are parsed back; no broker, no socket, no trio, time passed as an a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ from msgq_trio.client.session import (
     Send,
     Session,
     as_handler,
+    never_suspends,
 )
 from msgq_trio.errors import (
     CommandFailed,
@@ -516,3 +518,33 @@ def test_a_batch_of_messages_is_each_message_in_order_small_ones_joined() -> Non
     assert got == bodies
     with pytest.raises(UsageError, match="body 1 of the batch"):
         s.encode_messages("G", [b"ok", object()])
+
+
+def test_never_suspends_tells_an_async_function_without_await() -> None:
+    """Only a coroutine whose code has no await, async with or async for counts; a plain
+    value, a coroutine that awaits (also in a branch never taken) does not."""
+
+    async def plain(x: int) -> int:
+        return x * 2
+
+    async def awaits(x: int) -> int:
+        if x < 0:
+            await asyncio.sleep(0)
+        return x
+
+    async def iterates(xs: Any) -> int:
+        async for _ in xs:
+            pass
+        return 0
+
+    async def enters(cm: Any) -> int:
+        async with cm:
+            return 1
+
+    coros = [plain(1), awaits(1), iterates(None), enters(None)]
+    try:
+        assert [never_suspends(c) for c in coros] == [True, False, False, False]
+        assert not never_suspends(42) and not never_suspends(lambda: 1)
+    finally:
+        for c in coros:
+            c.close()
