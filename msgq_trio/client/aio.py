@@ -388,17 +388,7 @@ class AioBus(BusBase):
         """The connection ended (or the bus closed): the session fails every pending
         call; unless a reconnect follows, the bus is lost for good. Every waiter wakes to
         see it."""
-        if self._up:
-            self._up = False
-            self._s.fail(exc)
-            if not self._ended_connection():
-                self._lost_event.set()
-            self._down.set()
-        else:
-            self._s.fail(exc)  # the first reason stays
-            if self._closed:
-                self._reconnecting = False
-                self._lost_event.set()
+        self._connection_failed(exc)
         self._wake_all(self._state_waiters)
         if self._reading:
             self._loop.remove_reader(self._fd)
@@ -520,7 +510,7 @@ class AioBus(BusBase):
         self._loop.call_later(_WRITE_ERROR_GRACE, self._fail_connection, self._down, lost)
         self._wake_all(self._drain_waiters)
 
-    def _fail_connection(self, down: asyncio.Event, lost: ConnectionLost) -> None:
+    def _fail_connection(self, down: object, lost: ConnectionLost) -> None:
         """Fail the connection whose end is ``down`` (not a later one) with ``lost``."""
         if down is self._down:
             self._fail_all(lost)

@@ -224,6 +224,9 @@ class BusBase(SessionView):
     _target: str
     _reconnecting: bool
     _reconnected_cbs: list[Callable[[], Any]]
+    #: Whether a connection is up, and the event set when it ends (the driver's).
+    _up: bool
+    _down: _Event
 
     def _init_api(self, target: str = "", reconnect: Reconnect | None = None) -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
@@ -480,6 +483,23 @@ class BusBase(SessionView):
     def _final(self) -> bool:
         """Whether the connection ended for good (no reconnect under way)."""
         return self._s.lost is not None and not self._reconnecting
+
+    def _connection_failed(self, exc: ConnectionLost) -> None:
+        """The state change of a driver's ``_fail_all``: the session fails every pending
+        call with ``exc`` (the first reason stays once the connection is down); unless a
+        reconnect follows, the bus is lost for good (``_lost_event``). The driver then
+        wakes its own waiters."""
+        if self._up:
+            self._up = False
+            self._s.fail(exc)
+            if not self._ended_connection():
+                self._lost_event.set()
+            self._down.set()
+        else:
+            self._s.fail(exc)
+            if self._closed:
+                self._reconnecting = False
+                self._lost_event.set()
 
     def _ended_connection(self) -> bool:
         """A connection just ended (the session's ``lost`` says why, its pending calls

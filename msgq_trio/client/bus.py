@@ -228,17 +228,7 @@ class Bus(BusBase):
         """The connection ended (or the bus closed): the session fails the pending calls
         with ``exc``; unless a reconnect follows, the bus is lost for good. Every waiter
         wakes to see it."""
-        if self._up:
-            self._up = False
-            self._s.fail(exc)
-            if not self._ended_connection():
-                self._lost_event.set()
-            self._down.set()
-        else:
-            self._s.fail(exc)  # the first reason stays
-            if self._closed:
-                self._reconnecting = False
-                self._lost_event.set()
+        self._connection_failed(exc)
         self._in_wake.unpark_all()
         self._drained.unpark_all()
         self._in_taken.unpark_all()
