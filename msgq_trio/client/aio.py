@@ -147,10 +147,7 @@ class AioBus(BusBase):
         session starts over, still down until WELCOME, and frames queued for the old
         connection are dropped)."""
         s = self._s
-        if s.generation or s.lname:
-            lost = s.lost
-            s.reset()
-            s.lost = lost  # nothing may be sent before HELLO
+        self._fresh_session()
         self._sock = sock
         self._fd = sock.fileno()
         self._conn = s.conn
@@ -370,18 +367,11 @@ class AioBus(BusBase):
         """Fail the connection with ``exc`` (unless it failed already) and release the
         socket and everything queued."""
         self._fail_all(exc)
-        if self._reading:
-            self._loop.remove_reader(self._fd)
-            self._reading = False
-        if self._writer_armed:
-            self._loop.remove_writer(self._fd)
-            self._writer_armed = False
-        self._drop_out()
+        self._stop_io()
         for msg in self._in:
             msg.close()
         self._in.clear()
         self._in_bytes = 0
-        close_fds(self._conn.take_orphan_fds())
         self._sock.close()
 
     def _fail_all(self, exc: ConnectionLost) -> None:

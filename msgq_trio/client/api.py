@@ -484,6 +484,16 @@ class BusBase(SessionView):
         """Whether the connection ended for good (no reconnect under way)."""
         return self._s.lost is not None and not self._reconnecting
 
+    def _fresh_session(self) -> None:
+        """Before a reconnect's HELLO: the session starts over (a fresh codec and
+        identity; handlers and joined groups stay) but stays down until WELCOME, so that
+        nothing is sent before HELLO. Nothing to do for the first connection."""
+        s = self._s
+        if s.generation or s.lname:
+            lost = s.lost
+            s.reset()
+            s.lost = lost
+
     def _connection_failed(self, exc: ConnectionLost) -> None:
         """The state change of a driver's ``_fail_all``: the session fails every pending
         call with ``exc`` (the first reason stays once the connection is down); unless a

@@ -139,12 +139,7 @@ class Bus(BusBase):
     def _attach(self, stream: trio.SocketStream) -> None:
         """Take ``stream`` as the connection (the first, or a reconnect's: then the
         session starts over, and frames queued for the old one are dropped)."""
-        s = self._s
-        if s.generation or s.lname:
-            lost = s.lost
-            s.reset()
-            # Still down until WELCOME: nothing may be sent before HELLO.
-            s.lost = lost
+        self._fresh_session()
         self._stream = stream
         self._fd = stream.socket.fileno()
         self._conn = self._s.conn
