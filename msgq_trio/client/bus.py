@@ -879,7 +879,7 @@ async def connect(
     the broker's (CLOSE_WAIT s, longer while the broker still takes our bytes: it may be
     pausing our reads for backpressure; see ``close_patience``), closes the socket and
     cancels handler tasks (and a reconnect under way); pending calls fail with
-    ConnectionLost.
+    ConnectionLost; descriptors that came with messages nobody took are closed.
 
     Raises:
         ConnectError: no broker at the address, TLS failed, or it refused the handshake
@@ -911,5 +911,10 @@ async def connect(
                 with trio.CancelScope(shield=True):
                     await bus._close()
                 nursery.cancel_scope.cancel()
+    # Messages nobody took: the descriptors that came with them are ours to close.
+    for msg in bus._in:
+        msg.close()
+    bus._in.clear()
+    bus._in_bytes = 0
     if body_error is not None:
         raise body_error

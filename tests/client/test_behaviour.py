@@ -1042,6 +1042,35 @@ async def test_iteration_and_how_it_ends(driver: str, how: str, broker: Any) -> 
 
 
 # -- descriptors -------------------------------------------------------------------------
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client reads on demand
+async def test_descriptors_of_messages_nobody_took_are_closed_with_the_bus(
+    driver: str, broker: Any
+) -> None:
+    """A message carrying a descriptor that the application never took: closing the
+    bus closes the receiver's duplicate, so a pipe's read end sees EOF once the sender
+    closed its own write end too (a leaked duplicate would keep the pipe open)."""
+    r, w = os.pipe()
+    try:
+        async with (
+            msgq_trio.connect(broker.path, "tx") as tx,
+            open_client(driver, broker.path, "rx") as rx,
+        ):
+            await tx.send(rx.lname, "with a descriptor", fds=[w])
+            with trio.fail_after(HANG):
+                for _ in range(100_000):  # polled: the message waits in rx's driver
+                    if await rx.setup(lambda bus: len(bus._in)):
+                        break
+                    await trio.sleep(0.01)
+        os.close(w)
+        w = -1
+        os.set_blocking(r, False)
+        assert os.read(r, 1) == b""
+    finally:
+        os.close(r)
+        if w != -1:
+            os.close(w)
+
+
 @pytest.mark.parametrize("receiver", DRIVERS)
 @pytest.mark.parametrize("sender", ASYNC_DRIVERS)  # the direct client sends no descriptors
 async def test_a_descriptor_travels_with_a_message(sender: str, receiver: str, broker: Any) -> None:
