@@ -37,7 +37,7 @@ from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds
 from ..transport.fdpass import ancillary_size, take_fds, unconsumed_bytes  # no trio
 from ..transport.tls import client_context_from_env  # ssl only: no trio
 from .api import (
@@ -48,7 +48,7 @@ from .api import (
     hello_extra,
     parse_address,
 )
-from .message import Buffer, Message, close_fds
+from .message import Buffer, Message
 from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,

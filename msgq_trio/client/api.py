@@ -37,8 +37,8 @@ from ..errors import ConnectError, ConnectionLost, MsgqError, UsageError
 from ..protocol.codes import ErrorCode
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
-from ..protocol.framing import Frame
-from .message import Buffer, Member, Message, Result, close_fds
+from ..protocol.framing import Frame, close_fds
+from .message import Buffer, Member, Message, Result
 from .reconnect import (
     Backoff,
     Reconnect,

@@ -16,7 +16,7 @@ import attrs
 from ..errors import MalformedMessage, MsgqError, UsageError
 from ..protocol.codes import FrameType
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame
+from ..protocol.framing import Frame, close_fds
 
 Buffer = bytes | bytearray | memoryview
 
@@ -32,20 +32,6 @@ _KIND: dict[int, str] = {
     FrameType.REQUEST: "request",
     FrameType.REPLY: "answer",
 }
-
-
-def close_fds(fds: Sequence[int]) -> None:
-    """Close descriptors we own, ignoring ones already closed.
-
-    XX the socket toolkit (``transport/sockets.py``) has the same three lines; it imports
-    trio, which this layer must not, so the two stay apart until the toolkit's trio-free
-    helpers get a module of their own.
-    """
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def split_source(source: bytes, cache: Sources) -> tuple[str, str, str, str | None]:

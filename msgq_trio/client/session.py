@@ -54,13 +54,14 @@ from ..protocol.framing import (
     DEFAULT_MAX_FRAME_SIZE,
     FdBuffer,
     Frame,
+    close_fds,
     encode_bytes_message,
     encode_cbor,
     encode_frame,
     encode_simple,
     encode_small_bytes,
 )
-from .message import Buffer, Message, Reply, Result, Sources, close_fds, dup_all, split_source
+from .message import Buffer, Message, Reply, Result, Sources, dup_all, split_source
 
 log = logging.getLogger("msgq_trio.client")
 

@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import array
 import fcntl
-import os
 import socket as pysocket
 import termios
 
 from ..protocol.codes import ErrorCode
 from ..protocol.errors import RemoteProtocolError
+from ..protocol.framing import close_fds
 
 __all__ = ["ancillary_size", "close_fds", "take_fds", "unconsumed_bytes"]
 
 _FD_SIZE = array.array("i").itemsize
-
-
-def close_fds(fds: list[int] | tuple[int, ...]) -> None:
-    """Close descriptors we own, ignoring ones already closed."""
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def ancillary_size(max_fds: int) -> int:
