@@ -38,7 +38,13 @@ from ..protocol.codes import FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds
-from ..transport.fdpass import ancillary_size, take_fds, unconsumed_bytes  # no trio
+from ..transport.fdpass import (  # no trio
+    RECEIVE_SIZE,
+    SEND_BUFFER,
+    ancillary_size,
+    take_fds,
+    unconsumed_bytes,
+)
 from ..transport.tls import client_context_from_env  # ssl only: no trio
 from .api import (
     BusBase,
@@ -52,8 +58,6 @@ from .message import Buffer, Message
 from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
-    RECEIVE_SIZE,
-    SEND_BUFFER,
     Closed,
     PendingCall,
     Request,

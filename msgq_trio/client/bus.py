@@ -24,6 +24,7 @@ from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
 from ..transport.errors import translate_socket_errors
+from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
 from ..transport.sockets import (
     NO_JOIN,
     SocketReceiver,
@@ -47,8 +48,6 @@ from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
-    RECEIVE_SIZE,
-    SEND_BUFFER,
     Closed,
     PendingCall,
     Request,

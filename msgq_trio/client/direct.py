@@ -41,6 +41,7 @@ from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame
+from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
 from ..transport.sockets import (
     ancillary_size,
     close_fds,
@@ -63,8 +64,6 @@ from .reconnect import (
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
-    RECEIVE_SIZE,
-    SEND_BUFFER,
     Closed,
     Request,
     Send,

@@ -80,15 +80,9 @@ IN_HIGH_WATER = 64 * 1024 * 1024
 #: ahead of the application keeps every waiting message alive through the garbage
 #: collector's passes, and full passes over a hundred thousand of them cost more than
 #: the messages themselves (BENCHMARKS.md, "Client CPU per message"). 2,048 is about
-#: one receive of 100-byte messages (``RECEIVE_SIZE``): the application always has a
+#: one receive of 100-byte messages (the drivers' ``RECEIVE_SIZE``): the application always has a
 #: receive's worth to take while the next one arrives; 8,192 cost more CPU per message.
 IN_HIGH_COUNT = 2048
-#: Bytes one receive asks the kernel for.
-RECEIVE_SIZE = 256 * 1024
-#: SO_SNDBUF asked for the client's socket: the bytes in flight towards the broker. Same
-#: default and reason as the broker's ``Limits.socket_send_buffer`` (1 MiB; the kernel's
-#: 208 KiB default costs a wakeup per 208 KiB of a large frame).
-SEND_BUFFER = 1024 * 1024
 #: Descriptors one message may carry until WELCOME gives the broker's
 #: ``max_fds_per_message`` (its default, Linux's SCM_MAX_FD).
 DEFAULT_MAX_FDS = 253

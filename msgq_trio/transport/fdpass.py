@@ -17,9 +17,22 @@ from ..protocol.codes import ErrorCode
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import close_fds
 
-__all__ = ["ancillary_size", "close_fds", "take_fds", "unconsumed_bytes"]
+__all__ = [
+    "RECEIVE_SIZE",
+    "SEND_BUFFER",
+    "ancillary_size",
+    "close_fds",
+    "take_fds",
+    "unconsumed_bytes",
+]
 
 _FD_SIZE = array.array("i").itemsize
+#: Bytes one client receive asks the kernel for (every client driver).
+RECEIVE_SIZE = 256 * 1024
+#: SO_SNDBUF asked for a client's socket: the bytes in flight towards the broker. Same
+#: default and reason as the broker's ``Limits.socket_send_buffer`` (1 MiB; the kernel's
+#: 208 KiB default costs a wakeup per 208 KiB of a large frame).
+SEND_BUFFER = 1024 * 1024
 
 
 def ancillary_size(max_fds: int) -> int:

@@ -42,9 +42,10 @@ from msgq_trio import (
     UsageError,
 )
 from msgq_trio.client.reconnect import GAVE_UP
-from msgq_trio.client.session import IN_HIGH_COUNT, RECEIVE_SIZE
+from msgq_trio.client.session import IN_HIGH_COUNT
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
+from msgq_trio.transport.fdpass import RECEIVE_SIZE
 
 DRIVERS = ["trio", "direct", "asyncio"]
 #: The direct client sends no attachments, descriptors or notifications and has no
