@@ -159,18 +159,6 @@ class Bus(BusBase):
         self._out_bytes = 0
         self._out_fds = 0
 
-    @property
-    def _welcome(self) -> dict[str, object]:
-        return self._s.welcome
-
-    @property
-    def _stamp(self) -> bytes:
-        return self._s.stamp
-
-    @property
-    def _calls(self) -> dict[int, PendingCall]:
-        return self._s.calls
-
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_fields: dict[str, object]) -> None:
         """Send HELLO and take WELCOME (see ``_take_welcome``).

@@ -208,7 +208,7 @@ async def test_valid_token_works_end_to_end(tcp_broker) -> None:
         msgq_trio.connect(b.path, name="svc") as svc,
         msgq_trio.connect(b.url, name="remote", token=ALICE) as remote,
     ):
-        assert remote._welcome["identity"] == "tcp:alice"
+        assert remote.session.welcome["identity"] == "tcp:alice"
         await svc.subscribe("Svc")
         svc.add_command("add", lambda p: sum(p))  # noqa: PLW0108 (sum takes 2 params)
         remote.add_command("mul", lambda p: p[0] * p[1])
@@ -457,7 +457,7 @@ async def test_tls_token_and_client_certificate(tcp_broker, pki) -> None:
         async with msgq_trio.connect(
             b.url, name="cert", ssl_context=client_ctx(pki["ca"], pki["carol"])
         ) as c:
-            assert c._welcome["identity"] == "tcp:carol"
+            assert c.session.welcome["identity"] == "tcp:carol"
             assert await c.call("Svc", "who") == "cert"
         with pytest.raises(ConnectError):
             async with msgq_trio.connect(
@@ -494,12 +494,12 @@ async def test_tls_trust_and_client_certificate_from_the_environment(
     assert "TLS" in str(ei.value)
     monkeypatch.setenv("MSGQ_TRIO_TLS_CA", pki["client_ca"])
     async with msgq_trio.connect(b.url, name="tok", token=ALICE) as t:
-        assert t._welcome["identity"] == "tcp:alice"
+        assert t.session.welcome["identity"] == "tcp:alice"
     carol = short_tmp / "carol.pem"
     pki["carol"].private_key_and_cert_chain_pem.write_to_path(str(carol))
     monkeypatch.setenv("MSGQ_TRIO_TLS_CERT", str(carol))
     async with msgq_trio.connect(b.url, name="cert") as c:
-        assert c._welcome["identity"] == "tcp:carol"
+        assert c.session.welcome["identity"] == "tcp:carol"
     monkeypatch.setenv("MSGQ_TRIO_TLS_CA", str(short_tmp / "absent.pem"))
     with pytest.raises(UsageError, match=r"MSGQ_TRIO_TLS_CA .*absent\.pem"):
         async with msgq_trio.connect(b.url, name="y", token=ALICE):

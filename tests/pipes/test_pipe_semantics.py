@@ -340,7 +340,7 @@ async def test_closed_ends_leave_no_call_slots(pipe_broker: Callable[..., Any]) 
             with trio.move_on_after(0.05):
                 await r.read(10)  # leaves its reads in flight
             await r.aclose()
-        assert bus._calls == {}
+        assert bus.session.calls == {}
 
 
 async def test_write_timeout_reports_the_prefix_written(pipe_broker: Callable[..., Any]) -> None:
@@ -424,4 +424,4 @@ async def test_reader_closed_by_another_task_while_reading(
             assert isinstance(outcome[0], trio.ClosedResourceError), f"round {i}: {outcome[0]!r}"
             with pytest.raises(trio.ClosedResourceError):
                 await r.receive_some(100)
-        assert not rb._calls
+        assert not rb.session.calls

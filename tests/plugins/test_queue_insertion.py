@@ -309,7 +309,9 @@ async def test_malformed_body(queue_broker: Start, bound: bool) -> None:
     WARNING naming the sender, and keeps serving (it used to crash the plugin)."""
     async with sql_group(queue_broker, bound) as s:
         p = s.producer
-        p._queue(encode_frame(FrameType.MESSAGE, target="SQL", body=b"\x9f", source=p._stamp))
+        p._queue(
+            encode_frame(FrameType.MESSAGE, target="SQL", body=b"\x9f", source=p.session.stamp)
+        )
         await p.send("SQL", "after")
         for m in s.members:
             first = await m.bus.receive(timeout=10)
