@@ -242,9 +242,13 @@ def face_imports(source: str, package: str) -> list[str]:
     return bad
 
 
-def separate_layer_files() -> list[tuple[Path, str, tuple[str, ...]]]:
+def separate_layer_files(
+    layers: dict[Path, tuple[str, tuple[str, ...]]] = SEPARATE_LAYERS,
+) -> list[tuple[Path, str, tuple[str, ...]]]:
+    """Every .py file under each directory of ``layers`` (subpackages included), with
+    the package its relative imports resolve against and what it may not import."""
     files = []
-    for directory, (package, forbidden) in SEPARATE_LAYERS.items():
+    for directory, (package, forbidden) in layers.items():
         for path in sorted(directory.rglob("*.py")):
             parts = [
                 p for p in path.relative_to(directory).with_suffix("").parts if p != "__init__"
@@ -451,20 +455,6 @@ PLUGIN_LAYERS = {
 }
 
 
-def plugin_layer_files() -> list[tuple[Path, str, tuple[str, ...]]]:
-    """Every .py file under plugins/ (each plugin's subpackage included) and core/, with
-    the package its relative imports resolve against and what it may not import."""
-    files = []
-    for directory, (package, forbidden) in PLUGIN_LAYERS.items():
-        for path in sorted(directory.rglob("*.py")):
-            parts = [
-                p for p in path.relative_to(directory).with_suffix("").parts if p != "__init__"
-            ]
-            pkg_parts = parts if path.name == "__init__.py" else parts[:-1]
-            files.append((path, ".".join([package, *pkg_parts]), forbidden))
-    return files
-
-
 def plugin_layer_forbidden(package: str) -> tuple[str, ...]:
     """What a module of ``package`` (``msgq_trio.plugins.queue``, ``msgq_trio.core``) may
     not import under PLUGIN_LAYERS."""
@@ -474,7 +464,7 @@ def plugin_layer_forbidden(package: str) -> tuple[str, ...]:
 def test_plugin_layers_have_files() -> None:
     """plugins/ with each shipped plugin's package, and core/, are found (else the next
     test would be vacuous)."""
-    found = {(p.parent.name, p.name, pkg) for p, pkg, _ in plugin_layer_files()}
+    found = {(p.parent.name, p.name, pkg) for p, pkg, _ in separate_layer_files(PLUGIN_LAYERS)}
     for plugin in ("queue", "pipe", "link"):
         assert (plugin, "settings.py", f"msgq_trio.plugins.{plugin}") in found
     assert ("plugins", "api.py", "msgq_trio.plugins") in found
@@ -483,8 +473,8 @@ def test_plugin_layers_have_files() -> None:
 
 @pytest.mark.parametrize(
     "path,package,forbidden",
-    plugin_layer_files(),
-    ids=[str(p.relative_to(ROOT)) for p, _, _ in plugin_layer_files()],
+    separate_layer_files(PLUGIN_LAYERS),
+    ids=[str(p.relative_to(ROOT)) for p, _, _ in separate_layer_files(PLUGIN_LAYERS)],
 )
 def test_plugins_never_import_core_io_or_ops_and_core_no_plugin(
     path: Path, package: str, forbidden: tuple[str, ...]
