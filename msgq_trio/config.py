@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -458,6 +459,32 @@ def is_loopback(host: str) -> bool:
 ACCESS_VERBS = ("send", "subscribe", "call", "bind", "consume", "produce")
 
 
+def _verb_table(verbs: Mapping[str, str]) -> dict[str, str]:
+    return dict(verbs)
+
+
+@attrs.frozen
+class CommandAccess:
+    """What a plugin's commands need from the access policy, declared by the plugin
+    (``Plugin.access``, plugins/api.py) and enforced by the broker (core/access.py) on a
+    restricted client's REQUEST to ``group``: a command listed in ``verbs`` needs that
+    verb on the object the request's ``params[param]`` names, besides ``call`` on the
+    group. Commands not listed need ``call`` only.
+
+    * ``group``: the group the plugin answers these commands on. The broker's
+      ``[access] queue_group`` replaces it for the plugin registered as ``queue``.
+    * ``param``: the params key naming the object (the queue plugin's: ``"queue"``); a
+      request without a string there is refused, since nothing could be granted on it.
+    * ``verbs``: command -> one of :data:`ACCESS_VERBS` (the queue plugin's commands need
+      ``consume`` or ``produce``). The broker refuses to start with a plugin that
+      declares any other verb (plugins/loader.py).
+    """
+
+    group: str
+    param: str
+    verbs: dict[str, str] = attrs.field(converter=_verb_table)
+
+
 @attrs.frozen
 class AccessRule:
     """One ``[[access]]`` table: what the identities matching ``who`` may do.
@@ -500,9 +527,10 @@ class AccessSettings:
       members, unsubscribe) until a rule grants them more. A client is checked against
       the rules whose ``who`` matches it, the union of their grants; a Unix client no
       rule matches keeps everything, a TCP client no rule matches gets nothing.
-    * ``queue_group`` "msgq-queue": the queue plugin's group, whose consumer commands
-      (consume, fetch, ack, nack, cancel) need ``consume`` and producer commands
-      (put, put_many, declare) ``produce`` on the queue named in the request.
+    * ``queue_group`` "msgq-queue": the queue plugin's group, on which the verbs the
+      queue plugin declares for its commands (:class:`CommandAccess`; its consumer
+      commands need ``consume``, its producer commands ``produce`` on the queue named
+      in the request) are checked, whether or not this broker runs the plugin.
     """
 
     rules: tuple[AccessRule, ...] = attrs.field(default=(), converter=tuple)

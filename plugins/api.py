@@ -16,6 +16,22 @@ client. Why a child process and not tasks inside the broker:
 
 Lifetime: the child dies with the broker. Its stdin is a pipe from the broker that is
 never written; EOF on it (the broker exited, even by SIGKILL) ends the child at once.
+
+Access: a plugin whose commands act on objects of its own (the queue plugin's queues)
+declares the verb each command needs in an optional ``access`` attribute, a
+:class:`CommandAccess` (group, params key, command -> verb). The broker reads it when it
+starts (``plugins/loader.py``: for every enabled plugin, and for the ``queue`` plugin
+always) and checks a restricted client's request to that group for the declared verb on
+the object ``params[param]`` names, besides ``call`` on the group (docs/SECURITY.md). A
+declaration naming a verb the broker does not know stops the broker's start with an
+error naming the plugin. The broker's core knows no plugin's command names.
+
+What a plugin may import (``tests/test_layering.py``): this API and the rest of
+``msgq_trio.plugins``, the clients (``msgq_trio.client``), the protocol, the errors,
+the configuration's value types, the storage backends and the shared metrics endpoint
+(``msgq_trio.exposition``); never the broker's core (``msgq_trio.core``), its daemon
+(``msgq_trio.io``) or its operations layer (``msgq_trio.ops``). A plugin is a client
+of the broker, not a part of it.
 """
 
 from __future__ import annotations
@@ -26,7 +42,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import trio
 
-__all__ = ["ENTRY_POINT_GROUP", "Plugin"]
+from msgq_trio.config import ACCESS_VERBS, CommandAccess
+
+__all__ = ["ACCESS_VERBS", "ENTRY_POINT_GROUP", "CommandAccess", "Plugin"]
 
 #: The entry-point group plugins register under.
 ENTRY_POINT_GROUP = "msgq_trio.plugins"
@@ -38,6 +56,9 @@ class Plugin(Protocol):
 
     Attributes:
         name: the plugin's name (the entry point's name by convention).
+        access: optional (not part of the runtime check, so a plugin may leave it out):
+            a :class:`CommandAccess`, the verbs its commands need on the objects their
+            params name; see the module docstring.
     """
 
     name: str

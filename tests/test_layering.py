@@ -1,7 +1,9 @@
 """Layering: the sans-I/O protocol, the pure core and the storage backends never import
 trio or the I/O layer; the client's sans-I/O session (and its value types) imports no
-event loop, no socket, no thread and none of its drivers. Checked on the source with ast
-(importing would hide lazy imports and would itself import trio through the package)."""
+event loop, no socket, no thread and none of its drivers; plugins never import the
+broker's core, daemon or operations layer, and the core no plugin. Checked on the source
+with ast (importing would hide lazy imports and would itself import trio through the
+package)."""
 
 from __future__ import annotations
 
@@ -240,9 +242,13 @@ def face_imports(source: str, package: str) -> list[str]:
     return bad
 
 
-def separate_layer_files() -> list[tuple[Path, str, tuple[str, ...]]]:
+def separate_layer_files(
+    layers: dict[Path, tuple[str, tuple[str, ...]]] = SEPARATE_LAYERS,
+) -> list[tuple[Path, str, tuple[str, ...]]]:
+    """Every .py file under each directory of ``layers`` (subpackages included), with
+    the package its relative imports resolve against and what it may not import."""
     files = []
-    for directory, (package, forbidden) in SEPARATE_LAYERS.items():
+    for directory, (package, forbidden) in layers.items():
         for path in sorted(directory.rglob("*.py")):
             parts = [
                 p for p in path.relative_to(directory).with_suffix("").parts if p != "__init__"
@@ -436,3 +442,80 @@ def test_the_asyncio_pipe_face_imports_no_trio() -> None:
     """msgq_trio/client/aio_pipe.py (imported by the asyncio face) imports no trio."""
     path = ROOT / "msgq_trio" / "client" / "aio_pipe.py"
     assert violations(path.read_text(), "msgq_trio.client", AIO_FORBIDDEN) == []
+
+
+#: Plugins are clients of the broker, not parts of it (plugins/api.py): they import the
+#: plugin API, the clients, the protocol, the errors, the configuration's value types,
+#: storage and the shared metrics endpoint, never the broker's core, daemon or operations
+#: layer. The core in turn knows no plugin: what a plugin's commands need from the access
+#: policy reaches it as data (``Policy.commands``), read by the loader.
+PLUGIN_LAYERS = {
+    ROOT / "plugins": ("msgq_trio.plugins", ("msgq_trio.core", "msgq_trio.io", "msgq_trio.ops")),
+    ROOT / "msgq_trio" / "core": ("msgq_trio.core", ("msgq_trio.plugins", "msgq_trio.ops")),
+}
+
+
+def plugin_layer_forbidden(package: str) -> tuple[str, ...]:
+    """What a module of ``package`` (``msgq_trio.plugins.queue``, ``msgq_trio.core``) may
+    not import under PLUGIN_LAYERS."""
+    return next(f for p, f in PLUGIN_LAYERS.values() if package == p or package.startswith(p + "."))
+
+
+def test_plugin_layers_have_files() -> None:
+    """plugins/ with each shipped plugin's package, and core/, are found (else the next
+    test would be vacuous)."""
+    found = {(p.parent.name, p.name, pkg) for p, pkg, _ in separate_layer_files(PLUGIN_LAYERS)}
+    for plugin in ("queue", "pipe", "link"):
+        assert (plugin, "settings.py", f"msgq_trio.plugins.{plugin}") in found
+    assert ("plugins", "api.py", "msgq_trio.plugins") in found
+    assert ("core", "access.py", "msgq_trio.core") in found
+
+
+@pytest.mark.parametrize(
+    "path,package,forbidden",
+    separate_layer_files(PLUGIN_LAYERS),
+    ids=[str(p.relative_to(ROOT)) for p, _, _ in separate_layer_files(PLUGIN_LAYERS)],
+)
+def test_plugins_never_import_core_io_or_ops_and_core_no_plugin(
+    path: Path, package: str, forbidden: tuple[str, ...]
+) -> None:
+    """No module under plugins/ imports msgq_trio.core, msgq_trio.io or msgq_trio.ops,
+    and no module of msgq_trio/core imports msgq_trio.plugins or msgq_trio.ops, anywhere
+    in the file (lazy imports included), absolutely or relatively."""
+    assert layer_violations(path.read_text(), package, forbidden) == []
+
+
+@pytest.mark.parametrize(
+    "source,package",
+    [
+        ("from msgq_trio.core.router import valid_group_name", "msgq_trio.plugins.queue"),
+        ("from msgq_trio.ops.metrics import parse_listen", "msgq_trio.plugins.link"),
+        ("def f():\n    from ...core import access\n", "msgq_trio.plugins.queue"),
+        ("from ... import ops", "msgq_trio.plugins.pipe"),
+        ("from .. import core", "msgq_trio.plugins"),
+        ("import msgq_trio.io.server", "msgq_trio.plugins"),
+        ("from ..plugins.queue import ACCESS", "msgq_trio.core"),
+        ("def f():\n    import msgq_trio.plugins.loader\n", "msgq_trio.core"),
+        ("from ..ops.metrics import TrafficTotals", "msgq_trio.core"),
+    ],
+)
+def test_plugin_layer_checker_catches_violations(source: str, package: str) -> None:
+    """The checker flags a plugin importing the core, the daemon or the operations
+    layer, and the core importing a plugin, in each spelling."""
+    assert layer_violations(source, package, plugin_layer_forbidden(package))
+
+
+@pytest.mark.parametrize(
+    "source,package",
+    [
+        ("from msgq_trio.protocol.names import valid_group_name", "msgq_trio.plugins.queue"),
+        ("from msgq_trio.exposition import MetricsServer", "msgq_trio.plugins.link"),
+        ("from ..api import CommandAccess", "msgq_trio.plugins.queue"),
+        ("from msgq_trio.client.bus import connect", "msgq_trio.plugins.pipe"),
+        ("import msgq_trio.coreutils", "msgq_trio.plugins"),
+        ("from ..config import CommandAccess", "msgq_trio.core"),
+    ],
+)
+def test_plugin_layer_checker_allows_the_rest(source: str, package: str) -> None:
+    """What plugins and the core may import, and look-alikes, pass."""
+    assert layer_violations(source, package, plugin_layer_forbidden(package)) == []

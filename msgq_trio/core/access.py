@@ -7,6 +7,11 @@ Access answers ``allowed(verb, name)`` from a per-peer cache, so a burst of fram
 target costs one dict lookup per frame after the first; the globs are matched only on a
 cache miss. Caches are bounded (cleared when full, like the router's parse cache).
 
+Plugin commands: a plugin declares the verb each of its commands needs on the object its
+params name (:class:`msgq_trio.config.CommandAccess`); the layer that loads plugins
+hands the declarations to :class:`Policy` as data, keyed by group, so this module knows
+no plugin's command names.
+
 Identities (docs/SECURITY.md): ``tcp:NAME`` (a token's name or a client certificate's CN),
 ``unix:USER``, ``uid:N`` and ``gid:N`` (SO_PEERCRED), ``group:NAME`` (each group of that
 user in the group database). ``who`` patterns are globs over these; a peer matches a
@@ -17,30 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
-from ..config import ACCESS_VERBS, AccessRule, AccessSettings
+from ..config import ACCESS_VERBS, AccessRule, AccessSettings, CommandAccess
 
 #: Per-peer, per-verb cache entries before the cache is cleared.
 _CACHE_MAX = 4096
 
 SEND, SUBSCRIBE, CALL, BIND, CONSUME, PRODUCE = ACCESS_VERBS
-#: Queue-plugin commands and the verb each needs on the queue named in its params.
-QUEUE_COMMANDS = {
-    "consume": CONSUME,
-    "fetch": CONSUME,
-    "ack": CONSUME,
-    "nack": CONSUME,
-    "cancel": CONSUME,
-    "put": PRODUCE,
-    "put_many": PRODUCE,
-    "send": PRODUCE,
-    "declare": PRODUCE,
-    # peek reads messages without taking them; purge removes them all, as consuming
-    # every one would.
-    "peek": CONSUME,
-    "purge": CONSUME,
-}
 
 
 def hash_token(token: str) -> str:
@@ -88,11 +78,20 @@ class Access:
 
 
 class Policy:
-    """The compiled ``[[access.rule]]`` list."""
+    """The compiled ``[[access.rule]]`` list, and the plugins' declared command verbs.
 
-    def __init__(self, settings: AccessSettings) -> None:
+    Args:
+        settings: the ``[access]`` configuration.
+        commands: group -> what the commands answered on it need (declared by the plugin
+            that answers them; the group is the one the broker enforces it on, already
+            resolved, e.g. ``[access] queue_group`` for the queue plugin).
+    """
+
+    def __init__(
+        self, settings: AccessSettings, commands: Mapping[str, CommandAccess] | None = None
+    ) -> None:
         self.rules = list(settings.rules)
-        self.queue_group = settings.queue_group
+        self.commands: dict[str, CommandAccess] = dict(commands or {})
 
     def for_peer(self, principals: list[str], *, remote: bool) -> Access | None:
         """The Access of a peer known as ``principals`` (e.g. ``["unix:bob", "uid:1000",

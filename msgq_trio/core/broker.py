@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..config import AccessSettings, Limits
+from ..config import AccessSettings, CommandAccess, Limits
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import (
@@ -27,17 +27,16 @@ from ..protocol.framing import (
     encode_frame,
     stamped,
 )
-from .access import BIND, CALL, QUEUE_COMMANDS, SEND, SUBSCRIBE, Access, Policy
+from ..protocol.names import MEMBERSHIP_GROUP, valid_group_name
+from .access import BIND, CALL, SEND, SUBSCRIBE, Access, Policy
 from .peers import Buffer, Peer
 from .router import (
     ANYCAST,
     BROKER,
     DIRECT,
     GROUP,
-    MEMBERSHIP_GROUP,
     RESERVED,
     Router,
-    valid_group_name,
 )
 from .rpc import Failure, PendingReplies
 
@@ -190,13 +189,24 @@ class Broker:
             self.policy = Policy(AccessSettings())
         return self.policy.for_peer(principals, remote=peer.remote)
 
-    def set_policy(self, settings: AccessSettings, principals: dict[Peer, list[str]]) -> None:
+    def set_policy(
+        self,
+        settings: AccessSettings,
+        principals: dict[Peer, list[str]],
+        commands: Mapping[str, CommandAccess] | None = None,
+    ) -> None:
         """Enforce ``settings`` from now on, for connected peers too (their cached
         decisions are dropped). A connected peer that holds a membership or a binding the
         new policy no longer grants is dropped with ``forbidden`` (the message names what
         was revoked), so a revoked subscription neither keeps receiving nor disappears
-        behind the client's back. The caller acts on ``kicked`` afterwards."""
-        self.policy = Policy(settings)
+        behind the client's back. The caller acts on ``kicked`` afterwards.
+
+        ``commands`` (group -> the verbs the plugin answering there declared, see
+        :class:`~msgq_trio.core.access.Policy`) replaces the table in force; None keeps
+        it."""
+        if commands is None:
+            commands = self.policy.commands if self.policy is not None else {}
+        self.policy = Policy(settings, commands)
         for peer, names in principals.items():
             if not peer.alive:
                 continue
@@ -874,24 +884,28 @@ class Broker:
         return "refused", 0
 
     def _check_call(self, peer: Peer, acl: Access, frame: Frame, command: str) -> str:
-        """Why ``peer`` may not make this request ("" if it may). Queue-plugin commands
-        also need ``consume``/``produce`` on the queue their params name (the one place
-        the broker decodes a request body, and only for a restricted peer's request to
-        the queue group)."""
+        """Why ``peer`` may not make this request ("" if it may). A command a plugin
+        declared a verb for (``Policy.commands``, e.g. the queue plugin's
+        ``consume``/``produce``) also needs that verb on the object its params name (the
+        one place the broker decodes a request body, and only for a restricted peer's
+        request to such a plugin's group)."""
         base = self.router.parse_target(frame.target)[1]
         if not acl.allowed(CALL, base):
             return self._refuse(peer, "call to", base)
         policy = self.policy
-        if policy is not None and base == policy.queue_group:
-            verb = QUEUE_COMMANDS.get(command)
+        declared = policy.commands.get(base) if policy is not None else None
+        if declared is not None:
+            verb = declared.verbs.get(command)
             if verb is not None:
                 try:
                     params = frame.body()
                 except RemoteProtocolError:
                     params = None
-                queue = params.get("queue") if isinstance(params, dict) else None
-                if not isinstance(queue, str) or not acl.allowed(verb, queue):
-                    return self._refuse(peer, f"{verb} (queue command {command!r}) on", str(queue))
+                name = params.get(declared.param) if isinstance(params, dict) else None
+                if not isinstance(name, str) or not acl.allowed(verb, name):
+                    return self._refuse(
+                        peer, f"{verb} ({declared.param} command {command!r}) on", str(name)
+                    )
         return ""
 
     def _answer(self, peer: Peer, frame: Frame) -> str:

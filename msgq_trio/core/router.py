@@ -9,33 +9,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
+from ..protocol.names import BROKER_NAME, BROKER_PREFIX, LNAME_PREFIX
 from .peers import Peer
-
-#: Groups whose names start with this are published by the broker only.
-BROKER_PREFIX = "msgq."
-BROKER_NAME = "msgq"
-LNAME_PREFIX = "l."
-MEMBERSHIP_GROUP = "msgq.membership"
 
 # Target kinds returned by parse_target.
 # RESERVED: a group under ``msgq.`` (published by the broker only; clients may subscribe).
 DIRECT, GROUP, INSTANCE, ANYCAST, BROKER, RESERVED = range(6)
 
-_MAX_NAME = 255
 _PARSE_CACHE_MAX = 65536
-
-
-def valid_group_name(name: str) -> str | None:
-    """Why ``name`` cannot be subscribed to, or None if it can."""
-    if not name or len(name) > _MAX_NAME:
-        return f"group name must be 1..{_MAX_NAME} characters"
-    if name.startswith(LNAME_PREFIX):
-        return f"group names starting with {LNAME_PREFIX!r} are reserved for lnames"
-    if name == BROKER_NAME:
-        return f"{BROKER_NAME!r} is the broker's own address"
-    if any(c in name for c in "[]\0"):
-        return "group names may not contain '[', ']' or NUL"
-    return None
 
 
 class Router:

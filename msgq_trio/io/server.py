@@ -22,14 +22,14 @@ import logging
 import os
 import socket as pysocket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import trio
 
 from .._version import __version__
-from ..config import AccessSettings, Limits, TcpSettings
+from ..config import AccessSettings, CommandAccess, Limits, TcpSettings
 from ..core.broker import Broker
 from ..core.peers import Peer
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
@@ -76,6 +76,9 @@ class Server:
         limits: bounds (see :class:`msgq_trio.config.Limits`).
         tcp: TCP/TLS listeners, tokens and heartbeats (docs/SECURITY.md); None = Unix only.
         access: the access policy; None = no rules.
+        commands: group -> the verbs the plugin answering on it declared for its
+            commands (:class:`~msgq_trio.config.CommandAccess`, resolved by the layer
+            that loads plugins); None = no plugin commands are checked beyond ``call``.
         activated: listening sockets handed over by the service manager (socket
             activation, docs/DEPLOY.md): an AF_UNIX one is served instead of binding
             ``path`` (and its file is left to the manager on exit), AF_INET/AF_INET6 ones
@@ -92,6 +95,7 @@ class Server:
         *,
         tcp: TcpSettings | None = None,
         access: AccessSettings | None = None,
+        commands: Mapping[str, CommandAccess] | None = None,
         activated: Sequence[pysocket.socket] = (),
         socket_mode: int | None = None,
         socket_gid: int | None = None,
@@ -106,7 +110,7 @@ class Server:
         self.limits = limits or Limits()
         self.tcp = tcp or TcpSettings()
         self.core = Broker(self.limits, version=__version__)
-        self.core.set_policy(access or AccessSettings(), {})
+        self.core.set_policy(access or AccessSettings(), {}, commands or {})
         #: Where the TCP listeners are bound (``host:port``), once running.
         self.tcp_addresses: list[str] = []
         self._tcp_listeners: list[trio.SocketListener] = []
@@ -241,10 +245,16 @@ class Server:
             heartbeat_misses=tcp.heartbeat_misses,
         )
 
-    def apply_access(self, access: AccessSettings) -> None:
+    def apply_access(
+        self, access: AccessSettings, commands: Mapping[str, CommandAccess] | None = None
+    ) -> None:
         """Enforce a new access policy, for connected clients too (decisions re-made; a
-        client holding a membership or binding the policy revokes is dropped)."""
-        self.core.set_policy(access, {pc.peer: pc.principals for pc in self.conns.values()})
+        client holding a membership or binding the policy revokes is dropped).
+        ``commands`` replaces the plugins' command table (see :class:`Server`); None
+        keeps the one in force."""
+        self.core.set_policy(
+            access, {pc.peer: pc.principals for pc in self.conns.values()}, commands
+        )
         self.after_core()
 
     def _cmd_stats(self, _peer: Peer, _params: object) -> dict[str, object]:

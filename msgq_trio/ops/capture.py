@@ -40,9 +40,9 @@ import trio
 from ..config import CAPTURE_BODY_MODES, CAPTURE_KINDS, CaptureSettings
 from ..core.broker import Broker
 from ..core.peers import Peer
-from ..core.router import MEMBERSHIP_GROUP
 from ..protocol.codes import Flag, FrameType
 from ..protocol.framing import PREFIX, PREFIX_SIZE, Frame, Run, encode_cbor, encode_frame
+from ..protocol.names import MEMBERSHIP_GROUP
 from .logsetup import TRAFFIC
 
 log = logging.getLogger("msgq_trio.capture")

@@ -25,21 +25,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from ..config import BrokerConfig, CaptureSettings
+from ..config import BrokerConfig, CaptureSettings, CommandAccess
 from ..core.broker import CommandError
 from ..core.peers import Peer
+from ..exposition import Exposition, MetricsServer
+from ..plugins.loader import PluginConfigError, enforced_commands
 from ..protocol.codes import ErrorCode
 from . import config_file, logsetup
 from .capture import TapHub, TrafficFilter
 from .config_file import ConfigError, ConfigSource
 from .logsetup import peer_fields
-from .metrics import Exposition, MetricsServer, TrafficTotals, process_figures
+from .metrics import TrafficTotals, process_figures
 
 if TYPE_CHECKING:
     from ..io.server import Server
@@ -86,6 +88,9 @@ class Operations:
         server: the broker (its core gets the commands and hooks).
         config: the configuration the server was started with.
         source: where :meth:`reload` reads the configuration again.
+        declared_access: plugin name -> the access verbs it declared for its commands
+            (``plugins.loader.access_declarations``): a reload that changes
+            ``[access] queue_group`` moves the queue plugin's checks with it.
         metrics_listeners / metrics_address: the bound metrics endpoint, if any.
     """
 
@@ -95,6 +100,7 @@ class Operations:
         config: BrokerConfig,
         source: ConfigSource,
         *,
+        declared_access: Mapping[str, CommandAccess],
         metrics_listeners: list[trio.SocketListener] | None = None,
         metrics_address: str | None = None,
     ) -> None:
@@ -102,6 +108,7 @@ class Operations:
         self.core = server.core
         self.config = config
         self.source = source
+        self.declared_access = dict(declared_access)
         self.hub = TapHub(server.core, server.after_core, lambda: server.limits.out_soft_limit)
         self.totals = TrafficTotals()
         self.own_uid = os.geteuid()
@@ -234,6 +241,16 @@ class Operations:
         if it fails, nothing has changed (ConfigError)."""
         old = self.config
         changes = config_file.diff(old, new)
+        commands = None
+        if new.access != old.access:
+            try:
+                commands = enforced_commands(new.access, self.declared_access)
+            except PluginConfigError as exc:
+                self.reloads_failed += 1
+                log.error(
+                    "%s: configuration refused, the running one stays in force: %s", origin, exc
+                )
+                raise ConfigError(str(exc), "access.queue_group", new.access.queue_group) from None
         prepared = None
         if new.log != old.log:
             try:
@@ -271,7 +288,7 @@ class Operations:
         if new.tcp != old.tcp:
             self.server.apply_tcp(new.tcp)
         if new.access != old.access:
-            self.server.apply_access(new.access)
+            self.server.apply_access(new.access, commands)
         if prepared is not None:
             logsetup.install(prepared)
             self.hub.set_traffic_logging(new.log.level == "TRAFFIC")

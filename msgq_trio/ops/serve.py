@@ -300,8 +300,9 @@ def _single(exc: BaseException) -> BaseException:
 async def _serve(config: Any, source: ConfigSource) -> int:
     import trio
 
+    from .. import exposition
     from ..io.server import BrokerAlreadyRunning, Server
-    from . import metrics
+    from ..plugins.loader import PluginConfigError, access_declarations, enforced_commands
     from .control import Operations
 
     path = Path(config.socket) if config.socket else default_socket_path()
@@ -326,11 +327,20 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                 file=sys.stderr,
             )
             return EXIT_CANNOT_START
+    try:
+        # The verbs the plugins' commands need (plugins/api.py), read before any client
+        # can connect: the policy is complete from the first frame.
+        declared = access_declarations(config.plugins)
+        commands = enforced_commands(config.access, declared)
+    except PluginConfigError as exc:
+        print(f"msgq-trio serve: cannot start: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
     server = Server(
         path,
         config.limits,
         tcp=config.tcp,
         access=config.access,
+        commands=commands,
         activated=activated,
         socket_mode=parse_socket_mode(config.socket_mode),
         socket_gid=resolve_group(config.socket_group),
@@ -339,14 +349,21 @@ async def _serve(config: Any, source: ConfigSource) -> int:
     address = None
     if config.metrics.listen:
         try:
-            listeners, address = await metrics.open_listeners(config.metrics.listen)
+            listeners, address = await exposition.open_listeners(config.metrics.listen)
         except (OSError, ValueError) as exc:
             print(
                 f"msgq-trio serve: cannot serve metrics on {config.metrics.listen}: {exc}",
                 file=sys.stderr,
             )
             return EXIT_CANNOT_START
-    ops = Operations(server, config, source, metrics_listeners=listeners, metrics_address=address)
+    ops = Operations(
+        server,
+        config,
+        source,
+        declared_access=declared,
+        metrics_listeners=listeners,
+        metrics_address=address,
+    )
     ops.install()
     started = False
     try:

@@ -48,7 +48,7 @@ import trio
 from msgq_trio.client.bus import Bus, connect
 from msgq_trio.client.queue import Consumer, Queue, QueueMessage
 from msgq_trio.errors import ConnectError, ConnectionLost, MsgqError, RequestTimeout, RpcError
-from msgq_trio.ops.metrics import Exposition, MetricsServer, open_plugin_listeners
+from msgq_trio.exposition import Exposition, MetricsServer, open_plugin_listeners
 
 from .settings import LinkConfig, LinkSettings
 

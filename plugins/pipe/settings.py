@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from msgq_trio.core.router import valid_group_name
+from msgq_trio.protocol.names import valid_group_name
 
 __all__ = ["PipeOptions", "PipeSettings", "parse_settings"]
 

@@ -14,23 +14,48 @@ from typing import Any
 import trio
 
 from msgq_trio.client.bus import connect
-from msgq_trio.ops.metrics import MetricsServer, open_plugin_listeners
+from msgq_trio.exposition import MetricsServer, open_plugin_listeners
 
+from ..api import CommandAccess
 from .engine import Engine
 from .metrics import AgeTracker, render_metrics
 from .service import Service
 from .settings import QueueSettings, max_store_size_for, parse_settings
 from .writer import open_store_dir
 
-__all__ = ["PLUGIN", "QueuePlugin"]
+__all__ = ["ACCESS", "PLUGIN", "QueuePlugin"]
 
 log = logging.getLogger("msgq_trio.plugins.queue")
+
+#: What each queue command needs from the access policy on the queue ``params["queue"]``
+#: names (docs/SECURITY.md); the broker enforces it on ``[access] queue_group``.
+#: Commands not listed (``stats``, ``queues``, ``producer_state``) need ``call`` only.
+ACCESS = CommandAccess(
+    group="msgq-queue",
+    param="queue",
+    verbs={
+        "consume": "consume",
+        "fetch": "consume",
+        "ack": "consume",
+        "nack": "consume",
+        "cancel": "consume",
+        "put": "produce",
+        "put_many": "produce",
+        "send": "produce",
+        "declare": "produce",
+        # peek reads messages without taking them; purge removes them all, as consuming
+        # every one would.
+        "peek": "consume",
+        "purge": "consume",
+    },
+)
 
 
 class QueuePlugin:
     """The plugin object the entry point loads (see ``msgq_trio.plugins.api.Plugin``)."""
 
     name = "queue"
+    access = ACCESS
 
     def check_config(self, table: Mapping[str, Any]) -> QueueSettings:
         return parse_settings(table)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import trio
 from msgq_trio.storage.api import QueueStore, StorageError
 
-from msgq_trio.ops.metrics import Exposition
+from msgq_trio.exposition import Exposition
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -187,7 +187,7 @@ def render_metrics(engine: Engine, ages: AgeTracker, now: float | None = None) -
     """The engine's queues as Prometheus text (format 0.0.4): one sample per queue per
     family (label ``queue``), then the plugin-wide store figures. Counters count since
     the plugin process started. The result carries its families, so the endpoint
-    (``msgq_trio.ops.metrics.MetricsServer``) also answers in OpenMetrics and adds the
+    (``msgq_trio.exposition.MetricsServer``) also answers in OpenMetrics and adds the
     plugin process's ``process_*`` families."""
     now = trio.current_time() if now is None else now
     queues = sorted(engine.queues.values(), key=lambda q: q.name)

@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from msgq_trio.core.router import valid_group_name
-from msgq_trio.ops.metrics import parse_listen
+from msgq_trio.exposition import parse_listen
+from msgq_trio.protocol.names import valid_group_name
 
 __all__ = ["QueueOptions", "QueueSettings", "max_store_size_for", "parse_settings"]
 

@@ -15,8 +15,8 @@ from msgq_trio.core.router import (
     GROUP,
     INSTANCE,
     Router,
-    valid_group_name,
 )
+from msgq_trio.protocol.names import valid_group_name
 
 
 def peer(n: int, name: str = "") -> Peer:
