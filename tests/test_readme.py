@@ -19,12 +19,14 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 EXPECTED = {
     0: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
     1: ["Auth accepted a connection on the socket it was handed"],
-    2: ["There are 42 zones"],
-    3: ["There are 42 zones", "Bad luck happened: no-recipient"],
-    4: ["line 0", "line 1", "line 2"],
-    5: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
-    6: ["line 0", "line 1", "line 2"],
-    7: ["connected; reconnects so far: 0"],
+    2: ["Auth accepted a connection on the socket it was handed (asyncio)"],
+    3: ["There are 42 zones"],
+    4: ["There are 42 zones", "Bad luck happened: no-recipient"],
+    5: ["line 0", "line 1", "line 2"],
+    6: ["There are 42 zones", "Bad luck happened: no-recipient", "message from ZoneMgr"],
+    7: ["line 0", "line 1", "line 2"],
+    8: ["connected; reconnects so far: 0"],
+    9: ["asyncio: connected; reconnects so far: 0"],
 }
 
 
