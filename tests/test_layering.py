@@ -519,3 +519,68 @@ def test_plugin_layer_checker_catches_violations(source: str, package: str) -> N
 def test_plugin_layer_checker_allows_the_rest(source: str, package: str) -> None:
     """What plugins and the core may import, and look-alikes, pass."""
     assert layer_violations(source, package, plugin_layer_forbidden(package)) == []
+
+
+def runtime_imports(source: str, package: str) -> set[str]:
+    """Modules ``source`` imports when it is imported: module-level statements only, not
+    ``if TYPE_CHECKING:`` blocks nor imports inside functions (lazy ones run later, once
+    every module is loaded)."""
+    tree = ast.parse(source)
+    top: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            top.extend(node.orelse)
+        else:
+            top.append(node)
+    module = ast.Module(
+        body=[n for n in top if isinstance(n, ast.Import | ast.ImportFrom)], type_ignores=[]
+    )
+    return {name for _, name in imported_modules(ast.unparse(module), package)}
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle in ``graph`` (module -> modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt in graph and not state.get(nxt):
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if not state.get(node):
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_client_modules_import_no_cycle() -> None:
+    """The client's modules import one another without a cycle at import time (a type
+    imported for annotations only, or a lazy import in a function, is no edge)."""
+    client = ROOT / "msgq_trio" / "client"
+    names = {f"msgq_trio.client.{p.stem}" for p in client.glob("*.py")}
+    graph = {
+        f"msgq_trio.client.{p.stem}": runtime_imports(p.read_text(), "msgq_trio.client") & names
+        for p in client.glob("*.py")
+    }
+    assert len(graph) > 8
+    assert import_cycle(graph) is None, import_cycle(graph)
+
+
+def test_cycle_checker_finds_a_cycle() -> None:
+    """The checker is not vacuous: a two-module cycle and a type-only import."""
+    a = runtime_imports("from .b import x\nif TYPE_CHECKING:\n    from .c import y\n", "p")
+    assert a == {"p.b", "p.b.x"}
+    assert import_cycle({"p.a": {"p.b"}, "p.b": {"p.a"}}) == ["p.a", "p.b", "p.a"]
+    assert import_cycle({"p.a": {"p.b"}, "p.b": set()}) is None
