@@ -47,6 +47,13 @@ def ready_plugin_pids(log: str, plugin: str = "queue") -> list[int]:
     return [int(p) for p in re.findall(rf"plugin {plugin} ready \(pid (\d+)\)", log)]
 
 
+def ready_plugin_pid(broker: Any, plugin: str = "queue") -> int:
+    """The pid of the newest ``plugin`` process the broker's log says is ready, waiting
+    for that line: the broker writes its log from a thread, so the line can land after
+    the plugin already answers clients."""
+    return ready_plugin_pids(broker.log_with(f"plugin {plugin} ready"), plugin)[-1]
+
+
 @asynccontextmanager
 async def engine_on_memory_store(**settings: Any) -> AsyncIterator[tuple[Engine, trio.Nursery]]:
     """A queue engine in this process on the memory store, with queue ``q`` declared and

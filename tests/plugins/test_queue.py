@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import trio
-from plugin_helpers import eventually, ready_plugin_pids
+from plugin_helpers import eventually, ready_plugin_pid, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio import sync
@@ -420,7 +420,7 @@ async def test_plugin_restarted_after_crash(queue_broker: Start) -> None:
     b = queue_broker({"pc": {}})
     async with msgq_trio.connect(b.path, "p") as p:
         assert await p.queue("pc").put("kept") == "stored"
-    os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
+    os.kill(ready_plugin_pid(b), signal.SIGKILL)
     await eventually(lambda: len(ready_plugin_pids(b.log())) >= 2, 20)
     assert "plugin queue exited with status -9; restarting" in b.log()
     async with msgq_trio.connect(b.path, "c") as c:

@@ -302,7 +302,10 @@ async def test_metrics_endpoint_matches_stats(queue_broker: Start) -> None:
     count is the commits; the oldest message's age is at least the time since its put
     was answered, 0 for an empty queue."""
     b = queue_broker({"q": {}, "idle": {}}, metrics="127.0.0.1:0", **PAGING)
-    m = re.search(r"queue plugin: metrics on http://(127\.0\.0\.1:\d+)/metrics", b.log())
+    m = re.search(
+        r"queue plugin: metrics on http://(127\.0\.0\.1:\d+)/metrics",
+        b.log_with("queue plugin: metrics on"),  # the broker's log thread may lag
+    )
     assert m, b.log()[-3000:]
     address = m.group(1)
     async with msgq_trio.connect(b.path, "p") as p:
@@ -366,7 +369,10 @@ async def test_metrics_openmetrics_and_process(queue_broker: Start) -> None:
     store counters and the commit histogram (buckets up to ``+Inf`` equal to its count),
     plus the plugin process's own ``process_*`` families."""
     b = queue_broker({"q": {}}, metrics="127.0.0.1:0")
-    m = re.search(r"queue plugin: metrics on http://(127\.0\.0\.1:\d+)/metrics", b.log())
+    m = re.search(
+        r"queue plugin: metrics on http://(127\.0\.0\.1:\d+)/metrics",
+        b.log_with("queue plugin: metrics on"),  # the broker's log thread may lag
+    )
     assert m, b.log()[-3000:]
     async with msgq_trio.connect(b.path, "p") as p:
         q = p.queue("q")

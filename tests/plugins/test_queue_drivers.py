@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from driver_harness import ASYNC_DRIVERS, open_driver
-from plugin_helpers import eventually, put_until_stored, ready_plugin_pids
+from plugin_helpers import eventually, put_until_stored, ready_plugin_pid, ready_plugin_pids
 
 import msgq_trio
 
@@ -129,7 +129,7 @@ async def test_push_consumer_goes_on_after_the_plugin_is_killed(
         for i in range(20):
             await put_until_stored(q, i, i + 1)
         await eventually(lambda: len(got) == 20)
-        os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
+        os.kill(ready_plugin_pid(b), signal.SIGKILL)
         await eventually(lambda: len(ready_plugin_pids(b.log())) == 2)
         for i in range(20, 40):
             await put_until_stored(q, i, i + 1)

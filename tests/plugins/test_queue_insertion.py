@@ -23,7 +23,7 @@ import pytest
 import trio
 from msgq_trio.plugins.queue.model import KIND_BODY
 from msgq_trio.plugins.queue.service import Stored, decode_bound, encode_bound, encode_bound_raw
-from plugin_helpers import eventually, ready_plugin_pids
+from plugin_helpers import eventually, ready_plugin_pid, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio.errors import ConnectionLost, MalformedMessage, RemoteError, RpcError
@@ -444,7 +444,7 @@ async def test_queue_send_is_acked_and_deduplicated_across_plugin_restarts(
             return
         assert await q.send({"n": 1}, [b"att"], seq=1) == "stored"
         assert await q.send({"n": 2}, seq=2) == "stored"
-        os.kill(ready_plugin_pids(b.log())[-1], signal.SIGKILL)
+        os.kill(ready_plugin_pid(b), signal.SIGKILL)
         await eventually(lambda: len(ready_plugin_pids(b.log())) == 2)
         q2 = p.queue("sql", producer="radius-1")  # a producer that restarted too
         for seq in (1, 2):

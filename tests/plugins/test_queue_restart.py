@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from plugin_helpers import eventually, put_until_stored, ready_plugin_pids
+from plugin_helpers import eventually, put_until_stored, ready_plugin_pid, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio.errors import RpcError
@@ -23,7 +23,7 @@ async def test_pending_put_fails_when_the_plugin_dies(queue_broker: Start) -> No
     async with msgq_trio.connect(b.path, "p") as p:
         q = p.queue("k")
         await q.declare()
-        pid = ready_plugin_pids(b.log())[-1]
+        pid = ready_plugin_pid(b)
         os.kill(pid, signal.SIGSTOP)  # SIGKILL below ends it stopped or not
         failed: list[RpcError] = []
 
