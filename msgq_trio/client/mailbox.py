@@ -69,6 +69,19 @@ class Mailbox(Generic[T]):
         self._items.append(item)
         self._wake()
 
+    def put_many(self, items: list[T]) -> None:
+        """Add ``items`` in order and wake the takers once; all or none.
+
+        Raises:
+            UsageError: they do not fit, or the mailbox is closed (see ``room``).
+        """
+        if self._closed:
+            raise UsageError("put into a closed mailbox")
+        if len(self._items) + len(items) > self.capacity:
+            raise UsageError(f"{len(items)} items do not fit a mailbox of {self.capacity}")
+        self._items.extend(items)
+        self._wake()
+
     def close(self) -> None:
         """No more items: the takers get what is in, then the end. Idempotent."""
         self._closed = True

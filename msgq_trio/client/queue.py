@@ -182,10 +182,21 @@ def _on_reconnected(bus: Bus) -> None:
 
 
 def _on_deliver(bus: Bus, request: Message) -> None:
-    """Inline handler of ``queue.deliver`` (a batch): hand the messages to the queue's
-    consumer and answer "received"; an error answer gives the whole batch back."""
+    """Inline handler of ``queue.deliver`` (a batch, as columns: ``ids``, ``bodies``,
+    ``deliveries`` and, for ``consume(ids=True)``, ``producers`` and ``seqs``): hand the
+    messages to the queue's consumer and answer "received"; an error answer gives the
+    whole batch back."""
     p = request.body
-    if not isinstance(p, dict) or not isinstance(p.get("msgs"), list):
+    ids = bodies = counts = None
+    if isinstance(p, dict):
+        ids, bodies, counts = p.get("ids"), p.get("bodies"), p.get("deliveries")
+    if not (
+        type(ids) is list
+        and type(bodies) is list
+        and type(counts) is list
+        and len(ids) == len(bodies) == len(counts)
+        and all(type(b) is bytes for b in bodies)
+    ):
         bus.answer_error(request, "bad-request", "malformed delivery")
         return
     name = str(p.get("queue"))
@@ -193,20 +204,27 @@ def _on_deliver(bus: Bus, request: Message) -> None:
     if consumer is None:
         bus.answer_error(request, NACK, f"{bus.lname} no longer consumes {name!r}")
         return
-    msgs = p["msgs"]
     box = consumer._box
-    if len(msgs) > box.room:
+    if len(ids) > box.room:
         # The plugin keeps within the window, so this is a bug on one side: refuse all.
         bus.answer_error(
             request,
             NACK,
             f"{bus.lname}: delivery beyond the window "
-            f"({len(box)} held + {len(msgs)} > {consumer._window})",
+            f"({len(box)} held + {len(ids)} > {consumer._window})",
         )
         return
-    for row in msgs:
-        # [id, body, deliveries] or, for ``consume(ids=True)``, also producer and seq
-        box.put(QueueMessage(bus, name, row[0], bytes(row[1]), row[2], consumer, *row[3:5]))
+    producers, seqs = p.get("producers"), p.get("seqs")
+    rows = zip(ids, bodies, counts, strict=True)
+    if type(producers) is list and type(seqs) is list and len(producers) == len(ids) == len(seqs):
+        box.put_many(
+            [
+                QueueMessage(bus, name, *row, consumer, producer, seq)
+                for row, producer, seq in zip(rows, producers, seqs, strict=True)
+            ]
+        )
+    else:
+        box.put_many([QueueMessage(bus, name, *row, consumer) for row in rows])
     bus.answer(request, True)
 
 

@@ -540,13 +540,16 @@ class Engine:
             w.one("consumed", answer)
         self.dispatch(q)
 
-    def ack_many(self, q: Queue, msgs: list[Msg]) -> None:
-        """Ack 2 of several messages of ``q``, as ``ack`` of each (without an answer),
-        with one wake-up of the commit and one dispatch: a consumer's acks arrive in
-        batches, and this is the per-message cost of the path where nothing is
-        written."""
+    def ack_ids(self, q: Queue, lname: str, ids: list[Any]) -> int:
+        """Ack 2 of the messages ``ids`` of ``q`` that the consumer ``lname`` holds by
+        id, as ``ack`` of each (without an answer), with one wake-up of the commit and
+        one dispatch; returns how many it held (an unknown id, one held by another or
+        redelivered meanwhile, or given twice, counts nothing). A consumer's acks
+        arrive in batches, and this loop is the per-message cost of the path where
+        nothing is written."""
         consumed = self._consumed
         by_id = q.by_id
+        get = by_id.get
         mem = q.mem
         name = q.name
         kick = False
@@ -555,15 +558,18 @@ class Engine:
         # one batch costs one call, not 500), and the queue's counts change once
         # (``Queue.forget`` for the whole batch: a delivered message is never spilled).
         waiters: dict[Waiter, int] = {}
-        for m in msgs:
-            if m.state == DONE:
-                continue  # a late or repeated ack
+        for mid in ids:
+            # Held by id means in flight to a push consumer or fetcher (never a member):
+            # leaving ``by_id`` is what makes a repeated id count once.
+            m = get(mid) if type(mid) is int else None
+            if m is None:
+                continue
             c = m.owner
-            if c is not None:
-                c.inflight -= 1
-                m.owner = None
-                if c.kind != "member":
-                    by_id.pop(m.mid, None)
+            if c is None or c.lname != lname:
+                continue
+            c.inflight -= 1
+            m.owner = None
+            del by_id[mid]
             m.state = DONE
             acked += 1
             nbytes += len(m.data)
@@ -595,6 +601,7 @@ class Engine:
         if kick:
             self._kick()
         self.dispatch(q)
+        return acked
 
     def nack(self, m: Msg) -> None:
         """A delivery of ``m`` ended without ack: redeliver it before anything never
@@ -686,10 +693,19 @@ class Engine:
             return {}
         low: dict[tuple[str, str], int] = {}
         consumed = self._consumed
+        need = len(consumed)
+        # ``waiting`` is in arrival order, in which each producer's seqs rise (a seq at
+        # or below its high-water mark is dropped as a duplicate on arrival): a
+        # producer's first message found is its lowest, and the scan ends once every
+        # producer with a mark has one.
         for m in waiting:
+            if m.state == DONE:
+                continue
             key = (m.queue.name, m.producer)
-            if m.state != DONE and key in consumed and m.pseq < low.get(key, m.pseq + 1):
+            if key in consumed and key not in low:
                 low[key] = m.pseq
+                if len(low) == need:
+                    break
         marks: dict[tuple[str, str], int] = {}
         for key, high in list(consumed.items()):
             below = low.get(key)
@@ -810,16 +826,21 @@ class Engine:
         messages). Drops acked messages from ``pending`` on the way."""
         while True:
             self.dispatch_pending()
-            live = deque(m for m in self.pending if m.state != DONE)
-            if len(live) != len(self.pending):
-                self.pending = live
-            if not live or self._store_work():
+            pending = self.pending
+            # Acks come mostly in order: dropping the acked head is enough here (the
+            # commit drops the others as it meets them).
+            while pending and pending[0].state == DONE:
+                pending.popleft()
+            if not pending or self._store_work():
                 return
             now = trio.current_time()
             wake = float("inf")
-            for m in live:
+            for m in pending:
+                state = m.state
+                if state == DONE:
+                    continue
                 end = m.sent + m.queue.grace
-                if m.state != INFLIGHT or now >= end:
+                if state != INFLIGHT or now >= end:
                     return
                 wake = min(wake, end)
             with trio.move_on_at(wake):

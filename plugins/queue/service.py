@@ -350,12 +350,18 @@ class Service:
         message as the original request; its answer is the ack, an error the nack."""
         try:
             if c.kind == "push":
-                rows = (
-                    [[m.mid, m.data[1:], m.deliveries, m.producer, m.pseq] for m in msgs]
-                    if c.ids
-                    else [[m.mid, m.data[1:], m.deliveries] for m in msgs]
-                )
-                wait = self.bus.start_call(c.lname, DELIVER, {"queue": q.name, "msgs": rows})
+                # Columns, not a row per message: a list per message costs the plugin
+                # (the process every message passes) twice the encoding time.
+                params: dict[str, Any] = {
+                    "queue": q.name,
+                    "ids": [m.mid for m in msgs],
+                    "bodies": [m.data[1:] for m in msgs],
+                    "deliveries": [m.deliveries for m in msgs],
+                }
+                if c.ids:
+                    params["producers"] = [m.producer for m in msgs]
+                    params["seqs"] = [m.pseq for m in msgs]
+                wait = self.bus.start_call(c.lname, DELIVER, params)
                 self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
                 return
             # A bound group's member: requests and one-way messages alike go out
@@ -570,19 +576,18 @@ class Service:
     def _settle(self, q: Queue, lname: str, ids: list[Any], ack: bool) -> int:
         """Ack or nack the messages ``ids`` of ``q`` that ``lname`` holds; returns how
         many it held (others were redelivered meanwhile, or are not its own)."""
+        if ack:
+            return self.engine.ack_ids(q, lname, ids)
         by_id = q.by_id
         held = []
         for mid in ids:
-            m = by_id.get(mid) if isinstance(mid, int) else None
+            m = by_id.get(mid) if type(mid) is int else None
             if m is None or m.owner is None or m.owner.lname != lname:
                 continue
             held.append(m)
         if held:
             held = list(dict.fromkeys(held))  # an id given twice counts once
-            if ack:
-                self.engine.ack_many(q, held)
-            else:
-                self.engine.nack_many(held)
+            self.engine.nack_many(held)
         return len(held)
 
     def _acks(self, msg: Message) -> None:

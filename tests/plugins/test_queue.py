@@ -458,3 +458,64 @@ def test_plugin_that_cannot_start_fails_broker_start(short_tmp: Path, broker_arg
     assert "Traceback" not in r.stderr and "not ready after" not in r.stderr, r.stderr[-3000:]
     assert not (short_tmp / "y.sock").exists()
     assert sys.executable  # the child used the same interpreter (see supervisor argv)
+
+
+async def test_a_malformed_or_oversized_delivery_is_refused_whole(broker: Any) -> None:
+    """The consumer's side of ``queue.deliver`` (columns ``ids``, ``bodies``,
+    ``deliveries``) against a stand-in plugin on a real broker: a batch whose columns
+    disagree or whose bodies are not byte strings is refused ``bad-request``, one beyond
+    the window ``nack``; neither hands the consumer anything. A good batch then comes
+    out in order, with ids and delivery counts."""
+    from msgq_trio.client.queue import Queue
+
+    async with msgq_trio.connect(broker.path, "fake-plugin") as plugin:
+        await plugin.subscribe("fakeq")
+        consumers: list[str] = []
+
+        def handle(params: Any, request: msgq_trio.Message) -> Any:
+            if request.command == "consume":
+                consumers.append(request.sender)
+                return {"instance": "fake"}
+            return True  # declare
+
+        plugin.set_default_handler(handle)
+        async with msgq_trio.connect(broker.path, "c") as bus:
+            q = Queue(bus, "q", group="fakeq")
+            async with q.consume(window=2) as consumer, trio.open_nursery() as nursery:
+                got: list[tuple[int, Any, int]] = []
+                done = trio.Event()
+
+                async def take() -> None:
+                    async for m in consumer:
+                        got.append((m.id, m.body, m.deliveries))
+                        if len(got) == 2:
+                            done.set()
+                            return
+
+                nursery.start_soon(take)
+                with trio.fail_after(10):
+                    while not consumers:
+                        await trio.sleep(0.01)
+                to = consumers[0]
+
+                def cols(ids: list[Any], bodies: list[Any], counts: list[Any]) -> Any:
+                    return {"queue": "q", "ids": ids, "bodies": bodies, "deliveries": counts}
+
+                bad = [
+                    cols([1, 2], [b"\x01"], [1, 1]),  # a column short
+                    cols([1], ["not bytes"], [1]),
+                    {"queue": "q", "msgs": [[1, b"\x01", 1]]},  # rows: not this protocol
+                ]
+                for params in bad:
+                    with pytest.raises(RemoteError) as ei:
+                        await plugin.call(to, "queue.deliver", params)
+                    assert ei.value.code == "bad-request"
+                with pytest.raises(RemoteError) as ei:
+                    await plugin.call(to, "queue.deliver", cols([1, 2, 3], [b"\x01"] * 3, [1] * 3))
+                assert ei.value.code == "nack" and "beyond the window" in str(ei.value)
+                assert got == []
+                ok = cols([7, 8], [b"\x01", b"\x02"], [1, 3])  # CBOR 1 and 2
+                assert await plugin.call(to, "queue.deliver", ok) is True
+                with trio.fail_after(10):
+                    await done.wait()
+    assert got == [(7, 1, 1), (8, 2, 3)]
