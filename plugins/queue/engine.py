@@ -23,8 +23,10 @@ Rules (docs/QUEUE.md states them for users):
    of a producer in this run waits for its durable high-water mark from the store, so a
    resend after a crash is recognised even if a consumer is online (no skip-write of a
    duplicate). A message consumed before it was written raises that mark in the store
-   with the next commit (``_take_marks``; never past an earlier message of the same
-   producer still waiting for its commit, which the store would then drop).
+   with a later commit (``_take_marks``; never past an earlier message of the same
+   producer still waiting for its commit, which the store would then drop): the next
+   one, or while young in-flight messages hold the commit back, one at most
+   ``ack_grace`` after the mark began waiting.
 5. Storage full: every message of the failed append is removed and its producer gets
    ``queue-full``; deletes still run, so the queue works again once drained.
 6. Memory: each queue holds at most ``resident_messages`` / ``resident_bytes`` in memory
@@ -105,6 +107,12 @@ class Engine:
         #: (queue, producer) -> highest producer seq consumed without being written and
         #: not yet recorded in the store (``_take_marks``)
         self._consumed: dict[tuple[str, str], int] = {}
+        #: when the marks waiting in ``_consumed`` end the grace wait (``_grace``)
+        self._marks_due: float | None = None
+        #: (queue, producer) -> its messages in ``pending``: once every producer there
+        #: has a young message in flight, nothing more can be committed, and the grace
+        #: wait and the commit stop scanning (``_left_pending`` keeps it exact)
+        self._pending_keys: dict[tuple[Queue, str], int] = {}
         self.counters = dict.fromkeys(
             ("commits", "fsyncs", "batches", "batch_max", "batch_sum", "storage_full"), 0
         )
@@ -238,7 +246,10 @@ class Engine:
             nbytes += len(data)
         self._next_mid = mid
         p.hwm = hwm
-        self.pending.extend(new)
+        if new:
+            self.pending.extend(new)
+            key = (q, producer)
+            self._pending_keys[key] = self._pending_keys.get(key, 0) + len(new)
         spill = new
         if not q.spilled:
             # As many as the bounds leave room for go to memory, the rest (and, from now
@@ -749,9 +760,14 @@ class Engine:
             # producer's messages must reach it in producer order: one committed after
             # a later one would be taken for a resend and dropped (rule 4).
             blocked: set[tuple[Queue, str]] = set()
+            dropped: list[Msg] = []
+            need = len(self._pending_keys)
             while pending and len(take) < max_batch:
+                if blocked and len(blocked) == need:
+                    break  # every producer pending waits for a young message: all held
                 m = pending.popleft()
                 if m.state == DONE:
+                    dropped.append(m)
                     continue  # acked before it was written: skipped
                 if grace and m.state == INFLIGHT and now - m.sent < m.queue.grace:
                     held.append(m)  # its consumer may still ack it: next commit
@@ -762,12 +778,15 @@ class Engine:
                 else:
                     take.append(m)
             pending.extendleft(reversed(held))
+            self._left_pending(dropped)
+            self._left_pending(take)
             items = take
             for m in items:
                 m.in_batch = True
             # What this commit leaves in pending: the held messages, and past max_batch
             # the rest (only then is pending longer than what was held).
             marks = self._take_marks(held if len(pending) == len(held) else pending)
+            self._marks_due = None
             if (
                 not items
                 and not marks
@@ -817,6 +836,23 @@ class Engine:
             if res["errors"] or res["full"] is not None or res.get("error"):
                 await trio.sleep(0.1)  # failed store calls are retried, not in a busy loop
 
+    def _left_pending(self, msgs: list[Msg]) -> None:
+        """``msgs`` left ``pending``: uncount them from ``_pending_keys`` (one update per
+        run of one producer's messages, which is how they arrive)."""
+        keys = self._pending_keys
+        last_q: Queue | None = None
+        last_p = ""
+        run = 0
+        for m in msgs:
+            if m.queue is last_q and m.producer == last_p:
+                run += 1
+                continue
+            if last_q is not None:
+                _uncount(keys, (last_q, last_p), run)
+            last_q, last_p, run = m.queue, m.producer, 1
+        if last_q is not None:
+            _uncount(keys, (last_q, last_p), run)
+
     async def _grace(self) -> None:
         """Hold the commit while everything pending is a message in flight to a consumer
         for less than its queue's grace (an ack in that time means it is never written:
@@ -829,20 +865,52 @@ class Engine:
             pending = self.pending
             # Acks come mostly in order: dropping the acked head is enough here (the
             # commit drops the others as it meets them).
-            while pending and pending[0].state == DONE:
-                pending.popleft()
-            if not pending or self._store_work():
+            if pending and pending[0].state == DONE:
+                gone = []
+                while pending and pending[0].state == DONE:
+                    gone.append(pending.popleft())
+                self._left_pending(gone)
+            if any(q.deletes or q.incr or q.to_dlq for q in self.queues.values()):
+                return
+            if not pending and not self._consumed:
                 return
             now = trio.current_time()
             wake = float("inf")
+            if self._consumed:
+                # Marks alone end the wait one ``ack_grace`` after they began waiting, not
+                # at once: under a steady stream of skipped writes a commit per mark
+                # would cost a scan of ``pending`` and an fsync per commit for nothing
+                # the producers wait for (their acks went out with the consumer's).
+                due = self._marks_due
+                if due is None:
+                    due = self._marks_due = now + self.settings.ack_grace
+                if now >= due:
+                    return
+                wake = due
+            # Only each producer's first message counts: if it is young in flight, the
+            # later ones wait for it (rule 4), whatever their state.
+            need = len(self._pending_keys)
+            seen: set[tuple[Queue, str]] = set()
+            last_q: Queue | None = None
+            last_p = ""
             for m in pending:
                 state = m.state
                 if state == DONE:
                     continue
-                end = m.sent + m.queue.grace
+                q, p = m.queue, m.producer
+                if q is last_q and p == last_p:
+                    continue  # a run of one producer's messages: decided by its first
+                last_q, last_p = q, p
+                key = (q, p)
+                if key in seen:
+                    continue
+                end = m.sent + q.grace
                 if state != INFLIGHT or now >= end:
                     return
+                seen.add(key)
                 wake = min(wake, end)
+                if len(seen) == need:
+                    break
             with trio.move_on_at(wake):
                 self._changed = trio.Event()
                 await self._changed.wait()
@@ -1209,3 +1277,11 @@ class Engine:
             hold.set()
             self.dispatch(q)
         return removed
+
+
+def _uncount(keys: dict[tuple[Queue, str], int], key: tuple[Queue, str], n: int) -> None:
+    left = keys[key] - n
+    if left > 0:
+        keys[key] = left
+    else:
+        del keys[key]

@@ -471,10 +471,12 @@ async def test_a_malformed_or_oversized_delivery_is_refused_whole(broker: Any) -
     async with msgq_trio.connect(broker.path, "fake-plugin") as plugin:
         await plugin.subscribe("fakeq")
         consumers: list[str] = []
+        consuming = trio.Event()
 
         def handle(params: Any, request: msgq_trio.Message) -> Any:
             if request.command == "consume":
                 consumers.append(request.sender)
+                consuming.set()
                 return {"instance": "fake"}
             return True  # declare
 
@@ -494,8 +496,7 @@ async def test_a_malformed_or_oversized_delivery_is_refused_whole(broker: Any) -
 
                 nursery.start_soon(take)
                 with trio.fail_after(10):
-                    while not consumers:
-                        await trio.sleep(0.01)
+                    await consuming.wait()
                 to = consumers[0]
 
                 def cols(ids: list[Any], bodies: list[Any], counts: list[Any]) -> Any:
