@@ -15,6 +15,7 @@ and a :class:`~msgq_trio.client.mailbox.Mailbox`. It imports no event loop
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import socket
@@ -25,7 +26,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import cbor2
 
-from ..errors import ConnectionLost, MsgqError, NoRecipient, UsageError
+from ..errors import (
+    ConnectionLost,
+    MalformedMessage,
+    MsgqError,
+    NoRecipient,
+    RemoteError,
+    UsageError,
+)
+from ..protocol.codes import ErrorCode
 from .mailbox import Mailbox
 
 if TYPE_CHECKING:
@@ -61,10 +70,29 @@ _consumers: weakref.WeakKeyDictionary[Bus, dict[str, Consumer]] = weakref.WeakKe
 _reconnect_hooked: weakref.WeakSet[Bus] = weakref.WeakSet()
 
 
+class _Delivery:
+    """What every message of one delivery (or one fetch) shares: a message points at its
+    delivery instead of holding five fields of its own (a consumer makes one message
+    object per message, so each field costs per message)."""
+
+    __slots__ = ("bus", "consumer", "gen", "queue")
+
+    def __init__(self, bus: Bus, queue: str, consumer: Consumer | None) -> None:
+        self.bus = bus
+        self.queue = queue
+        self.consumer = consumer
+        #: the consumer's generation when it arrived (see ``Consumer._reattach``)
+        self.gen = consumer._gen if consumer is not None else 0
+
+
+_UNDECODED: Any = object()
+_new_message = object.__new__
+
+
 class QueueMessage:
     """One delivered message. Ack it (``await m.ack()``) once processed, or ``nack`` it
     to have it redelivered; an unacked message is redelivered after the consumer's
-    ``ack_timeout`` or when its connection ends.
+    ``ack_timeout`` or when its connection ends. Made by the queue client only.
 
     Attributes:
         queue: the queue's name.
@@ -75,45 +103,54 @@ class QueueMessage:
             ``consume(ids=True)``, else None.
     """
 
-    __slots__ = (
-        "_bus",
-        "_consumer",
-        "_decoded",
-        "_done",
-        "_gen",
-        "_raw",
-        "_value",
-        "deliveries",
-        "id",
-        "producer",
-        "producer_seq",
-        "queue",
-    )
+    __slots__ = ("_d", "_done", "_origin", "_raw", "_value", "deliveries", "id")
 
-    def __init__(
-        self,
-        bus: Bus,
-        queue: str,
-        mid: int,
-        raw: bytes,
-        deliveries: int,
-        consumer: Consumer | None,
-        producer: str | None = None,
-        producer_seq: int | None = None,
-    ) -> None:
-        self._bus = bus
-        self.queue = queue
-        self.id = mid
-        self._raw = raw
-        self.deliveries = deliveries
-        self._consumer = consumer
-        self.producer = producer
-        self.producer_seq = producer_seq
-        self._done = False
-        self._decoded = False
-        self._value: Any = None
-        #: the consumer's generation when it arrived (see ``Consumer._reattach``)
-        self._gen = consumer._gen if consumer is not None else 0
+    _d: _Delivery
+    _done: bool
+    #: (producer, producer seq) for ``consume(ids=True)``, else None
+    _origin: tuple[str, int] | None
+    _raw: bytes
+    _value: Any
+    deliveries: int
+    id: int
+
+    @classmethod
+    def _many(
+        cls,
+        d: _Delivery,
+        ids: list[int],
+        bodies: list[bytes],
+        counts: list[int],
+        origins: list[tuple[str, int]] | None = None,
+    ) -> list[QueueMessage]:
+        """The messages of one delivery (columns of equal length). No ``__init__``: the
+        fields are set here, which halves the cost per message."""
+        out: list[QueueMessage] = []
+        append = out.append
+        new = _new_message
+        for i, (mid, raw, count) in enumerate(zip(ids, bodies, counts, strict=True)):
+            m = new(cls)
+            m._d = d
+            m.id = mid
+            m._raw = raw
+            m.deliveries = count
+            m._value = _UNDECODED
+            m._done = False
+            m._origin = origins[i] if origins is not None else None
+            append(m)
+        return out
+
+    @property
+    def queue(self) -> str:
+        return self._d.queue
+
+    @property
+    def producer(self) -> str | None:
+        return self._origin[0] if self._origin is not None else None
+
+    @property
+    def producer_seq(self) -> int | None:
+        return self._origin[1] if self._origin is not None else None
 
     @property
     def raw(self) -> bytes:
@@ -122,11 +159,29 @@ class QueueMessage:
 
     @property
     def body(self) -> Any:
-        """The body as the producer gave it (decoded on first access)."""
-        if not self._decoded:
-            self._value = cbor2.loads(self._raw) if self._raw else None
-            self._decoded = True
-        return self._value
+        """The body as the producer gave it (decoded on first access).
+
+        Raises:
+            MalformedMessage: the body is not one well-formed CBOR value (the producer's
+                fault; the message can still be acked or nacked).
+        """
+        value = self._value
+        if value is _UNDECODED:
+            value = self._value = self._decode() if self._raw else None
+        return value
+
+    def _decode(self) -> Any:
+        """One CBOR value filling the body exactly (cbor2 alone ignores trailing bytes)."""
+        raw = self._raw
+        fp = io.BytesIO(raw)
+        who = f"the producer of message {self.id} of queue {self.queue!r}"
+        try:
+            value = cbor2.load(fp)
+        except Exception as exc:  # cbor2 raises several unrelated types on bad input
+            raise MalformedMessage(f"malformed CBOR in a queued body: {exc}", who) from None
+        if fp.tell() != len(raw):
+            raise MalformedMessage("a queued body has bytes after its CBOR value", who)
+        return value
 
     async def ack(self) -> None:
         """Ack 2: the message is consumed and removed. Idempotent."""
@@ -137,20 +192,21 @@ class QueueMessage:
         await self._finish(False)
 
     async def _finish(self, ok: bool) -> None:
+        d = self._d
         if self._done:
-            await self._bus.checkpoint()
+            await d.bus.checkpoint()
             return
         self._done = True
-        consumer = self._consumer
+        consumer = d.consumer
         if consumer is not None:
-            consumer._settle(self.id, ok, self._gen)
+            consumer._settle(self.id, ok, d.gen)
             consumer._acked_since_yield += 1
             if consumer._acked_since_yield >= FAIRNESS:
                 consumer._acked_since_yield = 0
-                await self._bus.checkpoint()
+                await d.bus.checkpoint()
         else:
-            await self._bus.call(
-                _group(self._bus), "ack" if ok else "nack", {"queue": self.queue, "ids": [self.id]}
+            await d.bus.call(
+                _group(d.bus), "ack" if ok else "nack", {"queue": d.queue, "ids": [self.id]}
             )
 
     def __repr__(self) -> str:
@@ -215,16 +271,10 @@ def _on_deliver(bus: Bus, request: Message) -> None:
         )
         return
     producers, seqs = p.get("producers"), p.get("seqs")
-    rows = zip(ids, bodies, counts, strict=True)
+    origins = None
     if type(producers) is list and type(seqs) is list and len(producers) == len(ids) == len(seqs):
-        box.put_many(
-            [
-                QueueMessage(bus, name, *row, consumer, producer, seq)
-                for row, producer, seq in zip(rows, producers, seqs, strict=True)
-            ]
-        )
-    else:
-        box.put_many([QueueMessage(bus, name, *row, consumer) for row in rows])
+        origins = list(zip(producers, seqs, strict=True))
+    box.put_many(QueueMessage._many(_Delivery(bus, name, consumer), ids, bodies, counts, origins))
     bus.answer(request, True)
 
 
@@ -758,9 +808,20 @@ class Queue:
         if ack_timeout is not None:
             params["ack_timeout"] = ack_timeout
         rows = await self._bus.call(self.group, "fetch", params)
-        return [
-            QueueMessage(self._bus, self.name, mid, bytes(raw), d, None) for mid, raw, d in rows
-        ]
+        if not (
+            isinstance(rows, list)
+            and all(isinstance(r, list) and len(r) == 3 and isinstance(r[1], bytes) for r in rows)
+        ):
+            raise RemoteError(
+                f"the queue plugin answered fetch with {rows!r:.100}, not rows",
+                code=ErrorCode.PROTOCOL_ERROR.value,
+            )
+        return QueueMessage._many(
+            _Delivery(self._bus, self.name, None),
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+        )
 
     async def ack(self, messages: Sequence[QueueMessage]) -> int:
         """Ack fetched ``messages`` in one request; returns how many were still owed."""

@@ -17,7 +17,7 @@ from plugin_helpers import eventually, ready_plugin_pid, ready_plugin_pids
 
 import msgq_trio
 from msgq_trio import sync
-from msgq_trio.errors import QueueFull, RemoteError
+from msgq_trio.errors import MalformedMessage, QueueFull, RemoteError
 
 Start = Callable[..., Any]
 
@@ -465,7 +465,8 @@ async def test_a_malformed_or_oversized_delivery_is_refused_whole(broker: Any) -
     ``deliveries``) against a stand-in plugin on a real broker: a batch whose columns
     disagree or whose bodies are not byte strings is refused ``bad-request``, one beyond
     the window ``nack``; neither hands the consumer anything. A good batch then comes
-    out in order, with ids and delivery counts."""
+    out in order, with ids and delivery counts; a body that is not one CBOR value raises
+    MalformedMessage when read, naming the message."""
     from msgq_trio.client.queue import Queue
 
     async with msgq_trio.connect(broker.path, "fake-plugin") as plugin:
@@ -483,14 +484,18 @@ async def test_a_malformed_or_oversized_delivery_is_refused_whole(broker: Any) -
         plugin.set_default_handler(handle)
         async with msgq_trio.connect(broker.path, "c") as bus:
             q = Queue(bus, "q", group="fakeq")
-            async with q.consume(window=2) as consumer, trio.open_nursery() as nursery:
+            async with q.consume(window=3) as consumer, trio.open_nursery() as nursery:
                 got: list[tuple[int, Any, int]] = []
                 done = trio.Event()
 
                 async def take() -> None:
                     async for m in consumer:
-                        got.append((m.id, m.body, m.deliveries))
-                        if len(got) == 2:
+                        try:
+                            body = m.body
+                        except MalformedMessage as exc:
+                            body = f"{exc} ({exc.sender})"
+                        got.append((m.id, body, m.deliveries))
+                        if len(got) == 3:
                             done.set()
                             return
 
@@ -511,12 +516,14 @@ async def test_a_malformed_or_oversized_delivery_is_refused_whole(broker: Any) -
                     with pytest.raises(RemoteError) as ei:
                         await plugin.call(to, "queue.deliver", params)
                     assert ei.value.code == "bad-request"
+                four = cols([1, 2, 3, 4], [b"\x01"] * 4, [1] * 4)
                 with pytest.raises(RemoteError) as ei:
-                    await plugin.call(to, "queue.deliver", cols([1, 2, 3], [b"\x01"] * 3, [1] * 3))
+                    await plugin.call(to, "queue.deliver", four)
                 assert ei.value.code == "nack" and "beyond the window" in str(ei.value)
                 assert got == []
-                ok = cols([7, 8], [b"\x01", b"\x02"], [1, 3])  # CBOR 1 and 2
+                ok = cols([7, 8, 9], [b"\x01", b"\x02", b"\x01\x01"], [1, 3, 1])
                 assert await plugin.call(to, "queue.deliver", ok) is True
                 with trio.fail_after(10):
                     await done.wait()
-    assert got == [(7, 1, 1), (8, 2, 3)]
+    assert got[:2] == [(7, 1, 1), (8, 2, 3)]  # CBOR 1 and 2
+    assert got[2][0] == 9 and "message 9" in got[2][1] and "after its CBOR value" in got[2][1]
