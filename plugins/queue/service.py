@@ -300,7 +300,7 @@ class Service:
             q = self._queue(params)
             producer = _str(params, "producer")
             bodies = params.get("bodies")
-            if not isinstance(bodies, list) or not all(isinstance(b, bytes) for b in bodies):
+            if not isinstance(bodies, list) or not set(map(type, bodies)) <= {bytes}:
                 raise BadRequest("params need 'bodies': a list of CBOR-encoded bytes")
             seqs = params.get("seqs")
             if seqs is None:
