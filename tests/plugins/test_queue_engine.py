@@ -142,3 +142,22 @@ async def test_young_deliveries_hold_back_only_their_own_producer() -> None:
         await rig.settle()
         assert rig.delivered[2].data == b"B3"
         assert engine._pending_keys == {(q, "p"): 1}  # 3: in flight now, within its grace
+
+
+async def test_a_message_acked_while_waiting_for_redelivery_is_not_redelivered(
+    rig: Rig,
+) -> None:
+    """A message given back (its consumer left) waits for redelivery; a late ack (as a
+    bound-group member's answer arriving after all) makes it done there, and the next
+    consumer gets only the other message."""
+    engine, q = rig.engine, rig.q
+    engine.add_consumer(q, rig.c)
+    await rig.put(b"1")
+    m1 = rig.delivered[0]
+    engine.remove_consumer("c")  # 1 waits for redelivery
+    engine.ack(m1)
+    await rig.put(b"2")
+    rig.delivered.clear()
+    engine.add_consumer(q, Consumer("c2", "push", 10, 30.0))
+    await rig.settle()
+    assert rig.bodies() == [b"2"]
