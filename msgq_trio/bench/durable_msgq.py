@@ -8,7 +8,7 @@ optionally one consumer process acking every message (push, window ``CONSUMER_WI
 
 Ack-1 latency is measured per batch (send of the batch -> its answer) and applies to every
 message of the batch. ``python -m msgq_trio.bench.durable_msgq`` prints the median of 3
-runs for n=50,000, size=100, producers 1 and 16, consumer off and on.
+runs for n=200,000, size=100, producers 1 and 16, consumer off and on.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--producer", nargs=4, metavar=("SOCK", "N", "SIZE", "INDEX"))
     p.add_argument("--consumer", nargs=2, metavar=("SOCK", "N"))
-    p.add_argument("--n", type=int, default=50_000)
+    p.add_argument("--n", type=int, default=200_000)
     p.add_argument("--size", type=int, default=100)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=Path(f"/tmp/msgq-durable-{os.getpid()}"))
