@@ -15,7 +15,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -168,6 +168,16 @@ class SyncBus:
 
         async def send_and_flush() -> None:
             await self.bus.send(target, body, attachments, fds=fds)
+            await self.bus.flush()
+
+        self._run(send_and_flush)
+
+    def send_many(self, target: str, bodies: Iterable[Any]) -> None:
+        """One message per body, in order, and wait until all are written
+        (:meth:`msgq_trio.Bus.send_many`)."""
+
+        async def send_and_flush() -> None:
+            await self.bus.send_many(target, bodies)
             await self.bus.flush()
 
         self._run(send_and_flush)

@@ -33,7 +33,7 @@ import select
 import socket as pysocket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import ConnectError, ConnectionLost, LimitExceeded, MsgqError, UsageError
@@ -613,6 +613,21 @@ class DirectBus(SessionView):
         self._ready()
         frame = self._s.encode_message(target, body)
         self._write(frame if isinstance(frame, bytes) else b"".join(frame))
+
+    def send_many(self, target: str, bodies: Iterable[Any]) -> None:
+        """Send one one-way message per body to ``target``, in order, as :meth:`send`
+        would one by one, in one write; returns once the kernel has taken them all.
+        Every body is encoded before anything is written, so a body that cannot be
+        encoded sends none of them.
+
+        Raises:
+            UsageError: a body cannot be encoded (named by its index; nothing was sent),
+                or the bus is closed.
+            ConnectionLost: the broker went away.
+        """
+        self._ready()
+        pieces = self._s.encode_messages(target, bodies)
+        self._write(b"".join(pieces))
 
     def receive(self, timeout: float | None = None) -> Message:
         """The next one-way message or notification (a :class:`msgq_trio.Message`),

@@ -257,6 +257,9 @@ class DirectClient(Client):
         assert not attachments and not fds, "the direct client sends neither"
         await trio.to_thread.run_sync(self.bus.send, target, body)
 
+    async def send_many(self, target: str, bodies: list[Any]) -> None:
+        await trio.to_thread.run_sync(self.bus.send_many, target, bodies)
+
     async def unsubscribe(self, group: str) -> bool:
         return await trio.to_thread.run_sync(self.bus.unsubscribe, group)
 
@@ -630,7 +633,7 @@ async def test_many_messages_arrive_in_order(driver: str, broker: Any) -> None:
 
 
 @pytest.mark.parametrize("receiver", DRIVERS)
-@pytest.mark.parametrize("sender", ASYNC_DRIVERS)  # the direct client has no send_many
+@pytest.mark.parametrize("sender", DRIVERS)
 async def test_send_many_is_each_message_in_order(sender: str, receiver: str, broker: Any) -> None:
     """``send_many`` delivers what ``send`` would one by one, in order (small bodies of
     any type, a large binary one among them); a batch with a body that cannot be encoded
@@ -1548,3 +1551,19 @@ async def test_reconnect_after_heartbeat_silence_over_tcp(
         logging.getLogger("msgq_trio.client").removeHandler(seen)
     assert lost.value.code == ErrorCode.HEARTBEAT_TIMEOUT
     assert (got.body, reconnects) == ("after the silence", 1)
+
+
+async def test_the_sync_client_sends_many(broker: Any) -> None:
+    """``msgq_trio.sync`` has ``send_many``: every body arrives, in order, once it
+    returns."""
+    import msgq_trio.sync
+
+    def run() -> list[Any]:
+        with (
+            msgq_trio.sync.connect(broker.path, "tx") as tx,
+            msgq_trio.sync.connect(broker.path, "rx") as rx,
+        ):
+            tx.send_many(rx.lname, [*range(500), "end"])
+            return [rx.receive(HANG).body for _ in range(501)]
+
+    assert await trio.to_thread.run_sync(run) == [*range(500), "end"]
