@@ -204,9 +204,9 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     const unsigned char *b = (const unsigned char *)view.buf;
     const Py_ssize_t end = view.len;
-    if (pos < 0 || pos > end) {
+    if (pos < 0) { /* (past the end is fine: no frame there, as for the Python loop) */
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "scan(): pos outside the buffer");
+        PyErr_SetString(PyExc_ValueError, "scan(): negative pos");
         return NULL;
     }
     const Py_ssize_t slen_run = source == Py_None ? -1 : PyBytes_GET_SIZE(source);

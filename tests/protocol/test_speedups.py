@@ -236,9 +236,8 @@ def test_scan_functions_agree(
     frames: list[bytes], start: int, source: bytes | None, limit: int, seen0: int
 ) -> None:
     """The fast loop itself: same appended items, position, ``seen`` and bad-target flag
-    from any start position (also one inside a frame)."""
+    from any start position (also one inside a frame, or past the end)."""
     buf = bytearray(b"".join(frames))
-    start = min(start, len(buf))
     if limit <= 0 and len(buf) - start >= 4:
         # At the first frame's own length (-1: one byte short): the boundary of the limit.
         limit += int.from_bytes(buf[start : start + 4], "big")
