@@ -303,12 +303,13 @@ static PyObject *frame_body(PyObject *self, PyObject *unused)
                  *o_tail = PyTuple_GET_ITEM(self, 10);
         if (PyLong_CheckExact(o_blen) && PyLong_CheckExact(o_hlen) && PyLong_CheckExact(o_tail) &&
             PyBytes_CheckExact(raw)) {
-            long long blen = PyLong_AsLongLong(o_blen), hlen = PyLong_AsLongLong(o_hlen),
-                      tail = PyLong_AsLongLong(o_tail);
-            if (PyErr_Occurred()) {
-                PyErr_Clear();
+            /* (one at a time: no C API call with an exception set) */
+            int overflow = 0;
+            long long blen = PyLong_AsLongLongAndOverflow(o_blen, &overflow);
+            long long hlen = overflow ? 0 : PyLong_AsLongLongAndOverflow(o_hlen, &overflow);
+            long long tail = overflow ? 0 : PyLong_AsLongLongAndOverflow(o_tail, &overflow);
+            if (overflow) /* absurd lengths: only a hand-made Frame has them */
                 return PyObject_CallOneArg(body_py, self);
-            }
             if (blen == 0)
                 Py_RETURN_NONE;
             long long start = tail + hlen, size = PyBytes_GET_SIZE(raw);

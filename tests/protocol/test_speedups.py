@@ -329,10 +329,11 @@ def test_body_agrees(body: bytes, header: bytes, as_bytearray: bool) -> None:
         assert type(py[1]) is type(c[1])
 
 
-def test_body_of_a_hand_made_frame_outside_raw() -> None:
-    """A Frame whose lengths point past ``raw`` (never parsed, made by hand) gets the
-    Python method's answer, not a read past the buffer."""
-    f = Frame(3, 0, 0, "g", b"", 0, 0, 0, 10, b"\x00" * 32 + b"\x45abc", 32)
+@pytest.mark.parametrize(("hlen", "blen"), [(0, 10), (0, 2**70), (2**70, 3), (0, -1)])
+def test_body_of_a_hand_made_frame_outside_raw(hlen: int, blen: int) -> None:
+    """A Frame whose lengths point past ``raw`` or do not fit 64 bits (never parsed, made
+    by hand) gets the Python method's answer, not a read past the buffer."""
+    f = Frame(3, 0, 0, "g", b"", 0, 0, hlen, blen, b"\x00" * 32 + b"\x45abc", 32)
     assert outcome(lambda: C_BODY(f)) == outcome(lambda: framing._body_py(f))
 
 
