@@ -37,6 +37,7 @@ from .ops.ctl_client import (
 )
 from .ops.queue_cli import add_queue_arguments
 from .ops.serve import add_serve_arguments
+from .protocol.framing import SPEEDUPS
 
 log = logging.getLogger("msgq_trio.cli")
 
@@ -147,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"msgq-trio {__version__}")
+    # Which frame codec runs (README "Install"): a benchmark or a bug report names it.
+    build = "compiled fast path" if SPEEDUPS else "pure Python"
+    parser.add_argument("--version", action="version", version=f"msgq-trio {__version__} ({build})")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the broker daemon")

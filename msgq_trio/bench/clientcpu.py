@@ -33,6 +33,7 @@ import trio
 import msgq_trio
 
 from ..demo import start_broker
+from ..protocol.framing import SPEEDUPS
 
 GROUP = "clientcpu"
 SIZE = 100
@@ -171,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _child(args.child, args.socket, args.n, args.no_gc, args.profile == args.child)
         return
+    # The children import the same build (same environment): say which one is measured.
+    build = "compiled fast path" if SPEEDUPS else "pure Python (MSGQ_TRIO_PURE_PYTHON or no build)"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"msgq_trio {msgq_trio.__version__}: {build}; load average {load}", flush=True)
     for _ in range(args.runs):
         r = run_once(args.n, no_gc=args.no_gc, profile=args.profile)
         pub, sub = r["pub"], r["sub"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..protocol.framing import SPEEDUPS
 from .systems import PEER, SYSTEMS
 from .workloads import WORKLOADS, Workload
 
@@ -443,6 +444,9 @@ def machine_info() -> dict[str, Any]:
         "python_implementation": platform.python_implementation(),
         "kernel": platform.release(),
         "msgq_trio_version": __version__,
+        # The clients and the broker the harness starts import the same build (their
+        # environment is this one's): MSGQ_TRIO_PURE_PYTHON=1 or no compiled extension.
+        "msgq_trio_speedups": SPEEDUPS,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         # Others' work on a shared machine moves every figure: the report shows this.
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],

@@ -462,6 +462,13 @@ def _durable_rep(
         say(f"[{rep + 1}/{repeat}] durable    {name:<10} {figure} ({res['seconds']:.1f} s)")
 
 
+def _build(m: dict[str, Any]) -> str:
+    """Which frame codec the run measured (reports from before it was recorded: none)."""
+    if "msgq_trio_speedups" not in m:
+        return ""
+    return " (compiled fast path)" if m["msgq_trio_speedups"] else " (pure Python)"
+
+
 def render(report: dict[str, Any], *, markdown: bool = False) -> str:
     """The report: tables, latency and CPU detail, msgq_trio-only and durable figures,
     settings. ``markdown``: GitHub tables with a blank line around each, lists as lists,
@@ -476,7 +483,7 @@ def render(report: dict[str, Any], *, markdown: bool = False) -> str:
         f"msgq-trio bench ({cfg['mode']}, median of {cfg['repeat']} "
         f"[min{DASH}max], ratio to the best peer): {m['nproc']} CPUs {m['cpu_model']}, "
         f"Python {m['python']}, msgq_trio {m['msgq_trio_version']}"
-        f"{' at ' + m['msgq_trio_commit'] if m.get('msgq_trio_commit') else ''}",
+        f"{' at ' + m['msgq_trio_commit'] if m.get('msgq_trio_commit') else ''}{_build(m)}",
     ]
     load0, load1 = m.get("loadavg_start"), report.get("loadavg_end")
     if load0 or load1:

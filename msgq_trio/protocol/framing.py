@@ -448,7 +448,7 @@ def cbor_bytes_head(n: int) -> bytes:
     return b"\x5b" + n.to_bytes(8, "big")
 
 
-def encode_small_bytes(type: int, target: bytes, payload: bytes, source: bytes) -> bytes:
+def _encode_small_bytes_py(type: int, target: bytes, payload: bytes, source: bytes) -> bytes:
     """A frame without header whose body is the CBOR byte string ``payload``, in one
     step: the same bytes as :func:`encode_simple` with ``cbor2.dumps(payload)``, without
     the encoder call and the intermediate copy (a small binary body is the common
@@ -480,6 +480,8 @@ def encode_small_bytes(type: int, target: bytes, payload: bytes, source: bytes) 
 
 #: CBOR heads of byte strings shorter than 24 bytes (the length is in the head byte).
 _SMALL_HEADS = tuple(bytes((0x40 + n,)) for n in range(24))
+#: :func:`_encode_small_bytes_py`, or the compiled copy of it (see :data:`SPEEDUPS`).
+encode_small_bytes: Callable[[int, bytes, bytes, bytes], bytes] = _encode_small_bytes_py
 
 
 def encode_bytes_message(
@@ -538,6 +540,105 @@ def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]
     if tail_len < _LARGE_FRAME:
         return [head + raw[PREFIX_SIZE:target_end] + source + raw[tail_start:]]
     return [head + raw[PREFIX_SIZE:target_end] + source, memoryview(raw)[tail_start:]]
+
+
+def _scan_loop_py(
+    buf: bytearray, pos: int, limit: int, source: bytes | None, out: list[Frame | Run], seen: int
+) -> tuple[int, int, bool]:
+    """The fast loop of :meth:`FrameParser._scan`: complete, plain frames from ``pos`` on.
+
+    Appends a :class:`Frame` per frame (or a :class:`Run` per run of MESSAGE frames that
+    carry exactly ``source``; None: no runs) to ``out`` and stops before the first frame
+    that is incomplete, larger than ``limit`` (the maximum frame size - 4), has blobs or
+    fails a check: the careful path (:meth:`FrameParser.next_frame`) takes over there and
+    raises the error. Returns the new position, ``seen`` with the appended frames' bits,
+    and whether it stopped on a target that is not UTF-8 (the position is then that
+    frame's start if it would have begun a run, else its end).
+
+    The reference for the compiled ``_speedups.scan``, which must do exactly this.
+    """
+    end = len(buf)
+    unpack = PREFIX.unpack_from
+    valid = _VALID_TYPES
+    append = out.append
+    slen_run = -1 if source is None else len(source)
+    new_tuple = tuple.__new__
+    startswith = buf.startswith
+    # The open run: its first byte, frame count and encoded target (b"" = none open).
+    run_start = run_n = 0
+    run_tb = b""
+    run_target = ""
+    try:
+        while end - pos >= PREFIX_SIZE:
+            (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = unpack(
+                buf, pos
+            )
+            total = 4 + length
+            if (
+                length > limit
+                or nblobs
+                or ftype not in valid
+                or reserved
+                or _FIXED_AFTER_LENGTH + tlen + slen + hlen + blen != length
+            ):
+                break  # anything unusual (or an error) takes the careful path
+            if end - pos < total:
+                break
+            seen |= (1 << ftype) | (SEEN_FDS if nfds else 0)
+            tstart = pos + PREFIX_SIZE
+            if (
+                slen == slen_run
+                and ftype == _MESSAGE
+                and not nfds
+                and tlen
+                and startswith(source, tstart + tlen)  # type: ignore[arg-type]
+            ):
+                if run_n and tlen == len(run_tb) and startswith(run_tb, tstart):
+                    run_n += 1
+                    pos += total
+                    continue
+                if run_n:
+                    append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+                    run_n = 0
+                run_tb = bytes(buf[tstart : tstart + tlen])
+                run_target = run_tb.decode()
+                run_start = pos
+                run_n = 1
+                pos += total
+                continue
+            if run_n:
+                append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+                run_n = 0
+            raw = bytes(buf[pos : pos + total])
+            pos += total
+            tend = PREFIX_SIZE + tlen
+            # tuple.__new__ directly: the NamedTuple's own __new__ is a Python-level
+            # function, a tenth of the parse time per small frame.
+            append(
+                new_tuple(
+                    Frame,
+                    (
+                        ftype,
+                        flags,
+                        rid,
+                        raw[PREFIX_SIZE:tend].decode(),
+                        raw[tend : tend + slen],
+                        0,
+                        nfds,
+                        hlen,
+                        blen,
+                        raw,
+                        tend + slen,
+                        (),
+                    ),
+                )
+            )
+    except UnicodeDecodeError:
+        # No run is open here: it is closed before any target is decoded.
+        return pos, seen, True
+    if run_n:
+        append(Run(run_target, bytes(buf[run_start:pos]), run_n))
+    return pos, seen, False
 
 
 class FrameParser:
@@ -749,97 +850,18 @@ class FrameParser:
                 self.seen = 0
                 return out
             out.append(f)
-        buf = self._buf
-        pos = self._pos
-        end = len(buf)
-        limit = self.max_frame_size - 4
-        unpack = PREFIX.unpack_from
-        valid = _VALID_TYPES
-        append = out.append
-        slen_run = -1 if source is None else len(source)
-        new_tuple = tuple.__new__
-        startswith = buf.startswith
-        # The open run: its first byte, frame count and encoded target (b"" = none open).
-        run_start = run_n = 0
-        run_tb = b""
-        run_target = ""
         seen = ((1 << out[0].type) | (SEEN_FDS if out[0].n_fds else 0)) if out else 0
-        try:
-            while end - pos >= PREFIX_SIZE:
-                (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
-                    unpack(buf, pos)
-                )
-                total = 4 + length
-                if (
-                    length > limit
-                    or nblobs
-                    or ftype not in valid
-                    or reserved
-                    or _FIXED_AFTER_LENGTH + tlen + slen + hlen + blen != length
-                ):
-                    break  # anything unusual (or an error) takes the careful path below
-                if end - pos < total:
-                    break
-                seen |= (1 << ftype) | (SEEN_FDS if nfds else 0)
-                tstart = pos + PREFIX_SIZE
-                if (
-                    slen == slen_run
-                    and ftype == _MESSAGE
-                    and not nfds
-                    and tlen
-                    and startswith(source, tstart + tlen)  # type: ignore[arg-type]
-                ):
-                    if run_n and tlen == len(run_tb) and startswith(run_tb, tstart):
-                        run_n += 1
-                        pos += total
-                        continue
-                    if run_n:
-                        append(Run(run_target, bytes(buf[run_start:pos]), run_n))
-                        run_n = 0
-                    run_tb = bytes(buf[tstart : tstart + tlen])
-                    run_target = run_tb.decode()
-                    run_start = pos
-                    run_n = 1
-                    pos += total
-                    continue
-                if run_n:
-                    append(Run(run_target, bytes(buf[run_start:pos]), run_n))
-                    run_n = 0
-                raw = bytes(buf[pos : pos + total])
-                pos += total
-                tend = PREFIX_SIZE + tlen
-                # tuple.__new__ directly: the NamedTuple's own __new__ is a Python-level
-                # function, a tenth of the parse time per small frame.
-                append(
-                    new_tuple(
-                        Frame,
-                        (
-                            ftype,
-                            flags,
-                            rid,
-                            raw[PREFIX_SIZE:tend].decode(),
-                            raw[tend : tend + slen],
-                            0,
-                            nfds,
-                            hlen,
-                            blen,
-                            raw,
-                            tend + slen,
-                            (),
-                        ),
-                    )
-                )
-        except UnicodeDecodeError:
-            # No run is open here: it is closed before any target is decoded.
-            self._pos = pos
+        pos, seen, bad_target = _scan_loop(
+            self._buf, self._pos, self.max_frame_size - 4, source, out, seen
+        )
+        self._pos = pos
+        if bad_target:
             self.seen = _SEEN_ALL
             self._error = RemoteProtocolError("frame target is not UTF-8")
             if out:
                 return out  # raised by the next call
             self._raise()
-        if run_n:
-            append(Run(run_target, bytes(buf[run_start:pos]), run_n))
-        self._pos = pos
+        append = out.append
         # The careful path handles the rest: partial, large, with blobs, or malformed.
         try:
             while True:
@@ -915,3 +937,43 @@ class FrameParser:
             raw,
             tend + slen,
         )
+
+
+# -- the optional compiled fast paths ---------------------------------------------------
+# _speedups.c (built when a C compiler was there at install time) does what
+# _scan_loop_py, Frame.body and _encode_small_bytes_py do, for the common case only,
+# and hands everything else (every error included) to them: this Python code is the
+# reference, and the package works the same without the extension.
+_scan_loop: Callable[
+    [bytearray, int, int, bytes | None, list[Frame | Run], int], tuple[int, int, bool]
+] = _scan_loop_py
+_body_py = Frame.body
+#: The bitmask of valid frame types for the compiled scan (bit ``t`` for type ``t``).
+_VALID_MASK = sum(1 << t for t in _VALID_TYPES)
+#: The compiled interface this module expects (``_speedups.API``): an extension of
+#: another version, such as a stale in-place build, is not used.
+_SPEEDUPS_API = 1
+#: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
+#: in the environment (any value but "" and "0"), or when the extension was not built.
+SPEEDUPS = False
+
+
+def _use_speedups() -> bool:
+    global _scan_loop, encode_small_bytes
+    if os.environ.get("MSGQ_TRIO_PURE_PYTHON", "") not in {"", "0"}:
+        return False
+    try:
+        from . import _speedups
+    except ImportError:
+        return False
+    if getattr(_speedups, "API", None) != _SPEEDUPS_API or max(_VALID_TYPES) >= 64:
+        return False
+    _speedups.init(Frame, Run, _VALID_MASK, _MESSAGE, _body_py, _encode_small_bytes_py)
+    _scan_loop = _speedups.scan
+    encode_small_bytes = _speedups.encode_small_bytes
+    # A method descriptor of Frame, so frame.body() calls C without a Python frame.
+    setattr(Frame, "body", _speedups.frame_body_method(Frame))  # noqa: B010
+    return True
+
+
+SPEEDUPS = _use_speedups()

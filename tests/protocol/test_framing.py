@@ -68,6 +68,15 @@ def expect_remote_error(
     # The parser is poisoned: the same error again on every later call.
     with pytest.raises(RemoteProtocolError):
         p.next_frame()
+    # The batch calls (their fast loop, pure or compiled, then the careful path) refuse
+    # the same bytes with the same code: the frames before the bad one come first.
+    for source in (None, b""):
+        p = FrameParser(max_frame_size)
+        p.feed(bytes(data))
+        with pytest.raises(RemoteProtocolError) as ei:
+            for _ in range(3):
+                p.frames() if source is None else p.frames_and_runs(source)
+        assert ei.value.code == code
 
 
 # -- round trips ------------------------------------------------------------------------------

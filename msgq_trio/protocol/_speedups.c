@@ -1,0 +1,465 @@
+/*
+ * Compiled fast paths of msgq_trio/protocol/framing.py (optional; see ARCHITECTURE.md).
+ *
+ * framing.py is the reference: every function here does exactly what a named piece of
+ * it does, for the common case only, and hands anything else to that Python code (or
+ * stops where the Python caller's careful path takes over). It never raises a protocol
+ * error of its own, so the errors, their messages and their codes stay those of the
+ * Python code. tests/protocol/test_speedups.py feeds both the same random streams.
+ *
+ *   scan(buf, pos, limit, source, out, seen) -> (pos, seen, bad_target)
+ *       the fast loop of FrameParser._scan (framing._scan_loop_py).
+ *   frame_body_method(Frame) -> a method descriptor for Frame.body: a definite-length
+ *       CBOR byte string filling the body section, else framing._body_py.
+ *   encode_small_bytes(type, target, payload, source) -> bytes
+ *       framing._encode_small_bytes_py for exact bytes arguments; anything else (and
+ *       every error) goes to that function.
+ *
+ * init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py) is called
+ * once by framing.py before any of these is used.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The interface of this file as framing.py expects it; framing.py ignores a build of
+ * another version (a stale in-place build left beside newer sources). */
+#define SPEEDUPS_API 1
+
+#define PREFIX_SIZE 32
+#define FIXED_AFTER_LENGTH 28
+#define SEEN_FDS (1ULL << 32)
+#define FRAME_FIELDS 12
+
+static PyTypeObject *frame_type = NULL; /* framing.Frame (a tuple subclass) */
+static PyObject *run_type = NULL;       /* framing.Run */
+static uint64_t valid_mask = 0;         /* bit t set for each valid FrameType t (< 64) */
+static unsigned message_type = 0;       /* FrameType.MESSAGE */
+static PyObject *body_py = NULL;        /* the Python Frame.body */
+static PyObject *encode_small_py = NULL; /* the Python encode_small_bytes */
+static PyObject *empty_tuple = NULL;
+
+static inline uint32_t be16(const unsigned char *p) { return ((uint32_t)p[0] << 8) | p[1]; }
+
+static inline uint32_t be32(const unsigned char *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static inline uint64_t be64(const unsigned char *p)
+{
+    return ((uint64_t)be32(p) << 32) | be32(p + 4);
+}
+
+static inline void put16(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 8);
+    p[1] = (unsigned char)v;
+}
+
+static inline void put32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+}
+
+static int ready(void)
+{
+    if (frame_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "msgq_trio.protocol._speedups.init() not called");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *init(PyObject *mod, PyObject *args)
+{
+    PyObject *frame, *run, *mask, *body, *encode;
+    unsigned int message;
+    if (!PyArg_ParseTuple(args, "O!OOIOO:init", &PyType_Type, &frame, &run, &mask, &message,
+                          &body, &encode))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)frame, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "init(): Frame must be a tuple subclass");
+        return NULL;
+    }
+    uint64_t m = PyLong_AsUnsignedLongLong(mask);
+    if (m == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    Py_XSETREF(frame_type, (PyTypeObject *)Py_NewRef(frame));
+    Py_XSETREF(run_type, Py_NewRef(run));
+    Py_XSETREF(body_py, Py_NewRef(body));
+    Py_XSETREF(encode_small_py, Py_NewRef(encode));
+    valid_mask = m;
+    message_type = message;
+    Py_RETURN_NONE;
+}
+
+/* Run(target, bytes(buf[start:end]), count); steals no reference. */
+static int emit_run(PyObject *out, PyObject *target, const unsigned char *b, Py_ssize_t start,
+                    Py_ssize_t end, Py_ssize_t count)
+{
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)b + start, end - start);
+    if (raw == NULL)
+        return -1;
+    PyObject *n = PyLong_FromSsize_t(count);
+    if (n == NULL) {
+        Py_DECREF(raw);
+        return -1;
+    }
+    PyObject *argv[3] = {target, raw, n};
+    PyObject *run = PyObject_Vectorcall(run_type, argv, 3, NULL);
+    Py_DECREF(raw);
+    Py_DECREF(n);
+    if (run == NULL)
+        return -1;
+    int rc = PyList_Append(out, run);
+    Py_DECREF(run);
+    return rc;
+}
+
+/* The Frame tuple of one complete frame at b[pos:pos+total]; NULL with *bad set if its
+ * target is not UTF-8 (no Python error set then), NULL with an error otherwise. */
+static PyObject *make_frame(const unsigned char *p, Py_ssize_t total, unsigned ftype,
+                            unsigned flags, uint64_t rid, Py_ssize_t tlen, Py_ssize_t slen,
+                            unsigned nfds, uint32_t hlen, uint32_t blen, int *bad)
+{
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)p, total);
+    if (raw == NULL)
+        return NULL;
+    const char *r = PyBytes_AS_STRING(raw);
+    PyObject *target = PyUnicode_DecodeUTF8(r + PREFIX_SIZE, tlen, NULL);
+    if (target == NULL) {
+        Py_DECREF(raw);
+        if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+            PyErr_Clear();
+            *bad = 1;
+        }
+        return NULL;
+    }
+    PyObject *items[FRAME_FIELDS];
+    items[0] = PyLong_FromUnsignedLong(ftype);
+    items[1] = PyLong_FromUnsignedLong(flags);
+    items[2] = PyLong_FromUnsignedLongLong(rid);
+    items[3] = target;
+    items[4] = PyBytes_FromStringAndSize(r + PREFIX_SIZE + tlen, slen);
+    items[5] = PyLong_FromLong(0);
+    items[6] = PyLong_FromUnsignedLong(nfds);
+    items[7] = PyLong_FromUnsignedLong(hlen);
+    items[8] = PyLong_FromUnsignedLong(blen);
+    items[9] = raw;
+    items[10] = PyLong_FromSsize_t(PREFIX_SIZE + tlen + slen);
+    items[11] = Py_NewRef(empty_tuple);
+    PyObject *frame = NULL;
+    for (int i = 0; i < FRAME_FIELDS; i++)
+        if (items[i] == NULL)
+            goto fail;
+    /* tuple.__new__(Frame, items): the NamedTuple's own __new__ is a Python function. */
+    frame = frame_type->tp_alloc(frame_type, FRAME_FIELDS);
+    if (frame == NULL)
+        goto fail;
+    for (int i = 0; i < FRAME_FIELDS; i++)
+        PyTuple_SET_ITEM(frame, i, items[i]);
+    return frame;
+fail:
+    for (int i = 0; i < FRAME_FIELDS; i++)
+        Py_XDECREF(items[i]);
+    return NULL;
+}
+
+/* The fast loop of FrameParser._scan: see framing._scan_loop_py, which this mirrors
+ * statement by statement (same breaks, same runs, same position on a bad target). */
+static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!ready())
+        return NULL;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "scan() takes 6 arguments");
+        return NULL;
+    }
+    PyObject *source = args[3], *out = args[4];
+    if (source != Py_None && !PyBytes_CheckExact(source)) {
+        PyErr_SetString(PyExc_TypeError, "scan(): source must be bytes or None");
+        return NULL;
+    }
+    if (!PyList_CheckExact(out)) {
+        PyErr_SetString(PyExc_TypeError, "scan(): out must be a list");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred())
+        return NULL;
+    long long limit = PyLong_AsLongLong(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    uint64_t seen = PyLong_AsUnsignedLongLong(args[5]);
+    if (seen == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    /* A buffer export: the bytearray cannot be resized under us (it raises BufferError). */
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *b = (const unsigned char *)view.buf;
+    const Py_ssize_t end = view.len;
+    if (pos < 0) { /* (past the end is fine: no frame there, as for the Python loop) */
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "scan(): negative pos");
+        return NULL;
+    }
+    const Py_ssize_t slen_run = source == Py_None ? -1 : PyBytes_GET_SIZE(source);
+    const char *src = source == Py_None ? NULL : PyBytes_AS_STRING(source);
+    /* The open run: its first byte, frame count, target (decoded) and where its target's
+     * bytes are in the buffer (run_n == 0: none open). */
+    Py_ssize_t run_start = 0, run_n = 0, run_tstart = 0, run_tlen = 0;
+    PyObject *run_target = NULL;
+    int bad = 0;
+
+    while (end - pos >= PREFIX_SIZE) {
+        const unsigned char *p = b + pos;
+        uint32_t length = be32(p);
+        unsigned ftype = p[4], flags = p[5];
+        Py_ssize_t tlen = be16(p + 6), slen = be16(p + 8);
+        uint32_t nblobs = be16(p + 10), nfds = be16(p + 12), reserved = be16(p + 14);
+        uint64_t rid = be64(p + 16);
+        uint32_t hlen = be32(p + 24), blen = be32(p + 28);
+        Py_ssize_t total = 4 + (Py_ssize_t)length;
+        if ((long long)length > limit || nblobs || ftype >= 64 ||
+            !((valid_mask >> ftype) & 1) || reserved ||
+            (uint64_t)FIXED_AFTER_LENGTH + tlen + slen + hlen + blen != length)
+            break; /* anything unusual (or an error) takes the careful path */
+        if (end - pos < total)
+            break;
+        seen |= (1ULL << ftype) | (nfds ? SEEN_FDS : 0);
+        Py_ssize_t tstart = pos + PREFIX_SIZE;
+        if (slen == slen_run && ftype == message_type && !nfds && tlen &&
+            memcmp(b + tstart + tlen, src, (size_t)slen) == 0) {
+            if (run_n && tlen == run_tlen && memcmp(b + tstart, b + run_tstart, (size_t)tlen) == 0) {
+                run_n++;
+                pos += total;
+                continue;
+            }
+            if (run_n) {
+                if (emit_run(out, run_target, b, run_start, pos, run_n) < 0)
+                    goto error;
+                run_n = 0;
+                Py_CLEAR(run_target);
+            }
+            run_target = PyUnicode_DecodeUTF8((const char *)b + tstart, tlen, NULL);
+            if (run_target == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+                    goto error;
+                PyErr_Clear();
+                bad = 1; /* at this frame's start, as the Python loop */
+                break;
+            }
+            run_tstart = tstart;
+            run_tlen = tlen;
+            run_start = pos;
+            run_n = 1;
+            pos += total;
+            continue;
+        }
+        if (run_n) {
+            if (emit_run(out, run_target, b, run_start, pos, run_n) < 0)
+                goto error;
+            run_n = 0;
+            Py_CLEAR(run_target);
+        }
+        PyObject *frame = make_frame(p, total, ftype, flags, rid, tlen, slen, nfds, hlen, blen, &bad);
+        pos += total; /* past the frame even if its target is bad, as the Python loop */
+        if (frame == NULL) {
+            if (bad)
+                break;
+            goto error;
+        }
+        int rc = PyList_Append(out, frame);
+        Py_DECREF(frame);
+        if (rc < 0)
+            goto error;
+    }
+    if (run_n && emit_run(out, run_target, b, run_start, pos, run_n) < 0)
+        goto error;
+    Py_XDECREF(run_target);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(nKO)", pos, (unsigned long long)seen, bad ? Py_True : Py_False);
+error:
+    Py_XDECREF(run_target);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+/* Frame.body: a definite-length CBOR byte string that fills the section exactly is its
+ * head and a slice; anything else is the Python method's (cbor2, errors, bytearray). */
+static PyObject *frame_body(PyObject *self, PyObject *unused)
+{
+    if (!ready())
+        return NULL;
+    if (PyTuple_Check(self) && PyTuple_GET_SIZE(self) == FRAME_FIELDS) {
+        PyObject *raw = PyTuple_GET_ITEM(self, 9);
+        PyObject *o_blen = PyTuple_GET_ITEM(self, 8), *o_hlen = PyTuple_GET_ITEM(self, 7),
+                 *o_tail = PyTuple_GET_ITEM(self, 10);
+        if (PyLong_CheckExact(o_blen) && PyLong_CheckExact(o_hlen) && PyLong_CheckExact(o_tail) &&
+            PyBytes_CheckExact(raw)) {
+            /* (one at a time: no C API call with an exception set) */
+            int overflow = 0;
+            long long blen = PyLong_AsLongLongAndOverflow(o_blen, &overflow);
+            long long hlen = overflow ? 0 : PyLong_AsLongLongAndOverflow(o_hlen, &overflow);
+            long long tail = overflow ? 0 : PyLong_AsLongLongAndOverflow(o_tail, &overflow);
+            if (overflow) /* absurd lengths: only a hand-made Frame has them */
+                return PyObject_CallOneArg(body_py, self);
+            if (blen == 0)
+                Py_RETURN_NONE;
+            long long start = tail + hlen, size = PyBytes_GET_SIZE(raw);
+            const unsigned char *r = (const unsigned char *)PyBytes_AS_STRING(raw);
+            /* Only a frame whose body lies inside raw (as every parsed frame's does). */
+            if (blen > 0 && tail >= 0 && hlen >= 0 && start + blen <= size) {
+                unsigned ib = r[start];
+                if (ib >= 0x40 && ib <= 0x5A) {
+                    long long h = 0, n = -1;
+                    if (ib < 0x58) {
+                        h = 1;
+                        n = ib - 0x40;
+                    } else {
+                        int k = 1 << (ib - 0x58);
+                        if (blen >= 1 + k) {
+                            h = 1 + k;
+                            n = 0;
+                            for (int i = 0; i < k; i++)
+                                n = (n << 8) | r[start + 1 + i];
+                        }
+                    }
+                    if (h + n == blen)
+                        return PyBytes_FromStringAndSize((const char *)r + start + h, blen - h);
+                }
+            }
+        }
+    }
+    return PyObject_CallOneArg(body_py, self);
+}
+
+static PyMethodDef frame_body_def = {
+    "body", (PyCFunction)frame_body, METH_NOARGS,
+    "body($self, /)\n--\n\n"
+    "Decode the CBOR body (an empty section means ``None``).\n\n"
+    "Raises:\n"
+    "    RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.",
+};
+
+static PyObject *frame_body_method(PyObject *mod, PyObject *type)
+{
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "frame_body_method(): a type is required");
+        return NULL;
+    }
+    return PyDescr_NewMethod((PyTypeObject *)type, &frame_body_def);
+}
+
+/* encode_small_bytes for exact bytes arguments whose frame fits; the Python function
+ * gets every other call (and raises its errors). */
+static PyObject *encode_small_bytes(PyObject *mod, PyObject *const *args, size_t nargsf,
+                                    PyObject *kwnames)
+{
+    if (!ready())
+        return NULL;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 4 || kwnames != NULL)
+        goto slow;
+    PyObject *o_type = args[0], *target = args[1], *payload = args[2], *source = args[3];
+    if (!PyLong_Check(o_type) || !PyBytes_CheckExact(target) || !PyBytes_CheckExact(payload) ||
+        !PyBytes_CheckExact(source))
+        goto slow;
+    int overflow = 0;
+    long type = PyLong_AsLongAndOverflow(o_type, &overflow);
+    if (overflow || type < 0 || type > 0xFF) {
+        if (type == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        goto slow;
+    }
+    Py_ssize_t tl = PyBytes_GET_SIZE(target), sl = PyBytes_GET_SIZE(source);
+    Py_ssize_t n = PyBytes_GET_SIZE(payload);
+    if (tl > 0xFFFF || sl > 0xFFFF)
+        goto slow;
+    unsigned char head[5];
+    Py_ssize_t hl;
+    if (n < 24) {
+        head[0] = (unsigned char)(0x40 + n);
+        hl = 1;
+    } else if (n < 0x100) {
+        head[0] = 0x58;
+        head[1] = (unsigned char)n;
+        hl = 2;
+    } else if (n < 0x10000) {
+        head[0] = 0x59;
+        put16(head + 1, (uint32_t)n);
+        hl = 3;
+    } else if ((unsigned long long)n < 0x100000000ULL) {
+        head[0] = 0x5A;
+        put32(head + 1, (uint32_t)n);
+        hl = 5;
+    } else {
+        goto slow;
+    }
+    unsigned long long blen = (unsigned long long)hl + (unsigned long long)n;
+    unsigned long long length = FIXED_AFTER_LENGTH + (unsigned long long)tl + sl + blen;
+    if (blen > 0xFFFFFFFFULL || length > 0xFFFFFFFFULL)
+        goto slow;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 + length));
+    if (out == NULL)
+        return NULL;
+    unsigned char *w = (unsigned char *)PyBytes_AS_STRING(out);
+    put32(w, (uint32_t)length);
+    w[4] = (unsigned char)type;
+    w[5] = 0;                    /* flags */
+    put16(w + 6, (uint32_t)tl);
+    put16(w + 8, (uint32_t)sl);
+    memset(w + 10, 0, 6 + 8 + 4); /* n_blobs, n_fds, reserved, request_id, header_len */
+    put32(w + 28, (uint32_t)blen);
+    w += PREFIX_SIZE;
+    memcpy(w, PyBytes_AS_STRING(target), (size_t)tl);
+    w += tl;
+    memcpy(w, PyBytes_AS_STRING(source), (size_t)sl);
+    w += sl;
+    memcpy(w, head, (size_t)hl);
+    w += hl;
+    memcpy(w, PyBytes_AS_STRING(payload), (size_t)n);
+    return out;
+slow:
+    return PyObject_Vectorcall(encode_small_py, args, nargsf, kwnames);
+}
+
+static PyMethodDef methods[] = {
+    {"init", (PyCFunction)init, METH_VARARGS,
+     "init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py)"},
+    {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
+     "scan(buf, pos, limit, source, out, seen) -> (pos, seen, bad_target)"},
+    {"frame_body_method", (PyCFunction)frame_body_method, METH_O,
+     "frame_body_method(Frame) -> a method descriptor for Frame.body"},
+    {"encode_small_bytes", (PyCFunction)(void (*)(void))encode_small_bytes,
+     METH_FASTCALL | METH_KEYWORDS, "encode_small_bytes(type, target, payload, source) -> bytes"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_speedups",
+    "Optional compiled fast paths of msgq_trio.protocol.framing (the Python code is the "
+    "reference).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void)
+{
+    empty_tuple = PyTuple_New(0);
+    if (empty_tuple == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "API", SPEEDUPS_API) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,21 @@
+"""Types of the optional C extension ``_speedups.c`` (see framing.py, which uses it)."""
+
+from collections.abc import Callable
+from typing import Any
+
+API: int
+
+def init(
+    frame: type[Any],
+    run: type[Any],
+    valid_mask: int,
+    message_type: int,
+    body_py: Callable[[Any], object],
+    encode_small_bytes_py: Callable[[int, bytes, bytes, bytes], bytes],
+    /,
+) -> None: ...
+def scan(
+    buf: bytearray, pos: int, limit: int, source: bytes | None, out: list[Any], seen: int, /
+) -> tuple[int, int, bool]: ...
+def frame_body_method(frame: type[Any], /) -> Any: ...
+def encode_small_bytes(type: int, target: bytes, payload: bytes, source: bytes) -> bytes: ...

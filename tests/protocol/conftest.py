@@ -1,0 +1,39 @@
+"""Every protocol test runs on both builds of the frame codec: the pure-Python reference
+and the compiled fast paths (msgq_trio/protocol/_speedups.c), where it is built.
+
+Module-scoped, so each test module runs once per build (hypothesis accepts no
+function-scoped fixture). Under ``MSGQ_TRIO_PURE_PYTHON=1`` (a CI step) or without the
+extension only the pure build runs. test_speedups.py compares the two itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from msgq_trio.protocol import framing
+
+
+@pytest.fixture(scope="module", params=["pure", "compiled"], autouse=True)
+def codec_build(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Switch framing's three fast-path hooks to one build for the module's tests."""
+    if request.module.__name__.endswith("test_speedups"):
+        if request.param == "pure":
+            pytest.skip("test_speedups compares both builds itself")
+        yield request.param
+        return
+    if request.param == "compiled":
+        if not framing.SPEEDUPS:
+            pytest.skip("the compiled fast path is not in use (MSGQ_TRIO_PURE_PYTHON or no build)")
+        yield request.param
+        return
+    saved = (framing._scan_loop, framing.Frame.__dict__["body"], framing.encode_small_bytes)
+    framing._scan_loop = framing._scan_loop_py
+    framing.Frame.body = framing._body_py  # type: ignore[method-assign]
+    framing.encode_small_bytes = framing._encode_small_bytes_py
+    try:
+        yield request.param
+    finally:
+        framing._scan_loop, body, framing.encode_small_bytes = saved
+        framing.Frame.body = body  # type: ignore[method-assign]
