@@ -133,7 +133,7 @@ class AioBus(BusBase):
         self._drain_waiters: list[asyncio.Future[None]] = []
         #: A write is scheduled for the end of this loop pass (see ``send``).
         self._write_soon = False
-        self._in: deque[Message] = deque()
+        self._in: deque[Message | Frame] = deque()  # see BusBase._in
         self._in_bytes = 0
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
@@ -372,10 +372,7 @@ class AioBus(BusBase):
         socket and everything queued."""
         self._fail_all(exc)
         self._stop_io()
-        for msg in self._in:
-            msg.close()
-        self._in.clear()
-        self._in_bytes = 0
+        self._drop_in()
         self._sock.close()
 
     def _fail_all(self, exc: ConnectionLost) -> None:
@@ -584,11 +581,19 @@ class AioBus(BusBase):
                     self._fail_all(ConnectionLost("the broker closed the connection"))
                     break
                 assert isinstance(ev, Frame)
+                if ev.type == _MESSAGE and self._message_inline is None:
+                    # The hot path: the session's event would be Message(ev), made
+                    # when the application takes it (BusBase._in).
+                    self._in.append(ev)
+                    self._in_bytes += len(ev.raw)
+                    got_message = True
+                    continue
                 event = handle(ev)
                 if isinstance(event, Message):
-                    if ev.type == _MESSAGE and self._message_inline is not None:
+                    if ev.type == _MESSAGE:
+                        assert self._message_inline is not None
                         self._inline_callback(self._message_inline, event)
-                    elif ev.type == _MESSAGE or not self._notification(event):
+                    elif not self._notification(event):
                         self._in.append(event)
                         self._in_bytes += len(ev.raw)
                         got_message = True
@@ -773,8 +778,7 @@ class AioBus(BusBase):
             finally:
                 if fut in self._in_waiters:  # cancelled (a receive timeout)
                     self._in_waiters.remove(fut)
-        msg = q.popleft()
-        self._in_bytes -= len(msg._frame.raw)
+        msg = self._take(q.popleft())
         if not self._reading and not self._in_full():
             self._resume_reading()
         return msg

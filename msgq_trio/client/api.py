@@ -215,7 +215,12 @@ class BusBase(SessionView):
     _notify_inline: dict[str, Callable[[Message], None]]
     _message_inline: Callable[[Message], None] | None
     #: Received messages the application has not taken yet, and their frames' bytes.
-    _in: collections.deque[Message]
+    #: A plain MESSAGE waits as its Frame and becomes a Message when taken
+    #: (:meth:`_take`): a burst of one receive is thousands of messages, and as Message
+    #: objects they would all be alive at once for the cyclic garbage collector to walk
+    #: and promote to older generations (frames from the compiled scanner are not
+    #: tracked by it).
+    _in: collections.deque[Message | Frame]
     _in_bytes: int
 
     #: The reconnect policy (None: off), the address dialled, and whether the bus is
@@ -289,6 +294,24 @@ class BusBase(SessionView):
     async def _wait_goodbye(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the broker's GOODBYE (or EOF); whether it came."""
         raise NotImplementedError
+
+    def _take(self, item: Message | Frame) -> Message:
+        """The Message of an ``_in`` entry just popped; its bytes leave ``_in_bytes``."""
+        if isinstance(item, Message):
+            self._in_bytes -= len(item._frame.raw)
+            return item
+        self._in_bytes -= len(item.raw)
+        return Message(item, self._s.sources)
+
+    def _drop_in(self) -> None:
+        """Close every message nobody took (their descriptors are ours to close)."""
+        for item in self._in:
+            if isinstance(item, Message):
+                item.close()
+            else:
+                close_fds(item.fds)
+        self._in.clear()
+        self._in_bytes = 0
 
     def _in_full(self) -> bool:
         """Over ``IN_HIGH_WATER`` bytes, or ``IN_HIGH_COUNT`` messages while none of our

@@ -110,7 +110,7 @@ class Bus(BusBase):
         self._out_bytes = 0
         self._out_wake = trio.lowlevel.ParkingLot()
         self._drained = trio.lowlevel.ParkingLot()
-        self._in: deque[Message] = deque()
+        self._in: deque[Message | Frame] = deque()  # see BusBase._in
         self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
@@ -544,8 +544,14 @@ class Bus(BusBase):
             # A message is waiting and no fairness checkpoint is due: _next_message's
             # first branch, without a second coroutine per message.
             self._since_yield += 1
-            msg = q.popleft()
-            self._in_bytes -= len(msg._frame.raw)
+            item = q.popleft()
+            # BusBase._take, inline: this runs once per message.
+            if isinstance(item, Message):
+                self._in_bytes -= len(item._frame.raw)
+                msg = item
+            else:
+                self._in_bytes -= len(item.raw)
+                msg = Message(item, self._s.sources)
             if self._in_taken:
                 self._in_taken.unpark_all()
             return msg
@@ -577,8 +583,7 @@ class Bus(BusBase):
             if self._closed or self._final():
                 return None
             await self._in_wake.park()
-        msg = q.popleft()
-        self._in_bytes -= len(msg._frame.raw)
+        msg = self._take(q.popleft())
         if self._in_taken:  # only the reader parks here, and only when _in_full()
             self._in_taken.unpark_all()
         # A full checkpoint every _FAIRNESS messages keeps iteration cancellable and lets
@@ -641,14 +646,17 @@ class Bus(BusBase):
                             self._fail_all(ConnectionLost("the broker closed the connection"))
                             return
                         assert isinstance(ev, Frame)
+                        if ev.type == _MESSAGE and inline is None:
+                            # The hot path, straight to the application: the session's
+                            # event for it would be Message(ev), made when it is taken.
+                            inq.append(ev)
+                            self._in_bytes += len(ev.raw)
+                            continue
                         event = handle(ev)
                         if isinstance(event, Message):
                             if ev.type == _MESSAGE:
-                                if inline is None:  # hot path: straight to the application
-                                    inq.append(event)
-                                    self._in_bytes += len(ev.raw)
-                                else:
-                                    self._inline_callback(inline, event)
+                                assert inline is not None
+                                self._inline_callback(inline, event)
                             elif not self._notification(event):
                                 inq.append(event)  # the reader wakes the consumer below
                                 self._in_bytes += len(ev.raw)
@@ -899,9 +907,6 @@ async def connect(
                     await bus._close()
                 nursery.cancel_scope.cancel()
     # Messages nobody took: the descriptors that came with them are ours to close.
-    for msg in bus._in:
-        msg.close()
-    bus._in.clear()
-    bus._in_bytes = 0
+    bus._drop_in()
     if body_error is not None:
         raise body_error
