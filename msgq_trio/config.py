@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from .protocol.framing import ABSOLUTE_MAX_FRAME_SIZE, DEFAULT_MAX_FRAME_SIZE
+from .runtime import DEFAULT_GC_THRESHOLD
 
 MiB = 1024 * 1024
 
@@ -553,6 +554,10 @@ class BrokerConfig:
     socket_mode: str = attrs.field(default="", validator=_socket_mode)
     socket_group: str = attrs.field(default="", validator=_socket_group)
     state_dir: str = ""
+    #: The youngest generation's threshold of CPython's cyclic garbage collector in the
+    #: broker and its plugin processes (0: the interpreter's own, 700); msgq_trio.runtime
+    #: says why it is raised. Read at start only.
+    gc_threshold: int = attrs.field(default=DEFAULT_GC_THRESHOLD, validator=_non_negative)
     limits: Limits = attrs.field(factory=Limits)
     log: LogSettings = attrs.field(factory=LogSettings)
     control: ControlSettings = attrs.field(factory=ControlSettings)

@@ -23,6 +23,7 @@ import lmdb
 import trio
 
 from msgq_trio.errors import ConnectError
+from msgq_trio.runtime import threshold_from_env, tune_collector
 
 from .loader import load_plugin
 
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s plugin {name} [%(process)d] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    try:
+        tune_collector(threshold_from_env())
+    except ValueError as bad:
+        log.error("plugin %s: cannot start: %s", name, bad)
+        return 2
     failed: list[BaseException] = []
     unusable: list[BaseException] = []
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
+from msgq_trio.runtime import DEFAULT_GC_THRESHOLD, GC_THRESHOLD_ENV
 
 log = logging.getLogger("msgq_trio.plugins")
 
@@ -55,6 +58,8 @@ class PluginSupervisor:
         socket: the broker's socket, handed to each plugin.
         plugins: plugin name -> its settings table (already checked by the loader).
         stopping: returns True once the broker shuts down (no restarts then).
+        gc_threshold: the broker's ``gc_threshold``, handed to each plugin process
+            (``msgq_trio.runtime``).
     """
 
     def __init__(
@@ -64,8 +69,10 @@ class PluginSupervisor:
         *,
         stopping: Callable[[], bool] = lambda: False,
         start_timeout: float = START_TIMEOUT,
+        gc_threshold: int = DEFAULT_GC_THRESHOLD,
     ) -> None:
         self.socket = socket
+        self.gc_threshold = gc_threshold
         self.plugins = plugins
         self.stopping = stopping
         self.start_timeout = start_timeout
@@ -119,7 +126,10 @@ class PluginSupervisor:
             str(self.socket),
             json.dumps(table),
         ]
-        proc = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        env = {**os.environ, GC_THRESHOLD_ENV: str(self.gc_threshold)}
+        proc = await trio.lowlevel.open_process(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         assert proc.stdout is not None
         ready = False
         try:

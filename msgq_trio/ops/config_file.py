@@ -50,6 +50,7 @@ TOP_LEVEL: dict[str, str] = {
     "socket_mode": "str",
     "socket_group": "str",
     "state_dir": "str",
+    "gc_threshold": "int",
 }
 #: Plugins whose ``dir`` (their store) defaults to ``<state_dir>/<name>`` when their table
 #: leaves it out, so ``serve --plugin queue`` needs no configuration file.
@@ -62,6 +63,7 @@ RESTART_ONLY = frozenset(
         "socket_mode",
         "socket_group",
         "state_dir",
+        "gc_threshold",
         "metrics.listen",
         "tcp.listen",
         "tcp.certfile",

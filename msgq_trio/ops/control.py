@@ -22,6 +22,7 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -453,6 +454,12 @@ class Operations:
             "metrics": {
                 "address": self.metrics_address,
                 "scrapes": self.metrics.scrapes if self.metrics else 0,
+            },
+            # The cyclic collector as gc_threshold set it (msgq_trio.runtime), and how
+            # often each generation was collected since start.
+            "collector": {
+                "threshold": list(gc.get_threshold()),
+                "collections": [g["collections"] for g in gc.get_stats()],
             },
         }
 

@@ -34,6 +34,7 @@ from ..config import (
     parse_socket_mode,
     resolve_group,
 )
+from ..runtime import tune_collector
 from .config_file import ConfigError, ConfigSource
 
 log = logging.getLogger("msgq_trio.serve")
@@ -281,6 +282,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"msgq-trio serve: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     logsetup.install_exception_hooks()
+    tune_collector(config.gc_threshold)
     try:
         return trio.run(_serve, config, source)
     except KeyboardInterrupt:
@@ -378,7 +380,10 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                     # once it listens; "listening" is printed when they are ready too.
                     # (shutting_down: a plugin leaving during shutdown is not restarted.)
                     supervisor = PluginSupervisor(
-                        server.path, config.plugins, stopping=lambda: server.shutting_down
+                        server.path,
+                        config.plugins,
+                        stopping=lambda: server.shutting_down,
+                        gc_threshold=config.gc_threshold,
                     )
                     await nursery.start(supervisor.run)
                 started = True

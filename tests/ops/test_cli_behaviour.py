@@ -370,6 +370,20 @@ def test_ctl_stats_in_human_units(broker) -> None:
     assert isinstance(raw["uptime"], float)
 
 
+@pytest.mark.parametrize(("line", "young"), [("", 10_000), ("gc_threshold = 0", 700)])
+def test_the_broker_runs_with_its_gc_threshold(
+    broker_factory: Callable[..., Any], tmp_path: Path, line: str, young: int
+) -> None:
+    """``gc_threshold`` (default 10,000; 0 keeps CPython's 700) is the youngest
+    generation's threshold of the broker's collector, shown by ``ctl stats``."""
+    cfg = tmp_path / "gc.toml"
+    cfg.write_text(line + "\n")
+    b = broker_factory("--config", str(cfg))
+    raw = json.loads(run("ctl", "stats", "--json", "-s", str(b.path)).stdout)
+    assert raw["collector"]["threshold"][0] == young
+    assert len(raw["collector"]["collections"]) == 3
+
+
 # -- help --------------------------------------------------------------------------------------
 def _all_parsers(p: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
     yield p.prog, p

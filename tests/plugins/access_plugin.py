@@ -4,11 +4,13 @@ distribution has): ``tally`` declares the access verbs of its commands, ``badver
 declares a verb the broker does not know.
 
 ``tally`` answers every request on the group ``tally`` with ``[command, params]``; its
-commands ``bump`` and ``read`` act on the counter ``params["counter"]`` names.
+commands ``bump`` and ``read`` act on the counter ``params["counter"]`` names. The
+command ``gc-threshold`` answers its process's ``gc.get_threshold()`` instead.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ class Tally:
         async with connect(socket, "tally") as bus:
 
             def answer(params: Any, request: Message) -> list[Any]:
+                if request.command == "gc-threshold":
+                    return list(gc.get_threshold())
                 return [request.command, params]
 
             bus.set_default_handler(answer)

@@ -11,10 +11,12 @@ PYTHONPATH, which the plugin processes inherit.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,36 @@ async def test_the_broker_enforces_the_verbs_a_plugin_declares(
             "fetch",
             {"queue": "payroll"},
         ]
+
+
+@pytest.mark.parametrize(("line", "young"), [("", 10_000), ("gc_threshold = 12345", 12345)])
+async def test_plugin_processes_run_with_the_brokers_gc_threshold(
+    broker_factory: Callable[..., Any], short_tmp: Path, test_plugins: Path, line: str, young: int
+) -> None:
+    """The broker's ``gc_threshold`` (default 10,000) is the youngest generation's
+    threshold of its plugin processes' collector; the older ones keep CPython's."""
+    cfg = short_tmp / "gc.toml"
+    cfg.write_text(f"{line}\n[plugins.tally]\n")
+    b = broker_factory("--config", str(cfg))
+    async with msgq_trio.connect(b.path, name="user") as c:
+        assert await c.call("tally", "gc-threshold") == [young, *gc.get_threshold()[1:]]
+
+
+def test_a_plugin_process_refuses_a_bad_gc_threshold(short_tmp: Path) -> None:
+    """A plugin process whose inherited MSGQ_TRIO_GC_THRESHOLD is not a non-negative
+    integer (only someone other than the broker sets one so) stops at once, exit status
+    2, one line naming the variable."""
+    for bad in ("lots", "-1"):
+        r = subprocess.run(
+            [sys.executable, "-m", "msgq_trio.plugins.host", "queue", str(short_tmp / "s"), "{}"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "MSGQ_TRIO_GC_THRESHOLD": bad},
+        )
+        assert r.returncode == 2, r.stderr
+        assert f"MSGQ_TRIO_GC_THRESHOLD={bad!r}" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_plugin_declaring_an_unknown_verb_stops_the_start(
