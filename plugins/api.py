@@ -16,6 +16,8 @@ client. Why a child process and not tasks inside the broker:
 
 Lifetime: the child dies with the broker. Its stdin is a pipe from the broker that is
 never written; EOF on it (the broker exited, even by SIGKILL) ends the child at once.
+SIGTERM (the supervisor's stop) cancels the plugin's ``run`` instead, so that it can
+finish what it holds (the queue plugin's final commit) before the process exits.
 
 Access: a plugin whose commands act on objects of its own (the queue plugin's queues)
 declares the verb each command needs in an optional ``access`` attribute, a

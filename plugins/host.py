@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -68,7 +69,17 @@ async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
             # run() returned (e.g. its bus connection ended): the process ends with it.
             nursery.cancel_scope.cancel()
 
+        async def stop_on_sigterm() -> None:
+            # The supervisor's stop: cancel the plugin, so that it can finish what it
+            # holds (the queue plugin's final commit), instead of dying on the signal.
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    log.info("plugin %s: SIGTERM, stopping", name)
+                    nursery.cancel_scope.cancel()
+                    return
+
         nursery.start_soon(watch)
+        nursery.start_soon(stop_on_sigterm)
         await nursery.start(run)
         sys.stdout.write("ready\n")
         sys.stdout.flush()

@@ -114,6 +114,7 @@ class Bus(BusBase):
         self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
+        self._reading = False  # the reader task runs (see _wait_goodbye)
         self._init_api(target, reconnect)
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -193,10 +194,16 @@ class Bus(BusBase):
         return self._out_bytes + unconsumed_bytes(self._fd)
 
     async def _wait_goodbye(self, timeout: float) -> bool:
+        # The event is also set when the reader ends for any other reason: when the
+        # block around the bus was cancelled, the reader and the writer were cancelled
+        # with it, and nobody would read the broker's GOODBYE.
         with trio.move_on_after(timeout):
             await self._broker_goodbye.wait()
-            return True
-        return False
+        if not self._reading:
+            # The writer may be gone too: send what is queued (our GOODBYE included)
+            # if the socket takes it now.
+            self._send_now()
+        return self._broker_goodbye.is_set()
 
     async def _checkpoint(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -630,6 +637,7 @@ class Bus(BusBase):
         rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._s.max_fds))
         receive = rx.receive_into
         received = False  # first pass: frames buffered behind WELCOME
+        self._reading = True
         try:
             while True:
                 if received:
@@ -687,6 +695,8 @@ class Bus(BusBase):
             log.error("broker violated the protocol: %s", exc)
             self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
         finally:
+            self._reading = False
+            self._broker_goodbye.set()  # nothing more is read (see _wait_goodbye)
             rx.close()
             close_fds(conn.take_orphan_fds())
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from msgq_trio.storage.api import StorageError
 
 from msgq_trio.client.bus import connect
 from msgq_trio.exposition import MetricsServer, open_plugin_listeners
@@ -123,9 +124,40 @@ class QueuePlugin:
                     await service.serve()
                     log.info("queue plugin: the bus connection ended")
                     nursery.cancel_scope.cancel()
+            except BaseException as exc:
+                if _only_cancelled(exc):  # a graceful stop (the host's SIGTERM)
+                    await _final_commit(engine)
+                raise
+            else:
+                await _final_commit(engine)
             finally:
                 for listener in listeners:  # closed already if the server ran
                     await trio.aclose_forcefully(listener)
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio's Cancelled, alone or in (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+async def _final_commit(engine: Engine) -> None:
+    """The engine's final commit on a graceful stop (``Engine.final_commit``), shielded
+    from the cancellation that stops the plugin. A failure is logged: what it left out
+    behaves as after a crash (redelivered, at least once)."""
+    with trio.CancelScope(shield=True):
+        try:
+            counts = await engine.final_commit()
+        except StorageError as exc:
+            log.error("queue plugin: the final commit failed: %s", exc)
+            return
+    log.info(
+        "queue plugin: final commit: %d messages, %d marks, %d deletes",
+        counts["messages"],
+        counts["marks"],
+        counts["deletes"],
+    )
 
 
 PLUGIN = QueuePlugin()

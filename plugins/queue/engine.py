@@ -910,6 +910,48 @@ class Engine:
             if res["errors"] or res["full"] is not None or res.get("error"):
                 await trio.sleep(0.1)  # failed store calls are retried, not in a busy loop
 
+    async def final_commit(self) -> dict[str, int]:
+        """On a graceful stop, after ``flush_loop`` ended: commit at once, without the
+        grace, everything the store does not have yet -- every message pending and not
+        acked (delivered or not), every mark of a consumed message never written, every
+        delete of an acked stored message and every delivery-count increment -- so that
+        a restart neither redelivers an acked message nor takes a consumed one's resend
+        for new (rule 4), and a producer's resend of a put it was not answered for is
+        recognised as a duplicate. Runs after a commit the ended ``flush_loop`` left on
+        the store thread (its messages are stored; they are left out). The engine is
+        not used after it.
+
+        Returns the counts written (``messages``, ``marks``, ``deletes``).
+
+        Raises:
+            StorageError: the store refused the commit (the caller logs it: what was
+                not written behaves as after a crash, at least once).
+        """
+        items = [m for m in self.pending if m.state != DONE and not m.in_batch]
+        new = [_new_tuple(NewMessage, (m.queue.name, m.producer, m.pseq, m.data)) for m in items]
+        marks, self._consumed = dict(self._consumed), {}
+        deletes: dict[str, list[int]] = {}
+        incr: dict[str, list[int]] = {}
+        for q in self.queues.values():
+            if q.deletes:
+                deletes[q.name], q.deletes = q.deletes, []
+            if q.incr:
+                incr[q.name], q.incr = q.incr, []
+        counts = {
+            "messages": len(new),
+            "marks": len(marks),
+            "deletes": sum(len(seqs) for seqs in deletes.values()),
+        }
+        if not (new or marks or deletes or incr):
+            return counts
+        res = await self.thread.run(self._commit, new, deletes, incr, {}, marks)
+        errors = [*res["errors"], *([res["full"]] if res["full"] else [])]
+        if res.get("error"):
+            errors.append(res["error"])
+        if errors:
+            raise StorageError("; ".join(errors))
+        return counts
+
     def _left_pending(self, msgs: list[Msg]) -> None:
         """``msgs`` left ``pending``: uncount them from ``_pending_keys`` (one update per
         run of one producer's messages, which is how they arrive)."""

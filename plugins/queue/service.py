@@ -161,6 +161,10 @@ class Service:
         # and requests are stored (and so delivered) in the order it sent them.
         self.binder.set_default_handler(self._bound_request)
         self.binder.on_message_inline(self._bound_message)
+        # A consumer's acks (one-way messages) in the reader too, in arrival order with
+        # the requests it answers: a request sent after acks (``stats``, ``cancel``)
+        # finds them applied. Taken by iteration, they waited behind such requests.
+        bus.on_message_inline(self._acks)
         await bus.subscribe("msgq.membership")
         for q in list(self.engine.queues.values()):
             if q.opts.bind:
@@ -186,8 +190,8 @@ class Service:
         log.info("queue %s bound to group %s", q.name, group)
 
     async def serve(self) -> None:
-        """Handle membership notifications and one-way messages to bound groups until
-        either connection ends (then return: the plugin process exits)."""
+        """Handle membership notifications until either connection ends (then return:
+        the plugin process exits). One-way messages are taken in the readers (``setup``)."""
         async with trio.open_nursery() as n:
 
             async def membership() -> None:
@@ -195,8 +199,6 @@ class Service:
                     async for msg in self.bus:
                         if msg.kind == "notification":
                             self._membership(msg)
-                        elif msg.kind == "message":
-                            self._acks(msg)
                 except ConnectionLost as exc:
                     log.info("queue plugin: connection ended: %s", exc)
                 n.cancel_scope.cancel()

@@ -44,7 +44,7 @@ from msgq_trio import (
 )
 from msgq_trio.client.message import Message
 from msgq_trio.client.reconnect import GAVE_UP
-from msgq_trio.client.session import IN_HIGH_COUNT
+from msgq_trio.client.session import CLOSE_WAIT, IN_HIGH_COUNT
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
 from msgq_trio.protocol.framing import SPEEDUPS
@@ -1084,6 +1084,33 @@ async def test_iteration_and_how_it_ends(driver: str, how: str, broker: Any) -> 
             await trio.to_thread.run_sync(broker.kill)
             with pytest.raises(ConnectionLost):
                 await rx.iterate(5)
+
+
+async def test_a_cancelled_block_closes_its_bus_at_once_with_a_goodbye(broker: Any) -> None:
+    """Cancelling the block around ``connect`` (a plugin's SIGTERM, a timeout) cancels
+    the bus's reader and writer too: the close sends the queued GOODBYE itself and does
+    not wait for the broker's, which nobody would read. The broker sees a clean close,
+    not a lost connection."""
+    with trio.move_on_after(HANG) as outer:
+        with trio.CancelScope() as scope:
+            async with msgq_trio.connect(broker.path, "cancelled"):
+                cancelled_at = trio.current_time()
+                scope.cancel()
+                await trio.sleep_forever()
+        closing = trio.current_time() - cancelled_at
+    assert not outer.cancelled_caught
+    # The close takes milliseconds; waiting for a GOODBYE nobody reads took CLOSE_WAIT
+    # at least (12 s in a plugin whose writer had not sent ours).
+    assert closing < CLOSE_WAIT
+    async with msgq_trio.connect(broker.path, "observer") as obs:
+        st: dict[str, Any] = {}
+        with trio.fail_after(HANG):
+            for _ in range(100_000):  # polled: the broker counts it when it cleaned up
+                st = await obs.call("msgq", "stats")
+                if st["disconnects"].get("closed", 0):
+                    break
+                await trio.sleep(0.02)
+    assert st["disconnects"].get("connection-lost", 0) == 0
 
 
 # -- descriptors -------------------------------------------------------------------------

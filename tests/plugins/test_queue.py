@@ -333,6 +333,42 @@ async def test_producer_order_kept_with_consumer_online(queue_broker: Start) -> 
         assert st["depth"] == 0 and st["duplicates"] == 0 and st["redelivered"] == 0, st
 
 
+async def test_a_consumers_acks_are_applied_before_its_next_request(queue_broker: Start) -> None:
+    """A consumer acks what it holds, then asks for the queue's statistics: its acks
+    (one-way messages) and its request reach the plugin together (stopped meanwhile, so
+    they wait in one socket buffer). The plugin takes them in arrival order: the answer
+    already counts the acks (taken by iteration, the acks waited behind the requests
+    the reader answers), and so does a ``cancel`` or any later request."""
+    b = queue_broker({"last": {}})
+    pid = ready_plugin_pid(b)
+    async with msgq_trio.connect(b.path, "p") as p, msgq_trio.connect(b.path, "c") as c:
+        await p.queue("last").put_many(list(range(50)))
+        held = []
+        with trio.fail_after(60):
+            async with c.queue("last").consume(window=50) as msgs:
+                async for m in msgs:
+                    held.append(m)
+                    if len(held) == 50:
+                        break
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    for m in held:
+                        await m.ack()
+                    await msgs._flush()  # what the consumer does at its next wait
+
+                    async def resume() -> None:
+                        await trio.sleep(0.5)  # acks and the request in the plugin's socket
+                        os.kill(pid, signal.SIGCONT)
+
+                    async with trio.open_nursery() as n:
+                        n.start_soon(resume)
+                        st = await c.queue("last").stats()
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+    assert sorted(m.body for m in held) == list(range(50))
+    assert st["depth"] == 0 and st["acked"] == 50 and st["redelivered"] == 0, st
+
+
 async def test_transparent_insertion(queue_broker: Start) -> None:
     """A queue bound to a group takes the producer's bus.call/send unchanged: with the
     member offline the call returns once stored, the member gets it later through its

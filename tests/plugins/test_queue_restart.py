@@ -86,6 +86,69 @@ async def test_consumed_unwritten_messages_stay_duplicates_after_a_kill(
         assert await q2.fetch(5) == []
 
 
+async def _consume_twenty_unwritten_then(b: Any, stop: Callable[[], Any]) -> None:
+    """Producer ``billing`` puts seqs 1..20 on ``d``, a consumer acks each before it is
+    written; the broker runs with a long ``ack_grace``, so their marks still wait for a
+    commit (checked). ``await stop()`` runs then, the consumer still attached (a queue
+    without consumers commits its marks at once)."""
+    async with msgq_trio.connect(b.path, "p") as p, msgq_trio.connect(b.path, "c") as c:
+        q = p.queue("d", producer="billing")
+        got: list[int] = []
+        async with c.queue("d").consume(window=8) as consumer:
+            async with trio.open_nursery() as n:
+
+                async def consume() -> None:
+                    async for m in consumer:
+                        got.append(m.body)
+                        await m.ack()
+
+                n.start_soon(consume)
+                answers = [await q.put(i, seq=i + 1) for i in range(20)]
+                assert answers == ["consumed"] * 20, answers
+                await eventually(lambda: len(got) == 20)
+                n.cancel_scope.cancel()
+            assert (await q.stats())["marks_pending"] > 0
+            await stop()
+
+
+async def _resends_are_duplicates(path: Any) -> None:
+    async with msgq_trio.connect(path, "p2") as p2:
+        q2 = p2.queue("d", producer="billing")
+        assert await q2.producer_state() == 20
+        assert [await q2.put(i, seq=i + 1) for i in range(20)] == ["duplicate"] * 20
+        assert await q2.fetch(5) == []
+
+
+async def test_a_graceful_broker_stop_commits_the_waiting_marks(queue_broker: Start) -> None:
+    """Marks of consumed, never written messages that still wait for a commit (a long
+    ``ack_grace``) are committed when the broker stops gracefully (SIGTERM): after the
+    restart, resending those messages is answered "duplicate"."""
+    b = queue_broker({"d": {}}, ack_grace=600)
+    status: list[int] = []
+
+    async def stop() -> None:
+        status.append(await trio.to_thread.run_sync(b.stop))
+
+    await _consume_twenty_unwritten_then(b, stop)
+    assert status == [0]
+    assert "final commit: 0 messages, 1 marks" in b.log()
+    b2 = queue_broker({"d": {}}, path=b.path, ack_grace=600)
+    await _resends_are_duplicates(b2.path)
+
+
+async def test_sigterm_to_the_plugin_commits_the_waiting_marks(queue_broker: Start) -> None:
+    """The same when only the plugin process gets SIGTERM (as from its supervisor): it
+    commits before it exits, and the restarted plugin has the marks."""
+    b = queue_broker({"d": {}}, ack_grace=600)
+
+    async def stop() -> None:
+        os.kill(ready_plugin_pid(b), signal.SIGTERM)
+        await eventually(lambda: len(ready_plugin_pids(b.log())) == 2, timeout=60)
+
+    await _consume_twenty_unwritten_then(b, stop)
+    await _resends_are_duplicates(b.path)
+
+
 async def test_a_reconnecting_consumer_goes_on_after_the_broker_is_killed(
     queue_broker: Start,
 ) -> None:
