@@ -1,6 +1,6 @@
 """Client CPU per one-way message, publisher and subscriber apart, and where the
 subscriber's goes: ``python -m msgq_trio.bench.clientcpu [--n 200000] [--runs 3]
-[--no-gc] [--profile pub|sub]``.
+[--no-gc] [--profile pub|sub] [--subscribers N]``.
 
 A fresh broker; a subscriber process (``async for msg in bus`` reading ``msg.body``)
 and a publisher process (``await bus.send(group, body)`` for 100-byte bodies, then
@@ -44,6 +44,7 @@ class _GcTimer:
 
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
         self._start = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -51,6 +52,7 @@ class _GcTimer:
             self._start = time.perf_counter()
         else:
             self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
 
 
 async def _sub(sock: str, n: int, timer: _GcTimer) -> dict[str, Any]:
@@ -76,6 +78,7 @@ async def _sub(sock: str, n: int, timer: _GcTimer) -> dict[str, Any]:
                 t0, w0 = time.process_time(), time.monotonic()
                 receives[:] = [0, 0]
                 timer.seconds = [0.0, 0.0, 0.0]
+                timer.collections = [0, 0, 0]
             count += 1
             if len(msg.body) != SIZE:
                 raise AssertionError(f"body of {len(msg.body)} bytes, sent {SIZE}")
@@ -88,6 +91,7 @@ async def _sub(sock: str, n: int, timer: _GcTimer) -> dict[str, Any]:
         "receives": receives[0],
         "bytes_per_receive": receives[1] / max(1, receives[0]),
         "gc_ms": [round(s * 1000, 1) for s in timer.seconds],
+        "gc_collections": timer.collections,
     }
 
 
@@ -130,8 +134,11 @@ def _result(out: str) -> dict[str, Any]:
     raise RuntimeError(f"a client printed no RESULT: {out!r}")
 
 
-def run_once(n: int, *, no_gc: bool = False, profile: str = "") -> dict[str, Any]:
-    """One broker, one subscriber, one publisher; both clients' figures."""
+def run_once(
+    n: int, *, no_gc: bool = False, profile: str = "", subscribers: int = 1
+) -> dict[str, Any]:
+    """One broker, ``subscribers`` subscribers, one publisher; every client's figures
+    (``sub``: the first subscriber's, ``subs``: all of them)."""
     with tempfile.TemporaryDirectory(prefix="msgq-clientcpu-") as tmp:
         sock = str(Path(tmp) / "bus.sock")
         broker = start_broker(Path(sock))
@@ -147,17 +154,19 @@ def run_once(n: int, *, no_gc: bool = False, profile: str = "") -> dict[str, Any
                     text=True,
                 )
 
-            sub = start("sub")
-            assert sub.stdout is not None
-            if not sub.stdout.readline().startswith("READY"):
-                raise RuntimeError("the subscriber did not start")
+            subs = [start("sub") for _ in range(subscribers)]
+            for sub in subs:
+                assert sub.stdout is not None
+                if not sub.stdout.readline().startswith("READY"):
+                    raise RuntimeError("a subscriber did not start")
             pub = start("pub")
             pub_out = pub.communicate(timeout=300)[0]
-            sub_out = sub.communicate(timeout=300)[0]
+            sub_outs = [sub.communicate(timeout=300)[0] for sub in subs]
         finally:
             broker.terminate()
             broker.wait()
-    return {"pub": _result(pub_out), "sub": _result(sub_out)}
+    results = [_result(out) for out in sub_outs]
+    return {"pub": _result(pub_out), "sub": results[0], "subs": results}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,6 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=3, help="runs, each printed (default 3)")
     p.add_argument("--no-gc", action="store_true", help="garbage collector off in both")
     p.add_argument("--profile", choices=("pub", "sub"), default="", help="cProfile one side")
+    p.add_argument(
+        "--subscribers",
+        type=int,
+        default=1,
+        help="subscribers of the publisher's group (default 1; 4: the fan-out workload); "
+        "sub figures are their mean",
+    )
     p.add_argument("--child", choices=("pub", "sub"), help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -177,14 +193,24 @@ def main(argv: list[str] | None = None) -> None:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"msgq_trio {msgq_trio.__version__}: {build}; load average {load}", flush=True)
     for _ in range(args.runs):
-        r = run_once(args.n, no_gc=args.no_gc, profile=args.profile)
-        pub, sub = r["pub"], r["sub"]
+        r = run_once(
+            args.n, no_gc=args.no_gc, profile=args.profile, subscribers=args.subscribers
+        )
+        pub, subs = r["pub"], r["subs"]
+        sub = {
+            key: sum(s[key] for s in subs) / len(subs)
+            for key in ("cpu_us", "rate", "receives", "bytes_per_receive")
+        }
+        sub["gc_ms"] = [round(sum(s["gc_ms"][g] for s in subs) / len(subs), 1) for g in range(3)]
+        sub["gc_collections"] = [
+            round(sum(s["gc_collections"][g] for s in subs) / len(subs)) for g in range(3)
+        ]
         print(
             f"pub {pub['cpu_us']:.2f} us/msg ({pub['rate'] / 1e3:,.0f}k/s)  "
             f"sub {sub['cpu_us']:.2f} us/msg ({sub['rate'] / 1e3:,.0f}k/s)  "
             f"sum {pub['cpu_us'] + sub['cpu_us']:.2f}  "
             f"sub: {sub['receives']} receives of {sub['bytes_per_receive'] / 1024:,.0f} KiB, "
-            f"gc ms per generation {sub['gc_ms']}",
+            f"gc ms per generation {sub['gc_ms']} in {sub['gc_collections']} collections",
             flush=True,
         )
 
