@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"msgq_trio {msgq_trio.__version__}: {build}; load average {load}", flush=True)
     for _ in range(args.runs):
-        r = run_once(
-            args.n, no_gc=args.no_gc, profile=args.profile, subscribers=args.subscribers
-        )
+        r = run_once(args.n, no_gc=args.no_gc, profile=args.profile, subscribers=args.subscribers)
         pub, subs = r["pub"], r["subs"]
         sub = {
             key: sum(s[key] for s in subs) / len(subs)

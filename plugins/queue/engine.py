@@ -917,9 +917,11 @@ class Engine:
         delete of an acked stored message and every delivery-count increment -- so that
         a restart neither redelivers an acked message nor takes a consumed one's resend
         for new (rule 4), and a producer's resend of a put it was not answered for is
-        recognised as a duplicate. Runs after a commit the ended ``flush_loop`` left on
-        the store thread (its messages are stored; they are left out). The engine is
-        not used after it.
+        recognised as a duplicate. A commit the loop had on the store thread when it
+        was cancelled ran to its end and was applied (``StoreThread.run`` is not
+        cancellable, and everything after it up to the loop's next checkpoint is
+        synchronous), so nothing taken for it is lost here. The engine is not used
+        after it.
 
         Returns the counts written (``messages``, ``marks``, ``deletes``).
 
@@ -927,7 +929,7 @@ class Engine:
             StorageError: the store refused the commit (the caller logs it: what was
                 not written behaves as after a crash, at least once).
         """
-        items = [m for m in self.pending if m.state != DONE and not m.in_batch]
+        items = [m for m in self.pending if m.state != DONE]
         new = [_new_tuple(NewMessage, (m.queue.name, m.producer, m.pseq, m.data)) for m in items]
         marks, self._consumed = dict(self._consumed), {}
         deletes: dict[str, list[int]] = {}

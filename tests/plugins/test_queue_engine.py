@@ -161,3 +161,28 @@ async def test_a_message_acked_while_waiting_for_redelivery_is_not_redelivered(
     engine.add_consumer(q, Consumer("c2", "push", 10, 30.0))
     await rig.settle()
     assert rig.bodies() == [b"2"]
+
+
+async def test_final_commit_writes_what_waits_for_the_grace() -> None:
+    """On a graceful stop the final commit writes at once what the grace held back:
+    messages in flight and unacked are stored, one consumed before it was written
+    leaves only its mark (the store's high-water mark covers the producer's last seq).
+    Given twice, the store keeps each message once (its producer dedup)."""
+    async with engine_on_memory_store(ack_grace=600) as (engine, nursery):
+        rig = Rig(engine, engine.queues["q"], nursery)
+        store = engine.store
+        async with trio.open_nursery() as loop:
+            loop.start_soon(engine.flush_loop)
+            engine.add_consumer(rig.q, rig.c)
+            await rig.put(b"1", b"2", b"3")  # delivered, young: held back by the grace
+            _m1, _m2, m3 = rig.delivered
+            engine.ack(m3)  # consumed, never written: a mark
+            await rig.settle()
+            assert store.read_range("q", 0, 10) == []
+            assert store.producer_state("q", "p") == 0
+            loop.cancel_scope.cancel()
+        assert await engine.final_commit() == {"messages": 2, "marks": 1, "deletes": 0}
+        assert [m.producer_seq for m in store.read_range("q", 0, 10)] == [1, 2]
+        assert store.producer_state("q", "p") == 3  # 3's mark, above what was written
+        assert await engine.final_commit() == {"messages": 2, "marks": 0, "deletes": 0}
+        assert [m.producer_seq for m in store.read_range("q", 0, 10)] == [1, 2]
