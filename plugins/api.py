@@ -15,9 +15,11 @@ client. Why a child process and not tasks inside the broker:
 * a crash, a leak or a blocking call in a plugin cannot take the broker down.
 
 Lifetime: the child dies with the broker. Its stdin is a pipe from the broker that is
-never written; EOF on it (the broker exited, even by SIGKILL) ends the child at once.
-SIGTERM (the supervisor's stop) cancels the plugin's ``run`` instead, so that it can
-finish what it holds (the queue plugin's final commit) before the process exits.
+never written; EOF on it (the broker exited, even by SIGKILL) cancels the plugin's
+``run``, and the process exits within ``BROKER_GONE_EXIT`` (1 s) whatever the plugin
+still does: a restarted broker's plugin may be waiting for its resources. SIGTERM (the
+supervisor's stop) cancels ``run`` too. Either way a plugin can finish what it holds
+(the queue plugin's final commit) before the process exits.
 
 Access: a plugin whose commands act on objects of its own (the queue plugin's queues)
 declares the verb each command needs in an optional ``access`` attribute, a

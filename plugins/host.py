@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import lmdb
@@ -47,6 +48,14 @@ async def _watch_parent() -> None:
 #: Whether this process told the supervisor it is ready (for the wording of a failure).
 _state = {"ready": False}
 
+#: Seconds a plugin process has to finish once its broker is gone; then it exits at once.
+BROKER_GONE_EXIT = 1.0
+
+
+def _exit_now() -> None:
+    sys.stderr.flush()
+    os._exit(0)
+
 
 async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
     plugin = load_plugin(name)
@@ -56,13 +65,17 @@ async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
         async def watch() -> None:
             await _watch_parent()
             log.info("plugin %s: the broker is gone, exiting", name)
-            # At once, as if killed: a graceful close would wait for the dead broker's
-            # GOODBYE on each connection (seconds; up to 2 s + slow_consumer_timeout while
-            # bytes sit unread), and the restarted broker's plugin waits for this one's
-            # store lock meanwhile. Nothing is lost: every write a plugin answered is
-            # committed, and its stores survive a kill -9 by design.
-            sys.stderr.flush()
-            os._exit(0)
+            # Cancelled like on SIGTERM, so that the plugin finishes what it holds (the
+            # queue plugin's final commit keeps a consumed message's resend a duplicate),
+            # but gone within BROKER_GONE_EXIT regardless: the restarted broker's plugin
+            # waits for this one's store lock. Closing the connections to the dead broker
+            # does not wait for its GOODBYE (their readers are cancelled too). Nothing
+            # answered is lost if the timer cuts the commit short: every write a plugin
+            # answered is committed, and its stores survive a kill -9 by design.
+            timer = threading.Timer(BROKER_GONE_EXIT, _exit_now)
+            timer.daemon = True
+            timer.start()
+            nursery.cancel_scope.cancel()
 
         async def run(*, task_status: trio.TaskStatus[None]) -> None:
             await plugin.run(socket, settings, task_status=task_status)

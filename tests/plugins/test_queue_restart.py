@@ -149,6 +149,22 @@ async def test_sigterm_to_the_plugin_commits_the_waiting_marks(queue_broker: Sta
     await _resends_are_duplicates(b.path)
 
 
+async def test_a_broker_sigkill_lets_the_plugin_commit_the_waiting_marks(
+    queue_broker: Start,
+) -> None:
+    """The broker is SIGKILLed while marks wait for a commit: its plugin sees the broker
+    gone, makes its final commit and exits; the restarted broker's plugin (which waits
+    for the store's lock) has the marks, so resends are answered "duplicate"."""
+    b = queue_broker({"d": {}}, ack_grace=600)
+
+    async def stop() -> None:
+        b.kill()
+
+    await _consume_twenty_unwritten_then(b, stop)
+    b2 = queue_broker({"d": {}}, path=b.path, ack_grace=600)
+    await _resends_are_duplicates(b2.path)
+
+
 async def test_a_reconnecting_consumer_goes_on_after_the_broker_is_killed(
     queue_broker: Start,
 ) -> None:
