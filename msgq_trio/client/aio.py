@@ -54,7 +54,7 @@ from .api import (
     hello_extra,
     parse_address,
 )
-from .message import Buffer, Message
+from .message import Buffer, Message, new_message
 from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
@@ -575,7 +575,14 @@ class AioBus(BusBase):
         conn, handle = self._conn, self._s.handle
         got_message = False
         try:
-            for ev in conn.events():
+            evs = conn.events()
+            if self._message_inline is None and conn.message_burst >= 0:
+                # Plain messages only (the hot path): queued whole (see bus.py's reader).
+                self._in.extend(evs)  # type: ignore[arg-type]
+                self._in_bytes += conn.message_burst
+                got_message = bool(evs)
+                evs = []
+            for ev in evs:
                 if ev is EOF:
                     self._broker_goodbye.set()
                     self._fail_all(ConnectionLost("the broker closed the connection"))
@@ -743,10 +750,25 @@ class AioBus(BusBase):
 
     # -- receiving ---------------------------------------------------------------------
     async def __anext__(self) -> Message:
-        msg = await self._next_message()
-        if msg is None:
+        q = self._in
+        if q:
+            # A message is waiting: _next_message's end, without a second coroutine per
+            # message (BusBase._take inline).
+            item = q.popleft()
+            if type(item) is Frame:
+                self._in_bytes -= len(item.raw)
+                msg = new_message(item, self._s.sources)
+            else:
+                assert isinstance(item, Message)
+                self._in_bytes -= len(item._frame.raw)
+                msg = item
+            if not self._reading and not self._in_full():
+                self._resume_reading()
+            return msg
+        waited = await self._next_message()
+        if waited is None:
             raise self._end_of_iteration()
-        return msg
+        return waited
 
     async def receive(self, timeout: float | None = None) -> Message:
         """The next message or notification.

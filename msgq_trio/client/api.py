@@ -38,7 +38,7 @@ from ..protocol.codes import ErrorCode
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame, close_fds
-from .message import Buffer, Member, Message, Result
+from .message import Buffer, Member, Message, Result, new_message
 from .reconnect import (
     Backoff,
     Reconnect,
@@ -301,7 +301,7 @@ class BusBase(SessionView):
             self._in_bytes -= len(item._frame.raw)
             return item
         self._in_bytes -= len(item.raw)
-        return Message(item, self._s.sources)
+        return new_message(item, self._s.sources)
 
     def _drop_in(self) -> None:
         """Close every message nobody took (their descriptors are ours to close)."""

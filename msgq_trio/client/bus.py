@@ -43,7 +43,7 @@ from .api import (
     hello_extra,
     parse_address,
 )
-from .message import Buffer, Member, Message, Reply, Result
+from .message import Buffer, Member, Message, Reply, Result, new_message
 from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
@@ -114,6 +114,10 @@ class Bus(BusBase):
         self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
+        # Whether the reader is parked on _in_taken (set as it parks, cleared by whoever
+        # unparks it): a plain attribute, because the consumer asks once per message and
+        # a ParkingLot's truth is a Python call.
+        self._reader_parked = False
         self._reading = False  # the reader task runs (see _wait_goodbye)
         self._init_api(target, reconnect)
         self._nursery: trio.Nursery | None = None
@@ -220,6 +224,7 @@ class Bus(BusBase):
         self._connection_failed(exc)
         self._in_wake.unpark_all()
         self._drained.unpark_all()
+        self._reader_parked = False
         self._in_taken.unpark_all()
         self._state_wake.unpark_all()
 
@@ -553,13 +558,15 @@ class Bus(BusBase):
             self._since_yield += 1
             item = q.popleft()
             # BusBase._take, inline: this runs once per message.
-            if isinstance(item, Message):
+            if type(item) is Frame:
+                self._in_bytes -= len(item.raw)
+                msg = new_message(item, self._s.sources)
+            else:
+                assert isinstance(item, Message)
                 self._in_bytes -= len(item._frame.raw)
                 msg = item
-            else:
-                self._in_bytes -= len(item.raw)
-                msg = Message(item, self._s.sources)
-            if self._in_taken:
+            if self._reader_parked:
+                self._reader_parked = False
                 self._in_taken.unpark_all()
             return msg
         waited = await self._next_message()
@@ -568,7 +575,8 @@ class Bus(BusBase):
         return waited
 
     def _call_started(self) -> None:
-        if self._in_taken:  # the reader waits for the application (see _in_full)
+        if self._reader_parked:  # the reader waits for the application (see _in_full)
+            self._reader_parked = False
             self._in_taken.unpark_all()
 
     async def receive(self, timeout: float | None = None) -> Message:
@@ -591,7 +599,8 @@ class Bus(BusBase):
                 return None
             await self._in_wake.park()
         msg = self._take(q.popleft())
-        if self._in_taken:  # only the reader parks here, and only when _in_full()
+        if self._reader_parked:  # only when _in_full()
+            self._reader_parked = False
             self._in_taken.unpark_all()
         # A full checkpoint every _FAIRNESS messages keeps iteration cancellable and lets
         # other tasks run; one per message would cost more than the message itself.
@@ -648,7 +657,14 @@ class Bus(BusBase):
                 self._deferring = True
                 self._answered = 0
                 try:
-                    for ev in conn.events():
+                    evs = conn.events()
+                    if inline is None and conn.message_burst >= 0:
+                        # Plain messages only (the hot path): queued whole, each made
+                        # a Message when it is taken (BusBase._in).
+                        inq.extend(evs)  # type: ignore[arg-type]
+                        self._in_bytes += conn.message_burst
+                        evs = []
+                    for ev in evs:
                         if ev is EOF:
                             self._broker_goodbye.set()
                             self._fail_all(ConnectionLost("the broker closed the connection"))
@@ -688,6 +704,7 @@ class Bus(BusBase):
                     return
                 if self._in_full():
                     while self._in_full() and self._s.lost is None:
+                        self._reader_parked = True  # reset by whoever unparks it
                         await self._in_taken.park()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))

@@ -51,7 +51,7 @@ from ..transport.sockets import (
     unconsumed_bytes,
 )
 from .api import SessionView, client_name, connect_target
-from .message import Member, Message
+from .message import Member, Message, new_message
 from .reconnect import (
     Backoff,
     Reconnect,
@@ -244,7 +244,7 @@ class DirectBus(SessionView):
             frame = self._frames.popleft()
             self._frames_bytes -= len(frame.raw)
             if frame.type in (_MESSAGE, _NOTIFY):
-                self._inbox.append(Message(frame, s.sources))
+                self._inbox.append(new_message(frame, s.sources))
                 self._inbox_bytes += len(frame.raw)
             else:
                 close_fds(frame.fds)

@@ -16,7 +16,7 @@ import attrs
 from ..errors import MalformedMessage, MsgqError, UsageError
 from ..protocol.codes import FrameType
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame, close_fds
+from ..protocol.framing import Frame, close_fds, slot_maker
 
 Buffer = bytes | bytearray | memoryview
 
@@ -205,6 +205,15 @@ class Message:
             f"<Message {self.kind} from {self.sender} ({self.sender_name}) "
             f"to {self.target!r} {self.size} bytes>"
         )
+
+
+#: ``Message(frame, sources)``, made in C with the compiled fast paths (a driver makes
+#: one per received message; see :func:`~msgq_trio.protocol.framing.slot_maker`).
+new_message = slot_maker(
+    Message,
+    ("_frame", "_sources"),
+    {"_fds_taken": False, "_decoded": False, "_body": None, "_header": None},
+)
 
 
 @attrs.frozen

@@ -61,7 +61,16 @@ from ..protocol.framing import (
     encode_simple,
     encode_small_bytes,
 )
-from .message import Buffer, Message, Reply, Result, Sources, dup_all, split_source
+from .message import (
+    Buffer,
+    Message,
+    Reply,
+    Result,
+    Sources,
+    dup_all,
+    new_message,
+    split_source,
+)
 
 log = logging.getLogger("msgq_trio.client")
 
@@ -965,7 +974,7 @@ class Session:
         """
         t = frame.type
         if t == _MESSAGE or t == _NOTIFY:
-            return Message(frame, self.sources)
+            return new_message(frame, self.sources)
         if t == _REPLY or t == _ERROR:
             rid = frame.request_id
             if not rid:
@@ -989,7 +998,7 @@ class Session:
             call.answer(frame, split_source(frame.source, self.sources)[0])
             return call
         if t == _REQUEST:
-            msg = Message(frame, self.sources)
+            msg = new_message(frame, self.sources)
             try:
                 command = msg.command
             except MalformedMessage as exc:

@@ -20,12 +20,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX */
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 1
+#define SPEEDUPS_API 2
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
@@ -123,21 +125,66 @@ static int emit_run(PyObject *out, PyObject *target, const unsigned char *b, Py_
 
 /* The Frame tuple of one complete frame at b[pos:pos+total]; NULL with *bad set if its
  * target is not UTF-8 (no Python error set then), NULL with an error otherwise. */
-static PyObject *make_frame(const unsigned char *p, Py_ssize_t total, unsigned ftype,
-                            unsigned flags, uint64_t rid, Py_ssize_t tlen, Py_ssize_t slen,
-                            unsigned nfds, uint32_t hlen, uint32_t blen, int *bad)
+/* The target and source of the frame made last in this scan, where their bytes are in
+ * the scanned buffer: a burst of messages has one target and one sender, and equal
+ * values may share one object (str and bytes are immutable). */
+typedef struct {
+    PyObject *target, *source;
+    const unsigned char *tbytes, *sbytes;
+    Py_ssize_t tlen, slen;
+} Last;
+
+static void last_clear(Last *last)
 {
-    PyObject *raw = PyBytes_FromStringAndSize((const char *)p, total);
-    if (raw == NULL)
-        return NULL;
-    const char *r = PyBytes_AS_STRING(raw);
-    PyObject *target = PyUnicode_DecodeUTF8(r + PREFIX_SIZE, tlen, NULL);
+    Py_CLEAR(last->target);
+    Py_CLEAR(last->source);
+}
+
+/* The target of a frame whose target bytes are t[0:tlen] (a new reference); NULL with
+ * *bad set if they are not UTF-8 (no Python error set then), NULL with an error
+ * otherwise. */
+static PyObject *frame_target(Last *last, const unsigned char *t, Py_ssize_t tlen, int *bad)
+{
+    if (last->target != NULL && tlen == last->tlen && memcmp(t, last->tbytes, (size_t)tlen) == 0)
+        return Py_NewRef(last->target);
+    PyObject *target = PyUnicode_DecodeUTF8((const char *)t, tlen, NULL);
     if (target == NULL) {
-        Py_DECREF(raw);
         if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
             PyErr_Clear();
             *bad = 1;
         }
+        return NULL;
+    }
+    Py_XSETREF(last->target, Py_NewRef(target));
+    last->tbytes = t;
+    last->tlen = tlen;
+    return target;
+}
+
+static PyObject *frame_source(Last *last, const unsigned char *s, Py_ssize_t slen)
+{
+    if (last->source != NULL && slen == last->slen && memcmp(s, last->sbytes, (size_t)slen) == 0)
+        return Py_NewRef(last->source);
+    PyObject *source = PyBytes_FromStringAndSize((const char *)s, slen);
+    if (source == NULL)
+        return NULL;
+    Py_XSETREF(last->source, Py_NewRef(source));
+    last->sbytes = s;
+    last->slen = slen;
+    return source;
+}
+
+static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total,
+                            unsigned ftype, unsigned flags, uint64_t rid, Py_ssize_t tlen,
+                            Py_ssize_t slen, unsigned nfds, uint32_t hlen, uint32_t blen,
+                            int *bad)
+{
+    PyObject *target = frame_target(last, p + PREFIX_SIZE, tlen, bad);
+    if (target == NULL)
+        return NULL;
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)p, total);
+    if (raw == NULL) {
+        Py_DECREF(target);
         return NULL;
     }
     PyObject *items[FRAME_FIELDS];
@@ -145,7 +192,7 @@ static PyObject *make_frame(const unsigned char *p, Py_ssize_t total, unsigned f
     items[1] = PyLong_FromUnsignedLong(flags);
     items[2] = PyLong_FromUnsignedLongLong(rid);
     items[3] = target;
-    items[4] = PyBytes_FromStringAndSize(r + PREFIX_SIZE + tlen, slen);
+    items[4] = frame_source(last, p + PREFIX_SIZE + tlen, slen);
     items[5] = PyLong_FromLong(0);
     items[6] = PyLong_FromUnsignedLong(nfds);
     items[7] = PyLong_FromUnsignedLong(hlen);
@@ -223,6 +270,7 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t run_start = 0, run_n = 0, run_tstart = 0, run_tlen = 0;
     PyObject *run_target = NULL;
     int bad = 0;
+    Last last = {NULL, NULL, NULL, NULL, 0, 0};
 
     while (end - pos >= PREFIX_SIZE) {
         const unsigned char *p = b + pos;
@@ -275,7 +323,8 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
             run_n = 0;
             Py_CLEAR(run_target);
         }
-        PyObject *frame = make_frame(p, total, ftype, flags, rid, tlen, slen, nfds, hlen, blen, &bad);
+        PyObject *frame =
+            make_frame(&last, p, total, ftype, flags, rid, tlen, slen, nfds, hlen, blen, &bad);
         pos += total; /* past the frame even if its target is bad, as the Python loop */
         if (frame == NULL) {
             if (bad)
@@ -290,10 +339,12 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     if (run_n && emit_run(out, run_target, b, run_start, pos, run_n) < 0)
         goto error;
     Py_XDECREF(run_target);
+    last_clear(&last);
     PyBuffer_Release(&view);
     return Py_BuildValue("(nKO)", pos, (unsigned long long)seen, bad ? Py_True : Py_False);
 error:
     Py_XDECREF(run_target);
+    last_clear(&last);
     PyBuffer_Release(&view);
     return NULL;
 }
@@ -437,6 +488,149 @@ slow:
     return PyObject_Vectorcall(encode_small_py, args, nargsf, kwnames);
 }
 
+/* -- slot_maker ------------------------------------------------------------------------
+ * A constructor for a class with __slots__ that sets its slots from C: the arguments in
+ * order, then fixed values, with no Python frame (a Python __init__ costs most of the
+ * time of making a small object). The class's own __init__ is the reference; its module
+ * builds one of these only when the extension is in use, and a test compares the
+ * two. */
+#define MAKER_MAX 8
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyTypeObject *cls;
+    Py_ssize_t nargs, nfixed;
+    Py_ssize_t arg_offset[MAKER_MAX], fixed_offset[MAKER_MAX];
+    PyObject *fixed[MAKER_MAX];
+} Maker;
+
+static PyObject *maker_call(PyObject *self, PyObject *const *args, size_t nargsf,
+                            PyObject *kwnames)
+{
+    Maker *mk = (Maker *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != mk->nargs || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_Format(PyExc_TypeError, "%s maker takes %zd positional arguments",
+                     mk->cls->tp_name, mk->nargs);
+        return NULL;
+    }
+    PyObject *obj = mk->cls->tp_alloc(mk->cls, 0);
+    if (obj == NULL)
+        return NULL;
+    char *base = (char *)obj;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        *(PyObject **)(base + mk->arg_offset[i]) = Py_NewRef(args[i]);
+    for (Py_ssize_t i = 0; i < mk->nfixed; i++)
+        *(PyObject **)(base + mk->fixed_offset[i]) = Py_NewRef(mk->fixed[i]);
+    return obj;
+}
+
+static int maker_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Maker *mk = (Maker *)self;
+    Py_VISIT(mk->cls);
+    for (Py_ssize_t i = 0; i < mk->nfixed; i++)
+        Py_VISIT(mk->fixed[i]);
+    return 0;
+}
+
+static int maker_clear(PyObject *self)
+{
+    Maker *mk = (Maker *)self;
+    Py_CLEAR(mk->cls);
+    for (Py_ssize_t i = 0; i < mk->nfixed; i++)
+        Py_CLEAR(mk->fixed[i]);
+    return 0;
+}
+
+static void maker_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    maker_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyTypeObject MakerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "msgq_trio.protocol._speedups.SlotMaker",
+    .tp_basicsize = sizeof(Maker),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Maker, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = maker_traverse,
+    .tp_clear = maker_clear,
+    .tp_dealloc = maker_dealloc,
+    .tp_doc = "A constructor made by slot_maker().",
+};
+
+/* The offset of the object slot `name` of `cls` (a member descriptor of cls itself). */
+static Py_ssize_t slot_offset(PyTypeObject *cls, PyObject *name)
+{
+    PyObject *descr = PyDict_GetItemWithError(cls->tp_dict, name);
+    if (descr == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "slot_maker(): %R is not a slot of %s", name,
+                         cls->tp_name);
+        return -1;
+    }
+    if (!Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+        ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+        PyErr_Format(PyExc_TypeError, "slot_maker(): %R is not an object slot of %s", name,
+                     cls->tp_name);
+        return -1;
+    }
+    return ((PyMemberDescrObject *)descr)->d_member->offset;
+}
+
+static PyObject *slot_maker(PyObject *mod, PyObject *args)
+{
+    PyObject *cls, *names, *fixed;
+    if (!PyArg_ParseTuple(args, "O!O!O!:slot_maker", &PyType_Type, &cls, &PyTuple_Type, &names,
+                          &PyDict_Type, &fixed))
+        return NULL;
+    PyTypeObject *t = (PyTypeObject *)cls;
+    /* Only a class whose instances are exactly its slots: no __dict__, no C base with a
+     * state of its own that tp_alloc would leave unset. */
+    if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_base != &PyBaseObject_Type ||
+        t->tp_dictoffset != 0 || t->tp_weaklistoffset != 0) {
+        PyErr_Format(PyExc_TypeError, "slot_maker(): %s is not a plain class with __slots__",
+                     t->tp_name);
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(names) > MAKER_MAX || PyDict_GET_SIZE(fixed) > MAKER_MAX) {
+        PyErr_SetString(PyExc_ValueError, "slot_maker(): too many slots");
+        return NULL;
+    }
+    Maker *mk = PyObject_GC_New(Maker, &MakerType);
+    if (mk == NULL)
+        return NULL;
+    mk->vectorcall = maker_call;
+    mk->cls = (PyTypeObject *)Py_NewRef(cls);
+    mk->nargs = mk->nfixed = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        Py_ssize_t off = slot_offset(t, PyTuple_GET_ITEM(names, i));
+        if (off < 0)
+            goto fail;
+        mk->arg_offset[mk->nargs++] = off;
+    }
+    Py_ssize_t it = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(fixed, &it, &key, &value)) {
+        Py_ssize_t off = slot_offset(t, key);
+        if (off < 0)
+            goto fail;
+        mk->fixed_offset[mk->nfixed] = off;
+        mk->fixed[mk->nfixed++] = Py_NewRef(value);
+    }
+    PyObject_GC_Track(mk);
+    return (PyObject *)mk;
+fail:
+    PyObject_GC_Track(mk);
+    Py_DECREF(mk);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)init, METH_VARARGS,
      "init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py)"},
@@ -446,6 +640,8 @@ static PyMethodDef methods[] = {
      "frame_body_method(Frame) -> a method descriptor for Frame.body"},
     {"encode_small_bytes", (PyCFunction)(void (*)(void))encode_small_bytes,
      METH_FASTCALL | METH_KEYWORDS, "encode_small_bytes(type, target, payload, source) -> bytes"},
+    {"slot_maker", (PyCFunction)slot_maker, METH_VARARGS,
+     "slot_maker(cls, arg_slots, fixed_slots) -> a constructor of cls setting its slots"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -460,6 +656,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
 {
     empty_tuple = PyTuple_New(0);
     if (empty_tuple == NULL)
+        return NULL;
+    if (PyType_Ready(&MakerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

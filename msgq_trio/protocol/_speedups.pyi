@@ -1,7 +1,9 @@
 """Types of the optional C extension ``_speedups.c`` (see framing.py, which uses it)."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 API: int
 
@@ -19,3 +21,6 @@ def scan(
 ) -> tuple[int, int, bool]: ...
 def frame_body_method(frame: type[Any], /) -> Any: ...
 def encode_small_bytes(type: int, target: bytes, payload: bytes, source: bytes) -> bytes: ...
+def slot_maker(
+    cls: Callable[..., _T], arg_slots: tuple[str, ...], fixed_slots: dict[str, object], /
+) -> Callable[..., _T]: ...

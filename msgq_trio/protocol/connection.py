@@ -60,6 +60,7 @@ NEED_DATA: Final = _Sentinel.NEED_DATA
 EOF: Final = _Sentinel.EOF
 
 _T = FrameType
+_MESSAGE_BIT = 1 << _T.MESSAGE
 _READY_SEND_CLIENT = frozenset({_T.MESSAGE, _T.REQUEST, _T.REPLY, _T.ERROR, _T.NOTIFY, _T.GOODBYE})
 _READY_SEND_BROKER = _READY_SEND_CLIENT | {_T.ROUTED}
 
@@ -98,6 +99,7 @@ class Connection:
         self.sent_goodbye = False
         self.received_goodbye = False
         self._pending_error: RemoteProtocolError | None = None
+        self._burst = -1  # see message_burst
         # Descriptors received but not yet attached to a frame: [start, end, fds] per
         # receive, where [start, end) is the byte range of the stream that came with them.
         self._fd_batches: deque[list[Any]] = deque()
@@ -118,6 +120,13 @@ class Connection:
         the next call raises it. Callers check this after handling those frames instead of
         waiting for more data that may never come."""
         return self._pending_error is not None or self._parser.error is not None
+
+    @property
+    def message_burst(self) -> int:
+        """After :meth:`events`: if it returned plain MESSAGE frames only (at least one,
+        none with descriptors, no EOF), the bytes of those frames (prefixes included);
+        otherwise -1. Such a burst needs no per-frame look: a client queues it whole."""
+        return self._burst
 
     @property
     def received_bytes(self) -> int:
@@ -318,6 +327,7 @@ class Connection:
         if self._pending_error is not None:
             self.state = State.ERROR
             raise self._pending_error
+        self._burst = -1
         parser = self._parser
         try:
             if source is None or self._fd_batches:
@@ -340,6 +350,8 @@ class Connection:
             out: list[Frame | Run | _Sentinel] = frames  # type: ignore[assignment]
             if self._eof and not parser.in_frame:
                 out.append(EOF)
+            elif parser.seen == _MESSAGE_BIT and source is None:
+                self._burst = parser.returned_bytes
             return out
         out = []
         ready = self._recv_ready

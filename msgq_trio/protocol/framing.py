@@ -27,12 +27,14 @@ import io
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn, TypeVar
 
 import cbor2
 
 from .codes import ErrorCode, FrameType
 from .errors import LocalProtocolError, RemoteProtocolError
+
+_T = TypeVar("_T")
 
 PREFIX = struct.Struct(">IBBHHHHHQII")
 PREFIX_SIZE = PREFIX.size  # 32
@@ -659,6 +661,7 @@ class FrameParser:
         "_large_total",
         "_pos",
         "max_frame_size",
+        "returned_bytes",
         "seen",
     )
 
@@ -679,6 +682,9 @@ class FrameParser:
         #: for each frame type ``t`` among them, plus :data:`SEEN_FDS` if any frame declares
         #: descriptors. Lets the connection's state check skip a per-frame loop.
         self.seen = 0
+        #: The bytes of the frames (prefixes included) the last :meth:`frames` /
+        #: :meth:`frames_and_runs` returned: a client queues a burst of them whole.
+        self.returned_bytes = 0
         # Kept without a traceback and raised as fresh copies: a stored, raised exception
         # would pin this parser's frames (and its buffers) in a reference cycle.
         self._error: RemoteProtocolError | None = None
@@ -844,19 +850,22 @@ class FrameParser:
         out: list[Frame | Run] = []
         if self._error is not None:
             self._raise()
+        nbytes = 0
         if self._large is not None:
             f = self.next_frame()
             if f is None:
-                self.seen = 0
+                self.seen = self.returned_bytes = 0
                 return out
             out.append(f)
+            nbytes = len(f.raw)
         seen = ((1 << out[0].type) | (SEEN_FDS if out[0].n_fds else 0)) if out else 0
         pos, seen, bad_target = _scan_loop(
             self._buf, self._pos, self.max_frame_size - 4, source, out, seen
         )
+        nbytes += pos - self._pos
         self._pos = pos
         if bad_target:
-            self.seen = _SEEN_ALL
+            self.seen, self.returned_bytes = _SEEN_ALL, nbytes
             self._error = RemoteProtocolError("frame target is not UTF-8")
             if out:
                 return out  # raised by the next call
@@ -870,12 +879,13 @@ class FrameParser:
                     break
                 append(f)
                 seen |= (1 << f.type) | (SEEN_FDS if f.n_fds else 0)
+                nbytes += len(f.raw)
         except RemoteProtocolError:
-            self.seen = seen | _SEEN_ALL
+            self.seen, self.returned_bytes = seen | _SEEN_ALL, nbytes
             if out:
                 return out  # the error is kept in self._error and raised next call
             raise
-        self.seen = seen
+        self.seen, self.returned_bytes = seen, nbytes
         return out
 
     def _compact(self) -> None:
@@ -952,7 +962,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 1
+_SPEEDUPS_API = 2
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False
@@ -977,3 +987,23 @@ def _use_speedups() -> bool:
 
 
 SPEEDUPS = _use_speedups()
+
+
+def slot_maker(
+    cls: Callable[..., _T], arg_slots: tuple[str, ...], fixed_slots: dict[str, object]
+) -> Callable[..., _T]:
+    """A faster ``cls``: with the compiled fast paths, a constructor that sets the slots
+    ``arg_slots`` from its positional arguments and ``fixed_slots`` to their values,
+    without running ``cls.__init__``; otherwise ``cls`` itself.
+
+    ``cls`` is the reference: a plain class with ``__slots__`` whose ``__init__`` takes
+    those arguments in that order and does exactly that (its tests compare the two).
+
+    Raises:
+        TypeError: ``cls`` is not such a class, or a name is not one of its slots.
+    """
+    if not SPEEDUPS:
+        return cls
+    from . import _speedups
+
+    return _speedups.slot_maker(cls, arg_slots, fixed_slots)

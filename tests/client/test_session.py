@@ -548,3 +548,22 @@ def test_never_suspends_tells_an_async_function_without_await() -> None:
     finally:
         for c in coros:
             c.close()
+
+
+def test_new_message_is_message_init() -> None:
+    """``new_message`` (made in C with the compiled fast paths) gives exactly what
+    ``Message(frame, sources)`` gives, slot by slot; without them it is Message."""
+    from msgq_trio.client.message import new_message
+    from msgq_trio.protocol.framing import SPEEDUPS
+
+    p = FrameParser()
+    p.feed(wire(T.MESSAGE, target="g", source=CALLER, body=encode_cbor([1, "x"])))
+    frame = p.next_frame()
+    assert frame is not None
+    sources: dict[bytes, Any] = {}
+    made, ref = new_message(frame, sources), Message(frame, sources)
+    assert type(made) is Message
+    assert (new_message is Message) is not SPEEDUPS
+    for name in Message.__slots__:
+        assert getattr(made, name) is getattr(ref, name), name
+    assert made.body == [1, "x"] and made.sender == "l.3"

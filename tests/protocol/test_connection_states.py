@@ -6,6 +6,7 @@ not copied from the implementation's tables.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -384,3 +385,75 @@ def test_events_batch_matches_next_event(role: Role, kinds: list[FrameType]) -> 
         got.extend(e.type for e in evs if isinstance(e, Frame))
     assert got == want
     assert raised == violation
+
+
+def _plain_burst(evs: list[object]) -> bool:
+    return bool(evs) and all(
+        isinstance(e, Frame) and e.type == T.MESSAGE and not e.n_fds for e in evs
+    )
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from([T.MESSAGE, T.MESSAGE, T.MESSAGE, T.NOTIFY, T.REPLY, T.ROUTED, T.GOODBYE]),
+        max_size=10,
+    ),
+    cuts=st.lists(st.integers(0, 2000), max_size=4),
+    eof=st.booleans(),
+)
+def test_message_burst_is_the_bytes_of_plain_messages_only(
+    kinds: list[FrameType], cuts: list[int], eof: bool
+) -> None:
+    """After each events() call, ``message_burst`` is the total size of the frames it
+    returned when they are plain MESSAGE frames (at least one, no EOF among them), and -1
+    for any other batch: a client queues such a batch whole on that claim."""
+    data = b"".join(
+        frame_bytes(k, target="g" * (i % 3 + 1), request_id=1 if k != T.MESSAGE else 0)
+        for i, k in enumerate(kinds)
+    )
+    c = connection_in(Role.CLIENT, State.READY)
+    points = [*sorted({x % (len(data) + 1) for x in cuts}), len(data)]
+    prev = 0
+    for i, point in enumerate(points):
+        if point > prev:  # (an empty piece would be EOF)
+            c.receive_data(data[prev:point])
+        prev = point
+        if eof and i == len(points) - 1:
+            c.receive_data(b"")
+        try:
+            evs: list[object] = list(c.events())
+        except RemoteProtocolError:
+            return  # a frame after GOODBYE: no batch to claim anything about
+        if _plain_burst(evs):
+            assert c.message_burst == sum(len(e.raw) for e in evs)  # type: ignore[attr-defined]
+        else:
+            assert c.message_burst == -1
+
+
+def test_message_burst_of_large_frames_and_descriptors() -> None:
+    """A message of the large-frame path or with attachments counts with the small ones
+    around it; a batch with a descriptor-carrying message is no burst."""
+    big = frame_bytes(T.MESSAGE, target="g", body=encode_cbor(b"x" * 400_000))
+    small = frame_bytes(T.MESSAGE, target="g", body=encode_cbor(b"y"))
+    c = connection_in(Role.CLIENT, State.READY)
+    c.receive_data(big[:5000])
+    assert c.events() == [] and c.message_burst == -1
+    c.receive_data(big[5000:] + small * 3)
+    evs = c.events()
+    assert len(evs) == 4 and c.message_burst == len(big) + 3 * len(small)
+    # Attachments take the parser's careful path; the frames behind them count too.
+    blobs = frame_bytes(T.MESSAGE, target="g", blobs=[b"a" * 10, b"b"])
+    c.receive_data(small + blobs + small)
+    evs = c.events()
+    assert len(evs) == 3 and c.message_burst == 2 * len(small) + len(blobs)
+    r, w = os.pipe()
+    try:
+        c.receive_data(small + frame_bytes(T.MESSAGE, target="g", n_fds=1), [r])
+        evs = c.events()
+        assert len(evs) == 2 and c.message_burst == -1
+        fds = evs[1].fds  # type: ignore[union-attr]
+        assert len(fds) == 1
+        os.close(fds[0])
+    finally:
+        os.close(w)

@@ -216,7 +216,8 @@ def test_parsers_agree_on_random_streams(
                     got = outcome(lambda p=p: p.frames_and_runs(STAMP))  # type: ignore[misc]
                 else:
                     got = outcome(p.next_frame)
-            state = (p.seen, p._pos, p.buffered, str(p.error) if p.error else None)
+            error = str(p.error) if p.error else None
+            state = (p.seen, p.returned_bytes, p._pos, p.buffered, error)
             if got[0] == "ok":
                 seen[name] = (("ok", described(got[1])), state)
             else:
@@ -305,6 +306,80 @@ def test_large_frame_then_small_ones() -> None:
             got.append((described(p.frames()), p.seen, p.buffered))
     assert got[0] == got[1]
     assert len(got[0][0]) == 4
+
+
+def test_frames_of_one_scan_share_equal_targets_and_sources() -> None:
+    """Equal targets and sources of consecutive frames are one object each (a burst
+    allocates them once), and a different one is a new object with its own value."""
+    msgs = [
+        framing.encode_small_bytes(3, t, b"x", s)
+        for t, s in [(b"g", STAMP), (b"g", STAMP), (b"h", STAMP), (b"h", b"l.8\0x"), (b"g", STAMP)]
+    ]
+    p = FrameParser()
+    with scan_with(_speedups.scan):
+        p.feed(b"".join(msgs))
+        f = p.frames()
+    assert [(x.target, x.source) for x in f] == [
+        ("g", STAMP),
+        ("g", STAMP),
+        ("h", STAMP),
+        ("h", b"l.8\0x"),
+        ("g", STAMP),
+    ]
+    assert f[0].target is f[1].target and f[0].source is f[1].source
+    assert f[2].source is f[1].source and f[3].target is f[2].target
+
+
+# -- slot_maker --------------------------------------------------------------------------------
+class Slotted:
+    __slots__ = ("a", "b", "c", "d")
+
+    def __init__(self, a: object, b: object) -> None:
+        self.a, self.b, self.c, self.d = a, b, None, False
+
+
+def test_slot_maker_sets_the_slots_as_init_does() -> None:
+    make = _speedups.slot_maker(Slotted, ("a", "b"), {"c": None, "d": False})
+    a, b = object(), [1]
+    before = sys.getrefcount(a)
+    made, ref = make(a, b), Slotted(a, b)
+    assert type(made) is Slotted
+    assert [getattr(made, n) for n in Slotted.__slots__] == [
+        getattr(ref, n) for n in Slotted.__slots__
+    ]
+    assert made.a is a and made.b is b
+    del made, ref
+    assert sys.getrefcount(a) == before  # each slot's reference is released with it
+    with pytest.raises(TypeError, match="takes 2 positional arguments"):
+        make(a)
+    with pytest.raises(TypeError, match="takes 2 positional arguments"):
+        make(a, b=b)
+
+
+class WithDict:
+    def __init__(self) -> None:
+        self.a = 1
+
+
+class Sub(Slotted):
+    __slots__ = ("e",)
+
+
+@pytest.mark.parametrize(
+    ("cls", "args", "fixed", "error"),
+    [
+        (WithDict, ("a",), {}, "not a plain class with __slots__"),
+        (Sub, ("e",), {}, "not a plain class with __slots__"),
+        (int, (), {}, "not a plain class with __slots__"),
+        (Slotted, ("x",), {}, "'x' is not a slot of"),
+        (Slotted, ("a",), {"__init__": 1}, "'__init__' is not an object slot of"),
+    ],
+)
+def test_slot_maker_refuses_what_it_cannot_make(
+    cls: type, args: tuple[str, ...], fixed: dict[str, object], error: str
+) -> None:
+    with pytest.raises(TypeError, match=error):
+        _speedups.slot_maker(cls, args, fixed)
 
 
 # -- Frame.body ------------------------------------------------------------------------------
