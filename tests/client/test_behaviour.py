@@ -1108,6 +1108,11 @@ async def test_a_cancelled_block_closes_its_bus_at_once_with_a_goodbye(broker: A
     # The close takes milliseconds; waiting for a GOODBYE nobody reads took CLOSE_WAIT
     # at least (12 s in a plugin whose writer had not sent ours).
     assert closing < CLOSE_WAIT
+    await _closed_cleanly(broker)
+
+
+async def _closed_cleanly(broker: Any) -> None:
+    """The broker counted one clean close and no lost connection."""
     async with msgq_trio.connect(broker.path, "observer") as obs:
         st: dict[str, Any] = {}
         with trio.fail_after(HANG):
@@ -1116,7 +1121,39 @@ async def test_a_cancelled_block_closes_its_bus_at_once_with_a_goodbye(broker: A
                 if st["disconnects"].get("closed", 0):
                     break
                 await trio.sleep(0.02)
+    assert st["disconnects"].get("closed", 0) == 1
     assert st["disconnects"].get("connection-lost", 0) == 0
+
+
+async def test_a_cancelled_asyncio_block_closes_its_bus_with_a_goodbye(broker: Any) -> None:
+    """The asyncio client's side of the test above: a task cancelled inside ``async with
+    msgq_trio.aio.connect(...)`` (asyncio delivers the cancellation once, and the
+    driver reads in loop callbacks, not in a task of the block) closes its bus within
+    ``CLOSE_WAIT``, with the GOODBYE exchange: the broker sees a clean close."""
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        entered = asyncio.Event()
+
+        async def block() -> None:
+            async with msgq_trio.aio.connect(broker.path, "cancelled"):
+                entered.set()
+                await asyncio.sleep(3600)
+
+        task = asyncio.create_task(block())
+        await asyncio.wait_for(entered.wait(), HANG)
+        cancelled_at = loop.time()
+        task.cancel()
+        try:
+            await asyncio.wait_for(task, HANG)
+        except asyncio.CancelledError:
+            pass
+        assert task.cancelled()
+        return loop.time() - cancelled_at
+
+    closing = await trio.to_thread.run_sync(asyncio.run, main())
+    assert closing < CLOSE_WAIT
+    await _closed_cleanly(broker)
 
 
 # -- descriptors -------------------------------------------------------------------------
