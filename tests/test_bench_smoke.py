@@ -248,3 +248,17 @@ def test_clientcpu_measures_both_clients() -> None:
     r = run_once(3000)
     assert r["pub"]["cpu_us"] > 0 and r["sub"]["cpu_us"] > 0
     assert r["sub"]["receives"] >= 1 and len(r["sub"]["gc_ms"]) == 3
+
+
+def test_rtparts_measures_every_pair_of_client_kinds() -> None:
+    """``python -m msgq_trio.bench.rtparts`` runs a real broker and, for every kind of
+    responder, every kind of requester (the floor ones included): each checks its echo
+    answers (a wrong one reports no RESULT and fails the run) and reports a p50 and its
+    CPU per call."""
+    from msgq_trio.bench.rtparts import REQUESTERS, RESPONDERS, run
+
+    rows = run(calls=200, rounds=1, timeout=120)
+    assert {(r["responder"], r["requester"]) for r in rows} == {
+        (a, b) for a in RESPONDERS for b in REQUESTERS
+    }
+    assert all(r["p50_us"] > 0 and r["user_us"] >= 0 for r in rows)
