@@ -109,6 +109,9 @@ class Bus(BusBase):
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
         self._out_wake = trio.lowlevel.ParkingLot()
+        # Whether the writer is parked on _out_wake (set as it parks, cleared by whoever
+        # unparks it), as _reader_parked: asked once per message sent.
+        self._writer_parked = False
         self._drained = trio.lowlevel.ParkingLot()
         self._in: deque[Message | Frame] = deque()  # see BusBase._in
         self._in_bytes = 0
@@ -373,7 +376,8 @@ class Bus(BusBase):
         for p in pieces:
             out.append(p)
             self._out_bytes += len(p)
-        if self._out_wake:  # ParkingLot is truthy while the writer is parked
+        if self._writer_parked:
+            self._writer_parked = False
             self._out_wake.unpark_all()
 
     def _count_fds(self, pieces: list[Buffer]) -> list[Buffer]:
@@ -394,7 +398,8 @@ class Bus(BusBase):
             return  # the reader writes the batch's answers when it is done with it
         if not self._burst:
             self._send_now()
-        if out and self._out_wake:
+        if out and self._writer_parked:
+            self._writer_parked = False
             self._out_wake.unpark_all()
 
     def _queue_answer(self, pieces: list[Buffer]) -> None:
@@ -435,7 +440,8 @@ class Bus(BusBase):
     def _queue1(self, frame: bytes) -> None:
         self._out.append(frame)
         self._out_bytes += len(frame)
-        if self._out_wake:
+        if self._writer_parked:
+            self._writer_parked = False
             self._out_wake.unpark_all()
 
     async def _wait_out(self) -> None:
@@ -616,6 +622,7 @@ class Bus(BusBase):
         try:
             while True:
                 while not out:
+                    self._writer_parked = True  # cleared by whoever unparks it
                     await self._out_wake.park()
                 self._burst = False
                 bufs = list(out)
@@ -692,7 +699,8 @@ class Bus(BusBase):
                         self._burst = True
                     if self._out:
                         self._send_now()
-                        if self._out and self._out_wake:
+                        if self._out and self._writer_parked:
+                            self._writer_parked = False
                             self._out_wake.unpark_all()
                 if self._in and self._in_wake:
                     self._in_wake.unpark_all()
