@@ -123,8 +123,6 @@ static int emit_run(PyObject *out, PyObject *target, const unsigned char *b, Py_
     return rc;
 }
 
-/* The Frame tuple of one complete frame at b[pos:pos+total]; NULL with *bad set if its
- * target is not UTF-8 (no Python error set then), NULL with an error otherwise. */
 /* The target and source of the frame made last in this scan, where their bytes are in
  * the scanned buffer: a burst of messages has one target and one sender, and equal
  * values may share one object (str and bytes are immutable). */
@@ -174,6 +172,8 @@ static PyObject *frame_source(Last *last, const unsigned char *s, Py_ssize_t sle
     return source;
 }
 
+/* The Frame tuple of one complete frame at b[pos:pos+total]; NULL with *bad set if its
+ * target is not UTF-8 (no Python error set then), NULL with an error otherwise. */
 static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total,
                             unsigned ftype, unsigned flags, uint64_t rid, Py_ssize_t tlen,
                             Py_ssize_t slen, unsigned nfds, uint32_t hlen, uint32_t blen,
