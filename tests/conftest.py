@@ -281,6 +281,15 @@ CLIENT_SCRIPT = textwrap.dedent("""
             return hang
         if behaviour == "pid":
             return lambda params: os.getpid()
+        if behaviour == "notify":  # a message to params["to"], then the answer
+            async def notify(params):
+                await bus.send(params["to"], {"note": params["n"]})
+                return params
+            return notify
+        if behaviour == "callback":  # calls params["to"]'s ping, answers with its result
+            async def callback(params):
+                return {"pong": await bus.call(params["to"], "ping", params["n"])}
+            return callback
         raise SystemExit(f"unknown behaviour {behaviour!r}")
 
     async def main():
@@ -309,7 +318,7 @@ CLIENT_SCRIPT = textwrap.dedent("""
 
 class ClientProcess:
     """A helper client process: ``count`` connections, each subscribed to ``groups`` and
-    serving ``commands`` ({command: "echo" | "hang" | "pid"}).
+    serving ``commands`` ({command: "echo" | "hang" | "pid" | "notify" | "callback"}).
 
     ``hang`` handlers print ``got <lname> <command> <params-json>`` when a request arrives.
     """

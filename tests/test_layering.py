@@ -1,9 +1,9 @@
 """Layering: the sans-I/O protocol, the pure core and the storage backends never import
-trio or the I/O layer; the client's sans-I/O session (and its value types) imports no
-event loop, no socket, no thread and none of its drivers; plugins never import the
-broker's core, daemon or operations layer, and the core no plugin. Checked on the source
-with ast (importing would hide lazy imports and would itself import trio through the
-package)."""
+trio or the I/O layer; the client's sans-I/O session (its value types, reconnect and
+busy-poll rules) imports no event loop, no socket, no thread and none of its drivers;
+plugins never import the broker's core, daemon or operations layer, and the core no
+plugin. Checked on the source with ast (importing would hide lazy imports and would
+itself import trio through the package)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CLIENT_SESSION = {
     ROOT / "msgq_trio" / "client" / "session.py": "msgq_trio.client",
     ROOT / "msgq_trio" / "client" / "message.py": "msgq_trio.client",
     ROOT / "msgq_trio" / "client" / "reconnect.py": "msgq_trio.client",
+    ROOT / "msgq_trio" / "client" / "polling.py": "msgq_trio.client",
 }
 #: What the session may not import: an event loop, sockets, threads, the broker's I/O,
 #: the socket toolkit (it imports trio) or a driver (the drivers import the session).

@@ -14,8 +14,9 @@
 * ``msgq_trio-no-busy-poll`` and ``msgq_trio-direct-no-busy-poll``: the same two clients
   on the request/reply workloads, the broker started with ``--busy-poll 0`` (it sleeps
   in ``epoll_wait`` after every read instead of polling while frames come back to back,
-  which it does by default); the goal table shows them in rows of their own, beside the
-  default configuration's;
+  which it does by default) and the trio clients with ``connect(busy_poll=0)`` (no
+  polling for answers; the direct client never polls); the goal table shows them in
+  rows of their own, beside the default configuration's;
 * ``raw-unix`` (ceiling): no broker; clients talk process to process;
 * ``py-relay`` (ceiling): the minimal Python relay of :mod:`msgq_trio.bench.relay`;
 * ``nats``: ``nats-server`` on a free loopback port (NATS has no Unix socket listener),
@@ -102,13 +103,22 @@ def _stop_proc(proc: Proc) -> Callable[[], None]:
 
 
 def _start_msgq(
-    run_dir: Path, _pattern: str, _deadline: float, serve_args: tuple[str, ...] = ()
+    run_dir: Path,
+    _pattern: str,
+    _deadline: float,
+    serve_args: tuple[str, ...] = (),
+    client_busy_poll: float | None = None,
 ) -> Service:
+    """A msgq_trio broker with ``serve_args``; ``client_busy_poll``: the trio clients'
+    ``connect(busy_poll=...)`` (None: their default)."""
     from ..demo import start_broker
 
     path = run_dir / "bus.sock"
     broker = start_broker(path, *serve_args)
-    return Service({"socket": str(path)}, [_stop_popen(broker)], [broker.pid])
+    addr: dict[str, Any] = {"socket": str(path)}
+    if client_busy_poll is not None:
+        addr["busy_poll"] = client_busy_poll
+    return Service(addr, [_stop_popen(broker)], [broker.pid])
 
 
 #: The token of the TCP variants' broker (a throwaway: the broker lives for one run).
@@ -344,8 +354,8 @@ SYSTEMS: dict[str, System] = {
             "msgq_trio-no-busy-poll",
             SUBJECT,
             "worker_msgq",
-            "msgq_trio broker with --busy-poll 0; trio clients",
-            functools.partial(_start_msgq, serve_args=("--busy-poll", "0")),
+            "msgq_trio broker with --busy-poll 0; trio clients with busy_poll=0",
+            functools.partial(_start_msgq, serve_args=("--busy-poll", "0"), client_busy_poll=0.0),
             only=_CALLS_ONLY,
             not_run="not run: busy polling matters for calls",
         ),

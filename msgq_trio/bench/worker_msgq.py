@@ -40,7 +40,8 @@ class Runtime:
     """What a role needs from its event loop, here trio's: one role body serves the trio
     client and (in a subclass) the asyncio one, so both measure the same client calls."""
 
-    #: ``connect(socket, name=, token=, ssl_context=)``: the client's async context manager.
+    #: ``connect(socket, name=, token=, ssl_context=[, busy_poll=])``: the client's async
+    #: context manager (``busy_poll`` only for the trio client: see _connect).
     connect: Callable[..., AbstractAsyncContextManager[AnyBus]] = staticmethod(connect)
 
     def run(self, role: Role, spec: Spec) -> dict[str, Any]:
@@ -70,14 +71,18 @@ class Runtime:
 
 def _connect(rt: Runtime, spec: Spec, name: str) -> AbstractAsyncContextManager[AnyBus]:
     """connect() to the run's broker: a Unix socket, or (msgq_trio-tcp / -tls) a URL with
-    the run's token and, for TLS, the CA file that signed the broker's certificate."""
+    the run's token and, for TLS, the CA file that signed the broker's certificate; with
+    the run's ``busy_poll`` for the trio client if it sets one (msgq_trio-no-busy-poll)."""
     addr = spec["addr"]
     ctx = None
     if addr.get("cafile"):
         import ssl
 
         ctx = ssl.create_default_context(cafile=addr["cafile"])
-    return rt.connect(addr["socket"], name=name, token=addr.get("token"), ssl_context=ctx)
+    options = {"busy_poll": addr["busy_poll"]} if "busy_poll" in addr else {}
+    return rt.connect(
+        addr["socket"], name=name, token=addr.get("token"), ssl_context=ctx, **options
+    )
 
 
 async def _sub(rt: Runtime, spec: Spec) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -44,6 +45,7 @@ from .api import (
     parse_address,
 )
 from .message import Buffer, Member, Message, Reply, Result, new_message
+from .polling import BUSY_POLL, CallPoller, Poll, check_busy_poll
 from .reconnect import Backoff, Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
@@ -103,8 +105,12 @@ class Bus(BusBase):
         max_frame_size: int,
         target: str = "",
         reconnect: Reconnect | None = None,
+        busy_poll: float = BUSY_POLL,
     ) -> None:
         self._s = Session(name, max_frame_size, no_join=NO_JOIN, wake=_wake)
+        #: How long a lone caller polls for its answer (see _poll_answer). Never over TLS:
+        #: the TLS session's copy tasks run in this program, and cannot while it polls.
+        self._poller = CallPoller(0.0 if target.startswith("tls://") else busy_poll)
         self._out_fds = 0
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
@@ -122,6 +128,10 @@ class Bus(BusBase):
         # a ParkingLot's truth is a Python call.
         self._reader_parked = False
         self._reading = False  # the reader task runs (see _wait_goodbye)
+        # The reader's receiver, and whether the reader is parked waiting for the socket
+        # to become readable (then a caller may receive in its place: _poll_answer).
+        self._rx: SocketReceiver | None = None
+        self._reader_waiting = False
         self._init_api(target, reconnect)
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -514,16 +524,82 @@ class Bus(BusBase):
         self._queue_urgent(self._count_fds(pieces) if fds else pieces)
 
     async def _finish_call(self, call: PendingCall) -> None:
-        """Wait for ``call``'s outcome (or its local deadline), then forget its slot."""
+        """Wait for ``call``'s outcome (or its local deadline), then forget its slot.
+
+        With ``busy_poll`` on, a lone call first polls the socket for its answer for up to
+        the poller's window (:meth:`_poll_answer`); either way this is a checkpoint."""
         try:
-            if call.deadline is None:
-                await call.waiter.wait()  # the common path needs no cancel scope
+            poller = self._poller
+            if not poller.limit:
+                await self._wait_answer(call)
                 return
-            with trio.move_on_at(call.deadline):
-                await call.waiter.wait()
-            call.expire(trio.current_time())
+            sent = time.perf_counter()
+            how = self._poll_answer(call, poller.window) if poller.window else Poll.SLEPT
+            answered = False
+            try:
+                if how is Poll.CAUGHT:
+                    await trio.lowlevel.checkpoint()  # the schedule point the wait would be
+                else:
+                    await self._wait_answer(call)
+                answered = True
+            finally:
+                if answered or how is Poll.MISSED:  # a miss counts, even if cancelled
+                    poller.answered(time.perf_counter() - sent, how)
         finally:
             self._s.finish(call)
+
+    async def _wait_answer(self, call: PendingCall) -> None:
+        if call.deadline is None:
+            await call.waiter.wait()  # the common path needs no cancel scope
+            return
+        with trio.move_on_at(call.deadline):
+            await call.waiter.wait()
+        call.expire(trio.current_time())
+
+    def _poll_answer(self, call: PendingCall, window: float) -> Poll:
+        """Receive in the reader's place, without sleeping, until ``call`` is done or
+        ``window`` seconds have passed: CAUGHT if it is done, MISSED if not, SLEPT if
+        polling was not possible.
+
+        Only when nothing else could use this thread meanwhile: ``call`` is the only one
+        pending, the reader is parked waiting for the socket (not handling frames, not
+        paused by backpressure), no other task waits for the scheduler's next pass
+        (trio's ``tasks_runnable``: tasks still to run in the current pass are not
+        counted, and wait at most the window), and the window ends before any trio
+        deadline (a timer, a cancel scope's) and the call's own. Whatever
+        arrives is handled as the reader would (messages queued, requests started, other
+        frames dispatched); once that makes a task runnable, or the stream ends, or a
+        large frame begins (received in place by the reader), the caller stops polling
+        and waits as usual. Each empty pass yields the CPU (``sched_yield``) to a
+        process that may be the one answering. A lost connection or a protocol violation
+        fails the bus as in the reader.
+        """
+        rx = self._rx
+        if rx is None or not self._reader_waiting or len(self._s.calls) != 1:
+            return Poll.SLEPT
+        stats = trio.lowlevel.current_statistics()
+        if stats.tasks_runnable:
+            return Poll.SLEPT
+        window = min(window, stats.seconds_to_next_deadline)
+        if call.deadline is not None:
+            window = min(window, call.deadline - trio.current_time())
+        conn, clock, yield_cpu = self._conn, time.perf_counter, os.sched_yield
+        end = clock() + window
+        try:
+            while True:
+                n = rx.receive_now(conn)
+                if n is None:
+                    if clock() >= end:
+                        return Poll.MISSED
+                    yield_cpu()
+                    continue
+                if not n or self._handle_received(False) or call.done:
+                    break
+                if trio.lowlevel.current_statistics().tasks_runnable:
+                    break
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
+            self._reader_failed(exc)
+        return Poll.CAUGHT if call.done else Poll.MISSED
 
     async def _wait_done(self, call: PendingCall) -> None:
         await call.waiter.wait()
@@ -649,81 +725,105 @@ class Bus(BusBase):
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
     async def _reader(self) -> None:
-        conn, handle = self._conn, self._s.handle
+        conn = self._conn
         rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._s.max_fds))
         receive = rx.receive_into
         received = False  # first pass: frames buffered behind WELCOME
         self._reading = True
+        self._rx = rx
         try:
             while True:
                 if received:
-                    eof = not await receive(conn)
+                    self._reader_waiting = rx.drained
+                    try:
+                        eof = not await receive(conn)
+                    finally:
+                        self._reader_waiting = False
                 else:
                     eof, received = False, True
-                inq, inline = self._in, self._message_inline
-                self._deferring = True
-                self._answered = 0
-                try:
-                    evs = conn.events()
-                    if inline is None and conn.message_burst >= 0:
-                        # Plain messages only (the hot path): queued whole, each made
-                        # a Message when it is taken (BusBase._in).
-                        inq.extend(evs)  # type: ignore[arg-type]
-                        self._in_bytes += conn.message_burst
-                        evs = []
-                    for ev in evs:
-                        if ev is EOF:
-                            self._broker_goodbye.set()
-                            self._fail_all(ConnectionLost("the broker closed the connection"))
-                            return
-                        assert isinstance(ev, Frame)
-                        if ev.type == _MESSAGE and inline is None:
-                            # The hot path, straight to the application: the session's
-                            # event for it would be Message(ev), made when it is taken.
-                            inq.append(ev)
-                            self._in_bytes += len(ev.raw)
-                            continue
-                        event = handle(ev)
-                        if isinstance(event, Message):
-                            if ev.type == _MESSAGE:
-                                assert inline is not None
-                                self._inline_callback(inline, event)
-                            elif not self._notification(event):
-                                inq.append(event)  # the reader wakes the consumer below
-                                self._in_bytes += len(ev.raw)
-                        elif event is not None:
-                            self._dispatch(event)
-                finally:
-                    self._deferring = False
-                    if self._answered > 1:
-                        self._burst = True
-                    if self._out:
-                        self._send_now()
-                        if self._out and self._writer_parked:
-                            self._writer_parked = False
-                            self._out_wake.unpark_all()
-                if self._in and self._in_wake:
-                    self._in_wake.unpark_all()
-                if conn.error_pending:
-                    conn.events()  # raises the protocol error that followed valid frames
-                if eof:
-                    self._broker_goodbye.set()
-                    self._fail_all(ConnectionLost("the broker closed the connection"))
+                if self._handle_received(eof):
                     return
                 if self._in_full():
                     while self._in_full() and self._s.lost is None:
                         self._reader_parked = True  # reset by whoever unparks it
                         await self._in_taken.park()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
-        except ProtocolError as exc:
-            log.error("broker violated the protocol: %s", exc)
-            self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
+            self._reader_failed(exc)
         finally:
             self._reading = False
+            self._rx = None
             self._broker_goodbye.set()  # nothing more is read (see _wait_goodbye)
             rx.close()
             close_fds(conn.take_orphan_fds())
+
+    def _handle_received(self, eof: bool) -> bool:
+        """Handle what one receive brought (the reader's, or a polling caller's: see
+        :meth:`_poll_answer`); ``eof``: the receive found the end. True when reading
+        ends (EOF, the broker's GOODBYE); the bus has then failed its calls.
+
+        Raises:
+            ProtocolError: the broker violated the protocol (after the valid frames).
+        """
+        conn, handle = self._conn, self._s.handle
+        inq, inline = self._in, self._message_inline
+        self._deferring = True
+        self._answered = 0
+        try:
+            evs = conn.events()
+            if inline is None and conn.message_burst >= 0:
+                # Plain messages only (the hot path): queued whole, each made
+                # a Message when it is taken (BusBase._in).
+                inq.extend(evs)  # type: ignore[arg-type]
+                self._in_bytes += conn.message_burst
+                evs = []
+            for ev in evs:
+                if ev is EOF:
+                    self._broker_goodbye.set()
+                    self._fail_all(ConnectionLost("the broker closed the connection"))
+                    return True
+                assert isinstance(ev, Frame)
+                if ev.type == _MESSAGE and inline is None:
+                    # The hot path, straight to the application: the session's
+                    # event for it would be Message(ev), made when it is taken.
+                    inq.append(ev)
+                    self._in_bytes += len(ev.raw)
+                    continue
+                event = handle(ev)
+                if isinstance(event, Message):
+                    if ev.type == _MESSAGE:
+                        assert inline is not None
+                        self._inline_callback(inline, event)
+                    elif not self._notification(event):
+                        inq.append(event)  # the reader wakes the consumer below
+                        self._in_bytes += len(ev.raw)
+                elif event is not None:
+                    self._dispatch(event)
+        finally:
+            self._deferring = False
+            if self._answered > 1:
+                self._burst = True
+            if self._out:
+                self._send_now()
+                if self._out and self._writer_parked:
+                    self._writer_parked = False
+                    self._out_wake.unpark_all()
+        if self._in and self._in_wake:
+            self._in_wake.unpark_all()
+        if conn.error_pending:
+            conn.events()  # raises the protocol error that followed valid frames
+        if eof:
+            self._broker_goodbye.set()
+            self._fail_all(ConnectionLost("the broker closed the connection"))
+            return True
+        return False
+
+    def _reader_failed(self, exc: BaseException) -> None:
+        """The reader's (or a polling caller's) receive or parse failed: the bus fails."""
+        if isinstance(exc, ProtocolError):
+            log.error("broker violated the protocol: %s", exc)
+            self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
+        else:
+            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
 
     def _dispatch(self, event: Request | PendingCall | Send | Closed) -> None:
         """Act on one of the session's events other than a received message."""
@@ -881,6 +981,7 @@ async def connect(
     ssl_context: Any = None,
     server_hostname: str | None = None,
     reconnect: bool | Reconnect = False,
+    busy_poll: float = BUSY_POLL,
 ) -> AsyncIterator[Bus]:
     """Connect to the broker; yields a :class:`Bus`.
 
@@ -904,6 +1005,12 @@ async def connect(
             context, with backoff, join the groups again and run the
             :meth:`~Bus.on_reconnected` callbacks (README "Reconnecting"). Only the first
             connection's failure is raised here.
+        busy_poll: the longest a call polls the socket for its answer before it sleeps
+            (seconds; :data:`~msgq_trio.client.polling.BUSY_POLL`, 200 us; 0 = never),
+            adaptive: only while this client's calls are answered within it, only for a
+            lone call while no other task of the program is runnable, never on one CPU
+            or over TLS (:class:`~msgq_trio.client.polling.CallPoller`; README "Busy
+            polling").
 
     Resource handling: leaving the block flushes queued frames, says GOODBYE, waits for
     the broker's (CLOSE_WAIT s, longer while the broker still takes our bytes: it may be
@@ -917,8 +1024,16 @@ async def connect(
         UsageError: a malformed ``tcp://``/``tls://`` address, a TLS file named by the
             environment that cannot be loaded, or a bad ``reconnect``.
     """
+    try:
+        poll = check_busy_poll(busy_poll)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     bus = Bus(
-        client_name(name), max_frame_size, connect_target(socket), reconnect_policy(reconnect)
+        client_name(name),
+        max_frame_size,
+        connect_target(socket),
+        reconnect_policy(reconnect),
+        busy_poll=poll,
     )
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:

@@ -219,22 +219,29 @@ class SocketReceiver:
             await trio.lowlevel.wait_readable(raw)
         else:
             await trio.lowlevel.checkpoint()
-        nbytes, ancbufsize = self._nbytes, self._ancbufsize
         while True:
-            # The trio socket may have been closed while we waited, and its descriptor
-            # number reused by another connection: never touch it then.
-            if self._sock.fileno() == -1:
-                raise trio.ClosedResourceError("socket was closed")
             try:
-                view = scratch_buffer(nbytes) if into is None else into[:nbytes]
-                n, anc, flags, _addr = raw.recvmsg_into((view,), ancbufsize, _RECV_FLAGS)
-                data = view[:n]
-                break
+                return self._receive_once(into)
             except BlockingIOError:
                 pass
-            except OSError as exc:
-                raise translated(exc) from exc
             await trio.lowlevel.wait_readable(raw)  # the readiness was spurious
+
+    def _receive_once(self, into: memoryview | None) -> tuple[bytes | memoryview, list[int]]:
+        """One ``recvmsg`` (see :meth:`receive`). Raises BlockingIOError when nothing is
+        queued, trio.ClosedResourceError for a closed socket, translated OSErrors."""
+        # The trio socket may have been closed while we waited, and its descriptor
+        # number reused by another connection: never touch it then.
+        if self._sock.fileno() == -1:
+            raise trio.ClosedResourceError("socket was closed")
+        raw, nbytes, ancbufsize = self._raw, self._nbytes, self._ancbufsize
+        view = scratch_buffer(nbytes) if into is None else into[:nbytes]
+        try:
+            n, anc, flags, _addr = raw.recvmsg_into((view,), ancbufsize, _RECV_FLAGS)
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            raise translated(exc) from exc
+        data = view[:n]
         self._drained = n < len(view)
         if not anc:
             return data, []
@@ -242,6 +249,27 @@ class SocketReceiver:
         if fds and into is None and n < nbytes:
             return _drain_fds(raw, data, fds, nbytes, ancbufsize)
         return data, fds
+
+    @property
+    def drained(self) -> bool:
+        """The last receive emptied the socket: the next :meth:`receive` waits for it."""
+        return self._drained
+
+    def receive_now(self, conn: Connection) -> int | None:
+        """Receive what is queued, without waiting, and hand it to ``conn``: the number of
+        bytes; None when nothing is queued; 0 when the rest is for :meth:`receive_into`:
+        the stream ended (not passed on: the kernel reports it again to the next
+        receive) or ``conn`` is in the middle of a frame (large frames are received in
+        place). Never a checkpoint. Same errors as :meth:`receive_into`."""
+        if conn.in_frame:
+            return 0
+        try:
+            data, fds = self._receive_once(None)
+        except BlockingIOError:
+            return None
+        if data:
+            conn.receive_data(data, fds)
+        return len(data)
 
     async def receive_into(self, conn: Connection) -> int:
         """Receive once and hand what came to ``conn``: in place, into the buffer of the

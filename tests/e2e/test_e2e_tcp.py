@@ -454,6 +454,8 @@ async def test_tls_token_and_client_certificate(tcp_broker, pki) -> None:
             b.url, name="tok", token=ALICE, ssl_context=client_ctx(pki["ca"])
         ) as t:
             assert await t.call("Svc", "who") == "tok"
+            # No busy polling over TLS: the copy tasks could not run while a call polled.
+            assert t._poller.limit == 0.0
         async with msgq_trio.connect(
             b.url, name="cert", ssl_context=client_ctx(pki["ca"], pki["carol"])
         ) as c:
