@@ -41,6 +41,7 @@ import msgq_trio
 
 from ..client.direct import DirectBus
 from ..client.direct import connect as connect_direct
+from ..client.polling import BUSY_POLL
 from ..client.session import Request, Send
 from ..demo import start_broker
 from ..protocol.framing import Frame
@@ -84,8 +85,8 @@ def _req_direct(sock: str, calls: int) -> dict[str, Any]:
 
 async def _req_trio(sock: str, calls: int, busy_poll: float | None = None) -> dict[str, Any]:
     body = os.urandom(SIZE)
-    options = {} if busy_poll is None else {"busy_poll": busy_poll}
-    async with msgq_trio.connect(sock, "rtparts-trio", **options) as bus:
+    poll = BUSY_POLL if busy_poll is None else busy_poll
+    async with msgq_trio.connect(sock, "rtparts-trio", busy_poll=poll) as bus:
         for _ in range(min(WARMUP, calls)):
             _check(await bus.call(GROUP, "echo", body), body)
         lat = []
