@@ -286,6 +286,12 @@ CLIENT_SCRIPT = textwrap.dedent("""
                 await bus.send(params["to"], {"note": params["n"]})
                 return params
             return notify
+        if behaviour == "notify-then-wait":  # as notify, the answer 0.5 s after the message
+            async def notify_then_wait(params):
+                await bus.send(params["to"], {"note": params["n"]})
+                await trio.sleep(0.5)
+                return params
+            return notify_then_wait
         if behaviour == "callback":  # calls params["to"]'s ping, answers with its result
             async def callback(params):
                 return {"pong": await bus.call(params["to"], "ping", params["n"])}
@@ -318,7 +324,8 @@ CLIENT_SCRIPT = textwrap.dedent("""
 
 class ClientProcess:
     """A helper client process: ``count`` connections, each subscribed to ``groups`` and
-    serving ``commands`` ({command: "echo" | "hang" | "pid" | "notify" | "callback"}).
+    serving ``commands`` ({command: "echo" | "hang" | "pid" | "notify" |
+    "notify-then-wait" | "callback"}).
 
     ``hang`` handlers print ``got <lname> <command> <params-json>`` when a request arrives.
     """

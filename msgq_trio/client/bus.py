@@ -568,11 +568,12 @@ class Bus(BusBase):
         counted, and wait at most the window), and the window ends before any trio
         deadline (a timer, a cancel scope's) and the call's own. Whatever
         arrives is handled as the reader would (messages queued, requests started, other
-        frames dispatched); once that makes a task runnable, or the stream ends, or a
-        large frame begins (received in place by the reader), the caller stops polling
-        and waits as usual. Each empty pass yields the CPU (``sched_yield``) to a
-        process that may be the one answering. A lost connection or a protocol violation
-        fails the bus as in the reader.
+        frames dispatched); once that makes a task runnable or fills the inbound queue
+        past its high water, or the stream ends, or a large frame begins (received in
+        place by the reader), the caller stops polling and waits as usual. Each empty
+        pass yields the CPU (``sched_yield``) to a process that may be the one
+        answering. A lost connection or a protocol violation fails the bus as in the
+        reader.
         """
         rx = self._rx
         if rx is None or not self._reader_waiting or len(self._s.calls) != 1:
@@ -595,7 +596,9 @@ class Bus(BusBase):
                     continue
                 if not n or self._handle_received(False) or call.done:
                     break
-                if trio.lowlevel.current_statistics().tasks_runnable:
+                # Past the inbound high water the reader would stop reading (_in_full),
+                # and a woken task must run: either way, stop receiving here.
+                if self._in_full() or trio.lowlevel.current_statistics().tasks_runnable:
                     break
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
             self._reader_failed(exc)

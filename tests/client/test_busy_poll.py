@@ -155,6 +155,28 @@ async def test_a_message_that_comes_while_polling_is_queued_for_the_application(
         assert msg.body == {"note": 7}
 
 
+async def test_the_poll_stops_at_the_inbound_high_water(
+    broker: Any, spawn_client: Callable[..., Any]
+) -> None:
+    """Messages that fill the inbound queue past its high water stop the poll, as they
+    stop the reader: the caller waits, and its answer (sent half a second after the
+    message, so the two never arrive together) still comes."""
+    spawn_client(
+        broker.path, name="notifier", groups=["Notify"], commands={"notify": "notify-then-wait"}
+    )
+    async with msgq_trio.connect(broker.path, "caller") as bus:
+        poller = await hold_open(bus)
+        # As if 1 TiB of messages waited unread (the real high water is 64 MiB).
+        bus._in_bytes += 1 << 40
+        with trio.fail_after(10):
+            params = {"to": bus.lname, "n": 1}
+            assert await bus.call("Notify", "notify", params) == params
+        assert (poller.caught, poller.missed) == (0, 1)
+        bus._in_bytes -= 1 << 40
+        with trio.fail_after(10):
+            assert (await bus.receive()).body == {"note": 1}
+
+
 @pytest.mark.parametrize("form", ["def", "async-def-without-await", "async-def"])
 async def test_a_request_that_comes_while_polling_is_served(
     broker: Any, spawn_client: Callable[..., Any], form: str
