@@ -83,10 +83,9 @@ def _req_direct(sock: str, calls: int) -> dict[str, Any]:
     return _figures(lat, t0, t1)
 
 
-async def _req_trio(sock: str, calls: int, busy_poll: float | None = None) -> dict[str, Any]:
+async def _req_trio(sock: str, calls: int, busy_poll: float = BUSY_POLL) -> dict[str, Any]:
     body = os.urandom(SIZE)
-    poll = BUSY_POLL if busy_poll is None else busy_poll
-    async with msgq_trio.connect(sock, "rtparts-trio", busy_poll=poll) as bus:
+    async with msgq_trio.connect(sock, "rtparts-trio", busy_poll=busy_poll) as bus:
         for _ in range(min(WARMUP, calls)):
             _check(await bus.call(GROUP, "echo", body), body)
         lat = []
