@@ -140,7 +140,9 @@ def test_bench_smoke_asyncio_clients_side_by_side() -> None:
     best = min(("nats", "redis-asyncio"), key=lambda n: results[n]["req-reply"]["median"])
     want = cell(results, "msgq_trio-asyncio", "req-reply", asyncio=True)
     assert f"{TIMES} {best})" in want, want
-    assert text.count(want) == 2, text
+    # Counted by row: the def-handler row may show the same figure and ratio.
+    rows = [line for line in text.splitlines() if line.startswith("msgq_trio-asyncio ")]
+    assert sum(want in row for row in rows) == 2, text
 
 
 def test_bench_smoke_measures_the_broker_without_busy_polling(report: dict[str, Any]) -> None:
