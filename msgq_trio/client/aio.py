@@ -592,7 +592,7 @@ class AioBus(BusBase):
                     # The hot path: the session's event would be Message(ev), made
                     # when the application takes it (BusBase._in).
                     self._in.append(ev)
-                    self._in_bytes += len(ev.raw)
+                    self._in_bytes += len(ev.raw) + len(ev.large_body)
                     got_message = True
                     continue
                 event = handle(ev)
@@ -602,7 +602,7 @@ class AioBus(BusBase):
                         self._inline_callback(self._message_inline, event)
                     elif not self._notification(event):
                         self._in.append(event)
-                        self._in_bytes += len(ev.raw)
+                        self._in_bytes += len(ev.raw) + len(ev.large_body)
                         got_message = True
                 elif isinstance(event, Request):
                     self._request(event)
@@ -756,11 +756,11 @@ class AioBus(BusBase):
             # message (BusBase._take inline).
             item = q.popleft()
             if type(item) is Frame:
-                self._in_bytes -= len(item.raw)
+                self._in_bytes -= len(item.raw) + len(item.large_body)
                 msg = new_message(item, self._s.sources)
             else:
                 assert isinstance(item, Message)
-                self._in_bytes -= len(item._frame.raw)
+                self._in_bytes -= len(item._frame.raw) + len(item._frame.large_body)
                 msg = item
             if not self._reading and not self._in_full():
                 self._resume_reading()

@@ -298,9 +298,9 @@ class BusBase(SessionView):
     def _take(self, item: Message | Frame) -> Message:
         """The Message of an ``_in`` entry just popped; its bytes leave ``_in_bytes``."""
         if isinstance(item, Message):
-            self._in_bytes -= len(item._frame.raw)
+            self._in_bytes -= len(item._frame.raw) + len(item._frame.large_body)
             return item
-        self._in_bytes -= len(item.raw)
+        self._in_bytes -= len(item.raw) + len(item.large_body)
         return new_message(item, self._s.sources)
 
     def _drop_in(self) -> None:

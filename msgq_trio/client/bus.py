@@ -644,11 +644,11 @@ class Bus(BusBase):
             item = q.popleft()
             # BusBase._take, inline: this runs once per message.
             if type(item) is Frame:
-                self._in_bytes -= len(item.raw)
+                self._in_bytes -= len(item.raw) + len(item.large_body)
                 msg = new_message(item, self._s.sources)
             else:
                 assert isinstance(item, Message)
-                self._in_bytes -= len(item._frame.raw)
+                self._in_bytes -= len(item._frame.raw) + len(item._frame.large_body)
                 msg = item
             if self._reader_parked:
                 self._reader_parked = False
@@ -789,7 +789,7 @@ class Bus(BusBase):
                     # The hot path, straight to the application: the session's
                     # event for it would be Message(ev), made when it is taken.
                     inq.append(ev)
-                    self._in_bytes += len(ev.raw)
+                    self._in_bytes += len(ev.raw) + len(ev.large_body)
                     continue
                 event = handle(ev)
                 if isinstance(event, Message):
@@ -798,7 +798,7 @@ class Bus(BusBase):
                         self._inline_callback(inline, event)
                     elif not self._notification(event):
                         inq.append(event)  # the reader wakes the consumer below
-                        self._in_bytes += len(ev.raw)
+                        self._in_bytes += len(ev.raw) + len(ev.large_body)
                 elif event is not None:
                     self._dispatch(event)
         finally:

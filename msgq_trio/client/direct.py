@@ -242,10 +242,10 @@ class DirectBus(SessionView):
         # answers belong to the old connection (their callers were told by the broker).
         while self._frames:
             frame = self._frames.popleft()
-            self._frames_bytes -= len(frame.raw)
+            self._frames_bytes -= len(frame.raw) + len(frame.large_body)
             if frame.type in (_MESSAGE, _NOTIFY):
                 self._inbox.append(new_message(frame, s.sources))
-                self._inbox_bytes += len(frame.raw)
+                self._inbox_bytes += len(frame.raw) + len(frame.large_body)
             else:
                 close_fds(frame.fds)
         now = time.monotonic()
@@ -311,7 +311,7 @@ class DirectBus(SessionView):
         except ConnectionLost as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
         ev = self._frames.popleft()
-        self._frames_bytes -= len(ev.raw)
+        self._frames_bytes -= len(ev.raw) + len(ev.large_body)
         self._s.receive_welcome(ev)
         # A message may carry the broker's max_fds_per_message; a smaller buffer would
         # truncate them (and the kernel's MSG_CTRUNC ends the connection).
@@ -470,7 +470,7 @@ class DirectBus(SessionView):
                     # GOODBYE is dispatched, and its reason belongs in that error.
                     self._goodbye_error = goodbye_error(ev)
                 self._frames.append(ev)
-                self._frames_bytes += len(ev.raw)
+                self._frames_bytes += len(ev.raw) + len(ev.large_body)
         except ProtocolError as exc:
             raise self._fail(f"the broker violated the protocol: {exc}") from exc
         return True
@@ -486,14 +486,14 @@ class DirectBus(SessionView):
         frames, handle = self._frames, self._s.handle
         while frames:
             frame = frames.popleft()
-            self._frames_bytes -= len(frame.raw)
+            self._frames_bytes -= len(frame.raw) + len(frame.large_body)
             try:
                 event = handle(frame)
             except ProtocolError as exc:
                 raise self._fail(f"the broker violated the protocol: {exc}") from exc
             if isinstance(event, Message):
                 self._inbox.append(event)
-                self._inbox_bytes += len(frame.raw)
+                self._inbox_bytes += len(frame.raw) + len(frame.large_body)
             elif isinstance(event, Request):
                 self._serve_request(event)
             elif isinstance(event, Send):
@@ -646,7 +646,7 @@ class DirectBus(SessionView):
                 raise TimeoutError(f"no message within {timeout} s")
             self._pump(left)
         msg = self._inbox.popleft()
-        self._inbox_bytes -= len(msg._frame.raw)
+        self._inbox_bytes -= len(msg._frame.raw) + len(msg._frame.large_body)
         return msg
 
     def serve(self, duration: float | None = None) -> None:

@@ -198,7 +198,7 @@ class Message:
 
     @property
     def size(self) -> int:
-        return len(self._frame.raw)
+        return len(self._frame.raw) + len(self._frame.large_body)
 
     def __repr__(self) -> str:
         return (

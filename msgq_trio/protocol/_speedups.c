@@ -9,8 +9,9 @@
  *
  *   scan(buf, pos, limit, source, out, seen) -> (pos, seen, bad_target)
  *       the fast loop of FrameParser._scan (framing._scan_loop_py).
- *   frame_body_method(Frame) -> a method descriptor for Frame.body: a definite-length
- *       CBOR byte string filling the body section, else framing._body_py.
+ *   frame_body_method(Frame) -> a method descriptor for Frame.body: the frame's
+ *       large_body when it has one, a definite-length CBOR byte string filling the body
+ *       section, else framing._body_py.
  *   encode_small_bytes(type, target, payload, source) -> bytes
  *       framing._encode_small_bytes_py for exact bytes arguments; anything else (and
  *       every error) goes to that function.
@@ -27,12 +28,12 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 2
+#define SPEEDUPS_API 3
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
 #define SEEN_FDS (1ULL << 32)
-#define FRAME_FIELDS 12
+#define FRAME_FIELDS 13
 
 static PyTypeObject *frame_type = NULL; /* framing.Frame (a tuple subclass) */
 static PyObject *run_type = NULL;       /* framing.Run */
@@ -41,6 +42,7 @@ static unsigned message_type = 0;       /* FrameType.MESSAGE */
 static PyObject *body_py = NULL;        /* the Python Frame.body */
 static PyObject *encode_small_py = NULL; /* the Python encode_small_bytes */
 static PyObject *empty_tuple = NULL;
+static PyObject *empty_bytes = NULL;
 
 static inline uint32_t be16(const unsigned char *p) { return ((uint32_t)p[0] << 8) | p[1]; }
 
@@ -200,6 +202,7 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
     items[9] = raw;
     items[10] = PyLong_FromSsize_t(PREFIX_SIZE + tlen + slen);
     items[11] = Py_NewRef(empty_tuple);
+    items[12] = Py_NewRef(empty_bytes); /* large_body: only a client's large frames */
     PyObject *frame = NULL;
     for (int i = 0; i < FRAME_FIELDS; i++)
         if (items[i] == NULL)
@@ -349,13 +352,17 @@ error:
     return NULL;
 }
 
-/* Frame.body: a definite-length CBOR byte string that fills the section exactly is its
- * head and a slice; anything else is the Python method's (cbor2, errors, bytearray). */
+/* Frame.body: large_body when the parser received the body into one; a definite-length
+ * CBOR byte string that fills the section exactly is its head and a slice; anything else
+ * is the Python method's (cbor2, errors, bytearray). */
 static PyObject *frame_body(PyObject *self, PyObject *unused)
 {
     if (!ready())
         return NULL;
     if (PyTuple_Check(self) && PyTuple_GET_SIZE(self) == FRAME_FIELDS) {
+        PyObject *large = PyTuple_GET_ITEM(self, 12);
+        if (PyBytes_CheckExact(large) && PyBytes_GET_SIZE(large) > 0)
+            return Py_NewRef(large); /* the body was received into its own bytes */
         PyObject *raw = PyTuple_GET_ITEM(self, 9);
         PyObject *o_blen = PyTuple_GET_ITEM(self, 8), *o_hlen = PyTuple_GET_ITEM(self, 7),
                  *o_tail = PyTuple_GET_ITEM(self, 10);
@@ -656,6 +663,9 @@ PyMODINIT_FUNC PyInit__speedups(void)
 {
     empty_tuple = PyTuple_New(0);
     if (empty_tuple == NULL)
+        return NULL;
+    empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
+    if (empty_bytes == NULL)
         return NULL;
     if (PyType_Ready(&MakerType) < 0)
         return NULL;

@@ -94,7 +94,9 @@ class Connection:
     def __init__(self, role: Role, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self.role = role
         self.state = State.IDLE
-        self._parser = FrameParser(max_frame_size)
+        # A client's peer is the broker, which sends only whole frames: its large
+        # byte-string bodies can be received straight into their own bytes.
+        self._parser = FrameParser(max_frame_size, own_bodies=role is Role.CLIENT)
         self._eof = False
         self.sent_goodbye = False
         self.received_goodbye = False
@@ -217,12 +219,12 @@ class Connection:
         """
         start = self._rx_offset - self._parser.buffered
         for f in frames:
-            start -= len(f.raw)
+            start -= len(f.raw) + len(f.large_body)
         out: list[Frame] = []
         try:
             for f in frames:
                 out.append(self._attach_fds(f, start))
-                start += len(f.raw)
+                start += len(f.raw) + len(f.large_body)
             self._check_leftover_fds(start)
         except RemoteProtocolError:
             # None of these frames will be handled: their descriptors are orphans too.

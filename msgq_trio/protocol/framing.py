@@ -86,6 +86,42 @@ def _resizer() -> Callable[[bytearray, int], None]:
 
 
 _resize = _resizer()
+
+
+def _bytes_maker() -> Callable[[int], tuple[bytes, memoryview]] | None:
+    """A maker of a new ``bytes`` of ``n`` bytes (``n`` > 0) together with a writable
+    view of its content, or None where that cannot be done (not CPython, no ctypes).
+
+    Why: a client hands a byte-string body to the application as ``bytes``; received
+    into the frame's buffer, it would be copied once more into a ``bytes`` of its own
+    (a full pass over a multi-megabyte body). Receiving it straight into the ``bytes``
+    that will be handed out is what ``socket.recv`` does inside CPython
+    (``PyBytes_FromStringAndSize(NULL, n)``, then fill). The object is seen by no one
+    (and never hashed) until the parser releases the view and returns the frame.
+    """
+    try:
+        import ctypes
+
+        new = ctypes.pythonapi.PyBytes_FromStringAndSize
+    except (ImportError, AttributeError):
+        return None
+    new.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+    new.restype = ctypes.py_object
+    # The content follows the object's fixed part (its last byte is the content's first).
+    offset = bytes.__basicsize__ - 1
+    probe = new(b"msgq", 4)
+    if ctypes.string_at(id(probe) + offset, 4) != b"msgq":
+        return None  # not the layout assumed: keep the copy
+
+    def make(n: int) -> tuple[bytes, memoryview]:
+        b: bytes = new(None, n)
+        view = memoryview((ctypes.c_ubyte * n).from_address(id(b) + offset)).cast("B")
+        return b, view
+
+    return make
+
+
+_new_bytes = _bytes_maker()
 #: :attr:`FrameParser.seen` bit: a frame declares descriptors (frame types are < 32).
 SEEN_FDS = 1 << 32
 _SEEN_ALL = (1 << 33) - 1  # after an error: make no claim about the frames returned
@@ -133,6 +169,10 @@ class Frame(NamedTuple):
 
     ``raw`` is the whole frame as received (prefix included); the sections are views
     into it computed on demand, so routing a frame costs no copies of its payload.
+    Exception: a client's parser receives a large byte-string body straight into a
+    ``bytes`` of its own (``large_body``, see :class:`FrameParser`); ``raw`` then ends
+    with the body's CBOR head, and the frame's size is
+    ``len(raw) + len(large_body)``.
     """
 
     type: int
@@ -150,6 +190,9 @@ class Frame(NamedTuple):
     #: File descriptors that came with this frame (``n_fds`` of them), attached by
     #: :class:`~msgq_trio.protocol.connection.Connection`; their owner must close them.
     fds: tuple[int, ...] = ()
+    #: The body's payload (a CBOR byte string's content) when the parser received it
+    #: into its own ``bytes``; empty otherwise. :meth:`body` returns it as it is.
+    large_body: bytes = b""
 
     @property
     def header_bytes(self) -> memoryview:
@@ -158,6 +201,9 @@ class Frame(NamedTuple):
     @property
     def body_bytes(self) -> memoryview:
         start = self.tail + self.header_len
+        if self.large_body:
+            # (a copy: only for a caller that wants the encoded section itself)
+            return memoryview(bytes(memoryview(self.raw)[start:]) + self.large_body)
         return memoryview(self.raw)[start : start + self.body_len]
 
     def header(self) -> dict[str, object]:
@@ -195,6 +241,8 @@ class Frame(NamedTuple):
         Raises:
             RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.
         """
+        if self.large_body:
+            return self.large_body
         blen = self.body_len
         if not blen:
             return None
@@ -632,6 +680,7 @@ def _scan_loop_py(
                         raw,
                         tend + slen,
                         (),
+                        b"",
                     ),
                 )
             )
@@ -650,9 +699,20 @@ class FrameParser:
     for the frame, so an absurd length costs nothing but the error.
     After a :class:`RemoteProtocolError` the parser is poisoned: every later call raises
     the same error (the connection must be closed).
+
+    With ``own_bodies`` (a client's parser), a large frame whose body is one CBOR byte
+    string of at least half of :data:`_LARGE_FRAME` and which has no blobs is received
+    in two parts: the bytes up to the body's content in the frame buffer, the content
+    straight into the ``bytes`` that :meth:`Frame.body` returns (``Frame.large_body``),
+    saving a copy of the body. That ``bytes`` is allocated at the frame's full size
+    when the head has arrived, not grown with what arrives: only for a peer that sends
+    whole frames (a client's peer is the broker, which forwards a frame only once all of
+    it has arrived). The broker's parser keeps the growing buffer.
     """
 
     __slots__ = (
+        "_body",
+        "_body_view",
         "_buf",
         "_error",
         "_large",
@@ -661,14 +721,18 @@ class FrameParser:
         "_large_total",
         "_pos",
         "max_frame_size",
+        "own_bodies",
         "returned_bytes",
         "seen",
     )
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(
+        self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, *, own_bodies: bool = False
+    ) -> None:
         if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be in 1..{ABSOLUTE_MAX_FRAME_SIZE}")
         self.max_frame_size = max_frame_size
+        self.own_bodies = own_bodies and _new_bytes is not None
         self._buf = bytearray()
         self._pos = 0
         # A frame of at least _LARGE_FRAME bytes in progress: its buffer (len = capacity,
@@ -678,6 +742,11 @@ class FrameParser:
         self._large_fill = 0
         self._large_total = 0
         self._large_lent = False
+        # With own_bodies, a large frame received in two parts: _large holds exactly the
+        # bytes before the body's content, which goes into _body through _body_view
+        # (_large_fill counts both parts).
+        self._body: bytes | None = None
+        self._body_view: memoryview | None = None
         #: What the last :meth:`frames` / :meth:`frames_and_runs` returned: bit ``1 << t``
         #: for each frame type ``t`` among them, plus :data:`SEEN_FDS` if any frame declares
         #: descriptors. Lets the connection's state check skip a per-frame loop.
@@ -739,9 +808,11 @@ class FrameParser:
         if self._large_lent:
             raise LocalProtocolError("receive_buffer() called twice without advance()")
         fill = self._large_fill
+        self._large_lent = True
+        if self._body_view is not None:
+            return self._body_view[fill - len(large) :]
         if fill == len(large):
             self._large_grow()
-        self._large_lent = True
         return memoryview(large)[fill:]
 
     @property
@@ -757,7 +828,8 @@ class FrameParser:
         """
         if not self._large_lent or self._large is None:
             raise LocalProtocolError("advance() without receive_buffer()")
-        if not 0 <= n <= len(self._large) - self._large_fill:
+        room = self._large_total if self._body_view is not None else len(self._large)
+        if not 0 <= n <= room - self._large_fill:
             raise LocalProtocolError(f"advance({n}) beyond the lent buffer")
         self._large_lent = False
         self._large_fill += n
@@ -766,6 +838,11 @@ class FrameParser:
         large = self._large
         assert large is not None
         fill, n = self._large_fill, len(data)
+        if self._body_view is not None:
+            at = fill - len(large)
+            self._body_view[at : at + n] = data
+            self._large_fill = fill + n
+            return
         while fill + n > len(large):
             self._large_grow()
         large[fill : fill + n] = data
@@ -783,6 +860,38 @@ class FrameParser:
         _resize(large, min(total, max(2 * len(part), _LARGE_FRAME)))
         self._large_put(part)
 
+    def _body_head(self, buf: bytearray, pos: int, avail: int) -> int:
+        """For a large frame starting at ``buf[pos]`` with ``avail`` of its bytes here:
+        the length of its part before the body's content if it is to be received in two
+        parts (see the class), 0 if not, -1 if that cannot be told yet."""
+        if avail < PREFIX_SIZE:
+            return -1
+        (length, _t, _f, tlen, slen, _b, _n, _r, _rid, hlen, blen) = PREFIX.unpack_from(buf, pos)
+        start = PREFIX_SIZE + tlen + slen + hlen
+        # Blobs after the body make the sum differ; a malformed frame is left to the
+        # careful path, which rejects it.
+        if blen < _LARGE_FRAME // 2 or start + blen != 4 + length:
+            return 0
+        if start + 5 > _LARGE_FRAME:
+            return 0  # a header this long: not worth holding the frame back for
+        if avail < start + 5:  # a u32-length byte string's head is 5 bytes
+            return -1
+        ib = buf[pos + start]
+        if not 0x40 <= ib <= 0x5A:
+            return 0
+        if ib < 0x58:
+            h, n = 1, ib - 0x40
+        else:
+            k = 1 << (ib - 0x58)
+            h, n = 1 + k, int.from_bytes(buf[pos + start + 1 : pos + start + 1 + k], "big")
+        return start + h if h + n == blen else 0
+
+    def _start_body(self, part: memoryview, total: int, head: int) -> None:
+        assert _new_bytes is not None
+        self._body, self._body_view = _new_bytes(total - head)
+        self._large, self._large_fill, self._large_total = bytearray(part[:head]), head, total
+        self._large_put(part[head:])
+
     def next_frame(self) -> Frame | None:
         """Return the next complete frame, or None when more bytes are needed.
 
@@ -797,6 +906,13 @@ class FrameParser:
                 return None
             self._large = None
             self._large_total = self._large_fill = 0
+            view = self._body_view
+            if view is not None:
+                body = self._body
+                assert body is not None
+                self._body = self._body_view = None
+                view.release()  # no writable view of the bytes handed out is kept
+                return self._parse(bytes(large), body)
             return self._parse(large)  # grown to at most the frame: exactly its bytes
         buf = self._buf
         pos = self._pos
@@ -814,9 +930,17 @@ class FrameParser:
             )
         total = 4 + length
         if avail < total:
-            if total >= _LARGE_FRAME:
+            head = (
+                self._body_head(buf, pos, avail) if total >= _LARGE_FRAME and self.own_bodies else 0
+            )
+            if head < 0:
+                self._compact()  # (the body's head is still to come)
+            elif total >= _LARGE_FRAME:
                 # Move the partial frame into a buffer of its own; later bytes go there.
-                self._start_large(memoryview(buf)[pos:], total)
+                if head:
+                    self._start_body(memoryview(buf)[pos:], total, head)
+                else:
+                    self._start_large(memoryview(buf)[pos:], total)
                 buf.clear()
                 self._pos = 0
             else:
@@ -857,7 +981,7 @@ class FrameParser:
                 self.seen = self.returned_bytes = 0
                 return out
             out.append(f)
-            nbytes = len(f.raw)
+            nbytes = len(f.raw) + len(f.large_body)
         seen = ((1 << out[0].type) | (SEEN_FDS if out[0].n_fds else 0)) if out else 0
         pos, seen, bad_target = _scan_loop(
             self._buf, self._pos, self.max_frame_size - 4, source, out, seen
@@ -879,7 +1003,7 @@ class FrameParser:
                     break
                 append(f)
                 seen |= (1 << f.type) | (SEEN_FDS if f.n_fds else 0)
-                nbytes += len(f.raw)
+                nbytes += len(f.raw) + len(f.large_body)
         except RemoteProtocolError:
             self.seen, self.returned_bytes = seen | _SEEN_ALL, nbytes
             if out:
@@ -912,7 +1036,7 @@ class FrameParser:
         if self._error is None:
             self._error = RemoteProtocolError("the connection is closed")
 
-    def _parse(self, raw: bytes | bytearray) -> Frame:
+    def _parse(self, raw: bytes | bytearray, large_body: bytes = b"") -> Frame:
         (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
             PREFIX.unpack_from(raw, 0)
         )
@@ -946,6 +1070,8 @@ class FrameParser:
             blen,
             raw,
             tend + slen,
+            (),
+            large_body,
         )
 
 
@@ -962,7 +1088,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 2
+_SPEEDUPS_API = 3
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False

@@ -431,6 +431,29 @@ def test_message_burst_is_the_bytes_of_plain_messages_only(
             assert c.message_burst == -1
 
 
+def test_descriptors_after_a_body_received_apart() -> None:
+    """A client receives a large byte-string body into its own bytes (Frame.large_body);
+    the frame still counts all its bytes where descriptors are matched to frames by
+    stream offset, so the descriptor behind it reaches its own frame."""
+    big = frame_bytes(T.MESSAGE, target="g", body=encode_cbor(b"x" * 400_000))
+    with_fd = frame_bytes(T.MESSAGE, target="fd", n_fds=1)
+    c = connection_in(Role.CLIENT, State.READY)
+    r, w = os.pipe()
+    try:
+        c.receive_data(big[:5000])
+        assert c.events() == []
+        c.receive_data(big[5000:])
+        c.receive_data(with_fd, [r])
+        evs = c.events()
+        assert [type(e).__name__ for e in evs] == ["Frame", "Frame"]
+        first, second = evs
+        assert first.large_body and first.body() == b"x" * 400_000  # type: ignore[union-attr]
+        assert second.target == "fd" and len(second.fds) == 1  # type: ignore[union-attr]
+        os.close(second.fds[0])  # type: ignore[union-attr]
+    finally:
+        os.close(w)
+
+
 def test_message_burst_of_large_frames_and_descriptors() -> None:
     """A message of the large-frame path or with attachments counts with the small ones
     around it; a batch with a descriptor-carrying message is no burst."""

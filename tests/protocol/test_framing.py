@@ -746,3 +746,152 @@ def test_large_frame_buffer_grows_with_what_arrives() -> None:
     assert p.receive_buffer() is None
     [f] = p.frames()
     assert bytes(f.raw) == frame and len(f.raw) == len(frame)
+
+
+# -- a client's large byte-string bodies ------------------------------------------------------
+
+_BIG_BODY = bytes(range(256)) * (3 * 4096) + b"END"  # 3 MiB + 3: above _LARGE_FRAME
+
+
+def _stream_with_big_body(body: bytes = _BIG_BODY) -> tuple[list[bytes], bytes]:
+    frames = [
+        join(encode_frame(FrameType.MESSAGE, target="G", body=encode_cbor("before"))),
+        join(
+            encode_frame(
+                FrameType.MESSAGE,
+                target="Big",
+                source=b"l.7",
+                header=encode_cbor({"cmd": "big"}),
+                body=encode_cbor(body),
+            )
+        ),
+        join(encode_frame(FrameType.MESSAGE, target="G", body=encode_cbor("after"))),
+    ]
+    return frames, b"".join(frames)
+
+
+def _check_own_body(f: Frame, frame: bytes, body: bytes = _BIG_BODY) -> None:
+    got = f.body()
+    assert type(got) is bytes and got == body
+    assert got is f.large_body and f.body() is got  # handed out as received: no copy
+    assert bytes(f.raw) + f.large_body == frame  # raw ends with the body's CBOR head
+    assert f.header() == {"cmd": "big"} and f.target == "Big" and f.source == b"l.7"
+    assert bytes(f.body_bytes) == encode_cbor(body)
+
+
+@pytest.mark.parametrize("step", [4096, 64 * 1024, 1 << 20])
+def test_client_parser_receives_a_large_bytes_body_into_its_own_bytes(step: int) -> None:
+    """With own_bodies (a client's parser), a large frame whose body is one byte string
+    is received in two parts: the body's content straight into the bytes that body()
+    returns. The first bytes arrive one by one (the parser waits for the body's head
+    before it decides), the rest in ``step`` pieces through a reused buffer (feed copies);
+    sizes and counts are those of the whole frame."""
+    frames, data = _stream_with_big_body()
+    p = FrameParser(own_bodies=True)
+    got: list[Frame] = []
+    scratch = bytearray(step)
+    pos = 0
+    while pos < len(data):
+        n = 1 if pos < len(frames[0]) + 80 else step
+        chunk = data[pos : pos + n]
+        scratch[: len(chunk)] = chunk
+        p.feed(memoryview(scratch)[: len(chunk)])
+        scratch[:] = b"\xee" * len(scratch)  # the next receive overwrites it
+        got.extend(p.frames())
+        pos += len(chunk)
+    assert p.buffered == 0
+    assert [f.target for f in got] == ["G", "Big", "G"]
+    _check_own_body(got[1], frames[1])
+    assert [f.body() for f in (got[0], got[2])] == ["before", "after"]
+    assert not got[0].large_body and not got[2].large_body
+
+
+def test_client_parser_lends_the_body_itself_to_receive_into() -> None:
+    """receive_buffer() lends views of the body's own bytes once the head is in; advance()
+    is bounded by what the frame still lacks; returned_bytes counts the whole frame."""
+    frames, _ = _stream_with_big_body()
+    big = frames[1]
+    p = FrameParser(own_bodies=True)
+    p.feed(big[:1000])
+    assert p.frames() == [] and p.buffered == 1000
+    pos = 1000
+    view = p.receive_buffer()
+    assert view is not None and len(view) == len(big) - 1000  # the whole rest, at once
+    with pytest.raises(LocalProtocolError):
+        p.advance(len(view) + 1)
+    view.release()
+    p.advance(0)
+    while pos < len(big):
+        view = p.receive_buffer()
+        assert view is not None and len(view) == len(big) - pos
+        n = min(len(view), 700_001)
+        view[:n] = big[pos : pos + n]
+        view.release()
+        p.advance(n)
+        pos += n
+        assert p.buffered == pos
+    assert p.receive_buffer() is None
+    p.feed(frames[2])
+    [f, after] = p.frames()
+    assert p.returned_bytes == len(big) + len(frames[2])
+    _check_own_body(f, big)
+    assert after.body() == "after"
+
+
+def test_only_a_client_parser_receives_bodies_apart() -> None:
+    """The broker's parser (the default) keeps a large frame whole in one buffer."""
+    frames, data = _stream_with_big_body()
+    p = FrameParser()
+    p.feed(data[:5000])
+    got = p.frames()
+    p.feed(data[5000:])
+    got += p.frames()
+    assert [bytes(f.raw) for f in got] == frames and not got[1].large_body
+    assert got[1].body() == _BIG_BODY
+
+
+def _big_frame(**kw: object) -> bytes:
+    return join(encode_frame(FrameType.MESSAGE, target="Big", **kw))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        # A text string, a map: not a byte string.
+        _big_frame(body=encode_cbor("t" * (1 << 20))),
+        _big_frame(body=encode_cbor({"b": b"x" * (1 << 20)})),
+        # Blobs beside the body.
+        _big_frame(body=encode_cbor(b"x" * (1 << 20)), blobs=[b"blob"]),
+        # A large frame whose body is not most of it (its header is what is large).
+        _big_frame(header=encode_cbor({"h": b"h" * 200_000}), body=encode_cbor(b"s" * 100_000)),
+        # A header too long to wait for before deciding.
+        _big_frame(header=encode_cbor({"h": b"h" * (1 << 20)}), body=encode_cbor(b"b" * (1 << 20))),
+    ],
+    ids=["text", "map", "blobs", "small-body", "long-header"],
+)
+def test_other_large_frames_stay_whole_in_a_client_parser(frame: bytes) -> None:
+    p = FrameParser(own_bodies=True)
+    got: list[Frame] = []
+    for i in range(0, len(frame), 64 * 1024):  # the large frame's path: it comes in parts
+        p.feed(frame[i : i + 64 * 1024])
+        got += p.frames()
+    [f] = got
+    assert bytes(f.raw) == frame and not f.large_body
+    assert f.body() == cbor2.loads(bytes(f.body_bytes))
+
+
+def test_a_byte_string_body_of_the_wrong_length_is_still_refused() -> None:
+    """A byte string whose head claims less than its section holds (trailing bytes) is not
+    received apart: body() refuses it as for any frame."""
+    content = b"x" * (1 << 20)
+    section = encode_cbor(content) + b"\x00"
+    frame = _big_frame(body=section)
+    p = FrameParser(own_bodies=True)
+    got: list[Frame] = []
+    for i in range(0, len(frame), 64 * 1024):  # the large frame's path: it comes in parts
+        p.feed(frame[i : i + 64 * 1024])
+        got += p.frames()
+    [f] = got
+    assert not f.large_body
+    with pytest.raises(RemoteProtocolError):
+        f.body()
