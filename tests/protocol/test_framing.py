@@ -854,6 +854,18 @@ def _big_frame(**kw: object) -> bytes:
     return join(encode_frame(FrameType.MESSAGE, target="Big", **kw))  # type: ignore[arg-type]
 
 
+def _one_frame_in_parts(frame: bytes) -> Frame:
+    """``frame`` through a client's parser in 64 KiB parts (the large frame's path: it is
+    not all there when the parser first sees it)."""
+    p = FrameParser(own_bodies=True)
+    got: list[Frame] = []
+    for i in range(0, len(frame), 64 * 1024):
+        p.feed(frame[i : i + 64 * 1024])
+        got += p.frames()
+    [f] = got
+    return f
+
+
 @pytest.mark.parametrize(
     "frame",
     [
@@ -870,12 +882,9 @@ def _big_frame(**kw: object) -> bytes:
     ids=["text", "map", "blobs", "small-body", "long-header"],
 )
 def test_other_large_frames_stay_whole_in_a_client_parser(frame: bytes) -> None:
-    p = FrameParser(own_bodies=True)
-    got: list[Frame] = []
-    for i in range(0, len(frame), 64 * 1024):  # the large frame's path: it comes in parts
-        p.feed(frame[i : i + 64 * 1024])
-        got += p.frames()
-    [f] = got
+    """Only a byte-string body that is most of its frame, with no blobs and a head within
+    reach, is received apart; any other large frame stays whole in ``raw``."""
+    f = _one_frame_in_parts(frame)
     assert bytes(f.raw) == frame and not f.large_body
     assert f.body() == cbor2.loads(bytes(f.body_bytes))
 
@@ -886,12 +895,7 @@ def test_a_byte_string_body_of_the_wrong_length_is_still_refused() -> None:
     content = b"x" * (1 << 20)
     section = encode_cbor(content) + b"\x00"
     frame = _big_frame(body=section)
-    p = FrameParser(own_bodies=True)
-    got: list[Frame] = []
-    for i in range(0, len(frame), 64 * 1024):  # the large frame's path: it comes in parts
-        p.feed(frame[i : i + 64 * 1024])
-        got += p.frames()
-    [f] = got
+    f = _one_frame_in_parts(frame)
     assert not f.large_body
     with pytest.raises(RemoteProtocolError):
         f.body()
