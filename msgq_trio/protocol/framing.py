@@ -309,6 +309,7 @@ class Run:
     type = FrameType.MESSAGE
     n_fds = 0
     fds: tuple[int, ...] = ()
+    large_body = b""
 
     def __init__(self, target: str, raw: bytes, count: int) -> None:
         self.target = target

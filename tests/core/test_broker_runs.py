@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from msgq_trio.config import Limits
 from msgq_trio.core.broker import Broker
 from msgq_trio.core.peers import Peer
 from msgq_trio.protocol.codes import FrameType
 from msgq_trio.protocol.connection import Connection, Role
+from msgq_trio.protocol.errors import RemoteProtocolError
 from msgq_trio.protocol.framing import (
     Frame,
     FrameParser,
@@ -217,3 +220,17 @@ def test_large_self_stamped_frame_is_not_copied() -> None:
         assert head.fds == (107,)  # type: ignore[union-attr]
         [g] = drain(r)
         assert (g.source, g.body()) == (tx.stamp, payload)
+
+
+def test_a_run_beside_a_frame_declaring_descriptors() -> None:
+    """Runs go through the descriptor matching when a frame of the same receive declares
+    descriptors: a run carries none (and no body received apart), so a descriptor that
+    never came is the frame's protocol error, not a fault in the matching."""
+    conn = ready_connection()
+    stamp = b"l.2\0tx"
+    with_fd = b"".join(
+        bytes(x) for x in encode_frame(T.MESSAGE, target="G", body=encode_cbor(9), n_fds=1)
+    )
+    conn.receive_data(b"".join(msg("G", i, stamp) for i in range(3)) + with_fd)
+    with pytest.raises(RemoteProtocolError, match="descriptor"):
+        conn.events_with_runs(stamp)
