@@ -234,3 +234,20 @@ def test_a_run_beside_a_frame_declaring_descriptors() -> None:
     conn.receive_data(b"".join(msg("G", i, stamp) for i in range(3)) + with_fd)
     with pytest.raises(RemoteProtocolError, match="descriptor"):
         conn.events_with_runs(stamp)
+
+
+def test_a_run_before_a_frame_too_large() -> None:
+    """Frames before a malformed one are returned first (the error comes with the next
+    call), and the parser then makes no claim about them, descriptors included: a run
+    among them goes through the descriptor matching and comes out whole."""
+    conn = Connection(Role.BROKER, max_frame_size=4096)
+    conn.receive_data(b"".join(bytes(x) for x in Connection(Role.CLIENT).hello("c")))
+    assert conn.next_event() is not None
+    conn.check_send(T.WELCOME)
+    stamp = b"l.2\0tx"
+    too_large = (8192).to_bytes(4, "big") + bytes(28)
+    conn.receive_data(b"".join(msg("G", i, stamp) for i in range(3)) + too_large)
+    items = conn.events_with_runs(stamp)
+    assert [type(i).__name__ for i in items] == ["Run"] and items[0].count == 3  # type: ignore[union-attr]
+    with pytest.raises(RemoteProtocolError, match="frame length"):
+        conn.events_with_runs(stamp)
