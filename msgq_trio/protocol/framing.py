@@ -791,7 +791,36 @@ class FrameParser:
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
+        if not self._buf and self._start_large_from(data):
+            return
         self._buf += data
+
+    def _start_large_from(self, data: bytes | bytearray | memoryview) -> bool:
+        """With nothing buffered, ``data`` begins a large frame and holds part of it: move
+        it into the frame's own buffer (or body) at once. True if done.
+
+        Why: otherwise the first receive of every large frame is appended to the frame
+        buffer (an allocation, a copy and fresh pages) only to be copied out again by
+        :meth:`next_frame`; a stream of large frames starts each one here, since a receive
+        into a large frame ends where the frame does. Anything unusual (a bad length, a
+        body head not yet in, a whole frame) takes the ordinary path, which judges it.
+        """
+        n = len(data)
+        if n < PREFIX_SIZE or self._error is not None:
+            return False
+        length = int.from_bytes(data[:4], "big")
+        total = 4 + length
+        if not _LARGE_FRAME <= total <= self.max_frame_size or n >= total:
+            return False
+        view = memoryview(data)
+        head = self._body_head(view, 0, n) if self.own_bodies else 0
+        if head < 0:
+            return False
+        if head:
+            self._start_body(view, total, head)
+        else:
+            self._start_large(view, total)
+        return True
 
     def receive_buffer(self) -> memoryview | None:
         """Where the next received bytes should go, if they belong to a large frame in
@@ -846,7 +875,10 @@ class FrameParser:
             return
         while fill + n > len(large):
             self._large_grow()
-        large[fill : fill + n] = data
+        # Through a view: a bytearray's slice assignment from anything but a bytearray
+        # first copies the source into a temporary bytearray.
+        with memoryview(large) as dest:
+            dest[fill : fill + n] = data
         self._large_fill = fill + n
 
     def _large_grow(self) -> None:
@@ -861,7 +893,7 @@ class FrameParser:
         _resize(large, min(total, max(2 * len(part), _LARGE_FRAME)))
         self._large_put(part)
 
-    def _body_head(self, buf: bytearray, pos: int, avail: int) -> int:
+    def _body_head(self, buf: bytearray | memoryview, pos: int, avail: int) -> int:
         """For a large frame starting at ``buf[pos]`` with ``avail`` of its bytes here:
         the length of its part before the body's content if it is to be received in two
         parts (see the class), 0 if not, -1 if that cannot be told yet."""

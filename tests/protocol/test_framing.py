@@ -899,3 +899,50 @@ def test_a_byte_string_body_of_the_wrong_length_is_still_refused() -> None:
     assert not f.large_body
     with pytest.raises(RemoteProtocolError):
         f.body()
+
+
+RECEIVE = 256 * 1024  # what the drivers receive at most at once (RECEIVE_SIZE)
+
+
+@pytest.mark.parametrize("own_bodies", [False, True], ids=["broker", "client"])
+def test_a_receive_that_starts_a_large_frame_is_copied_once(own_bodies: bool) -> None:
+    """The first receive of a large frame, arriving with nothing buffered (as every one
+    does in a stream of large frames: a receive into a frame ends where it does), goes
+    straight into the frame's own buffer (the broker's) or body (a client's): the parser
+    allocates no second buffer of its size on the way, and the frames come out whole."""
+    frames, _ = _stream_with_big_body()
+    big = frames[1]
+    first = memoryview(bytearray(big[:RECEIVE]))
+    junk = b"\xee" * RECEIVE
+    p = FrameParser(own_bodies=own_bodies)
+    p.feed(frames[0])
+    assert [f.body() for f in p.frames()] == ["before"] and p.buffered == 0
+    tracemalloc.start()
+    try:
+        p.feed(first)
+        first[:] = junk  # the next receive overwrites it
+        assert p.frames() == []
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The frame's own buffer (a client's: the body, whole) and nothing else of the size
+    # of the receive: appending it to the buffer of small frames first would add it.
+    own = len(_BIG_BODY) if own_bodies else 2 * RECEIVE
+    assert own <= peak < own + RECEIVE // 2
+    assert p.buffered == RECEIVE
+    pos = RECEIVE
+    while pos < len(big):
+        view = p.receive_buffer()
+        assert view is not None
+        n = min(len(view), RECEIVE)
+        view[:n] = big[pos : pos + n]
+        view.release()
+        p.advance(n)
+        pos += n
+    p.feed(frames[2])
+    [f, after] = p.frames()
+    if own_bodies:
+        _check_own_body(f, big)
+    else:
+        assert bytes(f.raw) == big and f.body() == _BIG_BODY
+    assert after.body() == "after" and p.buffered == 0
