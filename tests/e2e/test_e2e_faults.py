@@ -149,6 +149,34 @@ async def test_stalled_frame_is_dropped(broker_factory, raw_peer) -> None:
         await still_exchanging(left, right)
 
 
+async def test_a_large_frame_sent_slowly_passes_and_one_that_stalls_is_dropped(
+    broker_factory, raw_peer
+) -> None:
+    """--idle-in-frame-timeout bounds the gap between a frame's pieces, not the frame: a
+    1 MiB frame sent in 16 pieces 0.25 s apart (4 s in all, twice the 2 s limit) reaches
+    its receiver whole; the next large frame, stalled after two pieces, gets its sender
+    ERROR protocol-error and EOF; others are unaffected."""
+    b = broker_factory("--idle-in-frame-timeout", "2")
+    body = bytes(range(256)) * 4096
+    async with bystanders(b.path) as (left, right, watcher):
+        async with raw_peer(b.path) as raw:
+            assert (await raw.hello("slow-sender")).type == FrameType.WELCOME
+            frame = raw_frame(FrameType.MESSAGE, target="Right", body=encode_cbor(body))
+            piece = -(-len(frame) // 16)
+            for i in range(0, len(frame), piece):
+                await raw.send_bytes(frame[i : i + piece])
+                await trio.sleep(0.25)
+            msg = await right.receive(timeout=10)
+            assert msg.body == body
+            await raw.send_bytes(frame[: 2 * piece])
+            t0 = trio.current_time()
+            frames = await raw.frames_until_eof(timeout=30)
+            assert 1.5 <= trio.current_time() - t0 < 30.0  # the limit, not the 30 s default
+            assert [f.header().get("code") for f in frames] == ["protocol-error"]
+        assert await disconnect_reason(watcher, raw.lname) == "protocol-error"
+        await still_exchanging(left, right)
+
+
 async def test_max_frame_size_flag(broker_factory) -> None:
     """With --max-frame-size 1048576 a 900 KiB attachment passes; a client sending a 2 MiB
     one is dropped (ConnectionLost; the broker's reason is frame-too-large) and only it."""
