@@ -701,9 +701,17 @@ class AioBus(BusBase):
             ConnectionLost: the broker went away.
         """
         self._check_open()
-        frame = self._s.encode_message(
-            target, body, header=header, attachments=attachments, fds=fds, on_behalf_of=on_behalf_of
-        )
+        if type(body) is bytes and not (header or attachments or fds or on_behalf_of):
+            frame = self._s.encode_bytes_message(target, body)
+        else:
+            frame = self._s.encode_message(
+                target,
+                body,
+                header=header,
+                attachments=attachments,
+                fds=fds,
+                on_behalf_of=on_behalf_of,
+            )
         out = self._out
         if isinstance(frame, bytes):
             out.append(frame)

@@ -447,13 +447,6 @@ class Bus(BusBase):
             # wakes them otherwise) may find nothing left to write.
             self._drained.unpark_all()
 
-    def _queue1(self, frame: bytes) -> None:
-        self._out.append(frame)
-        self._out_bytes += len(frame)
-        if self._writer_parked:
-            self._writer_parked = False
-            self._out_wake.unpark_all()
-
     async def _wait_out(self) -> None:
         s = self._s
         while self._out_bytes > OUT_HIGH_WATER and s.lost is None:
@@ -503,11 +496,24 @@ class Bus(BusBase):
         s = self._s
         if s.lost is not None or self._closed:
             self._check_open()
-        frame = s.encode_message(
-            target, body, header=header, attachments=attachments, fds=fds, on_behalf_of=on_behalf_of
-        )
+        if type(body) is bytes and not (header or attachments or fds or on_behalf_of):
+            frame = s.encode_bytes_message(target, body)
+        else:
+            frame = s.encode_message(
+                target,
+                body,
+                header=header,
+                attachments=attachments,
+                fds=fds,
+                on_behalf_of=on_behalf_of,
+            )
         if type(frame) is bytes:
-            self._queue1(frame)
+            # _queue for one bytes, inline: this runs once per message.
+            self._out.append(frame)
+            self._out_bytes += len(frame)
+            if self._writer_parked:
+                self._writer_parked = False
+                self._out_wake.unpark_all()
         else:
             self._queue(self._count_fds(frame) if fds else frame)  # type: ignore[arg-type]
         if self._out_bytes > OUT_HIGH_WATER:

@@ -634,15 +634,9 @@ class Session:
                     source=self.relay_stamp(on_behalf_of) if on_behalf_of else self.stamp,
                 )
                 return self.attach_fds(pieces, fds) if fds else pieces
-            tb = self._targets.get(target) or self.target(target)
             if type(body) is bytes and not header:
-                no_join = self._no_join
-                if no_join is not None and len(body) >= no_join:
-                    # A large binary body goes out as it is (bytes cannot change under
-                    # us): no CBOR copy, no join; the driver sends both pieces in one
-                    # sendmsg.
-                    return encode_bytes_message(_MESSAGE, tb, body, self.stamp)  # type: ignore[return-value]
-                return encode_small_bytes(_MESSAGE, tb, body, self.stamp)
+                return self.encode_bytes_message(target, body)
+            tb = self._targets.get(target) or self.target(target)
             return encode_simple(
                 _MESSAGE,
                 tb,
@@ -650,6 +644,26 @@ class Session:
                 encode_cbor(header) if header else b"",
                 source=self.stamp,
             )
+        except LocalProtocolError as exc:
+            raise UsageError(f"cannot send to {target!r}: {exc}") from exc
+
+    def encode_bytes_message(self, target: str, body: bytes) -> bytes | list[Buffer]:
+        """:meth:`encode_message` for the commonest message, a ``bytes`` body and nothing
+        else (no header, attachments, descriptors or relaying), called positionally: the
+        drivers' ``send`` takes this way for such a message, saving the general call's
+        keyword arguments and checks (a fifth of a small message's cost to its sender).
+
+        Raises:
+            UsageError: ``target`` is malformed, or the frame would be too large.
+        """
+        try:
+            tb = self._targets.get(target) or self.target(target)
+            no_join = self._no_join
+            if no_join is not None and len(body) >= no_join:
+                # A large binary body goes out as it is (bytes cannot change under us):
+                # no CBOR copy, no join; the driver sends both pieces in one sendmsg.
+                return encode_bytes_message(_MESSAGE, tb, body, self.stamp)  # type: ignore[return-value]
+            return encode_small_bytes(_MESSAGE, tb, body, self.stamp)
         except LocalProtocolError as exc:
             raise UsageError(f"cannot send to {target!r}: {exc}") from exc
 

@@ -654,6 +654,25 @@ async def test_send_many_is_each_message_in_order(sender: str, receiver: str, br
     assert got == bodies
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_bytes_body_to_a_bad_target_is_refused_and_nothing_else_lost(
+    driver: str, broker: Any
+) -> None:
+    """``send`` of a bytes body (each driver's shortest way) to a target too long for a
+    frame is the caller's error (UsageError naming the target), queues nothing, and the
+    bus goes on: the messages before and after it arrive, in order."""
+    async with (
+        open_client(driver, broker.path, "tx") as tx,
+        open_client("trio", broker.path, "rx") as rx,
+    ):
+        await tx.send(rx.lname, b"before")
+        with pytest.raises(UsageError, match="cannot send to 'GGG"):
+            await tx.send("G" * 70_000, b"x")
+        await tx.send(rx.lname, b"after")
+        got = [(await rx.receive(HANG)).body for _ in range(2)]
+    assert got == [b"before", b"after"]
+
+
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client reads on demand
 async def test_a_reader_ahead_of_the_application_holds_a_bounded_count(
     driver: str, broker: Any

@@ -520,6 +520,27 @@ def test_a_batch_of_messages_is_each_message_in_order_small_ones_joined() -> Non
         s.encode_messages("G", [b"ok", object()])
 
 
+def test_a_bytes_body_alone_encodes_as_through_encode_message() -> None:
+    """encode_bytes_message (the drivers' way for a message that is a bytes body and
+    nothing else) makes the frame encode_message makes: small bodies joined into one
+    bytes, a large one kept as its own piece; a target too long is the caller's error."""
+    s = ready("pub")
+    s._no_join = 1024 * 1024
+    for body in (b"", b"x", os.urandom(300), os.urandom(2 * 1024 * 1024)):
+        fast = s.encode_bytes_message("G", body)
+        general = s.encode_message("G", body)
+        assert type(fast) is type(general)
+        if isinstance(fast, bytes):
+            assert fast == general
+        else:
+            assert isinstance(general, list)
+            assert [bytes(p) for p in fast] == [bytes(p) for p in general]
+            assert any(p is body for p in fast)  # not copied
+    for encode in (s.encode_bytes_message, s.encode_message):
+        with pytest.raises(UsageError, match="cannot send to"):
+            encode("G" * 70_000, b"x")
+
+
 def test_never_suspends_tells_an_async_function_without_await() -> None:
     """Only a coroutine whose code has no await, async with or async for counts; a plain
     value, a coroutine that awaits (also in a branch never taken) does not."""
