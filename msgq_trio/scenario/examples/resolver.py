@@ -1,9 +1,12 @@
 """A resolver of the example DNS system, on the blocking client: ``python -m
 msgq_trio.scenario.examples.resolver N [--rate R] [--timeout S]``.
 
-Asks any ``Auth`` member (``Auth[?]``) N queries at R per second, each with a deadline
-of S seconds; records each ``call`` with its outcome (``fail`` with the error code, e.g.
-``recipient-gone`` when the member it reached crashed). Exits 0 after N.
+Waits until ``Auth`` has a member (the runner starts every program at once: a query
+before any server joined would fail with ``no-recipient``, a startup race and not the
+fault under test), prints ``ready``, then asks any ``Auth`` member (``Auth[?]``) N
+queries at R per second, each with a deadline of S seconds; records each ``call`` with
+its outcome (``fail`` with the error code, e.g. ``recipient-gone`` when the member it
+reached crashed). Exits 0 after N.
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ from msgq_trio import sync
 from msgq_trio.errors import RpcError
 
 from ._history import History
+from ._members import STARTUP_TIMEOUT
 
 
 def main(n: int, rate: float, timeout: float) -> None:
     h = History()
     with sync.connect(name="resolver") as bus:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not bus.members("Auth"):  # polled, as wait_for_members does
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no Auth member within {STARTUP_TIMEOUT} s")
+            time.sleep(0.05)
         print("ready", flush=True)
         for i in range(n):
             op = h.invoke("call", key=f"q{i}")
