@@ -52,9 +52,10 @@ def check_busy_poll(value: float) -> float:
 class CallPoller:
     """Whether the next lone call polls for its answer, and for how long (``window``).
 
-    The window opens (to ``limit``) once enough answers in a row came within ``limit``
-    of their request while the caller slept (two at first: polling would have caught
-    them). A poll that catches its answer keeps it open; one that misses closes it, and
+    The window opens (to ``limit``) once enough answers in a row came within twice
+    ``limit`` of their request while the caller slept (two at first: polling would
+    likely have caught them, as the sleeping caller's own wake-up is part of the
+    delay). A poll that catches its answer keeps it open; one that misses closes it, and
     doubles the number of such answers needed to open it again (up to 64; back to two
     after a catch). So a client polls while its calls are answered back to back within
     the limit, and one whose answers come later, or cannot come while it polls (the
@@ -89,7 +90,15 @@ class CallPoller:
             self.window = 0.0
             self._need = min(2 * self._need, _MAX_NEED)
             self._short = 0
-        elif delay > self.limit:
+        elif delay > 2 * self.limit:
+            # Later than polling could have caught: a slept call's delay includes its
+            # own wake-up from the event loop's wait (tens of microseconds on a quiet
+            # small VM, as much as the limit on a busy host), so up to twice the limit
+            # still counts as short. Judged by the limit alone, a caller whose answers
+            # came just over it because it slept would never poll again: stuck at the
+            # sleeping round trip for good (twice the polling one, seen on a busy 2-CPU
+            # host). A window opened for answers truly later than the limit misses
+            # and closes at its first poll (see MISSED).
             self.window = 0.0
             self._short = 0
         elif not self.window:

@@ -43,15 +43,37 @@ def test_the_window_opens_after_two_answers_within_the_limit() -> None:
 
 
 def test_a_late_answer_closes_the_window_and_breaks_the_run() -> None:
+    """Late is more than twice the limit for a caller that slept (its own wake-up is part
+    of the delay)."""
     p = CallPoller(LIMIT, cpus=2)
     p.answered(LIMIT / 2, Poll.SLEPT)
-    p.answered(LIMIT * 2, Poll.SLEPT)  # late: the run of short answers starts over
+    p.answered(LIMIT * 2.1, Poll.SLEPT)  # late: the run of short answers starts over
     p.answered(LIMIT / 2, Poll.SLEPT)
     assert p.window == 0.0
     p.answered(LIMIT / 2, Poll.SLEPT)
     assert p.window == LIMIT
-    p.answered(LIMIT * 2, Poll.SLEPT)  # a call that could not poll, answered late
+    p.answered(LIMIT * 2.1, Poll.SLEPT)  # a call that could not poll, answered late
     assert p.window == 0.0
+
+
+def test_a_caller_that_slept_past_the_limit_polls_again() -> None:
+    """After a miss, answers that came a little over the limit while the caller slept
+    (its wake-up from the loop's wait included: on a busy host that alone is about the
+    limit) reopen the window, so one bad stretch does not leave the caller sleeping for
+    good; up to twice the limit counts, beyond it does not."""
+    p = CallPoller(LIMIT, cpus=2)
+    p.answered(LIMIT / 2, Poll.SLEPT)
+    p.answered(LIMIT / 2, Poll.SLEPT)
+    p.answered(LIMIT * 1.5, Poll.MISSED)  # a bad stretch: now four are needed
+    assert p.window == 0.0
+    for _ in range(3):
+        p.answered(LIMIT * 1.9, Poll.SLEPT)
+        assert p.window == 0.0
+    p.answered(LIMIT * 1.9, Poll.SLEPT)
+    assert p.window == LIMIT
+    p.answered(LIMIT / 2, Poll.CAUGHT)
+    p.answered(LIMIT * 1.9, Poll.SLEPT)  # a call that could not poll: the window stays
+    assert p.window == LIMIT
 
 
 def test_a_caught_answer_keeps_the_window_and_is_counted() -> None:
