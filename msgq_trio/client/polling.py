@@ -92,13 +92,12 @@ class CallPoller:
             self._short = 0
         elif delay > 2 * self.limit:
             # Later than polling could have caught: a slept call's delay includes its
-            # own wake-up from the event loop's wait (tens of microseconds on a quiet
-            # small VM, as much as the limit on a busy host), so up to twice the limit
-            # still counts as short. Judged by the limit alone, a caller whose answers
-            # came just over it because it slept would never poll again: stuck at the
-            # sleeping round trip for good (twice the polling one, seen on a busy 2-CPU
-            # host). A window opened for answers truly later than the limit misses
-            # and closes at its first poll (see MISSED).
+            # own wake-up from the event loop's wait (on a busy host about as long as
+            # the limit), so up to twice the limit still counts as short. Judged by
+            # the limit alone, a caller whose answers came just over it because it
+            # slept would never poll again: stuck at the slower sleeping round trip for
+            # good. A window opened for answers truly later than the limit misses and
+            # closes at its first poll (see MISSED).
             self.window = 0.0
             self._short = 0
         elif not self.window:

@@ -651,7 +651,7 @@ class Session:
         """:meth:`encode_message` for the commonest message, a ``bytes`` body and nothing
         else (no header, attachments, descriptors or relaying), called positionally: the
         drivers' ``send`` takes this way for such a message, saving the general call's
-        keyword arguments and checks (a fifth of a small message's cost to its sender).
+        keyword arguments and checks on the path every small message takes.
 
         Raises:
             UsageError: ``target`` is malformed, or the frame would be too large.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 import msgq_trio
+from msgq_trio import sync
 
 #: How long a program waits for the members it needs.
 STARTUP_TIMEOUT = 30.0
@@ -22,3 +25,16 @@ async def wait_for_members(bus: msgq_trio.Bus, group: str, n: int) -> None:
             if len(await bus.members(group)) >= n:
                 return
             await trio.sleep(0.05)
+
+
+def wait_for_members_blocking(bus: sync.SyncBus, group: str, n: int) -> None:
+    """:func:`wait_for_members` for a program on the blocking client.
+
+    Raises:
+        TimeoutError: not within :data:`STARTUP_TIMEOUT`.
+    """
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while len(bus.members(group)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{group} had no {n} members within {STARTUP_TIMEOUT} s")
+        time.sleep(0.05)

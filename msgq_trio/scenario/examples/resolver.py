@@ -18,17 +18,13 @@ from msgq_trio import sync
 from msgq_trio.errors import RpcError
 
 from ._history import History
-from ._members import STARTUP_TIMEOUT
+from ._members import wait_for_members_blocking
 
 
 def main(n: int, rate: float, timeout: float) -> None:
     h = History()
     with sync.connect(name="resolver") as bus:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not bus.members("Auth"):  # polled, as wait_for_members does
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no Auth member within {STARTUP_TIMEOUT} s")
-            time.sleep(0.05)
+        wait_for_members_blocking(bus, "Auth", 1)
         print("ready", flush=True)
         for i in range(n):
             op = h.invoke("call", key=f"q{i}")
