@@ -30,6 +30,11 @@ def _non_negative_number(_inst: object, attr: attrs.Attribute[Any], value: Any) 
         raise ValueError(f"{attr.name} must be a number >= 0, got {value!r}")
 
 
+#: The smallest non-zero ``splice_min_size``: above what the broker's writer sends straight
+#: to a socket without its task (256 KiB, io/connection.py), which knows nothing of pipes.
+SPLICE_MIN_SIZE_FLOOR = 512 * 1024
+
+
 @attrs.frozen
 class Limits:
     """Bounds the broker enforces. Each is checked before memory is spent.
@@ -92,6 +97,22 @@ class Limits:
       off; off anyway where the broker may run on one CPU only. The default is the
       smallest limit that opens for a round trip's reads as a sleeping broker sees them
       (the same section).
+    * ``splice_min_size`` 1 MiB: a one-way MESSAGE or NOTIFY of which at least this many
+      bytes are still to come once its head has arrived (and that has no descriptors or
+      blobs) is moved through the broker with ``splice(2)``: its rest goes from the
+      sender's socket into pipes and, once all of it is there, from the pipes into the
+      receiver's socket, with no copy into the broker and out again (its two kernel
+      copies were the largest part of the broker's CPU per 4 MiB message; BENCHMARKS.md,
+      "Large frames spliced through the broker"). Below 1 MiB a frame needs too few
+      pipes' worth to repay them. A frame that goes to several receivers, to a TCP one or
+      into a capture is read back into memory once (one copy, as without splicing).
+      0 turns it off; the floor is 512 KiB, above the size the broker writes straight
+      to a socket.
+    * ``splice_max_pipes`` 64: the pipes (about 1 MiB each, two descriptors each) the
+      broker holds at once for frames in flight, so 64 MiB of kernel memory and 128
+      descriptors at most; a frame that finds none free takes the copying path (no
+      message is refused for it). Also falls back when the user's pipe quota
+      (``fs.pipe-user-pages-soft``) or descriptor limit is reached.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -110,6 +131,8 @@ class Limits:
     socket_send_buffer: int = attrs.field(default=1 * MiB, validator=_non_negative)
 
     busy_poll: float = attrs.field(default=0.0002, validator=_non_negative_number)
+    splice_min_size: int = attrs.field(default=1 * MiB, validator=_non_negative)
+    splice_max_pipes: int = attrs.field(default=64, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:
@@ -121,6 +144,11 @@ class Limits:
             )
         if self.out_soft_limit > self.out_hard_limit:
             raise ValueError("out_soft_limit must not exceed out_hard_limit")
+        if 0 < self.splice_min_size < SPLICE_MIN_SIZE_FLOOR:
+            raise ValueError(
+                f"splice_min_size must be 0 (off) or at least {SPLICE_MIN_SIZE_FLOOR}, "
+                f"got {self.splice_min_size}"
+            )
         if self.busy_poll > 1:
             # More is a misconfiguration: a core burnt for a second after every read.
             raise ValueError(f"busy_poll must be at most 1 s, got {self.busy_poll!r}")

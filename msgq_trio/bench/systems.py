@@ -17,6 +17,9 @@
   which it does by default) and the trio clients with ``connect(busy_poll=0)`` (no
   polling for answers; the direct client never polls); the goal table shows them in
   rows of their own, beside the default configuration's;
+* ``msgq_trio-no-splice``: the trio clients on the 4 MiB workload, the broker started
+  with ``--splice-min-size 0``, so large frames are copied into the broker and out
+  again instead of spliced through pipes (``limits.splice_min_size``, on by default);
 * ``raw-unix`` (ceiling): no broker; clients talk process to process;
 * ``py-relay`` (ceiling): the minimal Python relay of :mod:`msgq_trio.bench.relay`;
 * ``nats``: ``nats-server`` on a free loopback port (NATS has no Unix socket listener),
@@ -368,6 +371,16 @@ SYSTEMS: dict[str, System] = {
             only=_CALLS_ONLY,
             not_run="not run: busy polling matters for calls",
         ),
+        # limits.splice_min_size off: the 4 MiB column only, beside the default (on).
+        System(
+            "msgq_trio-no-splice",
+            SUBJECT,
+            "worker_msgq",
+            "msgq_trio broker with --splice-min-size 0 (large frames copied through)",
+            functools.partial(_start_msgq, serve_args=("--splice-min-size", "0")),
+            only=("large",),
+            not_run="not run: splicing matters for large messages",
+        ),
         # Over TCP the small-message columns only (issue 11 asks one-way and round trip):
         # 4 MiB over TLS alone would take 45 s of the 10-minute run.
         System(
@@ -454,6 +467,7 @@ DEFAULT_SYSTEMS = [
     "msgq_trio-direct",
     "msgq_trio-no-busy-poll",
     "msgq_trio-direct-no-busy-poll",
+    "msgq_trio-no-splice",
     "raw-unix",
     "py-relay",
 ]

@@ -64,6 +64,19 @@ class CommandError(Exception):
         self.data = data
 
 
+def _one_local(recipients: Iterable[Peer], skip: Peer | None) -> bool:
+    """At most one receiver in ``recipients`` (but ``skip`` and leaving ones), and not
+    over TCP: the one that may take a spliced frame's pipes."""
+    one = False
+    for r in recipients:
+        if r is skip or r.sealed:
+            continue
+        if one or r.remote:
+            return False
+        one = True
+    return True
+
+
 def _size(pieces: list[Buffer]) -> int:
     n = 0
     for p in pieces:
@@ -340,7 +353,9 @@ class Broker:
     def _handle(self, peer: Peer, frame: Frame, now: float) -> bool:
         ftype = frame.type
         peer.msgs_in += 1
-        peer.bytes_in += len(frame.raw)
+        peer.bytes_in += frame.wire_size
+        if frame.spliced is not None and self.tap is not None:
+            frame.spliced.materialize()  # a capture records the body: bring it in once
         n = 0
         if ftype == _MESSAGE or ftype == _NOTIFY:
             kind, base, _ = self.router.parse_target(frame.target)
@@ -374,7 +389,7 @@ class Broker:
             n = self._deliver_oneway(peer, frame)
             if n < 0:
                 peer.msgs_in -= 1  # counted when it is handed in again
-                peer.bytes_in -= len(frame.raw)
+                peer.bytes_in -= frame.wire_size
                 return False
             outcome = "delivered" if n else "no-recipient"
         elif ftype == _REQUEST:
@@ -454,6 +469,7 @@ class Broker:
             if (
                 frame.type != _MESSAGE
                 or frame.n_fds
+                or frame.spliced is not None  # (rare per byte: the general path sizes it)
                 or parse(frame.target)[0] != GROUP
                 or (bindings and frame.target in bindings)
                 or (acl is not None and not acl.allowed(SEND, frame.target))
@@ -533,10 +549,13 @@ class Broker:
         self._close_frames_fds(frames)
 
     def _close_frames_fds(self, frames: list[Frame | Run]) -> None:
-        """Close the descriptors of frames that will not be handled (peer dropped)."""
+        """Close the descriptors of frames that will not be handled (peer dropped), and
+        release the spliced rest of any."""
         for f in frames:
             for fd in f.fds:
                 self._close_fd(fd)
+            if f.spliced is not None:
+                f.spliced.close()
 
     def _deliver_oneway(self, peer: Peer, frame: Frame) -> int:
         router = self.router
@@ -641,6 +660,11 @@ class Broker:
         source = peer.stamp
         if self.bindings and frame.source != source:
             source = self._relayed(peer, frame)
+        spliced = frame.spliced
+        if spliced is not None and not _one_local(recipients, skip):
+            # Pipes can be written to one socket only: several receivers (or one over
+            # TCP) share the bytes instead, read back once.
+            spliced.materialize()
         if hold:
             # One cheap pass first, so that a held frame is delivered to nobody rather
             # than to some members twice.
@@ -685,6 +709,8 @@ class Broker:
                 self.blocked.add(r)
         if not n:
             self.stats["no_recipient"] += 1
+        elif spliced is not None:
+            spliced.taken = True  # its receiver's queue owns it now
         if over:
             for r in over:
                 self.kick(

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from .access import Access
 
 Buffer = bytes | bytearray | memoryview
+#: Buffer types that hold nothing but bytes; anything else queued is a spliced rest
+#: (``protocol.framing.SplicedRest``), whose pipes a dropped queue must release.
+_PLAIN = frozenset({bytes, bytearray, memoryview})
 
 
 class Peer:
@@ -122,10 +125,12 @@ class Peer:
         Descriptors of a batch already taken are not among them: their taker closes them.
         """
         fds: list[int] = []
-        if self.outq_fds:
-            for b in self.outq:
-                if type(b) is FdBuffer:
-                    fds.extend(b.fds)
+        for b in self.outq:
+            t = type(b)
+            if t is FdBuffer:
+                fds.extend(b.fds)  # type: ignore[union-attr]
+            elif t not in _PLAIN:
+                b.close()  # type: ignore[union-attr]  # a spliced rest: its pipes
         self.outq.clear()
         self.outq_bytes = 0
         self.outq_fds = 0

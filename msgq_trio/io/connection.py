@@ -24,7 +24,8 @@ from ..core.peers import Peer
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, connection_error_frame
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame, Run, encode_cbor, encode_frame
+from ..protocol.framing import Frame, Run, SplicedRest, encode_cbor, encode_frame
+from ..transport import splice
 from ..transport.errors import translate_socket_errors
 from ..transport.sockets import (
     SocketReceiver,
@@ -227,6 +228,11 @@ class PeerConnection:
         conn, peer, core = self.conn, self.peer, srv.core
         handle_many = core.handle_many
         idle_in_frame = srv.limits.idle_in_frame_timeout
+        # Large frames from a Unix socket client may be spliced (transport/splice.py).
+        can_splice = splice.AVAILABLE and self.fd >= 0 and not peer.remote
+        # The spliced rest of the frame being handled: released here unless a receiver's
+        # queue took it (Broker._deliver) or the frame is still held.
+        rest: SplicedRest | None = None
         # Frames pipelined right behind HELLO are already buffered: the first pass
         # handles them before waiting for more data.
         received = False
@@ -253,6 +259,17 @@ class PeerConnection:
                             peer.describe(),
                         )
                     return False
+                if can_splice and conn.in_large_frame:
+                    min_rest = srv.limits.splice_min_size
+                    want = conn.splice_rest(min_rest) if min_rest else 0
+                    if want:
+                        more, rest = await self._splice_rest(want)
+                        if not more:
+                            log.info(
+                                "client %s closed the connection in the middle of a frame",
+                                peer.describe(),
+                            )
+                            return False
             received = True
             now = trio.current_time()
             if not poller.polling and poller.limit:
@@ -295,6 +312,10 @@ class PeerConnection:
                 if tail:
                     return last is not EOF
             finally:
+                if rest is not None:
+                    if not rest.taken:
+                        rest.close()  # delivered to nobody, refused, or the sender failed
+                    rest = None
                 srv.after_core()
             if conn.error_pending:
                 conn.events()  # raises the protocol error that followed the valid frames
@@ -306,6 +327,67 @@ class PeerConnection:
                     return await self._discard_unread(receive, [])
                 finally:
                     self.paused = False
+
+    async def _splice_rest(self, want: int) -> tuple[bool, SplicedRest | None]:
+        """Move the ``want`` bytes still to come of the large frame in progress from the
+        client's socket into pipes (``Connection.splice_rest`` announced them), then hand
+        them to the connection, which completes the frame. Returns (False, None) at EOF
+        (the connection knows it), else (True, what holds the rest: a
+        :class:`~msgq_trio.transport.splice.PipeTail`, or None if it is to come the
+        ordinary way).
+
+        Where no pipe can be had, what was spliced is read back and the rest is received
+        as usual (``Connection.unsplice``). ``idle_in_frame_timeout`` bounds each wait, as
+        for a receive. The pipes are closed on any error or cancellation.
+
+        Raises:
+            RemoteProtocolError: the client stalled in the middle of the frame.
+            trio.BrokenResourceError: the socket failed.
+        """
+        srv, conn = self.server, self.conn
+        stream = self.stream
+        assert isinstance(stream, trio.SocketStream)  # (fd >= 0: not TLS)
+        sock = stream.socket
+        fd, poller = self.fd, srv.busy_poll
+        idle = srv.limits.idle_in_frame_timeout
+        tail = splice.PipeTail(srv.pipe_budget)
+        handed = False
+        try:
+            left = want
+            while left:
+                try:
+                    n = tail.fill_from(fd, min(left, splice.PIPE_SIZE))
+                except BlockingIOError:
+                    with trio.move_on_after(idle):
+                        await trio.lowlevel.wait_readable(sock)
+                        continue
+                    raise RemoteProtocolError(
+                        f"stalled in the middle of a frame for {idle} s (idle_in_frame_timeout)",
+                        ErrorCode.PROTOCOL_ERROR,
+                    ) from None
+                except splice.SpliceUnavailable:
+                    tail.materialize()
+                    assert tail.data is not None
+                    conn.unsplice(tail.data)
+                    srv.splice_fallbacks += 1
+                    return True, None
+                if not n:
+                    conn.unsplice(b"")
+                    conn.receive_data(b"")
+                    return False, None
+                left -= n
+                now = trio.current_time()
+                if not poller.polling and poller.limit:
+                    poller.adapt(now)
+                poller.last_read = now
+                await trio.lowlevel.checkpoint()
+            conn.complete_spliced(tail)
+            handed = True
+            srv.spliced_frames += 1
+            return True, tail
+        finally:
+            if not handed:
+                tail.close()
 
     async def _discard_unread(
         self,

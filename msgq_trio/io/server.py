@@ -38,6 +38,7 @@ from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import encode_cbor, encode_frame
 from ..transport.errors import translate_socket_errors
 from ..transport.sockets import close_fds, set_send_buffer
+from ..transport.splice import PipeBudget
 from .connection import PeerConnection, linger, read_hello, send_final
 from .housekeeping import (
     BusyPoller,
@@ -120,6 +121,12 @@ class Server:
         self._timer = DeadlineTimer()
         #: limits.busy_poll: the polling task and its state (read by every reader).
         self.busy_poll = BusyPoller(self.limits.busy_poll)
+        #: Pipes held for large frames in flight (limits.splice_max_pipes).
+        self.pipe_budget = PipeBudget(self.limits.splice_max_pipes)
+        #: Large frames spliced through, and those that fell back to copying for want of
+        #: a pipe (stats).
+        self.spliced_frames = 0
+        self.splice_fallbacks = 0
         self._listener: trio.SocketListener | None = None
         self._shutting_down = False
         self._handlers: trio.Nursery | None = None
@@ -234,6 +241,7 @@ class Server:
         self.limits = limits
         self.core.limits = limits
         self.busy_poll.set_limit(limits.busy_poll)
+        self.pipe_budget.limit = limits.splice_max_pipes
 
     def apply_tcp(self, tcp: TcpSettings) -> None:
         """New tokens and heartbeat settings (listeners and TLS files stay until restart):
@@ -273,6 +281,9 @@ class Server:
             "uptime": trio.current_time() - self.started_at,
             "busy_poll_passes": self.busy_poll.passes,
             "busy_poll_window": self.busy_poll.window,
+            "spliced_frames": self.spliced_frames,
+            "splice_fallbacks": self.splice_fallbacks,
+            "splice_pipes": self.pipe_budget.held,
             "counters": dict(core.stats),
         }
 

@@ -688,6 +688,8 @@ class TapHub:
                 body = None
                 if self._want_body:
                     body = bytes(raw[tail + hlen : tail + hlen + frame.body_len])
+                    if frame.spliced is not None:  # (materialized by the core for the tap)
+                        body += frame.spliced.data or b""
                 item = Captured(
                     time.time(),
                     kind,
@@ -700,7 +702,7 @@ class TapHub:
                     # int(): the core passes a bool for an answer it forwarded, and the
                     # fast encoder would write it as Python's True (not JSON)
                     frame.request_id,
-                    len(raw),
+                    frame.wire_size,
                     outcome,
                     int(recipients),
                     bytes(raw[tail : tail + hlen]) if hlen else b"",

@@ -551,6 +551,25 @@ class Operations:
             server.busy_polls,
         )
         e.family(
+            "msgq_spliced_frames",
+            "counter",
+            "Large frames moved through the broker with splice (limits.splice_min_size).",
+            server.spliced_frames,
+        )
+        e.family(
+            "msgq_splice_fallbacks",
+            "counter",
+            "Large frames that took the copying path for want of a pipe "
+            "(limits.splice_max_pipes, the pipe quota or the descriptor limit).",
+            server.splice_fallbacks,
+        )
+        e.family(
+            "msgq_splice_pipes",
+            "gauge",
+            "Pipes the broker holds for spliced frames in flight.",
+            server.pipe_budget.held,
+        )
+        e.family(
             "msgq_capture_active",
             "gauge",
             "1 while a capture writes to files.",

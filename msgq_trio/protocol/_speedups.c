@@ -28,12 +28,12 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 3
+#define SPEEDUPS_API 4
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
 #define SEEN_FDS (1ULL << 32)
-#define FRAME_FIELDS 13
+#define FRAME_FIELDS 14
 
 static PyTypeObject *frame_type = NULL; /* framing.Frame (a tuple subclass) */
 static PyObject *run_type = NULL;       /* framing.Run */
@@ -203,6 +203,7 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
     items[10] = PyLong_FromSsize_t(PREFIX_SIZE + tlen + slen);
     items[11] = Py_NewRef(empty_tuple);
     items[12] = Py_NewRef(empty_bytes); /* large_body: only a client's large frames */
+    items[13] = Py_NewRef(Py_None);     /* spliced: only the broker's large frames */
     PyObject *frame = NULL;
     for (int i = 0; i < FRAME_FIELDS; i++)
         if (items[i] == NULL)

@@ -30,6 +30,7 @@ from .framing import (
     Frame,
     FrameParser,
     Run,
+    SplicedRest,
     encode_cbor,
     encode_frame,
 )
@@ -145,6 +146,27 @@ class Connection:
         """True while a frame has started arriving and is not complete."""
         return self._parser.in_frame
 
+    @property
+    def in_large_frame(self) -> bool:
+        """True while a large frame has started arriving and is not complete."""
+        return self._parser.in_large_frame
+
+    def splice_rest(self, min_rest: int) -> int:
+        """See :meth:`FrameParser.splice_rest` (0 after an error or EOF)."""
+        if self.state is State.ERROR or self._eof or self._pending_error is not None:
+            return 0
+        return self._parser.splice_rest(min_rest)
+
+    def complete_spliced(self, rest: SplicedRest) -> None:
+        """See :meth:`FrameParser.complete_spliced`: the rest's bytes count as received."""
+        self._parser.complete_spliced(rest)
+        self._rx_offset += len(rest)
+
+    def unsplice(self, data: bytes | bytearray | memoryview) -> None:
+        """See :meth:`FrameParser.unsplice`: ``data`` counts as received."""
+        self._parser.unsplice(data)
+        self._rx_offset += len(data)
+
     # -- receiving ------------------------------------------------------------------------
     def receive_data(self, data: bytes | bytearray | memoryview, fds: Sequence[int] = ()) -> None:
         """Feed bytes from the peer; ``b""`` means the peer closed its side (EOF).
@@ -219,12 +241,12 @@ class Connection:
         """
         start = self._rx_offset - self._parser.buffered
         for f in frames:
-            start -= len(f.raw) + len(f.large_body)
+            start -= f.wire_size
         out: list[Frame] = []
         try:
             for f in frames:
                 out.append(self._attach_fds(f, start))
-                start += len(f.raw) + len(f.large_body)
+                start += f.wire_size
             self._check_leftover_fds(start)
         except RemoteProtocolError:
             # None of these frames will be handled: their descriptors are orphans too.

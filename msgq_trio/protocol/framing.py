@@ -27,7 +27,7 @@ import io
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, NoReturn, TypeVar
+from typing import NamedTuple, NoReturn, Protocol, TypeVar
 
 import cbor2
 
@@ -164,6 +164,36 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 _header_cache: dict[bytes, dict[str, object]] = {}
 
 
+#: The frame types whose large bodies the broker may splice: one-way, routed on the head.
+_SPLICE_TYPES = frozenset({FrameType.MESSAGE, FrameType.NOTIFY})
+
+
+class SplicedRest(Protocol):
+    """The rest of a large frame that the broker's I/O layer holds outside the process
+    (``transport/splice.PipeTail``). The protocol and the core only size, route and
+    release it; they never read it."""
+
+    #: Set by the core once a receiver's queue holds it: its owner is that queue then.
+    taken: bool
+    #: The bytes once :meth:`materialize` brought them in, else None.
+    data: bytes | None
+
+    def __len__(self) -> int: ...
+
+    def piece(self) -> object:
+        """What goes into a receiver's outgoing queue for it."""
+        ...
+
+    def materialize(self) -> None:
+        """Bring the bytes into memory: :meth:`piece` then returns ``bytes``, which
+        any number of receivers may share (one receiver only, before)."""
+        ...
+
+    def close(self) -> None:
+        """Release what it holds (idempotent)."""
+        ...
+
+
 class Frame(NamedTuple):
     """One parsed frame. Value type: never mutate ``raw``.
 
@@ -193,6 +223,15 @@ class Frame(NamedTuple):
     #: The body's payload (a CBOR byte string's content) when the parser received it
     #: into its own ``bytes``; empty otherwise. :meth:`body` returns it as it is.
     large_body: bytes = b""
+    #: The broker's large frames only: the frame's last bytes, held outside the process
+    #: (spliced into pipes, see :class:`SplicedRest`); ``raw`` ends where they start.
+    spliced: SplicedRest | None = None
+
+    @property
+    def wire_size(self) -> int:
+        """The frame's size on the wire (prefix included)."""
+        n = len(self.raw) + len(self.large_body)
+        return n + len(self.spliced) if self.spliced is not None else n
 
     @property
     def header_bytes(self) -> memoryview:
@@ -310,6 +349,7 @@ class Run:
     n_fds = 0
     fds: tuple[int, ...] = ()
     large_body = b""
+    spliced = None
 
     def __init__(self, target: str, raw: bytes, count: int) -> None:
         self.target = target
@@ -318,6 +358,11 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<Run to {self.target!r}: {self.count} frames, {len(self.raw)} bytes>"
+
+    @property
+    def wire_size(self) -> int:
+        """The run's size on the wire."""
+        return len(self.raw)
 
     def frames(self) -> list[Frame]:
         """The run as one :class:`Frame` per message (its frames were checked already)."""
@@ -556,6 +601,9 @@ def encode_bytes_message(
 def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
     """The frame as it must be forwarded with sender ``source``: ``frame.raw`` itself when
     the sender already wrote that source (no copy), else :func:`restamp`."""
+    if frame.spliced is not None:
+        # The rest stays where it is: the head goes first, then the rest's piece.
+        return [*restamp(frame, source), frame.spliced.piece()]  # type: ignore[list-item]
     if frame.source == source:
         raw = frame.raw
         if len(raw) < _LARGE_FRAME:
@@ -569,12 +617,15 @@ def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]
     """The same frame with its source section replaced by ``source``.
 
     Only the 32-byte prefix is rebuilt; target and tail are shared with ``frame.raw``.
+    A spliced frame's rest (``frame.spliced``) is not among the pieces: it follows them.
     """
     raw = frame.raw
     tail_start = frame.tail
     target_end = PREFIX_SIZE + (tail_start - PREFIX_SIZE - len(frame.source))
     tail_len = len(raw) - tail_start
     length = _FIXED_AFTER_LENGTH + (target_end - PREFIX_SIZE) + len(source) + tail_len
+    if frame.spliced is not None:
+        length += len(frame.spliced)
     head = PREFIX.pack(
         length,
         frame.type,
@@ -682,6 +733,7 @@ def _scan_loop_py(
                         tend + slen,
                         (),
                         b"",
+                        None,
                     ),
                 )
             )
@@ -721,6 +773,8 @@ class FrameParser:
         "_large_lent",
         "_large_total",
         "_pos",
+        "_spliced",
+        "_splicing",
         "max_frame_size",
         "own_bodies",
         "returned_bytes",
@@ -748,6 +802,11 @@ class FrameParser:
         # (_large_fill counts both parts).
         self._body: bytes | None = None
         self._body_view: memoryview | None = None
+        # The broker's splice of a large frame's rest (splice_rest): the bytes expected
+        # outside the parser (-1: not for this frame, it fell back to unsplice), then what
+        # holds them once they are all there.
+        self._splicing = 0
+        self._spliced: SplicedRest | None = None
         #: What the last :meth:`frames` / :meth:`frames_and_runs` returned: bit ``1 << t``
         #: for each frame type ``t`` among them, plus :data:`SEEN_FDS` if any frame declares
         #: descriptors. Lets the connection's state check skip a per-frame loop.
@@ -777,9 +836,82 @@ class FrameParser:
         """True while part of a frame has arrived and the rest has not."""
         return self.buffered > 0
 
+    @property
+    def in_large_frame(self) -> bool:
+        """True while a large frame (one assembled in a buffer of its own) has started
+        arriving and is not complete."""
+        return self._large is not None
+
+    def splice_rest(self, min_rest: int) -> int:
+        """The broker's zero-copy path: if the rest of the large frame in progress may
+        arrive outside the parser, how many bytes it is (then the parser expects
+        :meth:`complete_spliced` or :meth:`unsplice`); 0 if not (receive as usual).
+
+        Only a MESSAGE or NOTIFY with no blobs and no descriptors, whose prefix, target,
+        source and header have arrived and are valid, and whose rest is at least
+        ``min_rest`` bytes: the broker routes such a frame on its head alone and never
+        reads its body. The checks :meth:`next_frame` makes on the whole frame are made
+        here, so the frame, once complete, cannot be refused with its rest outside.
+        """
+        large = self._large
+        if (
+            large is None
+            or self._splicing
+            or self._large_lent
+            or self._body_view is not None
+            or self._error is not None
+        ):
+            return 0
+        fill = self._large_fill
+        rest = self._large_total - fill
+        if rest < max(min_rest, 1) or fill < PREFIX_SIZE:
+            return 0
+        (length, ftype, _f, tlen, slen, nblobs, nfds, reserved, _rid, hlen, blen) = (
+            PREFIX.unpack_from(large, 0)
+        )
+        if ftype not in _SPLICE_TYPES or nblobs or nfds or reserved:
+            return 0
+        head = PREFIX_SIZE + tlen + slen + hlen
+        if fill < head or _FIXED_AFTER_LENGTH + tlen + slen + hlen + blen != length:
+            return 0
+        try:
+            bytes(large[PREFIX_SIZE : PREFIX_SIZE + tlen]).decode()
+        except UnicodeDecodeError:
+            return 0
+        self._splicing = rest
+        return rest
+
+    def complete_spliced(self, rest: SplicedRest) -> None:
+        """All of the rest :meth:`splice_rest` announced is in ``rest``: the frame is
+        complete (:meth:`next_frame` returns it with ``Frame.spliced = rest``).
+
+        Raises:
+            LocalProtocolError: no splice was announced, or ``rest`` has another size.
+        """
+        if self._splicing <= 0 or len(rest) != self._splicing:
+            raise LocalProtocolError("complete_spliced() does not match splice_rest()")
+        self._splicing = 0
+        self._spliced = rest
+        self._large_total = self._large_fill
+
+    def unsplice(self, data: bytes | bytearray | memoryview) -> None:
+        """The announced rest will not be spliced after all: ``data`` is the part of it
+        that was (possibly empty); the rest arrives as usual.
+
+        Raises:
+            LocalProtocolError: no splice was announced, or ``data`` is too long.
+        """
+        if self._splicing <= 0 or len(data) > self._splicing:
+            raise LocalProtocolError("unsplice() does not match splice_rest()")
+        self._splicing = -1  # the rest of this frame comes the ordinary way
+        if data:
+            self._large_put(data)
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes (copied: ``data`` may be reused by the caller at once).
         ``b""`` (EOF) is not special here: the caller handles EOF."""
+        if self._splicing > 0:
+            raise LocalProtocolError("bytes fed while a frame's rest is being spliced")
         if self._large is not None:
             need = self._large_total - self._large_fill
             if need >= len(data):
@@ -833,7 +965,12 @@ class FrameParser:
         makes: the kernel writes the frame's bytes in place.
         """
         large = self._large
-        if large is None or self._error is not None or self._large_fill == self._large_total:
+        if (
+            large is None
+            or self._error is not None
+            or self._large_fill == self._large_total
+            or self._splicing > 0
+        ):
             return None  # (a complete frame waits to be taken: never lend an empty view)
         if self._large_lent:
             raise LocalProtocolError("receive_buffer() called twice without advance()")
@@ -938,7 +1075,14 @@ class FrameParser:
             if self._large_fill < self._large_total:
                 return None
             self._large = None
+            fill = self._large_fill
             self._large_total = self._large_fill = 0
+            self._splicing = 0
+            spliced = self._spliced
+            if spliced is not None:
+                self._spliced = None
+                del large[fill:]  # (capacity beyond the head: no copy)
+                return self._parse(large, b"", spliced)
             view = self._body_view
             if view is not None:
                 body = self._body
@@ -1014,7 +1158,7 @@ class FrameParser:
                 self.seen = self.returned_bytes = 0
                 return out
             out.append(f)
-            nbytes = len(f.raw) + len(f.large_body)
+            nbytes = f.wire_size
         seen = ((1 << out[0].type) | (SEEN_FDS if out[0].n_fds else 0)) if out else 0
         pos, seen, bad_target = _scan_loop(
             self._buf, self._pos, self.max_frame_size - 4, source, out, seen
@@ -1036,7 +1180,7 @@ class FrameParser:
                     break
                 append(f)
                 seen |= (1 << f.type) | (SEEN_FDS if f.n_fds else 0)
-                nbytes += len(f.raw) + len(f.large_body)
+                nbytes += f.wire_size
         except RemoteProtocolError:
             self.seen, self.returned_bytes = seen | _SEEN_ALL, nbytes
             if out:
@@ -1066,10 +1210,14 @@ class FrameParser:
         self._large = None
         self._large_fill = self._large_total = 0
         self._large_lent = False
+        self._splicing = 0
+        self._spliced = None  # (its owner, the broker's reader, closes it)
         if self._error is None:
             self._error = RemoteProtocolError("the connection is closed")
 
-    def _parse(self, raw: bytes | bytearray, large_body: bytes = b"") -> Frame:
+    def _parse(
+        self, raw: bytes | bytearray, large_body: bytes = b"", spliced: SplicedRest | None = None
+    ) -> Frame:
         (length, ftype, flags, tlen, slen, nblobs, nfds, reserved, rid, hlen, blen) = (
             PREFIX.unpack_from(raw, 0)
         )
@@ -1105,6 +1253,7 @@ class FrameParser:
             tend + slen,
             (),
             large_body,
+            spliced,
         )
 
 
@@ -1121,7 +1270,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 3
+_SPEEDUPS_API = 4
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False

@@ -13,6 +13,7 @@ import contextlib
 import select
 import socket as pysocket
 import threading
+from collections.abc import Sequence
 
 import trio
 
@@ -20,6 +21,7 @@ from ..protocol.connection import Connection
 from ..protocol.framing import FdBuffer
 from .errors import translate_socket_errors, translated
 from .fdpass import ancillary_size, close_fds, take_fds, unconsumed_bytes
+from .splice import PipeTail, splice_out
 
 # The fdpass helpers are re-exported: the broker and the trio client take them from here
 # with the rest.
@@ -79,12 +81,12 @@ def set_send_buffer(sock: pysocket.socket | trio.socket.SocketType, size: int) -
 NO_JOIN = 64 * 1024
 
 
-def coalesce(bufs: list[Buffer]) -> list[Buffer]:
+def coalesce(bufs: Sequence[Buffer | PipeTail]) -> list[Buffer | PipeTail]:
     """Join runs of small buffers into one; pass large ones through without copying."""
-    out: list[Buffer] = []
+    out: list[Buffer | PipeTail] = []
     run: list[Buffer] = []
     for b in bufs:
-        if len(b) >= NO_JOIN or type(b) is FdBuffer:
+        if isinstance(b, PipeTail) or len(b) >= NO_JOIN or type(b) is FdBuffer:
             if run:
                 out.append(b"".join(run))
                 run = []
@@ -349,10 +351,10 @@ def _send_fds_now(raw: pysocket.socket, data: FdBuffer) -> int:
         return 0
 
 
-async def send_buffers(stream: trio.abc.SendStream, bufs: list[Buffer]) -> None:
+async def send_buffers(stream: trio.abc.SendStream, bufs: Sequence[Buffer | PipeTail]) -> None:
     """Write queued buffers: small ones joined, large ones as they are, FdBuffers with
     their descriptors (which are closed here, sent or not: the kernel holds its own
-    references to sent ones)."""
+    references to sent ones), PipeTails spliced from their pipes (closed here too)."""
     raw: pysocket.socket | None = None
     try:
         for chunk in coalesce(bufs):
@@ -372,6 +374,11 @@ async def send_buffers(stream: trio.abc.SendStream, bufs: list[Buffer]) -> None:
                 elif n < len(chunk):
                     with translate_socket_errors():
                         await stream.send_all(memoryview(chunk)[n:])
+            elif isinstance(chunk, PipeTail):
+                # A large frame's rest spliced through the broker (transport/splice.py);
+                # only a Unix socket stream's queue gets one (the core sees to it).
+                assert isinstance(stream, trio.SocketStream)
+                await splice_out(stream.socket, chunk)
             else:
                 with translate_socket_errors():
                     await stream.send_all(chunk)
@@ -381,3 +388,5 @@ async def send_buffers(stream: trio.abc.SendStream, bufs: list[Buffer]) -> None:
         for b in bufs:
             if type(b) is FdBuffer:
                 close_fds(b.fds)
+            elif isinstance(b, PipeTail):
+                b.close()

@@ -654,3 +654,24 @@ def test_access_rules_round_trip_through_the_configuration() -> None:
     )
     assert build(to_dict(cfg)) == cfg
     assert cfg.access.rules[0].send == ("x.*",)
+
+
+async def test_a_spliced_message_reaches_a_tls_subscriber_whole(tcp_broker, pki) -> None:
+    """A 4 MiB message from a Unix client is spliced into the broker's pipes; a receiver
+    over TLS cannot be written from a pipe (only the SSL object writes its socket), so
+    the broker reads the rest back once and sends the bytes: the remote subscriber gets
+    the very body (limits.splice_min_size)."""
+    b = tcp_broker(certfile=pki["certfile"], keyfile=pki["certfile"])
+    body = os.urandom(4 * 1024 * 1024)
+    async with (
+        msgq_trio.connect(b.path, name="svc") as svc,
+        msgq_trio.connect(
+            b.url, name="remote", token=ALICE, ssl_context=client_ctx(pki["ca"])
+        ) as remote,
+    ):
+        await remote.subscribe("ok.big")
+        await svc.send("ok.big", body)
+        got = await remote.receive(10)
+        assert got.body == body
+        st = await svc.call("msgq", "stats")
+        assert st["spliced_frames"] == 1 and st["splice_pipes"] == 0

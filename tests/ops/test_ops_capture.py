@@ -311,3 +311,27 @@ async def test_capture_errors_are_clear(broker, short_tmp) -> None:
             else:
                 raise AssertionError(f"accepted {params}")
         assert (await bus.call("msgq", "capture-status"))["state"] == "off"
+
+
+async def test_a_captured_large_message_holds_its_whole_body(broker, short_tmp) -> None:
+    """A 4 MiB message is spliced through the broker (limits.splice_min_size), but with a
+    capture on the core reads its rest back first: the record holds the whole body and
+    the frame's full size, and the receiver gets the same bytes."""
+    cap = short_tmp / "cap"
+    body = bytes(range(256)) * (4 * 4096)
+    async with (
+        msgq_trio.connect(broker.path, name="big") as big,
+        msgq_trio.connect(broker.path, name="sub") as sub,
+    ):
+        await sub.subscribe("G")
+        await sub.call(
+            "msgq", "capture-start", {"dir": str(cap), "senders": ["big"], "body": "base64"}
+        )
+        await big.send("G", body)
+        assert (await sub.receive(timeout=10)).body == body
+        await stop_capture(sub)
+        st = await sub.call("msgq", "stats")
+    assert st["spliced_frames"] == 1 and st["splice_pipes"] == 0
+    (rec,) = read_records(cap)
+    assert cbor2.loads(base64.b64decode(rec["body"])) == body
+    assert rec["size"] > len(body)
