@@ -112,7 +112,8 @@ class Limits:
       broker holds at once for frames in flight, so 64 MiB of kernel memory and 128
       descriptors at most; a frame that finds none free takes the copying path (no
       message is refused for it). Also falls back when the user's pipe quota
-      (``fs.pipe-user-pages-soft``) or descriptor limit is reached.
+      (``fs.pipe-user-pages-soft``) or descriptor limit is reached, and for good
+      (logged once) where the kernel or a sandbox refuses ``splice`` itself.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)

@@ -370,6 +370,10 @@ class PeerConnection:
                     assert tail.data is not None
                     conn.unsplice(tail.data)
                     srv.splice_fallbacks += 1
+                    budget = srv.pipe_budget
+                    if budget.unsupported and not srv.splice_unsupported_logged:
+                        srv.splice_unsupported_logged = True
+                        log.warning("%s: large frames are copied from now on", budget.unsupported)
                     return True, None
                 if not n:
                     conn.unsplice(b"")

@@ -127,6 +127,7 @@ class Server:
         #: a pipe (stats).
         self.spliced_frames = 0
         self.splice_fallbacks = 0
+        self.splice_unsupported_logged = False
         self._listener: trio.SocketListener | None = None
         self._shutting_down = False
         self._handlers: trio.Nursery | None = None

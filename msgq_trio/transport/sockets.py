@@ -378,7 +378,7 @@ async def send_buffers(stream: trio.abc.SendStream, bufs: Sequence[Buffer | Pipe
                 # A large frame's rest spliced through the broker (transport/splice.py);
                 # only a Unix socket stream's queue gets one (the core sees to it).
                 assert isinstance(stream, trio.SocketStream)
-                await splice_out(stream.socket, chunk)
+                await splice_out(stream, chunk)
             else:
                 with translate_socket_errors():
                     await stream.send_all(chunk)

@@ -20,12 +20,13 @@ copying path, so the cap costs speed, never a message.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 
 import trio
 
-from .errors import translated
+from .errors import translate_socket_errors, translated
 
 #: Bytes asked for each pipe: Linux's default ``fs.pipe-max-size`` (what an unprivileged
 #: process may ask for). A pipe holds as many bytes as its page slots take, at least this.
@@ -37,6 +38,9 @@ _FIONREAD = 0x541B  # Linux's FIONREAD (SIOCINQ): bytes waiting in a socket
 
 #: True where this Python can splice (Linux, Python 3.10 and later).
 AVAILABLE = hasattr(os, "splice")
+#: errnos by which splice says it cannot work here at all (an old kernel without
+#: splice for this kind of socket, a sandbox that forbids it), not that a socket failed.
+_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM})
 
 
 class SpliceUnavailable(Exception):
@@ -47,13 +51,16 @@ class SpliceUnavailable(Exception):
 class PipeBudget:
     """How many pipes the broker may hold at once for large frames in flight."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("held", "limit", "unsupported")
 
     def __init__(self, limit: int) -> None:
         #: ``limits.splice_max_pipes``.
         self.limit = limit
         #: Pipes open now (stats: ``splice_pipes``).
         self.held = 0
+        #: Why splice cannot work in this process (the first such error), or "": then
+        #: no pipe is handed out again and every large frame is copied.
+        self.unsupported = ""
 
 
 class PipeTail:
@@ -97,6 +104,8 @@ class PipeTail:
 
     def _new_pipe(self) -> None:
         budget = self._budget
+        if budget.unsupported:
+            raise SpliceUnavailable(budget.unsupported)
         if budget.held >= budget.limit:
             raise SpliceUnavailable("splice_max_pipes reached")
         try:
@@ -120,7 +129,8 @@ class PipeTail:
 
         Raises:
             BlockingIOError: nothing is waiting in the socket.
-            SpliceUnavailable: the pipes are full and no other pipe can be had.
+            SpliceUnavailable: the pipes are full and no other pipe can be had, or splice
+                cannot work here (then :attr:`PipeBudget.unsupported` says why).
             trio.BrokenResourceError: the socket failed.
         """
         while True:
@@ -138,6 +148,7 @@ class PipeTail:
                 pipe[3] = 1  # full: the next round takes a new pipe
                 continue
             except OSError as exc:
+                self._unsupported(exc)
                 raise translated(exc) from exc
             pipe[2] += n
             self.size += n
@@ -149,6 +160,8 @@ class PipeTail:
 
         Raises:
             BlockingIOError: the socket is full.
+            SpliceUnavailable: splice cannot write into this socket (see :meth:`fill_from`);
+                what is left can still be had with :meth:`materialize`.
             trio.BrokenResourceError: the socket failed (the receiver went away).
         """
         while self._out < len(self._pipes):
@@ -162,10 +175,18 @@ class PipeTail:
             except BlockingIOError:
                 raise
             except OSError as exc:
+                self._unsupported(exc)
                 raise translated(exc) from exc
             pipe[2] -= n
             return n
         return 0
+
+    def _unsupported(self, exc: OSError) -> None:
+        """Raise SpliceUnavailable (and remember why, for good) if ``exc`` says splice
+        cannot work here at all."""
+        if exc.errno in _UNSUPPORTED:
+            self._budget.unsupported = f"splice(2) failed: {exc}"
+            raise SpliceUnavailable(self._budget.unsupported) from exc
 
     def materialize(self) -> None:
         """Read the pipes into :attr:`data` (one copy) and close them. Idempotent.
@@ -207,13 +228,15 @@ def _waiting(sock_fd: int) -> int:
     return int.from_bytes(buf, "little")
 
 
-async def splice_out(sock: trio.socket.SocketType, tail: PipeTail) -> None:
-    """Write ``tail`` into ``sock`` (the receiver's socket) and close it.
+async def splice_out(stream: trio.SocketStream, tail: PipeTail) -> None:
+    """Write ``tail`` into ``stream`` (the receiver's socket) and close it. Where splice
+    cannot write into the socket, the rest is read out of the pipes and sent.
 
     Raises:
         trio.BrokenResourceError: the receiver went away (the tail is closed anyway).
         trio.Cancelled: passes through (the tail is closed anyway).
     """
+    sock = stream.socket
     fd = sock.fileno()
     try:
         while True:
@@ -222,6 +245,12 @@ async def splice_out(sock: trio.socket.SocketType, tail: PipeTail) -> None:
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(sock)
                 continue
+            except SpliceUnavailable:
+                tail.materialize()
+                assert tail.data is not None
+                with translate_socket_errors():
+                    await stream.send_all(tail.data)
+                return
             if not n:
                 return
             # One schedule point per piece: other connections' traffic interleaves with a
