@@ -6,7 +6,9 @@ extra descriptor afterwards, whatever became of the sender or the receiver."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +59,23 @@ async def stats_when(
 async def wait_for_pipes(bus: Bus) -> None:
     """Until the broker holds at least one pipe (a frame is being spliced or is queued)."""
     await stats_when(bus, lambda st: st["splice_pipes"] > 0)
+
+
+@asynccontextmanager
+async def big_subscriber_and_raw_sender(
+    path: Path, raw_peer: Callable[[Path], Any], name: str
+) -> AsyncIterator[tuple[Bus, Bus, Any, int]]:
+    """A subscriber of ``Big``, a second client for stats, a raw sender past its handshake
+    as ``name``, and the broker's descriptor count before the raw sender connected."""
+    async with (
+        msgq_trio.connect(path, name="sub") as sub,
+        msgq_trio.connect(path, name="ops") as ops,
+    ):
+        fds = (await stats(ops))["fds"]
+        await sub.subscribe("Big")
+        async with raw_peer(path) as raw:
+            assert (await raw.hello(name)).type == FrameType.WELCOME
+            yield sub, ops, raw, fds
 
 
 @pytest.mark.parametrize("splice", [True, False], ids=["splice", "copy"])
@@ -138,16 +157,15 @@ async def test_a_sender_gone_in_the_middle_of_a_spliced_frame_leaves_nothing(
     of it (the next message from another sender comes first), the broker logs who died
     mid-frame, and its pipes and descriptors are all released."""
     frame = raw_frame(FrameType.MESSAGE, target="Big", body=encode_cbor(payload(4 * MiB, 30)))
-    async with (
-        msgq_trio.connect(broker.path, name="sub") as sub,
-        msgq_trio.connect(broker.path, name="ops") as ops,
+    async with big_subscriber_and_raw_sender(broker.path, raw_peer, "dies-mid-frame") as (
+        sub,
+        ops,
+        raw,
+        fds,
     ):
-        fds = (await stats(ops))["fds"]
-        await sub.subscribe("Big")
-        async with raw_peer(broker.path) as raw:
-            assert (await raw.hello("dies-mid-frame")).type == FrameType.WELCOME
-            await raw.send_bytes(frame[: 3 * MiB])
-            await wait_for_pipes(ops)
+        await raw.send_bytes(frame[: 3 * MiB])
+        await wait_for_pipes(ops)
+        await raw.aclose()
         await ops.send("Big", b"after")
         with trio.fail_after(10):
             assert (await sub.receive()).body == b"after"
@@ -198,23 +216,22 @@ async def test_a_spliced_frame_may_come_slowly_but_not_stall(broker_factory, raw
     body = payload(4 * MiB, 50)
     frame = raw_frame(FrameType.MESSAGE, target="Big", body=encode_cbor(body))
     piece = -(-len(frame) // 16)
-    async with (
-        msgq_trio.connect(b.path, name="sub") as sub,
-        msgq_trio.connect(b.path, name="ops") as ops,
+    async with big_subscriber_and_raw_sender(b.path, raw_peer, "slow-sender") as (
+        sub,
+        ops,
+        raw,
+        fds,
     ):
-        fds = (await stats(ops))["fds"]
-        await sub.subscribe("Big")
-        async with raw_peer(b.path) as raw:
-            assert (await raw.hello("slow-sender")).type == FrameType.WELCOME
-            for i in range(0, len(frame), piece):
-                await raw.send_bytes(frame[i : i + piece])
-                await trio.sleep(0.25)
-            with trio.fail_after(10):
-                assert (await sub.receive()).body == body
-            assert (await stats(ops))["spliced_frames"] == 1
-            await raw.send_bytes(frame[: 2 * piece])
-            frames = await raw.frames_until_eof(timeout=30)
-            assert [f.header().get("code") for f in frames] == ["protocol-error"]
+        for i in range(0, len(frame), piece):
+            await raw.send_bytes(frame[i : i + piece])
+            await trio.sleep(0.25)
+        with trio.fail_after(10):
+            assert (await sub.receive()).body == body
+        assert (await stats(ops))["spliced_frames"] == 1
+        await raw.send_bytes(frame[: 2 * piece])
+        frames = await raw.frames_until_eof(timeout=30)
+        assert [f.header().get("code") for f in frames] == ["protocol-error"]
+        await raw.aclose()
         await settled(ops, fds)
 
 
