@@ -133,6 +133,7 @@ class PipeTail:
                 cannot work here (then :attr:`PipeBudget.unsupported` says why).
             trio.BrokenResourceError: the socket failed.
         """
+        retried = False
         while True:
             if not self._pipes or self._pipes[-1][3] or self._pipes[-1][2] >= PIPE_SIZE:
                 self._new_pipe()
@@ -140,9 +141,16 @@ class PipeTail:
             try:
                 n = os.splice(sock_fd, pipe[1], want, flags=_SPLICE_FLAGS)
             except BlockingIOError:
-                # Either the socket is empty or this pipe's slots are full.
+                # Either the socket was empty or this pipe's slots are full.
                 if not _waiting(sock_fd):
                     raise
+                if not retried:
+                    # Bytes may have come between the splice and the check; once they
+                    # are there they stay (only this task reads the socket), so a
+                    # second refusal means the pipe is full.
+                    retried = True
+                    continue
+                retried = False
                 if pipe[2] == 0:
                     raise SpliceUnavailable("an empty pipe took nothing") from None
                 pipe[3] = 1  # full: the next round takes a new pipe
