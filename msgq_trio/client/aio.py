@@ -29,7 +29,7 @@ import os
 import socket as pysocket
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds, ready
 from ..transport.fdpass import (  # no trio
     RECEIVE_SIZE,
     SEND_BUFFER,
@@ -134,7 +134,6 @@ class AioBus(BusBase):
         #: A write is scheduled for the end of this loop pass (see ``send``).
         self._write_soon = False
         self._in: deque[Message | Frame] = deque()  # see BusBase._in
-        self._in_bytes = 0
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -579,7 +578,7 @@ class AioBus(BusBase):
             if self._message_inline is None and conn.message_burst >= 0:
                 # Plain messages only (the hot path): queued whole (see bus.py's reader).
                 self._in.extend(evs)  # type: ignore[arg-type]
-                self._in_bytes += conn.message_burst
+                self._in_put(len(evs), conn.message_burst)
                 got_message = bool(evs)
                 evs = []
             for ev in evs:
@@ -592,7 +591,7 @@ class AioBus(BusBase):
                     # The hot path: the session's event would be Message(ev), made
                     # when the application takes it (BusBase._in).
                     self._in.append(ev)
-                    self._in_bytes += len(ev.raw) + len(ev.large_body)
+                    self._in_put(1, len(ev.raw) + len(ev.large_body))
                     got_message = True
                     continue
                 event = handle(ev)
@@ -602,7 +601,7 @@ class AioBus(BusBase):
                         self._inline_callback(self._message_inline, event)
                     elif not self._notification(event):
                         self._in.append(event)
-                        self._in_bytes += len(ev.raw) + len(ev.large_body)
+                        self._in_put(1, len(ev.raw) + len(ev.large_body))
                         got_message = True
                 elif isinstance(event, Request):
                     self._request(event)
@@ -757,22 +756,24 @@ class AioBus(BusBase):
             self._loop.call_later(_RECHECK, self._expire, call)
 
     # -- receiving ---------------------------------------------------------------------
-    async def __anext__(self) -> Message:
+    def __anext__(self) -> Awaitable[Message]:
         q = self._in
         if q:
-            # A message is waiting: _next_message's end, without a second coroutine per
-            # message (BusBase._take inline).
+            # A message is waiting: _next_message's end, with no coroutine at all
+            # (``ready``: an awaitable done; BusBase._take inline).
             item = q.popleft()
+            self._in_popped += 1
             if type(item) is Frame:
-                self._in_bytes -= len(item.raw) + len(item.large_body)
                 msg = new_message(item, self._s.sources)
             else:
                 assert isinstance(item, Message)
-                self._in_bytes -= len(item._frame.raw) + len(item._frame.large_body)
                 msg = item
             if not self._reading and not self._in_full():
                 self._resume_reading()
-            return msg
+            return ready(msg)
+        return self._anext_waiting()
+
+    async def _anext_waiting(self) -> Message:
         waited = await self._next_message()
         if waited is None:
             raise self._end_of_iteration()

@@ -15,10 +15,11 @@ The primitives a driver implements (see each one's docstring below): ``_queue_re
 ``_ended_connection``, ``_restore`` and ``_gave_up``); the public ``send`` and the
 event-loop services the plugin clients build on (``sleep``, ``checkpoint``,
 ``new_event``, ``shielded``); and the attributes ``_s`` (the session), ``_closed``,
-``_lost_event`` (an event with ``set()`` and ``async wait()``), ``_new_waiter``, ``_in``
-and ``_in_bytes``. The plugin clients (client/queue.py, client/pipe_core.py) use this
-public API only, so they run on either driver. The blocking ``DirectBus`` shares
-:class:`SessionView` only: it has no tasks to run callbacks in.
+``_lost_event`` (an event with ``set()`` and ``async wait()``), ``_new_waiter`` and
+``_in`` (filled through :meth:`BusBase._in_put`). The plugin clients
+(client/queue.py, client/pipe_core.py) use this public API only, so they run on either
+driver. The blocking ``DirectBus`` shares :class:`SessionView` only: it has no tasks to
+run callbacks in.
 """
 
 from __future__ import annotations
@@ -221,7 +222,16 @@ class BusBase(SessionView):
     #: and promote to older generations (frames from the compiled scanner are not
     #: tracked by it).
     _in: collections.deque[Message | Frame]
+    #: The bytes of ``_in``, counted by batch: the reader puts a receive's messages in
+    #: with one :meth:`_in_put`, and their bytes leave when the last of them is taken
+    #: (:meth:`_in_held`). Taking a message is then one counter's increment
+    #: (``_in_popped``, which the trio driver's fairness also counts on) instead of two
+    #: lengths per message; the bound is over by at most one batch (a receive's worth,
+    #: or one large frame), and exact when ``_in`` is empty.
     _in_bytes: int
+    _in_marks: collections.deque[tuple[int, int]]  # (``_in_count`` after a batch, its bytes)
+    _in_count: int  # entries ever put in ``_in``
+    _in_popped: int  # entries ever taken from ``_in`` (or dropped)
 
     #: The reconnect policy (None: off), the address dialled, and whether the bus is
     #: between a loss and a new connection whose groups are joined again.
@@ -235,6 +245,9 @@ class BusBase(SessionView):
 
     def _init_api(self, target: str = "", reconnect: Reconnect | None = None) -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
+        self._in_bytes = 0
+        self._in_marks = collections.deque()
+        self._in_count = self._in_popped = 0
         self._notify_cbs = {}
         self._notify_inline = {}
         self._message_inline = None
@@ -296,12 +309,26 @@ class BusBase(SessionView):
         raise NotImplementedError
 
     def _take(self, item: Message | Frame) -> Message:
-        """The Message of an ``_in`` entry just popped; its bytes leave ``_in_bytes``."""
+        """The Message of an ``_in`` entry just popped (counted in ``_in_popped``)."""
+        self._in_popped += 1
         if isinstance(item, Message):
-            self._in_bytes -= len(item._frame.raw) + len(item._frame.large_body)
             return item
-        self._in_bytes -= len(item.raw) + len(item.large_body)
         return new_message(item, self._s.sources)
+
+    def _in_put(self, entries: int, nbytes: int) -> None:
+        """``entries`` were just appended to ``_in``, ``nbytes`` in all: one batch."""
+        count = self._in_count + entries
+        self._in_count = count
+        self._in_bytes += nbytes
+        self._in_marks.append((count, nbytes))
+
+    def _in_held(self) -> int:
+        """The bytes of ``_in`` against ``IN_HIGH_WATER``: every batch not yet taken
+        to its last message (so at most one batch more than exact; 0 when empty)."""
+        marks, popped = self._in_marks, self._in_popped
+        while marks and marks[0][0] <= popped:
+            self._in_bytes -= marks.popleft()[1]
+        return self._in_bytes
 
     def _drop_in(self) -> None:
         """Close every message nobody took (their descriptors are ours to close)."""
@@ -311,7 +338,9 @@ class BusBase(SessionView):
             else:
                 close_fds(item.fds)
         self._in.clear()
+        self._in_marks.clear()
         self._in_bytes = 0
+        self._in_popped = self._in_count
 
     def _in_full(self) -> bool:
         """Over ``IN_HIGH_WATER`` bytes, or ``IN_HIGH_COUNT`` messages while none of our
@@ -319,7 +348,7 @@ class BusBase(SessionView):
         until it takes some (backpressure to the broker, never loss). The count does not
         apply while a call is pending: its answer may be behind the messages, and a
         caller that takes its messages after the answer would wait for ever."""
-        return self._in_bytes > IN_HIGH_WATER or (
+        return self._in_held() > IN_HIGH_WATER or (
             len(self._in) > IN_HIGH_COUNT and not self._s.calls
         )
 
@@ -1092,7 +1121,7 @@ class BusBase(SessionView):
         """
         return self
 
-    async def __anext__(self) -> Message:
+    def __anext__(self) -> Awaitable[Message]:
         raise NotImplementedError  # the driver's: how it waits for the next message
 
     def _end_of_iteration(self) -> BaseException:

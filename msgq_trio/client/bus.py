@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, ready
 from ..transport.errors import translate_socket_errors
 from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
 from ..transport.sockets import (
@@ -80,7 +80,9 @@ log = logging.getLogger("msgq_trio.client")
 #: ``send`` waits for the writer once this many bytes are queued (bounds client memory
 #: while letting a fast publisher batch hundreds of frames per send_all).
 OUT_HIGH_WATER = 1024 * 1024
-_FAIRNESS = 256  # iteration yields to other tasks at least every this many messages
+#: Iteration yields to other tasks at least once every this many messages (a power
+#: of two: the count is ``BusBase._in_popped``'s low bits).
+_FAIRNESS = 256
 _MEMBERSHIP = "msgq.membership"
 _MESSAGE = FrameType.MESSAGE
 
@@ -120,7 +122,6 @@ class Bus(BusBase):
         self._writer_parked = False
         self._drained = trio.lowlevel.ParkingLot()
         self._in: deque[Message | Frame] = deque()  # see BusBase._in
-        self._in_bytes = 0
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
         # Whether the reader is parked on _in_taken (set as it parks, cleared by whoever
@@ -135,7 +136,6 @@ class Bus(BusBase):
         self._init_api(target, reconnect)
         self._nursery: trio.Nursery | None = None
         self._closed = False
-        self._since_yield = 0
         self._sends_unchecked = 0
         self._writing = False
         # True while the reader handles one receive's frames: answers that handlers give
@@ -641,25 +641,27 @@ class Bus(BusBase):
         return Pipe(self, name)
 
     # -- receiving ---------------------------------------------------------------------
-    async def __anext__(self) -> Message:
+    def __anext__(self) -> Awaitable[Message]:
         q = self._in
-        if q and self._since_yield < _FAIRNESS - 1:
+        popped = self._in_popped + 1
+        if q and popped & (_FAIRNESS - 1):
             # A message is waiting and no fairness checkpoint is due: _next_message's
-            # first branch, without a second coroutine per message.
-            self._since_yield += 1
+            # first branch, with no coroutine at all (``ready``: an awaitable done).
+            self._in_popped = popped
             item = q.popleft()
             # BusBase._take, inline: this runs once per message.
             if type(item) is Frame:
-                self._in_bytes -= len(item.raw) + len(item.large_body)
                 msg = new_message(item, self._s.sources)
             else:
                 assert isinstance(item, Message)
-                self._in_bytes -= len(item._frame.raw) + len(item._frame.large_body)
                 msg = item
             if self._reader_parked:
                 self._reader_parked = False
                 self._in_taken.unpark_all()
-            return msg
+            return ready(msg)
+        return self._anext_waiting()
+
+    async def _anext_waiting(self) -> Message:
         waited = await self._next_message()
         if waited is None:
             raise self._end_of_iteration()
@@ -695,9 +697,7 @@ class Bus(BusBase):
             self._in_taken.unpark_all()
         # A full checkpoint every _FAIRNESS messages keeps iteration cancellable and lets
         # other tasks run; one per message would cost more than the message itself.
-        self._since_yield += 1
-        if self._since_yield >= _FAIRNESS:
-            self._since_yield = 0
+        if not self._in_popped & (_FAIRNESS - 1):
             await trio.lowlevel.checkpoint()
         return msg
 
@@ -783,7 +783,7 @@ class Bus(BusBase):
                 # Plain messages only (the hot path): queued whole, each made
                 # a Message when it is taken (BusBase._in).
                 inq.extend(evs)  # type: ignore[arg-type]
-                self._in_bytes += conn.message_burst
+                self._in_put(len(evs), conn.message_burst)
                 evs = []
             for ev in evs:
                 if ev is EOF:
@@ -795,7 +795,7 @@ class Bus(BusBase):
                     # The hot path, straight to the application: the session's
                     # event for it would be Message(ev), made when it is taken.
                     inq.append(ev)
-                    self._in_bytes += len(ev.raw) + len(ev.large_body)
+                    self._in_put(1, len(ev.raw) + len(ev.large_body))
                     continue
                 event = handle(ev)
                 if isinstance(event, Message):
@@ -804,7 +804,7 @@ class Bus(BusBase):
                         self._inline_callback(inline, event)
                     elif not self._notification(event):
                         inq.append(event)  # the reader wakes the consumer below
-                        self._in_bytes += len(ev.raw) + len(ev.large_body)
+                        self._in_put(1, len(ev.raw) + len(ev.large_body))
                 elif event is not None:
                     self._dispatch(event)
         finally:

@@ -8,7 +8,7 @@ frames, and the trio and blocking drivers hand them to the application as they a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -16,7 +16,7 @@ import attrs
 from ..errors import MalformedMessage, MsgqError, UsageError
 from ..protocol.codes import FrameType
 from ..protocol.errors import RemoteProtocolError
-from ..protocol.framing import Frame, close_fds, slot_maker
+from ..protocol.framing import Frame, body_getter, close_fds, slot_maker
 
 Buffer = bytes | bytearray | memoryview
 
@@ -206,6 +206,16 @@ class Message:
             f"to {self.target!r} {self.size} bytes>"
         )
 
+
+# With the compiled fast paths, Message.body's getter is in C (a received message's body
+# is read once per message); the Python getter above is the reference and handles every
+# error.
+_body_py: Callable[[Message], Any] = Message.body.fget  # type: ignore[attr-defined]
+setattr(  # noqa: B010
+    Message,
+    "body",
+    property(body_getter(Message, "_frame", "_decoded", "_body", _body_py), doc=_body_py.__doc__),
+)
 
 #: ``Message(frame, sources)``, made in C with the compiled fast paths (a driver makes
 #: one per received message; see :func:`~msgq_trio.protocol.framing.slot_maker`).

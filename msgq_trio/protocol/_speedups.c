@@ -15,6 +15,12 @@
  *   encode_small_bytes(type, target, payload, source) -> bytes
  *       framing._encode_small_bytes_py for exact bytes arguments; anything else (and
  *       every error) goes to that function.
+ *   slot_maker(cls, arg_slots, fixed_slots) -> a constructor of cls setting its slots
+ *       without its Python __init__.
+ *   ready(value) -> an awaitable already done with value.
+ *   body_getter(cls, frame_slot, decoded_slot, body_slot, fallback) -> a getter for
+ *       property(): the cached body, or Frame.body of the frame slot, cached; anything
+ *       else goes to fallback (the Python getter).
  *
  * init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py) is called
  * once by framing.py before any of these is used.
@@ -28,7 +34,7 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 4
+#define SPEEDUPS_API 5
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
@@ -639,6 +645,210 @@ fail:
     return NULL;
 }
 
+/*
+ * A getter for a lazily decoded body cached in slots, for property(fget=...): with the
+ * value cached (flag slot True) it returns the value slot; otherwise, for a frame in the
+ * source slot, Frame.body (above) stored in the value slot with the flag set. Anything
+ * else, every failure included, is the Python getter's (the reference, which then
+ * decodes again and raises its own errors). What it saves is the Python frame of a
+ * property read once per received message.
+ */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyTypeObject *cls;
+    PyObject *fallback;
+    Py_ssize_t source_offset, flag_offset, value_offset;
+} BodyGetter;
+
+static PyObject *body_getter_call(PyObject *self, PyObject *const *args, size_t nargsf,
+                                  PyObject *kwnames)
+{
+    BodyGetter *g = (BodyGetter *)self;
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
+        return PyObject_Vectorcall(g->fallback, args, nargsf, kwnames);
+    PyObject *obj = args[0];
+    if (Py_TYPE(obj) != g->cls || !ready())
+        return PyObject_CallOneArg(g->fallback, obj);
+    char *base = (char *)obj;
+    PyObject **flag = (PyObject **)(base + g->flag_offset);
+    PyObject **value = (PyObject **)(base + g->value_offset);
+    if (*flag == Py_True && *value != NULL)
+        return Py_NewRef(*value);
+    PyObject *frame = *(PyObject **)(base + g->source_offset);
+    if (frame == NULL || Py_TYPE(frame) != frame_type || *flag != Py_False)
+        return PyObject_CallOneArg(g->fallback, obj);
+    PyObject *res = frame_body(frame, NULL);
+    if (res == NULL) {
+        PyErr_Clear(); /* the reference raises it, with its own message */
+        return PyObject_CallOneArg(g->fallback, obj);
+    }
+    Py_XSETREF(*value, Py_NewRef(res));
+    Py_XSETREF(*flag, Py_NewRef(Py_True));
+    return res;
+}
+
+static int body_getter_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    BodyGetter *g = (BodyGetter *)self;
+    Py_VISIT(g->cls);
+    Py_VISIT(g->fallback);
+    return 0;
+}
+
+static int body_getter_clear(PyObject *self)
+{
+    BodyGetter *g = (BodyGetter *)self;
+    Py_CLEAR(g->cls);
+    Py_CLEAR(g->fallback);
+    return 0;
+}
+
+static void body_getter_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    body_getter_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyTypeObject BodyGetterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "msgq_trio.protocol._speedups.BodyGetter",
+    .tp_basicsize = sizeof(BodyGetter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(BodyGetter, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = body_getter_traverse,
+    .tp_clear = body_getter_clear,
+    .tp_dealloc = body_getter_dealloc,
+    .tp_doc = "A getter made by body_getter().",
+};
+
+static PyObject *body_getter(PyObject *mod, PyObject *args)
+{
+    PyObject *cls, *source, *flag, *value, *fallback;
+    if (!PyArg_ParseTuple(args, "O!UUUO:body_getter", &PyType_Type, &cls, &source, &flag,
+                          &value, &fallback))
+        return NULL;
+    PyTypeObject *t = (PyTypeObject *)cls;
+    if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_base != &PyBaseObject_Type ||
+        t->tp_dictoffset != 0) {
+        PyErr_Format(PyExc_TypeError, "body_getter(): %s is not a plain class with __slots__",
+                     t->tp_name);
+        return NULL;
+    }
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "body_getter(): the fallback must be callable");
+        return NULL;
+    }
+    Py_ssize_t so = slot_offset(t, source), fo = so < 0 ? -1 : slot_offset(t, flag),
+               vo = fo < 0 ? -1 : slot_offset(t, value);
+    if (vo < 0)
+        return NULL;
+    BodyGetter *g = PyObject_GC_New(BodyGetter, &BodyGetterType);
+    if (g == NULL)
+        return NULL;
+    g->vectorcall = body_getter_call;
+    g->cls = (PyTypeObject *)Py_NewRef(cls);
+    g->fallback = Py_NewRef(fallback);
+    g->source_offset = so;
+    g->flag_offset = fo;
+    g->value_offset = vo;
+    PyObject_GC_Track(g);
+    return (PyObject *)g;
+}
+
+/*
+ * ready(value): an awaitable that is already done, ``await ready(v)`` being ``v``; for an
+ * ``__anext__`` written as a plain function that has its value at once (a message
+ * waiting), where a coroutine object per call would cost more than the rest of the call.
+ * No GC support: it holds one reference, to an object that cannot refer back to it.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *value;
+} Ready;
+
+static PyTypeObject ReadyType;
+
+static PyObject *ready_new(PyObject *mod, PyObject *value)
+{
+    Ready *r = PyObject_New(Ready, &ReadyType);
+    if (r == NULL)
+        return NULL;
+    r->value = Py_NewRef(value);
+    return (PyObject *)r;
+}
+
+static void ready_dealloc(PyObject *self)
+{
+    Py_XDECREF(((Ready *)self)->value);
+    PyObject_Free(self);
+}
+
+static PyObject *ready_await(PyObject *self) { return Py_NewRef(self); }
+
+static PySendResult ready_am_send(PyObject *self, PyObject *arg, PyObject **result)
+{
+    *result = Py_NewRef(((Ready *)self)->value);
+    return PYGEN_RETURN;
+}
+
+static PyObject *ready_stop(PyObject *self)
+{
+    PyObject *exc = PyObject_CallOneArg(PyExc_StopIteration, ((Ready *)self)->value);
+    if (exc == NULL)
+        return NULL;
+    PyErr_SetObject(PyExc_StopIteration, exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+static PyObject *ready_send(PyObject *self, PyObject *arg) { return ready_stop(self); }
+
+static PyObject *ready_throw(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments");
+        return NULL;
+    }
+    PyObject *typ = args[0], *val = nargs > 1 ? args[1] : NULL;
+    if (PyExceptionInstance_Check(typ))
+        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    else if (PyExceptionClass_Check(typ))
+        PyErr_SetObject(typ, val);
+    else
+        PyErr_SetString(PyExc_TypeError, "throw() needs an exception");
+    return NULL;
+}
+
+static PyObject *ready_close(PyObject *self, PyObject *unused) { Py_RETURN_NONE; }
+
+static PyMethodDef ready_methods[] = {
+    {"send", (PyCFunction)ready_send, METH_O, "Finish: raises StopIteration(value)."},
+    {"throw", (PyCFunction)(void (*)(void))ready_throw, METH_FASTCALL, "Raise the exception."},
+    {"close", (PyCFunction)ready_close, METH_NOARGS, "Nothing to close."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyAsyncMethods ready_async = {
+    .am_await = ready_await,
+    .am_send = ready_am_send,
+};
+
+static PyTypeObject ReadyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "msgq_trio.protocol._speedups.Ready",
+    .tp_basicsize = sizeof(Ready),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_as_async = &ready_async,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = ready_stop,
+    .tp_methods = ready_methods,
+    .tp_dealloc = ready_dealloc,
+    .tp_doc = "An awaitable already done (see ready()).",
+};
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)init, METH_VARARGS,
      "init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py)"},
@@ -650,6 +860,9 @@ static PyMethodDef methods[] = {
      METH_FASTCALL | METH_KEYWORDS, "encode_small_bytes(type, target, payload, source) -> bytes"},
     {"slot_maker", (PyCFunction)slot_maker, METH_VARARGS,
      "slot_maker(cls, arg_slots, fixed_slots) -> a constructor of cls setting its slots"},
+    {"ready", (PyCFunction)ready_new, METH_O, "ready(value) -> an awaitable done with value"},
+    {"body_getter", (PyCFunction)body_getter, METH_VARARGS,
+     "body_getter(cls, frame_slot, decoded_slot, body_slot, fallback) -> a property getter"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -668,7 +881,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
     empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
     if (empty_bytes == NULL)
         return NULL;
-    if (PyType_Ready(&MakerType) < 0)
+    if (PyType_Ready(&MakerType) < 0 || PyType_Ready(&BodyGetterType) < 0 ||
+        PyType_Ready(&ReadyType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -1,6 +1,6 @@
 """Types of the optional C extension ``_speedups.c`` (see framing.py, which uses it)."""
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -24,3 +24,12 @@ def encode_small_bytes(type: int, target: bytes, payload: bytes, source: bytes) 
 def slot_maker(
     cls: Callable[..., _T], arg_slots: tuple[str, ...], fixed_slots: dict[str, object], /
 ) -> Callable[..., _T]: ...
+def ready(value: _T, /) -> Awaitable[_T]: ...
+def body_getter(
+    cls: type[_T],
+    frame_slot: str,
+    decoded_slot: str,
+    body_slot: str,
+    fallback: Callable[[_T], object],
+    /,
+) -> Callable[[_T], object]: ...

@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple, NoReturn, Protocol, TypeVar
 
 import cbor2
@@ -1270,14 +1270,25 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 4
+_SPEEDUPS_API = 5
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False
 
 
+async def _ready_py(value: _T) -> _T:
+    return value
+
+
+#: ``ready(value)``: an awaitable already done, ``await ready(v)`` being ``v``, for an
+#: ``__anext__`` written as a plain function that often has its value at once. With the
+#: compiled fast paths a small C object (a coroutine per call cost about as much as the
+#: rest of a message's iteration); otherwise this coroutine, the reference.
+ready: Callable[[_T], Awaitable[_T]] = _ready_py
+
+
 def _use_speedups() -> bool:
-    global _scan_loop, encode_small_bytes
+    global _scan_loop, encode_small_bytes, ready
     if os.environ.get("MSGQ_TRIO_PURE_PYTHON", "") not in {"", "0"}:
         return False
     try:
@@ -1289,6 +1300,7 @@ def _use_speedups() -> bool:
     _speedups.init(Frame, Run, _VALID_MASK, _MESSAGE, _body_py, _encode_small_bytes_py)
     _scan_loop = _speedups.scan
     encode_small_bytes = _speedups.encode_small_bytes
+    ready = _speedups.ready
     # A method descriptor of Frame, so frame.body() calls C without a Python frame.
     setattr(Frame, "body", _speedups.frame_body_method(Frame))  # noqa: B010
     return True
@@ -1315,3 +1327,33 @@ def slot_maker(
     from . import _speedups
 
     return _speedups.slot_maker(cls, arg_slots, fixed_slots)
+
+
+def body_getter(
+    cls: type[_T],
+    frame_slot: str,
+    decoded_slot: str,
+    body_slot: str,
+    fallback: Callable[[_T], object],
+) -> Callable[[_T], object]:
+    """A faster ``fallback``, a property getter of ``cls`` that caches a body decoded
+    from a :class:`Frame`: with the compiled fast paths, a C getter that returns
+    ``body_slot`` once ``decoded_slot`` is True, and otherwise stores
+    ``Frame.body()`` of ``frame_slot`` there and sets ``decoded_slot``; anything else,
+    and every error, is ``fallback``'s (so the errors are the reference's). Without the
+    compiled fast paths, ``fallback`` itself.
+
+    ``fallback`` is the reference: it must do exactly that (its tests compare the two).
+
+    Raises:
+        TypeError: ``cls`` is not a plain class with ``__slots__``, or a name is not one
+            of its slots.
+    """
+    if not SPEEDUPS:
+        return fallback
+    from . import _speedups
+
+    getter: Callable[[_T], object] = _speedups.body_getter(
+        cls, frame_slot, decoded_slot, body_slot, fallback
+    )
+    return getter

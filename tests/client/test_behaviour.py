@@ -44,7 +44,7 @@ from msgq_trio import (
 )
 from msgq_trio.client.message import Message
 from msgq_trio.client.reconnect import GAVE_UP
-from msgq_trio.client.session import CLOSE_WAIT, IN_HIGH_COUNT
+from msgq_trio.client.session import CLOSE_WAIT, IN_HIGH_COUNT, IN_HIGH_WATER
 from msgq_trio.core.access import hash_token
 from msgq_trio.protocol.codes import ErrorCode
 from msgq_trio.protocol.framing import SPEEDUPS, Frame
@@ -714,6 +714,51 @@ async def test_a_reader_ahead_of_the_application_holds_a_bounded_count(
 
 
 @pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client reads on demand
+async def test_a_reader_ahead_of_the_application_holds_bounded_bytes(
+    driver: str, broker: Any
+) -> None:
+    """Large messages that the application does not take: the driver reads until the
+    bytes waiting pass ``IN_HIGH_WATER``, and no further (the receive that passed it is
+    the most over it: one message here); the rest wait in the broker and the sender.
+    Taking them (by receive() and by iteration) resumes reading, every byte arrives in
+    order, and nothing is held once all are taken."""
+    size = 1 << 20
+    count = IN_HIGH_WATER // size + 8
+    bodies = [bytes([i]) * size for i in range(count)]
+
+    def waiting(bus: Any) -> tuple[int, int]:
+        return bus._in_held(), len(bus._in)
+
+    async with (
+        open_client(driver, broker.path, "rx") as rx,
+        msgq_trio.connect(broker.path, "tx") as tx,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def send_all() -> None:
+            for body in bodies:
+                await tx.send(rx.lname, body)
+            await tx.flush()
+
+        nursery.start_soon(send_all)
+        held, n = 0, 0
+        with trio.fail_after(HANG):
+            while held <= IN_HIGH_WATER:  # it reads ahead up to the bound...
+                held, n = await rx.setup(waiting)
+                await trio.sleep(0.02)
+        for _ in range(10):  # ...and no further
+            held, n = await rx.setup(waiting)
+            assert IN_HIGH_WATER < held <= IN_HIGH_WATER + size + 4096
+            assert n < count
+            await trio.sleep(0.05)
+        got = [(await rx.receive(HANG)).body for _ in range(count // 2)]
+        with trio.fail_after(HANG):
+            got += [m.body for m in await rx.iterate(count - count // 2)]
+        assert await rx.setup(waiting) == (0, 0)
+    assert got == bodies
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client reads on demand
 async def test_messages_waiting_for_the_application_are_no_work_for_the_collector(
     driver: str, broker: Any
 ) -> None:
@@ -741,7 +786,7 @@ async def test_messages_waiting_for_the_application_are_no_work_for_the_collecto
             entries = list(bus._in)
             made = sum(isinstance(e, Message) for e in entries)
             size = sum(len(e.raw) for e in entries if isinstance(e, Frame))
-            return made, sum(gc.is_tracked(e) for e in entries), size, bus._in_bytes
+            return made, sum(gc.is_tracked(e) for e in entries), size, bus._in_held()
 
         made, tracked, size, counted = await rx.setup(waiting)
         assert made == 0
@@ -749,7 +794,7 @@ async def test_messages_waiting_for_the_application_are_no_work_for_the_collecto
             assert tracked == 0
         assert counted == size  # the bytes that count against IN_HIGH_WATER
         got = [await rx.receive(HANG) for _ in range(count)]
-        assert await rx.setup(lambda bus: bus._in_bytes) == 0
+        assert await rx.setup(lambda bus: bus._in_held()) == 0
     assert [m.body for m in got] == [[i, "x" * (i % 50)] for i in range(count)]
     assert {(m.sender, m.sender_name) for m in got} == {(tx.lname, "tx")}
 
@@ -781,7 +826,7 @@ async def test_large_bodies_waiting_for_the_application_count_in_full(
         def waiting(bus: Any) -> tuple[list[int], int, int]:
             frames = [e if isinstance(e, Frame) else e._frame for e in bus._in]
             own = [len(f.large_body) for f in frames]
-            return own, sum(len(f.raw) + len(f.large_body) for f in frames), bus._in_bytes
+            return own, sum(len(f.raw) + len(f.large_body) for f in frames), bus._in_held()
 
         own, size, counted = await rx.setup(waiting)
         assert own == [len(b) for b in bodies]  # received apart, not copied out later
@@ -790,7 +835,7 @@ async def test_large_bodies_waiting_for_the_application_count_in_full(
         got = [(await rx.receive(HANG)).body]
         with trio.fail_after(HANG):
             got += [m.body for m in await rx.iterate(len(bodies) - 1)]
-        assert await rx.setup(lambda bus: bus._in_bytes) == 0
+        assert await rx.setup(lambda bus: bus._in_held()) == 0
     assert got == bodies
 
 

@@ -412,6 +412,124 @@ def test_body_of_a_hand_made_frame_outside_raw(hlen: int, blen: int) -> None:
     assert outcome(lambda: C_BODY(f)) == outcome(lambda: framing._body_py(f))
 
 
+# -- Message.body's getter --------------------------------------------------------------------
+def _message(body: bytes) -> Any:
+    from msgq_trio.client.message import Message
+
+    raw = b"".join(bytes(p) for p in framing.encode_frame(3, target="g", body=body, source=STAMP))
+    p = FrameParser()
+    p.feed(raw)
+    f = p.next_frame()
+    assert f is not None
+    return Message(f, {})
+
+
+def _getters() -> tuple[Callable[[Any], object], Callable[[Any], object]]:
+    """(the Python getter of Message.body, a compiled one over it)."""
+    from msgq_trio.client.message import Message, _body_py
+
+    return _body_py, _speedups.body_getter(Message, "_frame", "_decoded", "_body", _body_py)
+
+
+@SETTINGS
+@given(body=body_sections)
+def test_body_getter_agrees(body: bytes) -> None:
+    """The compiled getter gives what the Python one gives (value or error, with the same
+    message), caches it as that one does, and a second read is the cached object."""
+    py_get, c_get = _getters()
+    m_py, m_c = _message(body), _message(body)
+    py, c = outcome(lambda: py_get(m_py)), outcome(lambda: c_get(m_c))
+    assert py == c
+    assert (m_py._decoded, m_c._decoded) == (py[0] == "ok",) * 2
+    if py[0] == "ok":
+        assert type(py[1]) is type(c[1])
+        assert c_get(m_c) is m_c._body is c[1]
+        assert py_get(m_c) is c[1]  # each reads the other's cache
+
+
+def test_body_getter_hands_anything_else_to_the_python_getter() -> None:
+    """An instance of another class, a message whose slot holds no parsed frame, or
+    keyword arguments go to the Python getter, which raises its own errors."""
+    from msgq_trio.client.message import Message
+
+    calls: list[object] = []
+
+    def fallback(obj: object) -> object:
+        calls.append(obj)
+        return "fallback"
+
+    get = _speedups.body_getter(Message, "_frame", "_decoded", "_body", fallback)
+    other = object()
+    assert get(other) == "fallback"
+    odd = _message(cbor2.dumps(b"x"))
+    odd._frame = ("not", "a", "frame")
+    assert get(odd) == "fallback"
+    assert odd._decoded is False
+    assert calls == [other, odd]
+    with pytest.raises(TypeError, match="not a plain class"):
+        _speedups.body_getter(int, "_frame", "_decoded", "_body", fallback)
+    with pytest.raises(TypeError, match="is not a slot of"):
+        _speedups.body_getter(Message, "_frame", "_nope", "_body", fallback)
+
+
+# -- ready ----------------------------------------------------------------------------------
+class _Done:
+    """An async iterator whose ``__anext__`` is a plain function returning ready(...)."""
+
+    def __init__(self, items: list[object]) -> None:
+        self.items = items
+
+    def __aiter__(self) -> _Done:
+        return self
+
+    def __anext__(self) -> Any:
+        if self.items:
+            return _speedups.ready(self.items.pop(0))
+        return self._end()
+
+    async def _end(self) -> object:
+        raise StopAsyncIteration
+
+
+VALUES: list[object] = [1, None, (1, 2), (), ValueError("a value, not raised"), [3]]
+
+
+async def _collect() -> list[object]:
+    got = [await _speedups.ready(v) for v in VALUES]
+    got += [v async for v in _Done(list(VALUES))]
+    return got
+
+
+def test_ready_is_an_awaitable_already_done() -> None:
+    """``await ready(v)`` is ``v`` under trio and asyncio, in ``async for`` too, for any
+    value (tuples and exceptions are values, not arguments or errors); driven by hand it
+    finishes with StopIteration(v) at once, and it releases the value."""
+    import asyncio
+
+    import trio
+
+    assert trio.run(_collect) == VALUES * 2
+    assert asyncio.run(_collect()) == VALUES * 2
+    for v in VALUES:
+        r = _speedups.ready(v)
+        assert r.__await__() is r  # type: ignore[attr-defined]
+        with pytest.raises(StopIteration) as info:
+            next(r)  # type: ignore[call-overload]
+        assert info.value.value is v
+        with pytest.raises(StopIteration) as info:
+            r.send(None)  # type: ignore[attr-defined]
+        assert info.value.value is v
+        with pytest.raises(KeyError, match="thrown"):
+            r.throw(KeyError("thrown"))  # type: ignore[attr-defined]
+        assert r.close() is None  # type: ignore[attr-defined]
+    marker = object()
+    before = sys.getrefcount(marker)
+    r = _speedups.ready(marker)
+    assert sys.getrefcount(marker) == before + 1
+    del r
+    assert sys.getrefcount(marker) == before
+
+
 # -- encode_small_bytes ----------------------------------------------------------------------
 payload_sizes = st.sampled_from([0, 1, 23, 24, 255, 256, 1000, 65535, 65536])
 
@@ -450,9 +568,9 @@ def test_encode_small_bytes_keywords_and_int_subclasses() -> None:
 def test_environment_selects_the_path(pure: str) -> None:
     """MSGQ_TRIO_PURE_PYTHON=1 runs the reference code; unset or "0" the compiled one."""
     code = (
-        "from msgq_trio.protocol import framing as f;"
+        "from msgq_trio.protocol import framing as f; from msgq_trio import Message as M;"
         "print(f.SPEEDUPS, type(f.Frame.body).__name__, f._scan_loop.__name__,"
-        " f.encode_small_bytes.__name__)"
+        " f.encode_small_bytes.__name__, type(f.ready).__name__, type(M.body.fget).__name__)"
     )
     env = {k: v for k, v in os.environ.items() if k != "MSGQ_TRIO_PURE_PYTHON"}
     if pure:
@@ -461,9 +579,23 @@ def test_environment_selects_the_path(pure: str) -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     if pure == "1":
-        assert out == ["False", "function", "_scan_loop_py", "_encode_small_bytes_py"]
+        assert out == [
+            "False",
+            "function",
+            "_scan_loop_py",
+            "_encode_small_bytes_py",
+            "function",
+            "function",
+        ]
     else:
-        assert out == ["True", "method_descriptor", "scan", "encode_small_bytes"]
+        assert out == [
+            "True",
+            "method_descriptor",
+            "scan",
+            "encode_small_bytes",
+            "builtin_function_or_method",
+            "BodyGetter",
+        ]
 
 
 def test_parse_errors_are_the_pythons() -> None:
