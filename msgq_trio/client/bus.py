@@ -116,6 +116,11 @@ class Bus(BusBase):
         self._out_fds = 0
         self._out: deque[Buffer] = deque()
         self._out_bytes = 0
+        # Whether _out may hold anything but small buffers (under NO_JOIN bytes, no
+        # descriptors): set by every queueing but send's small frame, cleared as the
+        # writer takes the queue. Without it the writer joins the queue in one call
+        # instead of looking at each buffer (a publisher queues thousands per write).
+        self._out_mixed = False
         self._out_wake = trio.lowlevel.ParkingLot()
         # Whether the writer is parked on _out_wake (set as it parks, cleared by whoever
         # unparks it), as _reader_parked: asked once per message sent.
@@ -383,6 +388,7 @@ class Bus(BusBase):
     # -- sending -----------------------------------------------------------------------
     def _queue(self, pieces: list[Buffer]) -> None:
         out = self._out
+        self._out_mixed = True
         for p in pieces:
             out.append(p)
             self._out_bytes += len(p)
@@ -401,6 +407,7 @@ class Bus(BusBase):
     def _queue_urgent(self, pieces: list[Buffer]) -> None:
         """Queue a latency-sensitive frame (request, answer) and try to write it at once."""
         out = self._out
+        self._out_mixed = True
         for p in pieces:
             out.append(p)
             self._out_bytes += len(p)
@@ -441,6 +448,7 @@ class Bus(BusBase):
             sent = 0
         if sent < len(data):
             out.append(memoryview(data)[sent:])
+            self._out_mixed = True
         self._out_bytes -= sent
         if sent and self._drained:
             # flush() and send()'s high-water wait park on this, and the writer (which
@@ -510,7 +518,10 @@ class Bus(BusBase):
         if type(frame) is bytes:
             # _queue for one bytes, inline: this runs once per message.
             self._out.append(frame)
-            self._out_bytes += len(frame)
+            size = len(frame)
+            self._out_bytes += size
+            if size >= NO_JOIN:
+                self._out_mixed = True
             if self._writer_parked:
                 self._writer_parked = False
                 self._out_wake.unpark_all()
@@ -712,11 +723,19 @@ class Bus(BusBase):
                 self._burst = False
                 bufs = list(out)
                 out.clear()
-                n = 0
-                for b in bufs:
-                    n += len(b)
-                    if type(b) is FdBuffer:
-                        self._out_fds -= len(b.fds)
+                if not self._out_mixed:
+                    # Small frames only (a publisher's queue): one join, no pass over
+                    # the buffers here or in send_buffers.
+                    data = b"".join(bufs)
+                    n = len(data)
+                    bufs = [data]
+                else:
+                    self._out_mixed = False
+                    n = 0
+                    for b in bufs:
+                        n += len(b)
+                        if type(b) is FdBuffer:
+                            self._out_fds -= len(b.fds)
                 self._writing = True
                 try:
                     await send_buffers(stream, bufs)
