@@ -663,7 +663,7 @@ class BusBase(SessionView):
     # -- sending -----------------------------------------------------------------------
     #: ``send(target, body, attachments, *, header, fds, on_behalf_of)``: the driver's
     #: (its backpressure and writing are its own); see :meth:`msgq_trio.Bus.send`.
-    send: Callable[..., Coroutine[Any, Any, None]]
+    send: Callable[..., Awaitable[None]]
 
     async def send_many(self, target: str, bodies: Iterable[Any]) -> None:
         """Send one one-way message per body to ``target``, in order, as :meth:`send`

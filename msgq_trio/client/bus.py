@@ -462,7 +462,7 @@ class Bus(BusBase):
         if s.lost is not None:
             raise s.lost
 
-    async def send(
+    def send(
         self,
         target: str,
         body: Any = None,
@@ -471,14 +471,19 @@ class Bus(BusBase):
         header: dict[str, object] | None = None,
         fds: Sequence[int] = (),
         on_behalf_of: tuple[str, str] | None = None,
-    ) -> None:
-        """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``).
+    ) -> Awaitable[None]:
+        """Send a one-way message to ``target`` (lname, group, ``G[N]`` or ``G[?]``):
+        ``await bus.send(...)``.
 
         A group gets it on every member except the sender. Returns once the frame is
         queued; waits only while more than ``OUT_HIGH_WATER`` bytes are queued.
         A cancellation point every ``_FAIRNESS`` (256) calls and whenever it waits, not
         at every call: a cancelled publisher loop stops within that many messages, and
         each message it queued is sent.
+        A plain method that returns an awaitable, not a coroutine function, because a
+        coroutine per message cost a sixth of the message (BENCHMARKS.md, "Client CPU
+        per message"): the frame is queued, or the error raised, when it is called; what
+        it returns passes for a coroutine (``nursery.start_soon(bus.send, ...)`` works).
         ``attachments`` are binary blobs (no copies, no escaping); ``fds`` are file
         descriptors passed with SCM_RIGHTS: each recipient gets its own duplicate, and the
         caller still owns (and closes) the ones it passed.
@@ -498,8 +503,8 @@ class Bus(BusBase):
         if n >= _FAIRNESS:
             # A cancellation check every _FAIRNESS sends (and in every wait for the
             # writer): one per message costs a tenth of the send itself.
-            n = 0
-            await trio.lowlevel.checkpoint_if_cancelled()
+            self._sends_unchecked = 0
+            return self._send_checked(target, body, attachments, header, fds, on_behalf_of)
         self._sends_unchecked = n
         s = self._s
         if s.lost is not None or self._closed:
@@ -528,7 +533,23 @@ class Bus(BusBase):
         else:
             self._queue(self._count_fds(frame) if fds else frame)  # type: ignore[arg-type]
         if self._out_bytes > OUT_HIGH_WATER:
-            await self._wait_out()
+            return self._wait_out()
+        return ready(None)
+
+    async def _send_checked(
+        self,
+        target: str,
+        body: Any,
+        attachments: Sequence[Buffer],
+        header: dict[str, object] | None,
+        fds: Sequence[int],
+        on_behalf_of: tuple[str, str] | None,
+    ) -> None:
+        """:meth:`send` after its cancellation check (nothing is queued if cancelled)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        await self.send(
+            target, body, attachments, header=header, fds=fds, on_behalf_of=on_behalf_of
+        )
 
     async def flush(self) -> None:
         """Wait until everything queued so far has been written to the socket."""

@@ -16,6 +16,7 @@ import trio
 
 import msgq_trio
 from msgq_trio import ConnectionLost, RemoteError, UsageError
+from msgq_trio.client.bus import OUT_HIGH_WATER
 from msgq_trio.protocol.codes import ErrorCode, FrameType
 from msgq_trio.protocol.framing import Frame, encode_cbor
 
@@ -167,6 +168,31 @@ async def test_the_direct_client_refuses_descriptors_and_async_handlers(broker: 
 
         with pytest.raises(UsageError, match="plain-function handlers"):
             direct.command("a")(handler)
+
+
+async def test_send_is_awaited_like_a_coroutine_method(broker: Any) -> None:
+    """``Bus.send`` is a plain method returning an awaitable (no coroutine per message),
+    and that awaitable passes wherever a coroutine does: awaited, handed to
+    ``nursery.start_soon``, or awaited past the 256th call (its cancellation check)
+    and past ``OUT_HIGH_WATER`` (its wait for the writer). Every message arrives, in
+    order."""
+    big = b"x" * (OUT_HIGH_WATER + 1)
+    async with (
+        msgq_trio.connect(broker.path, "sub") as sub,
+        msgq_trio.connect(broker.path, "pub") as pub,
+    ):
+        await sub.subscribe("G")
+        for i in range(300):
+            await pub.send("G", i)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pub.send, "G", "from a task")
+        await pub.send("G", big)
+        await pub.flush()
+        got = []
+        with trio.fail_after(30):  # only a broken client gets near this
+            while len(got) < 302:
+                got.append((await sub.receive()).body)
+    assert got == [*range(300), "from a task", big]
 
 
 async def test_a_cancelled_publisher_loop_stops_and_loses_nothing_it_queued(

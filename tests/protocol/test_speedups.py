@@ -10,6 +10,7 @@ Skipped where the extension was not built (no compiler), except in CI, which bui
 
 from __future__ import annotations
 
+import collections.abc
 import os
 import struct
 import subprocess
@@ -513,6 +514,8 @@ def test_ready_is_an_awaitable_already_done() -> None:
     for v in VALUES:
         r = _speedups.ready(v)
         assert r.__await__() is r  # type: ignore[attr-defined]
+        # What trio's start_soon and asyncio's create_task accept as a coroutine.
+        assert isinstance(r, collections.abc.Coroutine)
         with pytest.raises(StopIteration) as info:
             next(r)  # type: ignore[call-overload]
         assert info.value.value is v
