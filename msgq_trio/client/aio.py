@@ -39,6 +39,7 @@ from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds, ready
 from ..transport.fdpass import (  # no trio
+    RECEIVE_INTO_SIZE,
     RECEIVE_SIZE,
     SEND_BUFFER,
     ancillary_size,
@@ -545,20 +546,39 @@ class AioBus(BusBase):
             self._reading = True
 
     def _on_readable(self) -> None:
-        """One receive: bytes and descriptors into the codec, then every event acted on."""
+        """One receive: bytes and descriptors into the codec (a large frame's straight
+        into its own buffer, as the trio driver's ``SocketReceiver.receive_into``), then
+        every event acted on."""
+        conn = self._conn
+        target = conn.receive_buffer()
         try:
-            n, anc, flags, _addr = self._sock.recvmsg_into(
-                (self._rxbuf,), self._ancsize, _RECV_FLAGS
-            )
+            if target is None:
+                n, anc, flags, _addr = self._sock.recvmsg_into(
+                    (self._rxbuf,), self._ancsize, _RECV_FLAGS
+                )
+            else:
+                n, anc, flags, _addr = self._sock.recvmsg_into(
+                    (target[:RECEIVE_INTO_SIZE],), self._ancsize, _RECV_FLAGS
+                )
         except (BlockingIOError, InterruptedError):
+            if target is not None:
+                target.release()
+                conn.return_buffer()
             return
         except OSError as exc:
+            if target is not None:
+                target.release()
+                conn.return_buffer()
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
             return
         try:
             fds = take_fds(anc, flags) if anc else []
             # An empty read is EOF: the codec yields it after the frames before it.
-            self._conn.receive_data(self._rxbuf[:n], fds)
+            if target is None:
+                conn.receive_data(self._rxbuf[:n], fds)
+            else:
+                target.release()
+                conn.received_into(n, fds)
         except ProtocolError as exc:
             self._protocol_error(exc)
             return

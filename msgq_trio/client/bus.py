@@ -25,7 +25,7 @@ from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, ready
 from ..transport.errors import translate_socket_errors
-from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
+from ..transport.fdpass import RECEIVE_INTO_SIZE, RECEIVE_SIZE, SEND_BUFFER
 from ..transport.sockets import (
     NO_JOIN,
     SocketReceiver,
@@ -775,7 +775,12 @@ class Bus(BusBase):
 
     async def _reader(self) -> None:
         conn = self._conn
-        rx = SocketReceiver(self._stream.socket, RECEIVE_SIZE, ancillary_size(self._s.max_fds))
+        rx = SocketReceiver(
+            self._stream.socket,
+            RECEIVE_SIZE,
+            ancillary_size(self._s.max_fds),
+            RECEIVE_INTO_SIZE,
+        )
         receive = rx.receive_into
         received = False  # first pass: frames buffered behind WELCOME
         self._reading = True

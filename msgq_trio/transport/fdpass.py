@@ -29,6 +29,14 @@ __all__ = [
 _FD_SIZE = array.array("i").itemsize
 #: Bytes one client receive asks the kernel for (every client driver).
 RECEIVE_SIZE = 256 * 1024
+#: Bytes one client receive may put straight into a large frame's own buffer (the trio
+#: and asyncio drivers; ``Connection.receive_buffer``). A receive gets what the socket
+#: holds, about the broker's SO_SNDBUF (1 MiB); capped at ``RECEIVE_SIZE`` it took four
+#: receives, each a pass of the event loop, per MiB of a 4 MiB message
+#: (BENCHMARKS.md, "Client CPU per message"). The broker keeps its own cap (its
+#: ``RECEIVE_SIZE``) for fairness between connections; a client's receive delays only
+#: the client's own tasks, by at most the copy of this much (about 1 ms).
+RECEIVE_INTO_SIZE = 4 * 1024 * 1024
 #: SO_SNDBUF asked for a client's socket: the bytes in flight towards the broker. Same
 #: default and reason as the broker's ``Limits.socket_send_buffer`` (1 MiB; the kernel's
 #: 208 KiB default costs a wakeup per 208 KiB of a large frame).

@@ -195,12 +195,16 @@ class SocketReceiver:
     the trio socket is closed. Cancellation passes through (both awaits are checkpoints).
     """
 
-    __slots__ = ("_ancbufsize", "_drained", "_nbytes", "_raw", "_sock")
+    __slots__ = ("_ancbufsize", "_drained", "_into_nbytes", "_nbytes", "_raw", "_sock")
 
-    def __init__(self, sock: trio.socket.SocketType, nbytes: int, ancbufsize: int) -> None:
+    def __init__(
+        self, sock: trio.socket.SocketType, nbytes: int, ancbufsize: int, into_nbytes: int = 0
+    ) -> None:
         self._sock = sock
         self._raw = _raw_view(sock)
         self._nbytes = nbytes
+        # At most this much per receive into a caller's buffer (``nbytes`` if 0).
+        self._into_nbytes = into_nbytes or nbytes
         self._ancbufsize = ancbufsize
         self._drained = True
 
@@ -209,10 +213,12 @@ class SocketReceiver:
         view valid until the caller's next ``await`` (see the class docstring).
 
         ``into``: receive into this buffer instead (a large frame's own buffer,
-        ``Connection.receive_buffer``); the data is then a view of it. At most ``nbytes``
-        go in per call there too: receives of up to 2 MiB (what a sender's socket holds)
-        took the worst latency of small calls through the broker from 7 to 25-29 ms
-        while 64 MiB frames passed (scenario big-message-64mib).
+        ``Connection.receive_buffer``); the data is then a view of it. At most
+        ``into_nbytes`` go in per call there (``nbytes`` unless the owner gave another).
+        The broker keeps ``nbytes``: receives of up to 2 MiB (what a sender's socket
+        holds) took the worst latency of small calls through the broker from 7 to
+        25-29 ms while 64 MiB frames passed (scenario big-message-64mib); a client's
+        receive delays only its own tasks (``RECEIVE_INTO_SIZE``).
         """
         raw = self._raw
         if self._sock.fileno() == -1:  # closed while we were away: the number may be reused
@@ -236,7 +242,7 @@ class SocketReceiver:
         if self._sock.fileno() == -1:
             raise trio.ClosedResourceError("socket was closed")
         raw, nbytes, ancbufsize = self._raw, self._nbytes, self._ancbufsize
-        view = scratch_buffer(nbytes) if into is None else into[:nbytes]
+        view = scratch_buffer(nbytes) if into is None else into[: self._into_nbytes]
         try:
             n, anc, flags, _addr = raw.recvmsg_into((view,), ancbufsize, _RECV_FLAGS)
         except BlockingIOError:
