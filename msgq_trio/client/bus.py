@@ -481,9 +481,10 @@ class Bus(BusBase):
         at every call: a cancelled publisher loop stops within that many messages, and
         each message it queued is sent.
         A plain method that returns an awaitable, not a coroutine function, because a
-        coroutine per message cost a sixth of the message (BENCHMARKS.md, "Client CPU
-        per message"): the frame is queued, or the error raised, when it is called; what
-        it returns passes for a coroutine (``nursery.start_soon(bus.send, ...)`` works).
+        coroutine per message cost about a tenth of a publisher's CPU (BENCHMARKS.md,
+        "The client's per-message path, again"): the frame is queued, or the error
+        raised, when it is called; what it returns passes for a coroutine
+        (``nursery.start_soon(bus.send, ...)`` works).
         ``attachments`` are binary blobs (no copies, no escaping); ``fds`` are file
         descriptors passed with SCM_RIGHTS: each recipient gets its own duplicate, and the
         caller still owns (and closes) the ones it passed.

@@ -33,7 +33,7 @@ RECEIVE_SIZE = 256 * 1024
 #: and asyncio drivers; ``Connection.receive_buffer``). A receive gets what the socket
 #: holds, about the broker's SO_SNDBUF (1 MiB); capped at ``RECEIVE_SIZE`` it took four
 #: receives, each a pass of the event loop, per MiB of a 4 MiB message
-#: (BENCHMARKS.md, "Client CPU per message"). The broker keeps its own cap (its
+#: (BENCHMARKS.md, "The client's per-message path, again"). The broker keeps its own cap (its
 #: ``RECEIVE_SIZE``) for fairness between connections; a client's receive delays only
 #: the client's own tasks, by at most the copy of this much (about 1 ms).
 RECEIVE_INTO_SIZE = 4 * 1024 * 1024
