@@ -558,10 +558,12 @@ static int maker_clear(PyObject *self)
     return 0;
 }
 
-static void maker_dealloc(PyObject *self)
+/* tp_dealloc of this file's GC types: untracked, their references dropped (tp_clear),
+ * freed. */
+static void gc_dealloc(PyObject *self)
 {
     PyObject_GC_UnTrack(self);
-    maker_clear(self);
+    Py_TYPE(self)->tp_clear(self);
     Py_TYPE(self)->tp_free(self);
 }
 
@@ -574,7 +576,7 @@ static PyTypeObject MakerType = {
     .tp_call = PyVectorcall_Call,
     .tp_traverse = maker_traverse,
     .tp_clear = maker_clear,
-    .tp_dealloc = maker_dealloc,
+    .tp_dealloc = gc_dealloc,
     .tp_doc = "A constructor made by slot_maker().",
 };
 
@@ -704,13 +706,6 @@ static int body_getter_clear(PyObject *self)
     return 0;
 }
 
-static void body_getter_dealloc(PyObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    body_getter_clear(self);
-    Py_TYPE(self)->tp_free(self);
-}
-
 static PyTypeObject BodyGetterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "msgq_trio.protocol._speedups.BodyGetter",
@@ -720,7 +715,7 @@ static PyTypeObject BodyGetterType = {
     .tp_call = PyVectorcall_Call,
     .tp_traverse = body_getter_traverse,
     .tp_clear = body_getter_clear,
-    .tp_dealloc = body_getter_dealloc,
+    .tp_dealloc = gc_dealloc,
     .tp_doc = "A getter made by body_getter().",
 };
 
