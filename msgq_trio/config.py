@@ -78,16 +78,17 @@ class Limits:
       client (dbus-daemon: 64 system / 4,096 session bus per connection). A receiver that
       would exceed it is treated like one over ``out_hard_limit``.
     * ``socket_send_buffer`` 1 MiB: SO_SNDBUF asked for each client socket (the kernel
-      doubles it; 0 keeps the kernel default, 208 KiB here). A Unix stream socket carries at
-      most this much in flight, so with the default every 4 MiB frame needs ~20 wakeups per
-      hop; 1 MiB measured 2.4x the throughput of trio send/recv of 4 MiB messages (933 →
-      2,388 MB/s). The kernel only charges it while bytes are in flight, and it is capped
+      doubles it; 0 keeps the kernel default, ``net.core.wmem_default``, 208 KiB on stock
+      Linux). A Unix stream socket carries at most this much in flight, so with the default
+      every 4 MiB frame needs ~20 wakeups per hop, and at 1 MiB a few; larger buffers
+      stopped paying (more bytes in flight, colder copies: BENCHMARKS.md, "Tried, did not
+      help"). The kernel only charges it while bytes are in flight, and it is capped
       by ``net.core.wmem_max``. It is on top of ``out_soft_limit``: a stopped reader holds up
       to that plus twice this much for its senders.
     * ``busy_poll`` 200 us: the longest the broker keeps polling its sockets after a read
       instead of sleeping in ``epoll_wait``, so that the next frame (the callee's answer,
-      the caller's next request) is taken without a wake-up (about 20 us on this VM, two
-      per round trip). Adaptive, after KVM's halt polling (io/housekeeping.py,
+      the caller's next request) is taken without a wake-up out of ``epoll_wait``, often
+      across CPUs (two per round trip). Adaptive, after KVM's halt polling (io/housekeeping.py,
       ``BusyPoller.adapt``):
       two reads in a row within ``busy_poll`` of the one before open the window, one
       later closes it; so the broker polls while frames come back to back, and not for a
@@ -552,7 +553,8 @@ class AccessRule:
 class AccessSettings:
     """The access policy (``[[access]]`` tables plus ``[access_options]``).
 
-    * ``rules`` []: no rules = Unix clients may do everything (as before this existed);
+    * ``rules`` []: no rules = Unix clients may do everything (the socket's file
+      permissions are the policy);
       TCP clients may do nothing but the harmless broker commands (ping, version,
       members, unsubscribe) until a rule grants them more. A client is checked against
       the rules whose ``who`` matches it, the union of their grants; a Unix client no

@@ -19,9 +19,10 @@ import os
 #: How the broker hands its ``gc_threshold`` to the plugin processes it starts.
 GC_THRESHOLD_ENV = "MSGQ_TRIO_GC_THRESHOLD"
 
-#: The default ``gc_threshold``: with CPython's 700 the queue plugin spent a sixth of its
-#: CPU in the collector on a durable stream of small messages; at 10,000 almost none
-#: (BENCHMARKS.md, "The collector in the daemons").
+#: The default ``gc_threshold``: a daemon holds thousands of young objects at once in a
+#: burst (a queue's pending messages); with CPython's 700 each young collection walks and
+#: promotes them, which brings on full collections of the whole heap, while at 10,000 a
+#: burst dies before it is walked (BENCHMARKS.md, "The collector in the daemons").
 DEFAULT_GC_THRESHOLD = 10_000
 
 

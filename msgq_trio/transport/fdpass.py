@@ -33,9 +33,9 @@ RECEIVE_SIZE = 256 * 1024
 #: and asyncio drivers; ``Connection.receive_buffer``). A receive gets what the socket
 #: holds, about the broker's SO_SNDBUF (1 MiB); capped at ``RECEIVE_SIZE`` it took four
 #: receives, each a pass of the event loop, per MiB of a 4 MiB message
-#: (BENCHMARKS.md, "The client's per-message path, again"). The broker keeps its own cap (its
+#: (BENCHMARKS.md, "The client's per-message path"). The broker keeps its own cap (its
 #: ``RECEIVE_SIZE``) for fairness between connections; a client's receive delays only
-#: the client's own tasks, by at most the copy of this much (about 1 ms).
+#: the client's own tasks, by at most one copy of what its socket held.
 RECEIVE_INTO_SIZE = 4 * 1024 * 1024
 #: SO_SNDBUF asked for a client's socket: the bytes in flight towards the broker. Same
 #: default and reason as the broker's ``Limits.socket_send_buffer`` (1 MiB; the kernel's

@@ -100,7 +100,7 @@ def coalesce(bufs: Sequence[Buffer | PipeTail]) -> list[Buffer | PipeTail]:
 
 #: Most extra receives taken without waiting after one that brought descriptors. Linux
 #: ends a recvmsg at every message that carries descriptors, so without this a burst of
-#: them costs one trio wake-up (~10 us plus a scheduler pass) per message.
+#: them costs one trio wake-up (an ``epoll_wait`` and a scheduler pass) per message.
 FD_DRAIN_ROUNDS = 64
 
 
@@ -215,10 +215,10 @@ class SocketReceiver:
         ``into``: receive into this buffer instead (a large frame's own buffer,
         ``Connection.receive_buffer``); the data is then a view of it. At most
         ``into_nbytes`` go in per call there (``nbytes`` unless the owner gave another).
-        The broker keeps ``nbytes``: receives of up to 2 MiB (what a sender's socket
-        holds) took the worst latency of small calls through the broker from 7 to
-        25-29 ms while 64 MiB frames passed (scenario big-message-64mib); a client's
-        receive delays only its own tasks (``RECEIVE_INTO_SIZE``).
+        The broker keeps ``nbytes``: a receive of all a sender's socket holds (up to
+        2 MiB) makes every other connection's small calls wait for that copy while a
+        large frame passes (scenario big-message-64mib bounds their worst latency); a
+        client's receive delays only its own tasks (``RECEIVE_INTO_SIZE``).
         """
         raw = self._raw
         if self._sock.fileno() == -1:  # closed while we were away: the number may be reused

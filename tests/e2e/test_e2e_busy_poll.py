@@ -16,7 +16,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far (clock-tick resolution, 10 ms here)."""
+    """User + system CPU time of ``pid`` so far (resolution: one clock tick, ``TICK``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 

@@ -1,4 +1,4 @@
-"""Across hosts (issue 11): two brokers in two network namespaces joined by a veth pair,
+"""Across hosts: two brokers in two network namespaces joined by a veth pair,
 the link between them over TLS with a token, link faults made by taking the interface
 down. Needs root (CI runs as root); nothing leaves the namespaces: the veth pair is the
 only interface besides each namespace's loopback, and no route leads anywhere else."""
@@ -160,7 +160,7 @@ class NetnsChain:
         )
 
 
-#: The issue's acceptance faults: the link cut three times (no FIN, no RST: only the
+#: The faults the chain must survive: the link cut three times (no FIN, no RST: only the
 #: heartbeats notice), broker A SIGKILLed and restarted once.
 NETNS_FAULTS = (
     ChainFault(0.15, "cut-net", 2.0),
@@ -174,7 +174,7 @@ NETNS_FAULTS = (
 async def test_chain_across_namespaces_over_tls(
     broker_factory: Factory, short_tmp: Path, namespaces: tuple[str, str]
 ) -> None:
-    """Acceptance (issue 11): producer -> broker A queue -> TLS link -> broker B queue ->
+    """End to end across hosts: producer -> broker A queue -> TLS link -> broker B queue ->
     consumer, A and B in two network namespaces; 100,000 messages while the network is
     cut three times and A is SIGKILLed once. Every message the producer got ack 1 for
     reaches the consumer; duplicates (0 with dedup) and the share written at A reported."""

@@ -399,7 +399,7 @@ async def test_reader_closed_by_another_task_while_reading(
     """trio's ReceiveStream contract: ``aclose()`` from another task while
     ``receive_some`` is blocked makes that call raise ClosedResourceError (never another
     exception, never data). 40 rounds, as the race is in when the blocked read wakes
-    relative to the close (it went wrong in 30-70 % of single rounds); every later call
+    relative to the close, which one round hits only some of the time; every later call
     on the closed reader raises ClosedResourceError too, and no call slot is left."""
     b = pipe_broker()
     async with msgq_trio.connect(b.path, "r") as rb:

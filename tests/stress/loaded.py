@@ -7,7 +7,7 @@ row, prints each run's wall time and exit status, and stops the burners, also wh
 interrupted. Exit status: 0 when every run passed, else the first failing run's status.
 
     python3 tests/stress/loaded.py                      # the README's pytest part, once
-    python3 tests/stress/loaded.py --runs 3             # the acceptance: three in a row
+    python3 tests/stress/loaded.py --runs 3             # three in a row, for rare flakes
     python3 tests/stress/loaded.py -- .venv/bin/python -m pytest tests/e2e -q
 
 Run it from the repository's top directory, after the README's install step.
