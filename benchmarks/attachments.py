@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.attachments [--blobs N] [--fds N] [--repeat R] [--json FILE]``
 
-Two workloads the main harness does not cover (issue 8), each 1 publisher -> broker ->
+Two workloads the main harness does not cover, each 1 publisher -> broker ->
 1 subscriber, every party its own process, a fresh broker per repetition:
 
 * **blob**: ``N`` messages (default 20) each carrying one 64 MiB attachment (a
@@ -12,7 +12,7 @@ Two workloads the main harness does not cover (issue 8), each 1 publisher -> bro
 * **fair** (with ``--fair``): the blob workload again while a separate process makes
   small sequential RPCs (a caller and an echo callee, 64-byte params) through the same
   broker; figures: the blob MB/s and the round-trip p50/p99/max of the small calls made
-  while the blobs flowed (issue 5: large messages must not starve small traffic).
+  while the blobs flowed (large messages must not starve small traffic).
 * **fds**: ``N`` messages (default 20,000) each carrying one file descriptor (the read end
   of a pipe; the broker dups it into the receiver with SCM_RIGHTS) and a 16-byte body.
   Figure: messages/s at the subscriber, which closes every descriptor it receives and

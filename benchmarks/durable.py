@@ -1,8 +1,8 @@
 """The durable acked publish workload: ``n`` x ``size`` B published to a durable store by
 one producer process with a window of unacknowledged messages.
 
-Systems (a fresh server and store directory per run, except RabbitMQ, whose ~10 s start
-is paid once per benchmark: one server, a fresh durable queue per run):
+Systems (a fresh server and store directory per run, except RabbitMQ, whose slow start
+(an Erlang node) is paid once per benchmark: one server, a fresh durable queue per run):
 
 * ``nats``: nats-server with JetStream, file store in the run's directory;
 * ``redis``: redis-server with ``appendonly yes`` and ``appendfsync everysec``, XADD;
@@ -46,8 +46,8 @@ from .procs import (
 )
 
 #: Full and quick sizes. ``window``: unacknowledged messages a producer keeps in flight.
-#: 200,000 messages: at 50,000 a msgq_trio run lasted 0.15 s, as short as the start-up
-#: transients of its four processes, and its three runs spread by a factor of 1.5.
+#: 200,000 messages: a run must last long against the start-up transients of its four
+#: processes, or its repetitions spread widely.
 DURABLE_FULL = {"n": 200_000, "size": 100, "window": 1000}
 DURABLE_QUICK = {"n": 500, "size": 100, "window": 100}
 #: (label, producers, consumer online) of the msgq_trio rows.
@@ -57,8 +57,8 @@ MSGQ_ROWS = {
     "msgq_trio +consumer": (1, True),
 }
 PEER_ROWS = ["nats", "redis", "rabbitmq"]
-#: Hard timeout of one durable run: the slowest row (RabbitMQ, 200,000 confirms at ~6k/s)
-#: takes ~35 s here; a row that hangs costs no more than this, once.
+#: Hard timeout of one durable run: well above the slowest row (RabbitMQ's 200,000
+#: publisher confirms); a row that hangs costs no more than this, once.
 DURABLE_TIMEOUT = 60.0
 RABBIT_BIN = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 RABBIT_START_TIMEOUT = 60.0
@@ -199,7 +199,7 @@ def start_rabbitmq(run_dir: Path) -> Service:
 
 
 class SharedRabbit:
-    """The benchmark's one RabbitMQ server: started at its first use, so its ~10 s start is
+    """The benchmark's one RabbitMQ server: started at its first use, so its slow start is
     paid once per benchmark, and stopped by :meth:`close` (call it in a ``finally``)."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ capture costs, and what an idle client costs the broker.
   printed that it holds the request, the harness SIGKILLs it and the caller prints when
   its call failed. Figure: µs from ``kill()`` to the caller's ``recipient-gone`` (both
   ``time.monotonic()``), p50/p99/max over ``kills`` kills (200 a repetition in the full
-  run, the count issue 3 asks for). A fresh callee per kill, forked by a pool process
+  run: enough for a p99). A fresh callee per kill, forked by a pool process
   (:mod:`benchmarks.worker_msgq_extra` ``callee-pool``) in batches of
   :data:`KILL_BATCH`, so a kill costs milliseconds, not an interpreter start-up; one
   broker and one caller for all of them. Also measured: µs from ``kill()`` to EOF on a

@@ -314,7 +314,7 @@ NO_BUSY_POLL_ROW = ", busy polling off"
 
 
 def goal_table(report: dict[str, Any], *, markdown: bool = False) -> str:
-    """Issue 7's goal, column by column: msgq_trio's median against NATS's and Redis's,
+    """The goal, column by column: msgq_trio's median against NATS's and Redis's,
     as a ratio where above 1 means msgq_trio is ahead (for latency: theirs / ours), and
     whether it is ahead of both. msgq_trio's figure is the better of the trio client
     (``msgq_trio``) and the direct client (``msgq_trio-direct``), named when direct: the

@@ -14,7 +14,7 @@ capture on/off, broker RSS per idle client: :mod:`benchmarks.extras`) and
 ``durable`` (durable acked publish: :mod:`benchmarks.durable`), and, only when
 asked for, ``backlog`` (a queue filled past memory with no consumer, the plugin's RSS,
 its restart time, then drained: :mod:`benchmarks.backlog`; 4,000,000 x 1 KiB by
-default, which writes about 5 GiB and takes a minute and a half here).
+default, which writes about 5 GiB).
 
 Workloads: one-way, fan-out, req-reply, concurrent, large (see
 :mod:`benchmarks.workloads`). Systems (:mod:`benchmarks.systems`): msgq_trio
@@ -78,13 +78,13 @@ Printer = Callable[[str], None]
 SECTIONS = ("main", "msgq-only", "durable", "backlog")
 DEFAULT_SECTIONS = ("main", "msgq-only", "durable")
 #: Messages of 1 KiB in the backlog section: 3.8 GiB, past any memory bound the plugin
-#: has, the size issue 20 asks for; --quick uses BACKLOG_QUICK.
+#: has, the size of the README's backlog figure; --quick uses BACKLOG_QUICK.
 BACKLOG_FULL = 4_000_000
 BACKLOG_QUICK = 20_000
 BACKLOG_SIZE = 1024
 #: msgq_trio-only figures: SIGKILLs per repetition, and idle-client counts.
-#: 200 kills a repetition: the count issue 3 asks for its p50/p99 (a forked callee pool
-#: makes that ~5 s here).
+#: 200 kills a repetition: enough for a p99 (a forked callee pool spares each kill an
+#: interpreter start-up, so they stay cheap).
 #: ``capture_n``: messages of the one-way workload run with capture off and on (half the
 #: one-way count: a ratio needs no more, and it runs twice).
 MSGQ_ONLY_FULL: dict[str, Any] = {"kills": 200, "idle": [1000, 10000], "capture_n": 100_000}
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rabbitmq",
         action="store_true",
         help="also run rabbitmq, in every workload (installed if missing); its "
-        "server takes ~10 s to start, once per benchmark",
+        "server starts once per benchmark (its start-up is slow: an Erlang node)",
     )
     p.add_argument(
         "--sections",
@@ -583,7 +583,7 @@ def render(report: dict[str, Any], *, markdown: bool = False) -> str:
     if any(s in report["results"] for s in ("nats", "redis")):
         lines += [
             "",
-            "issue 7's goal, ahead of NATS and Redis in every column (ratio > 1: "
+            "the goal, ahead of NATS and Redis in every column (ratio > 1: "
             "msgq_trio ahead; for latency, their p50 / msgq_trio's):",
             *gap,
             goal_table(report, markdown=markdown),
@@ -705,7 +705,7 @@ def smoke(
     ``median`` (the figure, in ``WORKLOADS[workload].unit``); ``report["msgq_only"][key]``
     and ``report["durable"][row]`` the same for those sections. Installs nothing, starts
     no peer that is not in ``systems``, prints nothing. The 16-producer durable row is
-    left out by default: it only adds processes (8 s here) to the same harness path.
+    left out by default: it only adds processes to the same harness path.
     """
     return run_bench(
         list(systems),

@@ -56,10 +56,10 @@ WORKLOADS: dict[str, Workload] = {
     )
 }
 
-#: Sizes of the full run. One-way, req-reply and large are the issue's counts; fan-out
-#: (100,000 x 4 = 400,000 deliveries) and concurrent (8,000 calls) were halved so three
-#: repetitions of everything fit in 10 minutes: each still runs 3-10 s here, far above
-#: the start-up noise. One repetition of all five takes ~10-25 s per system here.
+#: Sizes of the full run: each workload runs long enough to stand far above the
+#: processes' start-up noise; fan-out (100,000 x 4 = 400,000 deliveries) and concurrent
+#: (8,000 calls) are half the others' counts so three repetitions of everything fit in
+#: the run's time budget.
 FULL: dict[str, dict[str, int]] = {
     "one-way": {"n": 200_000, "size": 100, "subs": 1},
     "fan-out": {"n": 100_000, "size": 100, "subs": 4},

@@ -138,19 +138,20 @@ ALLOWED_IMPORTS: dict[tuple[str, str], str] = {}
 #: Known import cycles (the modules of one strongly connected component) -> why.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
     frozenset({"msgq_trio.client.api", "msgq_trio.client.queue"}): (
-        "api.py imports queue.py's Queue for annotations (TYPE_CHECKING), queue.py imports"
-        " api.py; under rework with the client"
+        "api.py imports queue.py's Queue (for annotations, and in Bus.queue()), queue.py"
+        " api.py's BusBase for annotations; under rework with the client"
     ),
     frozenset({"msgq_trio.io.connection", "msgq_trio.io.housekeeping", "msgq_trio.io.server"}): (
-        "connection.py and housekeeping.py import Server for annotations (TYPE_CHECKING);"
-        " under rework: PeerConnection over a narrow host protocol"
+        "server.py imports connection.py and housekeeping.py, which import Server for"
+        " annotations; under rework: PeerConnection over a narrow host protocol"
     ),
     frozenset({"msgq_trio.plugins.queue.engine", "msgq_trio.plugins.queue.metrics"}): (
-        "metrics.py imports engine.py's types for annotations (TYPE_CHECKING), engine.py"
-        " imports metrics.py; under rework with the queue plugin"
+        "engine.py imports metrics.py's Histogram, metrics.py engine.py's Engine for"
+        " annotations; under rework with the queue plugin"
     ),
     frozenset({"msgq_trio.analytics.cli", "msgq_trio.analytics.live"}): (
-        "cli.py imports live.py in a function, live.py imports cli.py's helpers in one"
+        "cli.py imports live.py's parser and main in functions, live.py cli.py's"
+        " prepare_output and spark_error in functions"
     ),
 }
 

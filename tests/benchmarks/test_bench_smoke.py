@@ -1,11 +1,11 @@
 """The benchmark harness runs end to end with tiny counts (the full run is not a test).
 
 One quick run (msgq_trio's trio and direct clients and the raw-socket ceiling, no peers,
-nothing installed) is shared by the tests below; it takes 25-35 s on the 2-CPU machine.
-The asyncio clients (msgq_trio.aio, nats-py, redis.asyncio) have a quick run of their own
-(about 10 s), and so do the durable workload's NATS and Redis producers (a few seconds);
-those need the servers installed. RabbitMQ's are left out here, its server alone takes
-~10 s to start.
+nothing installed) is shared by the tests below, the longest part of this file. The
+asyncio clients (msgq_trio.aio, nats-py, redis.asyncio) have a quick run of their own,
+and so do the durable workload's NATS and Redis producers; those need the servers
+installed. RabbitMQ's are left out: its server's start (an Erlang node) would cost more
+than the rest of the file.
 """
 
 from __future__ import annotations
