@@ -155,7 +155,7 @@ class Broker:
 
 
 async def _fill(sock: Path, messages: int, size: int) -> float:
-    from msgq_trio.client.bus import connect
+    from msgq_trio import connect
 
     pad = b"x" * max(0, size - _INDEX.size)
     async with connect(sock, "backlog-producer") as bus:
@@ -174,7 +174,7 @@ async def _fill(sock: Path, messages: int, size: int) -> float:
 
 
 async def _drain(sock: Path, messages: int, plugin: int) -> dict[str, Any]:
-    from msgq_trio.client.bus import connect
+    from msgq_trio import connect
 
     peak_anon = peak_rss = 0
     expected = 0

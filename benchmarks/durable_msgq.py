@@ -183,7 +183,7 @@ def _run_stats(sock: Path) -> str:
 def _producer(sock: str, n: int, size: int, index: int) -> None:
     import trio
 
-    from msgq_trio.client.bus import connect
+    from msgq_trio import connect
 
     async def main() -> None:
         async with connect(sock, f"bench-producer-{index}") as bus:
@@ -219,7 +219,7 @@ def _producer(sock: str, n: int, size: int, index: int) -> None:
 def _consumer(sock: str, n: int) -> None:
     import trio
 
-    from msgq_trio.client.bus import connect
+    from msgq_trio import connect
 
     async def main() -> None:
         async with connect(sock, "bench-consumer") as bus:

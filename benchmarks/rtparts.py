@@ -40,8 +40,7 @@ from typing import Any
 import trio
 
 import msgq_trio
-from msgq_trio.client.direct import DirectBus
-from msgq_trio.client.direct import connect as connect_direct
+from msgq_trio import DirectBus, connect_direct
 from msgq_trio.client.session import Request, Send
 from msgq_trio.demo import start_broker
 from msgq_trio.protocol.framing import Frame

@@ -18,8 +18,7 @@ import threading
 import time
 from typing import Any
 
-from msgq_trio.client.direct import DirectBus
-from msgq_trio.client.direct import connect as connect_direct
+from msgq_trio import DirectBus, connect_direct
 
 from .common import Deadline, Spec, calls_result, payloads, ready, wait_go, worker_main
 from .worker_msgq import ECHO

@@ -33,6 +33,8 @@ def test_backlog_lives_on_disk_not_in_the_plugins_memory(tmp_path: Path) -> None
 
 
 def test_backlog_section_in_the_report() -> None:
+    """``--sections backlog`` runs the backlog through the harness and the report shows
+    it with its message count and size."""
     report = run_bench(
         [],
         [],
