@@ -1,6 +1,6 @@
 # PYTHON_ARGCOMPLETE_OK (argcomplete looks for this marker to offer completion)
 """The msgq-trio command line: serve, ctl, dump, send, call, notify, listen, reply, members,
-pipe, queue, token, demo, bench, scenario, analyze.
+pipe, queue, token, demo, scenario, analyze.
 
 Broker address: -s/--socket takes a socket path or a tcp://HOST:PORT / tls://HOST:PORT URL
 (default $MSGQ_TRIO_SOCKET, else the per-user socket). Remote brokers: --token (or
@@ -50,7 +50,7 @@ EXIT_BROKEN_PIPE = 141
 
 #: Subcommands with their own argument parser: everything after the name is theirs
 #: (argparse's REMAINDER would reject a first argument that looks like an option).
-_DELEGATED = ("bench", "scenario", "analyze")
+_DELEGATED = ("scenario", "analyze")
 #: Subcommands that talk to a broker as a client: they take --token and the TLS flags.
 _CLIENTS = ("ctl", "dump", "send", "call", "notify", "listen", "reply", "members", "pipe", "queue")
 #: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
@@ -224,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
     for name, text in (
-        ("bench", "benchmark msgq_trio next to a raw socket ceiling"),
         ("scenario", "run fault scenarios (scenarios/*.toml)"),
         ("analyze", "analyse captures and scenario results on Spark (needs the 'spark' extra)"),
     ):
@@ -287,10 +286,6 @@ def _silence_stdout() -> None:
 
 def _delegate(name: str, argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
-    if name == "bench":
-        from .bench.run import main as bench_main
-
-        return int(bench_main(argv))
     if name == "analyze":  # pyspark is imported only when a job runs
         from .analytics.cli import main as analyze_main
 

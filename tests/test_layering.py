@@ -1,51 +1,176 @@
-"""Layering: the sans-I/O protocol, the pure core and the storage backends never import
-trio or the I/O layer; the client's sans-I/O session (its value types, reconnect and
-busy-poll rules) imports no event loop, no socket, no thread and none of its drivers;
-plugins never import the broker's core, daemon or operations layer, and the core no
-plugin. Checked on the source with ast (importing would hide lazy imports and would
-itself import trio through the package)."""
+"""Layering of the whole house, declared once and checked on the source with ast
+(importing would hide lazy imports and would itself import trio through the package).
+
+Every module of msgq_trio/, plugins/ (installed as msgq_trio.plugins), storage/
+(msgq_trio.storage) and benchmarks/ (the peer comparison, top level, not installed)
+belongs to one layer of :data:`LAYERS`, and :data:`RANK` orders the layers, lowest
+first. A module may import its own layer and the layers of lower ranks, never a layer of
+its own rank (siblings stay apart: the broker's I/O and the client know nothing of each
+other) nor of a higher one. Because every import points downwards, no chain of imports
+can point upwards either: the rule holds transitively. Some layers must not reach a
+lower one at all (:data:`NEVER_REACHES`: plugins are clients of the broker, not parts of
+it), and some modules must not reach an event loop, a socket or a thread through any
+chain of imports (:data:`NO_REACH`): those two are checked on the transitive closure.
+There are no import cycles between files (Tarjan's strongly connected components).
+
+What counts as an import: every ``import`` and ``from ... import`` anywhere in a file,
+at module level, inside a function (a lazy import) and under ``if TYPE_CHECKING:``. A
+lazy import is still a dependency, and moving an import into a function is the usual way
+to hide a cycle, so counting only module-level imports would make both rules trivially
+dodgeable. Not counted: the implicit import of a module's parent packages (importing
+``msgq_trio.client.bus`` runs ``msgq_trio/__init__.py`` first; every module would
+otherwise depend on the package face).
+
+Known violations in code under rework are listed in :data:`ALLOWED_IMPORTS` and
+:data:`ALLOWED_CYCLES`, each with its reason; an entry that no longer matches anything
+fails the test, so it is removed once the code is fixed.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: directory -> the dotted package name it is installed as
-PURE_LAYERS = {
-    ROOT / "msgq_trio" / "protocol": "msgq_trio.protocol",
-    ROOT / "msgq_trio" / "core": "msgq_trio.core",
+#: Source directory -> the dotted name its modules are imported by.
+SOURCES = {
+    ROOT / "msgq_trio": "msgq_trio",
+    ROOT / "plugins": "msgq_trio.plugins",
     ROOT / "storage": "msgq_trio.storage",
+    ROOT / "benchmarks": "benchmarks",
 }
-FORBIDDEN = ("trio", "msgq_trio.io")
-#: The client's sans-I/O modules -> the package their relative imports resolve against.
-CLIENT_SESSION = {
-    ROOT / "msgq_trio" / "client" / "session.py": "msgq_trio.client",
-    ROOT / "msgq_trio" / "client" / "message.py": "msgq_trio.client",
-    ROOT / "msgq_trio" / "client" / "reconnect.py": "msgq_trio.client",
-    ROOT / "msgq_trio" / "client" / "polling.py": "msgq_trio.client",
+
+#: Layer -> the modules (and their submodules) it is made of. ``msgq_trio`` itself, the
+#: package face, counts as the client (it re-exports the client); any other module
+#: directly under msgq_trio/ must be named here, or the test fails.
+LAYERS: dict[str, tuple[str, ...]] = {
+    # standard library only: version string, process helpers, daemon tuning
+    "base": ("msgq_trio._version", "msgq_trio._procs", "msgq_trio.runtime"),
+    "protocol": ("msgq_trio.protocol",),
+    "errors": ("msgq_trio.errors",),
+    "transport": ("msgq_trio.transport",),
+    "config": ("msgq_trio.config",),
+    "exposition": ("msgq_trio.exposition",),
+    "core": ("msgq_trio.core",),
+    "storage": ("msgq_trio.storage",),
+    "io": ("msgq_trio.io",),
+    "client": ("msgq_trio", "msgq_trio.client", "msgq_trio.aio", "msgq_trio.sync"),
+    "plugins": ("msgq_trio.plugins",),
+    "ops": ("msgq_trio.ops",),
+    "scenario": ("msgq_trio.scenario",),
+    "demo": ("msgq_trio.demo",),
+    "analytics": ("msgq_trio.analytics",),
+    "cli": ("msgq_trio.cli", "msgq_trio.__main__"),
+    "benchmarks": ("benchmarks",),
 }
-#: What the session may not import: an event loop, sockets, threads, the broker's I/O,
-#: the socket toolkit (it imports trio) or a driver (the drivers import the session).
-SESSION_FORBIDDEN = (
-    "trio",
-    "asyncio",
-    "socket",
-    "select",
-    "threading",
-    "msgq_trio.io",
-    "msgq_trio.transport",
-    "msgq_trio.client.bus",
-    "msgq_trio.client.direct",
-)
+
+#: The layers, lowest first; a set holds siblings, which do not import each other.
+#: analytics sits under the command line alone (``msgq-trio analyze`` wires it) and the
+#: benchmark above everything: nothing in the package imports either.
+RANK: list[set[str]] = [
+    {"base"},
+    {"protocol"},  # the sans-I/O wire codec
+    {"errors"},  # the exceptions, keyed by the protocol's error codes
+    {"transport", "config", "exposition"},  # socket toolkit, settings, metrics endpoint
+    {"core", "storage"},  # the broker's logic and the queue stores: pure, no trio
+    {"io", "client"},  # the broker's daemon layer and the clients
+    {"plugins"},  # plugins are clients of the broker
+    {"ops", "scenario", "demo"},  # running the broker, fault scenarios, the demo
+    {"analytics"},
+    {"cli"},
+    {"benchmarks"},
+]
+
+#: Layer -> lower layers it must not reach through any chain of imports.
+NEVER_REACHES: dict[str, set[str]] = {
+    # Plugins talk to the broker through the client and the plugin API only.
+    "plugins": {"core", "io"},
+}
+
+#: Modules (with their submodules) -> what no chain of imports from them may reach: an
+#: external top-level module (``trio``) or a module of the house (``msgq_trio.client.bus``).
+NO_REACH: dict[str, tuple[str, ...]] = {
+    # The pure layers: the sans-I/O protocol, the broker's core, the queue stores.
+    "msgq_trio.protocol": ("trio",),
+    "msgq_trio.core": ("trio",),
+    "msgq_trio.storage": ("trio",),
+    # The client's sans-I/O session and its value types: no event loop, socket, thread,
+    # socket toolkit or driver (the drivers import the session).
+    **{
+        f"msgq_trio.client.{m}": (
+            "trio",
+            "asyncio",
+            "socket",
+            "select",
+            "threading",
+            "msgq_trio.transport",
+            "msgq_trio.client.bus",
+            "msgq_trio.client.direct",
+        )
+        for m in ("session", "message", "reconnect", "polling")
+    },
+    # The asyncio driver runs without a trio run context.
+    "msgq_trio.client.aio": ("trio", "msgq_trio.client.bus", "msgq_trio.client.pipe"),
+    "msgq_trio.client.aio_pipe": ("trio", "msgq_trio.client.bus", "msgq_trio.client.pipe"),
+    # The API both asynchronous drivers share, and the plugin clients' logic over it.
+    **{
+        f"msgq_trio.client.{m}": (
+            "trio",
+            "asyncio",
+            "msgq_trio.client.bus",
+            "msgq_trio.client.aio",
+            "msgq_trio.client.aio_pipe",
+            "msgq_trio.client.direct",
+            "msgq_trio.client.pipe",
+        )
+        for m in ("api", "queue", "pipe_core", "mailbox")
+    },
+}
+
+#: Known upward or sideways imports: (importing module, imported module) -> why it is
+#: tolerated for now. Empty: the house has none.
+ALLOWED_IMPORTS: dict[tuple[str, str], str] = {}
+
+#: Known import cycles (the modules of one strongly connected component) -> why.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"msgq_trio.client.api", "msgq_trio.client.queue"}): (
+        "api.py imports queue.py's Queue (for annotations, and in Bus.queue()), queue.py"
+        " api.py's BusBase for annotations; under rework with the client"
+    ),
+    frozenset({"msgq_trio.io.connection", "msgq_trio.io.housekeeping", "msgq_trio.io.server"}): (
+        "server.py imports connection.py and housekeeping.py, which import Server for"
+        " annotations; under rework: PeerConnection over a narrow host protocol"
+    ),
+    frozenset({"msgq_trio.plugins.queue.engine", "msgq_trio.plugins.queue.metrics"}): (
+        "engine.py imports metrics.py's Histogram, metrics.py engine.py's Engine for"
+        " annotations; under rework with the queue plugin"
+    ),
+    frozenset({"msgq_trio.analytics.cli", "msgq_trio.analytics.live"}): (
+        "cli.py imports live.py's parser and main in functions, live.py cli.py's"
+        " prepare_output and spark_error in functions"
+    ),
+}
 
 
-def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
-    """Every module an ``import`` / ``from ... import`` in ``source`` names, with relative
-    imports resolved against ``package`` (the package the file belongs to). For
-    ``from X import a, b`` both X and X.a, X.b are reported (a, b may be submodules)."""
+@dataclass
+class Module:
+    """One source file: its dotted name, and what it imports (line, dotted name)."""
+
+    name: str
+    path: Path | None
+    imports: list[tuple[int, str]] = field(default_factory=list)
+
+
+def imported_names(source: str, package: str) -> list[tuple[int, str]]:
+    """Every module an ``import`` / ``from ... import`` anywhere in ``source`` names (in
+    functions and ``if TYPE_CHECKING:`` too), with relative imports resolved against
+    ``package`` (the package the file belongs to). ``from X import a`` is reported as
+    ``X.a``: :func:`resolve` makes it the submodule ``X.a`` if there is one, else ``X``
+    (``a`` is a name in X)."""
     out: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -58,530 +183,362 @@ def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
                 base = ".".join(parts + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
-            out.append((node.lineno, base))
             out.extend((node.lineno, f"{base}.{alias.name}") for alias in node.names)
     return out
 
 
-def violations(
-    source: str, package: str, forbidden_modules: tuple[str, ...] = FORBIDDEN
+def parse_modules(files: Iterable[tuple[str, bool, str, Path | None]]) -> dict[str, Module]:
+    """(dotted name, is a package's ``__init__``, source, path) -> the modules."""
+    modules = {}
+    for name, is_package, source, path in files:
+        package = name if is_package else name.rpartition(".")[0]
+        modules[name] = Module(name, path, imported_names(source, package))
+    return modules
+
+
+def house() -> dict[str, Module]:
+    """Every module of the house, by its dotted (installed) name."""
+    files = []
+    for directory, prefix in SOURCES.items():
+        for path in sorted(directory.rglob("*.py")):
+            parts = list(path.relative_to(directory).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            files.append((".".join([prefix, *parts]), is_package, path.read_text(), path))
+    return parse_modules(files)
+
+
+def resolve(name: str, modules: Mapping[str, Module]) -> str | None:
+    """The module of the house ``name`` is, or is in (``msgq_trio.client.bus.connect`` ->
+    ``msgq_trio.client.bus``); None for an outside module."""
+    while name not in modules and "." in name:
+        name = name.rpartition(".")[0]
+    return name if name in modules else None
+
+
+def edges(modules: Mapping[str, Module]) -> dict[str, dict[str, int]]:
+    """Module -> the modules of the house it imports -> the line of the first import."""
+    graph: dict[str, dict[str, int]] = {}
+    for mod in modules.values():
+        out = graph.setdefault(mod.name, {})
+        for lineno, name in mod.imports:
+            target = resolve(name, modules)
+            if target is not None and target != mod.name:
+                out.setdefault(target, lineno)
+    return graph
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of ``module``: its longest declared prefix (``msgq_trio`` matches only the
+    face itself, so a new top-level module must be declared); None if undeclared."""
+    best, best_len = None, -1
+    for layer, prefixes in LAYERS.items():
+        for p in prefixes:
+            exact_only = p == "msgq_trio"
+            if (module == p or (not exact_only and module.startswith(p + "."))) and len(
+                p
+            ) > best_len:
+                best, best_len = layer, len(p)
+    return best
+
+
+def rank_of(layer: str) -> int:
+    return next(i for i, layers in enumerate(RANK) if layer in layers)
+
+
+def layer_violations(
+    modules: Mapping[str, Module], allowed: Mapping[tuple[str, str], str] = ALLOWED_IMPORTS
 ) -> list[str]:
+    """Every import of a sibling or a higher layer, not in ``allowed``."""
     bad = []
-    for lineno, mod in imported_modules(source, package):
-        for forbidden in forbidden_modules:
-            if mod == forbidden or mod.startswith(forbidden + "."):
-                bad.append(f"line {lineno}: imports {mod}")
+    for src, targets in sorted(edges(modules).items()):
+        a = layer_of(src)
+        for dst, lineno in sorted(targets.items()):
+            b = layer_of(dst)
+            if a is None or b is None or a == b or (src, dst) in allowed:
+                continue
+            if rank_of(b) >= rank_of(a):
+                how = "a sibling" if rank_of(b) == rank_of(a) else "a higher layer"
+                bad.append(f"{src} (line {lineno}, {a}) imports {dst}: {b} is {how}")
     return bad
 
 
-def source_files() -> list[tuple[Path, str]]:
-    files = []
-    for directory, package in PURE_LAYERS.items():
-        for path in sorted(directory.rglob("*.py")):
-            rel = path.relative_to(directory).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            # The package a module's relative imports are resolved against.
-            pkg = (
-                ".".join([package, *parts[:-1]])
-                if path.name != "__init__.py"
-                else ".".join([package, *parts])
-            )
-            files.append((path, pkg))
-    return files
-
-
-def test_there_are_files_to_check() -> None:
-    """The checked layers exist and contain Python files (the test would be vacuous)."""
-    checked = {p.parent.name for p, _ in source_files()}
-    assert {"protocol", "core"} <= checked
-    assert any(p.name == "framing.py" for p, _ in source_files())
-
-
-@pytest.mark.parametrize(
-    "path,package", source_files(), ids=[str(p.relative_to(ROOT)) for p, _ in source_files()]
-)
-def test_pure_layers_do_not_import_trio_or_io(path: Path, package: str) -> None:
-    """No module of msgq_trio/protocol, msgq_trio/core or storage/ imports trio or
-    msgq_trio.io, directly or by a relative import, anywhere in the file."""
-    assert violations(path.read_text(), package) == []
-
-
-@pytest.mark.parametrize(
-    "source,package",
-    [
-        ("import trio", "msgq_trio.core"),
-        ("import trio.lowlevel as ll", "msgq_trio.core"),
-        ("from trio import sleep", "msgq_trio.protocol"),
-        ("def f():\n    import trio\n", "msgq_trio.core"),
-        ("from ..io import server", "msgq_trio.core"),
-        ("from ..io.server import Server", "msgq_trio.protocol"),
-        ("from .. import io", "msgq_trio.core"),
-        ("from msgq_trio.io.errors import coalesce", "msgq_trio.storage"),
-        ("from ..io import x", "msgq_trio.storage"),
-        ("import msgq_trio.io", "msgq_trio.storage"),
-    ],
-)
-def test_checker_catches_violations(source: str, package: str) -> None:
-    """The checker itself flags every spelling of a forbidden import."""
-    assert violations(source, package)
-
-
-@pytest.mark.parametrize(
-    "source,package",
-    [
-        ("import trio_websocket", "msgq_trio.core"),
-        ("from ..protocol import framing", "msgq_trio.core"),
-        ("from .rpc import PendingReplies", "msgq_trio.core"),
-        ("import msgq_trio.iox", "msgq_trio.core"),
-        ("from . import codes", "msgq_trio.protocol"),
-    ],
-)
-def test_checker_allows_the_rest(source: str, package: str) -> None:
-    """The checker does not flag look-alike or allowed imports."""
-    assert violations(source, package) == []
-
-
-def test_the_client_session_modules_exist() -> None:
-    """The session modules the next test checks are there (it would be vacuous)."""
-    assert all(path.is_file() for path in CLIENT_SESSION)
-
-
-@pytest.mark.parametrize(
-    "path,package",
-    list(CLIENT_SESSION.items()),
-    ids=[str(p.relative_to(ROOT)) for p in CLIENT_SESSION],
-)
-def test_client_session_imports_no_io(path: Path, package: str) -> None:
-    """The client's sans-I/O session and its value types import no trio, asyncio,
-    socket, select, threading, broker I/O, socket toolkit or client driver, anywhere in
-    the file: the drivers own all of that."""
-    assert violations(path.read_text(), package, SESSION_FORBIDDEN) == []
-
-
-@pytest.mark.parametrize(
-    "source",
-    [
-        "import asyncio",
-        "import socket",
-        "from threading import Lock",
-        "from ..transport.sockets import close_fds",
-        "from .bus import Bus",
-        "from . import direct",
-        "def f():\n    import trio\n",
-    ],
-)
-def test_session_checker_catches_violations(source: str) -> None:
-    """The session checker flags an event loop, a socket, a thread, the socket toolkit
-    and a driver, also by relative import."""
-    assert violations(source, "msgq_trio.client", SESSION_FORBIDDEN)
-
-
-@pytest.mark.parametrize(
-    "source",
-    [
-        "from .message import Message",
-        "from ..protocol.framing import Frame",
-        "import socketserverx",
-    ],
-)
-def test_session_checker_allows_the_rest(source: str) -> None:
-    """The session checker does not flag the session's own imports or look-alikes."""
-    assert violations(source, "msgq_trio.client", SESSION_FORBIDDEN) == []
-
-
-#: Packages around the broker's I/O -> (the dotted name they are installed as, what they
-#: may not import). The socket toolkit (transport) sits under both the broker's I/O and
-#: the clients, so it imports neither, nor the core; the clients stand beside the broker's
-#: I/O, not above it; the broker's I/O imports no client.
-SEPARATE_LAYERS = {
-    ROOT / "msgq_trio" / "transport": (
-        "msgq_trio.transport",
-        ("msgq_trio.io", "msgq_trio.client", "msgq_trio.core"),
-    ),
-    ROOT / "msgq_trio" / "client": ("msgq_trio.client", ("msgq_trio.io",)),
-    ROOT / "msgq_trio" / "io": ("msgq_trio.io", ("msgq_trio.client",)),
-}
-#: Submodules of msgq_trio (the installed plugins, storage and scenarios included): what
-#: ``from msgq_trio import NAME`` may name without going through the package face.
-FACE_SUBMODULES = (
-    {p.stem for p in (ROOT / "msgq_trio").glob("*.py")}
-    | {p.name for p in (ROOT / "msgq_trio").iterdir() if (p / "__init__.py").is_file()}
-    | {"plugins", "storage", "scenarios"}
-)
-
-
-def layer_violations(source: str, package: str, forbidden: tuple[str, ...]) -> list[str]:
-    """Imports in ``source`` (of ``package``) of a module under one of ``forbidden``."""
-    return [
-        f"line {lineno}: imports {mod}"
-        for lineno, mod in imported_modules(source, package)
-        if any(mod == f or mod.startswith(f + ".") for f in forbidden)
-    ]
-
-
-def face_imports(source: str, package: str) -> list[str]:
-    """Imports in ``source`` of the package face ``msgq_trio/__init__.py`` itself:
-    ``import msgq_trio`` or a name from it that is not a submodule
-    (``from .. import __version__``, ``from msgq_trio import connect``); the face imports
-    every client."""
-    bad = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            bad += [
-                f"line {node.lineno}: imports msgq_trio"
-                for a in node.names
-                if a.name == "msgq_trio"
-            ]
-        elif isinstance(node, ast.ImportFrom):
-            base = imported_modules(ast.unparse(node), package)[0][1]
-            if base == "msgq_trio":
-                bad += [
-                    f"line {node.lineno}: imports {a.name} from the package face"
-                    for a in node.names
-                    if a.name not in FACE_SUBMODULES
-                ]
-    return bad
-
-
-def separate_layer_files(
-    layers: dict[Path, tuple[str, tuple[str, ...]]] = SEPARATE_LAYERS,
-) -> list[tuple[Path, str, tuple[str, ...]]]:
-    """Every .py file under each directory of ``layers`` (subpackages included), with
-    the package its relative imports resolve against and what it may not import."""
-    files = []
-    for directory, (package, forbidden) in layers.items():
-        for path in sorted(directory.rglob("*.py")):
-            parts = [
-                p for p in path.relative_to(directory).with_suffix("").parts if p != "__init__"
-            ]
-            pkg_parts = parts if path.name == "__init__.py" else parts[:-1]
-            files.append((path, ".".join([package, *pkg_parts]), forbidden))
-    return files
-
-
-def test_separate_layers_have_files() -> None:
-    """transport/, client/ and io/ exist with their main modules (else the next test
-    would be vacuous)."""
-    names = {(p.parent.name, p.name) for p, _, _ in separate_layer_files()}
-    assert {("transport", "sockets.py"), ("client", "bus.py"), ("io", "server.py")} <= names
-
-
-@pytest.mark.parametrize(
-    "path,package,forbidden",
-    separate_layer_files(),
-    ids=[str(p.relative_to(ROOT)) for p, _, _ in separate_layer_files()],
-)
-def test_transport_client_and_io_stay_apart(
-    path: Path, package: str, forbidden: tuple[str, ...]
-) -> None:
-    """msgq_trio/transport imports neither the broker's I/O, the core nor a client;
-    msgq_trio/client never imports msgq_trio.io; msgq_trio/io imports no client and
-    nothing from the package face (not even ``__version__``: msgq_trio._version has it)."""
-    source = path.read_text()
-    assert layer_violations(source, package, forbidden) == []
-    if package.startswith("msgq_trio.io"):
-        assert face_imports(source, package) == []
-
-
-@pytest.mark.parametrize(
-    "source,package",
-    [
-        ("from ..io.server import Server", "msgq_trio.transport"),
-        ("from ..client import bus", "msgq_trio.transport"),
-        ("from ..core.peers import Peer", "msgq_trio.transport"),
-        ("import msgq_trio.io.listeners", "msgq_trio.client"),
-        ("def f():\n    from ..io import connection\n", "msgq_trio.client"),
-        ("from .. import io", "msgq_trio.client"),
-        ("from ..client.bus import Bus", "msgq_trio.io"),
-    ],
-)
-def test_layer_checker_catches_violations(source: str, package: str) -> None:
-    """The checker flags each forbidden arrow, also by relative or lazy import."""
-    forbidden = next(f for d, (p, f) in SEPARATE_LAYERS.items() if p == package)
-    assert layer_violations(source, package, forbidden)
-
-
-@pytest.mark.parametrize(
-    "source",
-    ["from .. import __version__", "import msgq_trio", "from msgq_trio import connect"],
-)
-def test_face_checker_catches_face_imports(source: str) -> None:
-    """Naming the package face from io/ is flagged in each spelling."""
-    assert face_imports(source, "msgq_trio.io")
-
-
-@pytest.mark.parametrize(
-    "source,package",
-    [
-        ("from ..transport.sockets import close_fds", "msgq_trio.client"),
-        ("from ..protocol.framing import FdBuffer", "msgq_trio.transport"),
-        ("from .._version import __version__", "msgq_trio.io"),
-        ("from .. import config", "msgq_trio.io"),
-        ("from ..config import Limits", "msgq_trio.io"),
-        ("import msgq_trio.iox", "msgq_trio.client"),
-    ],
-)
-def test_layer_checkers_allow_the_rest(source: str, package: str) -> None:
-    """Allowed imports and look-alikes pass both checkers."""
-    forbidden = next(f for d, (p, f) in SEPARATE_LAYERS.items() if p == package)
-    assert layer_violations(source, package, forbidden) == []
-    assert face_imports(source, package) == []
-
-
-#: The asyncio driver runs where there is no trio run context (``asyncio.run``): it
-#: imports no trio, nor what imports trio (the socket toolkit's sockets and errors, the
-#: trio driver and the plugin clients over it, the broker's I/O). ``transport/tls.py``
-#: (ssl only) is allowed: every client builds its TLS context there; so is
-#: ``transport/fdpass.py`` (descriptor passing, plain stdlib).
-AIO_DRIVER = ROOT / "msgq_trio" / "client" / "aio.py"
-AIO_FORBIDDEN = (
-    "trio",
-    "msgq_trio.transport.sockets",
-    "msgq_trio.transport.errors",
-    "msgq_trio.client.bus",
-    "msgq_trio.client.pipe",
-    "msgq_trio.io",
-)
-
-
-def test_the_asyncio_driver_imports_no_trio() -> None:
-    """msgq_trio/client/aio.py imports neither trio nor a module that does, anywhere in
-    the file."""
-    assert AIO_DRIVER.is_file()
-    assert violations(AIO_DRIVER.read_text(), "msgq_trio.client", AIO_FORBIDDEN) == []
-
-
-@pytest.mark.parametrize(
-    "source",
-    [
-        "import trio",
-        "def f():\n    from trio import sleep\n",
-        "from ..transport.sockets import take_fds",
-        "from ..transport import errors",
-        "from .bus import Bus",
-        "from . import pipe",
-    ],
-)
-def test_aio_checker_catches_violations(source: str) -> None:
-    """The asyncio driver's checker flags trio and each module that imports it."""
-    assert violations(source, "msgq_trio.client", AIO_FORBIDDEN)
-
-
-def test_the_transport_helpers_the_asyncio_driver_uses_import_no_trio() -> None:
-    """msgq_trio/transport/tls.py, transport/fdpass.py and the transport package's
-    __init__ (all imported by the asyncio driver) import no trio."""
-    for path in (
-        ROOT / "msgq_trio" / "transport" / "tls.py",
-        ROOT / "msgq_trio" / "transport" / "fdpass.py",
-        ROOT / "msgq_trio" / "transport" / "__init__.py",
-    ):
-        assert violations(path.read_text(), "msgq_trio.transport", AIO_FORBIDDEN) == []
-
-
-#: The API both asynchronous drivers share (client/api.py) is imported by the trio and
-#: the asyncio driver, so it imports neither event loop, nothing that does, and no driver
-#: (the drivers import it).
-CLIENT_API = ROOT / "msgq_trio" / "client" / "api.py"
-API_FORBIDDEN = (
-    "trio",
-    "asyncio",
-    "msgq_trio.transport.sockets",
-    "msgq_trio.transport.errors",
-    "msgq_trio.client.bus",
-    "msgq_trio.client.aio",
-    "msgq_trio.client.aio_pipe",
-    "msgq_trio.client.direct",
-    "msgq_trio.client.pipe",
-    "msgq_trio.io",
-)
-
-
-def test_the_shared_client_api_imports_no_event_loop() -> None:
-    """msgq_trio/client/api.py imports neither trio nor asyncio nor a driver, anywhere in
-    the file."""
-    assert CLIENT_API.is_file()
-    assert violations(CLIENT_API.read_text(), "msgq_trio.client", API_FORBIDDEN) == []
-
-
-@pytest.mark.parametrize(
-    "source",
-    [
-        "import asyncio",
-        "def f():\n    import trio\n",
-        "from ..transport.sockets import close_fds",
-        "from .bus import Bus",
-        "from . import aio",
-    ],
-)
-def test_api_checker_catches_violations(source: str) -> None:
-    """The shared API's checker flags either event loop, the trio socket toolkit and a
-    driver."""
-    assert violations(source, "msgq_trio.client", API_FORBIDDEN)
-
-
-#: The plugin clients' logic, shared by the trio and the asyncio driver (the queue
-#: client, the pipe client's core, the mailbox the queue client hands deliveries over
-#: in): written against the shared API, so it imports neither event loop, nothing that
-#: does, and no driver. The trio pipe face (client/pipe.py) is the one that imports
-#: trio.
-DRIVER_NEUTRAL = [
-    ROOT / "msgq_trio" / "client" / "queue.py",
-    ROOT / "msgq_trio" / "client" / "pipe_core.py",
-    ROOT / "msgq_trio" / "client" / "mailbox.py",
-]
-
-
-@pytest.mark.parametrize("path", DRIVER_NEUTRAL, ids=lambda p: p.name)
-def test_the_plugin_clients_logic_imports_no_event_loop(path: Path) -> None:
-    """The queue client, the pipe client's core and the mailbox import neither trio nor
-    asyncio nor a driver, anywhere in the file."""
-    assert path.is_file()
-    assert violations(path.read_text(), "msgq_trio.client", API_FORBIDDEN) == []
-
-
-def test_the_asyncio_pipe_face_imports_no_trio() -> None:
-    """msgq_trio/client/aio_pipe.py (imported by the asyncio face) imports no trio."""
-    path = ROOT / "msgq_trio" / "client" / "aio_pipe.py"
-    assert violations(path.read_text(), "msgq_trio.client", AIO_FORBIDDEN) == []
-
-
-#: Plugins are clients of the broker, not parts of it (plugins/api.py): they import the
-#: plugin API, the clients, the protocol, the errors, the configuration's value types,
-#: storage and the shared metrics endpoint, never the broker's core, daemon or operations
-#: layer. The core in turn knows no plugin: what a plugin's commands need from the access
-#: policy reaches it as data (``Policy.commands``), read by the loader.
-PLUGIN_LAYERS = {
-    ROOT / "plugins": ("msgq_trio.plugins", ("msgq_trio.core", "msgq_trio.io", "msgq_trio.ops")),
-    ROOT / "msgq_trio" / "core": ("msgq_trio.core", ("msgq_trio.plugins", "msgq_trio.ops")),
-}
-
-
-def plugin_layer_forbidden(package: str) -> tuple[str, ...]:
-    """What a module of ``package`` (``msgq_trio.plugins.queue``, ``msgq_trio.core``) may
-    not import under PLUGIN_LAYERS."""
-    return next(f for p, f in PLUGIN_LAYERS.values() if package == p or package.startswith(p + "."))
-
-
-def test_plugin_layers_have_files() -> None:
-    """plugins/ with each shipped plugin's package, and core/, are found (else the next
-    test would be vacuous)."""
-    found = {(p.parent.name, p.name, pkg) for p, pkg, _ in separate_layer_files(PLUGIN_LAYERS)}
-    for plugin in ("queue", "pipe", "link"):
-        assert (plugin, "settings.py", f"msgq_trio.plugins.{plugin}") in found
-    assert ("plugins", "api.py", "msgq_trio.plugins") in found
-    assert ("core", "access.py", "msgq_trio.core") in found
-
-
-@pytest.mark.parametrize(
-    "path,package,forbidden",
-    separate_layer_files(PLUGIN_LAYERS),
-    ids=[str(p.relative_to(ROOT)) for p, _, _ in separate_layer_files(PLUGIN_LAYERS)],
-)
-def test_plugins_never_import_core_io_or_ops_and_core_no_plugin(
-    path: Path, package: str, forbidden: tuple[str, ...]
-) -> None:
-    """No module under plugins/ imports msgq_trio.core, msgq_trio.io or msgq_trio.ops,
-    and no module of msgq_trio/core imports msgq_trio.plugins or msgq_trio.ops, anywhere
-    in the file (lazy imports included), absolutely or relatively."""
-    assert layer_violations(path.read_text(), package, forbidden) == []
-
-
-@pytest.mark.parametrize(
-    "source,package",
-    [
-        ("from msgq_trio.core.router import valid_group_name", "msgq_trio.plugins.queue"),
-        ("from msgq_trio.ops.metrics import parse_listen", "msgq_trio.plugins.link"),
-        ("def f():\n    from ...core import access\n", "msgq_trio.plugins.queue"),
-        ("from ... import ops", "msgq_trio.plugins.pipe"),
-        ("from .. import core", "msgq_trio.plugins"),
-        ("import msgq_trio.io.server", "msgq_trio.plugins"),
-        ("from ..plugins.queue import ACCESS", "msgq_trio.core"),
-        ("def f():\n    import msgq_trio.plugins.loader\n", "msgq_trio.core"),
-        ("from ..ops.metrics import TrafficTotals", "msgq_trio.core"),
-    ],
-)
-def test_plugin_layer_checker_catches_violations(source: str, package: str) -> None:
-    """The checker flags a plugin importing the core, the daemon or the operations
-    layer, and the core importing a plugin, in each spelling."""
-    assert layer_violations(source, package, plugin_layer_forbidden(package))
-
-
-@pytest.mark.parametrize(
-    "source,package",
-    [
-        ("from msgq_trio.protocol.names import valid_group_name", "msgq_trio.plugins.queue"),
-        ("from msgq_trio.exposition import MetricsServer", "msgq_trio.plugins.link"),
-        ("from ..api import CommandAccess", "msgq_trio.plugins.queue"),
-        ("from msgq_trio.client.bus import connect", "msgq_trio.plugins.pipe"),
-        ("import msgq_trio.coreutils", "msgq_trio.plugins"),
-        ("from ..config import CommandAccess", "msgq_trio.core"),
-    ],
-)
-def test_plugin_layer_checker_allows_the_rest(source: str, package: str) -> None:
-    """What plugins and the core may import, and look-alikes, pass."""
-    assert layer_violations(source, package, plugin_layer_forbidden(package)) == []
-
-
-def runtime_imports(source: str, package: str) -> set[str]:
-    """Modules ``source`` imports when it is imported: module-level statements only, not
-    ``if TYPE_CHECKING:`` blocks nor imports inside functions (lazy ones run later, once
-    every module is loaded)."""
-    tree = ast.parse(source)
-    top: list[ast.stmt] = []
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            top.extend(node.orelse)
-        else:
-            top.append(node)
-    module = ast.Module(
-        body=[n for n in top if isinstance(n, ast.Import | ast.ImportFrom)], type_ignores=[]
-    )
-    return {name for _, name in imported_modules(ast.unparse(module), package)}
-
-
-def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """A cycle in ``graph`` (module -> modules it imports), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*path[path.index(nxt) :], nxt]
-            if nxt in graph and not state.get(nxt):
-                found = visit(nxt)
-                if found:
-                    return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if not state.get(node):
-            found = visit(node)
-            if found:
-                return found
+def reach_path(
+    graph: Mapping[str, Mapping[str, int]], start: str, stop: Iterable[str]
+) -> list[str] | None:
+    """The shortest chain of imports from ``start`` to a module in ``stop``, or None."""
+    stop = set(stop)
+    seen, queue = {start: [start]}, [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph.get(node, {})):
+            if nxt not in seen:
+                seen[nxt] = [*seen[node], nxt]
+                if nxt in stop:
+                    return seen[nxt]
+                queue.append(nxt)
     return None
 
 
-def test_client_modules_import_no_cycle() -> None:
-    """The client's modules import one another without a cycle at import time (a type
-    imported for annotations only, or a lazy import in a function, is no edge)."""
-    client = ROOT / "msgq_trio" / "client"
-    names = {f"msgq_trio.client.{p.stem}" for p in client.glob("*.py")}
-    graph = {
-        f"msgq_trio.client.{p.stem}": runtime_imports(p.read_text(), "msgq_trio.client") & names
-        for p in client.glob("*.py")
-    }
-    assert len(graph) > 8
-    assert import_cycle(graph) is None, import_cycle(graph)
+def reach_violations(modules: Mapping[str, Module]) -> list[str]:
+    """Every layer of NEVER_REACHES reaching a forbidden layer, and every module of NO_REACH
+    reaching a forbidden module or an importer of a forbidden outside module, with the
+    chain of imports."""
+    graph = edges(modules)
+    bad = []
+    for layer, forbidden in NEVER_REACHES.items():
+        targets = {m for m in modules if layer_of(m) in forbidden}
+        for src in sorted(m for m in modules if layer_of(m) == layer):
+            path = reach_path(graph, src, targets)
+            if path:
+                bad.append(f"{layer} reaches {layer_of(path[-1])}: {' -> '.join(path)}")
+    for prefix, banned in NO_REACH.items():
+        internal = {m for m in modules if any(m == b or m.startswith(b + ".") for b in banned)}
+        # modules that import a banned outside module themselves, and what they import
+        external = {}
+        for mod in modules.values():
+            for lineno, name in mod.imports:
+                top = name.split(".")[0]
+                if resolve(name, modules) is None and top in banned:
+                    external.setdefault(mod.name, f"{top} (line {lineno})")
+        sources = [m for m in sorted(modules) if m == prefix or m.startswith(prefix + ".")]
+        for src in sources:
+            if src in external:
+                bad.append(f"{src} imports {external[src]}")
+                continue
+            path = reach_path(graph, src, internal | set(external))
+            if path:
+                last = path[-1]
+                what = external.get(last, last)
+                bad.append(f"{src} reaches {what}: {' -> '.join(path)}")
+    return bad
 
 
-def test_cycle_checker_finds_a_cycle() -> None:
-    """The checker is not vacuous: a two-module cycle and a type-only import."""
-    a = runtime_imports("from .b import x\nif TYPE_CHECKING:\n    from .c import y\n", "p")
-    assert a == {"p.b", "p.b.x"}
-    assert import_cycle({"p.a": {"p.b"}, "p.b": {"p.a"}}) == ["p.a", "p.b", "p.a"]
-    assert import_cycle({"p.a": {"p.b"}, "p.b": set()}) is None
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        # Iterative, so a deep import chain cannot hit the recursion limit.
+        work = [(v, iter(sorted(graph.get(v, ()))))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == node:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+# -- the house ---------------------------------------------------------------------------
+HOUSE = house()
+
+
+def test_the_house_is_read() -> None:
+    """Every source tree is found with its main modules (else the checks are vacuous)."""
+    for name in (
+        "msgq_trio.protocol.framing",
+        "msgq_trio.core.broker",
+        "msgq_trio.io.server",
+        "msgq_trio.client.bus",
+        "msgq_trio.plugins.queue",
+        "msgq_trio.storage",
+        "msgq_trio.cli",
+        "benchmarks.run",
+        *NO_REACH,
+    ):
+        assert name in HOUSE, name
+    assert sum(len(t) for t in edges(HOUSE).values()) > 300
+
+
+def test_every_module_has_a_layer() -> None:
+    """Each module belongs to a declared layer, and each layer has a rank."""
+    assert [m for m in sorted(HOUSE) if layer_of(m) is None] == []
+    ranked = [layer for layers in RANK for layer in layers]
+    assert sorted(ranked) == sorted(LAYERS), "every layer is ranked exactly once"
+
+
+def test_no_module_imports_a_sibling_or_a_higher_layer() -> None:
+    """No import anywhere in the house (lazy and type-only ones included) points to a
+    sibling layer or a higher one."""
+    bad = layer_violations(HOUSE)
+    assert not bad, "\n".join(bad)
+
+
+def test_forbidden_layers_and_modules_are_not_reached() -> None:
+    """Plugins reach neither the broker's core nor its I/O; protocol, core and storage
+    reach no trio; the client's sans-I/O session reaches no event loop, socket, thread or
+    driver; the asyncio driver no trio; the shared async API and the plugin clients'
+    logic neither event loop nor a driver: through any chain of imports."""
+    bad = reach_violations(HOUSE)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    """No two files import each other, directly or through others (lazy and type-only
+    imports count), apart from the known cycles listed with their reason."""
+    found = {frozenset(c) for c in cycles(edges(HOUSE))}
+    new = [" <-> ".join(sorted(c)) for c in found - set(ALLOWED_CYCLES)]
+    assert not new, "import cycles:\n" + "\n".join(sorted(new))
+
+
+def test_allow_lists_are_still_needed() -> None:
+    """Every allowed violation still exists: fixed ones are removed from the lists."""
+    graph = edges(HOUSE)
+    gone = [pair for pair in ALLOWED_IMPORTS if pair[1] not in graph.get(pair[0], {})]
+    found = {frozenset(c) for c in cycles(graph)}
+    gone += [sorted(c) for c in ALLOWED_CYCLES if c not in found]
+    assert gone == [], f"remove these fixed entries from the allow lists: {gone}"
+
+
+# -- the checkers on made-up modules -----------------------------------------------------
+def fake(sources: dict[str, str]) -> dict[str, Module]:
+    """Modules from sources; a name ending in ``/`` is a package's ``__init__``."""
+    return parse_modules(
+        (name.rstrip("/"), name.endswith("/"), src, None) for name, src in sources.items()
+    )
+
+
+BASE = {
+    "msgq_trio/": "",
+    "msgq_trio.protocol/": "",
+    "msgq_trio.protocol.framing": "",
+    "msgq_trio.core/": "",
+    "msgq_trio.core.router": "",
+    "msgq_trio.config": "from .protocol.framing import X\n",
+    "msgq_trio.io/": "",
+    "msgq_trio.io.server": "",
+    "msgq_trio.client/": "",
+    "msgq_trio.client.bus": "import trio\n",
+    "msgq_trio.client.session": "",
+    "msgq_trio.plugins/": "",
+    "msgq_trio.plugins.api": "",
+    "msgq_trio.cli": "",
+    "msgq_trio.analytics/": "",
+    "benchmarks/": "",
+}
+
+
+@pytest.mark.parametrize(
+    "module,source",
+    [
+        ("msgq_trio.core.router", "from ..io import server"),
+        ("msgq_trio.core.router", "from ..io.server import Server"),
+        ("msgq_trio.core.router", "import msgq_trio.client.bus as b"),
+        ("msgq_trio.core.router", "def f():\n    from ..client import bus\n"),
+        ("msgq_trio.core.router", "if TYPE_CHECKING:\n    from ..plugins.api import X\n"),
+        ("msgq_trio.protocol.framing", "from .. import config"),
+        ("msgq_trio.io.server", "from ..client.bus import Bus"),  # sibling
+        ("msgq_trio.client.bus", "from .. import io"),  # sibling
+        ("msgq_trio.io.server", "from .. import __version__"),  # the face is the client
+        ("msgq_trio.plugins.api", "from msgq_trio.cli import main"),
+        ("msgq_trio.cli", "import benchmarks"),
+        ("msgq_trio.protocol.framing", "import msgq_trio.analytics"),
+    ],
+)
+def test_the_layer_checker_catches(module: str, source: str) -> None:
+    """An upward or sideways import is flagged in each spelling: absolute, relative,
+    ``from .. import``, lazy, type-only."""
+    sources = {**BASE, module: source}
+    assert layer_violations(fake(sources), {}) != []
+
+
+@pytest.mark.parametrize(
+    "module,source",
+    [
+        ("msgq_trio.core.router", "from ..protocol.framing import Frame"),
+        ("msgq_trio.core.router", "import trio_websocket"),  # outside the house
+        ("msgq_trio.client.bus", "from .session import Session"),
+        ("msgq_trio.cli", "from .analytics import cli"),
+        ("benchmarks/", "from msgq_trio.cli import main"),
+        ("msgq_trio.plugins.api", "from msgq_trio.client.bus import connect"),
+    ],
+)
+def test_the_layer_checker_allows(module: str, source: str) -> None:
+    """Downward imports, imports in the own layer and look-alikes pass."""
+    sources = {**BASE, module: source}
+    assert layer_violations(fake(sources), {}) == []
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        # core -> config -> a module importing trio
+        {"msgq_trio.core.router": "from ..config import X", "msgq_trio.config": "import trio"},
+        {"msgq_trio.core.router": "def f():\n    import trio.lowlevel\n"},
+        {"msgq_trio.client.session": "from . import bus"},  # a driver, which imports trio
+        {"msgq_trio.client.session": "import socket"},
+        # plugins -> the client -> ... -> core
+        {
+            "msgq_trio.plugins.api": "from msgq_trio.client import bus",
+            "msgq_trio.client.bus": "from ..core import router",
+        },
+    ],
+)
+def test_the_reach_checker_catches(sources: dict[str, str]) -> None:
+    """A forbidden module or layer is found at the end of a chain of imports."""
+    assert reach_violations(fake({**BASE, **sources})) != []
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        {},  # the base: trio only in the trio driver
+        {"msgq_trio.core.router": "import trio_websocket"},  # a look-alike of trio
+        {"msgq_trio.client.session": "from ..protocol.framing import Frame"},
+        {"msgq_trio.plugins.api": "from msgq_trio.client import session"},
+    ],
+)
+def test_the_reach_checker_allows(sources: dict[str, str]) -> None:
+    """Chains that end nowhere forbidden pass."""
+    assert reach_violations(fake({**BASE, **sources})) == []
+
+
+def test_the_cycle_checker() -> None:
+    """Cycles of two and three modules are found, also through a lazy import; a chain
+    without a way back is none."""
+    modules = fake(
+        {
+            "p/": "",
+            "p.a": "from .b import x",
+            "p.b": "def f():\n    from . import a\n",
+            "p.c": "from .d import y",
+            "p.d": "if TYPE_CHECKING:\n    from .e import z\n",
+            "p.e": "import p.c",
+            "p.f": "from .a import x",
+        }
+    )
+    assert cycles(edges(modules)) == [["p.a", "p.b"], ["p.c", "p.d", "p.e"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -1,13 +1,18 @@
 """Packaging layout: every package directory is listed in pyproject.toml, and the mapped
 top-level directories (plugins/, storage/) are only importable as msgq_trio.plugins /
 msgq_trio.storage, never as generic top-level modules. scenarios/ is installed as data
-(msgq_trio/scenarios/*.toml in the wheel), not as an importable package."""
+(msgq_trio/scenarios/*.toml in the wheel), not as an importable package. The peer
+benchmark (benchmarks/) stays out of the wheel: a wheel built from the repository holds
+msgq_trio alone, with no worker or installer for another message bus."""
 
 from __future__ import annotations
 
+import ast
+import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,3 +111,83 @@ def test_every_package_imports_from_outside() -> None:
         f"import importlib, sys\nfor p in {packages!r}:\n    importlib.import_module(p)\n"
     )
     assert r.returncode == 0, r.stderr
+
+
+#: The benchmark's peer clients (benchmarks/requirements.txt): no module of the wheel
+#: imports one, and the wheel's metadata requires none.
+PEER_MODULES = {"nats", "redis", "zmq", "aio_pika", "aiormq"}
+PEER_DISTRIBUTIONS = ("nats-py", "redis", "pyzmq", "aio-pika", "py-spy")
+
+
+def build_wheel(dest: Path) -> Path:
+    """A wheel built from a copy of the checkout (without its build leftovers, which can
+    hide or add files), the way ``.ci/run`` builds the one it installs."""
+    src = dest / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so"
+        ),
+    )
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    r = subprocess.run(
+        [*pip, "-w", str(dest / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    [wheel] = (dest / "dist").glob("msgq_trio-*.whl")
+    return wheel
+
+
+def installers(source: str) -> list[str]:
+    """What in ``source`` runs a package installer: an argv naming ``apt-get``, or ``pip``
+    followed by ``install``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.List | ast.Tuple):
+            words = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if "apt-get" in words or ("pip" in words and "install" in words):
+                found.append(f"line {node.lineno}: {words}")
+    return found
+
+
+def test_installer_checker() -> None:
+    """The installer check recognises the argv shapes an installer uses, and not text."""
+    assert installers('subprocess.run(["apt-get", "install", "-y", "x"])')
+    assert installers('cmd = [sys.executable, "-m", "pip", "install", *names]')
+    assert installers('("sudo", "apt-get", "update")')
+    assert installers('print("apt-get install nats-server")') == []
+
+
+def test_the_wheel_holds_no_benchmark(tmp_path: Path) -> None:
+    """A wheel built from the repository contains msgq_trio's packages only: nothing from
+    benchmarks/ (no peer worker, no installer), no module importing a peer's client or
+    running apt-get or pip, and no dependency or extra for the peers."""
+    wheel = build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        sources = {n: zf.read(n).decode() for n in names if n.endswith(".py")}
+        metadata = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    assert "msgq_trio/protocol/framing.py" in names and len(sources) > 80
+    assert [n for n in names if not n.startswith("msgq_trio/") and ".dist-info/" not in n] == []
+    assert [n for n in names if "/bench/" in n or "benchmarks" in n or "/worker_" in n] == []
+    peer_imports = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            peer_imports += [f"{name}: {m}" for m in mods if m.split(".")[0] in PEER_MODULES]
+    assert peer_imports == []
+    assert {n: found for n, s in sources.items() if (found := installers(s))} == {}
+    requires = [
+        line for line in metadata.splitlines() if line.startswith(("Requires-Dist:", "Provides"))
+    ]
+    assert "Provides-Extra: bench" not in requires
+    assert [r for r in requires if r.split()[1].startswith(PEER_DISTRIBUTIONS)] == [], requires

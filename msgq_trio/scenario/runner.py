@@ -46,7 +46,7 @@ import attrs
 import trio
 
 from .. import __version__
-from ..bench.procs import free_port
+from .._procs import free_port
 from ..client.bus import connect
 from ..config import ACCESS_VERBS
 from ..core.access import hash_token
