@@ -319,7 +319,7 @@ class PeerConnection:
                 srv.after_core()
             if conn.error_pending:
                 conn.events()  # raises the protocol error that followed the valid frames
-            if core.blocked:
+            if core.effects.pause:
                 self._pause()
                 try:
                     await self._wait_for_receivers()
@@ -478,8 +478,7 @@ class PeerConnection:
         is dropped (slow-consumer), so a stopped reader cannot pause its senders forever.
         A sender that hangs up meanwhile is dropped (see :meth:`_await_progress`)."""
         srv = self.server
-        blocked = list(srv.core.blocked)
-        srv.core.blocked.clear()
+        blocked = srv.core.effects.take_pause()
         soft = srv.limits.out_soft_limit
         patience = srv.limits.slow_consumer_timeout
         for r in blocked:
@@ -506,9 +505,10 @@ class PeerConnection:
         hangs up meanwhile is dropped (see :meth:`_await_progress`).
         """
         srv = self.server
-        core = srv.core
-        held, size, nfds = core.held, core.held_size, core.held_fds
-        core.held = []
+        hold = srv.core.effects.take_hold()
+        if hold is None:
+            return
+        held, size, nfds = hold.receivers, hold.size, hold.fds
         room = srv.limits.out_hard_limit - size
         max_fds = srv.limits.max_fds_queued - nfds
         patience = srv.limits.slow_consumer_timeout

@@ -305,8 +305,9 @@ class Server:
         return self.busy_poll.passes
 
     def after_core(self) -> None:
-        """Act on what the core decided: write or wake the writers of peers it queued
-        frames for, close the connections of peers it kicked, re-arm the deadline timer.
+        """Apply what the core decided (``core.effects``): write or wake the writers of
+        peers it queued frames for, close the connections of peers it kicked, re-arm the
+        deadline timer. (Pauses and holds are the reader's that caused them.)
 
         Contract: whoever changes the core outside a connection's reader (a command run
         by operations code, a capture tap queueing frames, a policy change) calls this
@@ -315,18 +316,19 @@ class Server:
         left to that peer's writer).
         """
         core = self.core
-        if core.dirty:
+        fx = core.effects
+        wake = fx.wake
+        if wake:
             conns = self.conns
-            for p in core.dirty:
+            for p in wake:
                 pc = conns.get(p)
                 if pc is not None:
                     pc.send_now()
                     if p.outq:
                         pc.wake.set()
-            core.dirty.clear()
-        if core.kicked:
-            kicked, core.kicked = core.kicked, []
-            for p, code, message in kicked:
+            wake.clear()
+        if fx.kicks:
+            for p, code, message in fx.take_kicks():
                 pc = self.conns.get(p)
                 if pc is not None:
                     pc.kick(code, message)
