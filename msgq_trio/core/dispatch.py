@@ -117,8 +117,11 @@ class Dispatcher:
                 if ftype != _MESSAGE and ftype != _NOTIFY:
                     frame: Frame = item  # type: ignore[assignment]  # runs are MESSAGEs
                     fds = frame.fds
-                    nmsgs += 1
-                    nbytes += frame.wire_size
+                    # Counted before it is handled: a command (stats) and a disconnect
+                    # (lifetime counters) see every frame up to this one.
+                    peer.msgs_in += nmsgs + 1
+                    peer.bytes_in += nbytes + frame.wire_size
+                    nmsgs = nbytes = 0
                     if frame.spliced is not None and tap is not None:
                         frame.spliced.materialize()  # a capture records the body
                     outcome = self._two_way(peer, frame, route, now)
@@ -136,8 +139,9 @@ class Dispatcher:
                 # -- rules 1 and 2: who may send one-way frames where --
                 if acl is not None and kind != RESERVED and not acl.allowed(SEND, base):
                     frame = self._split(frames, i, item)
-                    nmsgs += 1
-                    nbytes += frame.wire_size
+                    peer.msgs_in += nmsgs + 1  # counted before the disconnect sees them
+                    peer.bytes_in += nbytes + frame.wire_size
+                    nmsgs = nbytes = 0
                     self._refuse_oneway(peer, frame, self._broker.refuse(peer, "send to", base))
                     self._close_fds(frame.fds)
                     self._close_frames_fds(frames[i + 1 :])
@@ -175,8 +179,9 @@ class Dispatcher:
                 binder = relays.binder(peer, frame, route) if bindings else None
                 if binder is not None:
                     if fds:
-                        nmsgs += 1
-                        nbytes += frame.wire_size
+                        peer.msgs_in += nmsgs + 1  # counted before the disconnect sees them
+                        peer.bytes_in += nbytes + frame.wire_size
+                        nmsgs = nbytes = 0
                         self._refuse_oneway(
                             peer, frame, relays.no_fds_to(binder, item.target, route)
                         )

@@ -13,7 +13,7 @@ from msgq_trio.core.broker import Broker
 from msgq_trio.core.peers import Peer
 from msgq_trio.protocol.codes import ErrorCode, Flag, FrameType
 from msgq_trio.protocol.errors import RemoteProtocolError
-from msgq_trio.protocol.framing import Frame, FrameParser, encode_cbor, encode_frame
+from msgq_trio.protocol.framing import Frame, FrameParser, Run, encode_cbor, encode_frame
 
 T = FrameType
 BROKER_STAMP = b"l.0\0msgq"
@@ -756,3 +756,20 @@ def test_a_command_that_turns_capture_on_is_captured_itself() -> None:
     p = b.connect("p")
     b.call_broker(p, "start")
     assert seen == [(T.REPLY, "delivered"), (T.REQUEST, "broker")]
+
+
+def test_a_request_and_the_frames_before_it_are_counted_before_it_is_handled() -> None:
+    """A broker command sees its own request, and the messages its sender sent before it
+    in the same batch, in the sender's counters (``stats`` reports them)."""
+    b = Bench()
+    seen: list[int] = []
+    b.broker.commands["count"] = lambda peer, _params: seen.append(peer.msgs_in)
+    p = b.connect("p")
+    frames: list[Frame | Run] = [
+        frame(T.MESSAGE, target="Nobody", body=encode_cbor(i)) for i in range(3)
+    ]
+    frames.append(
+        frame(T.REQUEST, target="msgq", request_id=1, header=encode_cbor({"cmd": "count"}))
+    )
+    assert b.broker.handle_many(p, frames, 0.0) == 4
+    assert seen == [4] and p.msgs_in == 4
