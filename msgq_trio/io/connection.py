@@ -7,8 +7,9 @@ applying the core's effects), never on ``Server``: the server imports this modul
 the other way round.
 
 Shape (trio's serve_listeners, hypercorn's trio server): per connection a reader (receive,
-parse every complete frame, ``core.handle``) and a writer (joins all queued frames into
-one ``send_all``: a trio call costs ~10 us, so a send per frame is ~30x slower). The
+parse every complete frame, ``core.handle_many``) and a writer (joins all queued frames
+into one ``send_all``: each trio send costs a scheduler round trip and a system call,
+which would dominate the cost of a small frame if it were paid per frame). The
 server wraps each connection in ``finally: aclose_forcefully`` plus
 ``core.disconnect``, so a clean close, a crash, a protocol violation or a kick all run
 the same cleanup.
@@ -57,8 +58,8 @@ _GOODBYE = FrameType.GOODBYE
 #: writer is idle.
 _DIRECT_SEND_MAX = 256 * 1024
 #: While a sender's reads are paused by backpressure its EOF sits behind unread data, so
-#: the broker looks at the socket's poll state this often (one poll(2) of a few
-#: microseconds): a client that dies while paused is dropped, and the calls pending on it
+#: the broker looks at the socket's poll state this often (one non-blocking poll(2), cheap
+#: next to the interval): a client that dies while paused is dropped, and the calls pending on it
 #: fail, within this time rather than when its receivers have drained (which can take
 #: slow_consumer_timeout per receiver).
 HANGUP_POLL_INTERVAL = 0.02

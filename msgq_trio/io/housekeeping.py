@@ -132,13 +132,13 @@ async def trim_task() -> None:
 
     Why: glibc raises its mmap threshold to the largest buffer freed so far, after
     which multi-megabyte frames live on the heap, and freed heap pages stay resident:
-    a broker that relayed a burst of 8 MiB frames stayed up to 26 MiB larger for good
-    (scenario sigkill-mid-frame). Mapping every large buffer apart instead cost 10 %
-    of the 4 MiB throughput (each frame faults fresh pages). So: every
+    a broker that relayed a burst of 8 MiB frames stayed that much larger for good
+    (scenario sigkill-mid-frame). Mapping every large buffer apart instead would make
+    each large frame fault in fresh pages, a cost paid per frame. So: every
     TRIM_INTERVAL, if the resident size grew by TRIM_GROWTH since the last trim,
-    ``malloc_trim(0)`` (1.9 ms here after freeing 40 MiB of large buffers among
-    200,000 small objects; it blocks the loop for that long, at most once per
-    interval). Under another C library this task ends at once.
+    ``malloc_trim(0)``: it walks the heap and blocks the loop while it does, so it runs
+    at most once per interval and only after such growth. Under another C library this
+    task ends at once.
     """
     trim = _malloc_trim()
     if trim is None:

@@ -78,8 +78,9 @@ class BusyPoller:
     async def run(self) -> None:
         """``limits.busy_poll``: for ``window`` after the last read, keep this
         trio loop running (every pass polls the sockets without sleeping, then yields the
-        CPU to any other runnable process), so the next frame is taken without the ~20 us
-        wake-up of a sleeping process. Parked, costing nothing, while the window is 0 or
+        CPU to any other runnable process), so the next frame is taken without the
+        wake-up of a sleeping process (a scheduler round trip, long next to handling a
+        small frame). Parked, costing nothing, while the window is 0 or
         once no read came for that long."""
         clock = trio.current_time
         checkpoint = trio.lowlevel.checkpoint
