@@ -2,7 +2,7 @@
 
 One entry point, :meth:`Dispatcher.handle_many` (a batch of frames from one peer, the
 reader's hot path); ``handle`` is a batch of one. A frame's target is resolved once, into
-a :class:`~.router.Route` that every later step (access, bindings, relayed stamps,
+a ``Route`` (``core/router.py``) that every later step (access, bindings, relayed stamps,
 recipients, RPC) takes as it is.
 
 The rules for a one-way frame (MESSAGE, NOTIFY), in order; a :class:`Run` (MESSAGEs from
@@ -65,6 +65,13 @@ class Dispatcher:
         self.taps = broker.taps
         self.stats = broker.stats
         self._close_fd = broker.close_fd
+        # What every batch uses, bound once (these objects live as long as the broker):
+        # the hot path pays one attribute lookup each, per batch.
+        self._groups = self.router.groups
+        self._parse = self.router.parse_target
+        self._bindings = self.relays.bindings
+        self._deliver = self.delivery.deliver
+        self._deliver_run = self.delivery.deliver_run
 
     def handle(self, peer: Peer, frame: Frame, now: float) -> bool:
         """:meth:`handle_many` for one frame: False if it was held."""
@@ -92,17 +99,11 @@ class Dispatcher:
                 REQUEST without request id); the I/O layer drops the client. The
                 descriptors of that frame and the ones after it are closed.
         """
-        router = self.router
-        groups = router.groups
-        parse = router.parse_target
-        relays = self.relays
-        bindings = relays.bindings
-        delivery = self.delivery
-        deliver = delivery.deliver
-        stats = self.stats
+        groups = self._groups
+        parse = self._parse
+        bindings = self._bindings
         tap = self.taps.frame
         acl = peer.acl
-        stamp = peer.stamp
         nbytes = nmsgs = 0
         done = -1  # all of them: len(frames) once done, as splitting runs may grow it
         fds: tuple[int, ...] = ()  # the current frame's descriptors, until closed
@@ -160,10 +161,10 @@ class Dispatcher:
                 if type(item) is Run:
                     if kind == GROUP and not (bindings and base in bindings):
                         members = groups.get(base)
-                        n = delivery.deliver_run(peer, item, members) if members else 0
+                        n = self._deliver_run(peer, item, members) if members else 0
                         if n >= 0:
                             if not members:
-                                stats["no_recipient"] += item.count
+                                self.stats["no_recipient"] += item.count
                             nbytes += len(item.raw)
                             nmsgs += item.count
                             if tap is not None:
@@ -176,14 +177,14 @@ class Dispatcher:
                     frame = item  # type: ignore[assignment]
                 # -- rules 3 and 4: who gets it --
                 fds = frame.fds
-                binder = relays.binder(peer, frame, route) if bindings else None
+                binder = self.relays.binder(peer, frame, route) if bindings else None
                 if binder is not None:
                     if fds:
                         peer.msgs_in += nmsgs + 1  # counted before the disconnect sees them
                         peer.bytes_in += nbytes + frame.wire_size
                         nmsgs = nbytes = 0
                         self._refuse_oneway(
-                            peer, frame, relays.no_fds_to(binder, item.target, route)
+                            peer, frame, self.relays.no_fds_to(binder, item.target, route)
                         )
                         self._close_fds(fds)
                         fds = ()
@@ -195,23 +196,23 @@ class Dispatcher:
                     recipients = groups.get(base)
                     skip = peer
                 else:
-                    recipients = router.recipients(route, None)
+                    recipients = self.router.recipients(route, None)
                     skip = None
-                source = stamp
-                if bindings and frame.source != stamp:
-                    source = relays.source(peer, frame, route)
+                source = peer.stamp
+                if bindings and frame.source != source:
+                    source = self.relays.source(peer, frame, route)
                 spliced = frame.spliced
                 if spliced is not None and tap is not None:
                     spliced.materialize()  # a capture records the body
                 if recipients:
-                    n = deliver(peer, frame, recipients, skip, source)
+                    n = self._deliver(peer, frame, recipients, skip, source)
                     if n < 0:
                         fds = ()  # held: the caller keeps the frame and its descriptors
                         done = i
                         break
                 else:
                     n = 0
-                    stats["no_recipient"] += 1
+                    self.stats["no_recipient"] += 1
                 if fds:
                     self._close_fds(fds)  # receivers got duplicates
                     fds = ()
