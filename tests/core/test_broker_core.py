@@ -773,3 +773,20 @@ def test_a_request_and_the_frames_before_it_are_counted_before_it_is_handled() -
     )
     assert b.broker.handle_many(p, frames, 0.0) == 4
     assert seen == [4] and p.msgs_in == 4
+
+
+def test_effects_name_the_writers_to_wake_and_the_peers_to_drop() -> None:
+    """What the core decides reaches the I/O layer as ``Broker.effects``: the peers whose
+    queues got frames (to wake), and the peers it dropped with the final error (to close);
+    taking them leaves nothing behind for the next batch."""
+    b = Bench()
+    rx, tx = b.connect("rx"), b.connect("tx")
+    b.call_broker(rx, "subscribe", {"group": "G"})
+    fx = b.broker.effects
+    fx.wake.clear()
+    b.message(tx, "G", "hi")
+    assert fx.wake == {rx} and not fx.kicks and fx.hold is None
+    b.broker.kick(rx, ErrorCode.DROPPED, "by the operator")
+    assert fx.wake == set()  # its queue was dropped: nothing left to write
+    assert fx.take_kicks() == [(rx, ErrorCode.DROPPED, "by the operator")]
+    assert fx.take_kicks() == []
