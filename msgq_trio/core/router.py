@@ -19,6 +19,13 @@ DIRECT, GROUP, INSTANCE, ANYCAST, BROKER, RESERVED = range(6)
 _PARSE_CACHE_MAX = 65536
 
 
+#: A target string resolved once per frame: (kind, base name, number). The base name is
+#: the group of ``G[N]``/``G[?]``, else the target itself; the number is ``N``, or the
+#: lname's id (-1 for a malformed one). A plain tuple, not a NamedTuple: the hot path
+#: indexes and unpacks it per frame, which CPython specializes for exact tuples only.
+Route = tuple[int, str, int]
+
+
 class Router:
     """The subscription table and target resolution.
 
@@ -30,7 +37,7 @@ class Router:
         self.groups: dict[str, dict[Peer, None]] = {}
         self.by_id: dict[int, Peer] = {}
         self._rng = rng or random.Random()
-        self._parsed: dict[str, tuple[int, str, int]] = {}
+        self._parsed: dict[str, Route] = {}
 
     # -- membership -------------------------------------------------------------------
     def add_peer(self, peer: Peer) -> None:
@@ -67,8 +74,8 @@ class Router:
         return list(self.groups.get(group, ()))
 
     # -- resolution -------------------------------------------------------------------
-    def parse_target(self, target: str) -> tuple[int, str, int]:
-        """(kind, base name, index or lname id) for a target string; cached."""
+    def parse_target(self, target: str) -> Route:
+        """The ``Route`` of a target string; cached."""
         hit = self._parsed.get(target)
         if hit is not None:
             return hit
@@ -84,7 +91,11 @@ class Router:
         Returns an empty sequence for unknown targets, including the broker's own address
         (the caller handles ``BROKER`` before asking).
         """
-        kind, base, index = self.parse_target(target)
+        return self.recipients(self.parse_target(target), sender)
+
+    def recipients(self, route: Route, sender: Peer | None) -> Iterable[Peer]:
+        """:meth:`resolve` for a target already parsed."""
+        kind, base, index = route
         if kind == GROUP or kind == RESERVED:
             members = self.groups.get(base)
             if not members:
@@ -111,7 +122,7 @@ class Router:
         return ()
 
 
-def _parse(target: str) -> tuple[int, str, int]:
+def _parse(target: str) -> Route:
     if target == BROKER_NAME or target == "l.0":
         return (BROKER, target, 0)
     if target.startswith(LNAME_PREFIX):

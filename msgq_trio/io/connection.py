@@ -1,9 +1,15 @@
 """One peer connection of the broker: its reader and writer tasks, backpressure, and the
 handshake and final-error helpers around them.
 
+A connection depends on the daemon that runs it only through :class:`ConnectionHost`
+(the core, the limits, the busy poller, splicing state, the other connections' progress,
+applying the core's effects), never on ``Server``: the server imports this module, not
+the other way round.
+
 Shape (trio's serve_listeners, hypercorn's trio server): per connection a reader (receive,
-parse every complete frame, ``core.handle``) and a writer (joins all queued frames into
-one ``send_all``: a trio call costs ~10 us, so a send per frame is ~30x slower). The
+parse every complete frame, ``core.handle_many``) and a writer (joins all queued frames
+into one ``send_all``: each trio send costs a scheduler round trip and a system call,
+which would dominate the cost of a small frame if it were paid per frame). The
 server wraps each connection in ``finally: aclose_forcefully`` plus
 ``core.disconnect``, so a clean close, a crash, a protocol violation or a kick all run
 the same cleanup.
@@ -15,11 +21,12 @@ import logging
 import os
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from ..config import Limits
+from ..core.broker import Broker
 from ..core.peers import Peer
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, connection_error_frame
@@ -36,9 +43,8 @@ from ..transport.sockets import (
     send_buffers,
 )
 from .listeners import Stream
-
-if TYPE_CHECKING:
-    from .server import Server
+from .polling import BusyPoller
+from .wakeup import Wakeup
 
 log = logging.getLogger("msgq_trio.io")
 
@@ -48,57 +54,80 @@ RECEIVE_SIZE = 256 * 1024
 #: The writer joins queued small frames up to this many bytes into one send_all.
 WRITE_BATCH = 1024 * 1024
 _GOODBYE = FrameType.GOODBYE
-#: Queues up to this size are written directly by Server.after_core (send_now) when the
+#: Queues up to this size are written directly by the host's after_core (send_now) when the
 #: writer is idle.
 _DIRECT_SEND_MAX = 256 * 1024
 #: While a sender's reads are paused by backpressure its EOF sits behind unread data, so
-#: the broker looks at the socket's poll state this often (one poll(2) of a few
-#: microseconds): a client that dies while paused is dropped, and the calls pending on it
+#: the broker looks at the socket's poll state this often (one non-blocking poll(2), cheap
+#: next to the interval): a client that dies while paused is dropped, and the calls pending on it
 #: fail, within this time rather than when its receivers have drained (which can take
 #: slow_consumer_timeout per receiver).
 HANGUP_POLL_INTERVAL = 0.02
 
 
-class Wakeup:
-    """A level-triggered flag a single task waits on (cheaper than a new Event per wait)."""
+class Splicing:
+    """What the connections of one broker share to splice large frames through pipes
+    (transport/splice.py): the pipe budget and the figures ``stats`` reports."""
 
-    __slots__ = ("_lot", "flag")
+    __slots__ = ("budget", "fallbacks", "spliced_frames", "unsupported_logged")
 
-    def __init__(self) -> None:
-        self._lot = trio.lowlevel.ParkingLot()
-        self.flag = False
+    def __init__(self, max_pipes: int) -> None:
+        #: Pipes held for large frames in flight (limits.splice_max_pipes).
+        self.budget = splice.PipeBudget(max_pipes)
+        #: Large frames spliced through, and those that fell back to copying for want
+        #: of a pipe.
+        self.spliced_frames = 0
+        self.fallbacks = 0
+        #: The first fallback for want of kernel support is logged, the rest counted.
+        self.unsupported_logged = False
 
-    def set(self) -> None:
-        if not self.flag:
-            self.flag = True
-            self._lot.unpark_all()
 
-    async def wait(self) -> None:
-        """Wait until set, then clear. Always a checkpoint, so a waker cannot starve others."""
-        if self.flag:
-            self.flag = False
-            await trio.lowlevel.checkpoint()
-            return
-        await self._lot.park()
-        self.flag = False
+class ConnectionHost(Protocol):
+    """What a :class:`PeerConnection` needs from the daemon that runs it."""
+
+    @property
+    def core(self) -> Broker: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def busy_poll(self) -> BusyPoller: ...
+
+    @property
+    def splicing(self) -> Splicing: ...
+
+    @property
+    def shutting_down(self) -> bool:
+        """True once the broker is shutting down (a GOODBYE sent then ends in EOF)."""
+        ...
+
+    def connection_of(self, peer: Peer) -> PeerConnection | None:
+        """The connection of ``peer`` (a receiver a paused sender waits for), if any."""
+        ...
+
+    def after_core(self) -> None:
+        """Apply what the core decided (``Broker.effects``): wake writers, close the
+        connections of kicked peers, re-arm the deadline timer."""
+        ...
 
 
 class PeerConnection:
     """One admitted client's connection: its stream, its reader and writer, backpressure.
 
     :meth:`run` reads and routes (this task) and writes (a child task) until either
-    ends; the caller (``Server``) owns admission before and the cleanup after.
+    ends; the caller (the host) owns admission before and the cleanup after.
     """
 
     def __init__(
         self,
-        server: Server,
+        host: ConnectionHost,
         peer: Peer,
         stream: Stream,
         conn: Connection,
         principals: list[str] | None = None,
     ) -> None:
-        self.server = server
+        self.host = host
         self.peer = peer
         self.stream = stream
         self.conn = conn
@@ -110,7 +139,7 @@ class PeerConnection:
         self.closing_reason: str | None = None
         self.final_error: tuple[ErrorCode, str] | None = None
         #: True while the writer task is inside send_all; otherwise the socket is free and
-        #: Server.after_core may write to it directly (send_now), saving a task switch.
+        #: the host's after_core may write to it directly (send_now), saving a task switch.
         self.writing = False
         #: -1 for TLS: bytes must go through the SSL object, never straight to the fd.
         self.fd = -1 if isinstance(stream, trio.SSLStream) else stream.socket.fileno()
@@ -158,7 +187,7 @@ class PeerConnection:
         Errors from either side are turned into a closing reason here, inside the nursery,
         so the caller sees plain exceptions (a protocol error) rather than groups.
         """
-        srv = self.server
+        srv = self.host
         failure: BaseException | None = None
         with self.scope:
             async with trio.open_nursery() as nursery:
@@ -201,7 +230,7 @@ class PeerConnection:
 
     async def _reader(self) -> bool:
         """Read and route until EOF (False) or the client's GOODBYE (True)."""
-        srv = self.server
+        srv = self.host
         stream = self.stream
         if isinstance(stream, trio.SSLStream):
             tls_receive = tls_receiver(stream)
@@ -223,7 +252,7 @@ class PeerConnection:
     async def _read_loop(self, receive: Callable[[Connection], Awaitable[int]]) -> bool:
         # ``receive(conn)`` receives once and hands the bytes to conn (in place for a large
         # frame: SocketReceiver.receive_into); it returns the count, 0 at EOF.
-        srv = self.server
+        srv = self.host
         poller = srv.busy_poll
         conn, peer, core = self.conn, self.peer, srv.core
         handle_many = core.handle_many
@@ -319,7 +348,7 @@ class PeerConnection:
                 srv.after_core()
             if conn.error_pending:
                 conn.events()  # raises the protocol error that followed the valid frames
-            if core.blocked:
+            if core.effects.pause:
                 self._pause()
                 try:
                     await self._wait_for_receivers()
@@ -344,13 +373,14 @@ class PeerConnection:
             RemoteProtocolError: the client stalled in the middle of the frame.
             trio.BrokenResourceError: the socket failed.
         """
-        srv, conn = self.server, self.conn
+        srv, conn = self.host, self.conn
         stream = self.stream
         assert isinstance(stream, trio.SocketStream)  # (fd >= 0: not TLS)
         sock = stream.socket
         fd, poller = self.fd, srv.busy_poll
         idle = srv.limits.idle_in_frame_timeout
-        tail = splice.PipeTail(srv.pipe_budget)
+        splicing = srv.splicing
+        tail = splice.PipeTail(splicing.budget)
         handed = False
         try:
             left = want
@@ -369,10 +399,10 @@ class PeerConnection:
                     tail.materialize()
                     assert tail.data is not None
                     conn.unsplice(tail.data)
-                    srv.splice_fallbacks += 1
-                    budget = srv.pipe_budget
-                    if budget.unsupported and not srv.splice_unsupported_logged:
-                        srv.splice_unsupported_logged = True
+                    splicing.fallbacks += 1
+                    budget = splicing.budget
+                    if budget.unsupported and not splicing.unsupported_logged:
+                        splicing.unsupported_logged = True
                         log.warning("%s: large frames are copied from now on", budget.unsupported)
                     return True, None
                 if not n:
@@ -387,7 +417,7 @@ class PeerConnection:
                 await trio.lowlevel.checkpoint()
             conn.complete_spliced(tail)
             handed = True
-            srv.spliced_frames += 1
+            splicing.spliced_frames += 1
             return True, tail
         finally:
             if not handed:
@@ -408,7 +438,7 @@ class PeerConnection:
         keep the dead client's calls pending until its receivers drained. Descriptors
         they carry are closed; ``stats.counters.discarded_frames`` counts them.
         """
-        srv = self.server
+        srv = self.host
         conn, core = self.conn, srv.core
         frames = list(held)
         unreadable = ""
@@ -477,13 +507,12 @@ class PeerConnection:
         soft limit. A receiver that makes no write progress for ``slow_consumer_timeout``
         is dropped (slow-consumer), so a stopped reader cannot pause its senders forever.
         A sender that hangs up meanwhile is dropped (see :meth:`_await_progress`)."""
-        srv = self.server
-        blocked = list(srv.core.blocked)
-        srv.core.blocked.clear()
+        srv = self.host
+        blocked = srv.core.effects.take_pause()
         soft = srv.limits.out_soft_limit
         patience = srv.limits.slow_consumer_timeout
         for r in blocked:
-            rpc = srv.conns.get(r)
+            rpc = srv.connection_of(r)
             deadline = trio.current_time() + patience
             while rpc is not None and r.alive and r.outq_bytes > soft and self.peer.alive:
                 progressed = await self._await_progress(rpc, deadline)
@@ -505,15 +534,16 @@ class PeerConnection:
         (slow-consumer); one that drains, however slowly, is waited for. A sender that
         hangs up meanwhile is dropped (see :meth:`_await_progress`).
         """
-        srv = self.server
-        core = srv.core
-        held, size, nfds = core.held, core.held_size, core.held_fds
-        core.held = []
+        srv = self.host
+        hold = srv.core.effects.take_hold()
+        if hold is None:
+            return
+        held, size, nfds = hold.receivers, hold.size, hold.fds
         room = srv.limits.out_hard_limit - size
         max_fds = srv.limits.max_fds_queued - nfds
         patience = srv.limits.slow_consumer_timeout
         for r in held:
-            rpc = srv.conns.get(r)
+            rpc = srv.connection_of(r)
             deadline = trio.current_time() + patience
             while (
                 rpc is not None
@@ -535,7 +565,7 @@ class PeerConnection:
                     srv.after_core()
 
     async def _writer(self) -> None:
-        srv = self.server
+        srv = self.host
         stream, peer = self.stream, self.peer
         while True:
             await self.wake.wait()

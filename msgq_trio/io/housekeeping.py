@@ -1,23 +1,25 @@
 """The broker's housekeeping tasks beside the connections: the RPC deadline timer, TCP
-heartbeats, memory give-back (malloc_trim) and busy polling, and the process figures of
-``stats``."""
+heartbeats and memory give-back (malloc_trim), and the process figures of ``stats``.
+
+Each task takes what it needs as arguments (the heartbeat task a :class:`HeartbeatHost`),
+never the Server: the server imports this module, not the other way round.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import trio
 
+from ..config import TcpSettings
 from ..core.broker import Broker
 from ..protocol.codes import ErrorCode
-from .connection import Wakeup
-
-if TYPE_CHECKING:
-    from .server import Server
+from .connection import PeerConnection
+from .wakeup import Wakeup
 
 log = logging.getLogger("msgq_trio.io")
 
@@ -25,6 +27,24 @@ log = logging.getLogger("msgq_trio.io")
 #: resident size grew by TRIM_GROWTH bytes since the last trim.
 TRIM_INTERVAL = 2.0
 TRIM_GROWTH = 8 * 1024 * 1024
+
+
+class HeartbeatHost(Protocol):
+    """What :func:`heartbeat_task` needs from the daemon that runs it."""
+
+    @property
+    def core(self) -> Broker: ...
+
+    @property
+    def tcp(self) -> TcpSettings: ...
+
+    def connections(self) -> Iterable[PeerConnection]:
+        """The admitted connections, as a snapshot (safe to iterate across awaits)."""
+        ...
+
+    def after_core(self) -> None:
+        """Apply what the core decided (``Broker.effects``)."""
+        ...
 
 
 class DeadlineTimer:
@@ -61,95 +81,7 @@ class DeadlineTimer:
             after_core()
 
 
-class BusyPoller:
-    """``limits.busy_poll``: keeps the trio loop polling for a while after a read.
-
-    The reader of each connection, on every read: ``if not poller.polling and
-    poller.limit: poller.adapt(now)``, then ``poller.last_read = now`` (inline: it runs
-    per receive). :meth:`run` is the polling task.
-    """
-
-    __slots__ = (
-        "_last_gap_short",
-        "_wake",
-        "cpus",
-        "last_read",
-        "limit",
-        "passes",
-        "polling",
-        "window",
-    )
-
-    def __init__(self, limit: float) -> None:
-        #: When the last read came (trio clock).
-        self.last_read = -math.inf
-        self._wake = Wakeup()
-        #: True while the task polls (reads then are within the window: no adapting).
-        self.polling = False
-        #: Loop passes made polling (stats: its CPU is visible).
-        self.passes = 0
-        #: The limit in force (0: off, always so on one CPU); see :meth:`set_limit`.
-        self.limit = 0.0
-        #: How long after a read the task polls now (adaptive, see :meth:`adapt`).
-        self.window = 0.0
-        self._last_gap_short = False
-        self.cpus = len(os.sched_getaffinity(0))
-        self.set_limit(limit)
-
-    def set_limit(self, limit: float) -> None:
-        """Put ``limits.busy_poll`` in force: off where this process may run on one CPU
-        only (a spinning broker would only delay the clients it waits for)."""
-        if self.cpus < 2:
-            limit = 0.0
-        self.limit = limit
-        self.window = min(self.window, limit)
-
-    def adapt(self, now: float) -> None:
-        """A read came while the loop was asleep: adapt the polling window, then poll.
-
-        After KVM's halt polling: a read that came within ``limits.busy_poll`` of the
-        previous one would have been caught by polling that long. Two such reads in a row
-        grow the window (to a quarter of the limit, then doubling, up to the limit); one
-        that came later closes it. Reads caught while polling change nothing (they are
-        within the window). So the broker polls while frames come back to back (request,
-        answer, next request: every gap short) and not for traffic spaced wider than the
-        limit, nor for calls paced apart (an answer's short gap, then the next request's
-        long one): CPU is spent only where it buys latency.
-        """
-        limit = self.limit
-        short = now - self.last_read <= limit
-        if not short:
-            self.window = 0.0
-        elif self._last_gap_short:
-            self.window = min(limit, max(2 * self.window, limit / 4))
-            self._wake.set()
-        self._last_gap_short = short
-
-    async def run(self) -> None:
-        """``limits.busy_poll``: for ``window`` after the last read, keep this
-        trio loop running (every pass polls the sockets without sleeping, then yields the
-        CPU to any other runnable process), so the next frame is taken without the ~20 us
-        wake-up of a sleeping process. Parked, costing nothing, while the window is 0 or
-        once no read came for that long."""
-        clock = trio.current_time
-        checkpoint = trio.lowlevel.checkpoint
-        yield_cpu = os.sched_yield
-        while True:
-            await self._wake.wait()
-            self.polling = True
-            try:
-                while clock() - self.last_read < self.window:
-                    self.passes += 1
-                    await checkpoint()
-                    # Polite spinning: a process runnable on this CPU (a client of ours,
-                    # on a small machine) runs now rather than at the end of our time
-                    # slice; what it gains and costs: BENCHMARKS.md, "Busy polling".
-                    yield_cpu()
-            finally:
-                self.polling = False
-
-
-async def heartbeat_task(server: Server) -> None:
+async def heartbeat_task(server: HeartbeatHost) -> None:
     """Every heartbeat interval: ping each TCP client we heard nothing from during the
     last interval; drop one silent for ``heartbeat_misses`` intervals (it crashed, its
     host died, or the network path did: a Unix socket would have told us at once).
@@ -162,7 +94,7 @@ async def heartbeat_task(server: Server) -> None:
     while True:
         interval = server.tcp.heartbeat_interval
         await trio.sleep(interval)
-        for pc in list(server.conns.values()):
+        for pc in server.connections():
             peer = pc.peer
             if not peer.remote or not peer.alive or pc.conn.sent_goodbye:
                 continue
@@ -200,13 +132,13 @@ async def trim_task() -> None:
 
     Why: glibc raises its mmap threshold to the largest buffer freed so far, after
     which multi-megabyte frames live on the heap, and freed heap pages stay resident:
-    a broker that relayed a burst of 8 MiB frames stayed up to 26 MiB larger for good
-    (scenario sigkill-mid-frame). Mapping every large buffer apart instead cost 10 %
-    of the 4 MiB throughput (each frame faults fresh pages). So: every
+    a broker that relayed a burst of 8 MiB frames stayed that much larger for good
+    (scenario sigkill-mid-frame). Mapping every large buffer apart instead would make
+    each large frame fault in fresh pages, a cost paid per frame. So: every
     TRIM_INTERVAL, if the resident size grew by TRIM_GROWTH since the last trim,
-    ``malloc_trim(0)`` (1.9 ms here after freeing 40 MiB of large buffers among
-    200,000 small objects; it blocks the loop for that long, at most once per
-    interval). Under another C library this task ends at once.
+    ``malloc_trim(0)``: it walks the heap and blocks the loop while it does, so it runs
+    at most once per interval and only after such growth. Under another C library this
+    task ends at once.
     """
     trim = _malloc_trim()
     if trim is None:

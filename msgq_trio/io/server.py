@@ -2,11 +2,15 @@
 housekeeping tasks, and runs them under one nursery until shutdown.
 
 The only broker code that imports trio is this package. It feeds bytes to the sans-I/O
-connection, hands frames to the pure core, and writes what the core queued. The jobs live
-apart: :mod:`.listeners` (sockets, accept, credentials, authentication),
-:mod:`.connection` (one peer's reader, writer and backpressure), :mod:`.housekeeping`
-(timer, heartbeats, memory trim, busy polling). Shape (trio's serve_listeners,
-hypercorn's trio server):
+connection, hands frames to the pure core, writes what the core queued and applies what
+the core decided (``Broker.effects``). The jobs live apart, and import each other in one
+direction only (``wakeup < polling < connection < housekeeping < server``;
+``listeners < connection``): :mod:`.listeners` (sockets, accept, credentials,
+authentication), :mod:`.connection` (one peer's reader, writer and backpressure, over
+the narrow :class:`~.connection.ConnectionHost` this server implements),
+:mod:`.housekeeping` (timer, heartbeats, memory trim), :mod:`.polling` (busy polling),
+:mod:`.wakeup` (the wake-up flag). Shape (trio's serve_listeners, hypercorn's trio
+server):
 
 * accept tasks, separate from the nursery that holds connection tasks;
 * per connection a reader and a writer (:class:`~.connection.PeerConnection`);
@@ -22,7 +26,7 @@ import logging
 import os
 import socket as pysocket
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -39,9 +43,8 @@ from ..protocol.framing import encode_cbor, encode_frame
 from ..transport.errors import translate_socket_errors
 from ..transport.sockets import close_fds, set_send_buffer
 from ..transport.splice import PipeBudget
-from .connection import PeerConnection, linger, read_hello, send_final
+from .connection import PeerConnection, Splicing, linger, read_hello, send_final
 from .housekeeping import (
-    BusyPoller,
     DeadlineTimer,
     count_fds,
     count_tasks,
@@ -63,6 +66,7 @@ from .listeners import (
     set_socket_permissions,
     unix_principals,
 )
+from .polling import BusyPoller
 
 __all__ = ["BrokerAlreadyRunning", "Server"]
 
@@ -121,13 +125,9 @@ class Server:
         self._timer = DeadlineTimer()
         #: limits.busy_poll: the polling task and its state (read by every reader).
         self.busy_poll = BusyPoller(self.limits.busy_poll)
-        #: Pipes held for large frames in flight (limits.splice_max_pipes).
-        self.pipe_budget = PipeBudget(self.limits.splice_max_pipes)
-        #: Large frames spliced through, and those that fell back to copying for want of
-        #: a pipe (stats).
-        self.spliced_frames = 0
-        self.splice_fallbacks = 0
-        self.splice_unsupported_logged = False
+        #: Pipes for large frames in flight and the splicing figures (shared by the
+        #: connections).
+        self.splicing = Splicing(self.limits.splice_max_pipes)
         self._listener: trio.SocketListener | None = None
         self._shutting_down = False
         self._handlers: trio.Nursery | None = None
@@ -242,7 +242,7 @@ class Server:
         self.limits = limits
         self.core.limits = limits
         self.busy_poll.set_limit(limits.busy_poll)
-        self.pipe_budget.limit = limits.splice_max_pipes
+        self.splicing.budget.limit = limits.splice_max_pipes
 
     def apply_tcp(self, tcp: TcpSettings) -> None:
         """New tokens and heartbeat settings (listeners and TLS files stay until restart):
@@ -288,7 +288,31 @@ class Server:
             "counters": dict(core.stats),
         }
 
+    # -- for the connections (io.connection.ConnectionHost) and housekeeping ------------
+    def connection_of(self, peer: Peer) -> PeerConnection | None:
+        """The connection of ``peer``, if it is still connected."""
+        return self.conns.get(peer)
+
+    def connections(self) -> Iterable[PeerConnection]:
+        """The admitted connections, as a snapshot (safe to iterate across awaits)."""
+        return list(self.conns.values())
+
     # -- for operations (msgq_trio.ops) --------------------------------------------------
+    @property
+    def pipe_budget(self) -> PipeBudget:
+        """Pipes held for large frames in flight (limits.splice_max_pipes)."""
+        return self.splicing.budget
+
+    @property
+    def spliced_frames(self) -> int:
+        """Large frames spliced through so far."""
+        return self.splicing.spliced_frames
+
+    @property
+    def splice_fallbacks(self) -> int:
+        """Large frames copied for want of a pipe so far."""
+        return self.splicing.fallbacks
+
     @property
     def shutting_down(self) -> bool:
         """True once :meth:`shutdown` has begun (it never becomes False again)."""
@@ -305,8 +329,9 @@ class Server:
         return self.busy_poll.passes
 
     def after_core(self) -> None:
-        """Act on what the core decided: write or wake the writers of peers it queued
-        frames for, close the connections of peers it kicked, re-arm the deadline timer.
+        """Apply what the core decided (``core.effects``): write or wake the writers of
+        peers it queued frames for, close the connections of peers it kicked, re-arm the
+        deadline timer. (Pauses and holds are the reader's that caused them.)
 
         Contract: whoever changes the core outside a connection's reader (a command run
         by operations code, a capture tap queueing frames, a policy change) calls this
@@ -315,18 +340,19 @@ class Server:
         left to that peer's writer).
         """
         core = self.core
-        if core.dirty:
+        fx = core.effects
+        wake = fx.wake
+        if wake:
             conns = self.conns
-            for p in core.dirty:
+            for p in wake:
                 pc = conns.get(p)
                 if pc is not None:
                     pc.send_now()
                     if p.outq:
                         pc.wake.set()
-            core.dirty.clear()
-        if core.kicked:
-            kicked, core.kicked = core.kicked, []
-            for p, code, message in kicked:
+            wake.clear()
+        if fx.kicks:
+            for p, code, message in fx.take_kicks():
                 pc = self.conns.get(p)
                 if pc is not None:
                     pc.kick(code, message)

@@ -170,7 +170,7 @@ def test_message_with_fds_to_a_bound_group_drops_the_sender(g: Bound) -> None:
     """A one-way message cannot be answered: refused like a forbidden one, the sender is
     dropped with ERROR forbidden naming the binding; nobody gets it."""
     g.send(g.producer, T.MESSAGE, "G", "x", fds=(9,))
-    [(peer, code, message)] = g.broker.kicked
+    [(peer, code, message)] = g.broker.effects.kicks
     assert (peer, code) == (g.producer, ErrorCode.FORBIDDEN) and not peer.alive
     assert "'G' is bound to l.1" in message and "file descriptors" in message
     assert g.closed == [9]

@@ -13,7 +13,7 @@ from msgq_trio.core.broker import Broker
 from msgq_trio.core.peers import Peer
 from msgq_trio.protocol.codes import ErrorCode, Flag, FrameType
 from msgq_trio.protocol.errors import RemoteProtocolError
-from msgq_trio.protocol.framing import Frame, FrameParser, encode_cbor, encode_frame
+from msgq_trio.protocol.framing import Frame, FrameParser, Run, encode_cbor, encode_frame
 
 T = FrameType
 BROKER_STAMP = b"l.0\0msgq"
@@ -624,12 +624,12 @@ def test_message_to_full_receiver_is_held_not_dropped() -> None:
     for _ in range(3):
         b.message(sender, "G", payload)
         b.out(fast)
-    assert slow in b.broker.blocked
+    assert slow in b.broker.effects.pause
     f = frame(T.MESSAGE, target="G", body=encode_cbor(payload))
     assert b.broker.handle_many(sender, [f], 0.0) == 0
-    assert b.broker.held == [slow]
-    assert b.broker.held_size > 500
-    assert slow.alive and not b.broker.kicked
+    assert b.broker.effects.hold.receivers == [slow]
+    assert b.broker.effects.hold.size > 500
+    assert slow.alive and not b.broker.effects.kicks
     assert b.out(fast) == []
     before = len(b.out(slow))  # drains slow's queue
     assert before == 3
@@ -644,8 +644,12 @@ def test_held_frame_keeps_its_descriptors_and_later_frames() -> None:
     untouched and the held frame's descriptors are not closed (they travel with it later)."""
     closed: list[int] = []
     b = Bench(**SMALL)
-    b.broker._close_fd = closed.append
-    b.broker._dup_fd = lambda fd: fd + 1000
+    b.broker = Broker(
+        Limits(**SMALL),
+        version="test",
+        dup_fd=lambda fd: fd + 1000,
+        close_fd=closed.append,
+    )
     sender, full = b.connect("sender"), b.connect("full")
     for _ in range(3):
         b.message(sender, full.lname, "x" * 500)
@@ -655,7 +659,7 @@ def test_held_frame_keeps_its_descriptors_and_later_frames() -> None:
         frame(T.MESSAGE, target="Nobody", body=encode_cbor(2), fds=(8,)),
     ]
     assert b.broker.handle_many(sender, frames, 0.0) == 1
-    assert closed == [] and b.broker.held == [full]
+    assert closed == [] and b.broker.effects.hold.receivers == [full]
     b.out(full)
     assert b.broker.handle_many(sender, frames[1:], 0.0) == 2
     assert sorted(closed) == [7, 8]
@@ -672,10 +676,10 @@ def test_broker_notification_to_full_subscriber_drops_it() -> None:
     b.out(watcher)
     for _ in range(3):
         b.message(sender, watcher.lname, "x" * 500)
-    while watcher.alive and len(b.broker.kicked) == 0:
+    while watcher.alive and len(b.broker.effects.kicks) == 0:
         b.connect("newcomer")
     assert not watcher.alive
-    assert [(p, c) for p, c, _ in b.broker.kicked] == [(watcher, ErrorCode.SLOW_CONSUMER)]
+    assert [(p, c) for p, c, _ in b.broker.effects.kicks] == [(watcher, ErrorCode.SLOW_CONSUMER)]
 
 
 def test_request_to_full_receiver() -> None:
@@ -736,3 +740,53 @@ def test_goodbye_disconnect_keeps_queue(bench: Bench) -> None:
     bench.broker.disconnect(c, "connection-lost")
     assert [f.body() for f in bench.out(a)] == ["keep"]
     assert bench.out(c) == []
+
+
+def test_a_command_that_turns_capture_on_is_captured_itself() -> None:
+    """The tap in force once a request was handled sees that request: a capture started by
+    a request to the broker records the request that started it (and the answer)."""
+    b = Bench()
+    seen: list[tuple[int, str]] = []
+
+    def start(_peer: Peer, _params: object) -> bool:
+        b.broker.tap = lambda _sender, f, outcome, _n: seen.append((f.type, outcome))
+        return True
+
+    b.broker.commands["start"] = start
+    p = b.connect("p")
+    b.call_broker(p, "start")
+    assert seen == [(T.REPLY, "delivered"), (T.REQUEST, "broker")]
+
+
+def test_a_request_and_the_frames_before_it_are_counted_before_it_is_handled() -> None:
+    """A broker command sees its own request, and the messages its sender sent before it
+    in the same batch, in the sender's counters (``stats`` reports them)."""
+    b = Bench()
+    seen: list[int] = []
+    b.broker.commands["count"] = lambda peer, _params: seen.append(peer.msgs_in)
+    p = b.connect("p")
+    frames: list[Frame | Run] = [
+        frame(T.MESSAGE, target="Nobody", body=encode_cbor(i)) for i in range(3)
+    ]
+    frames.append(
+        frame(T.REQUEST, target="msgq", request_id=1, header=encode_cbor({"cmd": "count"}))
+    )
+    assert b.broker.handle_many(p, frames, 0.0) == 4
+    assert seen == [4] and p.msgs_in == 4
+
+
+def test_effects_name_the_writers_to_wake_and_the_peers_to_drop() -> None:
+    """What the core decides reaches the I/O layer as ``Broker.effects``: the peers whose
+    queues got frames (to wake), and the peers it dropped with the final error (to close);
+    taking them leaves nothing behind for the next batch."""
+    b = Bench()
+    rx, tx = b.connect("rx"), b.connect("tx")
+    b.call_broker(rx, "subscribe", {"group": "G"})
+    fx = b.broker.effects
+    fx.wake.clear()
+    b.message(tx, "G", "hi")
+    assert fx.wake == {rx} and not fx.kicks and fx.hold is None
+    b.broker.kick(rx, ErrorCode.DROPPED, "by the operator")
+    assert fx.wake == set()  # its queue was dropped: nothing left to write
+    assert fx.take_kicks() == [(rx, ErrorCode.DROPPED, "by the operator")]
+    assert fx.take_kicks() == []

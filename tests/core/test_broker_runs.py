@@ -159,8 +159,8 @@ def test_run_that_does_not_fit_is_held_at_the_exact_frame() -> None:
         done = b.handle_many(tx, items, 0.0)
         assert 0 < done <= len(items) or got  # progress whenever rx was drained
         if done < len(items):
-            assert b.held == [rx]
-            assert rx.outq_bytes + b.held_size > 2048
+            assert b.effects.hold.receivers == [rx]
+            assert rx.outq_bytes + b.effects.hold.size > 2048
         items = items[done:]
         got.extend(f.body()[0] for f in drain(rx))  # type: ignore[index]
     assert got == list(range(12))
@@ -195,9 +195,7 @@ def test_capture_sees_every_frame_of_a_run() -> None:
 def test_large_self_stamped_frame_is_not_copied() -> None:
     """A self-stamped frame of 256 KiB or more is queued as its small head plus a view of
     the received buffer (no copy of the payload, also per recipient when it has fds)."""
-    b = make()
-    b._dup_fd = lambda fd: fd + 100  # type: ignore[method-assign]
-    b._close_fd = lambda fd: None  # type: ignore[method-assign]
+    b = Broker(Limits(), version="test", dup_fd=lambda fd: fd + 100, close_fd=lambda fd: None)
     r1, r2, tx = connect(b, "r1"), connect(b, "r2"), connect(b, "tx")
     subscribe(b, r1, "G")
     subscribe(b, r2, "G")
