@@ -141,10 +141,6 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
         "api.py imports queue.py's Queue (for annotations, and in Bus.queue()), queue.py"
         " api.py's BusBase for annotations; under rework with the client"
     ),
-    frozenset({"msgq_trio.io.connection", "msgq_trio.io.housekeeping", "msgq_trio.io.server"}): (
-        "server.py imports connection.py and housekeeping.py, which import Server for"
-        " annotations; under rework: PeerConnection over a narrow host protocol"
-    ),
     frozenset({"msgq_trio.plugins.queue.engine", "msgq_trio.plugins.queue.metrics"}): (
         "engine.py imports metrics.py's Histogram, metrics.py engine.py's Engine for"
         " annotations; under rework with the queue plugin"

@@ -8,7 +8,7 @@ commands to the same table (``Broker.commands``). Pure: no trio, no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.errors import RemoteProtocolError
@@ -16,11 +16,9 @@ from ..protocol.framing import Frame, encode_cbor, encode_frame
 from ..protocol.names import valid_group_name
 from .access import BIND, CALL, SEND, SUBSCRIBE
 from .delivery import BROKER_STAMP
+from .host import BrokerHost
 from .peers import Peer
 from .router import GROUP
-
-if TYPE_CHECKING:
-    from .broker import Broker
 
 _REPLY = FrameType.REPLY
 
@@ -40,7 +38,7 @@ Command = Callable[[Peer, Any], object]
 class BrokerCommands:
     """The command table of one broker and the built-in commands."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: BrokerHost) -> None:
         self._broker = broker
         self.table: dict[str, Command] = {
             "subscribe": self._subscribe,

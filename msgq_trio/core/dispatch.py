@@ -28,18 +28,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame, stamped
 from .access import CALL, SEND, Access
 from .delivery import BROKER_STAMP
+from .host import BrokerHost
 from .peers import Peer
 from .router import BROKER, DIRECT, GROUP, RESERVED, Route
-
-if TYPE_CHECKING:
-    from .broker import Broker
 
 log = logging.getLogger("msgq_trio.broker")
 
@@ -56,7 +53,7 @@ _FLAG_ALL = int(Flag.ALL)
 class Dispatcher:
     """Routes the frames of clients for one broker (see the module's rules)."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: BrokerHost) -> None:
         self._broker = broker
         self.router = broker.router
         self.relays = broker.relays
