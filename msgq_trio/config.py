@@ -88,7 +88,7 @@ class Limits:
     * ``busy_poll`` 200 us: the longest the broker keeps polling its sockets after a read
       instead of sleeping in ``epoll_wait``, so that the next frame (the callee's answer,
       the caller's next request) is taken without a wake-up out of ``epoll_wait``, often
-      across CPUs (two per round trip). Adaptive, after KVM's halt polling (io/housekeeping.py,
+      across CPUs (two per round trip). Adaptive, after KVM's halt polling (io/polling.py,
       ``BusyPoller.adapt``):
       two reads in a row within ``busy_poll`` of the one before open the window, one
       later closes it; so the broker polls while frames come back to back, and not for a
