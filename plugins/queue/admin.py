@@ -35,8 +35,8 @@ from msgq_trio.client.bus import Message
 from msgq_trio.errors import CommandFailed
 from msgq_trio.protocol.codes import ErrorCode
 
-from .engine import Engine
 from .model import KIND_BODY, KIND_MESSAGE, KIND_REQUEST, PAGE, READY, Queue
+from .tasks import Engine
 
 __all__ = ["MAX_PEEK", "commands", "peek", "purge"]
 

@@ -31,8 +31,8 @@ from msgq_trio.storage.api import QueueStore, StorageError
 from msgq_trio.exposition import Exposition
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .model import Queue
+    from .tasks import Engine
 
 __all__ = ["COMMIT_BUCKETS", "SAMPLE_PERIOD", "AgeTracker", "Histogram", "render_metrics"]
 
