@@ -301,8 +301,8 @@ class GroupCommit(QueueState):
             # wait for an ack, a nack, a put, or the oldest one's grace to end.
             self._flushed_mid = self.pending[0].mid - 1 if self.pending else self._next_mid - 1
             return Batch(idle=True, wake=wake if held else None)
-        # tuple.__new__: the named tuple without its Python-level __new__ (half the
-        # cost, once per message committed).
+        # tuple.__new__: the named tuple without its Python-level __new__, which would
+        # run once per message committed.
         new = [_new_tuple(NewMessage, (m.queue.name, m.producer, m.pseq, m.data)) for m in items]
         deletes: dict[str, list[int]] = {}
         incr: dict[str, list[int]] = {}

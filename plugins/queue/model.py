@@ -43,8 +43,8 @@ READY, INFLIGHT, DONE, DEAD = range(4)
 #: bound group (CBOR body).
 KIND_BODY, KIND_REQUEST, KIND_MESSAGE = b"B"[0], b"R"[0], b"M"[0]
 
-#: Most messages one page-in reads (one short read transaction on the store thread; at
-#: 1 KiB bodies about a millisecond here, so a commit queued behind it waits little).
+#: Most messages one page-in reads: one short read transaction on the store thread, so a
+#: commit queued behind it waits little, and enough that paging a backlog takes few reads.
 PAGE = 1000
 
 
