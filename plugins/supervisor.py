@@ -35,8 +35,8 @@ log = logging.getLogger("msgq_trio.plugins")
 
 __all__ = ["PluginStartError", "PluginSupervisor"]
 
-#: Until the first "ready": the queue plugin recovers its store before it is ready; a
-#: store of ~1 GiB is read in a few seconds here, 30 s leaves room for slow disks.
+#: Until the first "ready": the queue plugin opens its store and reads each queue's counts
+#: (not its messages) before it is ready; 30 s leaves room for slow disks.
 START_TIMEOUT = 30.0
 #: Restart backoff: quick for a one-off crash, bounded so a crash loop costs little CPU
 #: and log volume (systemd's default RestartSec is 100 ms; 10 s caps a loop at 6/min).

@@ -141,10 +141,6 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
         "api.py imports queue.py's Queue (for annotations, and in Bus.queue()), queue.py"
         " api.py's BusBase for annotations; under rework with the client"
     ),
-    frozenset({"msgq_trio.plugins.queue.engine", "msgq_trio.plugins.queue.metrics"}): (
-        "engine.py imports metrics.py's Histogram, metrics.py engine.py's Engine for"
-        " annotations; under rework with the queue plugin"
-    ),
     frozenset({"msgq_trio.analytics.cli", "msgq_trio.analytics.live"}): (
         "cli.py imports live.py's parser and main in functions, live.py cli.py's"
         " prepare_output and spark_error in functions"

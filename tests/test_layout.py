@@ -191,3 +191,26 @@ def test_the_wheel_holds_no_benchmark(tmp_path: Path) -> None:
     ]
     assert "Provides-Extra: bench" not in requires
     assert [r for r in requires if r.split()[1].startswith(PEER_DISTRIBUTIONS)] == [], requires
+
+
+def test_mypy_sees_mapped_packages_under_installed_names() -> None:
+    """mypy checks each mapped top-level directory (plugins/, storage/) through a symlink
+    at its installed path under .typecheck/, so imports of msgq_trio.plugins.* and
+    msgq_trio.storage.* resolve to the checked sources instead of Any. Each mapping of
+    package-dir other than msgq_trio itself and the data packages has its link, the link
+    leads to the mapped directory, and mypy is given the files through it."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        mypy = tomllib.load(f)["tool"]["mypy"]
+    mapping = setuptools_config()["package-dir"]
+    assert isinstance(mapping, dict)
+    code = {k: v for k, v in mapping.items() if k != "msgq_trio" and k not in DATA_PACKAGES}
+    assert code, "no mapped code packages"
+    assert mypy["mypy_path"] == [".typecheck"]
+    for name, directory in code.items():
+        link = ROOT / ".typecheck" / Path(*name.split("."))
+        assert link.is_symlink(), f"{link} is not a symlink"
+        assert link.resolve() == (ROOT / directory).resolve(), f"{link} -> {link.resolve()}"
+        assert str(link.relative_to(ROOT)) in mypy["files"], f"{link} missing from mypy files"
+        assert directory not in mypy["files"], f"{directory} checked under its directory name"
+    overridden = [m for o in mypy.get("overrides", []) for m in o["module"]]
+    assert not [m for m in overridden if m.startswith(("msgq_trio.plugins", "msgq_trio.storage"))]

@@ -18,10 +18,10 @@ from msgq_trio.client.bus import connect
 from msgq_trio.exposition import MetricsServer, open_plugin_listeners
 
 from ..api import CommandAccess
-from .engine import Engine
 from .metrics import AgeTracker, render_metrics
 from .service import Service
 from .settings import QueueSettings, max_store_size_for, parse_settings
+from .tasks import Engine
 from .writer import open_store_dir
 
 __all__ = ["ACCESS", "PLUGIN", "QueuePlugin"]

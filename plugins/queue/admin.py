@@ -35,8 +35,8 @@ from msgq_trio.client.bus import Message
 from msgq_trio.errors import CommandFailed
 from msgq_trio.protocol.codes import ErrorCode
 
-from .engine import Engine
 from .model import KIND_BODY, KIND_MESSAGE, KIND_REQUEST, PAGE, READY, Queue
+from .tasks import Engine
 
 __all__ = ["MAX_PEEK", "commands", "peek", "purge"]
 
@@ -116,8 +116,8 @@ async def peek(engine: Engine, params: Any, request: Message) -> list[dict[str, 
     out: list[dict[str, Any]] = []
     start = 0
     while len(out) < n:
-        # Twice what is missing: some stored ones are skipped (in flight), and a page
-        # costs about a millisecond per 1,000 messages of store-thread time.
+        # Twice what is missing: some stored ones are skipped (in flight), and a page's
+        # store-thread time grows with its size (commits queue behind it).
         limit = min(PAGE, 2 * (n - len(out)) + 16)
         try:
             chunk = await engine.thread.run(engine.store.read_range, q.name, start, limit)

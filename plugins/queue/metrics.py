@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -30,41 +29,21 @@ from msgq_trio.storage.api import QueueStore, StorageError
 
 from msgq_trio.exposition import Exposition
 
+from .histogram import COMMIT_BUCKETS, Histogram
+
 if TYPE_CHECKING:
-    from .engine import Engine
     from .model import Queue
+    from .tasks import Engine
 
 __all__ = ["COMMIT_BUCKETS", "SAMPLE_PERIOD", "AgeTracker", "Histogram", "render_metrics"]
 
 log = logging.getLogger("msgq_trio.plugins.queue")
 
-#: Upper bounds (seconds) of the commit latency buckets: an fsync on an SSD takes
-#: 0.5-5 ms, on a disk 10-50 ms; a full commit of 10,000 messages tens of ms. Beyond a
-#: second the store is in trouble; the exact figure matters less.
-COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: How often the oldest-message tracker reads the queues' next seqs (its resolution).
 SAMPLE_PERIOD = 1.0
 #: Samples kept per queue between scrapes; past it the older half is thinned (an age
 #: then errs on the old side, never the young one).
 MAX_SAMPLES = 2048
-
-
-class Histogram:
-    """Observations in fixed buckets (Prometheus ``le`` semantics: bucket ``i`` counts
-    values ``<= bounds[i]``; the last, implicit one is ``+Inf``)."""
-
-    __slots__ = ("bounds", "count", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float] = COMMIT_BUCKETS) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.count += 1
 
 
 def _probe(

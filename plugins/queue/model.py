@@ -3,7 +3,7 @@
 state in the plugin (``Queue``) and one producer's deduplication state (``Producer``).
 
 Plain data with the small operations that keep each object's counts consistent; the
-rules that move messages between them are ``engine.Engine``'s.
+rules that move messages between them are the state machine's (state.py, commit.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
-from typing import Any
-
-import trio
+from typing import TYPE_CHECKING, Any
 
 from .settings import QueueOptions
+
+if TYPE_CHECKING:  # a page-in's event; the state machine itself runs without trio
+    import trio
 
 __all__ = [
     "DEAD",
@@ -42,8 +43,8 @@ READY, INFLIGHT, DONE, DEAD = range(4)
 #: bound group (CBOR body).
 KIND_BODY, KIND_REQUEST, KIND_MESSAGE = b"B"[0], b"R"[0], b"M"[0]
 
-#: Most messages one page-in reads (one short read transaction on the store thread; at
-#: 1 KiB bodies about a millisecond here, so a commit queued behind it waits little).
+#: Most messages one page-in reads: one short read transaction on the store thread, so a
+#: commit queued behind it waits little, and enough that paging a backlog takes few reads.
 PAGE = 1000
 
 

@@ -36,9 +36,9 @@ from msgq_trio.errors import (
 from msgq_trio.protocol.codes import ErrorCode
 
 from . import admin
-from .engine import Engine
 from .model import KIND_BODY, KIND_REQUEST, Consumer, Msg, Queue, Waiter
 from .settings import parse_options
+from .tasks import Engine
 
 log = logging.getLogger("msgq_trio.plugins.queue")
 

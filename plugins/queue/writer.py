@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 import outcome
 import trio
@@ -32,6 +32,7 @@ __all__ = ["LOCK_TIMEOUT", "StoreThread", "lock_dir", "open_store_dir"]
 LOCK_TIMEOUT = 30.0
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
 class StoreThread:
@@ -53,7 +54,7 @@ class StoreThread:
                 return
             job()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run ``fn(*args)`` on the store thread; return its result or raise its error.
 
         Not cancellable once submitted (the call runs to its end; a cancelled caller

@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-from msgq_trio.plugins.queue.engine import Engine
 from msgq_trio.plugins.queue.settings import QueueSettings
+from msgq_trio.plugins.queue.tasks import Engine
 from msgq_trio.plugins.queue.writer import StoreThread
 from msgq_trio.storage.memory import MemoryQueueStore
 

@@ -237,7 +237,7 @@ async def test_link_give_back_of_a_full_window_is_forwarded_in_order(
     gives all of it back to A in several nacks (a quarter window each). A redelivers it
     in the original order, so once B is back the link forwards it oldest first and B
     stores every message (a later chunk first made B drop the earlier ones as resends:
-    chain acceptance losses under load, issue 11)."""
+    losses of a chain under load)."""
     c = chain(link={"window": 400, "put_timeout": 30.0})
 
     async def up() -> bool:
@@ -425,7 +425,7 @@ async def test_link_metrics_port_in_use_fails_the_start(
 
 @pytest.mark.slow
 async def test_chain_survives_cut_links_and_upstream_kill(chain: Callable[..., LocalChain]) -> None:
-    """Acceptance (issue 11): 12,000 messages through A -> link -> B while the
+    """A chain under faults: 12,000 messages through A -> link -> B while the
     link is cut five ways (B SIGKILLed and restarted twice, the link plugin SIGKILLed,
     the link SIGSTOPped, B SIGSTOPped) and A is SIGKILLed once and restarted. The
     consumer at B receives every message the producer got ack 1 for; duplicates and the

@@ -184,7 +184,7 @@ async def test_redelivery_keeps_original_order_whatever_the_nack_order(queue_bro
     delivery batches one by one) are redelivered in their original order, before the
     never-delivered ones, not the last nack first: a link forwards them in the order
     received and the next queue drops an earlier seq arriving after a later one as a
-    resend (chain acceptance, issue 11)."""
+    resend (messages would be lost in a chain of queues)."""
     b = queue_broker({"ro": {}})
     async with msgq_trio.connect(b.path, "p") as p:
         q = p.queue("ro")

@@ -20,10 +20,10 @@ import cbor2
 import pytest
 import trio
 from msgq_trio.plugins.queue.admin import peek
-from msgq_trio.plugins.queue.engine import Engine
 from msgq_trio.plugins.queue.metrics import AgeTracker
 from msgq_trio.plugins.queue.model import Consumer, Msg, Queue, Waiter
 from msgq_trio.plugins.queue.settings import parse_settings
+from msgq_trio.plugins.queue.tasks import Engine
 from plugin_helpers import engine_on_memory_store, eventually
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,

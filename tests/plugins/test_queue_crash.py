@@ -1,4 +1,4 @@
-"""Crash test (issue 6 acceptance): a producer streams 100,000 messages while the broker
+"""Crash test (durability under SIGKILL): a producer streams 100,000 messages while the broker
 is SIGKILLed at random moments 5 times and restarted; in the end every message that got
 its ack 1 is in the queue, and with deduplication no message is there twice (without
 it, the resends of batches whose ack 1 was lost are counted and reported)."""

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
-from msgq_trio.plugins.queue.engine import Engine
 from msgq_trio.plugins.queue.model import Consumer, Msg, Queue, Waiter
+from msgq_trio.plugins.queue.tasks import Engine
 from plugin_helpers import engine_on_memory_store
 
 
