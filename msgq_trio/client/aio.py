@@ -55,8 +55,9 @@ from .api import (
     hello_extra,
     parse_address,
 )
+from .lifecycle import State
 from .message import Buffer, Message, new_message
-from .reconnect import Backoff, Reconnect, reconnect_policy
+from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     Closed,
@@ -123,7 +124,7 @@ class AioBus(BusBase):
         reconnect: Reconnect | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._s = Session(name, max_frame_size, wake=_wake)
+        self._s = Session(name, max_frame_size, wake=_wake, reconnect=reconnect, target=target)
         self._rxbuf = memoryview(bytearray(RECEIVE_SIZE))
         self._ancsize = ancillary_size(self._s.max_fds)
         self._out: deque[Buffer] = deque()
@@ -138,7 +139,7 @@ class AioBus(BusBase):
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._init_api(target, reconnect)
+        self._init_api(target)
         self._closed = False
         self._lost_event = asyncio.Event()
         self._new_waiter = self._loop.create_future
@@ -166,11 +167,9 @@ class AioBus(BusBase):
         self._up = True
 
     def _connected_as(self, remote: bool) -> None:
-        """WELCOME taken: the connection is up (sends and calls go out again)."""
-        s = self._s
-        s.lost = None
+        """WELCOME taken: over TCP the broker's heartbeat requests are answered."""
         if remote:
-            s.fd_passing = False  # no SCM_RIGHTS over TCP: refused up front
+            s = self._s
             s.inline["msgq.heartbeat"] = lambda request: self._queue_answer(
                 s.encode_answer(request)
             )
@@ -193,20 +192,15 @@ class AioBus(BusBase):
         Raises:
             ConnectError, UsageError: the first connection failed (see :func:`connect`).
         """
-        policy = self._reconnect
-        backoff: Backoff | None = None
-        last: BaseException | None = None
+        life = self._s.life
         while True:
-            connected = False
-            # A reconnect attempt is bounded as a whole (a broker that accepts but never
-            # answers, or a SYN nobody answers, must not hold it); the first connection
-            # waits ``timeout`` for WELCOME, as before.
-            bound = (
-                self._loop.time() + policy.attempt_timeout if started.done() and policy else None
-            )
+            life.dialing(self._loop.time())
             try:
+                # A reconnect attempt is bounded as a whole (a broker that accepts but
+                # never answers, or a SYN nobody answers, must not hold it); the first
+                # connection waits ``timeout`` for WELCOME.
                 async with (
-                    asyncio.timeout_at(bound) as attempt,
+                    asyncio.timeout_at(life.attempt_deadline) as attempt,
                     _open_transport(self._target, ssl_context, server_hostname) as (sock, remote),
                 ):
                     if not remote and send_buffer:  # TCP keeps the kernel's autotuning
@@ -222,16 +216,15 @@ class AioBus(BusBase):
                             f"no WELCOME from the broker within {timeout} s"
                         ) from None
                     attempt.reschedule(None)
+                    restoring = self._s.welcomed(remote) is State.RESTORING
                     self._connected_as(remote)
-                    connected = True
                     self._start()
                     hb = self._s.heartbeat_settings() if remote else None
                     beat = self._loop.create_task(_heartbeat(self, *hb)) if hb else None
-                    if not started.done():
-                        started.set_result(None)
+                    if restoring:
+                        self._spawn(self._restore())
                     else:
-                        assert backoff is not None
-                        self._spawn(self._restore_quietly(backoff.attempts))
+                        started.set_result(None)
                     try:
                         await self._down.wait()
                     finally:
@@ -240,34 +233,14 @@ class AioBus(BusBase):
                             await asyncio.gather(beat, return_exceptions=True)
                         self._stop_io()
             except (ConnectError, UsageError, TimeoutError) as exc:
-                if not started.done():
+                if life.state is State.CONNECTING:
+                    life.attempt_failed(exc, self._loop.time())
                     raise
-                if isinstance(exc, TimeoutError):
-                    assert policy is not None
-                    exc = ConnectError(
-                        f"no connection and WELCOME within {policy.attempt_timeout} s "
-                        "(Reconnect.attempt_timeout)"
-                    )
-                last = exc
-                log.debug("reconnect attempt to %s failed: %s", self._target, exc)
-            if self._closed or not self._reconnecting or policy is None:
-                return  # the loss is final (reconnect off, or the bus closed)
-            now = self._loop.time()
-            if connected or backoff is None:
-                backoff, last = Backoff(policy, now), None
-            delay = backoff.next_delay(now)
+                self._attempt_failed(life.timed_out() if isinstance(exc, TimeoutError) else exc)
+            delay = life.wait(self._loop.time())
             if delay is None:
-                self._gave_up(backoff, last)
-                self._lost_event.set()
-                self._state_changed()
-                return
+                return  # the end is final (reconnect off, given up, or the bus closed)
             await asyncio.sleep(delay)
-
-    async def _restore_quietly(self, attempts: int) -> None:
-        """``_restore`` on a new connection; if that is lost meanwhile, the supervisor
-        goes on reconnecting."""
-        with contextlib.suppress(ConnectionLost):
-            await self._restore(attempts)
 
     def _stop_io(self) -> None:
         """The connection is over: no more reader or writer callbacks on its socket
@@ -340,7 +313,7 @@ class AioBus(BusBase):
         cancel handler tasks (see the class docstring)."""
         if self._closed:
             return
-        self._closed = True
+        self._closing()
         await self._say_goodbye()
         self._shutdown(ConnectionLost("the bus was closed"))
         tasks = list(self._tasks)

@@ -40,14 +40,6 @@ from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame, close_fds
 from .message import Buffer, Member, Message, Result, new_message
-from .reconnect import (
-    Backoff,
-    Reconnect,
-    gave_up_error,
-    log_lost,
-    log_reconnected,
-    reconnecting_error,
-)
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_COUNT,
@@ -233,17 +225,14 @@ class BusBase(SessionView):
     _in_count: int  # entries ever put in ``_in``
     _in_popped: int  # entries ever taken from ``_in`` (or dropped)
 
-    #: The reconnect policy (None: off), the address dialled, and whether the bus is
-    #: between a loss and a new connection whose groups are joined again.
-    _reconnect: Reconnect | None
+    #: The address dialled (the session's lifecycle holds the reconnect policy).
     _target: str
-    _reconnecting: bool
     _reconnected_cbs: list[Callable[[], Any]]
     #: Whether a connection is up, and the event set when it ends (the driver's).
     _up: bool
     _down: _Event
 
-    def _init_api(self, target: str = "", reconnect: Reconnect | None = None) -> None:
+    def _init_api(self, target: str = "") -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
         self._in_bytes = 0
         self._in_marks = collections.deque()
@@ -252,11 +241,7 @@ class BusBase(SessionView):
         self._notify_inline = {}
         self._message_inline = None
         self._target = target
-        self._reconnect = reconnect
-        self._reconnecting = False
         self._reconnected_cbs = []
-        #: How many times this bus reconnected (``connect(..., reconnect=...)``).
-        self.reconnects = 0
 
     #: Makes a pending call's waiter (trio.Event, an asyncio future), which the
     #: session's ``wake`` sets; the driver's ``_finish_call`` waits on it.
@@ -523,7 +508,12 @@ class BusBase(SessionView):
     def connected(self) -> bool:
         """Whether the bus is connected (after a reconnect: once the groups it had
         joined are joined again)."""
-        return self._s.lost is None and not self._reconnecting and not self._closed
+        return self._s.life.connected and self._s.lost is None and not self._closed
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this bus reconnected (``connect(..., reconnect=...)``)."""
+        return self._s.life.reconnects
 
     def on_reconnected(self, callback: Callable[[], Any]) -> None:
         """Run ``callback()`` (a plain function or an ``async def``) in a task of this
@@ -534,7 +524,7 @@ class BusBase(SessionView):
 
     def _final(self) -> bool:
         """Whether the connection ended for good (no reconnect under way)."""
-        return self._s.lost is not None and not self._reconnecting
+        return self._s.lost is not None and not self._s.life.reconnecting
 
     def _fresh_session(self) -> None:
         """Before a reconnect's HELLO: the session starts over (a fresh codec and
@@ -548,62 +538,52 @@ class BusBase(SessionView):
 
     def _connection_failed(self, exc: ConnectionLost) -> None:
         """The state change of a driver's ``_fail_all``: the session fails every pending
-        call with ``exc`` (the first reason stays once the connection is down); unless a
-        reconnect follows, the bus is lost for good (``_lost_event``). The driver then
-        wakes its own waiters."""
+        call with ``exc`` (the first reason stays once the connection is down) and its
+        lifecycle decides what follows; unless a reconnect follows, the bus is lost for
+        good (``_lost_event``). The driver then wakes its own waiters."""
+        s = self._s
         if self._up:
             self._up = False
-            self._s.fail(exc)
-            if not self._ended_connection():
+            if s.connection_lost(exc, self._now()):
                 self._lost_event.set()
             self._down.set()
         else:
-            self._s.fail(exc)
-            if self._closed:
-                self._reconnecting = False
+            s.fail(exc)
+            if s.life.final:
                 self._lost_event.set()
 
-    def _ended_connection(self) -> bool:
-        """A connection just ended (the session's ``lost`` says why, its pending calls
-        have failed with it): True if the driver reconnects (logged as a WARNING; from
-        now on sends and calls fail at once, saying so), False if the loss is final
-        (reconnect off, or the bus closed)."""
-        lost = self._s.lost
-        assert lost is not None
-        if self._reconnect is None or self._closed or self._s.closing:
-            self._reconnecting = False
+    def _closing(self) -> None:
+        """The application closes the bus: no reconnect follows (an attempt under way
+        or scheduled is given up)."""
+        self._closed = True
+        self._s.life.close()
+
+    def _attempt_failed(self, exc: BaseException) -> bool:
+        """A reconnect attempt failed: True once the policy gave up (the loss is final:
+        whoever waits for the connection wakes to see it)."""
+        if not self._s.attempt_failed(exc, self._now()):
             return False
-        log_lost(self._target, lost)
-        self._s.lost = reconnecting_error(lost)
-        self._reconnecting = True
+        self._lost_event.set()
+        self._state_changed()
         return True
 
-    def _gave_up(self, backoff: Backoff, last: BaseException | None) -> None:
-        """The reconnect ran out of time: the loss is final (logged as an ERROR)."""
-        self._s.lost = gave_up_error(self._target, backoff, self._now(), last)
-        self._reconnecting = False
-
-    async def _restore(self, attempts: int) -> None:
-        """After a reconnect: join the groups again (in the order they were joined;
-        a group the broker now refuses is logged and skipped), then count the reconnect,
-        log it, mark the bus connected and run the :meth:`on_reconnected` callbacks.
-        Handlers need no restoring: they are client-side.
-
-        Raises:
-            ConnectionLost: the new connection was lost meanwhile (the driver goes on
-                reconnecting).
-        """
-        for group in list(self._s.groups):
-            try:
-                await self.call("msgq", "subscribe", {"group": group})
-            except ConnectionLost:
-                raise
-            except MsgqError as exc:
-                log.error("after reconnecting, cannot join %r again: %s", group, exc)
-                self._s.unsubscribed(group)
-        self.reconnects += 1
-        self._reconnecting = False
-        log_reconnected(self._target, attempts, self._s.lname)
+    async def _restore(self) -> None:
+        """After a reconnect: join the groups again (the session's restore policy:
+        :meth:`~msgq_trio.client.session.Session.restore_groups`), then mark the bus
+        connected and run the :meth:`on_reconnected` callbacks. If the new connection is
+        lost meanwhile, the supervisor goes on reconnecting."""
+        s = self._s
+        try:
+            for group in s.restore_groups():
+                try:
+                    await self.call("msgq", "subscribe", {"group": group})
+                except ConnectionLost:
+                    raise
+                except MsgqError as exc:
+                    s.restore_refused(group, exc)
+        except ConnectionLost:
+            return
+        s.restored()
         self._state_changed()
         for cb in list(self._reconnected_cbs):
             self._task(run_callback, cb)

@@ -44,9 +44,10 @@ from .api import (
     hello_extra,
     parse_address,
 )
+from .lifecycle import State
 from .message import Buffer, Member, Message, Reply, Result, new_message
 from .polling import BUSY_POLL, CallPoller, Poll, check_busy_poll
-from .reconnect import Backoff, Reconnect, reconnect_policy
+from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
@@ -109,7 +110,9 @@ class Bus(BusBase):
         reconnect: Reconnect | None = None,
         busy_poll: float = BUSY_POLL,
     ) -> None:
-        self._s = Session(name, max_frame_size, no_join=NO_JOIN, wake=_wake)
+        self._s = Session(
+            name, max_frame_size, no_join=NO_JOIN, wake=_wake, reconnect=reconnect, target=target
+        )
         #: How long a lone caller polls for its answer (see _poll_answer). Never over TLS:
         #: the TLS session's copy tasks run in this program, and cannot while it polls.
         self._poller = CallPoller(0.0 if target.startswith("tls://") else busy_poll)
@@ -138,7 +141,7 @@ class Bus(BusBase):
         # to become readable (then a caller may receive in its place: _poll_answer).
         self._rx: SocketReceiver | None = None
         self._reader_waiting = False
-        self._init_api(target, reconnect)
+        self._init_api(target)
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._sends_unchecked = 0
@@ -204,7 +207,7 @@ class Bus(BusBase):
         close."""
         if self._closed:
             return
-        self._closed = True
+        self._closing()
         await self._say_goodbye()
         await trio.aclose_forcefully(self._stream)
         self._fail_all(ConnectionLost("the bus was closed"))
@@ -287,18 +290,11 @@ class Bus(BusBase):
         Raises:
             ConnectError, UsageError: the first connection failed (see :func:`connect`).
         """
-        policy = self._reconnect
-        started = False
-        backoff: Backoff | None = None
-        last: BaseException | None = None
+        life = self._s.life
         while True:
-            connected = False
+            life.dialing(trio.current_time())
             try:
-                with trio.CancelScope() as attempt:
-                    if started and policy is not None:
-                        # A broker that accepts but never answers (stopped, or a dead
-                        # path behind a live listener) must not hold a reconnect forever.
-                        attempt.deadline = trio.current_time() + policy.attempt_timeout
+                with trio.CancelScope(deadline=life.attempt_deadline or math.inf) as attempt:
                     async with _open_transport(self._target, ssl_context, server_hostname) as (
                         stream,
                         remote,
@@ -312,44 +308,27 @@ class Bus(BusBase):
                             await trio.aclose_forcefully(stream)
                             raise
                         attempt.deadline = math.inf
+                        restoring = self._s.welcomed(remote) is State.RESTORING
                         self._connected_as(remote)
-                        connected = True
-                        first, started = not started, True
-                        await self._serve_connection(
-                            stream, remote, task_status if first else None, backoff
-                        )
+                        await self._serve_connection(stream, remote, task_status, restoring)
                 if attempt.cancelled_caught:
-                    assert policy is not None
-                    last = ConnectError(
-                        f"no connection and WELCOME within {policy.attempt_timeout} s "
-                        "(Reconnect.attempt_timeout)"
-                    )
-                    log.debug("reconnect attempt to %s failed: %s", self._target, last)
+                    self._attempt_failed(life.timed_out())
             except (ConnectError, UsageError) as exc:
-                if not started:
+                if life.state is State.CONNECTING:
+                    life.attempt_failed(exc, trio.current_time())
                     raise
-                last = exc
-                log.debug("reconnect attempt to %s failed: %s", self._target, exc)
-            if self._closed or not self._reconnecting or policy is None:
-                return  # the loss is final (reconnect off, or the bus closed)
-            now = trio.current_time()
-            if connected or backoff is None:
-                backoff, last = Backoff(policy, now), None
-            delay = backoff.next_delay(now)
+                self._attempt_failed(exc)
+            delay = life.wait(trio.current_time())
             if delay is None:
-                self._gave_up(backoff, last)
-                self._lost_event.set()
-                self._in_wake.unpark_all()
-                self._state_changed()
-                return
+                return  # the end is final (reconnect off, given up, or the bus closed)
             await trio.sleep(delay)
 
     async def _serve_connection(
         self,
         stream: trio.SocketStream,
         remote: bool,
-        task_status: trio.TaskStatus[None] | None,
-        backoff: Backoff | None,
+        task_status: trio.TaskStatus[None],
+        restoring: bool,
     ) -> None:
         """Run the connection's reader, writer (and heartbeat) until it ends, then close
         it. The first connection reports ``task_status.started()``; a reconnect's joins
@@ -360,30 +339,18 @@ class Bus(BusBase):
             hb = self._s.heartbeat_settings() if remote else None
             if hb is not None:
                 tasks.start_soon(_heartbeat, self, *hb)
-            if task_status is not None:
-                task_status.started()
+            if restoring:
+                tasks.start_soon(self._restore)
             else:
-                assert backoff is not None
-                tasks.start_soon(self._restore_quietly, backoff.attempts)
+                task_status.started()
             await self._down.wait()
             tasks.cancel_scope.cancel()
         await trio.aclose_forcefully(stream)
 
     def _connected_as(self, remote: bool) -> None:
-        """WELCOME taken: the connection is up (sends and calls go out again)."""
-        s = self._s
-        s.lost = None
+        """WELCOME taken: over TCP the broker's heartbeat requests are answered."""
         if remote:
-            s.max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
-            s.inline["msgq.heartbeat"] = _answer_heartbeat(self)
-
-    async def _restore_quietly(self, attempts: int) -> None:
-        """``_restore`` on a new connection; if that is lost meanwhile, the supervisor
-        goes on reconnecting."""
-        try:
-            await self._restore(attempts)
-        except ConnectionLost:
-            pass
+            self._s.inline["msgq.heartbeat"] = _answer_heartbeat(self)
 
     # -- sending -----------------------------------------------------------------------
     def _queue(self, pieces: list[Buffer]) -> None:

@@ -51,16 +51,9 @@ from ..transport.sockets import (
     unconsumed_bytes,
 )
 from .api import SessionView, client_name, connect_target
+from .lifecycle import State
 from .message import Member, Message, new_message
-from .reconnect import (
-    Backoff,
-    Reconnect,
-    gave_up_error,
-    log_lost,
-    log_reconnected,
-    reconnect_policy,
-    reconnecting_error,
-)
+from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
@@ -116,22 +109,12 @@ class DirectBus(SessionView):
         timeout: float = 30.0,
     ) -> None:
         self.max_buffered = max_buffered
-        self._s = Session(name, max_frame_size)
+        self._s = Session(name, max_frame_size, reconnect=reconnect, target=target)
         self._s.fd_passing = False  # plain send(): no SCM_RIGHTS on this driver
         self._attach(sock)
         self._target = target
-        self._reconnect = reconnect
         self._send_buffer = send_buffer
         self._timeout = timeout
-        #: The outage under way (None while connected or when the loss is final), when
-        #: its next attempt is due, and why the last one failed.
-        self._backoff: Backoff | None = None
-        self._next_attempt = 0.0
-        self._last_error: BaseException | None = None
-        self._gave_up = False
-        self._restoring = False
-        #: How many times this bus reconnected (``connect(..., reconnect=...)``).
-        self.reconnects = 0
         #: Parsed frames not yet dispatched (a reading method dispatches them in order).
         self._frames: deque[Frame] = deque()
         self._frames_bytes = 0
@@ -151,12 +134,17 @@ class DirectBus(SessionView):
         self._goodbye = False
         self._goodbye_error: ConnectionLost | None = None
 
-    # -- reconnect (connect(..., reconnect=...); client/reconnect.py) -------------------
+    # -- reconnect (connect(..., reconnect=...); the session's lifecycle decides) --------
     @property
     def connected(self) -> bool:
         """Whether the bus is connected (after a reconnect: once the groups it had
         joined are joined again)."""
         return self._s.lost is None and not self._closed
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this bus reconnected (``connect(..., reconnect=...)``)."""
+        return self._s.life.reconnects
 
     def wait_connected(self, timeout: float | None = None) -> None:
         """Return once the bus is connected: at once while it is; after a loss with
@@ -179,9 +167,9 @@ class DirectBus(SessionView):
             raise UsageError("the bus is closed")
 
     def _reconnected(self, deadline: float | None, *, wait: bool) -> bool:
-        """The connection is lost: with ``reconnect``, make the attempts that are due
-        (``wait``: sleeping until each, up to ``deadline``). True once connected again,
-        False if ``deadline`` came first.
+        """The connection is lost: make the reconnect attempts that the session's
+        lifecycle says are due (``wait``: sleeping until each, up to ``deadline``). True
+        once connected again, False if ``deadline`` came first.
 
         Raises:
             ConnectionLost: reconnect is off, the bus is closed, the policy gave up
@@ -189,36 +177,29 @@ class DirectBus(SessionView):
                 reconnecting.
         """
         s = self._s
-        if self._reconnect is None or self._closed or self._gave_up or self._restoring:
-            self._check_open()
-        if self._backoff is None:
+        life = s.life
+        if life.state is State.READY and s.lost is not None:
             self._begin_outage()
-        backoff = self._backoff
-        assert backoff is not None and s.lost is not None
-        while True:
+        while life.state is State.RECONNECTING:
             now = time.monotonic()
-            if now >= self._next_attempt:
-                if self._attempt(backoff.attempts):
+            due = life.next_deadline()
+            assert due is not None
+            if now >= due:
+                if self._attempt():
                     return True
-                now = time.monotonic()
-                delay = backoff.next_delay(now)
-                if delay is None:
-                    s.lost = gave_up_error(self._target, backoff, now, self._last_error)
-                    self._gave_up = True
-                    self._backoff = None
-                    self._check_open()
-                self._next_attempt = now + (delay or 0.0)
-                if deadline is not None and deadline <= now:
+                if deadline is not None and deadline <= time.monotonic():
                     return False
                 continue
-            left = self._next_attempt - now
             if not wait:
-                self._check_open()  # the reconnecting error
+                break  # the reconnecting error
+            left = due - now
             if deadline is not None:
                 if deadline <= now:
                     return False
                 left = min(left, deadline - now)
             time.sleep(left)
+        self._check_open()
+        return True
 
     def _ready(self) -> None:
         """Raise unless connected; while reconnecting, first make an attempt that is
@@ -229,17 +210,16 @@ class DirectBus(SessionView):
             self._check_open()
 
     def _begin_outage(self) -> None:
-        """The loss is noticed (logged as a WARNING): close the socket; sends and calls
-        fail at once, saying the client is reconnecting; the first attempt is due after
-        the policy's first delay."""
+        """The loss is noticed: the session's lifecycle decides what follows. With a
+        reconnect: the socket is closed, and what came before the loss is kept for
+        receive() (messages) or dropped (requests and answers belong to the old
+        connection: their callers were told by the broker)."""
         s = self._s
-        assert s.lost is not None and self._reconnect is not None
-        log_lost(self._target, s.lost)
-        s.lost = reconnecting_error(s.lost)
+        assert s.lost is not None
+        if s.connection_lost(s.lost, time.monotonic()):
+            return  # final: the socket and what it brought stay for close()
         self._sock.close()
         close_fds(self._conn.take_orphan_fds())
-        # What came before the loss: messages are kept for receive(); requests and
-        # answers belong to the old connection (their callers were told by the broker).
         while self._frames:
             frame = self._frames.popleft()
             self._frames_bytes -= len(frame.raw) + len(frame.large_body)
@@ -248,44 +228,36 @@ class DirectBus(SessionView):
                 self._inbox_bytes += len(frame.raw) + len(frame.large_body)
             else:
                 close_fds(frame.fds)
-        now = time.monotonic()
-        self._backoff = Backoff(self._reconnect, now)
-        self._last_error = None
-        self._next_attempt = now + (self._backoff.next_delay(now) or 0.0)
 
-    def _attempt(self, attempts: int) -> bool:
-        """One reconnect attempt: dial, handshake, join the groups again. False (and the
-        reason kept for the give-up message) if any of it failed."""
+    def _attempt(self) -> bool:
+        """One reconnect attempt: dial, handshake, join the groups again (the session's
+        restore policy). False if any of it failed (the lifecycle schedules the next
+        attempt, or gives up)."""
         s = self._s
         down = s.lost
+        s.life.dialing(time.monotonic())
         try:
             sock = _dial(self._target, self._send_buffer, self._timeout)
         except ConnectError as exc:
-            self._last_error = exc
+            s.attempt_failed(exc, time.monotonic())
             return False
         s.reset()
         self._attach(sock)
-        self._restoring = True
         try:
             self._handshake(self._timeout)
-            for group in list(s.groups):
+            for group in s.restore_groups():
                 try:
                     self.call("msgq", "subscribe", {"group": group})
                 except ConnectionLost:
                     raise
                 except MsgqError as exc:
-                    log.error("after reconnecting, cannot join %r again: %s", group, exc)
-                    s.unsubscribed(group)
+                    s.restore_refused(group, exc)
         except (ConnectError, ConnectionLost) as exc:
-            self._last_error = exc
             sock.close()
             s.lost = down
+            s.attempt_failed(exc, time.monotonic())
             return False
-        finally:
-            self._restoring = False
-        self._backoff = None
-        self.reconnects += 1
-        log_reconnected(self._target, attempts, s.lname)
+        s.restored()
         return True
 
     # -- connection ------------------------------------------------------------------
@@ -313,6 +285,7 @@ class DirectBus(SessionView):
         ev = self._frames.popleft()
         self._frames_bytes -= len(ev.raw) + len(ev.large_body)
         self._s.receive_welcome(ev)
+        self._s.welcomed(remote=False)
         # A message may carry the broker's max_fds_per_message; a smaller buffer would
         # truncate them (and the kernel's MSG_CTRUNC ends the connection).
         self._ancsize = ancillary_size(self._s.max_fds)
@@ -326,6 +299,7 @@ class DirectBus(SessionView):
         if self._closed:
             return
         self._closed = True
+        self._s.life.close()
         try:
             if self._s.lost is None:
                 try:
@@ -365,7 +339,7 @@ class DirectBus(SessionView):
                 msg.close()
             self._inbox.clear()
             self._inbox_bytes = 0
-            self._s.fail(ConnectionLost("the bus was closed"))
+            self._s.connection_lost(ConnectionLost("the bus was closed"), time.monotonic())
 
     def __enter__(self) -> DirectBus:
         return self

@@ -61,6 +61,7 @@ from ..protocol.framing import (
     encode_simple,
     encode_small_bytes,
 )
+from .lifecycle import Lifecycle, State
 from .message import (
     Buffer,
     Message,
@@ -71,6 +72,7 @@ from .message import (
     new_message,
     split_source,
 )
+from .reconnect import Reconnect
 
 log = logging.getLogger("msgq_trio.client")
 
@@ -432,6 +434,8 @@ class Session:
             message is one ``bytes``.
         wake: called with a :class:`PendingCall` once it is done (None: the driver checks
             ``done``).
+        reconnect: the reconnect policy (None: a loss is final).
+        target: the address the driver dials (for log lines and errors).
     """
 
     def __init__(
@@ -441,8 +445,13 @@ class Session:
         *,
         no_join: int | None = None,
         wake: Callable[[PendingCall], None] | None = None,
+        reconnect: Reconnect | None = None,
+        target: str = "",
     ) -> None:
         self.name = name
+        #: The connection's life and the reconnect supervisor's policy
+        #: (client/lifecycle.py): the drivers dial and sleep as it says.
+        self.life = Lifecycle(reconnect, target)
         self._max_frame_size = max_frame_size
         #: The codec: the driver feeds it bytes (and descriptors) and takes its frames.
         self.conn = Connection(Role.CLIENT, max_frame_size)
@@ -573,6 +582,67 @@ class Session:
         for call in list(self.calls.values()):
             call.fail(ConnectionLost(str(lost), code=lost.code))
         return lost
+
+    # -- the connection's life (client/lifecycle.py) and what a reconnect restores --------
+    def welcomed(self, remote: bool) -> State:
+        """WELCOME was taken on a connection (:meth:`receive_welcome`): it is up, sends
+        and calls go out again. Over TCP (``remote``) no descriptors can pass (no
+        SCM_RIGHTS): sending any is refused up front, by every driver alike. Returns
+        the new state: READY, or RESTORING after a reconnect (the driver then runs the
+        restore: :meth:`restore_groups`, :meth:`restore_refused`, :meth:`restored`)."""
+        self.lost = None
+        if remote:
+            self.fd_passing = False
+        return self.life.welcomed()
+
+    def connection_lost(self, exc: ConnectionLost, now: float) -> bool:
+        """The connection ended with ``exc`` (the first reason stays): every pending call
+        fails with it, and the lifecycle decides what follows. ``lost`` is then what
+        sends and calls raise: the loss itself when the end is final, else the
+        reconnecting error. Returns True if the end is final (reconnect off, the bus
+        closed, or the policy gave up)."""
+        lost = self.fail(exc)
+        self.lost = self.life.lost(lost, now, closing=self.closing)
+        return self.life.final
+
+    def attempt_failed(self, exc: BaseException, now: float) -> bool:
+        """A reconnect attempt failed with ``exc`` (dial, handshake, restore, or its
+        deadline). Returns True once the policy gave up: ``lost`` is then the final
+        ConnectionLost (code ``reconnect-gave-up``)."""
+        log.debug("reconnect attempt to %s failed: %s", self.life.target, exc)
+        gave_up = self.life.attempt_failed(exc, now)
+        if gave_up is None:
+            return False
+        self.lost = gave_up
+        return True
+
+    def restore_groups(self) -> list[str]:
+        """The groups a reconnect joins again, in the order they were joined: what this
+        client joined by its own ``subscribe`` and did not leave.
+
+        The restore policy (the rest needs no step here): command handlers, inline
+        handlers, the default handler and notification callbacks are client-side and
+        stay as they are (the broker routes by lname or group and knows none of them);
+        a group the broker now refuses is dropped and logged (:meth:`restore_refused`);
+        queue consumers consume again from the bus's ``on_reconnected`` callbacks, run
+        once the groups are joined (client/queue.py); pipe ends are not restored: a
+        handle's requests in flight fail with ConnectionLost and the pipe plugin
+        forgets a connection's handles, so a pipe is opened again by its owner; calls
+        pending at the loss failed with the loss (request ids go on increasing, so a
+        late answer never meets a new call); a request received on the old connection
+        is not answered on the new one (:attr:`generation`)."""
+        return list(self.groups)
+
+    def restore_refused(self, group: str, exc: MsgqError) -> None:
+        """The broker refused to let this client join ``group`` again after a reconnect:
+        logged as an ERROR, and the group is no longer joined."""
+        log.error("after reconnecting, cannot join %r again: %s", group, exc)
+        self.unsubscribed(group)
+
+    def restored(self) -> None:
+        """The reconnect's restore is complete: READY (the reconnect is counted and
+        logged)."""
+        self.life.restored(self.lname)
 
     def goodbye(self) -> list[Buffer]:
         """Our GOODBYE; from now on the broker's GOODBYE is the clean end.
