@@ -47,14 +47,8 @@ from ..transport.fdpass import (  # no trio
     unconsumed_bytes,
 )
 from ..transport.tls import client_context_from_env  # ssl only: no trio
-from .api import (
-    BusBase,
-    HeartbeatMonitor,
-    client_name,
-    connect_target,
-    hello_extra,
-    parse_address,
-)
+from .address import client_name, connect_target, hello_extra, parse_address
+from .async_bus import AsyncBus
 from .lifecycle import State
 from .message import Buffer, Message, new_message
 from .reconnect import Reconnect, reconnect_policy
@@ -100,13 +94,13 @@ def _wake(call: PendingCall) -> None:
         fut.set_result(None)
 
 
-class AioBus(BusBase):
+class AioBus(AsyncBus):
     """A connection to the broker for asyncio programs. Create it with :func:`connect`.
 
     The methods are those of the trio :class:`~msgq_trio.Bus` of the same name, with the
     same arguments, results and exceptions, except that :meth:`receive` raises the
     builtin ``TimeoutError``. Use it from the event loop it was created on (one loop, one
-    thread). The API's shape and docstrings are :class:`~msgq_trio.client.api.BusBase`'s,
+    thread). The API's shape and docstrings are :class:`~msgq_trio.client.async_bus.AsyncBus`'s,
     shared with the trio ``Bus``; this class does the I/O and the waiting.
 
     Resource handling: leaving :func:`connect`'s block writes what is queued, says
@@ -135,7 +129,7 @@ class AioBus(BusBase):
         self._drain_waiters: list[asyncio.Future[None]] = []
         #: A write is scheduled for the end of this loop pass (see ``send``).
         self._write_soon = False
-        self._in: deque[Message | Frame] = deque()  # see BusBase._in
+        self._in: deque[Message | Frame] = deque()  # see AsyncBus._in
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -165,14 +159,6 @@ class AioBus(BusBase):
         #: Set when this connection ends (the supervisor then closes it).
         self._down = asyncio.Event()
         self._up = True
-
-    def _connected_as(self, remote: bool) -> None:
-        """WELCOME taken: over TCP the broker's heartbeat requests are answered."""
-        if remote:
-            s = self._s
-            s.inline["msgq.heartbeat"] = lambda request: self._queue_answer(
-                s.encode_answer(request)
-            )
 
     async def _run(
         self,
@@ -216,11 +202,10 @@ class AioBus(BusBase):
                             f"no WELCOME from the broker within {timeout} s"
                         ) from None
                     attempt.reschedule(None)
-                    restoring = self._s.welcomed(remote) is State.RESTORING
-                    self._connected_as(remote)
+                    restoring = self._welcomed(remote)
                     self._start()
                     hb = self._s.heartbeat_settings() if remote else None
-                    beat = self._loop.create_task(_heartbeat(self, *hb)) if hb else None
+                    beat = self._loop.create_task(self._heartbeat(*hb)) if hb else None
                     if restoring:
                         self._spawn(self._restore())
                     else:
@@ -582,7 +567,7 @@ class AioBus(BusBase):
                 assert isinstance(ev, Frame)
                 if ev.type == _MESSAGE and self._message_inline is None:
                     # The hot path: the session's event would be Message(ev), made
-                    # when the application takes it (BusBase._in).
+                    # when the application takes it (AsyncBus._in).
                     self._in.append(ev)
                     self._in_put(1, len(ev.raw) + len(ev.large_body))
                     got_message = True
@@ -633,7 +618,7 @@ class AioBus(BusBase):
         assert event.handler is not None
         self._start_request(msg, event.handler)
 
-    # -- what plugin clients build on (see BusBase) ------------------------------------
+    # -- what plugin clients build on (see AsyncBus) ------------------------------------
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
@@ -753,7 +738,7 @@ class AioBus(BusBase):
         q = self._in
         if q:
             # A message is waiting: _next_message's end, with no coroutine at all
-            # (``ready``: an awaitable done; BusBase._take inline).
+            # (``ready``: an awaitable done; AsyncBus._take inline).
             item = q.popleft()
             self._in_popped += 1
             if type(item) is Frame:
@@ -926,22 +911,6 @@ async def _open_transport(
             await asyncio.wait_for(writer.wait_closed(), CLOSE_WAIT)
         except (OSError, ConnectionError, ssl.SSLError, TimeoutError):
             writer.transport.abort()
-
-
-async def _heartbeat(bus: AioBus, interval: float, misses: int) -> None:
-    """Detect a silent broker over TCP (a dead host or path sends no FIN or RST), as the
-    trio client does: every ``interval`` without traffic, ``ping``; after ``misses``
-    silent intervals the connection is lost (code ``heartbeat-timeout``). Intervals in
-    which the reader is paused (the application is not consuming) do not count."""
-    monitor = HeartbeatMonitor(interval, misses)
-    while bus.lost is None:
-        await asyncio.sleep(interval)
-        lost = monitor.tick(bus._conn.received_bytes, bus._in_full())
-        if lost is not None:
-            bus._fail_all(lost)  # the supervisor closes the socket
-            return
-        if monitor.silent:
-            bus._queue(bus._s.encode_ping())
 
 
 @asynccontextmanager

@@ -36,14 +36,8 @@ from ..transport.sockets import (
     unconsumed_bytes,
 )
 from ..transport.tls import client_context_from_env
-from .api import (
-    BusBase,
-    HeartbeatMonitor,
-    client_name,
-    connect_target,
-    hello_extra,
-    parse_address,
-)
+from .address import client_name, connect_target, hello_extra, parse_address
+from .async_bus import AsyncBus
 from .lifecycle import State
 from .message import Buffer, Member, Message, Reply, Result, new_message
 from .polling import BUSY_POLL, CallPoller, Poll, check_busy_poll
@@ -82,7 +76,7 @@ log = logging.getLogger("msgq_trio.client")
 #: while letting a fast publisher batch hundreds of frames per send_all).
 OUT_HIGH_WATER = 1024 * 1024
 #: Iteration yields to other tasks at least once every this many messages (a power
-#: of two: the count is ``BusBase._in_popped``'s low bits).
+#: of two: the count is ``AsyncBus._in_popped``'s low bits).
 _FAIRNESS = 256
 _MEMBERSHIP = "msgq.membership"
 _MESSAGE = FrameType.MESSAGE
@@ -93,13 +87,13 @@ def _wake(call: PendingCall) -> None:
     call.waiter.set()
 
 
-class Bus(BusBase):
+class Bus(AsyncBus):
     """A connection to the broker. Create it with :func:`connect`.
 
     The trio driver of the client :class:`~msgq_trio.client.session.Session`: the socket,
     the reader and writer tasks, handler tasks, backpressure and descriptor passing are
     here; what frames mean and what to answer is the session's, and the API's shape is
-    :class:`~msgq_trio.client.api.BusBase`'s.
+    :class:`~msgq_trio.client.async_bus.AsyncBus`'s.
     """
 
     def __init__(
@@ -129,7 +123,7 @@ class Bus(BusBase):
         # unparks it), as _reader_parked: asked once per message sent.
         self._writer_parked = False
         self._drained = trio.lowlevel.ParkingLot()
-        self._in: deque[Message | Frame] = deque()  # see BusBase._in
+        self._in: deque[Message | Frame] = deque()  # see AsyncBus._in
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
         # Whether the reader is parked on _in_taken (set as it parks, cleared by whoever
@@ -308,8 +302,7 @@ class Bus(BusBase):
                             await trio.aclose_forcefully(stream)
                             raise
                         attempt.deadline = math.inf
-                        restoring = self._s.welcomed(remote) is State.RESTORING
-                        self._connected_as(remote)
+                        restoring = self._welcomed(remote)
                         await self._serve_connection(stream, remote, task_status, restoring)
                 if attempt.cancelled_caught:
                     self._attempt_failed(life.timed_out())
@@ -338,7 +331,7 @@ class Bus(BusBase):
             tasks.start_soon(self._writer)
             hb = self._s.heartbeat_settings() if remote else None
             if hb is not None:
-                tasks.start_soon(_heartbeat, self, *hb)
+                tasks.start_soon(self._heartbeat, *hb)
             if restoring:
                 tasks.start_soon(self._restore)
             else:
@@ -346,11 +339,6 @@ class Bus(BusBase):
             await self._down.wait()
             tasks.cancel_scope.cancel()
         await trio.aclose_forcefully(stream)
-
-    def _connected_as(self, remote: bool) -> None:
-        """WELCOME taken: over TCP the broker's heartbeat requests are answered."""
-        if remote:
-            self._s.inline["msgq.heartbeat"] = _answer_heartbeat(self)
 
     # -- sending -----------------------------------------------------------------------
     def _queue(self, pieces: list[Buffer]) -> None:
@@ -613,7 +601,7 @@ class Bus(BusBase):
     async def _wait_done(self, call: PendingCall) -> None:
         await call.waiter.wait()
 
-    # -- what plugin clients build on (see BusBase) ------------------------------------
+    # -- what plugin clients build on (see AsyncBus) ------------------------------------
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
 
@@ -649,7 +637,7 @@ class Bus(BusBase):
             # first branch, with no coroutine at all (``ready``: an awaitable done).
             self._in_popped = popped
             item = q.popleft()
-            # BusBase._take, inline: this runs once per message.
+            # AsyncBus._take, inline: this runs once per message.
             if type(item) is Frame:
                 msg = new_message(item, self._s.sources)
             else:
@@ -794,7 +782,7 @@ class Bus(BusBase):
             evs = conn.events()
             if inline is None and conn.message_burst >= 0:
                 # Plain messages only (the hot path): queued whole, each made
-                # a Message when it is taken (BusBase._in).
+                # a Message when it is taken (AsyncBus._in).
                 inq.extend(evs)  # type: ignore[arg-type]
                 self._in_put(len(evs), conn.message_burst)
                 evs = []
@@ -962,34 +950,6 @@ async def _open_transport(
             await trio.aclose_forcefully(tls)
     if body_error is not None:
         raise body_error
-
-
-async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
-    """Detect a silent broker over TCP (a dead host or path sends no FIN or RST).
-
-    Every ``interval``: if nothing arrived since the last tick, ask the broker ``ping``
-    (its answer, or any traffic, proves it alive); after ``misses`` silent intervals the
-    connection is declared lost (ConnectionLost code ``heartbeat-timeout``) and closed,
-    which fails every pending call exactly as a Unix disconnect does. Intervals in which
-    our own reader is paused (the application is not consuming) do not count.
-    """
-    monitor = HeartbeatMonitor(interval, misses)
-    while True:
-        await trio.sleep(interval)
-        lost = monitor.tick(bus._conn.received_bytes, bus._in_full())
-        if lost is not None:
-            bus._fail_all(lost)
-            await trio.aclose_forcefully(bus._stream)
-            return
-        if monitor.silent:
-            bus._queue_urgent(bus._s.encode_ping())
-
-
-def _answer_heartbeat(bus: Bus) -> Callable[[Message], None]:
-    def answer(request: Message) -> None:
-        bus.answer(request)
-
-    return answer
 
 
 @asynccontextmanager

@@ -50,7 +50,7 @@ from ..transport.sockets import (
     take_fds,
     unconsumed_bytes,
 )
-from .api import SessionView, client_name, connect_target
+from .address import client_name, connect_target
 from .lifecycle import State
 from .message import Member, Message, new_message
 from .reconnect import Reconnect, reconnect_policy
@@ -61,6 +61,7 @@ from .session import (
     Request,
     Send,
     Session,
+    SessionView,
     as_handler,
     goodbye_error,
 )

@@ -38,10 +38,12 @@ Rules:
 from __future__ import annotations
 
 import enum
+import logging
 import random
 from collections.abc import Callable
 
 from ..errors import ConnectError, ConnectionLost
+from ..protocol.codes import ErrorCode
 from .reconnect import (
     Backoff,
     Reconnect,
@@ -51,7 +53,9 @@ from .reconnect import (
     reconnecting_error,
 )
 
-__all__ = ["TRANSITIONS", "Lifecycle", "State"]
+__all__ = ["TRANSITIONS", "HeartbeatMonitor", "Lifecycle", "State"]
+
+log = logging.getLogger("msgq_trio.client")
 
 
 class State(enum.Enum):
@@ -252,3 +256,42 @@ class Lifecycle:
             return gave_up_error(self.target, backoff, now, self.last_error)
         self.due = now + delay
         return None
+
+
+class HeartbeatMonitor:
+    """The heartbeat decision of a TCP connection, one call per interval: a silent
+    broker (a dead host or path sends no FIN or RST) is declared lost after ``misses``
+    intervals in which nothing arrived. Intervals in which the driver's reader is paused
+    (the application is not consuming, so nothing can arrive) do not count."""
+
+    def __init__(self, interval: float, misses: int) -> None:
+        self.interval = interval
+        self.misses = misses
+        self._last = -1
+        self._missed = 0
+
+    def tick(self, received_bytes: int, paused: bool) -> ConnectionLost | None:
+        """One interval passed. Returns None while the broker is alive (the driver then
+        pings if :attr:`silent`), or the :class:`ConnectionLost` (code
+        ``heartbeat-timeout``) to fail the connection with."""
+        if received_bytes != self._last or paused:
+            self._last, self._missed = received_bytes, 0
+            return None
+        self._missed += 1
+        if self._missed < self.misses:
+            return None
+        log.error(
+            "the broker sent nothing for %d heartbeat intervals of %s s: connection lost",
+            self._missed,
+            self.interval,
+        )
+        return ConnectionLost(
+            f"the broker sent nothing for {self._missed * self.interval:g} s (heartbeat)",
+            code=str(ErrorCode.HEARTBEAT_TIMEOUT),
+        )
+
+    @property
+    def silent(self) -> bool:
+        """Whether the last interval brought nothing (ask the broker ``ping``: its answer,
+        or any traffic, proves it alive)."""
+        return self._missed > 0

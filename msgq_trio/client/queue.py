@@ -7,7 +7,7 @@ or ``fetch`` (pull) and ``ack`` each message (ack 2).
 One implementation for every asynchronous driver (the trio ``Bus`` and the asyncio
 ``AioBus``): the protocol logic here (requests, producer seqs, the window and ack
 batching, re-attach after a plugin restart) is written against the public API of
-:class:`~msgq_trio.client.api.BusBase` only (calls, inline commands and notifications,
+:class:`~msgq_trio.client.async_bus.AsyncBus` only (calls, inline commands and notifications,
 ``start_soon``, ``sleep``, ``checkpoint``, ``new_event``, ``shielded``, ``wait_lost``)
 and a :class:`~msgq_trio.client.mailbox.Mailbox`. It imports no event loop
 (``tests/test_layering.py``).
@@ -38,7 +38,7 @@ from ..protocol.codes import ErrorCode
 from .mailbox import Mailbox
 
 if TYPE_CHECKING:
-    from .api import BusBase as Bus
+    from .async_bus import AsyncBus as Bus
     from .message import Message
 
 __all__ = ["DEFAULT_GROUP", "Consumer", "Queue", "QueueMessage"]

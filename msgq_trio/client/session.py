@@ -1114,3 +1114,30 @@ class Session:
             return Closed(self.fail(lost), goodbye=True)
         close_fds(frame.fds)
         return None
+
+
+class SessionView:
+    """The connection's identity, read from the session: shared by every driver (the
+    blocking ``DirectBus`` too)."""
+
+    _s: Session
+
+    @property
+    def name(self) -> str:
+        """The client name sent in HELLO."""
+        return self._s.name
+
+    @property
+    def lname(self) -> str:
+        """This connection's unique address, assigned by the broker (``l.N``)."""
+        return self._s.lname
+
+    @property
+    def broker_version(self) -> str:
+        """The broker's version from WELCOME."""
+        return self._s.broker_version
+
+    @property
+    def session(self) -> Session:
+        """The sans-I/O protocol state under this driver (for plugin clients and tests)."""
+        return self._s
