@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import FrameType
-from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds, ready
 from ..transport.fdpass import (  # no trio
@@ -54,10 +53,7 @@ from .message import Buffer, Message, new_message
 from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
-    Closed,
     PendingCall,
-    Request,
-    Send,
     Session,
 )
 
@@ -549,74 +545,20 @@ class AioBus(AsyncBus):
 
     def _process(self) -> None:
         """Act on every frame the codec has: the session's event for each (its rule 3)."""
-        conn, handle = self._conn, self._s.handle
-        got_message = False
+        conn = self._conn
+        count = self._in_count
         try:
-            evs = conn.events()
-            if self._message_inline is None and conn.message_burst >= 0:
-                # Plain messages only (the hot path): queued whole (see bus.py's reader).
-                self._in.extend(evs)  # type: ignore[arg-type]
-                self._in_put(len(evs), conn.message_burst)
-                got_message = bool(evs)
-                evs = []
-            for ev in evs:
-                if ev is EOF:
-                    self._broker_goodbye.set()
-                    self._fail_all(ConnectionLost("the broker closed the connection"))
-                    break
-                assert isinstance(ev, Frame)
-                if ev.type == _MESSAGE and self._message_inline is None:
-                    # The hot path: the session's event would be Message(ev), made
-                    # when the application takes it (AsyncBus._in).
-                    self._in.append(ev)
-                    self._in_put(1, len(ev.raw) + len(ev.large_body))
-                    got_message = True
-                    continue
-                event = handle(ev)
-                if isinstance(event, Message):
-                    if ev.type == _MESSAGE:
-                        assert self._message_inline is not None
-                        self._inline_callback(self._message_inline, event)
-                    elif not self._notification(event):
-                        self._in.append(event)
-                        self._in_put(1, len(ev.raw) + len(ev.large_body))
-                        got_message = True
-                elif isinstance(event, Request):
-                    self._request(event)
-                elif isinstance(event, Send):
-                    self._queue_answer(event.pieces)
-                elif isinstance(event, Closed):
-                    if event.goodbye:
-                        self._broker_goodbye.set()
-                    if event.error is not None:
-                        self._fail_all(event.error)
-                # A PendingCall: the session woke its caller.
-            if conn.error_pending:
+            if not self._receive_events(conn.events(), conn.message_burst) and conn.error_pending:
                 conn.events()  # raises the protocol error that followed valid frames
         except ProtocolError as exc:
             self._protocol_error(exc)
-        if got_message:
+        if self._in_count != count:
             self._wake_all(self._in_waiters)
         if self._reading and self._in_full():
             # Nobody takes the messages: read no more until they do (the broker then
             # pauses our senders), never drop.
             self._loop.remove_reader(self._fd)
             self._reading = False
-
-    # -- serving commands ----------------------------------------------------------------
-    def _request(self, event: Request) -> None:
-        """Run a request's handler: a plain function right here (answered at once, no
-        task), an ``async def`` in a task of its own; inline handlers answer by
-        themselves."""
-        msg = event.message
-        if event.inline is not None:
-            try:
-                event.inline(msg)
-            except Exception as exc:
-                self._queue_answer(self._s.inline_failed(msg, exc))
-            return
-        assert event.handler is not None
-        self._start_request(msg, event.handler)
 
     # -- what plugin clients build on (see AsyncBus) ------------------------------------
     async def sleep(self, seconds: float) -> None:

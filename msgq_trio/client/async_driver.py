@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ..errors import ConnectError, ConnectionLost, UsageError
-from ..protocol.codes import ErrorCode
+from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame, close_fds
@@ -37,7 +37,10 @@ from .session import (
     CLOSE_WAIT,
     IN_HIGH_COUNT,
     IN_HIGH_WATER,
+    Closed,
     PendingCall,
+    Request,
+    Send,
     SessionView,
     never_suspends,
 )
@@ -47,6 +50,7 @@ __all__ = ["AsyncDriver", "Handler"]
 log = logging.getLogger("msgq_trio.client")
 
 _SHUTDOWN = str(ErrorCode.BROKER_SHUTDOWN)
+_MESSAGE = int(FrameType.MESSAGE)  # a plain int: compared once per received frame
 
 #: A command handler as registered: ``fn(params)`` or ``fn(params, request)``, a plain
 #: function or an ``async def``.
@@ -88,6 +92,11 @@ class AsyncDriver(SessionView, LoopServices):
     _down: LoopEvent
     #: Fail the connection with a ConnectionLost and wake every waiter (the driver's).
     _fail_all: Callable[[ConnectionLost], None]
+    #: Set when the broker's GOODBYE (or EOF) came on this connection (the driver's).
+    _broker_goodbye: LoopEvent
+    #: Calls answered by the last receive (the trio driver batches the next requests
+    #: of several woken callers into one write).
+    _answered: int = 0
 
     def _init_api(self, target: str = "") -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
@@ -365,6 +374,64 @@ class AsyncDriver(SessionView, LoopServices):
         self._queue_request(pieces, fds)
         self._call_started()
         return call
+
+    # -- receiving: one receive's frames, in order -------------------------------------
+    def _receive_events(self, evs: list[Any], burst: int) -> bool:
+        """Act on what one receive brought (``evs``, the codec's events; ``burst``: its
+        ``message_burst``), in arrival order, through the session's one dispatch
+        (:meth:`~msgq_trio.client.session.Session.handle`). True once the broker ended
+        the connection (EOF): the bus has then failed its calls.
+
+        The hot path: a plain MESSAGE's event is the Message of its frame, and the frame
+        waits in the inbox as it is, made that Message when the application takes it
+        (see ``_in``); a receive of plain messages only (``burst`` >= 0) goes to the
+        inbox whole, without a step per message.
+        """
+        inq, inline = self._in, self._message_inline
+        if inline is None and burst >= 0:
+            inq.extend(evs)
+            self._in_put(len(evs), burst)
+            return False
+        handle = self._s.handle
+        for ev in evs:
+            if ev is EOF:
+                self._broker_goodbye.set()
+                self._fail_all(ConnectionLost("the broker closed the connection"))
+                return True
+            assert isinstance(ev, Frame)
+            if ev.type == _MESSAGE and inline is None:
+                inq.append(ev)
+                self._in_put(1, len(ev.raw) + len(ev.large_body))
+                continue
+            event = handle(ev)
+            if isinstance(event, Message):
+                if ev.type == _MESSAGE:
+                    assert inline is not None
+                    self._inline_callback(inline, event)
+                elif not self._notification(event):
+                    inq.append(event)
+                    self._in_put(1, len(ev.raw) + len(ev.large_body))
+            elif isinstance(event, PendingCall):
+                if event.done:
+                    self._answered += 1
+            elif isinstance(event, Request):
+                msg = event.message
+                if event.inline is not None:
+                    try:
+                        event.inline(msg)
+                    except Exception as exc:
+                        self._queue_answer(self._s.inline_failed(msg, exc))
+                else:
+                    assert event.handler is not None
+                    self._start_request(msg, event.handler)
+            elif isinstance(event, Send):
+                self._queue_answer(event.pieces)
+            elif isinstance(event, Closed):
+                if event.goodbye:
+                    self._broker_goodbye.set()
+                if event.error is not None:
+                    self._fail_all(event.error)
+        return False
 
     def _start_request(self, msg: Message, handler: Handler) -> None:
         """Run ``handler`` for a request, in the reader: a plain function is answered

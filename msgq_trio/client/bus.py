@@ -21,7 +21,6 @@ import trio
 
 from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import FrameType
-from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, ready
 from ..transport.errors import translate_socket_errors
@@ -45,10 +44,7 @@ from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
-    Closed,
     PendingCall,
-    Request,
-    Send,
     Session,
 )
 
@@ -774,40 +770,13 @@ class Bus(AsyncBus):
         Raises:
             ProtocolError: the broker violated the protocol (after the valid frames).
         """
-        conn, handle = self._conn, self._s.handle
-        inq, inline = self._in, self._message_inline
+        conn = self._conn
         self._deferring = True
         self._answered = 0
         try:
             evs = conn.events()
-            if inline is None and conn.message_burst >= 0:
-                # Plain messages only (the hot path): queued whole, each made
-                # a Message when it is taken (AsyncBus._in).
-                inq.extend(evs)  # type: ignore[arg-type]
-                self._in_put(len(evs), conn.message_burst)
-                evs = []
-            for ev in evs:
-                if ev is EOF:
-                    self._broker_goodbye.set()
-                    self._fail_all(ConnectionLost("the broker closed the connection"))
-                    return True
-                assert isinstance(ev, Frame)
-                if ev.type == _MESSAGE and inline is None:
-                    # The hot path, straight to the application: the session's
-                    # event for it would be Message(ev), made when it is taken.
-                    inq.append(ev)
-                    self._in_put(1, len(ev.raw) + len(ev.large_body))
-                    continue
-                event = handle(ev)
-                if isinstance(event, Message):
-                    if ev.type == _MESSAGE:
-                        assert inline is not None
-                        self._inline_callback(inline, event)
-                    elif not self._notification(event):
-                        inq.append(event)  # the reader wakes the consumer below
-                        self._in_put(1, len(ev.raw) + len(ev.large_body))
-                elif event is not None:
-                    self._dispatch(event)
+            if self._receive_events(evs, conn.message_burst):
+                return True
         finally:
             self._deferring = False
             if self._answered > 1:
@@ -834,30 +803,6 @@ class Bus(AsyncBus):
             self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
         else:
             self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
-
-    def _dispatch(self, event: Request | PendingCall | Send | Closed) -> None:
-        """Act on one of the session's events other than a received message."""
-        if isinstance(event, PendingCall):
-            if event.done:
-                self._answered += 1
-        elif isinstance(event, Request):
-            msg = event.message
-            if event.inline is not None:
-                try:
-                    event.inline(msg)
-                except Exception as exc:
-                    self._queue_answer(self._s.inline_failed(msg, exc))
-            else:
-                assert event.handler is not None
-                self._start_request(msg, event.handler)
-        elif isinstance(event, Send):
-            if self._s.lost is None and not self._closed:
-                self._queue(event.pieces)
-        elif isinstance(event, Closed):
-            if event.goodbye:
-                self._broker_goodbye.set()
-            if event.error is not None:
-                self._fail_all(event.error)
 
 
 async def _pump(source: trio.abc.ReceiveStream, sink: trio.abc.HalfCloseableStream | Any) -> None:

@@ -16,9 +16,11 @@ log = logging.getLogger("msgq_trio.client")
 
 
 class LoopEvent(Protocol):
-    """trio.Event or asyncio.Event: ``set()`` and ``await wait()``."""
+    """trio.Event or asyncio.Event: ``set()``, ``is_set()`` and ``await wait()``."""
 
     def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
 
     async def wait(self) -> Any: ...
 
