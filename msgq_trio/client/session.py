@@ -1,9 +1,12 @@
 """The client's side of the protocol without I/O: one :class:`Session` per connection.
 
-The trio :class:`~msgq_trio.client.bus.Bus` and the blocking
+The trio :class:`~msgq_trio.client.bus.Bus`, the asyncio
+:class:`~msgq_trio.client.aio.AioBus` and the blocking
 :class:`~msgq_trio.client.direct.DirectBus` are drivers over it: they own the socket,
 their tasks or waits, backpressure and descriptor passing; every protocol decision is
-made here, once.
+made here, once. Its parts: the pending calls (client/calls.py), the encoders
+(client/encoders.py), the handler contract (client/handlers.py) and the connection's
+life with the reconnect policy (client/lifecycle.py).
 
 Rules:
 
@@ -25,6 +28,9 @@ Rules:
    session holds no event-loop object.
 6. After :meth:`Session.fail` (the connection ended) every pending call has failed with
    :class:`~msgq_trio.errors.ConnectionLost`; ``lost`` says why, and stays.
+7. What follows a loss is :attr:`Session.life`'s to decide (:meth:`connection_lost`,
+   :meth:`attempt_failed`): the drivers dial and sleep as it says, and run the restore
+   it describes (:meth:`restore_groups`).
 """
 
 from __future__ import annotations
