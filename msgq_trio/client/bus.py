@@ -8,11 +8,8 @@ frame); ``send`` only queues and waits when the queue is over its bound.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -20,42 +17,25 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import ConnectError, ConnectionLost, UsageError
-from ..protocol.codes import FrameType
-from ..protocol.connection import EOF
-from ..protocol.errors import ProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, ready
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame, ready
 from ..transport.errors import translate_socket_errors
-from ..transport.fdpass import RECEIVE_INTO_SIZE, RECEIVE_SIZE, SEND_BUFFER
+from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
 from ..transport.sockets import (
     NO_JOIN,
-    SocketReceiver,
-    ancillary_size,
-    close_fds,
-    send_buffers,
     set_send_buffer,
     unconsumed_bytes,
 )
-from ..transport.tls import client_context_from_env
-from .api import (
-    BusBase,
-    HeartbeatMonitor,
-    client_name,
-    connect_target,
-    hello_extra,
-    parse_address,
-)
+from .address import client_name, connect_target, hello_extra
+from .lifecycle import State
 from .message import Buffer, Member, Message, Reply, Result, new_message
-from .polling import BUSY_POLL, CallPoller, Poll, check_busy_poll
-from .reconnect import Backoff, Reconnect, reconnect_policy
+from .polling import BUSY_POLL, check_busy_poll
+from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
     IN_HIGH_WATER,
-    Closed,
-    PendingCall,
-    Request,
-    Send,
-    Session,
 )
+from .trio_streams import OUT_HIGH_WATER, TrioStreams
+from .trio_transport import open_transport
 
 __all__ = [
     "CLOSE_WAIT",
@@ -75,112 +55,22 @@ __all__ = [
 if TYPE_CHECKING:  # imported lazily at run time: client/pipe.py imports bus
     from .pipe import Pipe
 
-log = logging.getLogger("msgq_trio.client")
 
-#: ``send`` waits for the writer once this many bytes are queued (bounds client memory
-#: while letting a fast publisher batch hundreds of frames per send_all).
-OUT_HIGH_WATER = 1024 * 1024
 #: Iteration yields to other tasks at least once every this many messages (a power
-#: of two: the count is ``BusBase._in_popped``'s low bits).
+#: of two: the count is ``AsyncBus._in_popped``'s low bits).
 _FAIRNESS = 256
-_MEMBERSHIP = "msgq.membership"
-_MESSAGE = FrameType.MESSAGE
 
 
-def _wake(call: PendingCall) -> None:
-    """The session's wake-up for a finished call: set the trio.Event its waiter waits on."""
-    call.waiter.set()
-
-
-class Bus(BusBase):
+class Bus(TrioStreams):
     """A connection to the broker. Create it with :func:`connect`.
 
-    The trio driver of the client :class:`~msgq_trio.client.session.Session`: the socket,
-    the reader and writer tasks, handler tasks, backpressure and descriptor passing are
-    here; what frames mean and what to answer is the session's, and the API's shape is
-    :class:`~msgq_trio.client.api.BusBase`'s.
+    The trio driver of the client :class:`~msgq_trio.client.session.Session`: its
+    connections one after another as the session's lifecycle says, handler tasks and
+    waiting are here, the socket's reader and writer, backpressure and descriptor
+    passing in :class:`~msgq_trio.client.trio_streams.TrioStreams`; what frames mean and
+    what to answer is the session's, and the API's shape is
+    :class:`~msgq_trio.client.async_bus.AsyncBus`'s.
     """
-
-    def __init__(
-        self,
-        name: str,
-        max_frame_size: int,
-        target: str = "",
-        reconnect: Reconnect | None = None,
-        busy_poll: float = BUSY_POLL,
-    ) -> None:
-        self._s = Session(name, max_frame_size, no_join=NO_JOIN, wake=_wake)
-        #: How long a lone caller polls for its answer (see _poll_answer). Never over TLS:
-        #: the TLS session's copy tasks run in this program, and cannot while it polls.
-        self._poller = CallPoller(0.0 if target.startswith("tls://") else busy_poll)
-        self._out_fds = 0
-        self._out: deque[Buffer] = deque()
-        self._out_bytes = 0
-        # Whether _out may hold anything but small buffers (under NO_JOIN bytes, no
-        # descriptors): set by every queueing but send's small frame, cleared as the
-        # writer takes the queue. Without it the writer joins the queue in one call
-        # instead of looking at each buffer (a publisher queues thousands per write).
-        self._out_mixed = False
-        self._out_wake = trio.lowlevel.ParkingLot()
-        # Whether the writer is parked on _out_wake (set as it parks, cleared by whoever
-        # unparks it), as _reader_parked: asked once per message sent.
-        self._writer_parked = False
-        self._drained = trio.lowlevel.ParkingLot()
-        self._in: deque[Message | Frame] = deque()  # see BusBase._in
-        self._in_wake = trio.lowlevel.ParkingLot()
-        self._in_taken = trio.lowlevel.ParkingLot()
-        # Whether the reader is parked on _in_taken (set as it parks, cleared by whoever
-        # unparks it): a plain attribute, because the consumer asks once per message and
-        # a ParkingLot's truth is a Python call.
-        self._reader_parked = False
-        self._reading = False  # the reader task runs (see _wait_goodbye)
-        # The reader's receiver, and whether the reader is parked waiting for the socket
-        # to become readable (then a caller may receive in its place: _poll_answer).
-        self._rx: SocketReceiver | None = None
-        self._reader_waiting = False
-        self._init_api(target, reconnect)
-        self._nursery: trio.Nursery | None = None
-        self._closed = False
-        self._sends_unchecked = 0
-        self._writing = False
-        # True while the reader handles one receive's frames: answers that handlers give
-        # meanwhile are queued and written together after the batch (one write for a
-        # burst of requests instead of one per answer).
-        self._deferring = False
-        # Calls answered by the last receive. When several callers were woken at once,
-        # their next requests go to the writer, which joins them into one write (one
-        # broker wakeup) instead of one write per caller.
-        self._answered = 0
-        self._burst = False
-        self._lost_event = trio.Event()
-        self._new_waiter = trio.Event
-        #: Woken when the connection's state changes (lost, reconnected, given up).
-        self._state_wake = trio.lowlevel.ParkingLot()
-        self._up = False
-
-    def _attach(self, stream: trio.SocketStream) -> None:
-        """Take ``stream`` as the connection (the first, or a reconnect's: then the
-        session starts over, and frames queued for the old one are dropped)."""
-        self._fresh_session()
-        self._stream = stream
-        self._fd = stream.socket.fileno()
-        self._conn = self._s.conn
-        self._drop_out()
-        self._writing = False
-        self._deferring = False
-        self._burst = False
-        self._broker_goodbye = trio.Event()
-        #: Set when this connection ends (the supervisor then closes it).
-        self._down = trio.Event()
-        self._up = True
-
-    def _drop_out(self) -> None:
-        """Forget the frames queued for a connection that is gone (and close the
-        descriptors they would have carried)."""
-        close_fds([fd for p in self._out if type(p) is FdBuffer for fd in p.fds])
-        self._out.clear()
-        self._out_bytes = 0
-        self._out_fds = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_fields: dict[str, object]) -> None:
@@ -204,7 +94,7 @@ class Bus(BusBase):
         close."""
         if self._closed:
             return
-        self._closed = True
+        self._closing()
         await self._say_goodbye()
         await trio.aclose_forcefully(self._stream)
         self._fail_all(ConnectionLost("the bus was closed"))
@@ -287,19 +177,12 @@ class Bus(BusBase):
         Raises:
             ConnectError, UsageError: the first connection failed (see :func:`connect`).
         """
-        policy = self._reconnect
-        started = False
-        backoff: Backoff | None = None
-        last: BaseException | None = None
+        life = self._s.life
         while True:
-            connected = False
+            life.dialing(trio.current_time())
             try:
-                with trio.CancelScope() as attempt:
-                    if started and policy is not None:
-                        # A broker that accepts but never answers (stopped, or a dead
-                        # path behind a live listener) must not hold a reconnect forever.
-                        attempt.deadline = trio.current_time() + policy.attempt_timeout
-                    async with _open_transport(self._target, ssl_context, server_hostname) as (
+                with trio.CancelScope(deadline=life.attempt_deadline or math.inf) as attempt:
+                    async with open_transport(self._target, ssl_context, server_hostname) as (
                         stream,
                         remote,
                     ):
@@ -312,44 +195,26 @@ class Bus(BusBase):
                             await trio.aclose_forcefully(stream)
                             raise
                         attempt.deadline = math.inf
-                        self._connected_as(remote)
-                        connected = True
-                        first, started = not started, True
-                        await self._serve_connection(
-                            stream, remote, task_status if first else None, backoff
-                        )
+                        restoring = self._welcomed(remote)
+                        await self._serve_connection(stream, remote, task_status, restoring)
                 if attempt.cancelled_caught:
-                    assert policy is not None
-                    last = ConnectError(
-                        f"no connection and WELCOME within {policy.attempt_timeout} s "
-                        "(Reconnect.attempt_timeout)"
-                    )
-                    log.debug("reconnect attempt to %s failed: %s", self._target, last)
+                    self._attempt_failed(life.timed_out())
             except (ConnectError, UsageError) as exc:
-                if not started:
+                if life.state is State.CONNECTING:
+                    life.attempt_failed(exc, trio.current_time())
                     raise
-                last = exc
-                log.debug("reconnect attempt to %s failed: %s", self._target, exc)
-            if self._closed or not self._reconnecting or policy is None:
-                return  # the loss is final (reconnect off, or the bus closed)
-            now = trio.current_time()
-            if connected or backoff is None:
-                backoff, last = Backoff(policy, now), None
-            delay = backoff.next_delay(now)
+                self._attempt_failed(exc)
+            delay = life.wait(trio.current_time())
             if delay is None:
-                self._gave_up(backoff, last)
-                self._lost_event.set()
-                self._in_wake.unpark_all()
-                self._state_changed()
-                return
+                return  # the end is final (reconnect off, given up, or the bus closed)
             await trio.sleep(delay)
 
     async def _serve_connection(
         self,
         stream: trio.SocketStream,
         remote: bool,
-        task_status: trio.TaskStatus[None] | None,
-        backoff: Backoff | None,
+        task_status: trio.TaskStatus[None],
+        restoring: bool,
     ) -> None:
         """Run the connection's reader, writer (and heartbeat) until it ends, then close
         it. The first connection reports ``task_status.started()``; a reconnect's joins
@@ -359,108 +224,16 @@ class Bus(BusBase):
             tasks.start_soon(self._writer)
             hb = self._s.heartbeat_settings() if remote else None
             if hb is not None:
-                tasks.start_soon(_heartbeat, self, *hb)
-            if task_status is not None:
-                task_status.started()
+                tasks.start_soon(self._heartbeat, *hb)
+            if restoring:
+                tasks.start_soon(self._restore)
             else:
-                assert backoff is not None
-                tasks.start_soon(self._restore_quietly, backoff.attempts)
+                task_status.started()
             await self._down.wait()
             tasks.cancel_scope.cancel()
         await trio.aclose_forcefully(stream)
 
-    def _connected_as(self, remote: bool) -> None:
-        """WELCOME taken: the connection is up (sends and calls go out again)."""
-        s = self._s
-        s.lost = None
-        if remote:
-            s.max_fds = 0  # no SCM_RIGHTS over TCP: descriptors are refused up front
-            s.inline["msgq.heartbeat"] = _answer_heartbeat(self)
-
-    async def _restore_quietly(self, attempts: int) -> None:
-        """``_restore`` on a new connection; if that is lost meanwhile, the supervisor
-        goes on reconnecting."""
-        try:
-            await self._restore(attempts)
-        except ConnectionLost:
-            pass
-
     # -- sending -----------------------------------------------------------------------
-    def _queue(self, pieces: list[Buffer]) -> None:
-        out = self._out
-        self._out_mixed = True
-        for p in pieces:
-            out.append(p)
-            self._out_bytes += len(p)
-        if self._writer_parked:
-            self._writer_parked = False
-            self._out_wake.unpark_all()
-
-    def _count_fds(self, pieces: list[Buffer]) -> list[Buffer]:
-        """Count the descriptors a frame carries (the session puts them on its first
-        piece): while any are queued, only the writer writes (they need sendmsg)."""
-        first = pieces[0]
-        if type(first) is FdBuffer:
-            self._out_fds += len(first.fds)
-        return pieces
-
-    def _queue_urgent(self, pieces: list[Buffer]) -> None:
-        """Queue a latency-sensitive frame (request, answer) and try to write it at once."""
-        out = self._out
-        self._out_mixed = True
-        for p in pieces:
-            out.append(p)
-            self._out_bytes += len(p)
-        if self._deferring:
-            return  # the reader writes the batch's answers when it is done with it
-        if not self._burst:
-            self._send_now()
-        if out and self._writer_parked:
-            self._writer_parked = False
-            self._out_wake.unpark_all()
-
-    def _queue_answer(self, pieces: list[Buffer]) -> None:
-        """Queue an answer while the connection is up; otherwise drop it (nobody is there
-        to take it) and close the descriptors it would have carried."""
-        if self._s.lost is None and not self._closed:
-            self._queue_urgent(self._count_fds(pieces))
-        else:
-            close_fds([fd for p in pieces if type(p) is FdBuffer for fd in p.fds])
-
-    def _send_now(self) -> None:
-        """Latency path: if the writer is idle, write the (small) queue to the socket now,
-        saving the writer task's wake-up. What the kernel does not take stays queued;
-        errors are left for the writer, so they are reported in one place."""
-        if (
-            self._writing
-            or not self._out
-            or self._out_bytes > 65536
-            or self._out_fds  # descriptors need sendmsg: the writer does that
-            or self._s.lost is not None
-        ):
-            return
-        out = self._out
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        try:
-            sent = os.write(self._fd, data)
-        except OSError:  # BlockingIOError included: the writer takes over
-            sent = 0
-        if sent < len(data):
-            out.append(memoryview(data)[sent:])
-            self._out_mixed = True
-        self._out_bytes -= sent
-        if sent and self._drained:
-            # flush() and send()'s high-water wait park on this, and the writer (which
-            # wakes them otherwise) may find nothing left to write.
-            self._drained.unpark_all()
-
-    async def _wait_out(self) -> None:
-        s = self._s
-        while self._out_bytes > OUT_HIGH_WATER and s.lost is None:
-            await self._drained.park()
-        if s.lost is not None:
-            raise s.lost
 
     def send(
         self,
@@ -558,95 +331,7 @@ class Bus(BusBase):
             await self._drained.park()
         self._check_open()
 
-    # -- RPC ---------------------------------------------------------------------------
-    def _queue_request(self, pieces: list[Buffer], fds: Sequence[int]) -> None:
-        self._queue_urgent(self._count_fds(pieces) if fds else pieces)
-
-    async def _finish_call(self, call: PendingCall) -> None:
-        """Wait for ``call``'s outcome (or its local deadline), then forget its slot.
-
-        With ``busy_poll`` on, a lone call first polls the socket for its answer for up to
-        the poller's window (:meth:`_poll_answer`); either way this is a checkpoint."""
-        try:
-            poller = self._poller
-            if not poller.limit:
-                await self._wait_answer(call)
-                return
-            sent = time.perf_counter()
-            how = self._poll_answer(call, poller.window) if poller.window else Poll.SLEPT
-            answered = False
-            try:
-                if how is Poll.CAUGHT:
-                    await trio.lowlevel.checkpoint()  # the schedule point the wait would be
-                else:
-                    await self._wait_answer(call)
-                answered = True
-            finally:
-                if answered or how is Poll.MISSED:  # a miss counts, even if cancelled
-                    poller.answered(time.perf_counter() - sent, how)
-        finally:
-            self._s.finish(call)
-
-    async def _wait_answer(self, call: PendingCall) -> None:
-        if call.deadline is None:
-            await call.waiter.wait()  # the common path needs no cancel scope
-            return
-        with trio.move_on_at(call.deadline):
-            await call.waiter.wait()
-        call.expire(trio.current_time())
-
-    def _poll_answer(self, call: PendingCall, window: float) -> Poll:
-        """Receive in the reader's place, without sleeping, until ``call`` is done or
-        ``window`` seconds have passed: CAUGHT if it is done, MISSED if not, SLEPT if
-        polling was not possible.
-
-        Only when nothing else could use this thread meanwhile: ``call`` is the only one
-        pending, the reader is parked waiting for the socket (not handling frames, not
-        paused by backpressure), no other task waits for the scheduler's next pass
-        (trio's ``tasks_runnable``: tasks still to run in the current pass are not
-        counted, and wait at most the window), and the window ends before any trio
-        deadline (a timer, a cancel scope's) and the call's own. Whatever
-        arrives is handled as the reader would (messages queued, requests started, other
-        frames dispatched); once that makes a task runnable or fills the inbound queue
-        past its high water, or the stream ends, or a large frame begins (received in
-        place by the reader), the caller stops polling and waits as usual. Each empty
-        pass yields the CPU (``sched_yield``) to a process that may be the one
-        answering. A lost connection or a protocol violation fails the bus as in the
-        reader.
-        """
-        rx = self._rx
-        if rx is None or not self._reader_waiting or len(self._s.calls) != 1:
-            return Poll.SLEPT
-        stats = trio.lowlevel.current_statistics()
-        if stats.tasks_runnable:
-            return Poll.SLEPT
-        window = min(window, stats.seconds_to_next_deadline)
-        if call.deadline is not None:
-            window = min(window, call.deadline - trio.current_time())
-        conn, clock, yield_cpu = self._conn, time.perf_counter, os.sched_yield
-        end = clock() + window
-        try:
-            while True:
-                n = rx.receive_now(conn)
-                if n is None:
-                    if clock() >= end:
-                        return Poll.MISSED
-                    yield_cpu()
-                    continue
-                if not n or self._handle_received(False) or call.done:
-                    break
-                # Past the inbound high water the reader would stop reading (_in_full),
-                # and a woken task must run: either way, stop receiving here.
-                if self._in_full() or trio.lowlevel.current_statistics().tasks_runnable:
-                    break
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
-            self._reader_failed(exc)
-        return Poll.CAUGHT if call.done else Poll.MISSED
-
-    async def _wait_done(self, call: PendingCall) -> None:
-        await call.waiter.wait()
-
-    # -- what plugin clients build on (see BusBase) ------------------------------------
+    # -- what plugin clients build on (see AsyncBus) ------------------------------------
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
 
@@ -682,7 +367,7 @@ class Bus(BusBase):
             # first branch, with no coroutine at all (``ready``: an awaitable done).
             self._in_popped = popped
             item = q.popleft()
-            # BusBase._take, inline: this runs once per message.
+            # AsyncBus._take, inline: this runs once per message.
             if type(item) is Frame:
                 msg = new_message(item, self._s.sources)
             else:
@@ -733,296 +418,6 @@ class Bus(BusBase):
         if not self._in_popped & (_FAIRNESS - 1):
             await trio.lowlevel.checkpoint()
         return msg
-
-    # -- tasks -------------------------------------------------------------------------
-    async def _writer(self) -> None:
-        out, stream = self._out, self._stream
-        try:
-            while True:
-                while not out:
-                    self._writer_parked = True  # cleared by whoever unparks it
-                    await self._out_wake.park()
-                self._burst = False
-                bufs = list(out)
-                out.clear()
-                if not self._out_mixed:
-                    # Small frames only (a publisher's queue): one join, no pass over
-                    # the buffers here or in send_buffers.
-                    data = b"".join(bufs)
-                    n = len(data)
-                    bufs = [data]
-                else:
-                    self._out_mixed = False
-                    n = 0
-                    for b in bufs:
-                        n += len(b)
-                        if type(b) is FdBuffer:
-                            self._out_fds -= len(b.fds)
-                self._writing = True
-                try:
-                    await send_buffers(stream, bufs)
-                finally:
-                    self._writing = False
-                self._out_bytes -= n
-                if self._drained:
-                    self._drained.unpark_all()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            # A broker that drops us sends an ERROR frame with the reason and closes; our
-            # write may fail before the reader has seen that frame. Let the reader report
-            # the reason first; fall back to the write error.
-            with trio.move_on_after(1.0):
-                await self._down.wait()
-            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
-
-    async def _reader(self) -> None:
-        conn = self._conn
-        rx = SocketReceiver(
-            self._stream.socket,
-            RECEIVE_SIZE,
-            ancillary_size(self._s.max_fds),
-            RECEIVE_INTO_SIZE,
-        )
-        receive = rx.receive_into
-        received = False  # first pass: frames buffered behind WELCOME
-        self._reading = True
-        self._rx = rx
-        try:
-            while True:
-                if received:
-                    self._reader_waiting = rx.drained
-                    try:
-                        eof = not await receive(conn)
-                    finally:
-                        self._reader_waiting = False
-                else:
-                    eof, received = False, True
-                if self._handle_received(eof):
-                    return
-                if self._in_full():
-                    while self._in_full() and self._s.lost is None:
-                        self._reader_parked = True  # reset by whoever unparks it
-                        await self._in_taken.park()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
-            self._reader_failed(exc)
-        finally:
-            self._reading = False
-            self._rx = None
-            self._broker_goodbye.set()  # nothing more is read (see _wait_goodbye)
-            rx.close()
-            close_fds(conn.take_orphan_fds())
-
-    def _handle_received(self, eof: bool) -> bool:
-        """Handle what one receive brought (the reader's, or a polling caller's: see
-        :meth:`_poll_answer`); ``eof``: the receive found the end. True when reading
-        ends (EOF, the broker's GOODBYE); the bus has then failed its calls.
-
-        Raises:
-            ProtocolError: the broker violated the protocol (after the valid frames).
-        """
-        conn, handle = self._conn, self._s.handle
-        inq, inline = self._in, self._message_inline
-        self._deferring = True
-        self._answered = 0
-        try:
-            evs = conn.events()
-            if inline is None and conn.message_burst >= 0:
-                # Plain messages only (the hot path): queued whole, each made
-                # a Message when it is taken (BusBase._in).
-                inq.extend(evs)  # type: ignore[arg-type]
-                self._in_put(len(evs), conn.message_burst)
-                evs = []
-            for ev in evs:
-                if ev is EOF:
-                    self._broker_goodbye.set()
-                    self._fail_all(ConnectionLost("the broker closed the connection"))
-                    return True
-                assert isinstance(ev, Frame)
-                if ev.type == _MESSAGE and inline is None:
-                    # The hot path, straight to the application: the session's
-                    # event for it would be Message(ev), made when it is taken.
-                    inq.append(ev)
-                    self._in_put(1, len(ev.raw) + len(ev.large_body))
-                    continue
-                event = handle(ev)
-                if isinstance(event, Message):
-                    if ev.type == _MESSAGE:
-                        assert inline is not None
-                        self._inline_callback(inline, event)
-                    elif not self._notification(event):
-                        inq.append(event)  # the reader wakes the consumer below
-                        self._in_put(1, len(ev.raw) + len(ev.large_body))
-                elif event is not None:
-                    self._dispatch(event)
-        finally:
-            self._deferring = False
-            if self._answered > 1:
-                self._burst = True
-            if self._out:
-                self._send_now()
-                if self._out and self._writer_parked:
-                    self._writer_parked = False
-                    self._out_wake.unpark_all()
-        if self._in and self._in_wake:
-            self._in_wake.unpark_all()
-        if conn.error_pending:
-            conn.events()  # raises the protocol error that followed valid frames
-        if eof:
-            self._broker_goodbye.set()
-            self._fail_all(ConnectionLost("the broker closed the connection"))
-            return True
-        return False
-
-    def _reader_failed(self, exc: BaseException) -> None:
-        """The reader's (or a polling caller's) receive or parse failed: the bus fails."""
-        if isinstance(exc, ProtocolError):
-            log.error("broker violated the protocol: %s", exc)
-            self._fail_all(ConnectionLost(f"broker violated the protocol: {exc}"))
-        else:
-            self._fail_all(ConnectionLost(f"connection to the broker lost: {exc}"))
-
-    def _dispatch(self, event: Request | PendingCall | Send | Closed) -> None:
-        """Act on one of the session's events other than a received message."""
-        if isinstance(event, PendingCall):
-            if event.done:
-                self._answered += 1
-        elif isinstance(event, Request):
-            msg = event.message
-            if event.inline is not None:
-                try:
-                    event.inline(msg)
-                except Exception as exc:
-                    self._queue_answer(self._s.inline_failed(msg, exc))
-            else:
-                assert event.handler is not None
-                self._start_request(msg, event.handler)
-        elif isinstance(event, Send):
-            if self._s.lost is None and not self._closed:
-                self._queue(event.pieces)
-        elif isinstance(event, Closed):
-            if event.goodbye:
-                self._broker_goodbye.set()
-            if event.error is not None:
-                self._fail_all(event.error)
-
-
-async def _pump(source: trio.abc.ReceiveStream, sink: trio.abc.HalfCloseableStream | Any) -> None:
-    """Copy bytes until EOF, then pass the EOF on (TLS bridge, see _open_transport)."""
-    try:
-        while True:
-            data = await source.receive_some(RECEIVE_SIZE)
-            if not data:
-                break
-            await sink.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-    if isinstance(sink, trio.SocketStream):
-        try:
-            await sink.send_eof()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-    else:
-        await trio.aclose_forcefully(sink)
-
-
-@asynccontextmanager
-async def _open_transport(
-    target: str, ssl_context: Any, server_hostname: str | None
-) -> AsyncIterator[tuple[trio.SocketStream, bool]]:
-    """A socket stream to the broker and whether it is a TCP one.
-
-    For ``tls://`` the TLS session runs in two copy tasks between the network and one end
-    of a local socket pair, and the Bus gets the other end: the Bus's reader and writer
-    work on a plain socket (recvmsg, direct writes) whatever the transport.
-
-    Raises:
-        ConnectError: cannot connect, or the TLS handshake failed.
-        UsageError: a malformed address, or a TLS file of the environment unusable.
-    """
-    if not target.startswith(("tcp://", "tls://")):
-        path = target
-        try:
-            stream = await trio.open_unix_socket(path)
-        except OSError as exc:
-            raise ConnectError(
-                f"cannot connect to the broker at {path}: {exc.strerror or exc}"
-            ) from exc
-        yield stream, False
-        return
-    scheme, host, port = parse_address(target)
-    ctx = None
-    if scheme == "tls":  # before connecting: a context that cannot be built leaks nothing
-        ctx = ssl_context if ssl_context is not None else client_context_from_env()
-    try:
-        tcp = await trio.open_tcp_stream(host, port)
-    except OSError as exc:
-        raise ConnectError(
-            f"cannot connect to the broker at {target}: {exc.strerror or exc}"
-        ) from exc
-    if ctx is None:
-        yield tcp, True
-        return
-    tls = trio.SSLStream(tcp, ctx, server_hostname=server_hostname or host)
-    try:
-        await tls.do_handshake()
-    except trio.BrokenResourceError as exc:
-        await trio.aclose_forcefully(tls)
-        raise ConnectError(
-            f"TLS handshake with the broker at {target} failed: {exc.__cause__ or exc}"
-        ) from exc
-    except BaseException:
-        await trio.aclose_forcefully(tls)
-        raise
-    import socket as pysocket
-
-    a, b = trio.socket.socketpair(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    inner, outer = trio.SocketStream(a), trio.SocketStream(b)
-    body_error: Exception | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump, tls, outer)
-            nursery.start_soon(_pump, outer, tls)
-            try:
-                yield inner, True
-            except Exception as exc:
-                body_error = exc  # re-raised outside the nursery (no ExceptionGroup)
-            nursery.cancel_scope.cancel()
-    finally:
-        # Shielded: closing the bus cancels the task that runs the connection, and an
-        # await under that cancel would skip the closes after it.
-        with trio.CancelScope(shield=True):
-            await trio.aclose_forcefully(inner)
-            await trio.aclose_forcefully(outer)
-            await trio.aclose_forcefully(tls)
-    if body_error is not None:
-        raise body_error
-
-
-async def _heartbeat(bus: Bus, interval: float, misses: int) -> None:
-    """Detect a silent broker over TCP (a dead host or path sends no FIN or RST).
-
-    Every ``interval``: if nothing arrived since the last tick, ask the broker ``ping``
-    (its answer, or any traffic, proves it alive); after ``misses`` silent intervals the
-    connection is declared lost (ConnectionLost code ``heartbeat-timeout``) and closed,
-    which fails every pending call exactly as a Unix disconnect does. Intervals in which
-    our own reader is paused (the application is not consuming) do not count.
-    """
-    monitor = HeartbeatMonitor(interval, misses)
-    while True:
-        await trio.sleep(interval)
-        lost = monitor.tick(bus._conn.received_bytes, bus._in_full())
-        if lost is not None:
-            bus._fail_all(lost)
-            await trio.aclose_forcefully(bus._stream)
-            return
-        if monitor.silent:
-            bus._queue_urgent(bus._s.encode_ping())
-
-
-def _answer_heartbeat(bus: Bus) -> Callable[[Message], None]:
-    def answer(request: Message) -> None:
-        bus.answer(request)
-
-    return answer
 
 
 @asynccontextmanager

@@ -26,58 +26,29 @@ Where frames go while a method waits (all in the calling thread):
 from __future__ import annotations
 
 import inspect
-import logging
-import math
 import os
-import select
-import socket as pysocket
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import ConnectError, ConnectionLost, LimitExceeded, MsgqError, UsageError
-from ..protocol.codes import ErrorCode, FrameType
-from ..protocol.connection import EOF
-from ..protocol.errors import LocalProtocolError, ProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame
-from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
+from ..errors import ConnectError, ConnectionLost, MsgqError, UsageError
+from ..protocol.codes import FrameType
+from ..protocol.errors import LocalProtocolError
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from ..transport.fdpass import SEND_BUFFER
 from ..transport.sockets import (
-    ancillary_size,
     close_fds,
-    scratch_buffer,
-    set_send_buffer,
-    take_fds,
     unconsumed_bytes,
 )
-from .api import SessionView, client_name, connect_target
+from .address import client_name, connect_target
+from .blocking_socket import DEFAULT_MAX_BUFFERED, BlockingSocket, dial
+from .lifecycle import State
 from .message import Member, Message, new_message
-from .reconnect import (
-    Backoff,
-    Reconnect,
-    gave_up_error,
-    log_lost,
-    log_reconnected,
-    reconnect_policy,
-    reconnecting_error,
-)
+from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
-    IN_HIGH_WATER,
-    Closed,
-    Request,
-    Send,
-    Session,
     as_handler,
-    goodbye_error,
 )
-
-log = logging.getLogger("msgq_trio.client.direct")
-
-#: Bytes of received one-way messages kept for receive() before the reading methods
-#: refuse to read more: the clients' shared bound (a burst the broker already accepted
-#: must fit; memory stays bounded).
-DEFAULT_MAX_BUFFERED = IN_HIGH_WATER
 
 _GOODBYE = FrameType.GOODBYE
 _MESSAGE = FrameType.MESSAGE
@@ -86,7 +57,7 @@ _NOTIFY = FrameType.NOTIFY
 Handler = Callable[..., Any]
 
 
-class DirectBus(SessionView):
+class DirectBus(BlockingSocket):
     """A connection whose methods block the calling thread and do their own I/O.
 
     Create it with :func:`connect`. Not thread-safe: one thread uses it (other threads
@@ -103,60 +74,17 @@ class DirectBus(SessionView):
     :class:`~msgq_trio.errors.ConnectionLost`.
     """
 
-    def __init__(
-        self,
-        sock: pysocket.socket,
-        name: str,
-        *,
-        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-        max_buffered: int = DEFAULT_MAX_BUFFERED,
-        target: str = "",
-        reconnect: Reconnect | None = None,
-        send_buffer: int = SEND_BUFFER,
-        timeout: float = 30.0,
-    ) -> None:
-        self.max_buffered = max_buffered
-        self._s = Session(name, max_frame_size)
-        self._s.fd_passing = False  # plain send(): no SCM_RIGHTS on this driver
-        self._attach(sock)
-        self._target = target
-        self._reconnect = reconnect
-        self._send_buffer = send_buffer
-        self._timeout = timeout
-        #: The outage under way (None while connected or when the loss is final), when
-        #: its next attempt is due, and why the last one failed.
-        self._backoff: Backoff | None = None
-        self._next_attempt = 0.0
-        self._last_error: BaseException | None = None
-        self._gave_up = False
-        self._restoring = False
-        #: How many times this bus reconnected (``connect(..., reconnect=...)``).
-        self.reconnects = 0
-        #: Parsed frames not yet dispatched (a reading method dispatches them in order).
-        self._frames: deque[Frame] = deque()
-        self._frames_bytes = 0
-        #: Received one-way messages for receive(), and their bytes.
-        self._inbox: deque[Message] = deque()
-        self._inbox_bytes = 0
-        self._closed = False
-
-    def _attach(self, sock: pysocket.socket) -> None:
-        """Take ``sock`` as the connection (the first, or a reconnect's)."""
-        self._sock = sock
-        self._fd = sock.fileno()
-        self._conn = self._s.conn
-        self._poll_in = select.poll()
-        self._poll_in.register(self._fd, select.POLLIN)
-        self._ancsize = ancillary_size(self._s.max_fds)
-        self._goodbye = False
-        self._goodbye_error: ConnectionLost | None = None
-
-    # -- reconnect (connect(..., reconnect=...); client/reconnect.py) -------------------
+    # -- reconnect (connect(..., reconnect=...); the session's lifecycle decides) --------
     @property
     def connected(self) -> bool:
         """Whether the bus is connected (after a reconnect: once the groups it had
         joined are joined again)."""
         return self._s.lost is None and not self._closed
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this bus reconnected (``connect(..., reconnect=...)``)."""
+        return self._s.life.reconnects
 
     def wait_connected(self, timeout: float | None = None) -> None:
         """Return once the bus is connected: at once while it is; after a loss with
@@ -179,9 +107,9 @@ class DirectBus(SessionView):
             raise UsageError("the bus is closed")
 
     def _reconnected(self, deadline: float | None, *, wait: bool) -> bool:
-        """The connection is lost: with ``reconnect``, make the attempts that are due
-        (``wait``: sleeping until each, up to ``deadline``). True once connected again,
-        False if ``deadline`` came first.
+        """The connection is lost: make the reconnect attempts that the session's
+        lifecycle says are due (``wait``: sleeping until each, up to ``deadline``). True
+        once connected again, False if ``deadline`` came first.
 
         Raises:
             ConnectionLost: reconnect is off, the bus is closed, the policy gave up
@@ -189,36 +117,29 @@ class DirectBus(SessionView):
                 reconnecting.
         """
         s = self._s
-        if self._reconnect is None or self._closed or self._gave_up or self._restoring:
-            self._check_open()
-        if self._backoff is None:
+        life = s.life
+        if life.state is State.READY and s.lost is not None:
             self._begin_outage()
-        backoff = self._backoff
-        assert backoff is not None and s.lost is not None
-        while True:
+        while life.state is State.RECONNECTING:
             now = time.monotonic()
-            if now >= self._next_attempt:
-                if self._attempt(backoff.attempts):
+            due = life.next_deadline()
+            assert due is not None
+            if now >= due:
+                if self._attempt():
                     return True
-                now = time.monotonic()
-                delay = backoff.next_delay(now)
-                if delay is None:
-                    s.lost = gave_up_error(self._target, backoff, now, self._last_error)
-                    self._gave_up = True
-                    self._backoff = None
-                    self._check_open()
-                self._next_attempt = now + (delay or 0.0)
-                if deadline is not None and deadline <= now:
+                if deadline is not None and deadline <= time.monotonic():
                     return False
                 continue
-            left = self._next_attempt - now
             if not wait:
-                self._check_open()  # the reconnecting error
+                break  # the reconnecting error
+            left = due - now
             if deadline is not None:
                 if deadline <= now:
                     return False
                 left = min(left, deadline - now)
             time.sleep(left)
+        self._check_open()
+        return True
 
     def _ready(self) -> None:
         """Raise unless connected; while reconnecting, first make an attempt that is
@@ -229,17 +150,16 @@ class DirectBus(SessionView):
             self._check_open()
 
     def _begin_outage(self) -> None:
-        """The loss is noticed (logged as a WARNING): close the socket; sends and calls
-        fail at once, saying the client is reconnecting; the first attempt is due after
-        the policy's first delay."""
+        """The loss is noticed: the session's lifecycle decides what follows. With a
+        reconnect: the socket is closed, and what came before the loss is kept for
+        receive() (messages) or dropped (requests and answers belong to the old
+        connection: their callers were told by the broker)."""
         s = self._s
-        assert s.lost is not None and self._reconnect is not None
-        log_lost(self._target, s.lost)
-        s.lost = reconnecting_error(s.lost)
+        assert s.lost is not None
+        if s.connection_lost(s.lost, time.monotonic()):
+            return  # final: the socket and what it brought stay for close()
         self._sock.close()
         close_fds(self._conn.take_orphan_fds())
-        # What came before the loss: messages are kept for receive(); requests and
-        # answers belong to the old connection (their callers were told by the broker).
         while self._frames:
             frame = self._frames.popleft()
             self._frames_bytes -= len(frame.raw) + len(frame.large_body)
@@ -248,74 +168,39 @@ class DirectBus(SessionView):
                 self._inbox_bytes += len(frame.raw) + len(frame.large_body)
             else:
                 close_fds(frame.fds)
-        now = time.monotonic()
-        self._backoff = Backoff(self._reconnect, now)
-        self._last_error = None
-        self._next_attempt = now + (self._backoff.next_delay(now) or 0.0)
 
-    def _attempt(self, attempts: int) -> bool:
-        """One reconnect attempt: dial, handshake, join the groups again. False (and the
-        reason kept for the give-up message) if any of it failed."""
+    def _attempt(self) -> bool:
+        """One reconnect attempt: dial, handshake, join the groups again (the session's
+        restore policy). False if any of it failed (the lifecycle schedules the next
+        attempt, or gives up)."""
         s = self._s
         down = s.lost
+        s.life.dialing(time.monotonic())
         try:
-            sock = _dial(self._target, self._send_buffer, self._timeout)
+            sock = dial(self._target, self._send_buffer, self._timeout)
         except ConnectError as exc:
-            self._last_error = exc
+            s.attempt_failed(exc, time.monotonic())
             return False
         s.reset()
         self._attach(sock)
-        self._restoring = True
         try:
             self._handshake(self._timeout)
-            for group in list(s.groups):
+            for group in s.restore_groups():
                 try:
                     self.call("msgq", "subscribe", {"group": group})
                 except ConnectionLost:
                     raise
                 except MsgqError as exc:
-                    log.error("after reconnecting, cannot join %r again: %s", group, exc)
-                    s.unsubscribed(group)
+                    s.restore_refused(group, exc)
         except (ConnectError, ConnectionLost) as exc:
-            self._last_error = exc
             sock.close()
             s.lost = down
+            s.attempt_failed(exc, time.monotonic())
             return False
-        finally:
-            self._restoring = False
-        self._backoff = None
-        self.reconnects += 1
-        log_reconnected(self._target, attempts, s.lname)
+        s.restored()
         return True
 
     # -- connection ------------------------------------------------------------------
-    def _handshake(self, timeout: float) -> None:
-        """Send HELLO and read WELCOME; frames right behind it stay parsed for later.
-
-        Raises:
-            ConnectError: the broker refused (``code``), closed, or was silent for
-                ``timeout`` seconds.
-        """
-        deadline = time.monotonic() + timeout
-        try:
-            self._write(b"".join(self._s.hello()))
-            while not self._frames:
-                if self._s.lost is not None:
-                    raise ConnectError(
-                        f"broker closed the connection during the handshake: {self._s.lost}"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ConnectError(f"no WELCOME from the broker within {timeout} s")
-                self._read(left)
-        except ConnectionLost as exc:
-            raise ConnectError(f"connection to the broker failed: {exc}") from exc
-        ev = self._frames.popleft()
-        self._frames_bytes -= len(ev.raw) + len(ev.large_body)
-        self._s.receive_welcome(ev)
-        # A message may carry the broker's max_fds_per_message; a smaller buffer would
-        # truncate them (and the kernel's MSG_CTRUNC ends the connection).
-        self._ancsize = ancillary_size(self._s.max_fds)
 
     def close(self) -> None:
         """Say GOODBYE, wait for the broker's, close the socket. Idempotent.
@@ -326,6 +211,7 @@ class DirectBus(SessionView):
         if self._closed:
             return
         self._closed = True
+        self._s.life.close()
         try:
             if self._s.lost is None:
                 try:
@@ -365,7 +251,7 @@ class DirectBus(SessionView):
                 msg.close()
             self._inbox.clear()
             self._inbox_bytes = 0
-            self._s.fail(ConnectionLost("the bus was closed"))
+            self._s.connection_lost(ConnectionLost("the bus was closed"), time.monotonic())
 
     def __enter__(self) -> DirectBus:
         return self
@@ -373,195 +259,7 @@ class DirectBus(SessionView):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- socket I/O (the one place OSError is translated) -----------------------------
-    def _fail(self, message: str, code: str | None = None) -> ConnectionLost:
-        return self._s.fail(ConnectionLost(message, code=code))
-
-    def _check_open(self) -> None:
-        lost = self._s.lost
-        if lost is not None:
-            raise ConnectionLost(str(lost), code=lost.code)
-        if self._closed:
-            raise UsageError("the bus is closed")
-
-    def _write(self, data: bytes) -> None:
-        """Write all of ``data``. While the socket is full, keep reading (frames are
-        buffered, not dispatched, so this never runs handlers), so a broker waiting to
-        hand us frames can go on taking ours.
-
-        Raises:
-            ConnectionLost: the connection failed.
-        """
-        fd, sock = self._fd, self._sock
-        view = memoryview(data)
-        while True:
-            try:
-                n = sock.send(view, _SEND_FLAGS)
-            except BlockingIOError:
-                n = 0
-            except OSError as exc:
-                raise self._fail(f"connection to the broker failed: {exc}") from exc
-            if n == len(view):
-                return
-            view = view[n:]
-            events = select.POLLOUT
-            if self._inbox_bytes + self._frames_bytes <= self.max_buffered:
-                events |= select.POLLIN
-            try:
-                ready = select.poll()
-                ready.register(fd, events)
-                got = ready.poll()
-            except OSError as exc:
-                raise self._fail(f"connection to the broker failed: {exc}") from exc
-            if got and got[0][1] & select.POLLIN:
-                self._read(0)
-                if self._s.lost is not None:
-                    # EOF while our write waits (a broker shutting down says GOODBYE,
-                    # closes its side and reads no more): polling on would spin.
-                    self._check_open()
-
-    def _read(self, timeout: float | None) -> bool:
-        """Receive once (waiting up to ``timeout`` s, None = forever, 0 = not at all) and
-        parse what came into ``_frames``. False if nothing came in time. At EOF the
-        connection is marked lost (the session's ``lost``), after the frames that came before it.
-
-        Raises:
-            ConnectionLost: the connection failed or the broker broke the protocol (the
-                socket is then unusable).
-        """
-        if self._s.lost is not None:
-            return False
-        sock = self._sock
-        how = _RECV_FLAGS
-        if timeout is None:
-            # Wait in the receive itself (the socket is blocking; every other call passes
-            # MSG_DONTWAIT). A sleeper in recvmsg is woken with the kernel's sync hint,
-            # which the broker's write pays less for than a poll() sleeper's wake-up
-            # (BENCHMARKS.md, "The direct client waits in the receive"). It is also
-            # woken, for nothing, when the broker reads what we sent (send-buffer space
-            # on the same wait queue); that costs less than it saves.
-            how = _RECV_WAIT_FLAGS
-        elif timeout > 0:
-            try:
-                if not self._poll_in.poll(max(1, math.ceil(timeout * 1000))):
-                    return False
-            except OSError as exc:
-                raise self._fail(f"connection to the broker failed: {exc}") from exc
-        view = scratch_buffer(RECEIVE_SIZE)  # the thread's receive buffer, shared with trio's
-        try:
-            n, anc, flags, _addr = sock.recvmsg_into((view,), self._ancsize, how)
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise self._fail(f"connection to the broker failed: {exc}") from exc
-        try:
-            fds = take_fds(anc, flags) if anc else []
-            conn = self._conn
-            conn.receive_data(view[:n], fds)  # the parser copies it
-            for ev in conn.events():
-                if ev is EOF:
-                    self._s.fail(
-                        self._goodbye_error or ConnectionLost("the broker closed the connection")
-                    )
-                    break
-                assert isinstance(ev, Frame)
-                if ev.type == _GOODBYE:
-                    # Kept now: the EOF right behind it may end a write before the
-                    # GOODBYE is dispatched, and its reason belongs in that error.
-                    self._goodbye_error = goodbye_error(ev)
-                self._frames.append(ev)
-                self._frames_bytes += len(ev.raw) + len(ev.large_body)
-        except ProtocolError as exc:
-            raise self._fail(f"the broker violated the protocol: {exc}") from exc
-        return True
-
     # -- dispatch ----------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        """Hand every parsed frame to the session and act on its event (see the module
-        docstring for where each goes).
-
-        Raises:
-            ConnectionLost: the broker ended the connection (GOODBYE, a final ERROR).
-        """
-        frames, handle = self._frames, self._s.handle
-        while frames:
-            frame = frames.popleft()
-            self._frames_bytes -= len(frame.raw) + len(frame.large_body)
-            try:
-                event = handle(frame)
-            except ProtocolError as exc:
-                raise self._fail(f"the broker violated the protocol: {exc}") from exc
-            if isinstance(event, Message):
-                self._inbox.append(event)
-                self._inbox_bytes += len(frame.raw) + len(frame.large_body)
-            elif isinstance(event, Request):
-                self._serve_request(event)
-            elif isinstance(event, Send):
-                self._write(b"".join(event.pieces))
-            elif isinstance(event, Closed):
-                if event.goodbye:
-                    self._goodbye = True
-                if event.error is not None:
-                    raise event.error
-            # A PendingCall: its caller's loop sees ``done``.
-
-    def _pump(self, timeout: float | None) -> bool:
-        """Dispatch what is parsed; if nothing was, read once (up to ``timeout``) and
-        dispatch that. False if nothing came in time.
-
-        Raises:
-            LimitExceeded: ``max_buffered`` bytes of messages wait for receive().
-            ConnectionLost: the connection ended.
-        """
-        if self._frames:
-            self._dispatch()
-            return True
-        if self._s.lost is not None:
-            # Raises unless a reconnect is under way; its attempts are this wait's.
-            deadline = None if timeout is None else time.monotonic() + timeout
-            return self._reconnected(deadline, wait=True)
-        if self._inbox_bytes > self.max_buffered:
-            raise LimitExceeded(
-                f"{len(self._inbox)} received messages ({self._inbox_bytes} bytes) wait for "
-                f"receive(): over max_buffered={self.max_buffered}; take them with "
-                "receive() first (nothing was dropped)",
-                code=str(ErrorCode.LIMIT_EXCEEDED),
-            )
-        got = self._read(timeout)
-        self._dispatch()
-        return got
-
-    def _serve_request(self, request: Request) -> None:
-        """Run the request's handler here and write the session's answer for it.
-
-        Raises:
-            ConnectionLost: the handler ended with this connection's loss (no answer).
-        """
-        msg, handler = request.message, request.handler
-        assert handler is not None  # no inline handlers on this driver
-        error: Exception | None = None
-        result: Any = None
-        try:
-            result = handler(msg.body, msg)
-        except Exception as exc:
-            error = exc
-        except BaseException:
-            msg.close()
-            raise
-        if inspect.iscoroutine(result):  # async handlers are refused at registration
-            result.close()  # never awaited: no "coroutine was never awaited" warning
-            result, error = (
-                None,
-                UsageError(
-                    f"the handler for {msg.command!r} is async; the direct client runs plain "
-                    "functions (use msgq_trio.connect for async handlers)"
-                ),
-            )
-        pieces = self._s.answer_for(msg, result, error)
-        if pieces is None:
-            self._check_open()  # the handler met this connection's end: raise it here
-            return
-        self._write(b"".join(pieces))
 
     # -- the API ---------------------------------------------------------------------
     def call(
@@ -713,14 +411,6 @@ class DirectBus(SessionView):
         return [Member(r["lname"], r["name"], r.get("pid", -1)) for r in rows]
 
 
-_DONTWAIT = pysocket.MSG_DONTWAIT
-#: MSG_NOSIGNAL: a broken connection is an EPIPE error here, never a SIGPIPE (Python
-#: ignores SIGPIPE, but an embedding program may not).
-_SEND_FLAGS = _DONTWAIT | pysocket.MSG_NOSIGNAL
-_RECV_FLAGS = pysocket.MSG_CMSG_CLOEXEC | _DONTWAIT
-_RECV_WAIT_FLAGS = pysocket.MSG_CMSG_CLOEXEC
-
-
 def connect(
     socket: str | os.PathLike[str] | None = None,
     name: str | None = None,
@@ -756,7 +446,7 @@ def connect(
     if target.startswith(("tcp://", "tls://")):
         raise UsageError("the direct client speaks to Unix sockets only; use msgq_trio.connect")
     policy = reconnect_policy(reconnect)
-    sock = _dial(target, send_buffer, timeout)
+    sock = dial(target, send_buffer, timeout)
     try:
         bus = DirectBus(
             sock,
@@ -773,26 +463,3 @@ def connect(
         sock.close()
         raise
     return bus
-
-
-def _dial(target: str, send_buffer: int, timeout: float) -> pysocket.socket:
-    """A connected Unix socket to the broker at ``target``.
-
-    Raises:
-        ConnectError: no broker there (or it did not accept within ``timeout`` s).
-    """
-    sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(target)
-        except OSError as exc:
-            raise ConnectError(f"cannot connect to the broker at {target}: {exc}") from exc
-        # Blocking, for _read's waits without a timeout; every other socket call passes
-        # MSG_DONTWAIT (and waits, if at all, in poll()).
-        sock.settimeout(None)
-        set_send_buffer(sock, send_buffer)
-    except BaseException:
-        sock.close()
-        raise
-    return sock

@@ -3,7 +3,7 @@
 The plugin clients (client/queue.py) hand what the reader receives (a callback, which
 must not block) to a consumer's iteration. :class:`Mailbox` is that hand-over, written
 once for the trio and the asyncio drivers: it waits on the driver's events
-(:meth:`~msgq_trio.client.api.BusBase.new_event`) and imports no event loop
+(:meth:`~msgq_trio.client.loop.LoopServices.new_event`) and imports no event loop
 (``tests/test_layering.py``).
 
 Rules:

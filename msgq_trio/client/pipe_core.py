@@ -3,7 +3,7 @@
 The named pipes of the pipe plugin are byte streams. Opening a handle, chunking writes
 into a window of requests, read-ahead, the end-of-pipe count, persistent pipes'
 ``consumed`` and offsets, resending bounced chunks and closing are here, written against
-the public API of :class:`~msgq_trio.client.api.BusBase` (``start_request``,
+the public API of :class:`~msgq_trio.client.async_bus.AsyncBus` (``start_request``,
 ``wait_call``, ``forget_call``, ``call``, ``current_time``, ``checkpoint``,
 ``shielded``); it imports no event loop (``tests/test_layering.py``). The faces add what
 is the event loop's: :mod:`msgq_trio.client.pipe` makes the ends trio streams
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ..errors import MsgqError, PipeBroken, PipeTimeout, RecipientGone, UsageError
 
 if TYPE_CHECKING:
-    from .api import BusBase
+    from .async_bus import AsyncBus
     from .session import PendingCall
 
 __all__ = [
@@ -84,7 +84,7 @@ class PipeBase(Generic[R, W]):
     """A named pipe of the pipe plugin; open it for reading or writing. The driver's
     face makes its ends (``_reader``, ``_writer``)."""
 
-    def __init__(self, bus: BusBase, name: str, *, group: str = DEFAULT_GROUP) -> None:
+    def __init__(self, bus: AsyncBus, name: str, *, group: str = DEFAULT_GROUP) -> None:
         if not name:
             raise UsageError("a pipe needs a name")
         self.bus = bus
