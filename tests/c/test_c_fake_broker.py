@@ -225,6 +225,16 @@ CASES: dict[str, tuple[Script, str, str]] = {
         "malformed-message",
         "not one well-formed CBOR item",
     ),
+    "reply body claims 2**32 - 1 pairs in an indefinite string chunk": (
+        after_request(lambda rid: frame(REPLY, rid=rid, body=b"\x5f\x9a\x9a\x86\x65\x6e")),
+        "malformed-message",
+        "not one well-formed CBOR item",
+    ),
+    "error header claims 2**31 pairs": (
+        after_request(lambda rid: frame(ERROR, rid=rid, header=b"\xba\x80\x00\x00\x00")),
+        "",
+        "malformed ERROR answer",
+    ),
     "reply body with trailing bytes": (
         after_request(lambda rid: frame(REPLY, rid=rid, body=b"\x01\x02")),
         "malformed-message",

@@ -228,8 +228,106 @@ static int frame_layout(const uint8_t *f, size_t len, uint32_t max, struct layou
     return 0;
 }
 
+/*
+ * Well-formedness of one CBOR item (RFC 8949 appendix C) before libcbor sees it.
+ * Why: libcbor 0.8 allocates an array or map for the count its head claims before any
+ * item arrives, so a 9-byte body claiming 2^32 items costs gigabytes (found by the
+ * fuzz target). Here every claimed count must fit in the bytes that remain (an item is
+ * at least one byte), so what libcbor then allocates is bounded by the input's size,
+ * and nesting deeper than MAX_CBOR_DEPTH is refused (libcbor's own parse stack holds
+ * 2048 levels; cbor2 in the Python clients is bounded by Python's recursion limit, about
+ * 1000, so a body one side can build the other can read).
+ */
+#define MAX_CBOR_DEPTH 1000
+
+static int wf_head(const uint8_t *p, size_t len, size_t *off, int *mt, int *ai, uint64_t *val) {
+    if (*off >= len) return -1;
+    uint8_t ib = p[(*off)++];
+    *mt = ib >> 5;
+    *ai = ib & 31;
+    int n = *ai < 24 ? 0 : *ai == 24 ? 1 : *ai == 25 ? 2 : *ai == 26 ? 4 : *ai == 27 ? 8 : -1;
+    if (n < 0) {
+        *val = 0;
+        return *ai == 31 ? 0 : -1; /* 28..30 are reserved */
+    }
+    if (len - *off < (size_t)n) return -1;
+    uint64_t v = n ? 0 : (uint64_t)*ai;
+    for (int i = 0; i < n; i++) v = v << 8 | p[(*off)++];
+    *val = v;
+    return 0;
+}
+
+static int wf_item(const uint8_t *p, size_t len, size_t *off, int depth, int *is_break) {
+    int mt, ai;
+    uint64_t val;
+    *is_break = 0;
+    if (depth > MAX_CBOR_DEPTH || wf_head(p, len, off, &mt, &ai, &val) < 0) return -1;
+    size_t left = len - *off;
+    if (ai == 31) {
+        switch (mt) {
+        case 2:
+        case 3: /* indefinite string: definite chunks of the same type, then break */
+            for (;;) {
+                int cmt, cai;
+                uint64_t cval;
+                if (*off < len && p[*off] == 0xFF) { (*off)++; return 0; }
+                if (wf_head(p, len, off, &cmt, &cai, &cval) < 0 || cmt != mt || cai == 31 ||
+                    cval > len - *off)
+                    return -1;
+                *off += (size_t)cval;
+            }
+        case 4:
+        case 5: /* indefinite array or map: items until break */
+            for (uint64_t k = 0;; k++) {
+                int brk;
+                if (wf_item(p, len, off, depth + 1, &brk) < 0) return -1;
+                if (brk) return (mt == 5 && k % 2) ? -1 : 0;
+            }
+        case 7:
+            *is_break = 1;
+            return depth > 0 ? 0 : -1;
+        default:
+            return -1;
+        }
+    }
+    switch (mt) {
+    case 0:
+    case 1:
+        return 0;
+    case 2:
+    case 3:
+        if (val > left) return -1;
+        *off += (size_t)val;
+        return 0;
+    case 4:
+    case 5: {
+        uint64_t items = val;
+        if (mt == 5) {
+            if (items > left / 2) return -1;
+            items *= 2;
+        } else if (items > left) {
+            return -1;
+        }
+        for (uint64_t k = 0; k < items; k++) {
+            int brk;
+            if (wf_item(p, len, off, depth + 1, &brk) < 0 || brk) return -1;
+        }
+        return 0;
+    }
+    case 6: {
+        int brk;
+        return wf_item(p, len, off, depth + 1, &brk) < 0 || brk ? -1 : 0;
+    }
+    default: /* 7: simple values and floats; the head read their bytes */
+        return ai == 24 && val < 32 ? -1 : 0;
+    }
+}
+
 /* Decode exactly one CBOR item from buf (NULL if malformed or trailing bytes). */
 static cbor_item_t *cbor_one(const uint8_t *buf, size_t len) {
+    size_t off = 0;
+    int brk;
+    if (wf_item(buf, len, &off, 0, &brk) < 0 || brk || off != len) return NULL;
     struct cbor_load_result r;
     cbor_item_t *it = cbor_load(buf, len, &r);
     if (!it) return NULL;
@@ -238,30 +336,6 @@ static cbor_item_t *cbor_one(const uint8_t *buf, size_t len) {
         return NULL;
     }
     return it;
-}
-
-int msgq_frame_check(const uint8_t *frame, size_t len, uint32_t max, msgq_error *err) {
-    struct layout L;
-    int r = frame_layout(frame, len, max, &L, err);
-    if (r < 0) return r;
-    if (L.header_len) {
-        cbor_item_t *h = cbor_one(frame + L.header_off, L.header_len);
-        int ok = h && cbor_isa_map(h);
-        if (h) cbor_decref(&h);
-        if (!ok) {
-            err_set(err, "protocol-error", "frame header is not one well-formed CBOR map");
-            return -EPROTO;
-        }
-    }
-    if (L.body_len) {
-        cbor_item_t *b = cbor_one(frame + L.body_off, L.body_len);
-        if (!b) {
-            err_set(err, "protocol-error", "frame body is not one well-formed CBOR item");
-            return -EPROTO;
-        }
-        cbor_decref(&b);
-    }
-    return 0;
 }
 
 /* A string value of a CBOR map with string keys, as a new C string, or NULL. */
@@ -437,6 +511,45 @@ static msgq_message *message_new(uint8_t *raw, size_t len, const struct layout *
         return NULL;
     }
     return m;
+}
+
+int msgq_frame_check(const uint8_t *frame, size_t len, uint32_t max, msgq_error *err) {
+    struct layout L;
+    int r = frame_layout(frame, len, max, &L, err);
+    if (r < 0) return r;
+    if (L.header_len) {
+        cbor_item_t *h = cbor_one(frame + L.header_off, L.header_len);
+        int ok = h && cbor_isa_map(h);
+        if (h) cbor_decref(&h);
+        if (!ok) {
+            err_set(err, "protocol-error", "frame header is not one well-formed CBOR map");
+            return -EPROTO;
+        }
+    }
+    if (L.body_len) {
+        cbor_item_t *b = cbor_one(frame + L.body_off, L.body_len);
+        if (!b) {
+            err_set(err, "protocol-error", "frame body is not one well-formed CBOR item");
+            return -EPROTO;
+        }
+        cbor_decref(&b);
+    }
+    /* The rest of what a receiver does with a frame: split the source, read the
+     * header's fields, walk the attachments. */
+    uint8_t *copy = malloc(len);
+    if (!copy) return -ENOMEM;
+    memcpy(copy, frame, len);
+    msgq_message *msg = message_new(copy, len, &L);
+    if (!msg) {
+        free(copy);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < msgq_message_attachment_count(msg); i++) {
+        size_t bl;
+        (void)msgq_message_attachment(msg, i, &bl);
+    }
+    msgq_message_unref(msg);
+    return 0;
 }
 
 /* ---- the connection ----------------------------------------------------------- */
