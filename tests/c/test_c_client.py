@@ -436,3 +436,51 @@ async def test_cxx_example_answers_and_calls_python(
                 await proc.stdout.aclose()
     assert status == 0, log.read_text()
     check_clean(log.read_text())
+
+
+#: Broker bounds for the backpressure tests: a receiver over 64 KiB stops the broker
+#: reading its senders at once, and a receiver that reads nothing is not dropped during
+#: the test (slow_consumer_timeout).
+SMALL_BOUNDS = ("--out-soft-limit", "65536", "--slow-consumer-timeout", "120")
+#: 200 x 64 KiB: far more than the broker's bound, the socket buffers and the library's
+#: own 1 MiB bound (max_out_bytes) together.
+FLOOD = ("-n", "200", "-z", "65536")
+
+
+async def test_nonblocking_send_reports_eagain_at_the_bound(
+    cbuild: CBuild, broker_factory: Any, raw_peer: Any
+) -> None:
+    """In nonblocking mode a send over max_out_bytes fails EAGAIN: what the library
+    holds never exceeds the bound by more than one frame."""
+    broker = broker_factory(*SMALL_BOUNDS)
+    async with raw_peer(broker.path) as peer:
+        await peer.hello()
+        await peer.subscribe("Stuck")  # and never reads again
+        r = await run_c(cbuild, "send", "-s", str(broker.path), "-N", *FLOOD, "Stuck", "null")
+    assert r.returncode == 3, r.stderr
+    words = r.stderr.decode().split()
+    sent, queued = int(words[3]), int(words[5])
+    assert 0 < sent < 200
+    assert 1024 * 1024 <= queued <= 1024 * 1024 + 65536 + 64
+
+
+async def test_blocking_send_waits_for_the_receiver(
+    cbuild: CBuild, broker_factory: Any, raw_peer: Any, c_process: Callable[..., CProcess]
+) -> None:
+    """In blocking mode a send over the bound waits (the process neither finishes nor
+    fails while the receiver reads nothing) and completes once it reads: every message
+    arrives, in order."""
+    broker = broker_factory(*SMALL_BOUNDS)
+    async with raw_peer(broker.path) as peer:
+        await peer.hello()
+        await peer.subscribe("Stuck")
+        sender = c_process(cbuild, "send", "-s", str(broker.path), *FLOOD, "Stuck", "7")
+        await trio.sleep(1.5)
+        assert sender.proc.poll() is None, sender.stderr()
+        for _ in range(200):
+            f = await peer.receive_frame(timeout=30)
+            assert f is not None
+            assert f.n_blobs == 1 and f.body() == 7
+        status = await trio.to_thread.run_sync(sender.proc.wait, 60)
+    assert status == 0, sender.stderr()
+    check_clean(sender.stderr())

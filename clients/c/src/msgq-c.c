@@ -21,7 +21,7 @@
 
 static const char USAGE[] =
     "usage: msgq-c call [-s SOCKET] [-t SECONDS] [-b TEXT]... [-f FD]... TARGET COMMAND [JSON]\n"
-    "       msgq-c send [-s SOCKET] [-b TEXT]... [-f FD]... TARGET JSON\n"
+    "       msgq-c send [-s SOCKET] [-b TEXT]... [-f FD]... [-z SIZE] [-n COUNT] [-N] TARGET JSON\n"
     "       msgq-c notify [-s SOCKET] GROUP EVENT [JSON]\n"
     "       msgq-c echo [-s SOCKET] GROUP\n"
     "       msgq-c listen [-s SOCKET] GROUP\n"
@@ -332,13 +332,26 @@ struct opts {
     size_t n_blobs;
     int fds[64];
     size_t n_fds;
+    long count;       /* send: how many times */
+    int nonblocking;  /* send: report EAGAIN instead of waiting */
+    uint8_t *zeros;   /* send -z: an attachment of SIZE zero bytes */
 };
 
 static int parse_opts(int argc, char **argv, struct opts *o) {
     int c;
     optind = 1;
-    while ((c = getopt(argc, argv, "+s:t:b:f:")) != -1) {
+    o->count = 1;
+    while ((c = getopt(argc, argv, "+s:t:b:f:z:n:N")) != -1) {
         switch (c) {
+        case 'n': o->count = atol(optarg); break;
+        case 'N': o->nonblocking = 1; break;
+        case 'z': {
+            size_t size = (size_t)atol(optarg);
+            if (o->n_blobs == 64 || o->zeros || !(o->zeros = calloc(1, size ? size : 1))) return -1;
+            o->blobs[o->n_blobs].data = o->zeros;
+            o->blobs[o->n_blobs++].len = size;
+            break;
+        }
         case 's': o->socket = optarg; break;
         case 't': o->timeout = atof(optarg); break;
         case 'b':
@@ -356,11 +369,17 @@ static int parse_opts(int argc, char **argv, struct opts *o) {
     return optind;
 }
 
+static int finish(struct opts *o, int rc) {
+    free(o->zeros);
+    return rc;
+}
+
 static msgq *open_bus(const struct opts *o) {
     msgq_options mo;
     msgq_options_init(&mo);
     mo.socket = o->socket;
     mo.name = "msgq-c";
+    mo.nonblocking = o->nonblocking;
     msgq *m;
     msgq_error e = MSGQ_ERROR_INIT;
     if (msgq_connect(&m, &mo, &e) < 0) {
@@ -416,11 +435,11 @@ static json_t *message_json(msgq_message *msg) {
 static int cmd_call(int argc, char **argv) {
     struct opts o = {0};
     int i = parse_opts(argc, argv, &o);
-    if (i < 0 || argc - i < 2 || argc - i > 3) { fputs(USAGE, stderr); return 2; }
+    if (i < 0 || argc - i < 2 || argc - i > 3) { fputs(USAGE, stderr); return finish(&o, 2); }
     cbor_item_t *params = NULL;
-    if (argc - i == 3 && !(params = parse_json_arg(argv[i + 2]))) return 2;
+    if (argc - i == 3 && !(params = parse_json_arg(argv[i + 2]))) return finish(&o, 2);
     msgq *m = open_bus(&o);
-    if (!m) { if (params) cbor_decref(&params); return 1; }
+    if (!m) { if (params) cbor_decref(&params); return finish(&o, 1); }
     msgq_extras x = {o.blobs, o.n_blobs, o.fds, o.n_fds};
     msgq_result res;
     int r = msgq_call(m, argv[i], argv[i + 1], params, &x, o.timeout, &res);
@@ -436,21 +455,32 @@ static int cmd_call(int argc, char **argv) {
     }
     msgq_result_clear(&res);
     msgq_close(m);
-    return rc;
+    return finish(&o, rc);
 }
 
 static int cmd_send(int argc, char **argv, int notify) {
     struct opts o = {0};
     int i = parse_opts(argc, argv, &o);
     int need = notify ? 2 : 2;
-    if (i < 0 || argc - i < need || argc - i > need + notify) { fputs(USAGE, stderr); return 2; }
+    if (i < 0 || argc - i < need || argc - i > need + notify) { fputs(USAGE, stderr); return finish(&o, 2); }
     const char *jarg = notify ? (argc - i == 3 ? argv[i + 2] : "null") : argv[i + 1];
     cbor_item_t *body = parse_json_arg(jarg);
-    if (!body) return 2;
+    if (!body) return finish(&o, 2);
     msgq *m = open_bus(&o);
-    if (!m) { cbor_decref(&body); return 1; }
+    if (!m) { cbor_decref(&body); return finish(&o, 1); }
     msgq_extras x = {o.blobs, o.n_blobs, o.fds, o.n_fds};
-    int r = notify ? msgq_notify(m, argv[i], argv[i + 1], body) : msgq_send(m, argv[i], body, &x);
+    int r = 0;
+    for (long k = 0; r == 0 && k < o.count; k++) {
+        r = notify ? msgq_notify(m, argv[i], argv[i + 1], body) : msgq_send(m, argv[i], body, &x);
+        if (r == -EAGAIN) {
+            /* Nonblocking mode: the library refused to queue more than max_out_bytes. */
+            fprintf(stderr, "msgq-c: EAGAIN after %ld messages, %zu bytes queued\n", k,
+                    msgq_get_queued_bytes(m));
+            cbor_decref(&body);
+            msgq_close(m);
+            return finish(&o, 3);
+        }
+    }
     cbor_decref(&body);
     if (r == 0) r = msgq_flush(m);
     int rc = 0;
@@ -462,7 +492,7 @@ static int cmd_send(int argc, char **argv, int notify) {
         rc = 1;
     }
     msgq_close(m);
-    return rc;
+    return finish(&o, rc);
 }
 
 static volatile sig_atomic_t stop_requested;

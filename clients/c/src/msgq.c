@@ -610,6 +610,7 @@ struct msgq {
 const char *msgq_lname(const msgq *m) { return m->lname; }
 const char *msgq_broker_version(const msgq *m) { return m->broker ? m->broker : ""; }
 int msgq_get_fd(const msgq *m) { return m->fd; }
+size_t msgq_get_queued_bytes(const msgq *m) { return m->out_bytes; }
 
 int msgq_status(const msgq *m, msgq_error *err) {
     if (m->state != S_LOST) return 0;

@@ -166,6 +166,9 @@ int msgq_process(msgq *m);
 /* Block until the socket is ready or the deadline (or timeout_us, -1 = none) passes;
  * returns >0 ready, 0 timeout, -EINTR on a signal. Does not process. */
 int msgq_wait(msgq *m, int64_t timeout_us);
+/* Bytes queued for the socket, not yet written (at most max_out_bytes plus the last
+ * frame queued: a frame is queued whole while the queue is under the bound). */
+size_t msgq_get_queued_bytes(const msgq *m);
 /* Block until everything queued is written (or the connection fails). */
 int msgq_flush(msgq *m);
 /* Monotonic clock in microseconds, the clock of msgq_get_timeout. */
