@@ -484,3 +484,14 @@ async def test_blocking_send_waits_for_the_receiver(
         status = await trio.to_thread.run_sync(sender.proc.wait, 60)
     assert status == 0, sender.stderr()
     check_clean(sender.stderr())
+
+
+async def test_call_with_a_timeout_gets_the_brokers_timeout(
+    cbuild: CBuild, broker: Any, spawn_client: Callable[..., Any]
+) -> None:
+    """``-t`` sends the broker a deadline: a handler that never answers yields the
+    broker's ``timeout`` error, exit 1."""
+    spawn_client(broker.path, name="hanger", groups=["Hang"], commands={"work": "hang"})
+    r = await run_c(cbuild, "call", "-s", str(broker.path), "-t", "0.5", "Hang", "work", "{}")
+    assert r.returncode == 1
+    assert r.stderr.decode().startswith("error: timeout: ")
