@@ -793,7 +793,7 @@ static int enqueue(msgq *m, uint8_t *buf, size_t len, const msgq_extras *x) {
         if (m->o.nonblocking) { free(buf); return -EAGAIN; }
         /* Wait for the socket; read meanwhile (callbacks run), so a broker that is
          * itself waiting for us to read cannot deadlock with us. */
-        wait_io(m, POLLIN | POLLOUT, UINT64_MAX);
+        wait_io(m, POLLIN | POLLOUT, msgq_get_timeout(m));
         r = msgq_process(m);
         if (r < 0) { free(buf); return r; }
     }
@@ -1517,12 +1517,23 @@ int msgq_connect(msgq **out, const msgq_options *opts, msgq_error *err) {
 void msgq_close(msgq *m) {
     if (!m) return;
     if (m->state == S_READY) {
+        /* GOODBYE goes after everything queued, whatever the bound: it is the last frame. */
+        m->o.max_out_bytes = SIZE_MAX;
         send_frame(m, T_GOODBYE, "", 0, NULL, NULL, 0, NULL);
         m->state = S_CLOSING;
-        uint64_t deadline = msgq_now() + (uint64_t)(m->o.close_timeout * 1e6);
+        /* Wait for the broker's GOODBYE for close_timeout, and longer while it is still
+         * taking our queued bytes: it reads a sender only as fast as the receivers take
+         * them (backpressure), and what it has not read when we close is lost. */
+        uint64_t patience = (uint64_t)(m->o.close_timeout * 1e6);
+        uint64_t deadline = msgq_now() + patience;
+        size_t left = m->out_bytes;
         while (m->state != S_LOST && msgq_now() < deadline) {
             wait_io(m, msgq_get_events(m), deadline);
             msgq_process(m);
+            if (m->out_bytes < left) {
+                left = m->out_bytes;
+                deadline = msgq_now() + patience;
+            }
         }
     }
     lose(m, "connection-lost", "connection closed");

@@ -141,9 +141,11 @@ typedef struct msgq msgq;
 /* Connect, send HELLO and wait for WELCOME (blocking, handshake_timeout). On success
  * *out is the connection (free with msgq_close). opts may be NULL (defaults). */
 int msgq_connect(msgq **out, const msgq_options *opts, msgq_error *err);
-/* Say GOODBYE, send what is queued, wait for the broker's GOODBYE (close_timeout),
- * fail pending calls with connection-lost (their callbacks run), free everything.
- * NULL is ignored. */
+/* Send what is queued and GOODBYE, wait for the broker's GOODBYE (close_timeout, and
+ * longer while the broker is still taking our queued bytes), fail pending calls with
+ * connection-lost (their callbacks run), free everything. Never call it from a callback
+ * of the same connection; release kept messages (msgq_message_ref) before or after it,
+ * but answer them before. NULL is ignored. */
 void msgq_close(msgq *m);
 
 const char *msgq_lname(const msgq *m);           /* "l.N" from WELCOME */
