@@ -294,10 +294,85 @@ async def test_many_async_calls_from_own_loop(
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().splitlines() == ['{"v":[1,"x"]}'] * 50
     r = await run_c(cbuild, "pcall", "-s", str(broker.path), "3", "Nobody", "x")
-    assert [line.split(":")[1].strip() for line in r.stdout.decode().splitlines()] == [
+    assert [json.loads(line)["error"] for line in r.stdout.decode().splitlines()] == [
         "no-recipient"
     ] * 3
     assert echo.stop() == 0
+
+
+async def test_async_call_gets_the_structured_error(cbuild: CBuild, broker: Any) -> None:
+    """An asynchronous call's callback gets the handler's code, message and CBOR data."""
+    async with msgq_trio.connect(str(broker.path), name="py") as bus:
+        await bus.subscribe("Py")
+
+        @bus.command("fail")
+        def fail(params: Any) -> Any:
+            raise msgq_trio.CommandFailed("no-zone", "zone unknown", {"zone": params, "b": b"\x01"})
+
+        r = await run_c(cbuild, "pcall", "-s", str(broker.path), "2", "Py", "fail", '"example."')
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line) for line in r.stdout.decode().splitlines()] == [
+        {
+            "error": "no-zone",
+            "message": "zone unknown",
+            "data": {"zone": "example.", "b": b64(b"\x01")},
+        }
+    ] * 2
+
+
+async def test_c_component_api(cbuild: CBuild, broker: Any, short_tmp: Path) -> None:
+    """Through the C API (clients/c/tests/api_check.c): subscribe/unsubscribe report
+    whether they changed anything, a request kept and answered later, a handler that
+    does not answer (internal-error), blocking calls from inside a handler (to Python,
+    and unsubscribe), the error of a nested call passed on with its data."""
+    async with msgq_trio.connect(str(broker.path), name="py") as bus:
+        await bus.subscribe("Py")
+
+        @bus.command("ping")
+        def ping(params: Any) -> Any:
+            if params == "fail":
+                raise msgq_trio.CommandFailed("nope", "asked to fail", [1, 2])
+            return {"pong": params}
+
+        err = os.open(short_tmp / "api.err", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            proc = await trio.lowlevel.open_process(
+                [str(cbuild.dir / "api-check"), str(broker.path)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=cbuild.env,
+            )
+        finally:
+            os.close(err)
+        try:
+            assert proc.stdout is not None
+            with trio.fail_after(RUN_TIMEOUT):
+                out = b""
+                while b"\n" not in out:
+                    chunk = await proc.stdout.receive_some()
+                    assert chunk, (short_tmp / "api.err").read_text()
+                    out += chunk
+            assert out == b"subscribe 1 0\n"
+            assert await bus.call("ApiC", "later") == "later-done"
+            with pytest.raises(msgq_trio.RemoteError) as ei:
+                await bus.call("ApiC", "silent")
+            assert (ei.value.code, ei.value.message) == ("internal-error", "handler did not answer")
+            assert await bus.call("ApiC", "callback", [1, "ü"]) == {"pong": [1, "ü"]}
+            with pytest.raises(msgq_trio.RemoteError) as ei:
+                await bus.call("ApiC", "callback", "fail")
+            assert (ei.value.code, ei.value.data) == ("nope", [1, 2])
+            assert await bus.call("ApiC", "leave") == [True, False]
+            with pytest.raises(msgq_trio.NoRecipient):
+                await bus.call("ApiC", "later")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(RUN_TIMEOUT):
+                status = await proc.wait()
+            if proc.stdout is not None:
+                await proc.stdout.aclose()
+    stderr = (short_tmp / "api.err").read_text()
+    assert status == 0, stderr
+    check_clean(stderr)
 
 
 async def test_recipient_gone_when_python_callee_is_killed(

@@ -606,8 +606,11 @@ static void pcall_cb(msgq *m, msgq_result *res, void *ud) {
         print_json(j);
         json_decref(j);
     } else {
-        printf("error: %s: %s\n", res->error.code, res->error.message ? res->error.message : "");
-        fflush(stdout);
+        json_t *j = json_pack("{s:s,s:s,s:o}", "error", res->error.code, "message",
+                              res->error.message ? res->error.message : "", "data",
+                              res->error.data ? to_json(res->error.data) : json_null());
+        print_json(j);
+        json_decref(j);
     }
 }
 
