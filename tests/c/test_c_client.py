@@ -133,7 +133,13 @@ async def test_c_calls_python_handler(cbuild: CBuild, broker: Any) -> None:
         @bus.command("greet")
         def greet(params: Any) -> Any:
             seen.append(params)
-            return {"hello": params["name"], "raw": b"\x00\xff", "big": 2**70, "neg": -(2**70)}
+            return {
+                "hello": params["name"],
+                "raw": b"\x00\xff",
+                "big": 2**70,
+                "neg": -(2**70),
+                "edges": [2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 1.5, math.inf],
+            }
 
         r = await run_c(
             cbuild,
@@ -151,6 +157,14 @@ async def test_c_calls_python_handler(cbuild: CBuild, broker: Any) -> None:
         "raw": b64(b"\x00\xff"),
         "big": {"$bigint": str(2**70)},
         "neg": {"$bigint": str(-(2**70))},
+        "edges": [
+            2**63 - 1,
+            {"$bigint": str(2**63)},
+            -(2**63),
+            {"$bigint": str(-(2**63) - 1)},
+            1.5,
+            {"$float": "inf"},
+        ],
     }
     assert seen == [{"name": "wörld", "n": [1, 2.5]}]
 

@@ -151,7 +151,7 @@ static json_t *to_json(const cbor_item_t *it) {
     }
     case CBOR_TYPE_NEGINT: {
         uint64_t v = cbor_get_int(it);
-        if (v < INT64_MAX) return json_integer(-1 - (json_int_t)v);
+        if (v <= INT64_MAX) return json_integer(-1 - (json_int_t)v);
         uint8_t be[8];
         for (int i = 0; i < 8; i++) be[i] = (uint8_t)(v >> (56 - 8 * i));
         char *d = big_decimal(be, 8, 1);

@@ -22,6 +22,8 @@
 #define DEFAULT_MAX_FRAME_SIZE (64u * 1024u * 1024u) /* framing.py DEFAULT_MAX_FRAME_SIZE */
 #define DEFAULT_MAX_OUT (1024u * 1024u)             /* the Python clients' OUT_HIGH_WATER */
 #define DEFAULT_MAX_FDS 253u                        /* config.py max_fds_per_message */
+#define DEFAULT_MAX_CBOR_DEPTH 1000 /* see the well-formedness check below */
+#define LIBCBOR_MAX_DEPTH 2000      /* under libcbor's CBOR_MAX_STACK_SIZE (2048) */
 #define LOCAL_GRACE_US 1000000u                     /* session.py LOCAL_GRACE (1 s) */
 /* Bytes asked of the socket per read: a large frame then arrives in few reads, and the
  * input buffer never holds more than one incomplete frame plus one read. */
@@ -100,6 +102,7 @@ void msgq_options_init(msgq_options *o) {
     o->max_frame_size = DEFAULT_MAX_FRAME_SIZE;
     o->max_out_bytes = DEFAULT_MAX_OUT;
     o->max_fds = DEFAULT_MAX_FDS;
+    o->max_cbor_depth = DEFAULT_MAX_CBOR_DEPTH;
     o->handshake_timeout = 10.0;
     o->close_timeout = 2.0;
 }
@@ -234,11 +237,10 @@ static int frame_layout(const uint8_t *f, size_t len, uint32_t max, struct layou
  * item arrives, so a 9-byte body claiming 2^32 items costs gigabytes (found by the
  * fuzz target). Here every claimed count must fit in the bytes that remain (an item is
  * at least one byte), so what libcbor then allocates is bounded by the input's size,
- * and nesting deeper than MAX_CBOR_DEPTH is refused (libcbor's own parse stack holds
+ * and nesting deeper than max_cbor_depth is refused (libcbor's own parse stack holds
  * 2048 levels; cbor2 in the Python clients is bounded by Python's recursion limit, about
  * 1000, so a body one side can build the other can read).
  */
-#define MAX_CBOR_DEPTH 1000
 
 static int wf_head(const uint8_t *p, size_t len, size_t *off, int *mt, int *ai, uint64_t *val) {
     if (*off >= len) return -1;
@@ -257,11 +259,12 @@ static int wf_head(const uint8_t *p, size_t len, size_t *off, int *mt, int *ai, 
     return 0;
 }
 
-static int wf_item(const uint8_t *p, size_t len, size_t *off, int depth, int *is_break) {
+static int wf_item(const uint8_t *p, size_t len, size_t *off, int depth, int max_depth,
+                   int *is_break) {
     int mt, ai;
     uint64_t val;
     *is_break = 0;
-    if (depth > MAX_CBOR_DEPTH || wf_head(p, len, off, &mt, &ai, &val) < 0) return -1;
+    if (depth > max_depth || wf_head(p, len, off, &mt, &ai, &val) < 0) return -1;
     size_t left = len - *off;
     if (ai == 31) {
         switch (mt) {
@@ -280,7 +283,7 @@ static int wf_item(const uint8_t *p, size_t len, size_t *off, int depth, int *is
         case 5: /* indefinite array or map: items until break */
             for (uint64_t k = 0;; k++) {
                 int brk;
-                if (wf_item(p, len, off, depth + 1, &brk) < 0) return -1;
+                if (wf_item(p, len, off, depth + 1, max_depth, &brk) < 0) return -1;
                 if (brk) return (mt == 5 && k % 2) ? -1 : 0;
             }
         case 7:
@@ -310,13 +313,13 @@ static int wf_item(const uint8_t *p, size_t len, size_t *off, int depth, int *is
         }
         for (uint64_t k = 0; k < items; k++) {
             int brk;
-            if (wf_item(p, len, off, depth + 1, &brk) < 0 || brk) return -1;
+            if (wf_item(p, len, off, depth + 1, max_depth, &brk) < 0 || brk) return -1;
         }
         return 0;
     }
     case 6: {
         int brk;
-        return wf_item(p, len, off, depth + 1, &brk) < 0 || brk ? -1 : 0;
+        return wf_item(p, len, off, depth + 1, max_depth, &brk) < 0 || brk ? -1 : 0;
     }
     default: /* 7: simple values and floats; the head read their bytes */
         return ai == 24 && val < 32 ? -1 : 0;
@@ -324,10 +327,10 @@ static int wf_item(const uint8_t *p, size_t len, size_t *off, int depth, int *is
 }
 
 /* Decode exactly one CBOR item from buf (NULL if malformed or trailing bytes). */
-static cbor_item_t *cbor_one(const uint8_t *buf, size_t len) {
+static cbor_item_t *cbor_one(const uint8_t *buf, size_t len, int max_depth) {
     size_t off = 0;
     int brk;
-    if (wf_item(buf, len, &off, 0, &brk) < 0 || brk || off != len) return NULL;
+    if (wf_item(buf, len, &off, 0, max_depth, &brk) < 0 || brk || off != len) return NULL;
     struct cbor_load_result r;
     cbor_item_t *it = cbor_load(buf, len, &r);
     if (!it) return NULL;
@@ -377,6 +380,7 @@ static int cbor_to_u64(const cbor_item_t *v, uint64_t *out) {
 /* ---- messages ----------------------------------------------------------------- */
 struct msgq_message {
     int refs;
+    int max_depth; /* the connection's max_cbor_depth when it arrived */
     int answered;
     uint8_t *raw;
     size_t len;
@@ -427,7 +431,7 @@ int msgq_message_body(msgq_message *m, cbor_item_t **body, msgq_error *err) {
         if (m->L.body_len == 0) {
             m->body = cbor_new_null();
         } else {
-            m->body = cbor_one(m->raw + m->L.body_off, m->L.body_len);
+            m->body = cbor_one(m->raw + m->L.body_off, m->L.body_len, m->max_depth);
         }
         m->body_state = m->body ? 1 : -1;
     }
@@ -466,10 +470,12 @@ int msgq_message_take_fd(msgq_message *m, size_t i) {
 }
 
 /* Parse a whole valid-layout frame (taking raw) into a message. */
-static msgq_message *message_new(uint8_t *raw, size_t len, const struct layout *L) {
+static msgq_message *message_new(uint8_t *raw, size_t len, const struct layout *L,
+                                 int max_depth) {
     msgq_message *m = calloc(1, sizeof *m);
     if (!m) return NULL;
     m->refs = 1;
+    m->max_depth = max_depth;
     m->raw = raw;
     m->len = len;
     m->L = *L;
@@ -495,7 +501,7 @@ static msgq_message *message_new(uint8_t *raw, size_t len, const struct layout *
         m->sender_name = parts > 1 ? strndup0(s + start[1], plen[1]) : strndup0(s, 0);
     }
     if (L->header_len) {
-        m->header = cbor_one(raw + L->header_off, L->header_len);
+        m->header = cbor_one(raw + L->header_off, L->header_len, max_depth);
         if (!m->header || !cbor_isa_map(m->header)) {
             m->header_bad = 1;
             if (m->header) cbor_decref(&m->header);
@@ -518,7 +524,7 @@ int msgq_frame_check(const uint8_t *frame, size_t len, uint32_t max, msgq_error 
     int r = frame_layout(frame, len, max, &L, err);
     if (r < 0) return r;
     if (L.header_len) {
-        cbor_item_t *h = cbor_one(frame + L.header_off, L.header_len);
+        cbor_item_t *h = cbor_one(frame + L.header_off, L.header_len, DEFAULT_MAX_CBOR_DEPTH);
         int ok = h && cbor_isa_map(h);
         if (h) cbor_decref(&h);
         if (!ok) {
@@ -527,7 +533,7 @@ int msgq_frame_check(const uint8_t *frame, size_t len, uint32_t max, msgq_error 
         }
     }
     if (L.body_len) {
-        cbor_item_t *b = cbor_one(frame + L.body_off, L.body_len);
+        cbor_item_t *b = cbor_one(frame + L.body_off, L.body_len, DEFAULT_MAX_CBOR_DEPTH);
         if (!b) {
             err_set(err, "protocol-error", "frame body is not one well-formed CBOR item");
             return -EPROTO;
@@ -539,7 +545,7 @@ int msgq_frame_check(const uint8_t *frame, size_t len, uint32_t max, msgq_error 
     uint8_t *copy = malloc(len);
     if (!copy) return -ENOMEM;
     memcpy(copy, frame, len);
-    msgq_message *msg = message_new(copy, len, &L);
+    msgq_message *msg = message_new(copy, len, &L, DEFAULT_MAX_CBOR_DEPTH);
     if (!msg) {
         free(copy);
         return -ENOMEM;
@@ -1203,7 +1209,7 @@ static void handle_frame(msgq *m, uint8_t *raw, size_t len, uint64_t start) {
              "declaring them");
         return;
     }
-    msgq_message *msg = message_new(raw, len, &L);
+    msgq_message *msg = message_new(raw, len, &L, (int)m->o.max_cbor_depth);
     if (!msg) {
         if (fds) { close_fds(fds, L.n_fds); free(fds); }
         free(raw);
@@ -1452,6 +1458,8 @@ int msgq_connect(msgq **out, const msgq_options *opts, msgq_error *err) {
     if (o.max_frame_size < 64) o.max_frame_size = 64;
     if (!o.max_fds) o.max_fds = DEFAULT_MAX_FDS;
     if (!o.max_out_bytes) o.max_out_bytes = DEFAULT_MAX_OUT;
+    if (!o.max_cbor_depth) o.max_cbor_depth = DEFAULT_MAX_CBOR_DEPTH;
+    if (o.max_cbor_depth > LIBCBOR_MAX_DEPTH) o.max_cbor_depth = LIBCBOR_MAX_DEPTH;
     char *path = o.socket ? strdup(o.socket) : default_socket();
     if (!path) return -ENOMEM;
     struct sockaddr_un sa = {.sun_family = AF_UNIX};

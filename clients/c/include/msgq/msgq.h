@@ -126,6 +126,10 @@ typedef struct msgq_options {
     /* Most descriptors in one received or sent frame. Default 253: the broker's
      * max_fds_per_message default (SCM_MAX_FD on Linux); WELCOME's limit lowers it. */
     unsigned max_fds;
+    /* Deepest nesting of a received CBOR header or body; deeper is malformed. Default
+     * 1000: about Python's recursion limit, which bounds cbor2 in the Python clients;
+     * at most 2000 (libcbor's parse stack holds 2048 levels). */
+    unsigned max_cbor_depth;
     /* Handshake and close patience, seconds. Defaults 10 s (the broker's
      * handshake_timeout) and 2 s (the Python clients' CLOSE_WAIT). */
     double handshake_timeout;
