@@ -584,3 +584,36 @@ async def test_call_with_a_timeout_gets_the_brokers_timeout(
     r = await run_c(cbuild, "call", "-s", str(broker.path), "-t", "0.5", "Hang", "work", "{}")
     assert r.returncode == 1
     assert r.stderr.decode().startswith("error: timeout: ")
+
+
+async def test_socket_from_the_environment_then_the_per_user_default(
+    cbuild: CBuild, broker_factory: Any, short_tmp: Path
+) -> None:
+    """Without -s: $MSGQ_TRIO_SOCKET, else $XDG_RUNTIME_DIR/msgq-trio/bus.sock (the
+    Python clients' rule, msgq_trio.config.default_socket_path)."""
+    (short_tmp / "msgq-trio").mkdir()
+    default = broker_factory(path=short_tmp / "msgq-trio" / "bus.sock")
+    other = broker_factory()
+    env = {k: v for k, v in cbuild.env.items() if k != "MSGQ_TRIO_SOCKET"}
+    for extra, broker in (
+        ({"XDG_RUNTIME_DIR": str(short_tmp)}, default),
+        ({"XDG_RUNTIME_DIR": str(short_tmp), "MSGQ_TRIO_SOCKET": str(other.path)}, other),
+    ):
+        async with msgq_trio.connect(str(broker.path), name="py") as bus:
+            await bus.subscribe("Here")
+            path = str(broker.path)
+
+            @bus.command("where")
+            def where(params: Any) -> str:
+                return path  # noqa: B023 (used before the loop moves on)
+
+            with trio.fail_after(RUN_TIMEOUT):
+                r = await trio.run_process(
+                    [cbuild.msgq_c, "call", "Here", "where"],
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    env={**env, **extra},
+                )
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == str(broker.path)
