@@ -11,6 +11,11 @@
  * built on those and nothing else. The library starts no thread and has no global
  * state (no static mutable data; libcbor's allocator hooks are left alone).
  *
+ * Blocking functions dispatch callbacks while they wait (so handlers keep answering).
+ * A callback may send, answer and make blocking calls itself; a frame it sends while
+ * an outer send waits for room goes out before that outer frame. A callback must not
+ * call msgq_close on its own connection.
+ *
  * Threads: a `msgq` object may be used by one thread at a time. Use one connection
  * per thread, or guard every call on a shared connection with one lock of your own
  * (callbacks run inside `msgq_process`, on the calling thread, with that lock held).
