@@ -338,7 +338,8 @@ async def test_c_component_api(cbuild: CBuild, broker: Any, short_tmp: Path) -> 
     """Through the C API (clients/c/tests/api_check.c): subscribe/unsubscribe report
     whether they changed anything, a request kept and answered later, a handler that
     does not answer (internal-error), blocking calls from inside a handler (to Python,
-    and unsubscribe), the error of a nested call passed on with its data."""
+    and unsubscribe), the error of a nested call passed on with its data, a descriptor
+    and an attachment taken from a call's answer."""
     async with msgq_trio.connect(str(broker.path), name="py") as bus:
         await bus.subscribe("Py")
 
@@ -347,6 +348,17 @@ async def test_c_component_api(cbuild: CBuild, broker: Any, short_tmp: Path) -> 
             if params == "fail":
                 raise msgq_trio.CommandFailed("nope", "asked to fail", [1, 2])
             return {"pong": params}
+
+        shared = short_tmp / "shared.txt"
+        shared.write_bytes(b"read through the descriptor")
+
+        @bus.command("file")
+        def file(params: Any) -> msgq_trio.Reply:
+            fd = os.open(shared, os.O_RDONLY)
+            try:
+                return msgq_trio.Reply(None, fds=[fd], attachments=[b"\x00att"])
+            finally:
+                os.close(fd)  # Reply sends a duplicate
 
         err = os.open(short_tmp / "api.err", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -375,6 +387,7 @@ async def test_c_component_api(cbuild: CBuild, broker: Any, short_tmp: Path) -> 
             with pytest.raises(msgq_trio.RemoteError) as ei:
                 await bus.call("ApiC", "callback", "fail")
             assert (ei.value.code, ei.value.data) == ("nope", [1, 2])
+            assert await bus.call("ApiC", "fetch") == [b"read through the descriptor", b"\x00att"]
             assert await bus.call("ApiC", "leave") == [True, False]
             with pytest.raises(msgq_trio.NoRecipient):
                 await bus.call("ApiC", "later")

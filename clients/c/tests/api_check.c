@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "msgq/msgq.h"
 
@@ -44,6 +45,33 @@ static void callback(msgq *m, msgq_message *req, void *ud) {
         msgq_reply(m, req, res.value, NULL);
     else
         msgq_reply_error(m, req, res.error.code, res.error.message, res.error.data);
+    msgq_result_clear(&res);
+}
+
+/* Calls Python's Py.file, which answers with a descriptor and an attachment; answers
+ * [the file's first bytes (read through the descriptor taken from the answer), the
+ * attachment]. */
+static void fetch(msgq *m, msgq_message *req, void *ud) {
+    (void)ud;
+    msgq_result res;
+    if (msgq_call(m, "Py", "file", NULL, NULL, 0, &res) < 0 || !res.answer ||
+        msgq_message_fd_count(res.answer) != 1 || msgq_message_attachment_count(res.answer) != 1) {
+        msgq_reply_error(m, req, "internal-error", "no descriptor in the answer", NULL);
+        msgq_result_clear(&res);
+        return;
+    }
+    int fd = msgq_message_take_fd(res.answer, 0);
+    char buf[256];
+    ssize_t n = pread(fd, buf, sizeof buf, 0);
+    close(fd);
+    size_t alen;
+    const uint8_t *att = msgq_message_attachment(res.answer, 0, &alen);
+    cbor_item_t *r = cbor_new_definite_array(2);
+    cbor_array_push(r, cbor_move(cbor_build_bytestring((const unsigned char *)buf,
+                                                       n > 0 ? (size_t)n : 0)));
+    cbor_array_push(r, cbor_move(cbor_build_bytestring(att, alen)));
+    msgq_reply(m, req, r, NULL);
+    cbor_decref(&r);
     msgq_result_clear(&res);
 }
 
@@ -87,6 +115,7 @@ int main(int argc, char **argv) {
     msgq_add_command(m, "silent", silent, NULL);
     msgq_add_command(m, "callback", callback, NULL);
     msgq_add_command(m, "leave", leave, NULL);
+    msgq_add_command(m, "fetch", fetch, NULL);
     printf("subscribe %d %d\n", first, second);
     fflush(stdout);
     fprintf(stderr, "msgq-c: ready %s\n", msgq_lname(m));
