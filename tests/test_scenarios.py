@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -218,6 +220,41 @@ def test_cli_usage_and_invalid_files(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert scenario_cli.main(["check", *map(str, SCENARIOS)]) == 0
     assert scenario_cli.main(["list", "--dir", str(SCENARIO_DIR)]) == 0
     assert "callee-sigkill-mid-call" in capsys.readouterr().out
+
+
+def test_a_listed_scenario_runs_by_its_name(tmp_path: Path) -> None:
+    """A name that ``msgq-trio scenario list`` shows is accepted by ``check`` and by
+    ``run`` (with --repeat, --seed and --junit before it) from a directory that is not
+    the checkout (no scenarios/ there): the installed console script finds the shipped
+    file. An unknown name is exit 2 with one line naming it."""
+    msgq = str(Path(sys.executable).with_name("msgq-trio"))
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [msgq, "scenario", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    listed = cli("list")
+    assert listed.returncode == 0, listed
+    assert "limit-subscriptions" in [line.split()[0] for line in listed.stdout.splitlines()]
+    r = cli("check", "limit-subscriptions", "limit-frame-size.toml")
+    assert (r.returncode, r.stdout.split()) == (
+        0,
+        ["limit-subscriptions:", "ok", "limit-frame-size.toml:", "ok"],
+    ), r
+    junit = tmp_path / "out.xml"
+    r = cli("run", "--repeat", "1", "--seed", "1", "--junit", str(junit), "limit-subscriptions")
+    assert r.returncode == 0, r
+    assert "PASS  limit-subscriptions" in r.stdout, r.stdout
+    assert ET.parse(junit).getroot().find(".//testcase") is not None
+    r = cli("run", "no-such-scenario")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r
+    assert "no-such-scenario" in r.stderr and "scenario list" in r.stderr
 
 
 # -- user programs (role exec), plugins, history checks ----------------------------------------
