@@ -34,12 +34,38 @@ def _param(path: Path) -> object:
     return pytest.param(path, id=path.stem, marks=marks)
 
 
+#: The matrix (one test per scenario) runs from MATRIX_PARTS files,
+#: test_scenario_matrix_K.py: pytest-xdist's ``--dist loadfile`` gives each file to one
+#: worker, and as a single file collected last the matrix ran alone on one worker at the
+#: end of the suite while the other sat idle.
+MATRIX_PARTS = 4
+
+
+def matrix_part(k: int) -> list[object]:
+    """The parameters of part ``k`` (1..MATRIX_PARTS): every MATRIX_PARTS-th scenario."""
+    return [_param(p) for i, p in enumerate(SCENARIOS) if i % MATRIX_PARTS == k - 1]
+
+
 def test_there_are_enough_scenarios() -> None:
     assert len(SCENARIOS) >= 15
 
 
-@pytest.mark.parametrize("path", [_param(p) for p in SCENARIOS])
-def test_scenario(path: Path) -> None:
+def test_every_scenario_is_in_the_matrix() -> None:
+    """Each of the MATRIX_PARTS files runs its part; together they run every scenario."""
+    here = Path(__file__).resolve().parent
+    parts = sorted(here.glob("test_scenario_matrix_*.py"))
+    assert [p.name for p in parts] == [
+        f"test_scenario_matrix_{k}.py" for k in range(1, MATRIX_PARTS + 1)
+    ]
+    for k, part in enumerate(parts, 1):
+        assert f"matrix_part({k})" in part.read_text(), part
+    ids = [p.id for k in range(1, MATRIX_PARTS + 1) for p in matrix_part(k)]
+    assert sorted(ids) == sorted(p.stem for p in SCENARIOS)
+
+
+def check_scenario(path: Path) -> None:
+    """Run the scenario file ``path``; skip what this machine cannot run; fail with the
+    runner's explanation. ``MSGQ_TRIO_SCENARIO_RESULTS`` collects the records."""
     if load_scenario(path).broker.queue_disk is not None and os.geteuid() != 0:
         pytest.skip("mounting the queue store's tmpfs (broker.queue_disk) needs root")
     result = run_scenario(path)
