@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -191,6 +193,67 @@ params = { rate = 200.0, duration = 0.5 }
 [expect.counts]
 "sub.received" = "== pub.sent"
 """
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every living process below ``pid`` (from /proc/PID/task/*/children)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in found:
+                    found.add(k)
+                    todo.append(k)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ctrl_c_stops_a_run_and_kills_what_it_started(tmp_path: Path) -> None:
+    """SIGINT to ``msgq-trio scenario run`` in the middle of the traffic: the run stops,
+    says so, kills the broker and the clients it started and exits 130 (128 + SIGINT),
+    without a traceback."""
+    long_run = tmp_path / "long.toml"
+    long_run.write_text(TINY.replace("duration = 0.5", "duration = 60.0").replace("30", "120"))
+    msgq = str(Path(sys.executable).with_name("msgq-trio"))
+    p = subprocess.Popen(
+        [msgq, "scenario", "run", str(long_run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("running 1 scenario")
+        deadline = time.monotonic() + 60
+        started: set[int] = set()
+        while len(started) < 3 and time.monotonic() < deadline:  # broker, sub, pub
+            started = _descendants(p.pid)
+            time.sleep(0.1)
+        assert len(started) >= 3, started
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (out, err)
+    assert "interrupted (SIGINT during long)" in out and "cleaned up" in out, out
+    assert "Traceback" not in err, err
+    assert [pid for pid in started if _alive(pid)] == []
 
 
 def test_cli_run_writes_records_and_faults_md(

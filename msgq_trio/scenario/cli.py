@@ -6,7 +6,8 @@ checks of a failing one, appends JSON records with ``--results``, writes JUnit X
 N times with seeds ``--seed``, +1, ... ``new NAME`` writes a commented template. A
 scenario this machine cannot run (network namespaces without root, TLS without openssl)
 is printed as SKIP with the reason and is neither passed nor failed. Exit status: 0 none
-failed, 1 a scenario failed, 2 invalid scenario file or usage.
+failed, 1 a scenario failed, 2 invalid scenario file or usage, 128 + the signal when
+SIGINT (Ctrl-C), SIGTERM or SIGHUP stopped the run (after it killed what it started).
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ def _run(args: argparse.Namespace) -> int:
             result = run_scenario(p, keep_tmp=args.keep, seed=run_seed)
         except Interrupted as exc:
             print(f"msgq-trio scenario run: interrupted ({exc}); cleaned up", flush=True)
-            return 143
+            return 128 + exc.signum  # as a shell reports a program the signal ended
         rec = result.record(machine)
         records.append(rec)
         print(result.line(), flush=True)
