@@ -21,23 +21,14 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import trio
-
-from . import __version__
-from .ops.ctl_client import (
-    CliUsageError,
-    add_ctl_arguments,
-    add_dump_arguments,
-    connect_options,
-)
-from .ops.queue_cli import add_queue_arguments
-from .ops.serve import add_serve_arguments
-from .protocol.framing import SPEEDUPS
+# The rest is imported where it is used: until main() runs, Ctrl-C can only end the
+# program with a traceback, so the module does as little as it can before main().
 
 log = logging.getLogger("msgq_trio.cli")
 
@@ -143,6 +134,12 @@ def _subparsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``msgq-trio`` (delegated subcommands only show their help line)."""
+    from . import __version__
+    from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
+    from .ops.queue_cli import add_queue_arguments
+    from .ops.serve import add_serve_arguments
+    from .protocol.framing import SPEEDUPS
+
     parser = _Parser(
         prog="msgq-trio",
         description=plain(__doc__),
@@ -241,14 +238,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``msgq-trio``; returns the exit status (see the module docstring)."""
+    """Entry point of ``msgq-trio``; returns the exit status (see the module docstring).
+
+    ``argv`` None: this is the program (the console script, ``python -m msgq_trio``),
+    which ignores Ctrl-C once its status is known: the interpreter's exit that follows
+    would otherwise die of the signal (status -2 instead of 130) or print a traceback.
+    """
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         status = _main(argv)
         sys.stdout.flush()  # a closed pipe shows here for buffered output
-        return status
     except BaseException as exc:
+        if program:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return _exit_status(exc)
+    if program:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status
 
 
 def _leaves(exc: BaseException) -> Iterator[BaseException]:
@@ -317,6 +324,9 @@ def _main(argv: list[str]) -> int:
     for key, value in GLOBAL_DEFAULTS.items():
         if not hasattr(args, key):
             setattr(args, key, value)
+    from .ops.ctl_client import CliUsageError
+    from .ops.interrupt import run
+
     if args.cmd == "token":
         import secrets
 
@@ -353,7 +363,7 @@ def _main(argv: list[str]) -> int:
             runner = _pipe_command
         else:
             runner = _client_command
-        return trio.run(runner, args)
+        return run(runner, args)  # Ctrl-C: KeyboardInterrupt once the command cleaned up
     except CliUsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -361,6 +371,8 @@ def _main(argv: list[str]) -> int:
 
 def _json_arg(text: str, what: str) -> Any:
     """``text`` parsed as JSON, or CliUsageError naming the argument (exit status 2)."""
+    from .ops.ctl_client import CliUsageError
+
     try:
         return json.loads(text)
     except ValueError as exc:
@@ -375,6 +387,8 @@ def _json_arg(text: str, what: str) -> Any:
 async def _client_command(args: argparse.Namespace) -> int:
     from . import connect
     from .errors import MsgqError, RpcError
+    from .ops.ctl_client import connect_options
+    from .ops.interrupt import interruptible
 
     # Checked before connecting: bad input is the caller's fault, not the broker's.
     body = params = result = None
@@ -388,49 +402,8 @@ async def _client_command(args: argparse.Namespace) -> int:
         async with connect(
             args.socket, name=f"msgq-trio-{args.cmd}", **connect_options(args)
         ) as bus:
-            if args.cmd == "send":
-                await bus.send(args.target, body)
-                await bus.flush()
-            elif args.cmd == "call":
-                value = await bus.call(args.target, args.command, params, timeout=args.timeout)
-                print(json.dumps(value, default=_json_default))
-            elif args.cmd == "notify":
-                await bus.notify(args.group, args.event, params)
-                await bus.flush()
-            elif args.cmd == "members":
-                members = await bus.members(args.group)
-                if args.json:
-                    print(
-                        json.dumps(
-                            [{"lname": m.lname, "name": m.name, "pid": m.pid} for m in members]
-                        )
-                    )
-                for m in [] if args.json else members:
-                    print(f"{m.lname}\t{m.name}\tpid={m.pid}")
-            elif args.cmd == "reply":
-                await _reply(bus, args, result)
-            elif args.cmd == "listen":
-                for g in args.groups:
-                    await bus.subscribe(g)
-                n = 0
-                async for msg in bus:
-                    print(
-                        json.dumps(
-                            {
-                                "kind": msg.kind,
-                                "from": msg.sender,
-                                "name": msg.sender_name,
-                                "to": msg.target,
-                                "event": msg.event,
-                                "body": msg.body,
-                            },
-                            default=_json_default,
-                        ),
-                        flush=True,
-                    )
-                    n += 1
-                    if args.count and n >= args.count:
-                        break
+            with interruptible():
+                await _client_body(bus, args, body, params, result)
     except RpcError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         if exc.data is not None:
@@ -442,9 +415,57 @@ async def _client_command(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _client_body(
+    bus: Any, args: argparse.Namespace, body: Any, params: Any, result: Any
+) -> None:
+    """What the client commands do once connected (``body``/``params``/``result``: their
+    JSON argument, parsed)."""
+    if args.cmd == "send":
+        await bus.send(args.target, body)
+        await bus.flush()
+    elif args.cmd == "call":
+        value = await bus.call(args.target, args.command, params, timeout=args.timeout)
+        print(json.dumps(value, default=_json_default))
+    elif args.cmd == "notify":
+        await bus.notify(args.group, args.event, params)
+        await bus.flush()
+    elif args.cmd == "members":
+        members = await bus.members(args.group)
+        if args.json:
+            print(json.dumps([{"lname": m.lname, "name": m.name, "pid": m.pid} for m in members]))
+        for m in [] if args.json else members:
+            print(f"{m.lname}\t{m.name}\tpid={m.pid}")
+    elif args.cmd == "reply":
+        await _reply(bus, args, result)
+    elif args.cmd == "listen":
+        for g in args.groups:
+            await bus.subscribe(g)
+        n = 0
+        async for msg in bus:
+            print(
+                json.dumps(
+                    {
+                        "kind": msg.kind,
+                        "from": msg.sender,
+                        "name": msg.sender_name,
+                        "to": msg.target,
+                        "event": msg.event,
+                        "body": msg.body,
+                    },
+                    default=_json_default,
+                ),
+                flush=True,
+            )
+            n += 1
+            if args.count and n >= args.count:
+                break
+
+
 async def _reply(bus: Any, args: argparse.Namespace, result: Any) -> None:
     """``reply GROUP COMMAND RESULT``: join GROUP, print each COMMAND request as a JSON
     line ({from, name, params}) and answer it with RESULT; ``--count`` N: stop after N."""
+    import trio
+
     done = trio.Event()
     answered = 0
 
@@ -472,39 +493,53 @@ async def _reply(bus: Any, args: argparse.Namespace, result: Any) -> None:
 async def _pipe_command(args: argparse.Namespace) -> int:
     """``pipe write NAME`` / ``pipe read NAME`` (docs/PIPES.md). Exit status 0, 1 on a
     pipe error (one ``error:`` line; the hint when no pipe plugin runs), 3 on timeout."""
+    import trio
+
     from . import connect
     from .client.pipe import DEFAULT_GROUP, Pipe
     from .errors import ConnectionLost, MsgqError, NoRecipient, PipeTimeout
+    from .ops.ctl_client import connect_options
+    from .ops.interrupt import interruptible
 
     try:
         async with connect(
             args.socket, name=f"msgq-trio-pipe-{args.action}", **connect_options(args)
         ) as bus:
-            pipe = Pipe(bus, args.name)
-            if args.action == "write":
-                w = await pipe.open_writer(
-                    readers=args.readers,
-                    on_reader_gone=args.on_reader_gone,
-                    persistent=args.persistent or None,
-                )
-                async with w:
-                    while True:
-                        data = await trio.to_thread.run_sync(os.read, 0, w.max_chunk * 4)
-                        if not data:
-                            break
-                        if args.timeout is None:
-                            await w.send_all(data)
-                        else:
-                            await w.write(data, args.timeout)
-                    await w.flush(args.timeout)
-            else:
-                r = await pipe.open_reader(readers=args.readers, persistent=args.persistent or None)
-                async with r:
-                    while True:
-                        data = await r.read(None, args.timeout)
-                        if not data:
-                            break
-                        await trio.to_thread.run_sync(_write_all, 1, data)
+            with interruptible():
+                pipe = Pipe(bus, args.name)
+                if args.action == "write":
+                    w = await pipe.open_writer(
+                        readers=args.readers,
+                        on_reader_gone=args.on_reader_gone,
+                        persistent=args.persistent or None,
+                    )
+                    async with w:
+                        while True:
+                            # Abandoned on cancel (Ctrl-C): a read of an idle stdin
+                            # (a terminal, `tail -f`) may never return.
+                            data = await trio.to_thread.run_sync(
+                                os.read, 0, w.max_chunk * 4, abandon_on_cancel=True
+                            )
+                            if not data:
+                                break
+                            if args.timeout is None:
+                                await w.send_all(data)
+                            else:
+                                await w.write(data, args.timeout)
+                        await w.flush(args.timeout)
+                else:
+                    r = await pipe.open_reader(
+                        readers=args.readers, persistent=args.persistent or None
+                    )
+                    async with r:
+                        while True:
+                            data = await r.read(None, args.timeout)
+                            if not data:
+                                break
+                            # Abandoned on cancel: a stdout nobody reads blocks for good.
+                            await trio.to_thread.run_sync(
+                                _write_all, 1, data, abandon_on_cancel=True
+                            )
     except NoRecipient:
         print(
             f"error: the pipe plugin is not running (nobody answers on group "

@@ -1,5 +1,6 @@
-"""The example system's deliberately broken components (issue 22 item 5): each one's
-scenario fails, and the failure names the operations that break the promise.
+"""The example system's deliberately broken components (they show that the checks catch
+what they claim to catch): each one's scenario fails, and the failure names the
+operations that break the promise.
 
 Real broker, real example programs (``msgq_trio.scenario.examples``), real faults: these
 run whole scenarios through :func:`run_scenario`, a few seconds each.

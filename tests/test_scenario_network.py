@@ -3,7 +3,7 @@
 scenario this machine cannot run is reported (skipped with the reason, never passed).
 
 The scenarios that use all this (tcp-broker-restart-reconnect, tls-callee-stalled-
-heartbeat, link-netns-cut-restart, link-netns-lossy) run in tests/test_scenarios.py.
+heartbeat, link-netns-cut-restart, link-netns-lossy) run in tests/test_scenario_matrix_*.py.
 """
 
 from __future__ import annotations

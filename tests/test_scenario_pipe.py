@@ -2,7 +2,7 @@
 
 scenarios/pipe-stream-faults.toml runs the example programs
 :mod:`msgq_trio.scenario.examples.pipe_writer` and ``pipe_reader`` through a stall of the
-reader and a SIGKILL of the writer; tests/test_scenarios.py runs it as shipped (it must
+reader and a SIGKILL of the writer; tests/test_scenario_matrix_*.py run it as shipped (it must
 pass). Here the same scenario runs with a deliberately broken reader, a pipe bound larger
 than the writer checks for, and a writer that stalls instead of dying: each must fail,
 naming the operations that break the promise. Every run starts a real broker with the

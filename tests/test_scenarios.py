@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -32,12 +36,38 @@ def _param(path: Path) -> object:
     return pytest.param(path, id=path.stem, marks=marks)
 
 
+#: The matrix (one test per scenario) runs from MATRIX_PARTS files,
+#: test_scenario_matrix_K.py: pytest-xdist's ``--dist loadfile`` gives each file to one
+#: worker, and as a single file collected last the matrix ran alone on one worker at the
+#: end of the suite while the other sat idle.
+MATRIX_PARTS = 4
+
+
+def matrix_part(k: int) -> list[object]:
+    """The parameters of part ``k`` (1..MATRIX_PARTS): every MATRIX_PARTS-th scenario."""
+    return [_param(p) for i, p in enumerate(SCENARIOS) if i % MATRIX_PARTS == k - 1]
+
+
 def test_there_are_enough_scenarios() -> None:
     assert len(SCENARIOS) >= 15
 
 
-@pytest.mark.parametrize("path", [_param(p) for p in SCENARIOS])
-def test_scenario(path: Path) -> None:
+def test_every_scenario_is_in_the_matrix() -> None:
+    """Each of the MATRIX_PARTS files runs its part; together they run every scenario."""
+    here = Path(__file__).resolve().parent
+    parts = sorted(here.glob("test_scenario_matrix_*.py"))
+    assert [p.name for p in parts] == [
+        f"test_scenario_matrix_{k}.py" for k in range(1, MATRIX_PARTS + 1)
+    ]
+    for k, part in enumerate(parts, 1):
+        assert f"matrix_part({k})" in part.read_text(), part
+    ids = [p.id for k in range(1, MATRIX_PARTS + 1) for p in matrix_part(k)]
+    assert sorted(ids) == sorted(p.stem for p in SCENARIOS)
+
+
+def check_scenario(path: Path) -> None:
+    """Run the scenario file ``path``; skip what this machine cannot run; fail with the
+    runner's explanation. ``MSGQ_TRIO_SCENARIO_RESULTS`` collects the records."""
     if load_scenario(path).broker.queue_disk is not None and os.geteuid() != 0:
         pytest.skip("mounting the queue store's tmpfs (broker.queue_disk) needs root")
     result = run_scenario(path)
@@ -165,6 +195,67 @@ params = { rate = 200.0, duration = 0.5 }
 """
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every living process below ``pid`` (from /proc/PID/task/*/children)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in found:
+                    found.add(k)
+                    todo.append(k)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ctrl_c_stops_a_run_and_kills_what_it_started(tmp_path: Path) -> None:
+    """SIGINT to ``msgq-trio scenario run`` in the middle of the traffic: the run stops,
+    says so, kills the broker and the clients it started and exits 130 (128 + SIGINT),
+    without a traceback."""
+    long_run = tmp_path / "long.toml"
+    long_run.write_text(TINY.replace("duration = 0.5", "duration = 60.0").replace("30", "120"))
+    msgq = str(Path(sys.executable).with_name("msgq-trio"))
+    p = subprocess.Popen(
+        [msgq, "scenario", "run", str(long_run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("running 1 scenario")
+        deadline = time.monotonic() + 60
+        started: set[int] = set()
+        while len(started) < 3 and time.monotonic() < deadline:  # broker, sub, pub
+            started = _descendants(p.pid)
+            time.sleep(0.1)
+        assert len(started) >= 3, started
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (out, err)
+    assert "interrupted (SIGINT during long)" in out and "cleaned up" in out, out
+    assert "Traceback" not in err, err
+    assert [pid for pid in started if _alive(pid)] == []
+
+
 def test_cli_run_writes_records_and_faults_md(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -218,6 +309,41 @@ def test_cli_usage_and_invalid_files(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert scenario_cli.main(["check", *map(str, SCENARIOS)]) == 0
     assert scenario_cli.main(["list", "--dir", str(SCENARIO_DIR)]) == 0
     assert "callee-sigkill-mid-call" in capsys.readouterr().out
+
+
+def test_a_listed_scenario_runs_by_its_name(tmp_path: Path) -> None:
+    """A name that ``msgq-trio scenario list`` shows is accepted by ``check`` and by
+    ``run`` (with --repeat, --seed and --junit before it) from a directory that is not
+    the checkout (no scenarios/ there): the installed console script finds the shipped
+    file. An unknown name is exit 2 with one line naming it."""
+    msgq = str(Path(sys.executable).with_name("msgq-trio"))
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [msgq, "scenario", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    listed = cli("list")
+    assert listed.returncode == 0, listed
+    assert "limit-subscriptions" in [line.split()[0] for line in listed.stdout.splitlines()]
+    r = cli("check", "limit-subscriptions", "limit-frame-size.toml")
+    assert (r.returncode, r.stdout.split()) == (
+        0,
+        ["limit-subscriptions:", "ok", "limit-frame-size.toml:", "ok"],
+    ), r
+    junit = tmp_path / "out.xml"
+    r = cli("run", "--repeat", "1", "--seed", "1", "--junit", str(junit), "limit-subscriptions")
+    assert r.returncode == 0, r
+    assert "PASS  limit-subscriptions" in r.stdout, r.stdout
+    assert ET.parse(junit).getroot().find(".//testcase") is not None
+    r = cli("run", "no-such-scenario")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r
+    assert "no-such-scenario" in r.stderr and "scenario list" in r.stderr
 
 
 # -- user programs (role exec), plugins, history checks ----------------------------------------

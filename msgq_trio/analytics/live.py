@@ -20,7 +20,8 @@ How the state is bounded:
 
 Resource handling: the query and the Spark session are stopped however the command
 ends. Error handling: Ctrl-C (SIGINT) or SIGTERM stops the query cleanly after the batch
-in progress (exit 0); a failed query exits 4 with Spark's error.
+in progress (exit 0); a second one ends the process at once (128 + the signal); a failed
+query exits 4 with Spark's error.
 """
 
 from __future__ import annotations
@@ -539,9 +540,16 @@ def main_live(args: argparse.Namespace) -> int:
     try:
         with analysis_session(args.master, dict(args.conf), "msgq-trio analyze live") as spark:
             # after the session: pyspark's own SIGINT handler raises KeyboardInterrupt in
-            # whatever py4j call is running; ours only asks the loop to stop
+            # whatever py4j call is running; ours only asks the loop to stop, and a
+            # second signal ends the process at once (a stop that hangs must not keep
+            # it: the JVM exits when the driver's gateway pipe closes)
+            def on_signal(signum: int, _frame: object) -> None:
+                if stop.is_set():
+                    os._exit(128 + signum)
+                stop.set()
+
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
+                signal.signal(sig, on_signal)
             say(
                 f"watching {directory}; dashboard {join(to_uri(args.out), 'dashboard.html')}"
                 "; Ctrl-C ends"

@@ -90,6 +90,7 @@ def page(title: str, body: Sequence[str]) -> str:
 
 
 def utc(ts: float | None) -> str:
+    """A Unix time as ``YYYY-MM-DD HH:MM:SS.mmm UTC``; ``n/a`` for None."""
     if ts is None:
         return "n/a"
     return _dt.datetime.fromtimestamp(ts, _dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
@@ -101,6 +102,9 @@ def histogram_label(b: int) -> str:
 
 
 # -- capture ---------------------------------------------------------------------------------
+#: Columns of the broker table that are Unix times: shown as UTC dates (summary.json keeps
+#: the numbers).
+TIMES = ("broker_started", "first_ts", "last_ts")
 REQUEST_COLUMNS = ("total", "answered", "callee-error", "broker-error", "never-answered")
 
 
@@ -124,7 +128,7 @@ def capture_html(fig: dict[str, Any], sources: Sequence[str], tables_dir: str) -
         table(
             "brokers",
             ("broker_instance", "broker_started", "records", "first_ts", "last_ts"),
-            fig["brokers"],
+            [{**r, **{k: utc(r[k]) for k in TIMES}} for r in fig["brokers"]],
         )
     )
     b.append("<h2>Requests</h2>")

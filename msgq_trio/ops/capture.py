@@ -67,7 +67,8 @@ DUMP_BUFFER_RECORDS = 10_000
 DUMP_BUFFER_BYTES = 8 * 1024 * 1024
 DUMP_INTERVAL = 0.1
 #: Records turned into a dump frame per interval: bounds the event loop's time spent on a
-#: dump (~5 ms) however busy the bus; beyond that the dump buffer overflows, counted.
+#: dump, however busy the bus (a thousand records are a small share of an interval);
+#: beyond that the dump buffer overflows, counted.
 DUMP_PER_INTERVAL = 1000
 
 
@@ -334,8 +335,8 @@ def encode_line(rec: dict[str, Any], max_bytes: int) -> bytes:
 
 #: JSON fragments of the fields that repeat from record to record (kind, sender, names,
 #: target), so a plain message costs one dict lookup and one f-string instead of a
-#: 22-key dict through json.dumps (about 4x cheaper; the capture shares the broker's CPU
-#: and GIL, and issue 4 requires that capture on does not halve throughput). Bounded:
+#: 22-key dict through json.dumps (the capture shares the broker's CPU and GIL, and a
+#: capture that is on must not halve the broker's throughput). Bounded:
 #: cleared when full.
 _FRAGMENTS: dict[tuple[str, str, str, str | None, str, str], tuple[str, str]] = {}
 _FRAGMENTS_MAX = 65_536
@@ -403,7 +404,7 @@ def record_lines(
     Why: a burst of one-way messages from one sender to one group is a run of records
     that differ only in ``seq``, ``ts`` and ``size``; their constant text is built once
     per run instead of once per record (the capture shares the broker's CPU and GIL, and
-    issue 4 requires that capture on does not halve throughput).
+    a capture that is on must not halve the broker's throughput).
     """
     out: list[bytes] = []
     append = out.append

@@ -479,37 +479,40 @@ async def run_ctl(args: argparse.Namespace) -> int:
 async def run_dump(args: argparse.Namespace) -> int:
     from .. import connect
     from ..errors import MsgqError, RpcError
+    from .interrupt import interruptible
 
     n = 0
     try:
         async with connect(args.socket, name="msgq-trio-dump", **connect_options(args)) as bus:
-            await bus.call("msgq", "dump-start", _filter_params(args))
-            own = bus.lname
-            print(
-                f"# dumping traffic seen by the broker (this client is {bus.lname})",
-                file=sys.stderr,
-                flush=True,
-            )
-            async for msg in bus:
-                body = msg.body
-                if msg.sender != "l.0" or not isinstance(body, dict) or "records" not in body:
-                    continue
-                if body.get("dropped"):
-                    print(
-                        f"# {body['dropped']} records dropped (the broker's dump buffer was full)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                for rec in body["records"]:
-                    if not args.show_self and own in (rec.get("sender"), rec.get("target")):
+            with interruptible():
+                await bus.call("msgq", "dump-start", _filter_params(args))
+                own = bus.lname
+                print(
+                    f"# dumping traffic seen by the broker (this client is {bus.lname})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                async for msg in bus:
+                    body = msg.body
+                    if msg.sender != "l.0" or not isinstance(body, dict) or "records" not in body:
                         continue
-                    print(
-                        json.dumps(rec, default=str) if args.json else format_record(rec),
-                        flush=True,
-                    )
-                    n += 1
-                    if args.count and n >= args.count:
-                        return 0
+                    if body.get("dropped"):
+                        print(
+                            f"# {body['dropped']} records dropped "
+                            "(the broker's dump buffer was full)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    for rec in body["records"]:
+                        if not args.show_self and own in (rec.get("sender"), rec.get("target")):
+                            continue
+                        print(
+                            json.dumps(rec, default=str) if args.json else format_record(rec),
+                            flush=True,
+                        )
+                        n += 1
+                        if args.count and n >= args.count:
+                            return 0
     except RpcError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

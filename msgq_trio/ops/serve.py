@@ -284,7 +284,9 @@ def serve_main(args: argparse.Namespace) -> int:
     logsetup.install_exception_hooks()
     tune_collector(config.gc_threshold)
     try:
-        return trio.run(_serve, config, source)
+        # KeyboardInterrupt (before the signal receiver opens) only at checkpoints: one
+        # raised elsewhere can leave a nursery half updated (ops/interrupt.py).
+        return trio.run(_serve, config, source, restrict_keyboard_interrupt_to_checkpoints=True)
     except KeyboardInterrupt:
         return 130
     except Exception:

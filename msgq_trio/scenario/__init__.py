@@ -5,5 +5,5 @@ client processes and their behaviour (:mod:`.clients`, run as real processes), f
 when they strike (:mod:`.faults`), and the expected outcome. :func:`.runner.run_scenario`
 runs one against a real broker process and returns every figure and check;
 :mod:`.report` writes docs/FAULTS.md from the JSON Lines records; :mod:`.cli` is the
-command line. tests/test_scenarios.py runs every scenario under pytest.
+command line. tests/test_scenario_matrix_*.py run every scenario under pytest.
 """

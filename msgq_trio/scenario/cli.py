@@ -6,7 +6,8 @@ checks of a failing one, appends JSON records with ``--results``, writes JUnit X
 N times with seeds ``--seed``, +1, ... ``new NAME`` writes a commented template. A
 scenario this machine cannot run (network namespaces without root, TLS without openssl)
 is printed as SKIP with the reason and is neither passed nor failed. Exit status: 0 none
-failed, 1 a scenario failed, 2 invalid scenario file or usage.
+failed, 1 a scenario failed, 2 invalid scenario file or usage, 128 + the signal when
+SIGINT (Ctrl-C), SIGTERM or SIGHUP stopped the run (after it killed what it started).
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ def all_scenarios(directory: Path | None = None) -> list[Path]:
     return sorted((directory or default_dir()).glob("*.toml"))
 
 
+def resolve(arg: Path, directory: Path | None = None) -> Path:
+    """The scenario file ``arg`` names: the file itself if it exists, else the scenario of
+    that name (``NAME`` or ``NAME.toml``, as ``msgq-trio scenario list`` shows it) in
+    ``directory`` (default :func:`default_dir`).
+
+    Raises:
+        ScenarioError: neither a file nor a known scenario name.
+    """
+    if arg.exists() or arg.parent != Path("."):
+        return arg  # a path: read (and its errors reported) as given
+    where = directory or default_dir()
+    name = arg.name.removesuffix(".toml")
+    candidate = where / f"{name}.toml"
+    if candidate.is_file():
+        return candidate
+    known = [p.stem for p in all_scenarios(where)]
+    raise ScenarioError(
+        f"{arg}: no such file, and no scenario of that name in {where} "
+        f"({len(known)} there; msgq-trio scenario list shows them)"
+    )
+
+
 def _unrun(records: Sequence[dict[str, Any]]) -> list[str]:
     """The shipped scenarios with no run among ``records`` (skipped on that machine:
     a skipped run writes no record; or not run at all)."""
@@ -58,7 +81,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run scenarios")
-    p.add_argument("paths", nargs="*", type=Path, help="scenario files")
+    p.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        help="scenario files, or names as 'msgq-trio scenario list' shows them",
+    )
     p.add_argument("--all", action="store_true", help="every scenario in --dir")
     p.add_argument("--fast", action="store_true", help="every scenario not marked slow")
     p.add_argument("--dir", type=Path, default=None, help="scenario directory (scenarios/)")
@@ -91,7 +119,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="list scenarios")
     p.add_argument("--dir", type=Path, default=None)
     p = sub.add_parser("check", help="validate scenario files without running them")
-    p.add_argument("paths", nargs="+", type=Path)
+    p.add_argument("paths", nargs="+", type=Path, help="scenario files or names")
+    p.add_argument("--dir", type=Path, default=None, help="where names are looked up")
     p = sub.add_parser("report", help="write FAULTS.md from a results file")
     p.add_argument("results", type=Path)
     p.add_argument("--faults-md", type=Path, required=True)
@@ -124,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = 0
         for path in args.paths:
             try:
-                load_scenario(path)
+                load_scenario(resolve(path, args.dir))
             except ScenarioError as exc:
                 print(exc, file=sys.stderr)
                 status = 2
@@ -255,11 +284,18 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    paths: list[Path] = list(args.paths)
+    try:
+        paths = [resolve(p, args.dir) for p in args.paths]
+    except ScenarioError as exc:
+        print(f"msgq-trio scenario run: {exc}", file=sys.stderr)
+        return 2
     if args.all or args.fast:
         paths += [p for p in all_scenarios(args.dir) if not (args.fast and is_slow(p))]
     if not paths:
-        print("msgq-trio scenario run: give scenario files, --all or --fast", file=sys.stderr)
+        print(
+            "msgq-trio scenario run: give scenario files or names, --all or --fast",
+            file=sys.stderr,
+        )
         return 2
     # Validate everything first: a typo in the last file should not cost a full run.
     try:
@@ -285,7 +321,7 @@ def _run(args: argparse.Namespace) -> int:
             result = run_scenario(p, keep_tmp=args.keep, seed=run_seed)
         except Interrupted as exc:
             print(f"msgq-trio scenario run: interrupted ({exc}); cleaned up", flush=True)
-            return 143
+            return 128 + exc.signum  # as a shell reports a program the signal ended
         rec = result.record(machine)
         records.append(rec)
         print(result.line(), flush=True)

@@ -470,7 +470,8 @@ programs as `MSGQ_TRIO_SEED`: a program that draws its choices from it replays a
 document from the records of the run (with `--all`) or, for a partial run, from the
 newest record of each scenario in `--results` plus this run.
 
-pytest runs them too: `tests/test_scenarios.py` has one test per `scenarios/*.toml`;
+pytest runs them too: `tests/test_scenario_matrix_*.py` have one test per
+`scenarios/*.toml` (the matrix in four files, so that `--dist loadfile` spreads it);
 those with `slow = true` carry the `slow` marker (`pytest -m "not slow"` skips them; CI
 runs everything). `MSGQ_TRIO_SCENARIO_RESULTS=path.jsonl` makes pytest append the records.
 

@@ -198,7 +198,12 @@ def _display_path(p: Path) -> str:
 
 
 class Interrupted(Exception):
-    """The run was stopped by SIGTERM or SIGHUP (after cleaning up everything it started)."""
+    """The run was stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP, after cleaning up
+    everything it started; ``signum`` is the signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 def run_scenario(
@@ -235,9 +240,13 @@ def run_scenario(
             skipped=why,
         )
     run = _Run(scenario, keep_tmp=keep_tmp, seed=seed)
-    result = trio.run(run.run)
+    # KeyboardInterrupt (before the signal receiver opens) only at checkpoints: raised
+    # elsewhere, it can leave a nursery half updated and the run hung (ops/interrupt.py).
+    result = trio.run(run.run, restrict_keyboard_interrupt_to_checkpoints=True)
     if run.interrupted is not None:
-        raise Interrupted(f"{signal.Signals(run.interrupted).name} during {scenario.name}")
+        raise Interrupted(
+            f"{signal.Signals(run.interrupted).name} during {scenario.name}", run.interrupted
+        )
     return result
 
 
@@ -476,7 +485,8 @@ class _Run:
         )
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+        # SIGINT too: Ctrl-C stops the run as SIGTERM does, killing what it started.
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async for sig in signals:
                 self.interrupted = sig
                 self.problems.append(f"interrupted by {signal.Signals(sig).name}")

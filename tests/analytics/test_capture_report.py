@@ -9,7 +9,9 @@ in the HTML report (parsed strictly) and in the Parquet tables.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +197,14 @@ async def test_capture_report_figures_are_exact(spark: Any, capture: Any, short_
 
     # the HTML report shows the same figures; it parses strictly and has its plots
     doc = parse_report(out / "report.html")
+    # the broker table shows times as UTC dates, not Unix seconds
+    (broker,) = fig["brokers"]
+    (shown,) = table_rows(doc, "brokers")
+    for key in ("broker_started", "first_ts", "last_ts"):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC", shown[key]), shown
+        stamp = dt.datetime.strptime(shown[key], "%Y-%m-%d %H:%M:%S.%f UTC")
+        assert stamp.replace(tzinfo=dt.UTC).timestamp() == pytest.approx(broker[key], abs=0.001)
+    assert shown["records"] == cell(fig["records"])
     assert table_rows(doc, "requests-summary") == [
         {
             "total": cell(total),

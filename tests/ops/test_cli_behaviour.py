@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +92,138 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------
-def test_ctrl_c_on_listen_and_dump_exits_130_quietly(broker, procs) -> None:
-    """``listen Stats`` and ``dump``, interrupted with SIGINT once they are running:
+#: The CLI as the console script runs it, but saying "ready" once its modules are
+#: imported: SIGINT before that lands in the interpreter's start-up or in ``import
+#: msgq_trio`` (a traceback and status -SIGINT that no code of the CLI can prevent), so
+#: the points below are counted from the moment ``main()`` takes over.
+CLI_CHILD = (
+    "import sys\nfrom msgq_trio.cli import main\nprint('ready', flush=True)\nsys.exit(main())\n"
+)
+#: Long-running commands and their arguments (pipe names are made unique per child).
+INTERRUPTED = {
+    "listen": ["listen", "Stats"],
+    "dump": ["dump"],
+    "pipe read": ["pipe", "read"],
+    "pipe write": ["pipe", "write"],
+    "reply": ["reply", "Svc", "echo"],
+}
+#: Interruption points in all (spread over the commands) and how many of them get a
+#: second SIGINT while the command shuts down after the first.
+POINTS = 50
+SECOND_SIGNALS = 15
+#: Ctrl-C ends every command within this many seconds of the signal.
+EXIT_BOUND = 2.0
+#: What a command may say on stderr before Ctrl-C (its own header lines).
+HEADERS = ("# dumping", "# answering")
+
+
+def interrupt_once(
+    sock: Path, command: str, n: int, delay: float, second: float | None
+) -> tuple[int | None, float, str]:
+    """Start ``command``, SIGINT it ``delay`` s after ``main()`` took over (and again
+    ``second`` s after that); (exit status or None if still running after TIMEOUT,
+    seconds from the first SIGINT to the exit, stderr)."""
+    argv = [*INTERRUPTED[command], "-s", str(sock)]
+    if command.startswith("pipe"):
+        argv.insert(2, f"p{n}")
+    idle_stdin, keep_open = os.pipe()  # pipe write reads a stdin that never ends
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-c", CLI_CHILD, *argv],
+            stdin=idle_stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.close(idle_stdin)
+        assert p.stdout is not None and p.stderr is not None
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        if second is not None:
+            time.sleep(second)
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        try:
+            p.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        took = time.monotonic() - signalled
+        _out, err = p.communicate()
+        return (None if p.returncode == -signal.SIGKILL else p.returncode), took, err
+    finally:
+        os.close(keep_open)
+
+
+def test_ctrl_c_at_any_point_exits_130_quietly_and_promptly(broker_factory) -> None:
+    """SIGINT at POINTS seeded random moments of the first 2 s of ``listen``, ``dump``,
+    ``pipe read``, ``pipe write`` (on a stdin that never ends) and ``reply`` (denser
+    early, in the connect and subscribe), SECOND_SIGNALS of them again while the command
+    shuts down: every one exits 130 within EXIT_BOUND s of the first signal, with no
+    traceback and nothing on stderr but the command's own header line. Several
+    commands run at once, which is also the load."""
+    b = broker_factory("--plugin", "pipe")
+    rng = random.Random(20261128)
+    commands = list(INTERRUPTED)
+    plan = [
+        (
+            commands[n % len(commands)],
+            n,
+            2.0 * rng.random() ** 2,
+            rng.uniform(0.0, 0.5) if n % (POINTS // SECOND_SIGNALS) == 0 else None,
+        )
+        for n in range(POINTS)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: interrupt_once(b.path, *job), plan))
+    failures = []
+    for (command, _n, delay, second), (status, took, err) in zip(plan, results, strict=True):
+        extra = [line for line in err.splitlines() if not line.startswith(HEADERS)]
+        if status != 130 or took > EXIT_BOUND or extra:
+            failures.append(
+                f"{command}: SIGINT at {delay:.2f} s"
+                + (f" and {second:.2f} s later" if second is not None else "")
+                + f": status {status} after {took:.2f} s, stderr {err[-2000:]!r}"
+            )
+    assert failures == [], "\n".join(failures)
+
+
+def reading(sock: Path) -> bool:
+    """Whether a ``pipe read`` client has opened its pipe and asked for data."""
+    r = run("ctl", "clients", "--json", "-s", str(sock))
+    assert r.returncode == 0, r
+    rows = json.loads(r.stdout)
+    return any(c["name"] == "msgq-trio-pipe-read" and c["msgs_in"] >= 2 for c in rows)
+
+
+def test_ctrl_c_with_a_broker_that_does_not_answer(broker_factory, procs) -> None:
+    """``listen`` and ``pipe read`` connected to a broker that stopped (SIGSTOP: the
+    GOODBYE and the pipe's close are never answered): SIGINT still ends them with 130
+    within EXIT_BOUND s, no traceback, one line saying why the exit did not wait."""
+    b = broker_factory("--plugin", "pipe")
+    listen = start("listen", "Stats", "-s", str(b.path))
+    reader = start("pipe", "read", "logs", "-s", str(b.path))
+    procs += [listen, reader]
+    until(lambda: members(b.path, "Stats"), "listen to subscribe")
+    until(lambda: reading(b.path), "the pipe reader to wait in a read")
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        for p in (listen, reader):
+            p.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        for p in (listen, reader):
+            _out, err = p.communicate(timeout=TIMEOUT)
+            assert time.monotonic() - signalled <= EXIT_BOUND + 0.5, err
+            assert p.returncode == 130, err
+            assert_quiet(err)
+            assert "did not finish closing" in err and len(err.splitlines()) == 1, err
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+
+
+def test_ctrl_c_on_the_console_script(broker, procs) -> None:
+    """The installed ``msgq-trio listen`` and ``dump``, interrupted once they run:
     status 130, nothing on stderr but dump's own header line, no traceback."""
     listen = start("listen", "Stats", "-s", str(broker.path))
     dump = start("dump", "-s", str(broker.path))
@@ -105,23 +237,6 @@ def test_ctrl_c_on_listen_and_dump_exits_130_quietly(broker, procs) -> None:
         assert p.returncode == 130, err
         assert_quiet(err)
         assert err.strip() == "", err
-
-
-def test_ctrl_c_on_pipe_read_exits_130_quietly(broker_factory, procs) -> None:
-    """``pipe read`` in the middle of a pipe (the writer still open): SIGINT gives 130
-    and no traceback."""
-    b = broker_factory("--plugin", "pipe")
-    reader = start("pipe", "read", "logs", "-s", str(b.path))
-    writer = start("pipe", "write", "logs", "-s", str(b.path), stdin=subprocess.PIPE)
-    procs += [reader, writer]
-    assert writer.stdin is not None and reader.stdout is not None
-    writer.stdin.write("hello\n")
-    writer.stdin.flush()
-    assert reader.stdout.readline() == "hello\n"  # the reader is inside its read loop
-    reader.send_signal(signal.SIGINT)
-    _out, err = reader.communicate(timeout=TIMEOUT)
-    assert reader.returncode == 130, err
-    assert_quiet(err)
 
 
 # -- closed standard output ----------------------------------------------------------------

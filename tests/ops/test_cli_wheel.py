@@ -1,7 +1,8 @@
 """The package as a user gets it: a non-editable wheel installed in a fresh virtualenv
 (no system site-packages) outside the checkout, then ``msgq-trio serve --plugin queue``,
-``msgq-trio scenario list`` and ``mypy --strict`` on a small user script that uses Bus;
-and the sdist, which carries the docs, the scenarios and the whole test suite.
+``msgq-trio scenario list`` and ``run`` of a listed name, and ``mypy --strict`` on a
+small user script that uses Bus; and the sdist, which carries the docs, the scenarios
+and the whole test suite.
 
 The wheel is built once for the module (``pip wheel --no-deps``; setuptools comes from
 the package index into pip's isolated build environment) and its dependencies are
@@ -99,7 +100,8 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
     """The package comes from the venv, not the checkout; ``serve --plugin queue``
     starts without a configuration file (store under $STATE_DIRECTORY/queue) and its
     queue plugin answers ``queue ls``; ``scenario list`` lists the shipped scenarios
-    from a directory without scenarios/; mypy --strict accepts a user script."""
+    from a directory without scenarios/, and one of them runs by its name; mypy
+    --strict accepts a user script."""
     env = clean_env()
     r = subprocess.run(
         [str(venv / "python"), "-c", "import msgq_trio, sys; print(msgq_trio.__file__)"],
@@ -173,6 +175,31 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
     assert s.returncode == 0, s
     names = [line.split()[0] for line in s.stdout.splitlines()]
     assert len(names) >= 15 and "broker-sigkill-restart" in names, s.stdout
+    # A listed name runs (the scenario files are the wheel's package data).
+    junit = short_tmp / "out.xml"
+    s = subprocess.run(
+        [
+            str(venv / "msgq-trio"),
+            "scenario",
+            "run",
+            "--repeat",
+            "2",
+            "--seed",
+            "1",
+            "--junit",
+            str(junit),
+            "limit-subscriptions",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=short_tmp,
+        env=env,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert s.returncode == 0, s
+    assert s.stdout.count("PASS  limit-subscriptions") == 2, s.stdout
+    assert junit.read_text().count("<testcase") == 2
 
     user = short_tmp / "user.py"
     user.write_text(
