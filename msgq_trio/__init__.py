@@ -13,8 +13,9 @@ General layout (each layer imports only the ones above it):
   import ``msgq_trio.aio``).
 * ``msgq_trio.plugins`` / ``msgq_trio.storage`` - the plugins (durable queues, named pipes)
   and the queue's storage backends.
-* ``msgq_trio.ops`` / ``msgq_trio.scenario`` / ``msgq_trio.bench`` / ``msgq_trio.analytics`` -
-  operations, the fault runner, the benchmark, the Spark analytics.
+* ``msgq_trio.ops`` / ``msgq_trio.scenario`` / ``msgq_trio.analytics`` - operations, the
+  fault runner, the Spark analytics. The peer benchmark is not part of the package: it
+  lives in the repository's ``benchmarks/``.
 """
 
 from ._version import __version__

@@ -1,5 +1,5 @@
 """The reports' charts, drawn by matplotlib (the benchmark's plotting stack,
-``msgq_trio.bench.report.plot``) and inlined in the HTML as SVG, so a report stays one
+``benchmarks/report.py``'s ``plot``) and inlined in the HTML as SVG, so a report stays one
 self-contained file.
 
 Each chart is an ``<svg id=...>`` element; every plotted series is a group with id

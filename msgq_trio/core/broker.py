@@ -32,7 +32,7 @@ from .commands import BrokerCommands, Command, CommandError
 from .delivery import BROKER_LNAME, BROKER_STAMP, Delivery
 from .dispatch import Dispatcher
 from .effects import Effects
-from .peers import Buffer, Peer
+from .peers import Peer
 from .relay import Relays
 from .router import ANYCAST, Router
 from .rpc import Failure, PendingReplies
@@ -135,11 +135,6 @@ class Broker:
     def bindings(self) -> dict[str, Peer]:
         """group -> the peer bound to it (see :mod:`.relay`)."""
         return self.relays.bindings
-
-    def _enqueue(self, r: Peer, pieces: list[Buffer], fds: tuple[int, ...] = ()) -> bool:
-        # XX the name operations code (ops/capture.py) still calls; :attr:`enqueue` is the
-        # public one.
-        return self.delivery.enqueue(r, pieces, fds)
 
     # -- connection lifecycle -----------------------------------------------------------
     @property

@@ -967,7 +967,7 @@ class TapHub:
                 source=_BROKER_SOURCE,
             )
             dropped = 0
-            if self.core._enqueue(peer, pieces):
+            if self.core.enqueue(peer, pieces):
                 sink.sent += len(chunk)
                 self.written_total += len(chunk)
             else:
