@@ -88,40 +88,23 @@ def _resizer() -> Callable[[bytearray, int], None]:
 _resize = _resizer()
 
 
-def _bytes_maker() -> Callable[[int], tuple[bytes, memoryview]] | None:
-    """A maker of a new ``bytes`` of ``n`` bytes (``n`` > 0) together with a writable
-    view of its content, or None where that cannot be done (not CPython, no ctypes).
+def _new_body_py(n: int) -> tuple[bytes | bytearray, memoryview]:
+    """A buffer of ``n`` bytes (``n`` > 0) to receive a large body into, and a writable
+    view of it: the reference, a bytearray (:meth:`FrameParser.next_frame` copies it into
+    the ``bytes`` it hands out). Grown without writing, as for :func:`_resize`: a body
+    announced but not sent costs no resident memory.
 
-    Why: a client hands a byte-string body to the application as ``bytes``; received
-    into the frame's buffer, it would be copied once more into a ``bytes`` of its own
-    (a full pass over a multi-megabyte body). Receiving it straight into the ``bytes``
-    that will be handed out is what ``socket.recv`` does inside CPython
-    (``PyBytes_FromStringAndSize(NULL, n)``, then fill). The object is seen by no one
-    (and never hashed) until the parser releases the view and returns the frame.
+    The compiled ``_speedups.new_bytes`` returns the ``bytes`` itself, its view owned by
+    an object that keeps it alive, which saves that copy (a full pass over a
+    multi-megabyte body).
     """
-    try:
-        import ctypes
-
-        new = ctypes.pythonapi.PyBytes_FromStringAndSize
-    except (ImportError, AttributeError):
-        return None
-    new.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
-    new.restype = ctypes.py_object
-    # The content follows the object's fixed part (its last byte is the content's first).
-    offset = bytes.__basicsize__ - 1
-    probe = new(b"msgq", 4)
-    if ctypes.string_at(id(probe) + offset, 4) != b"msgq":
-        return None  # not the layout assumed: keep the copy
-
-    def make(n: int) -> tuple[bytes, memoryview]:
-        b: bytes = new(None, n)
-        view = memoryview((ctypes.c_ubyte * n).from_address(id(b) + offset)).cast("B")
-        return b, view
-
-    return make
+    buf = bytearray()
+    _resize(buf, n)
+    return buf, memoryview(buf)
 
 
-_new_bytes = _bytes_maker()
+#: :func:`_new_body_py`, or the compiled ``new_bytes`` (see :data:`SPEEDUPS`).
+_new_body: Callable[[int], tuple[bytes | bytearray, memoryview]] = _new_body_py
 #: :attr:`FrameParser.seen` bit: a frame declares descriptors (frame types are < 32).
 SEEN_FDS = 1 << 32
 _SEEN_ALL = (1 << 33) - 1  # after an error: make no claim about the frames returned
@@ -279,6 +262,8 @@ class Frame(NamedTuple):
 
         Raises:
             RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.
+            LocalProtocolError: the Frame was made by hand and its lengths put the body
+                outside ``raw``.
         """
         if self.large_body:
             return self.large_body
@@ -286,7 +271,14 @@ class Frame(NamedTuple):
         if not blen:
             return None
         raw = self.raw
-        start = self.tail + self.header_len
+        tail, hlen = self.tail, self.header_len
+        start = tail + hlen
+        if tail < 0 or hlen < 0 or blen < 0 or start + blen > len(raw):
+            # Never a parsed frame: one made by hand whose fields disagree with raw.
+            raise LocalProtocolError(
+                f"Frame fields put the body at {start}..{start + blen}, outside raw"
+                f" ({len(raw)} bytes): not a frame the parser made"
+            )
         ib = raw[start]
         if 0x40 <= ib <= 0x5A:
             # A definite-length byte string (the common binary body) is its head and a
@@ -756,11 +748,13 @@ class FrameParser:
     With ``own_bodies`` (a client's parser), a large frame whose body is one CBOR byte
     string of at least half of :data:`_LARGE_FRAME` and which has no blobs is received
     in two parts: the bytes up to the body's content in the frame buffer, the content
-    straight into the ``bytes`` that :meth:`Frame.body` returns (``Frame.large_body``),
-    saving a copy of the body. That ``bytes`` is allocated at the frame's full size
-    when the head has arrived, not grown with what arrives: only for a peer that sends
-    whole frames (a client's peer is the broker, which forwards a frame only once all of
-    it has arrived). The broker's parser keeps the growing buffer.
+    into a buffer of its own (``Frame.large_body`` once complete, which
+    :meth:`Frame.body` returns as it is). With the compiled fast paths that buffer is
+    the ``bytes`` handed out, which saves a copy of the body; the pure build copies its
+    bytearray into one when the frame is complete. That buffer is allocated at the
+    frame's full size when the head has arrived, not grown with what arrives: only for a
+    peer that sends whole frames (a client's peer is the broker, which forwards a frame
+    only once all of it has arrived). The broker's parser keeps the growing buffer.
     """
 
     __slots__ = (
@@ -787,7 +781,7 @@ class FrameParser:
         if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be in 1..{ABSOLUTE_MAX_FRAME_SIZE}")
         self.max_frame_size = max_frame_size
-        self.own_bodies = own_bodies and _new_bytes is not None
+        self.own_bodies = own_bodies
         self._buf = bytearray()
         self._pos = 0
         # A frame of at least _LARGE_FRAME bytes in progress: its buffer (len = capacity,
@@ -800,7 +794,7 @@ class FrameParser:
         # With own_bodies, a large frame received in two parts: _large holds exactly the
         # bytes before the body's content, which goes into _body through _body_view
         # (_large_fill counts both parts).
-        self._body: bytes | None = None
+        self._body: bytes | bytearray | None = None
         self._body_view: memoryview | None = None
         # The broker's splice of a large frame's rest (splice_rest): the bytes expected
         # outside the parser (-1: not for this frame, it fell back to unsplice), then what
@@ -1057,8 +1051,7 @@ class FrameParser:
         return start + h if h + n == blen else 0
 
     def _start_body(self, part: memoryview, total: int, head: int) -> None:
-        assert _new_bytes is not None
-        self._body, self._body_view = _new_bytes(total - head)
+        self._body, self._body_view = _new_body(total - head)
         self._large, self._large_fill, self._large_total = bytearray(part[:head]), head, total
         self._large_put(part[head:])
 
@@ -1089,6 +1082,8 @@ class FrameParser:
                 assert body is not None
                 self._body = self._body_view = None
                 view.release()  # no writable view of the bytes handed out is kept
+                if type(body) is not bytes:
+                    body = bytes(body)  # (the pure build's bytearray)
                 return self._parse(bytes(large), body)
             return self._parse(large)  # grown to at most the frame: exactly its bytes
         buf = self._buf
@@ -1270,7 +1265,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 5
+_SPEEDUPS_API = 6
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False
@@ -1288,7 +1283,7 @@ ready: Callable[[_T], Awaitable[_T]] = _ready_py
 
 
 def _use_speedups() -> bool:
-    global _scan_loop, encode_small_bytes, ready
+    global _scan_loop, encode_small_bytes, ready, _new_body
     if os.environ.get("MSGQ_TRIO_PURE_PYTHON", "") not in {"", "0"}:
         return False
     try:
@@ -1301,6 +1296,7 @@ def _use_speedups() -> bool:
     _scan_loop = _speedups.scan
     encode_small_bytes = _speedups.encode_small_bytes
     ready = _speedups.ready
+    _new_body = _speedups.new_bytes
     # A method descriptor of Frame, so frame.body() calls C without a Python frame.
     setattr(Frame, "body", _speedups.frame_body_method(Frame))  # noqa: B010
     return True

@@ -946,3 +946,23 @@ def test_a_receive_that_starts_a_large_frame_is_copied_once(own_bodies: bool) ->
     else:
         assert bytes(f.raw) == big and f.body() == _BIG_BODY
     assert after.body() == "after" and p.buffered == 0
+
+
+@pytest.mark.parametrize(
+    ("tail", "hlen", "blen"),
+    [
+        (2**62, 2**62, 5),
+        (2**63, 0, 1),
+        (64, 0, 1),
+        (0, 60, 5),
+        (-1, 0, 3),
+        (32, -40, 3),
+        (32, 0, -1),
+    ],
+)
+def test_body_of_a_hand_made_frame_outside_raw_is_refused(tail: int, hlen: int, blen: int) -> None:
+    """Frame is public: one made by hand whose lengths put the body outside ``raw`` gets
+    LocalProtocolError from body() (the caller's fault), in either build."""
+    f = Frame(3, 0, 0, "x", b"", 0, 0, hlen, blen, bytes(64), tail)
+    with pytest.raises(LocalProtocolError, match="outside raw"):
+        f.body()
