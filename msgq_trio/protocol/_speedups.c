@@ -180,12 +180,38 @@ typedef struct {
     PyObject *target, *source;
     const unsigned char *tbytes, *sbytes;
     Py_ssize_t tlen, slen;
+    /* The arguments of tuple.__new__(Frame, values) for make_frame, reused from frame to
+     * frame of one scan while no one else holds them: (values,), values a tuple of
+     * FRAME_FIELDS items (the last frame's, or NULL). */
+    PyObject *args;
 } Last;
 
 static void last_clear(Last *last)
 {
     Py_CLEAR(last->target);
     Py_CLEAR(last->source);
+    Py_CLEAR(last->args);
+}
+
+/* last->args ready to be filled: reused when only this scan holds it and its tuple (as
+ * tuple.__new__ leaves them: it keeps neither), else new. NULL with an error. */
+static PyObject *frame_args(Last *last)
+{
+    PyObject *args = last->args;
+    if (args != NULL && Py_REFCNT(args) == 1 && Py_REFCNT(PyTuple_GET_ITEM(args, 0)) == 1)
+        return PyTuple_GET_ITEM(args, 0);
+    Py_CLEAR(last->args);
+    PyObject *values = PyTuple_New(FRAME_FIELDS);
+    if (values == NULL)
+        return NULL;
+    args = PyTuple_New(1);
+    if (args == NULL) {
+        Py_DECREF(values);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(args, 0, values);
+    last->args = args;
+    return values;
 }
 
 /* The target of a frame whose target bytes are t[0:tlen] (a new reference); NULL with
@@ -255,20 +281,19 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
     for (int i = 0; i < FRAME_FIELDS; i++)
         if (items[i] == NULL)
             goto fail;
-    PyObject *values = PyTuple_New(FRAME_FIELDS);
+    PyObject *values = frame_args(last);
     if (values == NULL)
         goto fail;
-    for (int i = 0; i < FRAME_FIELDS; i++)
-        PyTuple_SET_ITEM(values, i, items[i]); /* (steals: values owns them now) */
+    for (int i = 0; i < FRAME_FIELDS; i++) {
+        /* (a tuple only this code holds: its items may be replaced) */
+        PyObject *old = PyTuple_GET_ITEM(values, i);
+        PyTuple_SET_ITEM(values, i, items[i]); /* steals: values owns it now */
+        Py_XDECREF(old);
+    }
     /* tuple.__new__(Frame, values), as the Python loop: the NamedTuple's own __new__ is a
      * Python function. Through the tuple constructor, not tp_alloc and stores: it sets
      * up whatever a tuple needs besides its items (the hash cache of newer CPythons). */
-    PyObject *args = PyTuple_Pack(1, values);
-    Py_DECREF(values);
-    if (args == NULL)
-        return NULL;
-    PyObject *frame = PyTuple_Type.tp_new(frame_type, args, NULL);
-    Py_DECREF(args);
+    PyObject *frame = PyTuple_Type.tp_new(frame_type, last->args, NULL);
     if (frame == NULL)
         return NULL;
     /* Every field is an int, str or bytes and fds is the empty tuple: this frame can be
@@ -331,7 +356,7 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t run_start = 0, run_n = 0, run_tstart = 0, run_tlen = 0;
     PyObject *run_target = NULL;
     int bad = 0;
-    Last last = {NULL, NULL, NULL, NULL, 0, 0};
+    Last last = {NULL, NULL, NULL, NULL, 0, 0, NULL};
 
     while (end - pos >= PREFIX_SIZE) {
         const unsigned char *p = b + pos;

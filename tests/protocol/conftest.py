@@ -8,14 +8,19 @@ extension only the pure build runs. test_speedups.py compares the two itself.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from msgq_trio.protocol import framing
 
+#: The builds to run, ``MSGQ_TRIO_TEST_BUILDS=compiled`` for the compiled one only (the
+#: sanitizer run, tests/protocol/sanitize.sh, which has nothing to check in pure Python).
+BUILDS = os.environ.get("MSGQ_TRIO_TEST_BUILDS", "pure,compiled").split(",")
 
-@pytest.fixture(scope="module", params=["pure", "compiled"], autouse=True)
+
+@pytest.fixture(scope="module", params=BUILDS, autouse=True)
 def codec_build(request: pytest.FixtureRequest) -> Iterator[str]:
     """Switch framing's fast-path hooks to one build for the module's tests."""
     if request.module.__name__.endswith("test_speedups"):
