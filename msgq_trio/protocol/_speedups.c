@@ -300,8 +300,8 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
      * in no reference cycle, so the cyclic collector need not track it. Thousands of
      * frames of one receive are alive at once, waiting for the application; tracked,
      * each collection of the youngest generation walks them and promotes them, and
-     * their promotion brings on full collections (measured: a third of a subscriber's
-     * CPU per message). A frame that gets descriptors is a new tuple (tracked). */
+     * their promotion brings on full collections, which then walk every frame waiting
+     * (BENCHMARKS.md "The collector"). A frame that gets descriptors is a new tuple (tracked). */
     PyObject_GC_UnTrack(frame);
     return frame;
 fail:
