@@ -9,6 +9,7 @@ import tracemalloc
 import cbor2
 import pytest
 
+from msgq_trio.protocol import frame as frame_module
 from msgq_trio.protocol import framing
 from msgq_trio.protocol.codes import ErrorCode, Flag, FrameType
 from msgq_trio.protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -677,7 +678,7 @@ def test_header_with_nested_values_is_decoded_afresh() -> None:
 def test_header_cache_is_bounded_and_large_frames_work() -> None:
     """Many distinct headers keep the cache at its cap; a large frame (assembled in a
     bytearray) decodes its header through the same path."""
-    for i in range(framing._HEADER_CACHE_MAX * 3):
+    for i in range(frame_module._HEADER_CACHE_MAX * 3):
         f = parse_one(
             join(
                 encode_frame(
@@ -689,7 +690,7 @@ def test_header_cache_is_bounded_and_large_frames_work() -> None:
             )
         )
         assert f.header() == {"cmd": f"c{i}"}
-        assert len(framing._header_cache) <= framing._HEADER_CACHE_MAX
+        assert len(frame_module._header_cache) <= frame_module._HEADER_CACHE_MAX
     body = encode_cbor(b"x" * (framing._LARGE_FRAME + 10))
     data = join(
         encode_frame(
