@@ -772,7 +772,8 @@ static PyObject *body_getter_call(PyObject *self, PyObject *const *args, size_t 
     if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
         return PyObject_Vectorcall(g->fallback, args, nargsf, kwnames);
     PyObject *obj = args[0];
-    if (Py_TYPE(obj) != g->cls || !ready())
+    /* (before init(), the Python getter: ready() would set an error to call it with) */
+    if (Py_TYPE(obj) != g->cls || frame_type == NULL)
         return PyObject_CallOneArg(g->fallback, obj);
     char *base = (char *)obj;
     PyObject **flag = (PyObject **)(base + g->flag_offset);

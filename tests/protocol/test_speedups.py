@@ -515,6 +515,24 @@ def test_body_getter_hands_anything_else_to_the_python_getter() -> None:
         _speedups.body_getter(Message, "_frame", "_nope", "_body", fallback)
 
 
+def test_body_getter_before_init_is_the_python_getter() -> None:
+    """Made before init() (a process with the pure build selected, where framing never
+    calls it), the getter calls its fallback cleanly, with no error pending."""
+    code = (
+        "from msgq_trio.protocol import _speedups\n"
+        "class M:\n"
+        "    __slots__ = ('_frame', '_decoded', '_body')\n"
+        "m = M(); m._frame, m._decoded, m._body = None, False, None\n"
+        "get = _speedups.body_getter(M, '_frame', '_decoded', '_body', lambda o: 'py')\n"
+        "print(get(m))\n"
+    )
+    env = {**os.environ, "MSGQ_TRIO_PURE_PYTHON": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert (done.returncode, done.stdout) == (0, "py\n"), done.stderr
+
+
 # -- ready ----------------------------------------------------------------------------------
 class _Done:
     """An async iterator whose ``__anext__`` is a plain function returning ready(...)."""
