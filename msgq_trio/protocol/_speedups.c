@@ -21,7 +21,15 @@
  *   body_getter(cls, frame_slot, decoded_slot, body_slot, fallback) -> a getter for
  *       property(): the cached body, or Frame.body of the frame slot, cached; anything
  *       else goes to fallback (the Python getter).
+ *   new_bytes(n) -> (bytes, memoryview): a new bytes of n bytes and a writable view of
+ *       its content that keeps it alive (framing._new_body_py, without its copy).
  *
+ * Memory safety: nothing here trusts a value it did not make. Frame fields are checked
+ * against raw before a byte is read, lengths are compared before they are added, slot
+ * offsets come from the class's own member descriptors, and init() checks the Frame
+ * layout the indices rely on. CI runs the protocol and client tests and a differential
+ * fuzz against the Python code with this file built under ASan and UBSan
+ * (tests/protocol/sanitize.sh).
  * init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py) is called
  * once by framing.py before any of these is used.
  */
@@ -34,7 +42,7 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 5
+#define SPEEDUPS_API 6
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
@@ -85,6 +93,34 @@ static int ready(void)
     return 1;
 }
 
+/* The fields of Frame in the order this file reads and writes them by index. */
+static const char *const frame_fields[FRAME_FIELDS] = {
+    "type", "flags", "request_id", "target", "source", "n_blobs", "n_fds",
+    "header_len", "body_len", "raw", "tail", "fds", "large_body", "spliced",
+};
+
+/* 0 if frame._fields is exactly frame_fields; -1 with a TypeError otherwise: make_frame
+ * builds FRAME_FIELDS items and frame_body reads items by index, so another layout
+ * would be wrong values or reads past the tuple. */
+static int check_fields(PyObject *frame)
+{
+    PyObject *fields = PyObject_GetAttrString(frame, "_fields");
+    if (fields == NULL)
+        return -1;
+    int ok = PyTuple_CheckExact(fields) && PyTuple_GET_SIZE(fields) == FRAME_FIELDS;
+    for (Py_ssize_t i = 0; ok && i < FRAME_FIELDS; i++) {
+        PyObject *name = PyTuple_GET_ITEM(fields, i);
+        ok = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, frame_fields[i]) == 0;
+    }
+    Py_DECREF(fields);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "init(): Frame._fields must be %d fields: type, ..., spliced",
+                     FRAME_FIELDS);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *init(PyObject *mod, PyObject *args)
 {
     PyObject *frame, *run, *mask, *body, *encode;
@@ -94,6 +130,12 @@ static PyObject *init(PyObject *mod, PyObject *args)
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)frame, &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "init(): Frame must be a tuple subclass");
+        return NULL;
+    }
+    if (check_fields(frame) < 0)
+        return NULL;
+    if (!PyCallable_Check(run) || !PyCallable_Check(body) || !PyCallable_Check(encode)) {
+        PyErr_SetString(PyExc_TypeError, "init(): Run and the fallbacks must be callable");
         return NULL;
     }
     uint64_t m = PyLong_AsUnsignedLongLong(mask);
@@ -138,12 +180,38 @@ typedef struct {
     PyObject *target, *source;
     const unsigned char *tbytes, *sbytes;
     Py_ssize_t tlen, slen;
+    /* The arguments of tuple.__new__(Frame, values) for make_frame, reused from frame to
+     * frame of one scan while no one else holds them: (values,), values a tuple of
+     * FRAME_FIELDS items (the last frame's, or NULL). */
+    PyObject *args;
 } Last;
 
 static void last_clear(Last *last)
 {
     Py_CLEAR(last->target);
     Py_CLEAR(last->source);
+    Py_CLEAR(last->args);
+}
+
+/* last->args ready to be filled: reused when only this scan holds it and its tuple (as
+ * tuple.__new__ leaves them: it keeps neither), else new. NULL with an error. */
+static PyObject *frame_args(Last *last)
+{
+    PyObject *args = last->args;
+    if (args != NULL && Py_REFCNT(args) == 1 && Py_REFCNT(PyTuple_GET_ITEM(args, 0)) == 1)
+        return PyTuple_GET_ITEM(args, 0);
+    Py_CLEAR(last->args);
+    PyObject *values = PyTuple_New(FRAME_FIELDS);
+    if (values == NULL)
+        return NULL;
+    args = PyTuple_New(1);
+    if (args == NULL) {
+        Py_DECREF(values);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(args, 0, values);
+    last->args = args;
+    return values;
 }
 
 /* The target of a frame whose target bytes are t[0:tlen] (a new reference); NULL with
@@ -210,22 +278,30 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
     items[11] = Py_NewRef(empty_tuple);
     items[12] = Py_NewRef(empty_bytes); /* large_body: only a client's large frames */
     items[13] = Py_NewRef(Py_None);     /* spliced: only the broker's large frames */
-    PyObject *frame = NULL;
     for (int i = 0; i < FRAME_FIELDS; i++)
         if (items[i] == NULL)
             goto fail;
-    /* tuple.__new__(Frame, items): the NamedTuple's own __new__ is a Python function. */
-    frame = frame_type->tp_alloc(frame_type, FRAME_FIELDS);
-    if (frame == NULL)
+    PyObject *values = frame_args(last);
+    if (values == NULL)
         goto fail;
-    for (int i = 0; i < FRAME_FIELDS; i++)
-        PyTuple_SET_ITEM(frame, i, items[i]);
+    for (int i = 0; i < FRAME_FIELDS; i++) {
+        /* (a tuple only this code holds: its items may be replaced) */
+        PyObject *old = PyTuple_GET_ITEM(values, i);
+        PyTuple_SET_ITEM(values, i, items[i]); /* steals: values owns it now */
+        Py_XDECREF(old);
+    }
+    /* tuple.__new__(Frame, values), as the Python loop: the NamedTuple's own __new__ is a
+     * Python function. Through the tuple constructor, not tp_alloc and stores: it sets
+     * up whatever a tuple needs besides its items (the hash cache of newer CPythons). */
+    PyObject *frame = PyTuple_Type.tp_new(frame_type, last->args, NULL);
+    if (frame == NULL)
+        return NULL;
     /* Every field is an int, str or bytes and fds is the empty tuple: this frame can be
      * in no reference cycle, so the cyclic collector need not track it. Thousands of
      * frames of one receive are alive at once, waiting for the application; tracked,
      * each collection of the youngest generation walks them and promotes them, and
-     * their promotion brings on full collections (measured: a third of a subscriber's
-     * CPU per message). A frame that gets descriptors is a new tuple (tracked). */
+     * their promotion brings on full collections, which then walk every frame waiting
+     * (BENCHMARKS.md "The collector"). A frame that gets descriptors is a new tuple (tracked). */
     PyObject_GC_UnTrack(frame);
     return frame;
 fail:
@@ -280,7 +356,7 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t run_start = 0, run_n = 0, run_tstart = 0, run_tlen = 0;
     PyObject *run_target = NULL;
     int bad = 0;
-    Last last = {NULL, NULL, NULL, NULL, 0, 0};
+    Last last = {NULL, NULL, NULL, NULL, 0, 0, NULL};
 
     while (end - pos >= PREFIX_SIZE) {
         const unsigned char *p = b + pos;
@@ -290,13 +366,14 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         uint32_t nblobs = be16(p + 10), nfds = be16(p + 12), reserved = be16(p + 14);
         uint64_t rid = be64(p + 16);
         uint32_t hlen = be32(p + 24), blen = be32(p + 28);
-        Py_ssize_t total = 4 + (Py_ssize_t)length;
         if ((long long)length > limit || nblobs || ftype >= 64 ||
             !((valid_mask >> ftype) & 1) || reserved ||
             (uint64_t)FIXED_AFTER_LENGTH + tlen + slen + hlen + blen != length)
             break; /* anything unusual (or an error) takes the careful path */
-        if (end - pos < total)
+        /* Compared before 4 + length is formed: a Py_ssize_t of 32 bits cannot hold it. */
+        if ((uint64_t)(end - pos) - 4 < (uint64_t)length)
             break;
+        const Py_ssize_t total = 4 + (Py_ssize_t)length; /* <= end - pos: no overflow */
         seen |= (1ULL << ftype) | (nfds ? SEEN_FDS : 0);
         Py_ssize_t tstart = pos + PREFIX_SIZE;
         if (slen == slen_run && ftype == message_type && !nfds && tlen &&
@@ -384,10 +461,14 @@ static PyObject *frame_body(PyObject *self, PyObject *unused)
                 return PyObject_CallOneArg(body_py, self);
             if (blen == 0)
                 Py_RETURN_NONE;
-            long long start = tail + hlen, size = PyBytes_GET_SIZE(raw);
+            const long long size = PyBytes_GET_SIZE(raw);
             const unsigned char *r = (const unsigned char *)PyBytes_AS_STRING(raw);
-            /* Only a frame whose body lies inside raw (as every parsed frame's does). */
-            if (blen > 0 && tail >= 0 && hlen >= 0 && start + blen <= size) {
+            /* Only a frame whose body lies inside raw (as every parsed frame's does); any
+             * other is the Python method's, which raises. Each bound is checked apart, by
+             * subtraction: a sum of hand-made lengths can overflow. */
+            if (blen > 0 && tail >= 0 && hlen >= 0 && tail <= size && hlen <= size - tail &&
+                blen <= size - tail - hlen) {
+                const long long start = tail + hlen;
                 unsigned ib = r[start];
                 if (ib >= 0x40 && ib <= 0x5A) {
                     long long h = 0, n = -1;
@@ -476,7 +557,8 @@ static PyObject *encode_small_bytes(PyObject *mod, PyObject *const *args, size_t
     }
     unsigned long long blen = (unsigned long long)hl + (unsigned long long)n;
     unsigned long long length = FIXED_AFTER_LENGTH + (unsigned long long)tl + sl + blen;
-    if (blen > 0xFFFFFFFFULL || length > 0xFFFFFFFFULL)
+    if (blen > 0xFFFFFFFFULL || length > 0xFFFFFFFFULL ||
+        length > (unsigned long long)PY_SSIZE_T_MAX - 4)
         goto slow;
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 + length));
     if (out == NULL)
@@ -580,7 +662,9 @@ static PyTypeObject MakerType = {
     .tp_doc = "A constructor made by slot_maker().",
 };
 
-/* The offset of the object slot `name` of `cls` (a member descriptor of cls itself). */
+/* The offset of the object slot `name` of `cls`: a member descriptor made for cls
+ * itself. One of another class (assigned to an attribute of cls after its creation) has
+ * an offset into that class's instances, maybe past the end of cls's. */
 static Py_ssize_t slot_offset(PyTypeObject *cls, PyObject *name)
 {
     PyObject *descr = PyDict_GetItemWithError(cls->tp_dict, name);
@@ -591,12 +675,23 @@ static Py_ssize_t slot_offset(PyTypeObject *cls, PyObject *name)
         return -1;
     }
     if (!Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
-        ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+        ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX ||
+        PyDescr_TYPE(descr) != cls) {
         PyErr_Format(PyExc_TypeError, "slot_maker(): %R is not an object slot of %s", name,
                      cls->tp_name);
         return -1;
     }
     return ((PyMemberDescrObject *)descr)->d_member->offset;
+}
+
+/* 1 if offset is among the n of offsets (a slot named twice would be set twice, and
+ * its first reference lost). */
+static int offset_taken(const Py_ssize_t *offsets, Py_ssize_t n, Py_ssize_t offset)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (offsets[i] == offset)
+            return 1;
+    return 0;
 }
 
 static PyObject *slot_maker(PyObject *mod, PyObject *args)
@@ -628,6 +723,8 @@ static PyObject *slot_maker(PyObject *mod, PyObject *args)
         Py_ssize_t off = slot_offset(t, PyTuple_GET_ITEM(names, i));
         if (off < 0)
             goto fail;
+        if (offset_taken(mk->arg_offset, mk->nargs, off))
+            goto twice;
         mk->arg_offset[mk->nargs++] = off;
     }
     Py_ssize_t it = 0;
@@ -636,11 +733,16 @@ static PyObject *slot_maker(PyObject *mod, PyObject *args)
         Py_ssize_t off = slot_offset(t, key);
         if (off < 0)
             goto fail;
+        if (offset_taken(mk->arg_offset, mk->nargs, off) ||
+            offset_taken(mk->fixed_offset, mk->nfixed, off))
+            goto twice;
         mk->fixed_offset[mk->nfixed] = off;
         mk->fixed[mk->nfixed++] = Py_NewRef(value);
     }
     PyObject_GC_Track(mk);
     return (PyObject *)mk;
+twice:
+    PyErr_Format(PyExc_ValueError, "slot_maker(): a slot of %s is named twice", t->tp_name);
 fail:
     PyObject_GC_Track(mk);
     Py_DECREF(mk);
@@ -670,7 +772,8 @@ static PyObject *body_getter_call(PyObject *self, PyObject *const *args, size_t 
     if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
         return PyObject_Vectorcall(g->fallback, args, nargsf, kwnames);
     PyObject *obj = args[0];
-    if (Py_TYPE(obj) != g->cls || !ready())
+    /* (before init(), the Python getter: ready() would set an error to call it with) */
+    if (Py_TYPE(obj) != g->cls || frame_type == NULL)
         return PyObject_CallOneArg(g->fallback, obj);
     char *base = (char *)obj;
     PyObject **flag = (PyObject **)(base + g->flag_offset);
@@ -757,7 +860,8 @@ static PyObject *body_getter(PyObject *mod, PyObject *args)
  * ready(value): an awaitable that is already done, ``await ready(v)`` being ``v``; for an
  * ``__anext__`` written as a plain function that has its value at once (a message
  * waiting), where a coroutine object per call would cost more than the rest of the call.
- * No GC support: it holds one reference, to an object that cannot refer back to it.
+ * A GC type: the value is anything, and may refer back to the awaitable (a value that
+ * keeps it in an attribute), a cycle only the collector can free.
  */
 typedef struct {
     PyObject_HEAD
@@ -768,30 +872,54 @@ static PyTypeObject ReadyType;
 
 static PyObject *ready_new(PyObject *mod, PyObject *value)
 {
-    Ready *r = PyObject_New(Ready, &ReadyType);
+    Ready *r = PyObject_GC_New(Ready, &ReadyType);
     if (r == NULL)
         return NULL;
     r->value = Py_NewRef(value);
+    PyObject_GC_Track(r);
     return (PyObject *)r;
 }
 
-static void ready_dealloc(PyObject *self)
+static int ready_traverse(PyObject *self, visitproc visit, void *arg)
 {
-    Py_XDECREF(((Ready *)self)->value);
-    PyObject_Free(self);
+    Py_VISIT(((Ready *)self)->value);
+    return 0;
+}
+
+static int ready_clear(PyObject *self)
+{
+    Py_CLEAR(((Ready *)self)->value);
+    return 0;
 }
 
 static PyObject *ready_await(PyObject *self) { return Py_NewRef(self); }
 
+/* The value; NULL with an error once the collector cleared it (a cycle being freed). */
+static PyObject *ready_value(PyObject *self)
+{
+    PyObject *value = ((Ready *)self)->value;
+    if (value == NULL)
+        PyErr_SetString(PyExc_RuntimeError, "ready(): the awaitable was cleared");
+    return value;
+}
+
 static PySendResult ready_am_send(PyObject *self, PyObject *arg, PyObject **result)
 {
-    *result = Py_NewRef(((Ready *)self)->value);
+    PyObject *value = ready_value(self);
+    if (value == NULL) {
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
+    *result = Py_NewRef(value);
     return PYGEN_RETURN;
 }
 
 static PyObject *ready_stop(PyObject *self)
 {
-    PyObject *exc = PyObject_CallOneArg(PyExc_StopIteration, ((Ready *)self)->value);
+    PyObject *value = ready_value(self);
+    if (value == NULL)
+        return NULL;
+    PyObject *exc = PyObject_CallOneArg(PyExc_StopIteration, value);
     if (exc == NULL)
         return NULL;
     PyErr_SetObject(PyExc_StopIteration, exc);
@@ -835,14 +963,85 @@ static PyTypeObject ReadyType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "msgq_trio.protocol._speedups.Ready",
     .tp_basicsize = sizeof(Ready),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_as_async = &ready_async,
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = ready_stop,
     .tp_methods = ready_methods,
-    .tp_dealloc = ready_dealloc,
+    .tp_traverse = ready_traverse,
+    .tp_clear = ready_clear,
+    .tp_dealloc = gc_dealloc,
     .tp_doc = "An awaitable already done (see ready()).",
 };
+
+/*
+ * new_bytes(n): a bytes object of n bytes not yet written, with a writable memoryview of
+ * its content for the parser to receive a large body into. CPython itself fills a new
+ * bytes in place before anyone sees it (socket.recv: PyBytes_FromStringAndSize(NULL, n),
+ * then a read into it); here the filling takes several receives, so the view's exporter
+ * (a Writer) holds a reference to the bytes: the view never outlives what it writes
+ * into. The parser hands the bytes out only once every byte has been written, and
+ * releases its view first; no one hashes it before (the hash is computed on first use).
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *bytes;
+} Writer;
+
+static int writer_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    PyObject *b = ((Writer *)self)->bytes;
+    return PyBuffer_FillInfo(view, self, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), 0, flags);
+}
+
+static void writer_dealloc(PyObject *self)
+{
+    Py_XDECREF(((Writer *)self)->bytes);
+    PyObject_Free(self);
+}
+
+static PyBufferProcs writer_as_buffer = {.bf_getbuffer = writer_getbuffer};
+
+/* No GC support: its one reference is to a bytes, which refers to nothing. */
+static PyTypeObject WriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "msgq_trio.protocol._speedups.BytesWriter",
+    .tp_basicsize = sizeof(Writer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_as_buffer = &writer_as_buffer,
+    .tp_dealloc = writer_dealloc,
+    .tp_doc = "The exporter of new_bytes()'s writable view.",
+};
+
+static PyObject *new_bytes(PyObject *mod, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "new_bytes(): the size must be positive");
+        return NULL;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
+    if (b == NULL)
+        return NULL;
+    Writer *w = PyObject_New(Writer, &WriterType);
+    if (w == NULL) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    w->bytes = Py_NewRef(b);
+    PyObject *view = PyMemoryView_FromObject((PyObject *)w);
+    Py_DECREF(w);
+    if (view == NULL) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    PyObject *res = PyTuple_Pack(2, b, view);
+    Py_DECREF(b);
+    Py_DECREF(view);
+    return res;
+}
 
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)init, METH_VARARGS,
@@ -858,33 +1057,40 @@ static PyMethodDef methods[] = {
     {"ready", (PyCFunction)ready_new, METH_O, "ready(value) -> an awaitable done with value"},
     {"body_getter", (PyCFunction)body_getter, METH_VARARGS,
      "body_getter(cls, frame_slot, decoded_slot, body_slot, fallback) -> a property getter"},
+    {"new_bytes", (PyCFunction)new_bytes, METH_O,
+     "new_bytes(n) -> (bytes, memoryview): a new bytes and a writable view of it"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_speedups",
-    "Optional compiled fast paths of msgq_trio.protocol.framing (the Python code is the "
-    "reference).",
-    -1, methods,
+/* Multi-phase initialization (PEP 489). The state set by init() is the process's, not
+ * the module object's: frame_body is a method of Frame, which reaches no module. One
+ * interpreter imports this once; framing.py calls init() with the same values again
+ * for a second module object. */
+static int module_exec(PyObject *m)
+{
+    if (empty_tuple == NULL && (empty_tuple = PyTuple_New(0)) == NULL)
+        return -1;
+    if (empty_bytes == NULL && (empty_bytes = PyBytes_FromStringAndSize(NULL, 0)) == NULL)
+        return -1;
+    if (PyType_Ready(&MakerType) < 0 || PyType_Ready(&BodyGetterType) < 0 ||
+        PyType_Ready(&ReadyType) < 0 || PyType_Ready(&WriterType) < 0)
+        return -1;
+    return PyModule_AddIntConstant(m, "API", SPEEDUPS_API);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
 };
 
-PyMODINIT_FUNC PyInit__speedups(void)
-{
-    empty_tuple = PyTuple_New(0);
-    if (empty_tuple == NULL)
-        return NULL;
-    empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
-    if (empty_bytes == NULL)
-        return NULL;
-    if (PyType_Ready(&MakerType) < 0 || PyType_Ready(&BodyGetterType) < 0 ||
-        PyType_Ready(&ReadyType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    if (PyModule_AddIntConstant(m, "API", SPEEDUPS_API) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_speedups",
+    .m_doc = "Optional compiled fast paths of msgq_trio.protocol.framing (the Python code is "
+             "the reference).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = module_slots,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) { return PyModuleDef_Init(&module); }

@@ -1,61 +1,80 @@
-"""Frame layout: encoding frames to bytes and parsing a byte stream back into frames.
+"""Parsing a byte stream into frames (:class:`FrameParser`), and the one place that
+chooses between the pure-Python code and the optional compiled fast paths
+(``_speedups.c``, :data:`SPEEDUPS`).
 
-Every frame is a fixed 32-byte prefix followed by variable sections (docs/PROTOCOL.md):
-
-    offset size  field
-    0      4     length      u32 BE, bytes that follow this field (so frame size = 4 + length)
-    4      1     type        FrameType
-    5      1     flags       Flag bits
-    6      2     target_len  u16 BE
-    8      2     source_len  u16 BE (0 from clients; the broker stamps the true sender)
-    10     2     n_blobs     u16 BE, binary attachments in this frame
-    12     2     n_fds       u16 BE, file descriptors sent alongside (SCM_RIGHTS)
-    14     2     reserved    must be 0
-    16     8     request_id  u64 BE, 0 = none
-    24     4     header_len  u32 BE, CBOR map (may be 0 bytes = empty map)
-    28     4     body_len    u32 BE, CBOR value (may be 0 bytes = None)
-    32     ...   target (UTF-8) | source | header | body | n_blobs x u32 BE blob lengths | blobs
-
-Routing needs only the prefix and the target, so the broker never decodes a body, and
-re-stamping the sender copies only the prefix: the tail (header onwards) is forwarded as is.
+The frame code is in modules with one job each, all re-exported here, where the rest of
+the package imports them from: the wire layout (layout.py), the frame and run types and
+their decoding (frame.py), the encoders (encode.py) and the broker's stamping
+(stamping.py). The hooks the compiled build replaces live here (``_scan_loop``,
+``_new_body``, ``encode_small_bytes``, ``ready``, ``Frame.body``).
 This module is sans-I/O: bytes in, frames out.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import struct
-from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple, NoReturn, Protocol, TypeVar
-
-import cbor2
+from collections.abc import Awaitable, Callable
+from typing import NoReturn, TypeVar
 
 from .codes import ErrorCode, FrameType
+from .encode import (
+    _encode_small_bytes_py,
+    cbor_bytes_head,
+    encode_bytes_message,
+    encode_frame,
+    encode_simple,
+)
 from .errors import LocalProtocolError, RemoteProtocolError
+from .frame import (
+    FdBuffer,
+    Frame,
+    Run,
+    SplicedRest,
+    close_fds,
+    decode_cbor,
+    encode_cbor,
+)
+from .layout import (
+    _FIXED_AFTER_LENGTH,
+    _LARGE_FRAME,
+    _MESSAGE,
+    _VALID_TYPES,
+    ABSOLUTE_MAX_FRAME_SIZE,
+    DEFAULT_MAX_FRAME_SIZE,
+    PREFIX,
+    PREFIX_SIZE,
+)
+from .stamping import restamp, stamped
+
+__all__ = [
+    "ABSOLUTE_MAX_FRAME_SIZE",
+    "DEFAULT_MAX_FRAME_SIZE",
+    "PREFIX",
+    "PREFIX_SIZE",
+    "SEEN_FDS",
+    "SPEEDUPS",
+    "FdBuffer",
+    "Frame",
+    "FrameParser",
+    "Run",
+    "SplicedRest",
+    "body_getter",
+    "cbor_bytes_head",
+    "close_fds",
+    "decode_cbor",
+    "encode_bytes_message",
+    "encode_cbor",
+    "encode_frame",
+    "encode_simple",
+    "encode_small_bytes",
+    "ready",
+    "restamp",
+    "slot_maker",
+    "stamped",
+]
 
 _T = TypeVar("_T")
-
-PREFIX = struct.Struct(">IBBHHHHHQII")
-PREFIX_SIZE = PREFIX.size  # 32
-#: Bytes of the prefix counted by ``length`` (everything after the length field itself).
-_FIXED_AFTER_LENGTH = PREFIX_SIZE - 4
-_BLOB_LEN = struct.Struct(">I")
-
-#: Default maximum frame size. 64 MiB: configuration pushes carry multi-megabyte
-#: snippets (a server with millions of zones); dbus-daemon allows 128 MiB messages,
-#: NATS 64 MiB max_payload.
-DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
-#: The u32 length field bounds any configured maximum.
-ABSOLUTE_MAX_FRAME_SIZE = 0xFFFFFFFF
-#: Frames at least this big are assembled in a buffer of their own instead of the shared
-#: receive buffer, so a multi-megabyte frame is not moved again with every chunk. That
-#: buffer grows with the bytes that actually arrive, never from the claimed length: its
-#: size is at most max(_LARGE_FRAME, 2 x the bytes received), and the part not yet
-#: received is never written (see _resize), so its pages cost no resident memory: a
-#: client that announces 64 MiB and sends 1 byte costs about 1 page (scenario
-#: near-max-length-prefixes).
-_LARGE_FRAME = 256 * 1024
 
 
 def _resize_by_writing(buf: bytearray, size: int) -> None:
@@ -88,560 +107,33 @@ def _resizer() -> Callable[[bytearray, int], None]:
 _resize = _resizer()
 
 
-def _bytes_maker() -> Callable[[int], tuple[bytes, memoryview]] | None:
-    """A maker of a new ``bytes`` of ``n`` bytes (``n`` > 0) together with a writable
-    view of its content, or None where that cannot be done (not CPython, no ctypes).
+def _new_body_py(n: int) -> tuple[bytes | bytearray, memoryview]:
+    """A buffer of ``n`` bytes (``n`` > 0) to receive a large body into, and a writable
+    view of it: the reference, a bytearray (:meth:`FrameParser.next_frame` copies it into
+    the ``bytes`` it hands out). Grown without writing, as for :func:`_resize`: a body
+    announced but not sent costs no resident memory.
 
-    Why: a client hands a byte-string body to the application as ``bytes``; received
-    into the frame's buffer, it would be copied once more into a ``bytes`` of its own
-    (a full pass over a multi-megabyte body). Receiving it straight into the ``bytes``
-    that will be handed out is what ``socket.recv`` does inside CPython
-    (``PyBytes_FromStringAndSize(NULL, n)``, then fill). The object is seen by no one
-    (and never hashed) until the parser releases the view and returns the frame.
+    The compiled ``_speedups.new_bytes`` returns the ``bytes`` itself, its view owned by
+    an object that keeps it alive, which saves that copy (a full pass over a
+    multi-megabyte body).
     """
-    try:
-        import ctypes
-
-        new = ctypes.pythonapi.PyBytes_FromStringAndSize
-    except (ImportError, AttributeError):
-        return None
-    new.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
-    new.restype = ctypes.py_object
-    # The content follows the object's fixed part (its last byte is the content's first).
-    offset = bytes.__basicsize__ - 1
-    probe = new(b"msgq", 4)
-    if ctypes.string_at(id(probe) + offset, 4) != b"msgq":
-        return None  # not the layout assumed: keep the copy
-
-    def make(n: int) -> tuple[bytes, memoryview]:
-        b: bytes = new(None, n)
-        view = memoryview((ctypes.c_ubyte * n).from_address(id(b) + offset)).cast("B")
-        return b, view
-
-    return make
+    buf = bytearray()
+    _resize(buf, n)
+    return buf, memoryview(buf)
 
 
-_new_bytes = _bytes_maker()
-#: :attr:`FrameParser.seen` bit: a frame declares descriptors (frame types are < 32).
+#: :func:`_new_body_py`, or the compiled ``new_bytes`` (see :data:`SPEEDUPS`).
+_new_body: Callable[[int], tuple[bytes | bytearray, memoryview]] = _new_body_py
 SEEN_FDS = 1 << 32
 _SEEN_ALL = (1 << 33) - 1  # after an error: make no claim about the frames returned
-_VALID_TYPES = frozenset(int(t) for t in FrameType)
-_MESSAGE = int(FrameType.MESSAGE)
-_U16 = 0xFFFF
-
-
-class FdBuffer(bytes):
-    """The first bytes of a frame to be sent together with file descriptors (SCM_RIGHTS).
-
-    Writers start a new sendmsg at every FdBuffer, so the descriptors travel with the
-    first byte of the frame that declares them. Whoever holds an FdBuffer owns ``fds``
-    and must close them once sent or dropped.
-    """
-
-    fds: tuple[int, ...]
-
-    def __new__(cls, data: bytes, fds: tuple[int, ...]) -> FdBuffer:
-        self = super().__new__(cls, data)
-        self.fds = fds
-        return self
-
-
-def close_fds(fds: Sequence[int]) -> None:
-    """Close descriptors we own (an :class:`FdBuffer`'s, a received frame's), ignoring
-    ones already closed. The one copy for every layer: plain ``os.close``, no I/O loop."""
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-#: Decoded small headers by their encoded bytes (see Frame.header): bounded by count and
-#: item size, cleared when full, so any traffic costs O(1) memory here.
-_HEADER_CACHE_MAX = 256
-_HEADER_CACHE_ITEM = 64
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-_header_cache: dict[bytes, dict[str, object]] = {}
 
 
 #: The frame types whose large bodies the broker may splice: one-way, routed on the head.
 _SPLICE_TYPES = frozenset({FrameType.MESSAGE, FrameType.NOTIFY})
 
 
-class SplicedRest(Protocol):
-    """The rest of a large frame that the broker's I/O layer holds outside the process
-    (``transport/splice.PipeTail``). The protocol and the core only size, route and
-    release it; they never read it."""
-
-    #: Set by the core once a receiver's queue holds it: its owner is that queue then.
-    taken: bool
-    #: The bytes once :meth:`materialize` brought them in, else None.
-    data: bytes | None
-
-    def __len__(self) -> int: ...
-
-    def piece(self) -> object:
-        """What goes into a receiver's outgoing queue for it."""
-        ...
-
-    def materialize(self) -> None:
-        """Bring the bytes into memory: :meth:`piece` then returns ``bytes``, which
-        any number of receivers may share (one receiver only, before)."""
-        ...
-
-    def close(self) -> None:
-        """Release what it holds (idempotent)."""
-        ...
-
-
-class Frame(NamedTuple):
-    """One parsed frame. Value type: never mutate ``raw``.
-
-    ``raw`` is the whole frame as received (prefix included); the sections are views
-    into it computed on demand, so routing a frame costs no copies of its payload.
-    Exception: a client's parser receives a large byte-string body straight into a
-    ``bytes`` of its own (``large_body``, see :class:`FrameParser`); ``raw`` then ends
-    with the body's CBOR head, and the frame's size is
-    ``len(raw) + len(large_body)``.
-    """
-
-    type: int
-    flags: int
-    request_id: int
-    target: str
-    source: bytes
-    n_blobs: int
-    n_fds: int
-    header_len: int
-    body_len: int
-    raw: bytes | bytearray
-    #: Offset in ``raw`` where the header starts (everything from here on is the "tail").
-    tail: int
-    #: File descriptors that came with this frame (``n_fds`` of them), attached by
-    #: :class:`~msgq_trio.protocol.connection.Connection`; their owner must close them.
-    fds: tuple[int, ...] = ()
-    #: The body's payload (a CBOR byte string's content) when the parser received it
-    #: into its own ``bytes``; empty otherwise. :meth:`body` returns it as it is.
-    large_body: bytes = b""
-    #: The broker's large frames only: the frame's last bytes, held outside the process
-    #: (spliced into pipes, see :class:`SplicedRest`); ``raw`` ends where they start.
-    spliced: SplicedRest | None = None
-
-    @property
-    def wire_size(self) -> int:
-        """The frame's size on the wire (prefix included)."""
-        n = len(self.raw) + len(self.large_body)
-        return n + len(self.spliced) if self.spliced is not None else n
-
-    @property
-    def header_bytes(self) -> memoryview:
-        return memoryview(self.raw)[self.tail : self.tail + self.header_len]
-
-    @property
-    def body_bytes(self) -> memoryview:
-        start = self.tail + self.header_len
-        if self.large_body:
-            # (a copy: only for a caller that wants the encoded section itself)
-            return memoryview(bytes(memoryview(self.raw)[start:]) + self.large_body)
-        return memoryview(self.raw)[start : start + self.body_len]
-
-    def header(self) -> dict[str, object]:
-        """Decode the CBOR header (an empty section means an empty map).
-
-        Raises:
-            RemoteProtocolError: the header is not a CBOR map or has trailing bytes.
-        """
-        hlen = self.header_len
-        if not hlen:
-            return {}
-        key = b""
-        if hlen <= _HEADER_CACHE_ITEM:
-            # Small headers repeat ({"cmd": "echo"} on every call): a cache hit costs a
-            # slice and a dict copy instead of a decode (0.4 vs 3 us here).
-            part = self.raw[self.tail : self.tail + hlen]
-            # A large frame's raw is a bytearray, whose slices cannot be dict keys.
-            key = part if isinstance(part, bytes) else bytes(part)
-            hit = _header_cache.get(key)
-            if hit is not None:
-                return dict(hit)
-        value = decode_cbor(self.header_bytes, "header")
-        if not isinstance(value, dict):
-            raise RemoteProtocolError("frame header is not a CBOR map")
-        if key and all(type(v) in _SCALARS for v in value.values()):
-            # Only maps of scalars: the copy handed out is then as good as a fresh decode.
-            if len(_header_cache) >= _HEADER_CACHE_MAX:
-                _header_cache.clear()
-            _header_cache[key] = dict(value)
-        return value
-
-    def body(self) -> object:
-        """Decode the CBOR body (an empty section means ``None``).
-
-        Raises:
-            RemoteProtocolError: the body is not well-formed CBOR or has trailing bytes.
-        """
-        if self.large_body:
-            return self.large_body
-        blen = self.body_len
-        if not blen:
-            return None
-        raw = self.raw
-        start = self.tail + self.header_len
-        ib = raw[start]
-        if 0x40 <= ib <= 0x5A:
-            # A definite-length byte string (the common binary body) is its head and a
-            # slice: no decoder needed (0.2 vs 1.4 us per 100-byte body). The length must
-            # fill the section exactly, as for any body; anything else goes to cbor2.
-            if ib < 0x58:
-                h, n = 1, ib - 0x40
-            elif blen >= 1 + (k := 1 << (ib - 0x58)):
-                h, n = 1 + k, int.from_bytes(raw[start + 1 : start + 1 + k], "big")
-            else:
-                h, n = 0, -1
-            if h + n == blen:
-                if type(raw) is bytes:
-                    return raw[start + h : start + blen]
-                # A large frame's raw is a bytearray: slicing it would copy once into a
-                # bytearray and bytes() again; through a memoryview it is one copy.
-                return bytes(memoryview(raw)[start + h : start + blen])
-        if blen < _LARGE_FRAME and type(raw) is bytes:
-            # Small bodies decode in place: BytesIO over bytes shares the buffer, so no
-            # slice is copied (measured 1.4 vs 1.9 us per 100-byte body). Large ones
-            # decode faster from a memoryview slice.
-            buf = io.BytesIO(raw)
-            buf.seek(start)
-            try:
-                value = cbor2.load(buf)
-            except Exception as exc:  # cbor2 raises several unrelated types on bad input
-                raise RemoteProtocolError(f"malformed CBOR in frame body: {exc}") from exc
-            if buf.tell() != start + self.body_len:
-                raise RemoteProtocolError("CBOR body does not fill its section exactly")
-            return value
-        return decode_cbor(self.body_bytes, "body")
-
-    def blobs(self) -> list[memoryview]:
-        """The binary attachments, as views into ``raw`` (no copies)."""
-        if not self.n_blobs:
-            return []
-        pos = self.tail + self.header_len + self.body_len
-        view = memoryview(self.raw)
-        lens = struct.unpack_from(f">{self.n_blobs}I", self.raw, pos)
-        pos += 4 * self.n_blobs
-        out = []
-        for n in lens:
-            out.append(view[pos : pos + n])
-            pos += n
-        return out
-
-
-class Run:
-    """Consecutive MESSAGE frames from one sender to one target, as one buffer.
-
-    Made by :meth:`FrameParser.frames_and_runs` only for frames that already carry the
-    stamp the broker would give them, no descriptors and no blobs, so ``raw`` (the frames
-    back to back, exactly as received) can be forwarded unchanged. Has the attributes of
-    :class:`Frame` that the connection's state table and descriptor accounting read.
-    """
-
-    __slots__ = ("count", "raw", "target")
-
-    type = FrameType.MESSAGE
-    n_fds = 0
-    fds: tuple[int, ...] = ()
-    large_body = b""
-    spliced = None
-
-    def __init__(self, target: str, raw: bytes, count: int) -> None:
-        self.target = target
-        self.raw = raw
-        self.count = count
-
-    def __repr__(self) -> str:
-        return f"<Run to {self.target!r}: {self.count} frames, {len(self.raw)} bytes>"
-
-    @property
-    def wire_size(self) -> int:
-        """The run's size on the wire."""
-        return len(self.raw)
-
-    def frames(self) -> list[Frame]:
-        """The run as one :class:`Frame` per message (its frames were checked already)."""
-        raw = self.raw
-        out = []
-        pos = 0
-        while pos < len(raw):
-            (length, ftype, flags, tlen, slen, _nb, _nf, _r, rid, hlen, blen) = PREFIX.unpack_from(
-                raw, pos
-            )
-            one = raw[pos : pos + 4 + length]
-            pos += 4 + length
-            tend = PREFIX_SIZE + tlen
-            out.append(
-                Frame(
-                    ftype,
-                    flags,
-                    rid,
-                    self.target,
-                    one[tend : tend + slen],
-                    0,
-                    0,
-                    hlen,
-                    blen,
-                    one,
-                    tend + slen,
-                )
-            )
-        return out
-
-
-def decode_cbor(data: bytes | memoryview, what: str) -> object:
-    """Decode exactly one CBOR item; trailing bytes are a protocol error.
-
-    cbor2.loads() silently ignores trailing bytes, so the length is checked here.
-    """
-    buf = io.BytesIO(data)
-    try:
-        value = cbor2.load(buf)
-    except Exception as exc:  # cbor2 raises several unrelated types on bad input
-        raise RemoteProtocolError(f"malformed CBOR in frame {what}: {exc}") from exc
-    if buf.tell() != len(data):
-        raise RemoteProtocolError(f"trailing bytes after CBOR {what}")
-    return value
-
-
-def encode_cbor(value: object) -> bytes:
-    try:
-        return cbor2.dumps(value)
-    except Exception as exc:
-        raise LocalProtocolError(f"value cannot be encoded as CBOR: {exc}") from exc
-
-
-def encode_frame(
-    type: int,
-    *,
-    target: str = "",
-    request_id: int = 0,
-    flags: int = 0,
-    header: bytes = b"",
-    body: bytes = b"",
-    blobs: Sequence[bytes | bytearray | memoryview] = (),
-    source: bytes = b"",
-    n_fds: int = 0,
-) -> list[bytes | bytearray | memoryview]:
-    """Build one frame from already-encoded sections.
-
-    Returns a list of buffers whose concatenation is the frame; large blobs are not
-    copied (the writer joins small pieces and sends large ones as they are).
-
-    Raises:
-        LocalProtocolError: a section is too long for its length field.
-    """
-    tb = target.encode()
-    if len(tb) > _U16 or len(source) > _U16:
-        raise LocalProtocolError("target or source longer than 65535 bytes")
-    if len(blobs) > _U16 or n_fds > _U16:
-        raise LocalProtocolError("too many attachments in one frame")
-    blob_total = 0
-    for b in blobs:
-        blob_total += len(b)
-    length = (
-        _FIXED_AFTER_LENGTH
-        + len(tb)
-        + len(source)
-        + len(header)
-        + len(body)
-        + 4 * len(blobs)
-        + blob_total
-    )
-    if length > ABSOLUTE_MAX_FRAME_SIZE - 4:
-        raise LocalProtocolError("frame larger than 4 GiB")
-    head = (
-        PREFIX.pack(
-            length,
-            type,
-            flags,
-            len(tb),
-            len(source),
-            len(blobs),
-            n_fds,
-            0,
-            request_id,
-            len(header),
-            len(body),
-        )
-        + tb
-        + source
-        + header
-    )
-    if not blobs:
-        if len(body) < _LARGE_FRAME:
-            return [head + body]
-        return [head, body]
-    pieces: list[bytes | bytearray | memoryview] = [
-        head,
-        body,
-        struct.pack(f">{len(blobs)}I", *(len(b) for b in blobs)),
-    ]
-    pieces.extend(blobs)
-    return pieces
-
-
-def encode_simple(
-    type: int,
-    target: bytes,
-    body: bytes,
-    header: bytes = b"",
-    request_id: int = 0,
-    flags: int = 0,
-    source: bytes = b"",
-    body_head: tuple[bytes, int] | None = None,
-) -> bytes:
-    """Fast path of :func:`encode_frame` for a frame without attachments.
-
-    ``target`` is already UTF-8 encoded (callers cache it); ``source`` is the sender's
-    own stamp (``lname NUL name``, see docs/PROTOCOL.md) or empty. Returns one bytes object.
-    With ``body_head=(head, n)``, ``body`` must be empty: the frame declares a body of
-    ``len(head) + n`` bytes and ends with ``head``; the caller sends the ``n`` bytes after it.
-    """
-    tl = len(target)
-    sl = len(source)
-    if tl > _U16 or sl > _U16:
-        raise LocalProtocolError("target or source longer than 65535 bytes")
-    blen = len(body)
-    if body_head is not None:
-        body, blen = body_head[0], len(body_head[0]) + body_head[1]
-    return (
-        PREFIX.pack(
-            _FIXED_AFTER_LENGTH + tl + sl + len(header) + blen,
-            type,
-            flags,
-            tl,
-            sl,
-            0,
-            0,
-            0,
-            request_id,
-            len(header),
-            blen,
-        )
-        + target
-        + source
-        + header
-        + body
-    )
-
-
-def cbor_bytes_head(n: int) -> bytes:
-    """The CBOR head of a definite-length byte string of ``n`` bytes (major type 2)."""
-    if n < 24:
-        return bytes((0x40 + n,))
-    if n < 0x100:
-        return bytes((0x58, n))
-    if n < 0x10000:
-        return b"\x59" + n.to_bytes(2, "big")
-    if n < 0x100000000:
-        return b"\x5a" + n.to_bytes(4, "big")
-    return b"\x5b" + n.to_bytes(8, "big")
-
-
-def _encode_small_bytes_py(type: int, target: bytes, payload: bytes, source: bytes) -> bytes:
-    """A frame without header whose body is the CBOR byte string ``payload``, in one
-    step: the same bytes as :func:`encode_simple` with ``cbor2.dumps(payload)``, without
-    the encoder call and the intermediate copy (a small binary body is the common
-    one-way message). ``target`` and ``source`` as for :func:`encode_simple`.
-
-    Raises:
-        LocalProtocolError: ``target`` or ``source`` is longer than 65535 bytes.
-    """
-    n = len(payload)
-    tl = len(target)
-    sl = len(source)
-    if tl > _U16 or sl > _U16:
-        raise LocalProtocolError("target or source longer than 65535 bytes")
-    if n < 24:
-        head = _SMALL_HEADS[n]
-    elif n < 0x100:
-        head = bytes((0x58, n))
-    else:
-        head = cbor_bytes_head(n)
-    blen = len(head) + n
-    return (
-        PREFIX.pack(_FIXED_AFTER_LENGTH + tl + sl + blen, type, 0, tl, sl, 0, 0, 0, 0, 0, blen)
-        + target
-        + source
-        + head
-        + payload
-    )
-
-
-#: CBOR heads of byte strings shorter than 24 bytes (the length is in the head byte).
-_SMALL_HEADS = tuple(bytes((0x40 + n,)) for n in range(24))
 #: :func:`_encode_small_bytes_py`, or the compiled copy of it (see :data:`SPEEDUPS`).
 encode_small_bytes: Callable[[int, bytes, bytes, bytes], bytes] = _encode_small_bytes_py
-
-
-def encode_bytes_message(
-    type: int, target: bytes, payload: bytes, source: bytes = b""
-) -> list[bytes]:
-    """A frame whose body is the CBOR byte string ``payload``, as two pieces: everything
-    before the payload, then ``payload`` itself (not copied).
-
-    For large binary bodies: :func:`encode_simple` would copy the payload twice (the CBOR
-    encoding and the join), each into freshly faulted pages. The caller's writer sends
-    both pieces with one ``sendmsg``. Same output bytes as :func:`encode_simple` with
-    ``cbor2.dumps(payload)``.
-    """
-    head = cbor_bytes_head(len(payload))
-    return [
-        encode_simple(type, target, b"", source=source, body_head=(head, len(payload))),
-        payload,
-    ]
-
-
-def stamped(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
-    """The frame as it must be forwarded with sender ``source``: ``frame.raw`` itself when
-    the sender already wrote that source (no copy), else :func:`restamp`."""
-    if frame.spliced is not None:
-        # The rest stays where it is: the head goes first, then the rest's piece.
-        return [*restamp(frame, source), frame.spliced.piece()]  # type: ignore[list-item]
-    if frame.source == source:
-        raw = frame.raw
-        if len(raw) < _LARGE_FRAME:
-            return [raw]
-        # Large: the head apart, so a copy of the first piece (FdBuffer) stays small.
-        return [bytes(raw[: frame.tail]), memoryview(raw)[frame.tail :]]
-    return restamp(frame, source)
-
-
-def restamp(frame: Frame, source: bytes) -> list[bytes | bytearray | memoryview]:
-    """The same frame with its source section replaced by ``source``.
-
-    Only the 32-byte prefix is rebuilt; target and tail are shared with ``frame.raw``.
-    A spliced frame's rest (``frame.spliced``) is not among the pieces: it follows them.
-    """
-    raw = frame.raw
-    tail_start = frame.tail
-    target_end = PREFIX_SIZE + (tail_start - PREFIX_SIZE - len(frame.source))
-    tail_len = len(raw) - tail_start
-    length = _FIXED_AFTER_LENGTH + (target_end - PREFIX_SIZE) + len(source) + tail_len
-    if frame.spliced is not None:
-        length += len(frame.spliced)
-    head = PREFIX.pack(
-        length,
-        frame.type,
-        frame.flags,
-        target_end - PREFIX_SIZE,
-        len(source),
-        frame.n_blobs,
-        frame.n_fds,
-        0,
-        frame.request_id,
-        frame.header_len,
-        frame.body_len,
-    )
-    if tail_len < _LARGE_FRAME:
-        return [head + raw[PREFIX_SIZE:target_end] + source + raw[tail_start:]]
-    return [head + raw[PREFIX_SIZE:target_end] + source, memoryview(raw)[tail_start:]]
 
 
 def _scan_loop_py(
@@ -756,11 +248,13 @@ class FrameParser:
     With ``own_bodies`` (a client's parser), a large frame whose body is one CBOR byte
     string of at least half of :data:`_LARGE_FRAME` and which has no blobs is received
     in two parts: the bytes up to the body's content in the frame buffer, the content
-    straight into the ``bytes`` that :meth:`Frame.body` returns (``Frame.large_body``),
-    saving a copy of the body. That ``bytes`` is allocated at the frame's full size
-    when the head has arrived, not grown with what arrives: only for a peer that sends
-    whole frames (a client's peer is the broker, which forwards a frame only once all of
-    it has arrived). The broker's parser keeps the growing buffer.
+    into a buffer of its own (``Frame.large_body`` once complete, which
+    :meth:`Frame.body` returns as it is). With the compiled fast paths that buffer is
+    the ``bytes`` handed out, which saves a copy of the body; the pure build copies its
+    bytearray into one when the frame is complete. That buffer is allocated at the
+    frame's full size when the head has arrived, not grown with what arrives: only for a
+    peer that sends whole frames (a client's peer is the broker, which forwards a frame
+    only once all of it has arrived). The broker's parser keeps the growing buffer.
     """
 
     __slots__ = (
@@ -787,7 +281,7 @@ class FrameParser:
         if not 0 < max_frame_size <= ABSOLUTE_MAX_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be in 1..{ABSOLUTE_MAX_FRAME_SIZE}")
         self.max_frame_size = max_frame_size
-        self.own_bodies = own_bodies and _new_bytes is not None
+        self.own_bodies = own_bodies
         self._buf = bytearray()
         self._pos = 0
         # A frame of at least _LARGE_FRAME bytes in progress: its buffer (len = capacity,
@@ -800,7 +294,7 @@ class FrameParser:
         # With own_bodies, a large frame received in two parts: _large holds exactly the
         # bytes before the body's content, which goes into _body through _body_view
         # (_large_fill counts both parts).
-        self._body: bytes | None = None
+        self._body: bytes | bytearray | None = None
         self._body_view: memoryview | None = None
         # The broker's splice of a large frame's rest (splice_rest): the bytes expected
         # outside the parser (-1: not for this frame, it fell back to unsplice), then what
@@ -1057,8 +551,7 @@ class FrameParser:
         return start + h if h + n == blen else 0
 
     def _start_body(self, part: memoryview, total: int, head: int) -> None:
-        assert _new_bytes is not None
-        self._body, self._body_view = _new_bytes(total - head)
+        self._body, self._body_view = _new_body(total - head)
         self._large, self._large_fill, self._large_total = bytearray(part[:head]), head, total
         self._large_put(part[head:])
 
@@ -1089,6 +582,8 @@ class FrameParser:
                 assert body is not None
                 self._body = self._body_view = None
                 view.release()  # no writable view of the bytes handed out is kept
+                if type(body) is not bytes:
+                    body = bytes(body)  # (the pure build's bytearray)
                 return self._parse(bytes(large), body)
             return self._parse(large)  # grown to at most the frame: exactly its bytes
         buf = self._buf
@@ -1270,7 +765,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 5
+_SPEEDUPS_API = 6
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False
@@ -1288,7 +783,7 @@ ready: Callable[[_T], Awaitable[_T]] = _ready_py
 
 
 def _use_speedups() -> bool:
-    global _scan_loop, encode_small_bytes, ready
+    global _scan_loop, encode_small_bytes, ready, _new_body
     if os.environ.get("MSGQ_TRIO_PURE_PYTHON", "") not in {"", "0"}:
         return False
     try:
@@ -1301,6 +796,7 @@ def _use_speedups() -> bool:
     _scan_loop = _speedups.scan
     encode_small_bytes = _speedups.encode_small_bytes
     ready = _speedups.ready
+    _new_body = _speedups.new_bytes
     # A method descriptor of Frame, so frame.body() calls C without a Python frame.
     setattr(Frame, "body", _speedups.frame_body_method(Frame))  # noqa: B010
     return True

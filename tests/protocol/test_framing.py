@@ -9,6 +9,7 @@ import tracemalloc
 import cbor2
 import pytest
 
+from msgq_trio.protocol import frame as frame_module
 from msgq_trio.protocol import framing
 from msgq_trio.protocol.codes import ErrorCode, Flag, FrameType
 from msgq_trio.protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -677,7 +678,7 @@ def test_header_with_nested_values_is_decoded_afresh() -> None:
 def test_header_cache_is_bounded_and_large_frames_work() -> None:
     """Many distinct headers keep the cache at its cap; a large frame (assembled in a
     bytearray) decodes its header through the same path."""
-    for i in range(framing._HEADER_CACHE_MAX * 3):
+    for i in range(frame_module._HEADER_CACHE_MAX * 3):
         f = parse_one(
             join(
                 encode_frame(
@@ -689,7 +690,7 @@ def test_header_cache_is_bounded_and_large_frames_work() -> None:
             )
         )
         assert f.header() == {"cmd": f"c{i}"}
-        assert len(framing._header_cache) <= framing._HEADER_CACHE_MAX
+        assert len(frame_module._header_cache) <= frame_module._HEADER_CACHE_MAX
     body = encode_cbor(b"x" * (framing._LARGE_FRAME + 10))
     data = join(
         encode_frame(
@@ -946,3 +947,23 @@ def test_a_receive_that_starts_a_large_frame_is_copied_once(own_bodies: bool) ->
     else:
         assert bytes(f.raw) == big and f.body() == _BIG_BODY
     assert after.body() == "after" and p.buffered == 0
+
+
+@pytest.mark.parametrize(
+    ("tail", "hlen", "blen"),
+    [
+        (2**62, 2**62, 5),
+        (2**63, 0, 1),
+        (64, 0, 1),
+        (0, 60, 5),
+        (-1, 0, 3),
+        (32, -40, 3),
+        (32, 0, -1),
+    ],
+)
+def test_body_of_a_hand_made_frame_outside_raw_is_refused(tail: int, hlen: int, blen: int) -> None:
+    """Frame is public: one made by hand whose lengths put the body outside ``raw`` gets
+    LocalProtocolError from body() (the caller's fault), in either build."""
+    f = Frame(3, 0, 0, "x", b"", 0, 0, hlen, blen, bytes(64), tail)
+    with pytest.raises(LocalProtocolError, match="outside raw"):
+        f.body()

@@ -11,13 +11,15 @@ Skipped where the extension was not built (no compiler), except in CI, which bui
 from __future__ import annotations
 
 import collections.abc
+import gc
 import os
 import struct
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import cbor2
 import pytest
@@ -251,6 +253,21 @@ def test_scan_functions_agree(
     assert described(out_c) == described(out_py)
 
 
+@pytest.mark.parametrize("length", [2**31 - 1, 2**31, 2**32 - 5, 2**32 - 1])
+def test_scan_stops_before_a_length_past_the_buffer(length: int) -> None:
+    """A length whose frame would end far past the buffer (4 + length overflows a 32-bit
+    Py_ssize_t) stops the fast loop at that frame, with any limit, as the Python loop."""
+    good = framing.encode_small_bytes(3, b"g", b"x", STAMP)
+    body = 100
+    head = PREFIX.pack(length, 3, 0, 1, 0, 0, 0, 0, 0, 0, length - 29) + b"g" + bytes(body)
+    for limit in (2**32 - 1, 2**62):
+        results = []
+        for impl in (framing._scan_loop_py, _speedups.scan):
+            out: list[Frame | Run] = []
+            results.append((impl(bytearray(good + head), 0, limit, None, out, 0), len(out)))
+        assert results[0] == results[1] == ((len(good), 1 << 3, False), 1)
+
+
 def test_runs_are_grouped_the_same() -> None:
     """A deterministic stream with runs broken by every condition: another target, another
     source, descriptors, another frame type, and a bad target inside a would-be run."""
@@ -366,6 +383,28 @@ class Sub(Slotted):
     __slots__ = ("e",)
 
 
+class Wide:
+    __slots__ = tuple(f"s{i}" for i in range(20))
+
+
+class Borrower:
+    __slots__ = ("a",)
+
+
+Borrower.far = Wide.__dict__["s19"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("args", "fixed"), [(("a", "a"), {}), (("a", "b"), {"b": None}), (("a",), {"a": 1})]
+)
+def test_slot_maker_refuses_a_slot_named_twice(
+    args: tuple[str, ...], fixed: dict[str, object]
+) -> None:
+    """Set twice, a slot's first reference would be lost."""
+    with pytest.raises(ValueError, match="named twice"):
+        _speedups.slot_maker(Slotted, args, fixed)
+
+
 @pytest.mark.parametrize(
     ("cls", "args", "fixed", "error"),
     [
@@ -374,6 +413,9 @@ class Sub(Slotted):
         (int, (), {}, "not a plain class with __slots__"),
         (Slotted, ("x",), {}, "'x' is not a slot of"),
         (Slotted, ("a",), {"__init__": 1}, "'__init__' is not an object slot of"),
+        # A member descriptor of another class, assigned after the class was made: its
+        # offset is into that class's instances (past the end of this one's).
+        (Borrower, ("a", "far"), {}, "'far' is not an object slot of"),
     ],
 )
 def test_slot_maker_refuses_what_it_cannot_make(
@@ -473,6 +515,24 @@ def test_body_getter_hands_anything_else_to_the_python_getter() -> None:
         _speedups.body_getter(Message, "_frame", "_nope", "_body", fallback)
 
 
+def test_body_getter_before_init_is_the_python_getter() -> None:
+    """Made before init() (a process with the pure build selected, where framing never
+    calls it), the getter calls its fallback cleanly, with no error pending."""
+    code = (
+        "from msgq_trio.protocol import _speedups\n"
+        "class M:\n"
+        "    __slots__ = ('_frame', '_decoded', '_body')\n"
+        "m = M(); m._frame, m._decoded, m._body = None, False, None\n"
+        "get = _speedups.body_getter(M, '_frame', '_decoded', '_body', lambda o: 'py')\n"
+        "print(get(m))\n"
+    )
+    env = {**os.environ, "MSGQ_TRIO_PURE_PYTHON": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert (done.returncode, done.stdout) == (0, "py\n"), done.stderr
+
+
 # -- ready ----------------------------------------------------------------------------------
 class _Done:
     """An async iterator whose ``__anext__`` is a plain function returning ready(...)."""
@@ -531,6 +591,82 @@ def test_ready_is_an_awaitable_already_done() -> None:
     assert sys.getrefcount(marker) == before + 1
     del r
     assert sys.getrefcount(marker) == before
+
+
+def test_ready_in_a_reference_cycle_is_collected() -> None:
+    """An awaitable whose value refers back to it is freed by the cyclic collector (which
+    sees its value: ``gc.get_referents``)."""
+
+    class Holder:
+        r: object = None
+
+    holder = Holder()
+    r = _speedups.ready(holder)
+    holder.r = r
+    assert gc.get_referents(r) == [holder]
+    ref = weakref.ref(holder)
+    del holder, r
+    gc.collect()
+    assert ref() is None
+
+
+# -- new_bytes -------------------------------------------------------------------------------
+def test_new_bytes_view_keeps_its_bytes_alive() -> None:
+    """The writable view of new_bytes() owns what it writes into: dropping every other
+    reference to the bytes leaves it alive while the view is, and writes land in it."""
+    b, view = _speedups.new_bytes(10)
+    assert type(b) is bytes and len(b) == 10 and len(view) == 10 and not view.readonly
+    ref = sys.getrefcount(b)
+    view[:] = b"0123456789"
+    assert b == b"0123456789"
+    keep = view[2:5]
+    del view
+    b_id = id(b)
+    del b
+    keep[:] = b"abc"  # (ASan in CI: a write into freed memory would be reported here)
+    assert bytes(keep) == b"abc"
+    assert ref >= 2 and b_id
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="positive"):
+            _speedups.new_bytes(bad)
+    with pytest.raises(MemoryError):
+        _speedups.new_bytes(sys.maxsize - 64)
+
+
+# -- init --------------------------------------------------------------------------------------
+class ShortFrame(NamedTuple):
+    type: int
+    raw: bytes
+
+
+class RenamedFrame(NamedTuple):  # the right count, one name moved
+    flags: int
+    type: int
+    request_id: int
+    target: str
+    source: bytes
+    n_blobs: int
+    n_fds: int
+    header_len: int
+    body_len: int
+    raw: bytes
+    tail: int
+    fds: tuple[int, ...]
+    large_body: bytes
+    spliced: object
+
+
+@pytest.mark.parametrize("frame", [ShortFrame, RenamedFrame, tuple])
+def test_init_refuses_another_frame_layout(frame: type) -> None:
+    """The compiled code reads and writes Frame's fields by index: init() checks that
+    the class it is given has exactly those fields, so a changed Frame fails loudly at
+    import instead of reading past a tuple."""
+    args = (framing._VALID_MASK, 3, framing._body_py, framing._encode_small_bytes_py)
+    try:
+        with pytest.raises((TypeError, AttributeError)):
+            _speedups.init(frame, Run, *args)
+    finally:
+        _speedups.init(Frame, Run, *args)
 
 
 # -- encode_small_bytes ----------------------------------------------------------------------
@@ -599,6 +735,30 @@ def test_environment_selects_the_path(pure: str) -> None:
             "builtin_function_or_method",
             "BodyGetter",
         ]
+
+
+@pytest.mark.parametrize("pure", ["1", "0"], ids=["pure", "compiled"])
+def test_a_hand_made_frame_body_outside_raw_raises(pure: str) -> None:
+    """A Frame made by hand with lengths far past ``raw`` (the type is public): body()
+    raises LocalProtocolError in either build, in a process of its own so that a read
+    out of bounds shows as a crash, not as the test run's."""
+    code = (
+        "from msgq_trio.protocol import framing as f\n"
+        "from msgq_trio.protocol.errors import LocalProtocolError\n"
+        "fr = f.Frame(type=3, flags=0, request_id=0, target='x', source=b'', n_blobs=0,"
+        " n_fds=0, header_len=2**62, body_len=5, raw=bytes(64), tail=2**62)\n"
+        "try:\n"
+        "    fr.body()\n"
+        "except LocalProtocolError as exc:\n"
+        "    print(f.SPEEDUPS, 'LocalProtocolError', exc)\n"
+    )
+    env = {**os.environ, "MSGQ_TRIO_PURE_PYTHON": pure}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{pure == '0'} LocalProtocolError "), done.stdout
+    assert "outside raw (64 bytes)" in done.stdout
 
 
 def test_parse_errors_are_the_pythons() -> None:
