@@ -178,10 +178,6 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
         " queue modules name AsyncBus and each other in annotations only; XX a Protocol of"
         " what the queue client needs from the bus would remove it"
     ),
-    frozenset({"msgq_trio.analytics.cli", "msgq_trio.analytics.live"}): (
-        "cli.py imports live.py's parser and main in functions, live.py cli.py's"
-        " prepare_output and spark_error in functions"
-    ),
 }
 
 

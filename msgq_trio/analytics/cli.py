@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import SparkUnavailable
-from .storage import join, to_uri, write_text
+from .session import spark_error
+from .storage import join, prepare_output, to_uri, write_text
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -174,15 +175,6 @@ def write_tables(
             w.parquet(path)
 
 
-def prepare_output(spark: SparkSession, out: str) -> None:
-    """Create ``out`` through Spark's file system layer before any work, so a location
-    Spark cannot write fails at once, not after the analysis."""
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    path = jvm.org.apache.hadoop.fs.Path(out)
-    path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).mkdirs(path)
-
-
 def spark_figures(spark: SparkSession) -> dict[str, Any]:
     """Where the figures were computed: master, version and the settings that shape the
     job (as given by --master / --conf / spark-submit)."""
@@ -276,20 +268,6 @@ def run_scenarios(
     write_text(spark, join(out, "summary.json"), json.dumps(fig, indent=1, default=_json_default))
     write_text(spark, join(out, "report.html"), scenarios_html(fig, files, join(out, "tables")))
     return fig
-
-
-def spark_error(exc: BaseException) -> str | None:
-    """The first line of a JVM-side error (py4j or Spark's own), or None when ``exc``
-    is not one (a bug of ours: let it propagate)."""
-    names = {c.__name__ for c in type(exc).__mro__}
-    if not names & {"Py4JJavaError", "PySparkException", "CapturedException"}:
-        return None
-    text = str(exc).strip()
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line and not line.startswith(("An error occurred while calling", "at ")):
-            return line
-    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -447,8 +447,8 @@ def run_live(
     """Run the live query until ``stop`` is set (or the query fails: its error is
     raised); returns the final state. The query and its temporary checkpoint are
     removed before returning, whatever happens."""
-    from .cli import prepare_output
     from .livesource import SOURCE_NAME, CaptureSource
+    from .storage import prepare_output
 
     out = to_uri(out)
     prepare_output(spark, out)
@@ -511,8 +511,7 @@ def run_live(
 
 def main_live(args: argparse.Namespace) -> int:
     """``msgq-trio analyze live``: returns the exit status (module docstring)."""
-    from .cli import spark_error
-    from .session import analysis_session
+    from .session import analysis_session, spark_error
 
     directory = local_path(args.dir)
     if not is_local(args.dir) or not os.path.isdir(directory):

@@ -147,3 +147,17 @@ def analysis_session(
     finally:
         if existing is None:
             spark.stop()
+
+
+def spark_error(exc: BaseException) -> str | None:
+    """The first line of a JVM-side error (py4j or Spark's own), or None when ``exc``
+    is not one (a bug of ours: let it propagate)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if not names & {"Py4JJavaError", "PySparkException", "CapturedException"}:
+        return None
+    text = str(exc).strip()
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith(("An error occurred while calling", "at ")):
+            return line
+    return text

@@ -114,3 +114,12 @@ def write_bytes(spark: SparkSession, uri: str, data: bytes) -> None:
 def write_text(spark: SparkSession, uri: str, text: str) -> None:
     """:func:`write_bytes` of ``text`` in UTF-8."""
     write_bytes(spark, uri, text.encode())
+
+
+def prepare_output(spark: SparkSession, out: str) -> None:
+    """Create ``out`` through Spark's file system layer before any work, so a location
+    Spark cannot write fails at once, not after the analysis."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    path = jvm.org.apache.hadoop.fs.Path(out)
+    path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).mkdirs(path)

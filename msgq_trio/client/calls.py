@@ -51,7 +51,7 @@ def request_header(command: str, timeout: float | None) -> bytes:
     if type(command) is not str:
         raise UsageError(f"command must be a str, not {type(command).__name__}")
     if timeout is None:
-        # Encoded once per command name (a CBOR encode per call is ~1.5 us here).
+        # Encoded once per command name: a CBOR encode per call costs more than the lookup.
         head = _CMD_HEADERS.get(command)
         if head is None:
             head = encode_cbor({"cmd": command})

@@ -57,8 +57,9 @@ DEFAULT_READAHEAD = 64 * 1024
 #: Reads a reader keeps in flight when reading ahead: the next answer is already on its
 #: way while the caller works on this one (the round trip through the broker and the
 #: plugin, not the copying, bounds a single outstanding read: the processes are idle
-#: ~half the time with one). 4 measured no better than 2 on this 2-core machine, and in
-#: share mode each read in flight takes bytes for this reader only.
+#: ~half the time with one); a second read keeps them busy, more add buffered bytes but
+#: no overlap (the pipes benchmark, BENCHMARKS.md), and in share mode each read in
+#: flight takes bytes for this reader only.
 READ_DEPTH = 2
 #: Chunks a writer keeps in flight (sent, not yet accepted): 4 x 256 KiB covers the round
 #: trip through the broker and the plugin, so the pipe never idles waiting for the next

@@ -16,9 +16,9 @@ import os
 __all__ = ["BUSY_POLL", "CallPoller", "Poll", "check_busy_poll"]
 
 #: The longest a caller polls for its answer (seconds), as the broker's
-#: ``limits.busy_poll``: a request/reply round trip through the broker takes about
-#: 100 us here, so 200 us covers it with room, and a call answered later than that
-#: stops the polling (see :class:`CallPoller`).
+#: ``limits.busy_poll``: twice a local round trip through the broker (the figure
+#: BENCHMARKS.md records for the round trip), so it covers one with room; a call
+#: answered later than that stops the polling (see :class:`CallPoller`).
 BUSY_POLL = 0.0002
 #: Answers within the limit that open the window after it has been closed by a late
 #: one; doubled by every poll that missed, up to _MAX_NEED (so a caller whose answers
