@@ -6,13 +6,46 @@ never speed."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+import msgq_trio
+from msgq_trio import ConnectionLost
+from msgq_trio.core.access import hash_token
+from msgq_trio.protocol.codes import ErrorCode, FrameType
+from msgq_trio.protocol.framing import encode_cbor, encode_frame
 from msgq_trio.scenario.faultproxy import Cut, FaultProxy, Faults, SettingError, parse_setting
+
+
+def _shared() -> Any:
+    """tests/conftest.py as a module: its broker-process helpers (imported by path, as
+    tests/e2e/test_e2e_tcp.py does, since "conftest" names another module in a session
+    that also collects tests/ops)."""
+    name = "msgq_tests_root_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parent / "conftest.py"
+        )
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+_c = _shared()
+TOKEN = "proxy-test-token-5e1f"
+#: The brokers here ping idle TCP clients every 0.5 s and drop them after 3 silent
+#: intervals; clients learn the same settings from WELCOME.
+HEARTBEAT_INTERVAL, HEARTBEAT_MISSES = 0.5, 3
 
 
 class Sink:
@@ -309,4 +342,133 @@ async def test_standalone_proxy_takes_settings_on_stdin() -> None:
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None:
                     pipe.close()
+        nursery.cancel_scope.cancel()
+
+
+# -- real brokers behind the proxy -------------------------------------------------------------
+@pytest.fixture
+def tcp_broker(short_tmp: Path) -> Iterator[Callable[[], tuple[Any, int]]]:
+    """``start()`` runs ``msgq-trio serve`` with plain TCP on 127.0.0.1:0 (one token that
+    may do anything, heartbeat 0.5 s x 3) and returns (the conftest BrokerProcess, its TCP port).
+    Teardown is the conftest broker teardown (SIGTERM, exit 0, no traceback)."""
+    started: list[Any] = []
+
+    def start() -> tuple[Any, int]:
+        n = len(started)
+        cfg = short_tmp / f"p{n}.toml"
+        cfg.write_text(
+            "[tcp]\n"
+            'listen = ["127.0.0.1:0"]\n'
+            "insecure = true\n"
+            f'tokens = {{ alice = "{hash_token(TOKEN)}" }}\n'
+            f"heartbeat_interval = {HEARTBEAT_INTERVAL}\n"
+            f"heartbeat_misses = {HEARTBEAT_MISSES}\n"
+            "[[access.rule]]\n"
+            'who = ["tcp:alice"]\n'
+            'send = ["*"]\nsubscribe = ["*"]\ncall = ["*"]\n'
+        )
+        path = short_tmp / f"p{n}.sock"
+        log_path = path.with_name(path.name + ".log")
+        argv = _c.make_broker_argv(path, "--config", str(cfg))
+        with open(log_path, "wb") as err:
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+            )
+        bp = _c.BrokerProcess(path, proc, log_path, argv)
+        started.append(bp)
+        assert proc.stdout is not None
+        reader = _c.LineReader(proc.stdout.fileno())
+        deadline = time.monotonic() + _c.STARTUP_TIMEOUT
+        while True:
+            line = reader.readline(max(0.1, deadline - time.monotonic()))
+            assert line is not None, f"broker exited:\n{bp.log()}"
+            if "tcp://" in line:
+                return bp, int(line.rsplit(":", 1)[1])
+
+    yield start
+    problems: list[str] = []
+    for b in started:
+        problems += _c._finish_broker(b)
+    assert not problems, "\n".join(problems)
+
+
+async def test_blackholed_tcp_client_is_detected_within_the_heartbeat_bound(tcp_broker) -> None:
+    """A TCP client reaches the broker through the proxy, which then black-holes the
+    connection (both sockets open, every byte swallowed: an unplugged cable). Both ends
+    find out from heartbeats alone: the client's receive fails ConnectionLost
+    heartbeat-timeout, and the broker drops the client (its group membership goes, the
+    drop is logged), each within a bound of a few heartbeat intervals and not before
+    the misses could be counted."""
+    bp, port = tcp_broker()
+    bound = HEARTBEAT_INTERVAL * (HEARTBEAT_MISSES + 1) + 8.0  # wide: a busy machine
+    async with trio.open_nursery() as nursery:
+        proxy = FaultProxy("127.0.0.1", port)
+        await nursery.start(proxy.serve)
+        async with msgq_trio.connect(bp.path, name="observer") as observer:
+            url = f"tcp://127.0.0.1:{proxy.port}"
+            async with msgq_trio.connect(url, name="far", token=TOKEN) as far:
+                await far.subscribe("Far")
+                assert len(await observer.members("Far")) == 1
+                proxy.apply("blackhole")
+                t0 = trio.current_time()
+                with trio.fail_after(bound):
+                    with pytest.raises(ConnectionLost) as ei:
+                        await far.receive()
+                waited = trio.current_time() - t0
+                assert ei.value.code == ErrorCode.HEARTBEAT_TIMEOUT
+                # Silence must last (misses - 1) intervals before it can count as dead.
+                assert waited >= HEARTBEAT_INTERVAL * (HEARTBEAT_MISSES - 1) - 0.1
+            with trio.fail_after(bound):
+                # Polled: membership lives in the broker process, nothing signals here.
+                while True:
+                    if not await observer.members("Far"):
+                        break
+                    await trio.sleep(0.1)
+        assert proxy.accepted == 1 and proxy.cuts == 0  # no FIN/RST did the telling
+        nursery.cancel_scope.cancel()
+    bp.log_with("heartbeat", "tcp:alice@")
+
+
+async def test_cut_mid_frame_delivers_nothing_half(tcp_broker) -> None:
+    """A raw TCP client sends two whole messages and then a third, through the proxy,
+    which cuts the connection in the middle of the third frame. The subscriber gets the
+    two whole messages, nothing of the third, and the broker carries on serving a new
+    connection through the same proxy."""
+    bp, port = tcp_broker()
+    async with trio.open_nursery() as nursery:
+        proxy = FaultProxy("127.0.0.1", port)
+        await nursery.start(proxy.serve)
+        async with msgq_trio.connect(bp.path, name="sub") as sub:
+            await sub.subscribe("cut.news")
+            raw = _c.RawPeer(await trio.open_tcp_stream("127.0.0.1", proxy.port))
+            welcome = await raw.hello(name="raw", token=TOKEN)
+            assert welcome.type == FrameType.WELCOME
+
+            def frame(body: object) -> bytes:
+                return b"".join(
+                    bytes(p)
+                    for p in encode_frame(
+                        FrameType.MESSAGE, target="cut.news", body=encode_cbor(body)
+                    )
+                )
+
+            whole = frame("one") + frame("two")
+            third = frame("three" * 200)
+            proxy.cut(after=len(whole) + len(third) // 2)
+            await raw.send_bytes(whole + third)
+            got = []
+            with trio.fail_after(10):
+                for _ in range(2):
+                    got.append((await sub.receive()).body)
+            assert got == ["one", "two"]
+            with trio.move_on_after(1.0):
+                msg = await sub.receive()
+                pytest.fail(f"a half-delivered frame was routed: {msg!r}")
+            assert proxy.cuts == 1
+            await raw.stream.aclose()
+            url = f"tcp://127.0.0.1:{proxy.port}"
+            async with msgq_trio.connect(url, name="again", token=TOKEN) as again:
+                await again.send("cut.news", "four")
+                with trio.fail_after(10):
+                    assert (await sub.receive()).body == "four"
         nursery.cancel_scope.cancel()
