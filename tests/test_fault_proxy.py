@@ -472,3 +472,65 @@ async def test_cut_mid_frame_delivers_nothing_half(tcp_broker) -> None:
                 with trio.fail_after(10):
                     assert (await sub.receive()).body == "four"
         nursery.cancel_scope.cancel()
+
+
+async def test_connection_opened_into_a_blackhole_goes_through_when_it_ends() -> None:
+    """A connection made during a black hole is held, unread; after ``clear`` its bytes
+    arrive whole (late, not lost), as a retransmitted SYN would get through."""
+    async with trio.open_nursery() as nursery:
+        sink, proxy = await _setup(nursery)
+        proxy.apply("blackhole")
+        c = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        await c.send_all(b"hello")
+        await trio.sleep(0.5)
+        assert sink.data == []  # not even connected to the target yet
+        proxy.apply("clear")
+        await sink.wait_for(lambda: len(sink.data) == 1 and bytes(sink.data[0]) == b"hello")
+        await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
+# -- scenario files: the proxy's keys ----------------------------------------------------------
+_SCENARIO = """
+summary = "s"
+fault = "f"
+broker_does = "b"
+[broker]
+{broker}
+[[clients]]
+name = "sub"
+role = "subscriber"
+[[faults]]
+at = 1.0
+action = "net-proxy"
+{fault}
+"""
+
+
+@pytest.mark.parametrize(
+    ("broker", "fault", "needle"),
+    [
+        ('listen = "tcp"\nproxy = true', 'proxy = "delay fast"', r"faults\[0\]\.proxy: delay"),
+        ('listen = "tcp"\nproxy = true', "", r"faults\[0\]\.proxy: net-proxy needs it"),
+        ('listen = "tcp"', 'proxy = "blackhole"', r"needs a broker with proxy = true"),
+        ("proxy = true", 'proxy = "clear"', r"broker\.proxy: needs listen"),
+    ],
+)
+def test_scenario_proxy_keys_are_checked(
+    tmp_path: Path, broker: str, fault: str, needle: str
+) -> None:
+    from msgq_trio.scenario.model import ScenarioError, load_scenario
+
+    p = tmp_path / "sc.toml"
+    p.write_text(_SCENARIO.format(broker=broker, fault=fault))
+    with pytest.raises(ScenarioError, match=needle):
+        load_scenario(p)
+
+
+def test_scenario_proxy_keys_are_read(tmp_path: Path) -> None:
+    from msgq_trio.scenario.model import load_scenario
+
+    p = tmp_path / "sc.toml"
+    p.write_text(_SCENARIO.format(broker='listen = "tcp"\nproxy = true', fault='proxy = "cut 7"'))
+    sc = load_scenario(p)
+    assert sc.broker.proxy and sc.faults[0].proxy == "cut 7"

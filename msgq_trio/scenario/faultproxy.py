@@ -16,7 +16,10 @@ target address, byte for byte, through the faults currently set:
   per second with ``bps``/``kbps``/``mbps``): a chunk leaves no sooner than the bytes
   before it could have at that rate.
 * ``blackhole``: both sockets stay open and everything from either side is read and
-  thrown away (a peer that vanished without FIN or RST: only heartbeats can tell).
+  thrown away, a close too (a peer that vanished without FIN or RST: only heartbeats
+  can tell). A connection opened during a black hole is accepted and waits, unread,
+  until it ends (a SYN retransmitted until the link is back): its first bytes are
+  late, not lost.
 * ``cut [N]``: every open connection is closed on both sides, at once or after N more
   bytes of the direction given (``cut 100`` on ``to_server``: mid-frame if N falls
   inside one). New connections are forwarded again as usual.
@@ -191,7 +194,8 @@ class FaultProxy:
         self.faults = Faults()
         self.port = 0
         self.conns: set[_Conn] = set()
-        #: connections accepted, and those closed by a cut (figures for reports)
+        #: connections accepted, those closed by a cut, chunks stalled as lost
+        #: (figures for reports)
         self.accepted = 0
         self.cuts = 0
         self.stalls = 0
@@ -218,16 +222,16 @@ class FaultProxy:
         bytes have gone ``direction`` (per connection; ``both``: either direction)."""
         for conn in list(self.conns):
             if after is None:
-                self._close(conn)
+                self._close(conn, cut=True)
             else:
                 dirs = ("to_server", "to_client") if direction == "both" else (direction,)
                 for d in dirs:
                     conn.budget[d] = after
                 if after == 0:
-                    self._close(conn)
+                    self._close(conn, cut=True)
 
-    def _close(self, conn: _Conn) -> None:
-        if not conn.cut:
+    def _close(self, conn: _Conn, *, cut: bool = False) -> None:
+        if cut and not conn.cut:
             conn.cut = True
             self.cuts += 1
         conn.scope.cancel()
@@ -250,6 +254,11 @@ class FaultProxy:
 
     async def _handle(self, client: trio.SocketStream) -> None:
         self.accepted += 1
+        while self.faults.blackhole:
+            # A connection opened into a black hole waits, unread, until it ends: as
+            # a SYN retransmitted until the link is back, its first bytes are late,
+            # not lost.
+            await self._changed.wait()
         try:
             server = await trio.open_tcp_stream(*self.target)
         except OSError:
@@ -344,7 +353,7 @@ class FaultProxy:
                     return
                 conn.sent[direction] += len(data)
                 if conn.budget[direction] == 0:
-                    self._close(conn)
+                    self._close(conn, cut=True)
                     return
 
 
