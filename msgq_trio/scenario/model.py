@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from ..config import Limits
+from .faultproxy import SettingError, parse_setting
 from .faults import (
     BROKER_ACTIONS,
     CLIENT_ACTIONS,
@@ -234,6 +235,8 @@ _NAMESPACES = ("broker", "latency", "fault", "scenario", "plugin", "history")
 _NETEM_RE = re.compile(r"^[a-z]+( [a-z0-9.%]+)*$")
 #: ``[tcp]`` keys the runner fills in from ``listen`` (address, certificate, token)
 _RUNNER_TCP_KEYS = {"listen", "certfile", "keyfile", "tokens", "insecure"}
+#: The fault changing a broker's fault proxy (``[broker] proxy = true``).
+PROXY_ACTION = "net-proxy"
 
 
 def parse_size(value: object, where: str) -> int:
@@ -270,6 +273,9 @@ class BrokerSpec:
     #: run in a network namespace of its own, joined to the runner's by a veth pair, so
     #: the ``net-*`` faults can cut the network to it or add delay and loss (root only)
     netns: bool = False
+    #: its clients and links reach its TCP/TLS listener through a fault proxy (any
+    #: kernel, no root), which the ``net-proxy`` faults change (docs/FAULTS.md)
+    proxy: bool = False
 
     def argv(self) -> list[str]:
         """The ``serve`` arguments for :attr:`flags` (``--out-soft-limit 1048576`` ...)."""
@@ -313,6 +319,9 @@ class FaultSpec:
     when: tuple[str, str, int] | None = None
     #: ``net-netem``: the netem settings (``"delay 200ms 50ms loss 5%"``)
     netem: str | None = None
+    #: ``net-proxy``: the fault proxy's setting (``"delay 50ms 20ms loss 5%"``,
+    #: ``"blackhole"``, ``"cut 100"``, ``"clear"``: msgq_trio/scenario/faultproxy.py)
+    proxy: str | None = None
 
 
 def parse_when(text: str, clients: set[str], where: str) -> tuple[str, str, int]:
@@ -673,8 +682,11 @@ def _broker_spec(raw: object, where: str, *, main: bool) -> BrokerSpec:
     if netns and listen != "tls":
         # The broker refuses plain TCP beyond loopback (tokens would cross in clear).
         raise ScenarioError(f'{where}.netns: needs listen = "tls"')
+    proxy = bt.get("proxy", bool, False)
+    if proxy and (listen == "unix" or netns):
+        raise ScenarioError(f'{where}.proxy: needs listen = "tcp" or "tls" and no netns')
     bt.finish()
-    return BrokerSpec(flags, nofile, log_level, plugins, queue_disk, listen, tcp, netns)
+    return BrokerSpec(flags, nofile, log_level, plugins, queue_disk, listen, tcp, netns, proxy)
 
 
 def _build(p: Path, data: dict[str, Any]) -> Scenario:
@@ -747,6 +759,16 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
             raise ScenarioError(
                 f"faults[{i}].netem: {netem!r} is not a netem setting (e.g. 'delay 200ms loss 5%')"
             )
+        proxy_setting = ft.get("proxy", str, None)
+        if (proxy_setting is not None) != (action == PROXY_ACTION):
+            raise ScenarioError(
+                f"faults[{i}].proxy: {PROXY_ACTION} needs it, other actions take none"
+            )
+        if proxy_setting is not None:
+            try:
+                parse_setting(proxy_setting)
+            except SettingError as exc:
+                raise ScenarioError(f"faults[{i}].proxy: {exc}") from None
         ft.finish()
         when = parse_when(when_text, names, f"faults[{i}].when") if when_text else None
         index: int | None = None
@@ -790,12 +812,20 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
                 raise ScenarioError(
                     f"faults[{i}].target: {action!r} needs a broker of [brokers] with netns = true"
                 )
+        elif action == PROXY_ACTION:
+            spec = broker if target is None else brokers.get(target)
+            if spec is None or not spec.proxy:
+                raise ScenarioError(
+                    f"faults[{i}].target: {action!r} needs a broker with proxy = true "
+                    "(none: the scenario's own broker)"
+                )
         else:
             known = CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS + NET_ACTIONS
+            known += (PROXY_ACTION,)
             raise ScenarioError(
                 f"faults[{i}].action: unknown action {action!r} (known: {', '.join(known)})"
             )
-        faults.append(FaultSpec(fname, at, action, target, index, when, netem))
+        faults.append(FaultSpec(fname, at, action, target, index, when, netem, proxy_setting))
     faults.sort(key=lambda f: f.at)
 
     clients = tuple(

@@ -51,9 +51,10 @@ from ..client.bus import connect
 from ..config import ACCESS_VERBS
 from ..core.access import hash_token
 from ..errors import MsgqError
+from .faultproxy import FaultProxy
 from .faults import CLIENT_SIGNALS, NET_ACTIONS
 from .history import HistoryError, check, merge, parse
-from .model import BrokerSpec, ClientSpec, FaultSpec, Scenario, load_scenario
+from .model import PROXY_ACTION, BrokerSpec, ClientSpec, FaultSpec, Scenario, load_scenario
 from .network import (
     NETNS_PORT,
     Namespace,
@@ -318,12 +319,17 @@ class _Node:
         self.host = "127.0.0.1"
         self.port = 0
         self.ns: Namespace | None = None
+        #: with ``proxy = true``: the fault proxy in front of its TCP/TLS listener
+        self.proxy: FaultProxy | None = None
 
     @property
     def address(self) -> str:
-        """What clients are given: the TCP/TLS URL where it listens, else the socket."""
+        """What clients are given: the TCP/TLS URL where it listens (its fault proxy's,
+        if it has one), else the socket."""
         if self.spec.listen == "unix":
             return str(self.sock)
+        if self.proxy is not None:
+            return f"{self.spec.listen}://127.0.0.1:{self.proxy.port}"
         return f"{self.spec.listen}://{self.host}:{self.port}"
 
     @property
@@ -501,6 +507,12 @@ class _Run:
             await trio.to_thread.run_sync(self._build_network)
         except NetworkError as exc:
             raise _Abort(str(exc)) from None
+        assert self._nursery is not None
+        for node in self.nodes:
+            if node.spec.proxy:
+                # Before any broker starts: a link's address to it is the proxy's.
+                node.proxy = FaultProxy(node.host, node.port, seed=self.seed)
+                await self._nursery.start(node.proxy.serve)
         for node in self.nodes[:-1]:
             self.phase = f"start broker {node.name}"
             await self._start_broker(node)
@@ -558,6 +570,12 @@ class _Run:
             "the active clients to finish",
         )
         self.metrics["scenario.traffic_s"] = round(time.monotonic() - self.t0, 3)
+        for node in self.nodes:
+            if node.proxy is not None:
+                p = node.proxy
+                self.metrics[f"{node.metric}.proxy.accepted"] = p.accepted
+                self.metrics[f"{node.metric}.proxy.cuts"] = p.cuts
+                self.metrics[f"{node.metric}.proxy.stalls"] = p.stalls
         return True
 
     async def _finish(self, *, settle: bool) -> None:
@@ -1032,6 +1050,11 @@ class _Run:
             return
         if f.action in ("fill-disk", "free-disk"):
             self._disk(f.action == "fill-disk")
+            return
+        if f.action == PROXY_ACTION:
+            proxy = self._node(f.target).proxy
+            assert proxy is not None and f.proxy is not None  # the model checked both
+            proxy.apply(f.proxy)
             return
         if f.action in NET_ACTIONS:
             ns = self._node(f.target).ns
