@@ -65,6 +65,9 @@ DESCRIPTIONS: dict[str, str] = {
     'network in both directions (`netem = "delay 200ms 50ms loss 5%"`, tc-netem(8) '
     "syntax)",
     "net-clear": "remove what net-netem added",
+    "net-proxy": "change the fault proxy in front of the target broker's TCP listener "
+    '(proxy = "delay 50ms 20ms loss 5%" / "blackhole" / "cut 100" / "clear"; any kernel, '
+    "no root)",
     "kill-broker": "SIGKILL the broker (its socket file stays behind, stale); with target, "
     "that broker of [brokers.NAME]",
     "restart-broker": "start a new broker on the same socket path and flags (SIGKILLing the "

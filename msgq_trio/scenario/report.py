@@ -437,6 +437,47 @@ cannot run (namespaces need root, `ip` and `tc`; TLS needs `openssl`; `net-netem
 a kernel with netem) is not run: `run` prints `SKIP` with the reason, it counts as
 neither passed nor failed, JUnit gets a `skipped` testcase and pytest skips its test.
 
+### Network faults on any kernel: the fault proxy
+
+`net-netem` needs root and a kernel with the netem qdisc; where either is missing those
+scenarios are skipped. The fault proxy (`msgq_trio/scenario/faultproxy.py`) needs
+neither: an ordinary trio TCP proxy on 127.0.0.1 that the runner puts in front of a
+broker's TCP/TLS listener with `proxy = true` (in `[broker]` or `[brokers.NAME]`, with
+`listen = "tcp"` or `"tls"`, not with `netns`). Clients, and links given `{broker.NAME}`,
+then reach that broker through the proxy (TLS passes through it untouched), and the
+`net-proxy` fault changes its setting at run time (`target = "NAME"`; none: the
+scenario's own broker):
+
+```toml
+[[faults]]
+at = 1.0
+action = "net-proxy"
+target = "b"
+proxy = "delay 50ms 50ms loss 5%"   # or "rate 1mbit", "blackhole", "cut", "cut 100 to_server", "clear"
+```
+
+| setting | what each proxied connection gets |
+|---|---|
+| `delay D [J]` | every chunk held D, plus or minus up to J; never ahead of the chunk before it (a TCP stream stays in order, so jitter varies the gaps and never reorders) |
+| `loss P%` | a stream cannot lose bytes (TCP would deliver nothing after the hole), so loss is what it does to a TCP flow: with probability P a chunk stalls one retransmission timeout (`rto`, default 200 ms, Linux's minimum) and everything behind it waits |
+| `rto T` | the stall of one lost chunk |
+| `rate R` | a bandwidth cap (`kbit`, `mbit`, ... per second, or bytes with `kbps`, `mbps`) |
+| `blackhole` | both sockets stay open, everything either way is read and dropped, a close too: only heartbeats can tell; a connection opened meanwhile waits unread until it ends (a SYN retransmitted until the link is back) |
+| `cut [N] [to_server\\|to_client\\|both]` | every open connection closed on both sides, at once or after N more bytes that way (mid-frame when N falls inside one); new connections go through |
+| `clear` | no faults |
+
+Figures: `broker[.NAME].proxy.accepted`, `.cuts` (connections closed by a `cut`) and
+`.stalls` (chunks stalled as lost). The same settings, one per stdin line, drive the
+standalone proxy: `python -m msgq_trio.scenario.faultproxy HOST:PORT`. Tests:
+`tests/test_fault_proxy.py` (each fault on real sockets; a black-holed TCP client is
+found by heartbeats on both ends; a cut mid-frame routes only the whole frames).
+
+| scenario | faults | what must hold |
+|---|---|---|
+| `net-proxy-tcp-blackhole` | every TCP client's link black-holed for 3 s, then healed | the clients' `first.lost.heartbeat-timeout` between 0.9 s and 10 s after the fault (heartbeat 0.5 s x 3), the broker logs `heartbeat-timeout`, every client reconnects after the heal and calls and messages flow again; no cut |
+| `net-proxy-tcp-lossy` | every TCP client's link: delay 30 ms, jitter 30 ms, loss 5%, 2 mbit/s, for 2.5 s | every message received in order without gaps, every call answered (no timeout), one connection per client, no cut; `broker.proxy.stalls >= 1` and `latency.p99_ms >= 30` (the faults acted) |
+| `net-proxy-link-lossy` | the A-to-B link: delay 50 ms, jitter 50 ms, loss 5%; then a cut 100 bytes into the put stream (mid-frame); then a black hole for 2 s | every message acked at A is delivered at B, none twice within a consumer session (history check); B discards the half frame; `broker.b.proxy.cuts >= 1` |
+
 A second broker can also be a program: `link-chain-two-brokers` runs broker B as an
 exec service (`msgq-trio serve --socket {tmp}/b.sock ...`, ready on its `listening`
 line), and the `restart` fault crashes and restarts B on its store. A
