@@ -11,6 +11,9 @@
   with the asyncio client (``msgq_trio.aio.connect``, :mod:`benchmarks.worker_msgq_aio`);
 * ``msgq_trio-direct``: the same broker, with the direct blocking client
   (:func:`msgq_trio.connect_direct`) on the request/reply workloads;
+* ``msgq_trio-c``: the same broker, every client a C process on libmsgq (clients/c:
+  :mod:`benchmarks.worker_msgq_c` execs ``msgq-bench``, built with meson on first use
+  by :mod:`benchmarks.cbuild`);
 * ``msgq_trio-no-busy-poll`` and ``msgq_trio-direct-no-busy-poll``: the same two clients
   on the request/reply workloads, the broker started with ``--busy-poll 0`` (it sleeps
   in ``epoll_wait`` after every read instead of polling while frames come back to back,
@@ -143,6 +146,17 @@ def msgq_variant(name: str, description: str, *serve_args: str) -> System:
         description,
         functools.partial(_start_msgq, serve_args=serve_args),
     )
+
+
+def _start_msgq_c(run_dir: Path, pattern: str, deadline: float) -> Service:
+    """A msgq_trio broker, and in the address the C worker to exec (built if missing:
+    a failed build is this run's error, reported as the row's cell)."""
+    from .cbuild import c_worker
+
+    binary = c_worker()
+    svc = _start_msgq(run_dir, pattern, deadline)
+    svc.addr["c_worker"] = binary
+    return svc
 
 
 def _start_raw(run_dir: Path, _pattern: str, _deadline: float) -> Service:
@@ -318,6 +332,13 @@ SYSTEMS: dict[str, System] = {
             only=_CALLS_ONLY,
             not_run="not run: the direct client is for calls",
         ),
+        System(
+            "msgq_trio-c",
+            SUBJECT,
+            "worker_msgq_c",
+            "msgq_trio broker process; C clients (libmsgq: msgq_send_raw, msgq_call_async)",
+            _start_msgq_c,
+        ),
         # limits.busy_poll off: the call columns only, beside the default (on).
         System(
             "msgq_trio-no-busy-poll",
@@ -432,6 +453,7 @@ DEFAULT_SYSTEMS = [
     "msgq_trio-asyncio",
     "msgq_trio-asyncio-def-handler",
     "msgq_trio-direct",
+    "msgq_trio-c",
     "msgq_trio-no-busy-poll",
     "msgq_trio-direct-no-busy-poll",
     "msgq_trio-no-splice",
