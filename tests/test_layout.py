@@ -130,7 +130,9 @@ def build_wheel(dest: Path) -> Path:
             ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so"
         ),
     )
-    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    # Build isolation, as .ci/run builds: the build backend pyproject.toml asks for
+    # (setuptools>=77), not whatever the test environment has installed.
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
     r = subprocess.run(
         [*pip, "-w", str(dest / "dist"), str(src)],
         capture_output=True,
