@@ -228,6 +228,37 @@ async def test_python_sends_to_c_listener(
     check_clean(listen.stderr())
 
 
+async def test_c_listener_takes_a_burst_in_order(
+    cbuild: CBuild, broker: Any, c_process: Callable[..., CProcess]
+) -> None:
+    """A burst of small messages that piles up while the listener is stopped (SIGSTOP)
+    reaches it as reads of many frames each, several ending in a partial frame: every
+    message is delivered once, in order, and the count is exact."""
+    n = 20000
+    listen = c_process(cbuild, "listen", "-s", str(broker.path), "G")
+    await trio.to_thread.run_sync(listen.wait_ready)
+    listen.proc.send_signal(signal.SIGSTOP)
+    try:
+        async with msgq_trio.connect(str(broker.path), name="burst") as bus:
+            await bus.send_many("G", range(n))
+            await bus.send("G", "end")
+            await trio.sleep(0.5)  # let the broker fill the listener's socket
+            listen.proc.send_signal(signal.SIGCONT)
+
+            def read_all() -> list[Any]:
+                out = []
+                while not out or out[-1] != "end":
+                    out.append(json.loads(listen.readline(timeout=30))["body"])
+                return out
+
+            bodies = await trio.to_thread.run_sync(read_all)
+    finally:
+        listen.proc.send_signal(signal.SIGCONT)
+    assert bodies == [*range(n), "end"]
+    assert listen.stop() == 0
+    check_clean(listen.stderr())
+
+
 async def test_c_hears_membership_events(
     cbuild: CBuild, broker: Any, c_process: Callable[..., CProcess]
 ) -> None:

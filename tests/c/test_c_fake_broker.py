@@ -306,3 +306,21 @@ async def test_good_reply_from_the_fake_broker(cbuild: CBuild, short_tmp: Path) 
         after_request(lambda rid: frame(REPLY, rid=rid, body=cbor2.dumps({"ok": [1]}))),
     )
     assert (status, stderr) == (0, "")
+
+
+async def test_client_writes_its_stamp_once_welcomed(cbuild: CBuild, short_tmp: Path) -> None:
+    """Frames after WELCOME carry the client's own stamp (``lname NUL name``) as their
+    source, so the broker can forward them without rewriting (docs/PROTOCOL.md)."""
+
+    async def script(conn: FakeConn) -> None:
+        await conn.send(welcome("l.42"))
+        req = await conn.read_frame()
+        assert req is not None and req[0] == 4
+        fields = PREFIX.unpack(req[2][: PREFIX.size])
+        target_len, source_len = fields[3], fields[4]
+        source = req[2][PREFIX.size + target_len : PREFIX.size + target_len + source_len]
+        assert source == b"l.42\x00msgq-c"
+        await conn.send(frame(REPLY, rid=req[1], body=cbor2.dumps(1)))
+
+    status, stderr = await run_against_fake(cbuild, short_tmp / "fake.sock", script)
+    assert (status, stderr) == (0, "")
