@@ -21,7 +21,8 @@ import trio
 from libmsgq_build import CBuild, CProcess, check_clean
 
 import msgq_trio
-from msgq_trio.protocol.codes import ErrorCode
+from msgq_trio.protocol.codes import ErrorCode, FrameType
+from msgq_trio.protocol.framing import encode_cbor
 
 # The C client is another process: give it time on a loaded machine, never a hang.
 RUN_TIMEOUT = 60.0
@@ -224,6 +225,37 @@ async def test_python_sends_to_c_listener(
     assert second["kind"] == "notify"
     assert second["event"] == "changed"
     assert second["body"] == [1, None]
+    assert listen.stop() == 0
+    check_clean(listen.stderr())
+
+
+async def test_c_listener_takes_a_burst_in_order(
+    cbuild: CBuild, broker: Any, c_process: Callable[..., CProcess]
+) -> None:
+    """A burst of small messages that piles up while the listener is stopped (SIGSTOP)
+    reaches it as reads of many frames each, several ending in a partial frame: every
+    message is delivered once, in order, and the count is exact."""
+    n = 20000
+    listen = c_process(cbuild, "listen", "-s", str(broker.path), "G")
+    await trio.to_thread.run_sync(listen.wait_ready)
+    listen.proc.send_signal(signal.SIGSTOP)
+    try:
+        async with msgq_trio.connect(str(broker.path), name="burst") as bus:
+            await bus.send_many("G", range(n))
+            await bus.send("G", "end")
+            await trio.sleep(0.5)  # let the broker fill the listener's socket
+            listen.proc.send_signal(signal.SIGCONT)
+
+            def read_all() -> list[Any]:
+                out = []
+                while not out or out[-1] != "end":
+                    out.append(json.loads(listen.readline(timeout=30))["body"])
+                return out
+
+            bodies = await trio.to_thread.run_sync(read_all)
+    finally:
+        listen.proc.send_signal(signal.SIGCONT)
+    assert bodies == [*range(n), "end"]
     assert listen.stop() == 0
     check_clean(listen.stderr())
 
@@ -630,3 +662,44 @@ async def test_socket_from_the_environment_then_the_per_user_default(
                 )
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout) == str(broker.path)
+
+
+async def test_handlers_that_block_in_a_send_take_further_requests(
+    cbuild: CBuild, broker_factory: Any, raw_peer: Any, c_process: Callable[..., CProcess]
+) -> None:
+    """A caller that sends many large requests and reads no answer for a while makes
+    the C responder's replies wait at its send bound inside the handler; meanwhile the
+    library reads and dispatches the following requests from within that handler
+    (nested msgq_process). Each request is still answered exactly once, with its own
+    body."""
+    n = 100
+    broker = broker_factory(*SMALL_BOUNDS)
+    echo = c_process(cbuild, "echo", "-s", str(broker.path), "E")
+    await trio.to_thread.run_sync(echo.wait_ready)
+    bodies = {rid: bytes([rid]) * 65536 for rid in range(1, n + 1)}
+    async with raw_peer(broker.path) as peer:
+        await peer.hello()
+
+        async def call_all() -> None:
+            for rid, body in bodies.items():
+                await peer.send_frame(
+                    FrameType.REQUEST,
+                    target="E",
+                    request_id=rid,
+                    header=encode_cbor({"cmd": "echo"}),
+                    body=encode_cbor(body),
+                )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call_all)
+            await trio.sleep(2)  # read nothing: the answers back up into the responder
+            answers: dict[int, Any] = {}
+            for _ in range(n):
+                f = await peer.receive_frame(timeout=30)
+                assert f is not None and f.type == FrameType.REPLY, f
+                assert f.request_id not in answers
+                answers[f.request_id] = f.body()
+    assert answers == bodies
+    assert echo.proc.poll() is None, echo.stderr()
+    assert echo.stop() == 0
+    check_clean(echo.stderr())

@@ -14,9 +14,10 @@ import cbor2
 import pytest
 import trio
 from libmsgq_build import CBuild, check_clean
+from libmsgq_py import Connection, load
 
 PREFIX = struct.Struct(">IBBHHHHHQII")
-WELCOME, REPLY, ERROR = 2, 5, 6
+WELCOME, MESSAGE, REPLY, ERROR, GOODBYE = 2, 3, 5, 6, 9
 RUN_TIMEOUT = 60.0
 
 
@@ -306,3 +307,60 @@ async def test_good_reply_from_the_fake_broker(cbuild: CBuild, short_tmp: Path) 
         after_request(lambda rid: frame(REPLY, rid=rid, body=cbor2.dumps({"ok": [1]}))),
     )
     assert (status, stderr) == (0, "")
+
+
+def source_of(raw: bytes) -> bytes:
+    """The source section of the frame ``raw``."""
+    fields = PREFIX.unpack(raw[: PREFIX.size])
+    start = PREFIX.size + fields[3]
+    return raw[start : start + fields[4]]
+
+
+async def test_client_writes_its_stamp_once_welcomed(cbuild: CBuild, short_tmp: Path) -> None:
+    """Frames after WELCOME carry the client's own stamp (``lname NUL name``) as their
+    source, so the broker can forward them without rewriting (docs/PROTOCOL.md)."""
+
+    async def script(conn: FakeConn) -> None:
+        await conn.send(welcome("l.42"))
+        req = await conn.read_frame()
+        assert req is not None and req[0] == 4
+        assert source_of(req[2]) == b"l.42\x00msgq-c"
+        await conn.send(frame(REPLY, rid=req[1], body=cbor2.dumps(1)))
+
+    status, stderr = await run_against_fake(cbuild, short_tmp / "fake.sock", script)
+    assert (status, stderr) == (0, "")
+
+
+async def test_empty_name_is_stamped_anonymous(c_plain: CBuild, short_tmp: Path) -> None:
+    """A client with an empty name stamps its frames ``anonymous``, the name the broker
+    gives it (else the broker would rewrite every frame). HELLO, before WELCOME, has no
+    source. Loaded into this process, so the plain build only."""
+    lib = load(str(c_plain.dir / "libmsgq.so"))
+    path = short_tmp / "fake.sock"
+    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await listener.bind(str(path))
+    listener.listen(1)
+    sources: list[bytes] = []
+
+    async def serve() -> None:
+        sock, _ = await listener.accept()
+        with sock:
+            conn = FakeConn(sock)
+            for expect in (1, MESSAGE, GOODBYE):
+                got = await conn.read_frame()
+                assert got is not None and got[0] == expect, got
+                sources.append(source_of(got[2]))
+                if expect == 1:
+                    await conn.send(welcome("l.9"))
+            await conn.send(frame(GOODBYE))
+
+    def client() -> None:
+        c = Connection(lib, str(path), name="")
+        c.send("G", 1)
+        c.close()
+
+    with trio.fail_after(RUN_TIMEOUT), listener:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            await trio.to_thread.run_sync(client)
+    assert sources == [b"", b"l.9\x00anonymous", b"l.9\x00anonymous"]

@@ -597,9 +597,15 @@ struct msgq {
     uint32_t send_max_frame; /* min(ours, the broker's) */
     char lname[64];
     char *name, *broker;
-    /* input: one buffer, in[0] is stream offset in_base */
+    /* Our stamp ("lname NUL name") from WELCOME on, written into every frame we send:
+     * the broker forwards a frame whose source is already the sender's stamp without
+     * copying it, and queues runs of them as one buffer. */
+    uint8_t *stamp;
+    size_t stamp_len;
+    /* input: one buffer, in[0] is stream offset in_base; in[0..in_pos) is parsed, so
+     * frames are taken by moving a cursor, and the rest moved down once per parse */
     uint8_t *in;
-    size_t in_len, in_cap;
+    size_t in_pos, in_len, in_cap;
     uint64_t in_base;
     struct fdbatch *fdb;
     struct outframe *out_head, *out_tail;
@@ -761,13 +767,18 @@ static uint8_t *build_frame(msgq *m, int type, int flags, const char *target, ui
         total += x->attachments[i].len;
     }
     if (total > m->send_max_frame) { *rc = -EMSGSIZE; return NULL; }
+    /* Our stamp, unless it alone would push the frame over the limit: the size limit
+     * stays the one for an unstamped frame (the broker stamps that one itself). */
+    size_t sl = m->stamp_len;
+    if (total + sl > m->send_max_frame) sl = 0;
+    total += sl;
     uint8_t *f = malloc(total);
     if (!f) { *rc = -ENOMEM; return NULL; }
     wr32(f, (uint32_t)(total - 4));
     f[4] = (uint8_t)type;
     f[5] = (uint8_t)flags;
     wr16(f + 6, (uint16_t)tl);
-    wr16(f + 8, 0); /* the broker stamps the true sender */
+    wr16(f + 8, (uint16_t)sl); /* the broker replaces any source but our true stamp */
     wr16(f + 10, (uint16_t)nb);
     wr16(f + 12, (uint16_t)nf);
     wr16(f + 14, 0);
@@ -776,6 +787,7 @@ static uint8_t *build_frame(msgq *m, int type, int flags, const char *target, ui
     wr32(f + 28, (uint32_t)bl);
     uint8_t *p = f + PREFIX_SIZE;
     if (tl) memcpy(p, target, tl), p += tl;
+    if (sl) memcpy(p, m->stamp, sl), p += sl;
     if (hl) memcpy(p, hdr, hl), p += hl;
     if (bl) memcpy(p, body, bl), p += bl;
     for (size_t i = 0; i < nb; i++, p += 4) wr32(p, (uint32_t)x->attachments[i].len);
@@ -1158,6 +1170,16 @@ static int take_welcome(msgq *m, msgq_message *msg) {
     }
     strcpy(m->lname, lname);
     free(lname);
+    /* The stamp the broker gives our frames; it names an empty HELLO name "anonymous".
+     * Without memory for it, frames go unstamped and the broker stamps them. */
+    const char *nm = m->name[0] ? m->name : "anonymous";
+    size_t ll = strlen(m->lname), nl = strlen(nm);
+    m->stamp = malloc(ll + 1 + nl);
+    if (m->stamp) {
+        memcpy(m->stamp, m->lname, ll + 1);
+        memcpy(m->stamp + ll + 1, nm, nl);
+        m->stamp_len = ll + 1 + nl;
+    }
     m->broker = map_str(msg->header, "broker");
     cbor_item_t *limits = map_get(msg->header, "limits");
     uint64_t v;
@@ -1329,10 +1351,14 @@ static int read_some(msgq *m) {
     return 1;
 }
 
-/* Hand every complete frame in the input buffer to handle_frame. */
+/* Hand every complete frame in the input buffer to handle_frame.
+ *
+ * Callbacks may re-enter (msgq_process from a handler reads and parses further), so the
+ * position lives in m->in_pos and nothing local survives handle_frame: each turn starts
+ * from m's fields, whatever a nested call has taken or moved. */
 static void parse_frames(msgq *m) {
-    size_t off = 0;
-    while (m->state != S_LOST && m->in_len - off >= 4) {
+    while (m->state != S_LOST && m->in_len - m->in_pos >= 4) {
+        size_t off = m->in_pos;
         uint64_t total = (uint64_t)rd32(m->in + off) + 4;
         if (total > m->o.max_frame_size) {
             lose(m, "frame-too-large", "broker sent a frame of %llu bytes, over max_frame_size %u",
@@ -1349,18 +1375,17 @@ static void parse_frames(msgq *m) {
         if (!raw) { lose(m, "connection-lost", "out of memory for a frame"); return; }
         memcpy(raw, m->in + off, total);
         uint64_t start = m->in_base + off;
-        off += total;
-        /* Drop the frame from the buffer before dispatch: callbacks may re-enter. */
-        memmove(m->in, m->in + off, m->in_len - off);
-        m->in_len -= off;
-        m->in_base += off;
-        off = 0;
+        /* Take the frame before dispatch: callbacks may re-enter. */
+        m->in_pos = off + (size_t)total;
         handle_frame(m, raw, total, start);
     }
-    if (off) {
-        memmove(m->in, m->in + off, m->in_len - off);
-        m->in_len -= off;
-        m->in_base += off;
+    /* Move the unparsed rest (a partial frame at most) to the front, once per parse. */
+    if (m->in_pos) {
+        size_t rest = m->in_len - m->in_pos;
+        if (rest) memmove(m->in, m->in + m->in_pos, rest);
+        m->in_base += m->in_pos;
+        m->in_len = rest;
+        m->in_pos = 0;
     }
     /* Keep the buffer from staying large after a big frame. */
     if (m->state != S_LOST && m->in_cap > 4 * READ_CHUNK && m->in_len < READ_CHUNK) {
@@ -1553,6 +1578,7 @@ void msgq_close(msgq *m) {
     }
     msgq_error_clear(&m->lost);
     free(m->in);
+    free(m->stamp);
     free(m->name);
     free(m->broker);
     free(m);
