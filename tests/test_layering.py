@@ -122,6 +122,7 @@ NO_REACH: dict[str, tuple[str, ...]] = {
             "encoders",
             "address",
             "wire",
+            "inbox",
         )
     },
     # The asyncio driver runs without a trio run context.
