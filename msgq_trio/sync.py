@@ -245,50 +245,45 @@ class SyncBus(_InLoop[Bus]):
         self.close()
 
 
-class SyncQueue:
-    """Blocking facade over :class:`msgq_trio.client.queue.Queue` (docs/QUEUE.md); the
-    methods block until the plugin answered and raise the same exceptions."""
+class SyncQueue(_InLoop[Queue]):
+    """Blocking facade over :class:`msgq_trio.client.queue.Queue` (docs/QUEUE.md): each
+    method is the ``Queue`` method of the same name, blocking until the plugin answered
+    and raising the same exceptions."""
 
     def __init__(self, sbus: SyncBus, q: Queue) -> None:
         self._sbus = sbus
         self._q = q
 
+    @property
+    def _target(self) -> Queue:
+        return self._q
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._sbus._run(fn, *args, **kwargs)
+
+    def _run_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._sbus._run_sync(fn, *args, **kwargs)
+
     def declare(self, **options: Any) -> bool:
-        return bool(self._sbus._run(self._q.declare, **options))
+        """Blocking :meth:`msgq_trio.client.queue.Queue.declare` (written out: a method
+        of keyword arguments only does not type-check as a ParamSpec's)."""
+        return bool(self._run(self._q.declare, **options))
 
-    def put(self, body: Any, *, seq: int | None = None) -> str:
-        """Returns when the message is durable (or consumed): "stored", "consumed",
-        "duplicate"."""
-        return str(self._sbus._run(self._q.put, body, seq=seq))
-
-    def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None) -> dict[str, int]:
-        return dict(self._sbus._run(self._q.put_many, bodies, first_seq=first_seq))
-
-    def send(
-        self,
-        body: Any,
-        attachments: Sequence[bytes] = (),
-        *,
-        anycast: bool = False,
-        seq: int | None = None,
-    ) -> str:
-        """A one-way message to the group the queue is bound to, with a producer ack
-        (:meth:`msgq_trio.client.queue.Queue.send`)."""
-        return str(self._sbus._run(self._q.send, body, attachments, anycast=anycast, seq=seq))
+    put = _blocking(Queue.put)
+    put_many = _blocking(Queue.put_many)
+    send = _blocking(Queue.send)
+    stats = _blocking(Queue.stats)
+    producer_state = _blocking(Queue.producer_state)
 
     def fetch(self, n: int = 1, *, ack_timeout: float | None = None) -> list[SyncQueueMessage]:
+        """:meth:`msgq_trio.client.queue.Queue.fetch`: the messages as
+        :class:`SyncQueueMessage`."""
         got = self._sbus._run(self._q.fetch, n, ack_timeout=ack_timeout)
         return [SyncQueueMessage(self._sbus, m) for m in got]
 
     def ack(self, messages: Sequence[SyncQueueMessage]) -> int:
         """Ack fetched ``messages`` in one request; returns how many were still owed."""
         return int(self._sbus._run(self._q.ack, [m.message for m in messages]))
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self._sbus._run(self._q.stats))
-
-    def producer_state(self) -> int:
-        return int(self._sbus._run(self._q.producer_state))
 
     def consume(
         self, window: int = 1, *, ack_timeout: float | None = None, timeout: float | None = None
