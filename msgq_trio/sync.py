@@ -11,26 +11,98 @@ background thread, the calling thread does the socket I/O (``client/direct.py``)
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import trio
 
-from .client.bus import Bus, Member, Message, Result
+from .client.bus import Bus, Message
 from .client.bus import connect as aconnect
 from .client.queue import Queue, QueueMessage
 from .client.reconnect import Reconnect
 from .errors import ConnectionLost, UsageError
 
-Buffer = bytes | bytearray | memoryview
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
-class SyncBus:
+class _InLoop(Generic[T_co]):
+    """A blocking object over an object of the trio loop thread (``_target``): the
+    base of the facades whose methods :func:`_blocking` and :func:`_blocking_sync`
+    derive from the async API."""
+
+    @property
+    def _target(self) -> T_co:
+        raise NotImplementedError
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _run_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def _blocking(
+    fn: Callable[Concatenate[T, P], Awaitable[R]],
+) -> Callable[Concatenate[_InLoop[T], P], R]:
+    """The blocking method of an async method ``fn``: same name, signature and
+    docstring; it runs ``fn`` on the facade's target in the loop thread and blocks the
+    calling thread until it is done, raising what ``fn`` raises."""
+
+    @functools.wraps(fn)
+    def method(self: _InLoop[T], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(fn, self._target, *args, **kwargs)  # type: ignore[no-any-return]
+
+    return method
+
+
+def _blocking_sync(fn: Callable[Concatenate[T, P], R]) -> Callable[Concatenate[_InLoop[T], P], R]:
+    """:func:`_blocking` for a plain (non-async) method ``fn``: it still runs in the
+    loop thread, since the target's state belongs to it."""
+
+    @functools.wraps(fn)
+    def method(self: _InLoop[T], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run_sync(fn, self._target, *args, **kwargs)  # type: ignore[no-any-return]
+
+    return method
+
+
+def _blocking_flushed(
+    fn: Callable[Concatenate[Bus, P], Awaitable[None]],
+) -> Callable[Concatenate[SyncBus, P], None]:
+    """:func:`_blocking` for a send (``fn`` queues a frame), which then also waits
+    until everything queued is written to the socket: a script that sends and exits
+    must not lose what is still queued in the loop thread."""
+
+    async def send_and_flush(bus: Bus, *args: Any, **kwargs: Any) -> None:
+        await fn(bus, *args, **kwargs)
+        await bus.flush()
+
+    @functools.wraps(fn)
+    def method(self: SyncBus, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        self._run(send_and_flush, self._target, *args, **kwargs)
+
+    method.__doc__ = (
+        inspect.cleandoc(fn.__doc__ or "")
+        + "\n\nThe blocking call returns once the message is written to the socket."
+    )
+    return method
+
+
+class SyncBus(_InLoop[Bus]):
     """A blocking facade over :class:`msgq_trio.Bus`. Create it with :func:`connect`.
+
+    Each method is the :class:`msgq_trio.Bus` method of the same name, run in the
+    background thread's trio loop: it blocks the calling thread until the loop has
+    done the work and raises what the async method raises. Sends return once the
+    message is written to the socket.
 
     Resource handling: :meth:`close` (or leaving the ``with`` block) closes the
     connection and joins the background thread. Command handlers registered here run in
@@ -73,14 +145,24 @@ class SyncBus:
             raise
 
     def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._in_loop(trio.from_thread.run, fn, *args, **kwargs)
+
+    def _run_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._in_loop(trio.from_thread.run_sync, fn, *args, **kwargs)
+
+    def _in_loop(
+        self, run: Callable[..., Any], fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         if self._token is None or self._stop is None or self._stop.is_set():
             raise UsageError("the bus is closed")
         try:
-            return trio.from_thread.run(
-                functools.partial(fn, *args, **kwargs), trio_token=self._token
-            )
+            return run(functools.partial(fn, *args, **kwargs), trio_token=self._token)
         except trio.RunFinishedError as exc:
             raise ConnectionLost("the bus's background loop has ended") from exc
+
+    @property
+    def _target(self) -> Bus:
+        return self.bus
 
     @property
     def bus(self) -> Bus:
@@ -97,106 +179,18 @@ class SyncBus:
         """How many times the bus reconnected (``connect(..., reconnect=...)``)."""
         return self.bus.reconnects
 
-    def wait_connected(self, timeout: float | None = None) -> None:
-        """Blocking :meth:`msgq_trio.Bus.wait_connected`."""
-        self._run(self.bus.wait_connected, timeout)
-
-    def call(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        fds: Sequence[int] = (),
-    ) -> Any:
-        """Blocking :meth:`msgq_trio.Bus.call`."""
-        return self._run(
-            self.bus.call,
-            target,
-            command,
-            params,
-            timeout=timeout,
-            attachments=attachments,
-            fds=fds,
-        )
-
-    def request(
-        self,
-        target: str,
-        command: str,
-        params: Any = None,
-        *,
-        timeout: float | None = None,
-        attachments: Sequence[Buffer] = (),
-        fds: Sequence[int] = (),
-    ) -> Message:
-        """Blocking :meth:`msgq_trio.Bus.request`: the whole answer, with its descriptors."""
-        return self._run(  # type: ignore[no-any-return]
-            self.bus.request,
-            target,
-            command,
-            params,
-            timeout=timeout,
-            attachments=attachments,
-            fds=fds,
-        )
-
-    def call_all(
-        self, group: str, command: str, params: Any = None, *, timeout: float | None = None
-    ) -> list[Result]:
-        return list(self._run(self.bus.call_all, group, command, params, timeout=timeout))
-
-    def call_many(
-        self,
-        requests: Sequence[tuple[str, str] | tuple[str, str, Any]],
-        *,
-        timeout: float | None = None,
-    ) -> list[Result]:
-        return list(self._run(self.bus.call_many, requests, timeout=timeout))
-
-    def send(
-        self,
-        target: str,
-        body: Any = None,
-        attachments: Sequence[Buffer] = (),
-        *,
-        fds: Sequence[int] = (),
-    ) -> None:
-        """Queue a message and wait until it is written to the socket."""
-
-        async def send_and_flush() -> None:
-            await self.bus.send(target, body, attachments, fds=fds)
-            await self.bus.flush()
-
-        self._run(send_and_flush)
-
-    def send_many(self, target: str, bodies: Iterable[Any]) -> None:
-        """One message per body, in order, and wait until all are written
-        (:meth:`msgq_trio.Bus.send_many`)."""
-
-        async def send_and_flush() -> None:
-            await self.bus.send_many(target, bodies)
-            await self.bus.flush()
-
-        self._run(send_and_flush)
-
-    def notify(self, group: str, event: str, params: Any = None) -> None:
-        async def notify_and_flush() -> None:
-            await self.bus.notify(group, event, params)
-            await self.bus.flush()
-
-        self._run(notify_and_flush)
-
-    def subscribe(self, group: str) -> bool:
-        return bool(self._run(self.bus.subscribe, group))
-
-    def unsubscribe(self, group: str) -> bool:
-        return bool(self._run(self.bus.unsubscribe, group))
-
-    def members(self, group: str) -> list[Member]:
-        return list(self._run(self.bus.members, group))
+    wait_connected = _blocking(Bus.wait_connected)
+    call = _blocking(Bus.call)
+    request = _blocking(Bus.request)
+    call_all = _blocking(Bus.call_all)
+    call_many = _blocking(Bus.call_many)
+    send = _blocking_flushed(Bus.send)
+    send_many = _blocking_flushed(Bus.send_many)
+    notify = _blocking_flushed(Bus.notify)
+    subscribe = _blocking(Bus.subscribe)
+    unsubscribe = _blocking(Bus.unsubscribe)
+    members = _blocking(Bus.members)
+    version = _blocking(Bus.version)
 
     def receive(self, timeout: float | None = None) -> Message:
         """The next message or notification.
@@ -210,6 +204,8 @@ class SyncBus:
         except trio.TooSlowError as exc:
             raise TimeoutError(f"no message within {timeout} s") from exc
 
+    _add_command = _blocking_sync(Bus.add_command)
+
     def command(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: answer ``name`` with a plain (blocking) function run in a worker thread."""
 
@@ -217,7 +213,7 @@ class SyncBus:
             async def handler(params: Any) -> Any:
                 return await trio.to_thread.run_sync(fn, params)
 
-            self._run(_sync_add_command, self.bus, name, handler)
+            self._add_command(name, handler)
             return fn
 
         return register
@@ -249,50 +245,45 @@ class SyncBus:
         self.close()
 
 
-class SyncQueue:
-    """Blocking facade over :class:`msgq_trio.client.queue.Queue` (docs/QUEUE.md); the
-    methods block until the plugin answered and raise the same exceptions."""
+class SyncQueue(_InLoop[Queue]):
+    """Blocking facade over :class:`msgq_trio.client.queue.Queue` (docs/QUEUE.md): each
+    method is the ``Queue`` method of the same name, blocking until the plugin answered
+    and raising the same exceptions."""
 
     def __init__(self, sbus: SyncBus, q: Queue) -> None:
         self._sbus = sbus
         self._q = q
 
+    @property
+    def _target(self) -> Queue:
+        return self._q
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._sbus._run(fn, *args, **kwargs)
+
+    def _run_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._sbus._run_sync(fn, *args, **kwargs)
+
     def declare(self, **options: Any) -> bool:
-        return bool(self._sbus._run(self._q.declare, **options))
+        """Blocking :meth:`msgq_trio.client.queue.Queue.declare` (written out: a method
+        of keyword arguments only does not type-check as a ParamSpec's)."""
+        return bool(self._run(self._q.declare, **options))
 
-    def put(self, body: Any, *, seq: int | None = None) -> str:
-        """Returns when the message is durable (or consumed): "stored", "consumed",
-        "duplicate"."""
-        return str(self._sbus._run(self._q.put, body, seq=seq))
-
-    def put_many(self, bodies: Sequence[Any], *, first_seq: int | None = None) -> dict[str, int]:
-        return dict(self._sbus._run(self._q.put_many, bodies, first_seq=first_seq))
-
-    def send(
-        self,
-        body: Any,
-        attachments: Sequence[bytes] = (),
-        *,
-        anycast: bool = False,
-        seq: int | None = None,
-    ) -> str:
-        """A one-way message to the group the queue is bound to, with a producer ack
-        (:meth:`msgq_trio.client.queue.Queue.send`)."""
-        return str(self._sbus._run(self._q.send, body, attachments, anycast=anycast, seq=seq))
+    put = _blocking(Queue.put)
+    put_many = _blocking(Queue.put_many)
+    send = _blocking(Queue.send)
+    stats = _blocking(Queue.stats)
+    producer_state = _blocking(Queue.producer_state)
 
     def fetch(self, n: int = 1, *, ack_timeout: float | None = None) -> list[SyncQueueMessage]:
+        """:meth:`msgq_trio.client.queue.Queue.fetch`: the messages as
+        :class:`SyncQueueMessage`."""
         got = self._sbus._run(self._q.fetch, n, ack_timeout=ack_timeout)
         return [SyncQueueMessage(self._sbus, m) for m in got]
 
     def ack(self, messages: Sequence[SyncQueueMessage]) -> int:
         """Ack fetched ``messages`` in one request; returns how many were still owed."""
         return int(self._sbus._run(self._q.ack, [m.message for m in messages]))
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self._sbus._run(self._q.stats))
-
-    def producer_state(self) -> int:
-        return int(self._sbus._run(self._q.producer_state))
 
     def consume(
         self, window: int = 1, *, ack_timeout: float | None = None, timeout: float | None = None
@@ -341,10 +332,6 @@ class SyncQueueMessage:
 
     def nack(self) -> None:
         self._sbus._run(self.message.nack)
-
-
-async def _sync_add_command(bus: Bus, name: str, handler: Callable[..., Any]) -> None:
-    bus.add_command(name, handler)
 
 
 def connect(

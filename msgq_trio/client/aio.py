@@ -333,7 +333,6 @@ class AioBus(AioStreams):
             # A message is waiting: _next_message's end, with no coroutine at all
             # (``ready``: an awaitable done; AsyncBus._take inline).
             item = q.popleft()
-            self._in_popped += 1
             if type(item) is Frame:
                 msg = new_message(item, self._s.sources)
             else:

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConnectionLost, MsgqError, UsageError
 from ..protocol.framing import close_fds
 from .async_driver import AsyncDriver, Handler
 from .loop import run_callback
 from .message import Buffer, Member, Message, Result
+from .queue import Queue
 from .session import (
     PendingCall,
     as_handler,
 )
-
-if TYPE_CHECKING:  # imported lazily at run time: client/queue.py imports this module
-    from .queue import Queue
 
 __all__ = ["AsyncBus", "Handler"]
 
@@ -104,8 +102,6 @@ class AsyncBus(AsyncDriver):
         Returns a :class:`msgq_trio.client.queue.Queue` (one implementation for every
         asynchronous driver).
         """
-        from .queue import Queue
-
         return Queue(self, name, producer=producer)
 
     # -- state ---------------------------------------------------------------------------

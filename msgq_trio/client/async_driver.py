@@ -30,6 +30,7 @@ from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame, close_fds
+from .inbox import Inbox
 from .lifecycle import HeartbeatMonitor, State
 from .loop import LoopEvent, LoopServices, run_callback
 from .message import Buffer, Message, new_message
@@ -66,23 +67,16 @@ class AsyncDriver(SessionView, LoopServices):
     _notify_cbs: dict[str, list[Callable[[Message], Any]]]
     _notify_inline: dict[str, Callable[[Message], None]]
     _message_inline: Callable[[Message], None] | None
-    #: Received messages the application has not taken yet, and their frames' bytes.
-    #: A plain MESSAGE waits as its Frame and becomes a Message when taken
-    #: (:meth:`_take`): a burst of one receive is thousands of messages, and as Message
-    #: objects they would all be alive at once for the cyclic garbage collector to walk
-    #: and promote to older generations (frames from the compiled scanner are not
-    #: tracked by it).
+    #: Received messages the application has not taken yet, bounded by
+    #: ``IN_HIGH_WATER`` bytes and ``IN_HIGH_COUNT`` messages (client/inbox.py: the
+    #: bound, and why the bytes are counted by batch). A plain MESSAGE waits as its Frame
+    #: and becomes a Message when taken (:meth:`_take`): a burst of one receive is
+    #: thousands of messages, and as Message objects they would all be alive at once
+    #: for the cyclic garbage collector to walk and promote to older generations
+    #: (frames from the compiled scanner are not tracked by it).
+    _inbox: Inbox[Message | Frame]
+    #: ``_inbox.items``, the deque the hot paths take from.
     _in: collections.deque[Message | Frame]
-    #: The bytes of ``_in``, counted by batch: the reader puts a receive's messages in
-    #: with one :meth:`_in_put`, and their bytes leave when the last of them is taken
-    #: (:meth:`_in_held`). Taking a message is then one counter's increment
-    #: (``_in_popped``, which the trio driver's fairness also counts on) instead of two
-    #: lengths per message; the bound is over by at most one batch (a receive's worth,
-    #: or one large frame), and exact when ``_in`` is empty.
-    _in_bytes: int
-    _in_marks: collections.deque[tuple[int, int]]  # (``_in_count`` after a batch, its bytes)
-    _in_count: int  # entries ever put in ``_in``
-    _in_popped: int  # entries ever taken from ``_in`` (or dropped)
 
     #: The address dialled (the session's lifecycle holds the reconnect policy).
     _target: str
@@ -100,9 +94,8 @@ class AsyncDriver(SessionView, LoopServices):
 
     def _init_api(self, target: str = "") -> None:
         """The registries of the API (called by the driver's ``__init__``)."""
-        self._in_bytes = 0
-        self._in_marks = collections.deque()
-        self._in_count = self._in_popped = 0
+        self._inbox = Inbox(IN_HIGH_WATER, IN_HIGH_COUNT)
+        self._in = self._inbox.items
         self._notify_cbs = {}
         self._notify_inline = {}
         self._message_inline = None
@@ -152,51 +145,34 @@ class AsyncDriver(SessionView, LoopServices):
         raise NotImplementedError
 
     def _take(self, item: Message | Frame) -> Message:
-        """The Message of an ``_in`` entry just popped (counted in ``_in_popped``)."""
-        self._in_popped += 1
+        """The Message of an ``_in`` entry just popped."""
         if isinstance(item, Message):
             return item
         return new_message(item, self._s.sources)
 
     def _in_put(self, entries: int, nbytes: int) -> None:
         """``entries`` were just appended to ``_in``, ``nbytes`` in all: one batch."""
-        count = self._in_count + entries
-        self._in_count = count
-        self._in_bytes += nbytes
-        self._in_marks.append((count, nbytes))
+        self._inbox.put(entries, nbytes)
 
     def _in_held(self) -> int:
-        """The bytes of ``_in`` against ``IN_HIGH_WATER``: every batch not yet taken
-        to its last message (so at most one batch more than exact; 0 when empty)."""
-        marks, popped = self._in_marks, self._in_popped
-        while marks and marks[0][0] <= popped:
-            self._in_bytes -= marks.popleft()[1]
-        return self._in_bytes
+        """The bytes of ``_in`` against ``IN_HIGH_WATER`` (:meth:`Inbox.held`)."""
+        return self._inbox.held()
 
     def _drop_in(self) -> None:
         """Close every message nobody took (their descriptors are ours to close)."""
-        for item in self._in:
+        for item in self._inbox.clear():
             if isinstance(item, Message):
                 item.close()
             else:
                 close_fds(item.fds)
-        self._in.clear()
-        self._in_marks.clear()
-        self._in_bytes = 0
-        self._in_popped = self._in_count
 
     def _in_full(self) -> bool:
-        """Over ``IN_HIGH_WATER`` bytes, or ``IN_HIGH_COUNT`` messages while none of our
-        calls waits for its answer, wait for the application: the driver reads no more
-        until it takes some (backpressure to the broker, never loss). The count does not
-        apply while a call is pending: its answer may be behind the messages, and a
-        caller that takes its messages after the answer would wait for ever."""
-        return self._in_held() > IN_HIGH_WATER or (
-            len(self._in) > IN_HIGH_COUNT and not self._s.calls
-        )
+        """Over the inbox's bound (:meth:`Inbox.full`), wait for the application: the
+        driver reads no more until it takes some."""
+        return self._inbox.full(bool(self._s.calls))
 
     def _call_started(self) -> None:
-        """A call was queued: a driver whose reader paused on ``IN_HIGH_COUNT`` reads
+        """A call was queued: a driver whose reader paused on the count bound reads
         again (see :meth:`_in_full`)."""
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ConnectionLost
 from ..protocol.errors import ProtocolError
-from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, Frame, close_fds
+from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, FdBuffer, close_fds
 from ..transport.fdpass import (  # no trio
     RECEIVE_INTO_SIZE,
     RECEIVE_SIZE,
@@ -25,7 +25,7 @@ from ..transport.fdpass import (  # no trio
     take_fds,
 )
 from .async_bus import AsyncBus
-from .message import Buffer, Message
+from .message import Buffer
 from .reconnect import Reconnect
 from .session import (
     PendingCall,
@@ -84,7 +84,6 @@ class AioStreams(AsyncBus):
         self._drain_waiters: list[asyncio.Future[None]] = []
         #: A write is scheduled for the end of this loop pass (see ``send``).
         self._write_soon = False
-        self._in: deque[Message | Frame] = deque()  # see AsyncBus._in
         self._in_waiters: list[asyncio.Future[None]] = []
         self._reading = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -334,13 +333,13 @@ class AioStreams(AsyncBus):
     def _process(self) -> None:
         """Act on every frame the codec has: the session's event for each (its rule 3)."""
         conn = self._conn
-        count = self._in_count
+        count = self._inbox.added
         try:
             if not self._receive_events(conn.events(), conn.message_burst) and conn.error_pending:
                 conn.events()  # raises the protocol error that followed valid frames
         except ProtocolError as exc:
             self._protocol_error(exc)
-        if self._in_count != count:
+        if self._inbox.added != count:
             self._wake_all(self._in_waiters)
         if self._reading and self._in_full():
             # Nobody takes the messages: read no more until they do (the broker then

@@ -27,6 +27,7 @@ from ..transport.sockets import (
     set_send_buffer,
     take_fds,
 )
+from .inbox import Inbox
 from .message import Message
 from .reconnect import Reconnect
 from .session import (
@@ -77,7 +78,6 @@ class BlockingSocket(SessionView):
         send_buffer: int = SEND_BUFFER,
         timeout: float = 30.0,
     ) -> None:
-        self.max_buffered = max_buffered
         self._s = Session(name, max_frame_size, reconnect=reconnect, target=target)
         self._s.fd_passing = False  # plain send(): no SCM_RIGHTS on this driver
         self._attach(sock)
@@ -87,10 +87,15 @@ class BlockingSocket(SessionView):
         #: Parsed frames not yet dispatched (a reading method dispatches them in order).
         self._frames: deque[Frame] = deque()
         self._frames_bytes = 0
-        #: Received one-way messages for receive(), and their bytes.
-        self._inbox: deque[Message] = deque()
-        self._inbox_bytes = 0
+        #: Received one-way messages for receive(), bounded by ``max_buffered`` bytes
+        #: (client/inbox.py; one message per batch, so the count is exact).
+        self._inbox: Inbox[Message] = Inbox(max_buffered)
         self._closed = False
+
+    @property
+    def max_buffered(self) -> int:
+        """Bytes of received one-way messages kept for ``receive()``."""
+        return self._inbox.max_bytes
 
     def _attach(self, sock: pysocket.socket) -> None:
         """Take ``sock`` as the connection (the first, or a reconnect's)."""
@@ -163,7 +168,7 @@ class BlockingSocket(SessionView):
                 return
             view = view[n:]
             events = select.POLLOUT
-            if self._inbox_bytes + self._frames_bytes <= self.max_buffered:
+            if self._inbox.held() + self._frames_bytes <= self.max_buffered:
                 events |= select.POLLIN
             try:
                 ready = select.poll()
@@ -249,8 +254,8 @@ class BlockingSocket(SessionView):
             except ProtocolError as exc:
                 raise self._fail(f"the broker violated the protocol: {exc}") from exc
             if isinstance(event, Message):
-                self._inbox.append(event)
-                self._inbox_bytes += len(frame.raw) + len(frame.large_body)
+                self._inbox.items.append(event)
+                self._inbox.put(1, len(frame.raw) + len(frame.large_body))
             elif isinstance(event, Request):
                 self._serve_request(event)
             elif isinstance(event, Send):
@@ -277,9 +282,9 @@ class BlockingSocket(SessionView):
             # Raises unless a reconnect is under way; its attempts are this wait's.
             deadline = None if timeout is None else time.monotonic() + timeout
             return self._reconnected(deadline, wait=True)
-        if self._inbox_bytes > self.max_buffered:
+        if self._inbox.over():
             raise LimitExceeded(
-                f"{len(self._inbox)} received messages ({self._inbox_bytes} bytes) wait for "
+                f"{len(self._inbox.items)} received messages ({self._inbox.held()} bytes) wait for "
                 f"receive(): over max_buffered={self.max_buffered}; take them with "
                 "receive() first (nothing was dropped)",
                 code=str(ErrorCode.LIMIT_EXCEEDED),

@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # imported lazily at run time: client/pipe.py imports bus
 
 
 #: Iteration yields to other tasks at least once every this many messages (a power
-#: of two: the count is ``AsyncBus._in_popped``'s low bits).
+#: of two: the count is ``Bus._in_popped``'s low bits).
 _FAIRNESS = 256
 
 
@@ -71,6 +71,9 @@ class Bus(TrioStreams):
     what to answer is the session's, and the API's shape is
     :class:`~msgq_trio.client.async_bus.AsyncBus`'s.
     """
+
+    #: Messages iteration and receive have taken, for the fairness checkpoint.
+    _in_popped: int = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     async def _handshake(self, hello_fields: dict[str, object]) -> None:
@@ -410,6 +413,7 @@ class Bus(TrioStreams):
                 return None
             await self._in_wake.park()
         msg = self._take(q.popleft())
+        self._in_popped += 1
         if self._reader_parked:  # only when _in_full()
             self._reader_parked = False
             self._in_taken.unpark_all()

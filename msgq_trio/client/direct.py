@@ -164,8 +164,8 @@ class DirectBus(BlockingSocket):
             frame = self._frames.popleft()
             self._frames_bytes -= len(frame.raw) + len(frame.large_body)
             if frame.type in (_MESSAGE, _NOTIFY):
-                self._inbox.append(new_message(frame, s.sources))
-                self._inbox_bytes += len(frame.raw) + len(frame.large_body)
+                self._inbox.items.append(new_message(frame, s.sources))
+                self._inbox.put(1, len(frame.raw) + len(frame.large_body))
             else:
                 close_fds(frame.fds)
 
@@ -247,10 +247,8 @@ class DirectBus(BlockingSocket):
                 close_fds(frame.fds)
             self._frames.clear()
             self._frames_bytes = 0
-            for msg in self._inbox:
+            for msg in self._inbox.clear():
                 msg.close()
-            self._inbox.clear()
-            self._inbox_bytes = 0
             self._s.connection_lost(ConnectionLost("the bus was closed"), time.monotonic())
 
     def __enter__(self) -> DirectBus:
@@ -338,14 +336,12 @@ class DirectBus(BlockingSocket):
                 reconnect attempts are made while this waits.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._inbox:
+        while not self._inbox.items:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no message within {timeout} s")
             self._pump(left)
-        msg = self._inbox.popleft()
-        self._inbox_bytes -= len(msg._frame.raw) + len(msg._frame.large_body)
-        return msg
+        return self._inbox.items.popleft()
 
     def serve(self, duration: float | None = None) -> None:
         """Answer requests (and keep messages for :meth:`receive`) for ``duration``

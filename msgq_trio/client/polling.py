@@ -2,8 +2,9 @@
 ``busy_poll`` rule, sans-I/O (times are arguments; the trio driver does the polling).
 
 Why poll at all: a trio program waits for its socket in ``epoll_wait``, and waking a
-process asleep there costs the sender's write and the wakee's run loop some 15-30 us on
-a small VM, once per round trip on the caller's side. A caller that keeps receiving
+process asleep there costs the sender's write and the wakee's run loop a trip through
+the kernel's scheduler, once per round trip on the caller's side, a large part of a
+local round trip (BENCHMARKS.md records the figures). A caller that keeps receiving
 without sleeping for the little time the answer takes saves that, at the price of a CPU
 while it polls; the rule below spends that only where it buys latency.
 """

@@ -6,11 +6,12 @@ or ``fetch`` (pull) and ``ack`` each message (ack 2).
 
 One implementation for every asynchronous driver (the trio ``Bus`` and the asyncio
 ``AioBus``): the protocol logic here (requests, producer seqs, the window and ack
-batching, re-attach after a plugin restart) is written against the public API of
-:class:`~msgq_trio.client.async_bus.AsyncBus` only (calls, inline commands and notifications,
-``start_soon``, ``sleep``, ``checkpoint``, ``new_event``, ``shielded``, ``wait_lost``)
-and a :class:`~msgq_trio.client.mailbox.Mailbox`. It imports no event loop
-(``tests/test_layering.py``).
+batching, re-attach after a plugin restart) is written against the part of
+:class:`~msgq_trio.client.async_bus.AsyncBus`'s public API that
+:class:`~msgq_trio.client.queue_bus.QueueBus` names (calls, inline commands and
+notifications, ``start_soon``, ``sleep``, ``checkpoint``, ``new_event``, ``shielded``,
+``wait_lost``) and a :class:`~msgq_trio.client.mailbox.Mailbox`. It imports no event
+loop and no driver (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .queue_consumer import Consumer
 from .queue_message import DEFAULT_GROUP, QueueMessage, _Delivery
 
 if TYPE_CHECKING:
-    from .async_bus import AsyncBus as Bus
+    from .queue_bus import QueueBus as Bus
 
 __all__ = ["DEFAULT_GROUP", "Consumer", "Queue", "QueueMessage"]
 

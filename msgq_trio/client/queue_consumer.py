@@ -18,9 +18,9 @@ from ..errors import (
 from .mailbox import Mailbox
 
 if TYPE_CHECKING:
-    from .async_bus import AsyncBus as Bus
     from .message import Message
-    from .queue import Queue
+    from .queue_bus import QueueBus as Bus
+    from .queue_bus import QueueHandle
 
 from .queue_message import (
     ACK_DELAY,
@@ -122,7 +122,9 @@ class Consumer:
     but not acked are redelivered after their ack deadline or at disconnect.
     """
 
-    def __init__(self, q: Queue, window: int, ack_timeout: float | None, ids: bool = False) -> None:
+    def __init__(
+        self, q: QueueHandle, window: int, ack_timeout: float | None, ids: bool = False
+    ) -> None:
         if window < 1:
             raise UsageError("window must be >= 1")
         self._q = q

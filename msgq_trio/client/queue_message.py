@@ -16,8 +16,8 @@ from ..errors import (
 )
 
 if TYPE_CHECKING:
-    from .async_bus import AsyncBus as Bus
-    from .queue_consumer import Consumer
+    from .queue_bus import QueueBus as Bus
+    from .queue_bus import Settler
 
 
 __all__ = ["DEFAULT_GROUP", "QueueMessage"]
@@ -55,7 +55,7 @@ class _Delivery:
 
     __slots__ = ("bus", "consumer", "gen", "queue")
 
-    def __init__(self, bus: Bus, queue: str, consumer: Consumer | None) -> None:
+    def __init__(self, bus: Bus, queue: str, consumer: Settler | None) -> None:
         self.bus = bus
         self.queue = queue
         self.consumer = consumer

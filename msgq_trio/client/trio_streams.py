@@ -18,7 +18,7 @@ import trio
 
 from ..errors import ConnectionLost
 from ..protocol.errors import ProtocolError
-from ..protocol.framing import FdBuffer, Frame
+from ..protocol.framing import FdBuffer
 from ..transport.fdpass import RECEIVE_INTO_SIZE, RECEIVE_SIZE
 from ..transport.sockets import (
     NO_JOIN,
@@ -28,7 +28,7 @@ from ..transport.sockets import (
     send_buffers,
 )
 from .async_bus import AsyncBus
-from .message import Buffer, Message
+from .message import Buffer
 from .polling import BUSY_POLL, CallPoller, Poll
 from .reconnect import Reconnect
 from .session import (
@@ -82,7 +82,6 @@ class TrioStreams(AsyncBus):
         # unparks it), as _reader_parked: asked once per message sent.
         self._writer_parked = False
         self._drained = trio.lowlevel.ParkingLot()
-        self._in: deque[Message | Frame] = deque()  # see AsyncBus._in
         self._in_wake = trio.lowlevel.ParkingLot()
         self._in_taken = trio.lowlevel.ParkingLot()
         # Whether the reader is parked on _in_taken (set as it parks, cleared by whoever

@@ -188,13 +188,14 @@ async def test_the_poll_stops_at_the_inbound_high_water(
     )
     async with msgq_trio.connect(broker.path, "caller") as bus:
         poller = await hold_open(bus)
-        # As if 1 TiB of messages waited unread (the real high water is 64 MiB).
-        bus._in_bytes += 1 << 40
+        # As if the inbox were over its byte bound: a bound below zero bytes.
+        high_water = bus._inbox.max_bytes
+        bus._inbox.max_bytes = -1
         with trio.fail_after(10):
             params = {"to": bus.lname, "n": 1}
             assert await bus.call("Notify", "notify", params) == params
         assert (poller.caught, poller.missed) == (0, 1)
-        bus._in_bytes -= 1 << 40
+        bus._inbox.max_bytes = high_water
         with trio.fail_after(10):
             assert (await bus.receive()).body == {"note": 1}
 
