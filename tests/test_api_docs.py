@@ -26,7 +26,11 @@ EXPECTED = {
         "msgq_trio.Reconnect",
         "msgq_trio.Bus.wait_connected",
     ],
-    "sync.html": ["msgq_trio.sync.connect", "msgq_trio.sync.SyncBus"],
+    "sync.html": [
+        "msgq_trio.sync.connect",
+        "msgq_trio.sync.SyncBus",
+        "msgq_trio.sync.SyncBus.call",
+    ],
     "aio.html": [
         "msgq_trio.aio.connect",
         "msgq_trio.aio.AioBus",
