@@ -18,9 +18,11 @@ General layout (each layer imports only the ones above it):
   lives in the repository's ``benchmarks/``.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from ._version import __version__
+from .client.bus import Bus, Member, Message, Reply, Result, connect
+from .client.direct import DirectBus
+from .client.direct import connect as connect_direct
+from .client.reconnect import Reconnect
 from .errors import (
     CommandFailed,
     ConnectError,
@@ -74,42 +76,3 @@ __all__ = [
     "connect",
     "connect_direct",
 ]
-
-if TYPE_CHECKING:
-    from .client.bus import Bus, Member, Message, Reply, Result, connect
-    from .client.direct import DirectBus
-    from .client.direct import connect as connect_direct
-    from .client.reconnect import Reconnect
-
-# The clients are imported on first use, not with the package: ``import msgq_trio.cli``
-# (the console script) then loads no trio before ``main()`` runs, so a Ctrl-C in the
-# program's first moments lands where the command line handles it (status 130, no
-# traceback) instead of in an import. Public name -> (module, attribute).
-_LAZY = {
-    "Bus": (".client.bus", "Bus"),
-    "Member": (".client.bus", "Member"),
-    "Message": (".client.bus", "Message"),
-    "Reply": (".client.bus", "Reply"),
-    "Result": (".client.bus", "Result"),
-    "connect": (".client.bus", "connect"),
-    "DirectBus": (".client.direct", "DirectBus"),
-    "connect_direct": (".client.direct", "connect"),
-    "Reconnect": (".client.reconnect", "Reconnect"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """Load a client name of :data:`__all__` on first use (PEP 562)."""
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'msgq_trio' has no attribute {name!r}") from None
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), attr)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
