@@ -22,7 +22,7 @@ GC_THRESHOLD_ENV = "MSGQ_TRIO_GC_THRESHOLD"
 #: The default ``gc_threshold``: a daemon holds thousands of young objects at once in a
 #: burst (a queue's pending messages); with CPython's 700 each young collection walks and
 #: promotes them, which brings on full collections of the whole heap, while at 10,000 a
-#: burst dies before it is walked (BENCHMARKS.md, "The collector in the daemons").
+#: burst dies before it is walked (BENCHMARKS.md, "The collector").
 DEFAULT_GC_THRESHOLD = 10_000
 
 
