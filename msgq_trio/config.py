@@ -115,6 +115,12 @@ class Limits:
       message is refused for it). Also falls back when the user's pipe quota
       (``fs.pipe-user-pages-soft``) or descriptor limit is reached, and for good
       (logged once) where the kernel or a sandbox refuses ``splice`` itself.
+    * ``max_pattern_bytes`` 1,024: the longest subscription pattern (``Zone.*``), in UTF-8
+      bytes; dbus-broker caps a match rule at 1,024 bytes. A pattern is a match rule, not
+      a name, so it is bounded by this instead of the 255 of a group name.
+    * ``max_pattern_tokens`` 16: the most ``.``-separated tokens in a pattern. A pattern's
+      trie path and each lookup grow with the tokens; NATS recommends at most 16 tokens
+      per subject ("Subject-Based Messaging"), so no sensible name needs more.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -135,6 +141,8 @@ class Limits:
     busy_poll: float = attrs.field(default=0.0002, validator=_non_negative_number)
     splice_min_size: int = attrs.field(default=1 * MiB, validator=_non_negative)
     splice_max_pipes: int = attrs.field(default=64, validator=_non_negative)
+    max_pattern_bytes: int = attrs.field(default=1024, validator=_positive)
+    max_pattern_tokens: int = attrs.field(default=16, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:

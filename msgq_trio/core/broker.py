@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from ..config import AccessSettings, CommandAccess, Limits
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
@@ -328,7 +328,12 @@ class Broker:
     # -- notifications ------------------------------------------------------------------
     def publish_membership(self, event: str, params: dict[str, object]) -> None:
         """Notify the members of ``msgq.membership`` of a membership change."""
-        members = self.router.groups.get(MEMBERSHIP_GROUP)
+        router = self.router
+        members: Collection[Peer] | None = router.groups.get(MEMBERSHIP_GROUP)
+        if router.wildcards.count:  # ``msgq.*``, ``msgq.>`` subscribers too
+            members = list(
+                router.with_wildcards(MEMBERSHIP_GROUP, router.groups.get(MEMBERSHIP_GROUP))
+            )
         if not members:
             return
         pieces = encode_frame(
@@ -347,6 +352,7 @@ class Broker:
         """Assert that no state is left once every peer is gone (leak check for tests)."""
         assert not self.router.by_id, f"peers left: {list(self.router.by_id.values())[:5]}"
         assert not self.router.groups, f"groups left: {list(self.router.groups)[:5]}"
+        self.router.wildcards.check_empty()
         assert not self.bindings, f"bindings left: {list(self.bindings)[:5]}"
         self.rpc.check_empty()
 

@@ -13,7 +13,12 @@ from typing import Any
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, encode_cbor, encode_frame
-from ..protocol.names import valid_group_name
+from ..protocol.names import (
+    is_pattern,
+    pattern_limits,
+    valid_group_name,
+    valid_subscription,
+)
 from .access import BIND, CALL, SEND, SUBSCRIBE
 from .delivery import BROKER_STAMP
 from .host import BrokerHost
@@ -91,7 +96,13 @@ class BrokerCommands:
     def _subscribe(self, peer: Peer, params: object) -> bool:
         b = self._broker
         group = self._group_param(params)
-        why = valid_group_name(group)
+        limits = b.limits
+        # A pattern's bounds first, before splitting it into tokens costs memory.
+        if is_pattern(group):
+            over = pattern_limits(group, limits.max_pattern_bytes, limits.max_pattern_tokens)
+            if over:
+                raise CommandError(ErrorCode.LIMIT_EXCEEDED, over)
+        why = valid_subscription(group)
         if why:
             raise CommandError(ErrorCode.BAD_REQUEST, why)
         if peer.acl is not None and not peer.acl.allowed(SUBSCRIBE, group):

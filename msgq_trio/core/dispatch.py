@@ -32,11 +32,12 @@ from collections.abc import Iterable
 from ..protocol.codes import ErrorCode, Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame, stamped
+from ..protocol.names import valid_target_name
 from .access import CALL, SEND, Access
 from .delivery import BROKER_STAMP
 from .host import BrokerHost
 from .peers import Peer
-from .router import BROKER, DIRECT, GROUP, RESERVED, Route
+from .router import BROKER, DIRECT, GROUP, PATTERN, RESERVED, Route
 
 log = logging.getLogger("msgq_trio.broker")
 
@@ -69,6 +70,8 @@ class Dispatcher:
         self._bindings = self.relays.bindings
         self._deliver = self.delivery.deliver
         self._deliver_run = self.delivery.deliver_run
+        self._wildcards = self.router.wildcards
+        self._with_wildcards = self.router.with_wildcards
 
     def handle(self, peer: Peer, frame: Frame, now: float) -> bool:
         """:meth:`handle_many` for one frame: False if it was held."""
@@ -101,6 +104,10 @@ class Dispatcher:
         bindings = self._bindings
         tap = self.taps.frame
         acl = peer.acl
+        # Wildcard subscriptions exist: a group's recipients are its members and the
+        # matching subscribers (Router.with_wildcards). Zero (the usual case) keeps a
+        # plain group at one dict lookup; re-read after each command (a subscribe).
+        wild = self._wildcards.count
         nbytes = nmsgs = 0
         done = -1  # all of them: len(frames) once done, as splitting runs may grow it
         fds: tuple[int, ...] = ()  # the current frame's descriptors, until closed
@@ -125,6 +132,7 @@ class Dispatcher:
                     outcome = self._two_way(peer, frame, route, now)
                     # A command may have turned capture on or off (capture-start is seen).
                     tap = self.taps.frame
+                    wild = self._wildcards.count
                     if fds:
                         self._close_fds(fds)
                         fds = ()
@@ -145,6 +153,10 @@ class Dispatcher:
                     self._close_frames_fds(frames[i + 1 :])
                     break
                 if kind != GROUP:
+                    if kind == PATTERN:
+                        raise RemoteProtocolError(
+                            str(valid_target_name(item.target)), ErrorCode.BAD_REQUEST
+                        )
                     if kind == RESERVED:
                         raise RemoteProtocolError(
                             f"{item.target!r} is published by the broker only",
@@ -157,7 +169,9 @@ class Dispatcher:
                         )
                 if type(item) is Run:
                     if kind == GROUP and not (bindings and base in bindings):
-                        members = groups.get(base)
+                        members: Iterable[Peer] | None = groups.get(base)
+                        if wild:
+                            members = self._with_wildcards(base, groups.get(base))
                         n = self._deliver_run(peer, item, members) if members else 0
                         if n >= 0:
                             if not members:
@@ -191,6 +205,8 @@ class Dispatcher:
                     skip = None
                 elif kind == GROUP:
                     recipients = groups.get(base)
+                    if wild:
+                        recipients = self._with_wildcards(base, groups.get(base))
                     skip = peer
                 else:
                     recipients = self.router.recipients(route, None)
@@ -311,6 +327,9 @@ class Dispatcher:
         if kind == BROKER:
             b.own_commands.run(peer, frame, command)
             return "broker", 1
+        if kind == PATTERN:
+            reply_error(peer, rid, ErrorCode.BAD_REQUEST, str(valid_target_name(frame.target)))
+            return "refused", 0
         acl = peer.acl
         if acl is not None and kind != RESERVED:
             why = self._check_call(peer, acl, frame, route, command)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-from ..protocol.names import BROKER_NAME, BROKER_PREFIX, LNAME_PREFIX
+from ..protocol.names import BROKER_NAME, BROKER_PREFIX, LNAME_PREFIX, is_pattern
+from .access import SUBSCRIBE
 from .peers import Peer
+from .subjects import SubjectTrie
 
 # Target kinds returned by parse_target.
 # RESERVED: a group under ``msgq.`` (published by the broker only; clients may subscribe).
-DIRECT, GROUP, INSTANCE, ANYCAST, BROKER, RESERVED = range(6)
+# PATTERN: a subscription pattern (``Zone.*``, also as ``Zone.*[0]``): never a target.
+DIRECT, GROUP, INSTANCE, ANYCAST, BROKER, RESERVED, PATTERN = range(7)
 
 _PARSE_CACHE_MAX = 65536
 
@@ -31,6 +34,12 @@ class Router:
 
     Join order is kept per group (dict insertion order), so ``Group[0]`` is the member that
     joined first among those still present and ``Group[N]`` the N-th.
+
+    Literal groups are a dict (``groups``); wildcard subscriptions (``Zone.*``) are in a
+    :class:`~.subjects.SubjectTrie` (``wildcards``), consulted for one-way frames to a
+    group only while ``wildcards.count`` is non-zero, so a bus without patterns routes as
+    before. ``G[N]``, ``G[?]`` and calls choose among literal members only
+    (docs/PROTOCOL.md, "Group names and wildcards").
     """
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -38,6 +47,7 @@ class Router:
         self.by_id: dict[int, Peer] = {}
         self._rng = rng or random.Random()
         self._parsed: dict[str, Route] = {}
+        self.wildcards: SubjectTrie[Peer] = SubjectTrie()
 
     # -- membership -------------------------------------------------------------------
     def add_peer(self, peer: Peer) -> None:
@@ -52,7 +62,13 @@ class Router:
         return left
 
     def subscribe(self, peer: Peer, group: str) -> bool:
-        """Add ``peer`` to ``group``; False if it already was a member."""
+        """Add ``peer`` to ``group`` (a name or a valid pattern); False if it already was
+        a member."""
+        if is_pattern(group):
+            if not self.wildcards.insert(group, peer):
+                return False
+            peer.groups[group] = len(peer.groups)
+            return True
         members = self.groups.setdefault(group, {})
         if peer in members:
             return False
@@ -61,6 +77,10 @@ class Router:
         return True
 
     def unsubscribe(self, peer: Peer, group: str) -> bool:
+        if group in peer.groups and is_pattern(group):
+            self.wildcards.remove(group, peer)
+            del peer.groups[group]
+            return True
         members = self.groups.get(group)
         if members is None or peer not in members:
             return False
@@ -71,7 +91,25 @@ class Router:
         return True
 
     def members(self, group: str) -> list[Peer]:
+        """The literal members of ``group`` in join order; for a pattern, the peers
+        subscribed to that very pattern."""
+        if is_pattern(group):
+            return list(self.wildcards.patterns.get(group, ()))
         return list(self.groups.get(group, ()))
+
+    def with_wildcards(self, group: str, members: dict[Peer, None] | None) -> Iterable[Peer]:
+        """Who a one-way frame to literal ``group`` reaches: its ``members`` (the literal
+        ones, ``groups.get(group)``) and every wildcard subscriber whose pattern matches
+        and whom the access policy lets subscribe to ``group`` itself (decided per
+        delivery, from each peer's cached answers), each once. Ask only while
+        ``wildcards.count`` is non-zero."""
+        extra = self.wildcards.match(group)
+        if not extra:
+            return members or ()
+        allowed = [p for p in extra if p.acl is None or p.acl.allowed(SUBSCRIBE, group)]
+        if not members:
+            return allowed
+        return [*members, *(p for p in allowed if p not in members)]
 
     # -- resolution -------------------------------------------------------------------
     def parse_target(self, target: str) -> Route:
@@ -134,11 +172,15 @@ def _parse(target: str) -> Route:
         open_at = target.rfind("[")
         if open_at > 0:
             base, inner = target[:open_at], target[open_at + 1 : -1]
+            if is_pattern(base):
+                return (PATTERN, base, 0)
             if inner == "?":
                 return (ANYCAST, base, 0)
             if inner.isdigit() and inner.isascii():
                 return (INSTANCE, base, int(inner))
         return (DIRECT, target, -1)  # malformed instance syntax: resolves to nobody
+    if is_pattern(target):
+        return (PATTERN, target, 0)
     if target.startswith(BROKER_PREFIX):
         return (RESERVED, target, 0)
     return (GROUP, target, 0)
