@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import (
     UsageError,
 )
+from ..protocol.codes import ErrorCode
 from ..protocol.errors import LocalProtocolError
 from ..protocol.framing import (
     FdBuffer,
@@ -21,6 +22,7 @@ from ..protocol.framing import (
     encode_simple,
     encode_small_bytes,
 )
+from ..protocol.names import valid_target_name
 from .calls import request_header
 from .message import (
     Buffer,
@@ -50,9 +52,17 @@ class Encoders:
 
     # -- encoders --------------------------------------------------------------------
     def target(self, target: str) -> bytes:
-        """``target`` encoded (cached, bounded)."""
+        """``target`` encoded (cached, bounded).
+
+        Raises:
+            LocalProtocolError: ``target`` is a subscription pattern (``Zone.*``): the
+                broker would refuse it; checked once per target, before it is cached.
+        """
         tb = self._targets.get(target)
         if tb is None:
+            why = valid_target_name(target)
+            if why:
+                raise LocalProtocolError(why, ErrorCode.BAD_REQUEST)
             tb = target.encode()
             if len(self._targets) < TARGET_CACHE_MAX:
                 self._targets[target] = tb
@@ -89,6 +99,7 @@ class Encoders:
         """
         try:
             if attachments or fds or on_behalf_of:
+                self.target(target)  # refuses a pattern
                 pieces = encode_frame(
                     _MESSAGE,
                     target=target,
@@ -176,6 +187,7 @@ class Encoders:
             UsageError: ``params`` cannot be encoded, or a section is too long.
         """
         try:
+            self.target(group)  # refuses a pattern
             return encode_frame(
                 _NOTIFY,
                 target=group,

@@ -438,6 +438,7 @@ class Session(Encoders, HandlerContract):
             body = encode_cbor(params) if params is not None else b""
             flags = _FLAG_ALL if multi else 0
             if attachments or fds:
+                self.target(target)  # refuses a pattern
                 pieces = encode_frame(
                     _REQUEST,
                     target=target,
