@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("params", nargs="?", default="null", help="parameters as JSON (default null)")
 
     p = sub.add_parser("listen", help="subscribe to groups and print what arrives")
-    p.add_argument("groups", nargs="+", help="groups to subscribe to")
+    p.add_argument("groups", nargs="+", help="groups or patterns (Zone.*, Zone.>) to subscribe to")
     p.add_argument("--count", type=int, default=0, help="exit after N messages")
 
     p = sub.add_parser(

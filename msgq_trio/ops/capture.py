@@ -42,7 +42,7 @@ from ..core.broker import Broker
 from ..core.peers import Peer
 from ..protocol.codes import Flag, FrameType
 from ..protocol.framing import PREFIX, PREFIX_SIZE, Frame, Run, encode_cbor, encode_frame
-from ..protocol.names import MEMBERSHIP_GROUP
+from ..protocol.names import MEMBERSHIP_GROUP, is_pattern, pattern_matches, valid_pattern
 from .logsetup import TRAFFIC
 
 log = logging.getLogger("msgq_trio.capture")
@@ -72,11 +72,20 @@ DUMP_INTERVAL = 0.1
 DUMP_PER_INTERVAL = 1000
 
 
+#: Targets whose pattern answer a TrafficFilter keeps before clearing (as the router's
+#: parse cache: bounded, a miss costs one match per pattern).
+_FILTER_CACHE_MAX = 4096
+
+
 class TrafficFilter:
     """Which frames a sink wants: a frame matches if, for each non-empty list, it matches
-    one entry (kind name; sender lname or client name; target or the group of ``G[N]``)."""
+    one entry (kind name; sender lname or client name; target or the group of ``G[N]``).
 
-    __slots__ = ("kinds", "senders", "targets")
+    A ``targets`` entry may be a subscription pattern (``Zone.*``, ``Xfr.>``: the same
+    syntax and rules as ``subscribe``, docs/PROTOCOL.md), matched against the target's
+    group; its answers are cached per target (bounded)."""
+
+    __slots__ = ("_patterns", "_seen", "kinds", "senders", "targets")
 
     def __init__(
         self, kinds: Iterable[str] = (), senders: Iterable[str] = (), targets: Iterable[str] = ()
@@ -89,17 +98,32 @@ class TrafficFilter:
             )
         self.senders = frozenset(senders)
         self.targets = frozenset(targets)
+        self._patterns = tuple(t for t in self.targets if is_pattern(t))
+        for t in self._patterns:
+            why = valid_pattern(t)
+            if why:
+                raise ValueError(f"target pattern {t!r}: {why}")
+        self._seen: dict[str, bool] = {}
 
     def match(self, kind: str, lname: str, name: str, target: str) -> bool:
         if self.kinds and kind not in self.kinds:
             return False
         if self.senders and lname not in self.senders and name not in self.senders:
             return False
-        return not (
-            self.targets
-            and target not in self.targets
-            and target.partition("[")[0] not in self.targets
-        )
+        if not self.targets or target in self.targets:
+            return True
+        base = target.partition("[")[0]
+        if base in self.targets:
+            return True
+        if not self._patterns:
+            return False
+        hit = self._seen.get(base)
+        if hit is None:
+            hit = any(pattern_matches(p, base) for p in self._patterns)
+            if len(self._seen) >= _FILTER_CACHE_MAX:
+                self._seen.clear()
+            self._seen[base] = hit
+        return hit
 
     def describe(self) -> dict[str, list[str]]:
         return {

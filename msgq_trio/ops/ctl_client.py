@@ -130,7 +130,7 @@ def _filter_args(q: argparse.ArgumentParser) -> None:
         "--target",
         action="append",
         default=None,
-        help="only frames to this target or group (repeat)",
+        help="only frames to this target or group, or a pattern (Zone.*, Zone.>) (repeat)",
     )
     q.add_argument(
         "--body",
