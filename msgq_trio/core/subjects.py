@@ -9,10 +9,14 @@ here: the router keeps them in a dict (one lookup, whatever the number of groups
 
 The result of a lookup (subject -> matching subscribers, each once even when several of
 its patterns match) is cached. The cache is bounded (:data:`CACHE_MAX` subjects, cleared
-when full: a miss costs one walk, so any workload stays O(tokens) per message), and a
-change (a pattern subscribed or unsubscribed) drops exactly the cached subjects that
-pattern matches, as sublist's ``addToCache``/``removeFromCache`` do: a change costs
-O(cached subjects), bounded, and the rest of the cache stays warm.
+when full: a miss costs one walk, so any workload stays O(tokens) per message). A change
+(a pattern subscribed or unsubscribed) drops the cached subjects it affects: in a small
+cache (up to :data:`SCAN_MAX` subjects) exactly those the pattern matches, found by
+testing each, as sublist's ``addToCache``/``removeFromCache`` do, so the rest stays warm;
+a larger cache is cleared instead. Testing a cached subject costs about what walking the
+trie for it again would, so clearing never costs more work in total, and it keeps a
+change O(1): a client leaving with 4,096 patterns does not make the broker test them
+against 1,024 cached subjects each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ S = TypeVar("S", bound=Hashable)
 #: Cached subjects before the cache is cleared; nats-server's sublist keeps 1,024
 #: (``slCacheMax``). A change scans the cache, so a larger one makes subscribing dearer.
 CACHE_MAX = 1024
+#: Largest cache a change scans for the subjects it affects; a larger one is cleared.
+SCAN_MAX = 64
 
 
 class _Node(Generic[S]):
@@ -157,6 +163,9 @@ class SubjectTrie(Generic[S]):
     def _invalidate(self, pattern: str) -> None:
         """Drop the cached subjects ``pattern`` matches (their result changed)."""
         cache = self._cache
+        if len(cache) > SCAN_MAX:
+            cache.clear()
+            return
         stale = [s for s in cache if pattern_matches(pattern, s)]
         for s in stale:
             del cache[s]

@@ -91,13 +91,18 @@ def test_one_result_per_subscriber_and_pruning() -> None:
 
 
 def test_cache_is_bounded_and_invalidated() -> None:
-    """The result cache never holds more than CACHE_MAX subjects, and a change drops the
-    cached subjects it affects only."""
+    """The result cache never holds more than CACHE_MAX subjects; a change clears a
+    large cache, and in a small one drops the cached subjects it affects only."""
     trie: SubjectTrie[int] = SubjectTrie()
     trie.insert("a.*", 1)
     for i in range(subjects.CACHE_MAX + 10):
         trie.match(f"a.{i}")
-    assert len(trie._cache) <= subjects.CACHE_MAX
+    assert 0 < len(trie._cache) <= subjects.CACHE_MAX
+    for i in range(subjects.SCAN_MAX + 1):
+        trie.match(f"c.{i}")
+    assert len(trie._cache) > subjects.SCAN_MAX
+    trie.insert("b.*", 2)
+    assert not trie._cache
     trie.match("b.x")
     trie.match("a.x")
     trie.insert("a.>", 3)
@@ -123,11 +128,21 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.parametrize("scan_max", [subjects.SCAN_MAX, 1])
 @settings(max_examples=300, deadline=None)
-@given(OPS)
-def test_trie_against_reference(ops: list[tuple[str, str, int]]) -> None:
+@given(ops=OPS)
+def test_trie_against_reference(scan_max: int, ops: list[tuple[str, str, int]]) -> None:
     """Any sequence of subscribes, unsubscribes and lookups: the trie (and its cache,
-    asked again after every change) answers what testing every pattern would."""
+    asked again after every change, invalidated by scanning or by clearing) answers what
+    testing every pattern would."""
+    saved, subjects.SCAN_MAX = subjects.SCAN_MAX, scan_max
+    try:
+        _check_against_reference(ops)
+    finally:
+        subjects.SCAN_MAX = saved
+
+
+def _check_against_reference(ops: list[tuple[str, str, int]]) -> None:
     trie: SubjectTrie[int] = SubjectTrie()
     held: set[tuple[str, int]] = set()
     seen: set[str] = set()
