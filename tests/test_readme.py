@@ -27,6 +27,7 @@ EXPECTED = {
     7: ["line 0", "line 1", "line 2"],
     8: ["connected; reconnects so far: 0"],
     9: ["asyncio: connected; reconnects so far: 0"],
+    10: ["stats saw Zone.added example.com", "stats saw Zone.removed example.org"],
 }
 
 
