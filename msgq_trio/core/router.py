@@ -106,10 +106,13 @@ class Router:
         extra = self.wildcards.match(group)
         if not extra:
             return members or ()
-        allowed = [p for p in extra if p.acl is None or p.acl.allowed(SUBSCRIBE, group)]
-        if not members:
-            return allowed
-        return [*members, *(p for p in allowed if p not in members)]
+        if members:
+            out = list(members)
+            for p in extra:
+                if p not in members and (p.acl is None or p.acl.allowed(SUBSCRIBE, group)):
+                    out.append(p)
+            return out
+        return [p for p in extra if p.acl is None or p.acl.allowed(SUBSCRIBE, group)]
 
     # -- resolution -------------------------------------------------------------------
     def parse_target(self, target: str) -> Route:

@@ -210,11 +210,15 @@ def test_policy_filters_each_delivery() -> None:
     c.broker.set_policy(AccessSettings(rules=rules), {})
     watcher = c.connect("watcher", ["uid:1000"])
     sender = c.connect("sender", ["uid:1001"])
+    member = c.connect("member")  # no rule names it: unrestricted
     assert c.subscribe(watcher, "Zone.*").body() is True
     assert _error(c.subscribe(watcher, "Zone.>"))[0] == "forbidden"
     c.send(sender, "Zone.public", 1)
     c.send(sender, "Zone.secret", 2)
+    c.subscribe(member, "Zone.secret")  # a group with literal members, too
+    c.send(sender, "Zone.secret", 2)
     assert c.messages(watcher) == [("Zone.public", 1)]
+    assert c.messages(member) == [("Zone.secret", 2)]
     rules[0] = AccessRule(who=["uid:1000"], subscribe=["Zone.*"])
     c.broker.set_policy(AccessSettings(rules=rules), {watcher: ["uid:1000"], sender: ["uid:1001"]})
     c.send(sender, "Zone.secret", 3)
