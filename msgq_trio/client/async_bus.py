@@ -464,7 +464,9 @@ class AsyncBus(AsyncDriver):
     def on_notification(self, group: str, callback: Callable[[Message], Any]) -> None:
         """Run ``callback(message)`` (a plain function or an ``async def``) for every
         notification to ``group``, in a task, instead of delivering it to iteration; an
-        exception it raises is logged. Subscribe to the group separately."""
+        exception it raises is logged. Subscribe to the group separately. ``group`` may be
+        a pattern (``Zone.*``): it then serves the notifications to the groups it
+        matches that have no callback of their own."""
         self._notify_cbs.setdefault(group, []).append(callback)
 
     def on_notification_inline(self, group: str, callback: Callable[[Message], None]) -> None:

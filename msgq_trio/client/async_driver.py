@@ -22,14 +22,15 @@ from __future__ import annotations
 import collections
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame, close_fds
+from ..protocol.names import is_pattern, pattern_matches
 from .inbox import Inbox
 from .lifecycle import HeartbeatMonitor, State
 from .loop import LoopEvent, LoopServices, run_callback
@@ -481,7 +482,9 @@ class AsyncDriver(SessionView, LoopServices):
         """Hand a notification to its group's inline callback, else its callbacks (in a
         task); False if it has neither (then it goes to iteration)."""
         if self._notify_inline:
-            icb = self._notify_inline.get(msg.target)
+            icb = self._notify_inline.get(msg.target) or _by_pattern(
+                self._notify_inline, msg.target
+            )
             if icb is not None:
                 try:
                     icb(msg)
@@ -491,7 +494,7 @@ class AsyncDriver(SessionView, LoopServices):
                     msg.close()
                 return True
         if self._notify_cbs:
-            cbs = self._notify_cbs.get(msg.target)
+            cbs = self._notify_cbs.get(msg.target) or _by_pattern(self._notify_cbs, msg.target)
             if cbs:
                 self._task(self._notify_callbacks, list(cbs), msg)
                 return True
@@ -511,3 +514,17 @@ class AsyncDriver(SessionView, LoopServices):
         if self._closed or lost is None or lost.code == _SHUTDOWN:
             return StopAsyncIteration()
         return lost
+
+
+T = TypeVar("T")
+
+
+def _by_pattern(table: Mapping[str, T], group: str) -> T | None:
+    """The entry of ``table`` (callbacks by group) whose key is a subscription pattern
+    matching ``group`` (the first registered), or None: a callback registered for
+    ``Zone.*`` hears ``Zone.a``. Asked only when ``group`` has no entry of its own, so an
+    exact group is one dict lookup; the patterns are few (one per callback)."""
+    for key, value in table.items():
+        if is_pattern(key) and pattern_matches(key, group):
+            return value
+    return None

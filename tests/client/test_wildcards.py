@@ -6,11 +6,12 @@ to a group reached only through a pattern."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 from driver_harness import HANG
-from test_behaviour import DRIVERS, open_client
+from test_behaviour import ASYNC_DRIVERS, DRIVERS, Received, open_client, wait_thread_event
 
 import msgq_trio
 from msgq_trio import NoRecipient, UsageError
@@ -81,3 +82,21 @@ async def test_a_call_never_goes_to_a_wildcard_subscriber(driver: str, broker: A
                 await caller.call(target, "do")
         # Sent to its lname, the command is served: the refusal was the routing's.
         assert await caller.call(watcher.lname, "do") == "served"
+
+
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)  # the direct client has no callbacks
+async def test_a_notification_callback_for_a_pattern(driver: str, broker: Any) -> None:
+    """``on_notification("Zone.*", cb)`` runs ``cb`` for a notification to ``Zone.a``
+    that came through the subscription ``Zone.*``."""
+    seen: list[Received] = []
+    done = threading.Event()
+    async with (
+        open_client(driver, broker.path, "rx", group="Zone.*") as rx,
+        msgq_trio.connect(broker.path, "tx") as tx,
+    ):
+        await rx.on_notification("Zone.*", seen, done)
+        await tx.notify("Zone.a", "changed", 1)
+        await wait_thread_event(done)
+    assert [(r.kind, r.target, r.event, r.body) for r in seen] == [
+        ("notification", "Zone.a", "changed", 1)
+    ]
