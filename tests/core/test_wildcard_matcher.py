@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msgq_trio.core import subjects
+from msgq_trio.core.peers import Peer
+from msgq_trio.core.router import Router
 from msgq_trio.core.subjects import SubjectTrie
 from msgq_trio.protocol.names import (
     is_pattern,
@@ -165,3 +167,46 @@ def _check_against_reference(ops: list[tuple[str, str, int]]) -> None:
     for p, s in list(held):
         trie.remove(p, s)
     trie.check_empty()
+
+
+ROUTER_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("sub"), st.one_of(PATTERN, SUBJECT), st.integers(0, 3)),
+        st.tuples(st.just("unsub"), st.one_of(PATTERN, SUBJECT), st.integers(0, 3)),
+        st.tuples(st.just("leave"), st.just(""), st.integers(0, 3)),
+        st.tuples(st.just("send"), SUBJECT, st.just(0)),
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ROUTER_OPS)
+def test_router_recipients_against_reference(ops: list[tuple[str, str, int]]) -> None:
+    """The router's recipients of a group (literal members, then matching pattern
+    subscribers, each once) after any sequence of subscribes, unsubscribes and peers
+    leaving, against testing every subscription of every peer."""
+    router = Router()
+    peers = [Peer(i + 1, f"p{i}", pid=i, uid=0, gid=0, now=0.0) for i in range(4)]
+    for p in peers:
+        router.add_peer(p)
+    for op, name, i in ops:
+        peer = peers[i]
+        if op == "sub":
+            router.subscribe(peer, name)
+        elif op == "unsub":
+            router.unsubscribe(peer, name)
+        elif op == "leave":
+            router.remove_peer(peer)
+            router.add_peer(peer)
+        else:
+            got = list(router.with_wildcards(name, router.groups.get(name)))
+            assert len(got) == len(set(got)), "a peer twice"
+            want = {p for p in peers if any(pattern_matches(g, name) for g in p.groups)}
+            assert set(got) == want
+            literal = list(router.groups.get(name, ()))
+            assert got[: len(literal)] == literal, "literal members first, in join order"
+    for p in peers:
+        router.remove_peer(p)
+    assert not router.groups
+    router.wildcards.check_empty()
