@@ -169,14 +169,19 @@ def _check_against_reference(ops: list[tuple[str, str, int]]) -> None:
     trie.check_empty()
 
 
+# A small vocabulary, so that a peer's literal group and its patterns often meet.
+SMALL_SUBJECT = st.lists(st.sampled_from(["a", "b"]), min_size=1, max_size=2).map(".".join)
+SMALL_NAME = st.lists(st.sampled_from(["a", "b", "*"]), min_size=0, max_size=1).flatmap(
+    lambda head: st.sampled_from(["a", "*", ">"]).map(lambda last: ".".join([*head, last]))
+)
 ROUTER_OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("sub"), st.one_of(PATTERN, SUBJECT), st.integers(0, 3)),
-        st.tuples(st.just("unsub"), st.one_of(PATTERN, SUBJECT), st.integers(0, 3)),
-        st.tuples(st.just("leave"), st.just(""), st.integers(0, 3)),
-        st.tuples(st.just("send"), SUBJECT, st.just(0)),
+        st.tuples(st.just("sub"), SMALL_NAME, st.integers(0, 2)),
+        st.tuples(st.just("unsub"), SMALL_NAME, st.integers(0, 2)),
+        st.tuples(st.just("leave"), st.just(""), st.integers(0, 2)),
+        st.tuples(st.just("send"), SMALL_SUBJECT, st.just(0)),
     ),
-    max_size=50,
+    max_size=40,
 )
 
 
@@ -187,7 +192,7 @@ def test_router_recipients_against_reference(ops: list[tuple[str, str, int]]) ->
     subscribers, each once) after any sequence of subscribes, unsubscribes and peers
     leaving, against testing every subscription of every peer."""
     router = Router()
-    peers = [Peer(i + 1, f"p{i}", pid=i, uid=0, gid=0, now=0.0) for i in range(4)]
+    peers = [Peer(i + 1, f"p{i}", pid=i, uid=0, gid=0, now=0.0) for i in range(3)]
     for p in peers:
         router.add_peer(p)
     for op, name, i in ops:
