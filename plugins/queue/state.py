@@ -623,11 +623,13 @@ class QueueState:
                 skipped += 1
                 # A mark instead of a write, as in ``ack``: the highest seq per producer
                 # of the batch, kept in locals while one producer's acks run.
+                pseq = m.pseq
                 if m.producer != last_p:
                     if last_p is not None:
                         kick |= _raise_mark(consumed, (name, last_p), last_high)
-                    last_p, last_high = m.producer, 0
-                last_high = max(last_high, m.pseq)
+                    last_p, last_high = m.producer, pseq
+                elif pseq > last_high:  # a comparison, not max(): this runs per message
+                    last_high = pseq
             w = m.waiter
             if w is not None:
                 m.waiter = None
@@ -635,7 +637,8 @@ class QueueState:
                     self._commit_waits.append((w, 1, None))  # told when its commit returns
                 elif w is last_w:
                     last_k += 1
-                    last_ws = max(last_ws, m.pseq)
+                    if m.pseq > last_ws:  # noqa: PLR1730 - a comparison, not max(): per message
+                        last_ws = m.pseq
                 else:
                     if last_w is not None:
                         waits.append((last_wp, last_ws, last_w, last_k))
