@@ -173,12 +173,16 @@ class GroupCommit(QueueState):
                 if len(low) == need:
                     break
         marks: dict[tuple[str, str], int] = {}
+        partial = self._partial_marks
         for key, high in list(consumed.items()):
             below = low.get(key)
             if below is None or below > high:
                 marks[key] = high
                 del consumed[key]
-            elif below > 1:
+            elif below - 1 > partial.get(key, 0):
+                # Only if it rose since the last one written: the same part again would
+                # make every commit cycle a commit (and an fsync) while the earlier
+                # message waits.
                 marks[key] = below - 1
         return marks
 
@@ -345,6 +349,12 @@ class GroupCommit(QueueState):
             for key, high in batch.marks.items():  # not written: the next commit tries
                 self._consumed[key] = max(high, self._consumed.get(key, 0))
         else:
+            partial = self._partial_marks
+            for key, high in batch.marks.items():
+                if key in self._consumed:
+                    partial[key] = high  # part of its mark: the rest waits
+                else:
+                    partial.pop(key, None)
             self.marks_durable(batch.marks)
         waits, self._commit_waits = self._commit_waits, []
         for w, k, answer in waits:  # consumed while their commit ran: it returned

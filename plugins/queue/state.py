@@ -105,6 +105,9 @@ class QueueState:
         #: that got its ack 1 and resends anyway (after a crash of this process) is
         #: answered "duplicate" instead of the message being delivered again.
         self._mark_waits: dict[tuple[str, str], list[tuple[int, Waiter, int, Any]]] = {}
+        #: (queue, producer) -> the part of its mark in ``_consumed`` already durable,
+        #: while an earlier message of it waits for a commit (``_take_marks``)
+        self._partial_marks: dict[tuple[str, str], int] = {}
         #: the acks 1 of messages consumed while the commit writing them runs: sent
         #: when it returns (waiter, messages, answer)
         self._commit_waits: list[tuple[Waiter, int, Any]] = []

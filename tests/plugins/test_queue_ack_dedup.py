@@ -12,10 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
+import trio.testing
 from msgq_trio.plugins.queue.model import Consumer, Msg, Waiter
 from msgq_trio.storage.api import NewMessage
 from msgq_trio.storage.memory import MemoryQueueStore
-from plugin_helpers import eventually, ready_plugin_pid, ready_plugin_pids
+from plugin_helpers import engine_on_memory_store, eventually, ready_plugin_pid, ready_plugin_pids
 
 import msgq_trio
 
@@ -125,3 +126,36 @@ async def test_ack1_of_a_message_acked_while_its_commit_runs_waits_for_that_comm
             assert answered == [w] and w.consumed == 1
             assert store.producer_state("q", "p") == 1
             nursery.cancel_scope.cancel()
+
+
+async def test_ack1_of_consumed_messages_waits_while_an_earlier_one_holds_the_mark() -> None:
+    """The mark may not pass an earlier message of the same producer still waiting for
+    its commit (held in flight by the grace): a commit writes the mark only below it and
+    answers only the messages that mark covers; the acks 1 of later messages consumed
+    meanwhile wait (no commit writes the same part again meanwhile), and go out once the
+    earlier one is acked and the mark covering all of them is durable."""
+    async with engine_on_memory_store(ack_grace=30) as (engine, nursery):
+        q, store = engine.queues["q"], engine.store
+        delivered: list[Msg] = []
+        engine.deliver = lambda _q, _c, msgs: delivered.extend(msgs)
+        engine.add_consumer(q, Consumer("c", "push", 10, 30.0))
+        answered: list[int] = []
+        for seq in (1, 2, 3, 4):
+            engine.put(
+                q, "p", [(seq, b"B%d" % seq)], Waiter(1, lambda _w, s=seq: answered.append(s))
+            )
+        nursery.start_soon(engine.flush_loop)
+        await trio.testing.wait_all_tasks_blocked(0.05)
+        m1, m2, m3, m4 = delivered
+        engine.ack_ids(q, "c", [m1.mid, m3.mid, m4.mid])  # 2 still held by the grace
+        await trio.testing.wait_all_tasks_blocked(0.05)
+        assert store.producer_state("q", "p") == 1  # the mark stops below 2
+        assert answered == [1]  # 3 and 4 wait for a mark that covers them
+        commits = engine.counters["commits"]
+        await trio.sleep(0.2)
+        assert engine.counters["commits"] == commits  # that part is not written again
+        engine.ack_ids(q, "c", [m2.mid])
+        await trio.testing.wait_all_tasks_blocked(0.05)
+        assert store.producer_state("q", "p") == 4
+        assert sorted(answered) == [1, 2, 3, 4]
+        assert store.read_range("q", 0, 10) == []  # nothing but the marks was written
