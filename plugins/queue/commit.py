@@ -197,7 +197,8 @@ class GroupCommit(QueueState):
         """Hold the commit while everything pending is a message in flight to a consumer
         for less than its queue's grace (an ack in that time means it is never written:
         the consumer has it, so the disk is not needed). Returns None as soon as anything
-        else needs a commit (a message no consumer holds, one held longer, deletes...):
+        else needs a commit (a message no consumer holds, one held longer, deletes, marks
+        of consumed messages, whose acks 1 wait for them...):
         commit now; the commit then leaves out the young in-flight ones (and their
         producers' later messages). Else returns when to look again (``inf``: only after
         an ack, nack or put). Drops acked messages from ``pending`` on the way.
