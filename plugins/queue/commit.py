@@ -11,14 +11,17 @@ consumer online, a message in flight for less than ``ack_grace`` is left for a l
 commit (its ack may come first: then it is never written, ``grace_wake``), and so are its
 producer's later messages (the store needs each producer's messages in producer order);
 everything else is taken at once (``choose``). The marks of messages consumed before
-they were written go with the next commit (``_take_marks``), or while young in-flight
-messages hold the commit back, one at most ``ack_grace`` after the mark began waiting.
+they were written go with the next commit (``_take_marks``): their acks 1 wait for it
+(``committed`` sends them), so marks end the grace wait at once; the acks that arrive
+while one commit runs share the next one (one fsync for all of them, nothing written
+for the messages themselves).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 from msgq_trio.storage.api import NewMessage, QueueStore, StorageError, StorageFull
@@ -170,12 +173,16 @@ class GroupCommit(QueueState):
                 if len(low) == need:
                     break
         marks: dict[tuple[str, str], int] = {}
+        partial = self._partial_marks
         for key, high in list(consumed.items()):
             below = low.get(key)
             if below is None or below > high:
                 marks[key] = high
                 del consumed[key]
-            elif below > 1:
+            elif below - 1 > partial.get(key, 0):
+                # Only if it rose since the last one written: the same part again would
+                # make every commit cycle a commit (and an fsync) while the earlier
+                # message waits.
                 marks[key] = below - 1
         return marks
 
@@ -190,7 +197,8 @@ class GroupCommit(QueueState):
         """Hold the commit while everything pending is a message in flight to a consumer
         for less than its queue's grace (an ack in that time means it is never written:
         the consumer has it, so the disk is not needed). Returns None as soon as anything
-        else needs a commit (a message no consumer holds, one held longer, deletes...):
+        else needs a commit (a message no consumer holds, one held longer, deletes, marks
+        of consumed messages, whose acks 1 wait for them...):
         commit now; the commit then leaves out the young in-flight ones (and their
         producers' later messages). Else returns when to look again (``inf``: only after
         an ack, nack or put). Drops acked messages from ``pending`` on the way.
@@ -210,16 +218,11 @@ class GroupCommit(QueueState):
             return None
         wake = float("inf")
         if self._consumed:
-            # Marks alone end the wait one ``ack_grace`` after they began waiting, not
-            # at once: under a steady stream of skipped writes a commit per mark
-            # would cost a scan of ``pending`` and an fsync per commit for nothing
-            # the producers wait for (their acks went out with the consumer's).
-            due = self._marks_due
-            if due is None:
-                due = self._marks_due = now + self.settings.ack_grace
-            if now >= due:
-                return None
-            wake = due
+            # Marks end the wait at once: the acks 1 of the consumed messages wait for
+            # them. Under a steady stream of skipped writes this is one commit (one
+            # small write, one fsync) per commit cycle, shared by every ack that arrived
+            # while the previous one ran, not one per message.
+            return None
         # Only each producer's first message counts: if it is young in flight, the
         # later ones wait for it (rule 4), whatever their state.
         need = len(self._pending_keys)
@@ -291,7 +294,6 @@ class GroupCommit(QueueState):
         # What this commit leaves in pending: the held messages, and past max_batch
         # the rest (only then is pending longer than what was held).
         marks = self._take_marks(held if len(pending) == len(held) else pending)
-        self._marks_due = None
         if (
             not items
             and not marks
@@ -347,7 +349,46 @@ class GroupCommit(QueueState):
         if res.seqs is None and batch.marks:
             for key, high in batch.marks.items():  # not written: the next commit tries
                 self._consumed[key] = max(high, self._consumed.get(key, 0))
+        else:
+            partial = self._partial_marks
+            for key, high in batch.marks.items():
+                if key in self._consumed:
+                    partial[key] = high  # part of its mark: the rest waits
+                else:
+                    partial.pop(key, None)
+            self.marks_durable(batch.marks)
+        waits, self._commit_waits = self._commit_waits, []
+        for w, k, answer in waits:  # consumed while their commit ran: it returned
+            _consumed_ack(w, k, answer)
         self._apply(batch.items, res, batch.deletes, batch.moves)
+
+    def marks_durable(self, marks: dict[tuple[str, str], int]) -> None:
+        """A commit made ``marks`` durable: send the acks 1 of the consumed messages they
+        cover. A (queue, producer) no longer in ``_consumed`` has every consumed seq
+        durable (its whole mark was taken by this commit or an earlier one); one still
+        there had only part taken (``_take_marks``): its seqs up to that part are."""
+        mark_waits = self._mark_waits
+        if not mark_waits:
+            return
+        consumed = self._consumed
+        for key in list(mark_waits):
+            if key not in consumed:
+                ready = mark_waits.pop(key)
+            else:
+                high = marks.get(key)
+                if high is None:
+                    continue
+                waits = mark_waits[key]
+                ready = [x for x in waits if x[0] <= high]
+                if not ready:
+                    continue
+                left = [x for x in waits if x[0] > high]
+                if left:
+                    mark_waits[key] = left
+                else:
+                    del mark_waits[key]
+            for _pseq, w, k, answer in ready:
+                _consumed_ack(w, k, answer)
 
     def _left_pending(self, msgs: list[Msg]) -> None:
         """``msgs`` left ``pending``: uncount them from ``_pending_keys`` (one update per
@@ -530,6 +571,14 @@ class GroupCommit(QueueState):
             w, m.waiter = m.waiter, None
             if w is not None:
                 w.fail(code, f"queue {q.name!r} cannot store the message: {why}")
+
+
+def _consumed_ack(w: Waiter, k: int, answer: Any) -> None:
+    """Ack 1 "consumed" of ``k`` messages of ``w`` (with a bound request's answer)."""
+    if answer is None:
+        w.consumed_n(k)
+    else:
+        w.one("consumed", answer)
 
 
 def _uncount(keys: dict[tuple[Queue, str], int], key: tuple[Queue, str], n: int) -> None:

@@ -6,8 +6,9 @@ the group commit's decisions (what to write, when) are in commit.py. The rules
 (docs/QUEUE.md states them for users):
 
 1. Ack 1 (the producer's answer) is given when the message is durable (its commit
-   returned) or when a consumer acked it (ack 2) before it was written; then it is never
-   written ("writes skipped"). A duplicate is answered once everything that arrived
+   returned) or when a consumer acked it (ack 2) before it was written and its
+   producer's mark covering it is durable; then the message is never written ("writes
+   skipped"). A duplicate is answered once everything that arrived
    before it has been flushed, so its original is durable (or consumed) by then.
 2. Group commit (commit.py): one task takes everything pending when the previous commit
    has finished and hands it to the store thread as ONE job; a message in flight to a
@@ -21,8 +22,10 @@ the group commit's decisions (what to write, when) are in commit.py. The rules
    of a producer in this run waits for its durable high-water mark from the store, so a
    resend after a crash is recognised even if a consumer is online (no skip-write of a
    duplicate). A message consumed before it was written raises that mark in the store
-   with a later commit (``_consumed``, taken by commit.py; never past an earlier message
-   of the same producer still waiting for its commit, which the store would then drop).
+   with the next commit (``_consumed``, taken by commit.py; never past an earlier message
+   of the same producer still waiting for its commit, which the store would then drop),
+   and its ack 1 ("consumed") is sent once that mark is durable (``_mark_waits``): a
+   resend of a message its producer got ack 1 for is a duplicate, whatever crashed.
 5. Storage full: every message of the failed append is removed and its producer gets
    ``queue-full``; deletes still run, so the queue works again once drained.
 6. Memory: each queue holds at most ``resident_messages`` / ``resident_bytes`` in memory
@@ -96,8 +99,18 @@ class QueueState:
         #: (queue, producer) -> highest producer seq consumed without being written and
         #: not yet recorded in the store (``GroupCommit._take_marks``)
         self._consumed: dict[tuple[str, str], int] = {}
-        #: when the marks waiting in ``_consumed`` end the grace wait (``grace_wake``)
-        self._marks_due: float | None = None
+        #: (queue, producer) -> the acks 1 of its consumed, never written messages:
+        #: (highest producer seq, waiter, messages, answer). They are sent once a commit
+        #: made a mark covering them durable (``GroupCommit.committed``): a producer
+        #: that got its ack 1 and resends anyway (after a crash of this process) is
+        #: answered "duplicate" instead of the message being delivered again.
+        self._mark_waits: dict[tuple[str, str], list[tuple[int, Waiter, int, Any]]] = {}
+        #: (queue, producer) -> the part of its mark in ``_consumed`` already durable,
+        #: while an earlier message of it waits for a commit (``_take_marks``)
+        self._partial_marks: dict[tuple[str, str], int] = {}
+        #: the acks 1 of messages consumed while the commit writing them runs: sent
+        #: when it returns (waiter, messages, answer)
+        self._commit_waits: list[tuple[Waiter, int, Any]] = []
         #: (queue, producer) -> its messages in ``pending``: once every producer there
         #: has a young message in flight, nothing more can be committed, and the grace
         #: wait and the commit stop scanning (``_left_pending`` keeps it exact)
@@ -540,21 +553,26 @@ class QueueState:
         q.forget(m)
         q.stats["acked"] += 1
         self._note_change()
+        w, m.waiter = m.waiter, None
         if m.seq is not None:
             q.deletes.append(m.seq)
             q.deleting.add(m.seq)
             self._kick()
+            if w is not None:
+                w.one("consumed", answer)
         elif not m.in_batch:
             q.stats["writes_skipped"] += 1
             # Never written: its producer seq goes to the store as a mark instead, so a
-            # resend after a crash is still a duplicate (rule 4).
+            # resend after a crash is still a duplicate (rule 4); its ack 1 waits for
+            # that mark's commit.
             key = (q.name, m.producer)
             if m.pseq > self._consumed.get(key, 0):
                 self._consumed[key] = m.pseq
-                self._kick()
-        w, m.waiter = m.waiter, None
-        if w is not None:
-            w.one("consumed", answer)
+            self._kick()
+            if w is not None:
+                self._mark_waits.setdefault(key, []).append((m.pseq, w, 1, answer))
+        elif w is not None:
+            self._commit_waits.append((w, 1, answer))  # its commit runs: told after it
         self.dispatch(q)
 
     def ack_ids(self, q: Queue, lname: str, ids: list[Any]) -> int:
@@ -571,12 +589,16 @@ class QueueState:
         name = q.name
         kick = False
         acked = skipped = nbytes = 0
-        # Waiters are told once per batch with their count (a put_many of 500 acked in
-        # one batch costs one call, not 500), and the queue's counts change once
+        # Waiters wait once per batch with their count (a put_many of 500 acked in one
+        # batch costs one entry, not 500), and the queue's counts change once
         # (``Queue.forget`` for the whole batch: a delivered message is never spilled).
-        waiters: dict[Waiter, int] = {}
+        # A waiter here is one of a message not stored yet (a stored one's was told at
+        # its commit), and all its messages are of one producer.
+        waits: list[tuple[str, int, Waiter, int]] = []
         last_w: Waiter | None = None
         last_k = 0
+        last_wp = ""
+        last_ws = 0
         last_p: str | None = None
         last_high = 0
         for mid in ids:
@@ -604,34 +626,42 @@ class QueueState:
                 skipped += 1
                 # A mark instead of a write, as in ``ack``: the highest seq per producer
                 # of the batch, kept in locals while one producer's acks run.
+                pseq = m.pseq
                 if m.producer != last_p:
                     if last_p is not None:
                         kick |= _raise_mark(consumed, (name, last_p), last_high)
-                    last_p, last_high = m.producer, 0
-                last_high = max(last_high, m.pseq)
+                    last_p, last_high = m.producer, pseq
+                elif pseq > last_high:  # a comparison, not max(): this runs per message
+                    last_high = pseq
             w = m.waiter
             if w is not None:
                 m.waiter = None
-                if w is last_w:
+                if m.in_batch:
+                    self._commit_waits.append((w, 1, None))  # told when its commit returns
+                elif w is last_w:
                     last_k += 1
+                    if m.pseq > last_ws:  # noqa: PLR1730 - a comparison, not max(): per message
+                        last_ws = m.pseq
                 else:
                     if last_w is not None:
-                        waiters[last_w] = waiters.get(last_w, 0) + last_k
-                    last_w, last_k = w, 1
+                        waits.append((last_wp, last_ws, last_w, last_k))
+                    last_w, last_k, last_wp, last_ws = w, 1, m.producer, m.pseq
         if last_p is not None:
             kick |= _raise_mark(consumed, (name, last_p), last_high)
         if last_w is not None:
-            waiters[last_w] = waiters.get(last_w, 0) + last_k
+            waits.append((last_wp, last_ws, last_w, last_k))
         q.live -= acked
         q.resident -= acked
         q.bytes -= nbytes
         q.resident_bytes -= nbytes
-        for w, k in waiters.items():
-            w.consumed_n(k)
+        # Their acks 1 go out once the marks covering them are durable (``ack``).
+        mark_waits = self._mark_waits
+        for producer, high, w, k in waits:
+            mark_waits.setdefault((name, producer), []).append((high, w, k, None))
         q.stats["acked"] += acked
         q.stats["writes_skipped"] += skipped
         self._note_change()
-        if kick:
+        if kick or skipped:
             self._kick()
         self.dispatch(q)
         return acked

@@ -234,6 +234,7 @@ class Engine(GroupCommit):
             "deletes": sum(len(seqs) for seqs in batch.deletes.values()),
         }
         if not (batch.new or batch.marks or batch.deletes or batch.incr):
+            self.marks_durable({})  # nothing consumed waits for a mark
             return counts
         res = await self.thread.run(store_commit, self.store, batch)
         errors = [*res.errors, *([res.full] if res.full else [])]
@@ -241,6 +242,8 @@ class Engine(GroupCommit):
             errors.append(res.error)
         if errors:
             raise StorageError("; ".join(errors))
+        # Its producers may still be connected (a SIGTERM of this process alone).
+        self.marks_durable(batch.marks)
         return counts
 
     # -- operator commands ----------------------------------------------------------------

@@ -91,8 +91,9 @@ def test_messages_nobody_holds_are_committed_and_answered_stored() -> None:
 def test_young_delivery_holds_the_commit_until_a_deadline_and_its_ack_skips_the_write() -> None:
     """A message in flight for less than ``ack_grace`` holds the commit back until the
     deadline the state machine returns; acked before it, the message is never written,
-    its producer is answered consumed, and only its producer's mark goes to the store,
-    one ``ack_grace`` after the ack (so a resend is still a duplicate)."""
+    only its producer's mark goes to the store, with the next commit (so a resend is
+    still a duplicate), and its producer is answered consumed once that mark is
+    durable."""
     m = Machine(ack_grace=0.05)
     w = m.put(b"x")
     m.st.add_consumer(m.q, Consumer("c", "push", 10, 30.0))
@@ -105,14 +106,14 @@ def test_young_delivery_holds_the_commit_until_a_deadline_and_its_ack_skips_the_
     assert held.idle and held.wake == pytest.approx(100.05) and not held.items
     assert list(m.st.pending) == [msg]  # still waiting for its ack or its grace
     m.st.ack(msg)
-    assert msg.state == DONE and m.answers == [w] and w.consumed == 1
+    assert msg.state == DONE and m.answers == [] and w.consumed == 0
     assert m.q.stats["writes_skipped"] == 1
-    assert m.st.grace_wake(100.02) == pytest.approx(100.07)  # the mark waits a grace
+    assert m.st.grace_wake(100.02) is None  # its ack 1 waits for the mark: commit now
     assert not m.st.pending  # the acked message left pending unwritten
-    assert m.st.grace_wake(100.07) is None  # now commit
     with MemoryQueueStore() as store:
         store.declare_queue("q")
-        m.commit(store, now=100.07, grace=True)
+        m.commit(store, now=100.02, grace=True)
         assert store.read_range("q", 0, 10) == []
         assert store.producer_state("q", "p") == 1
+    assert m.answers == [w] and w.consumed == 1  # the mark is durable: ack 1
     assert m.st.stats(m.q)["marks_pending"] == 0
