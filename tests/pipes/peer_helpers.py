@@ -15,8 +15,17 @@ import trio
 import msgq_trio
 
 
+def _toml(v: object) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return json.dumps(v)
+
+
 def write_config(path: Path, peers: Sequence[object], **settings: Any) -> Path:
-    lines = ["[plugins.pipe]", f"peers = {json.dumps(list(peers))}"]
+    """``[plugins.pipe]`` with ``peers`` (addresses or tables) and ``settings``."""
+    lines = ["[plugins.pipe]", f"peers = {_toml(list(peers))}"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
