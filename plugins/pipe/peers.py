@@ -400,6 +400,27 @@ class Federation:
             **self.counters,
         }
 
+    def ls_all(self, request: Message) -> None:
+        """Answer ``request`` with the listing of this broker and of every peer it is
+        connected to (``pipe.ls {all: true}``; ``msgq-trio pipe ls``)."""
+        assert self._nursery is not None
+        self._nursery.start_soon(self._ls_all, request)
+
+    async def _ls_all(self, request: Message) -> None:
+        brokers = [self.listing()]
+        errors = []
+        for peer in self.peers:
+            bus = peer.bus
+            if bus is None:
+                errors.append({"address": peer.cfg.address, "error": peer.last_error or "down"})
+                continue
+            try:
+                with trio.fail_after(peer.cfg.connect_timeout):
+                    brokers.append(dict(await bus.call(self.service.settings.group, "pipe.ls")))
+            except (MsgqError, trio.TooSlowError) as exc:
+                errors.append({"address": peer.cfg.address, "error": str(exc) or "timeout"})
+        self.service.bus.answer(request, {"brokers": brokers, "unreachable": errors})
+
     def listing(self) -> dict[str, Any]:
         """This broker's pipes and their ends, each end with its broker."""
         pipes = self.service.engine.listing()

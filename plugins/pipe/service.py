@@ -177,7 +177,10 @@ class Service:
         return []
 
     def _ls(self, request: Message, p: Any) -> list[Done]:
-        self.bus.answer(request, self.fed.listing())
+        if isinstance(p, dict) and p.get("all"):
+            self.fed.ls_all(request)
+        else:
+            self.bus.answer(request, self.fed.listing())
         return []
 
     def _open_local(self, request: Message, p: Any) -> list[Done]:
