@@ -124,9 +124,11 @@ class Federation:
         return [self.node] + [p.node for p in self.peers if p.bus is not None and p.node]
 
     def _missing(self) -> set[str]:
-        """Peers connected to this broker that it is not connected to (yet): an open
-        waits for them so both count the same set."""
-        return set(self.links_in.values()) - set(self.nodes())
+        """Peers connected to this broker that it is not connected to (yet), and peers
+        whose first connection attempt has not ended: an open waits for them (at most
+        ``peer_wait``) so that both brokers count the same set."""
+        first = {p.cfg.address for p in self.peers if p.state == "connecting"}
+        return (set(self.links_in.values()) - set(self.nodes())) | first
 
     def _change(self) -> None:
         self._changed.set()
@@ -281,7 +283,13 @@ class Federation:
             code = getattr(exc, "code", None) or "internal-error"
             svc.bus.answer_error(request, code, getattr(exc, "message", str(exc)))
             return
-        remote = info["handle"]
+        remote = info.get("handle") if isinstance(info, dict) else None
+        if not isinstance(remote, int):
+            log.error("pipe peer %s answered pipe.open without a handle: %r", peer.node, info)
+            svc.bus.answer_error(
+                request, "internal-error", f"pipe.open: broker {peer.node} answered {info!r}"
+            )
+            return
         if request.sender in self._vanished or peer.bus is not bus:
             # Its client left (or the peer went) while the open was on its way.
             if peer.bus is bus:

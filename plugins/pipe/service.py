@@ -171,6 +171,9 @@ class Service:
             self._sent(self._open_local(request, p))
         except EngineError as exc:
             self.bus.answer_error(request, exc.code, f"{request.command}: {exc.message}")
+        except Exception as exc:  # a bug: logged and answered, the plugin keeps serving
+            log.exception("pipe plugin: %s from %s failed", request.command, request.sender)
+            self.bus.answer_error(request, "internal-error", f"{type(exc).__name__}: {exc}")
 
     def _hello(self, request: Message, p: Any) -> list[Done]:
         self.fed.hello(request, p)

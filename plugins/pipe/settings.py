@@ -99,6 +99,8 @@ class PipeSettings:
       ``connect_timeout``, ``retry_min``, ``retry_max``: the same defaults and reasons,
       plugins/link/settings.py). ``serve --pipe-peer ADDRESS`` (repeatable) replaces
       the list. Each broker lists the others.
+    * ``peer``: a table of those keys but ``address``, taken by every peer that does
+      not set them (e.g. the ``token_file`` of peers given by ``--pipe-peer``).
     * ``node`` "" = ``<hostname>:<this broker's socket>``: this broker's name among its
       peers; the names decide which broker holds each pipe, so they must differ (set it
       when two brokers would have the same default).
@@ -199,7 +201,7 @@ def parse_settings(table: Mapping[str, Any]) -> PipeSettings:
     """Settings from the ``[plugins.pipe]`` table. Raises ValueError naming the key."""
     kwargs = dict(table)
     pipes = kwargs.pop("pipes", {})
-    kwargs["peers"] = parse_peers(kwargs.pop("peers", []))
+    kwargs["peers"] = parse_peers(kwargs.pop("peers", []), kwargs.pop("peer", {}))
     _check({k: v for k, v in kwargs.items() if k != "peers"}, _TYPES, "")
     if not isinstance(pipes, Mapping):
         raise ValueError("pipes must be a table of tables")
@@ -212,17 +214,26 @@ def parse_settings(table: Mapping[str, Any]) -> PipeSettings:
     return PipeSettings(**kwargs, pipes=options)
 
 
-def parse_peers(peers: Any) -> list[LinkConfig]:
+def parse_peers(peers: Any, defaults: Any = None) -> list[LinkConfig]:
     """The ``peers`` list: addresses or tables, parsed as the link plugin's downstream
-    settings (one configuration and connection code for both). Raises ValueError."""
+    settings (one configuration and connection code for both); ``defaults`` (the
+    ``[plugins.pipe.peer]`` table) holds the keys every peer takes unless its own table
+    sets them (a token file for ``serve --pipe-peer tcp://...``). Raises ValueError."""
     if not isinstance(peers, list):
         raise ValueError("peers must be a list of addresses or tables")
+    defaults = {} if defaults is None else defaults
+    if not isinstance(defaults, Mapping):
+        raise ValueError("peer must be a table (the settings every peer takes)")
+    for k in defaults:
+        if k not in PEER_KEYS or k == "address":
+            raise ValueError(f"unknown key peer.{k!r} (known: {', '.join(PEER_KEYS[1:])})")
     out = []
     for i, p in enumerate(peers):
         where = f"peers[{i}]."
         table = {"address": p} if isinstance(p, str) else p
         if not isinstance(table, Mapping):
             raise ValueError(f"peers[{i}] = {p!r}: must be an address or a table")
+        table = {**defaults, **table}
         for k in table:
             if k not in PEER_KEYS:
                 raise ValueError(f"unknown key {where}{k!r} (known: {', '.join(PEER_KEYS)})")

@@ -19,6 +19,8 @@ def test_peers_as_addresses_and_tables() -> None:
     assert [p.address for p in s.peers] == ["/run/b.sock", "tcp://h:1"]
     assert s.peers[1].token == "t" and s.peers[1].retry_max == 2
     assert s.peers[0].connect_timeout == 10.0  # the link plugin's default
+    s = parse_settings({"peers": ["x", {"address": "y", "token": "own"}], "peer": {"token": "t"}})
+    assert [p.token for p in s.peers] == ["t", "own"]
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,8 @@ def test_peers_as_addresses_and_tables() -> None:
         ({"peers": ["a", "a"]}, "listed twice"),
         ({"peers": [{"address": "a", "retry_min": -1}]}, "retry_min"),
         ({"peer_wait": 0}, "peer_wait"),
+        ({"peers": ["a"], "peer": {"address": "b"}}, "unknown key peer.'address'"),
+        ({"peers": ["a"], "peer": 3}, "peer must be a table"),
         ({"node": 3}, "node"),
     ],
 )
