@@ -2,7 +2,7 @@
 machine (separate processes, each on its own Unix socket) started as ``msgq-trio serve
 -s A --plugin pipe --pipe-peer B`` and the other way round; ``msgq-trio pipe write`` on
 one, ``msgq-trio pipe read`` on the other; SIGKILL of the writer's broker mid-transfer;
-``msgq-trio pipe ls``."""
+``msgq-trio pipe ls GLOB``."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_cli_reader_fails_when_the_writers_broker_is_killed(
 def test_pipe_ls_shows_ends_and_their_brokers(
     broker_factory: Callable[..., Any], short_tmp: Path
 ) -> None:
-    """``msgq-trio pipe ls`` on either broker lists the pipe once, on its home, with a
+    """``msgq-trio pipe ls "list*"`` on either broker lists the pipe once, on its home, with a
     reader on B and a writer on A."""
     a, b = two_brokers(broker_factory, short_tmp)
     r = pipe_cli("read", "listed", b.path, stdout=subprocess.DEVNULL)
@@ -117,7 +117,9 @@ def test_pipe_ls_shows_ends_and_their_brokers(
             deadline = time.monotonic() + 20
             while True:
                 out = subprocess.run(
-                    [*CLI, "pipe", "ls", "-s", str(socket)], capture_output=True, check=True
+                    [*CLI, "pipe", "ls", "list*", "-s", str(socket)],
+                    capture_output=True,
+                    check=True,
                 ).stdout.decode()
                 rows = [ln for ln in out.splitlines() if ln.startswith("listed ")]
                 if rows and f"r@{node_b}" in rows[0] and f"w@{node_a}" in rows[0]:

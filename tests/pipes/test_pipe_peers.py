@@ -280,3 +280,46 @@ async def test_broker_sigkilled_breaks_the_remote_reader(
     assert reader.wait(10) == 1
     s = await all_stats(brokers[1].path)
     assert s["pipes"] == 0, s
+
+
+@pytest.mark.parametrize("home", ["writer", "reader"])
+async def test_max_buffer_holds_across_the_hop(
+    broker_factory: Callable[..., Any], short_tmp: Path, home: str
+) -> None:
+    """``max_buffer`` (256 KiB here) bounds the pipe across brokers: with the reader on
+    the other broker stalled, the writer's writes wait (PipeTimeout, with the exact
+    prefix accepted) once the home holds the bound; the home never holds more, the
+    other broker holds no pipe at all; the reader then gets every byte, in order."""
+    bound = 256 * 1024
+    brokers = await start_brokers(broker_factory, short_tmp, 2, max_buffer=bound, max_chunk=65536)
+    name = name_homed("bound", "n0" if home == "writer" else "n1", ["n0", "n1"])
+    homes = brokers[0 if home == "writer" else 1].path, brokers[1 if home == "writer" else 0].path
+    payload = random.Random(7).randbytes(4 << 20)
+    async with (
+        msgq_trio.connect(brokers[0].path, "w") as wb,
+        msgq_trio.connect(brokers[1].path, "r") as rb,
+        msgq_trio.connect(homes[0], "s") as home_bus,
+        msgq_trio.connect(homes[1], "s") as other_bus,
+    ):
+        r = await rb.pipe(name).open_reader(readahead=0)
+        w = await wb.pipe(name).open_writer()
+        accepted = 0
+        with pytest.raises(msgq_trio.PipeTimeout) as info:
+            while True:
+                await w.write(payload[accepted : accepted + 65536], timeout=1.0)
+                accepted += 65536
+        accepted += info.value.written
+        s = await home_bus.call("msgq-pipe", "pipe.stats", {"pipe": name})
+        assert s["buffered"] <= bound and accepted <= bound + 65536, (s, accepted)
+        assert (await other_bus.call("msgq-pipe", "pipe.stats", {}))["pipes"] == 0
+        got = bytearray()
+
+        async def read() -> None:
+            got.extend(await read_all(r))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await w.write(payload[accepted:], timeout=30)
+            await w.aclose()
+        assert bytes(got) == payload
+        await r.aclose()
