@@ -42,7 +42,13 @@ import trio
 
 from msgq_trio.client.bus import Bus, Message, connect
 from msgq_trio.client.session import PendingCall
-from msgq_trio.errors import ConnectError, ConnectionLost, MsgqError, RecipientGone
+from msgq_trio.errors import (
+    ConnectError,
+    ConnectionLost,
+    MsgqError,
+    NoRecipient,
+    RecipientGone,
+)
 
 from ..link.service import Link, LinkDown
 from ..link.settings import LinkConfig
@@ -84,6 +90,8 @@ class Peer:
     state: str = "connecting"
     last_error: str = ""
     proxies: set[int] = attrs.field(factory=set)
+    session: trio.CancelScope | None = None  # the connected session, to end it
+    ended: str = ""  # why this side ended the session
 
 
 @attrs.define(eq=False)
@@ -157,6 +165,7 @@ class Federation:
                         if not isinstance(node, str) or not node or node == self.node:
                             raise LinkDown(f"peer answered hello with node {node!r}")
                         cs.deadline = math.inf
+                        peer.session, peer.ended = cs, ""
                         peer.node, peer.bus, peer.state = node, bus, "up"
                         log.info("pipe peer %s (%s): connected", cfg.address, node)
                         self._change()
@@ -164,16 +173,28 @@ class Federation:
                         lost = await bus.wait_lost()
                         why = str(lost)
                 if cs.cancelled_caught:
-                    why = f"no answer within connect_timeout ({cfg.connect_timeout} s)"
+                    why = peer.ended or (
+                        f"no answer within connect_timeout ({cfg.connect_timeout} s)"
+                    )
             except (MsgqError, LinkDown, OSError) as exc:
                 why = str(exc) or type(exc).__name__
             finally:
+                peer.session = None
                 if peer.bus is not None:
                     self._peer_down(peer, why or "connection closed")
             peer.state, peer.last_error = "down", why
             log.warning("pipe peer %s: %s (retrying in %.3g s)", cfg.address, why, delay)
             await trio.sleep(delay)
             delay = min(delay * 2, cfg.retry_max)
+
+    def _home_restarted(self, peer: Peer, exc: MsgqError) -> None:
+        """The peer's pipe service went away (its plugin restarted, with every pipe it
+        held): end the session, so every end through it breaks and the next session
+        says hello to the new service (which must count this broker's connection as a
+        peer's)."""
+        if peer.session is not None and not peer.ended:
+            peer.ended = f"the pipe service of broker {peer.node} went away: {exc}"
+            peer.session.cancel()
 
     def _peer_down(self, peer: Peer, why: str) -> None:
         """The connection to ``peer`` ended: every proxy through it is broken."""
@@ -272,7 +293,8 @@ class Federation:
                 request, PIPE_BROKEN, f"pipe.open: broker {peer.node} went away: {exc}"
             )
             return
-        except RecipientGone as exc:
+        except (RecipientGone, NoRecipient) as exc:
+            self._home_restarted(peer, exc)
             svc.bus.answer_error(
                 request,
                 PIPE_BROKEN,
@@ -364,7 +386,9 @@ class Federation:
             blobs = call.frame.blobs() if call.frame is not None else []
             self.counters["bytes_from_peers"] += sum(len(b) for b in blobs)
             svc.bus.answer(request, call.result, attachments=blobs)
-        elif isinstance(err, (ConnectionLost, RecipientGone, ConnectError)):
+        elif isinstance(err, (ConnectionLost, RecipientGone, NoRecipient, ConnectError)):
+            if isinstance(err, (RecipientGone, NoRecipient)):
+                self._home_restarted(px.peer, err)
             svc.bus.answer_error(
                 request, PIPE_BROKEN, px.broken or f"pipe {px.name!r}: broker {px.peer.node}: {err}"
             )

@@ -6,6 +6,7 @@ are separate processes joined only by their peer connections), each with the oth
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import time
@@ -15,8 +16,8 @@ from typing import Any
 
 import pytest
 import trio
-from peer_helpers import start_brokers
-from pipe_helpers import wait_line
+from peer_helpers import start_brokers, wait_connected
+from pipe_helpers import plugin_pid, wait_line
 
 import msgq_trio
 from msgq_trio.client.pipe import PipeReader
@@ -323,3 +324,41 @@ async def test_max_buffer_holds_across_the_hop(
             await w.aclose()
         assert bytes(got) == payload
         await r.aclose()
+
+
+async def test_home_plugin_killed_breaks_remote_ends_and_the_set_recovers(
+    broker_factory: Callable[..., Any], short_tmp: Path
+) -> None:
+    """The pipe plugin of the pipe's home broker is SIGKILLed (the supervisor restarts
+    it, without its pipes): the remote writer fails PipeBroken, not a hang; the
+    forwarding broker says hello to the new pipe service, and a new pipe across the two
+    brokers works again."""
+    brokers = await start_brokers(broker_factory, short_tmp, 2)
+    name = name_homed("pk", "n1", ["n0", "n1"])
+    async with (
+        msgq_trio.connect(brokers[0].path, "w") as wb,
+        msgq_trio.connect(brokers[1].path, "r") as rb,
+    ):
+        r = await rb.pipe(name).open_reader()
+        w = await wb.pipe(name).open_writer()
+        await w.write(b"x", timeout=5)
+        os.kill(plugin_pid(brokers[1].pid), signal.SIGKILL)
+        with pytest.raises(PipeBroken):
+            with trio.fail_after(10):
+                while True:
+                    await w.write(b"y" * 1000, timeout=10)
+        await w.aclose()
+        await r.aclose()
+        await wait_connected([b.path for b in brokers])
+        with trio.fail_after(20):
+            while True:
+                try:
+                    r = await rb.pipe(name + "again").open_reader()
+                    break
+                except msgq_trio.NoRecipient:
+                    await trio.sleep(0.1)
+            w = await wb.pipe(name + "again").open_writer()
+            await w.write(b"back", timeout=10)
+            await w.aclose()
+            assert await read_all(r) == b"back"
+            await r.aclose()
