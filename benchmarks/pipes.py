@@ -1,6 +1,11 @@
 """Pipe throughput: a msgq_trio named pipe next to a raw Unix socket and ``cat`` through a
 fifo, each between two processes. ``python -m benchmarks.pipes [--mib 256]``.
 
+The cross-broker row (``--cross``, docs/PIPES.md "Pipes across brokers") moves the same
+bytes from a writer on broker A to a reader on broker B, two brokers on this machine
+joined by ``--pipe-peer``, beside the single-broker row, for each ``--chunks`` size
+(``--cross`` alone: 64 KiB and 4 MiB writes, the pipe rows only).
+
 Every figure moves the same bytes from one process to another and counts them at the
 far end; MB/s = 10^6 bytes per second of wall time from the writer's start to the
 reader's end of stream (process start-up excluded for the pipe: both ends are connected
@@ -19,6 +24,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 MiB = 1 << 20
@@ -105,9 +111,7 @@ def _done(proc: subprocess.Popen[str]) -> tuple[int, float]:
     raise RuntimeError("reader ended without a result")
 
 
-def bench_pipe(total: int, chunk: int, tmp: Path) -> float:
-    """MB/s through a msgq_trio pipe (broker + pipe plugin + writer + reader processes)."""
-    sock = tmp / "bus.sock"
+def _serve(sock: Path, *flags: str) -> subprocess.Popen[str]:
     broker = subprocess.Popen(
         [
             sys.executable,
@@ -120,19 +124,56 @@ def bench_pipe(total: int, chunk: int, tmp: Path) -> float:
             str(sock),
             "--plugin",
             "pipe",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         text=True,
         stdin=subprocess.DEVNULL,
     )
+    assert broker.stdout is not None
+    if "listening" not in broker.stdout.readline():
+        raise RuntimeError("the broker did not start")
+    return broker
+
+
+def _wait_peers(socks: list[Path], timeout: float = 30.0) -> None:
+    """Until each broker's pipe service is connected to the other, both ways."""
+    import trio
+
+    import msgq_trio
+
+    async def up(sock: Path) -> bool:
+        async with msgq_trio.connect(sock, "bench-stats") as bus:
+            fed = (await bus.call("msgq-pipe", "pipe.stats", {}))["federation"]
+            return all(p["state"] == "up" for p in fed["peers"]) and bool(fed["links_in"])
+
+    deadline = time.monotonic() + timeout
+    while not all(trio.run(up, s) for s in socks):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the brokers did not connect to each other")
+        time.sleep(0.1)
+
+
+def bench_pipe(total: int, chunk: int, tmp: Path, *, cross: bool = False) -> float:
+    """MB/s through a msgq_trio pipe (broker + pipe plugin + writer + reader processes);
+    ``cross``: writer on broker A, reader on broker B (two brokers joined by
+    ``--pipe-peer``; the pipe's name is homed on one of them, so the bytes cross the
+    broker-to-broker connection once)."""
+    sock = tmp / "bus.sock"
+    other = tmp / "bus2.sock"
+    brokers = []
     try:
-        assert broker.stdout is not None
-        if "listening" not in broker.stdout.readline():
-            raise RuntimeError("the broker did not start")
-        env = dict(os.environ, MSGQ_TRIO_SOCKET=str(sock))
+        if cross:
+            brokers.append(_serve(sock, "--pipe-peer", str(other)))
+            brokers.append(_serve(other, "--pipe-peer", str(sock)))
+            _wait_peers([sock, other])
+        else:
+            brokers.append(_serve(sock))
+        env = dict(os.environ, MSGQ_TRIO_SOCKET=str(other if cross else sock))
         reader = _start(_PIPE_PEER, "read", "bench", str(total), str(chunk), env=env)
         assert reader.stdout is not None
         reader.stdout.readline()
+        env = dict(os.environ, MSGQ_TRIO_SOCKET=str(sock))
         writer = _start(_PIPE_PEER, "write", "bench", str(total), str(chunk), env=env)
         assert writer.stdout is not None and writer.stdin is not None
         writer.stdout.readline()
@@ -145,8 +186,10 @@ def bench_pipe(total: int, chunk: int, tmp: Path) -> float:
             raise RuntimeError(f"pipe: read {got} of {total} bytes")
         return total / (t1 - t0) / 1e6
     finally:
-        broker.send_signal(signal.SIGTERM)
-        broker.wait(30)
+        for broker in brokers:
+            broker.send_signal(signal.SIGTERM)
+        for broker in brokers:
+            broker.wait(30)
 
 
 def bench_raw(total: int, chunk: int, tmp: Path) -> float:
@@ -186,6 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=256, help="MiB moved per run (default 256)")
     ap.add_argument("--chunk", type=int, default=1024, help="KiB per write (default 1024)")
     ap.add_argument("--runs", type=int, default=3, help="runs per system; best is shown")
+    ap.add_argument(
+        "--cross",
+        action="store_true",
+        help="the pipe on one broker and across two (writer on A, reader on B), per "
+        "--chunks size, instead of the comparison with a socket and a fifo",
+    )
+    ap.add_argument(
+        "--chunks",
+        default="64,4096",
+        help="with --cross: KiB per write, comma-separated (default 64,4096)",
+    )
     args = ap.parse_args(argv)
     total, chunk = args.mib * MiB, args.chunk * 1024
     tmp = Path(tempfile.mkdtemp(prefix="mqpb", dir="/tmp"))
@@ -196,17 +250,29 @@ def main(argv: list[str] | None = None) -> int:
             ("raw AF_UNIX socket (Python)", lambda: bench_raw(total, chunk, tmp)),
             ("cat through a fifo", lambda: bench_fifo(total, tmp)),
         ]
+        if args.cross:
+            systems = []
+            for kib in (int(k) for k in args.chunks.split(",")):
+                systems += [
+                    (
+                        f"pipe, one broker, {kib} KiB writes",
+                        partial(bench_pipe, total, kib * 1024, tmp),
+                    ),
+                    (
+                        f"pipe, two brokers, {kib} KiB writes",
+                        partial(bench_pipe, total, kib * 1024, tmp, cross=True),
+                    ),
+                ]
         for label, fn in systems:
             results = []
             for _ in range(args.runs):
                 for f in tmp.iterdir():
-                    if f.name != "bus.sock":
+                    if f.name not in ("bus.sock", "bus2.sock"):
                         f.unlink()
                 results.append(fn())
             rows.append((label, max(results), results))
-        print(
-            f"{args.mib} MiB, {args.chunk} KiB writes, best of {args.runs} ({os.cpu_count()} CPUs)"
-        )
+        what = f"{args.chunks} KiB writes" if args.cross else f"{args.chunk} KiB writes"
+        print(f"{args.mib} MiB, {what}, best of {args.runs} ({os.cpu_count()} CPUs)")
         for label, best, results in rows:
             runs = ", ".join(f"{r:.0f}" for r in results)
             print(f"  {label:34s} {best:8.0f} MB/s   (runs: {runs})")

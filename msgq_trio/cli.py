@@ -506,6 +506,10 @@ async def _pipe_command(args: argparse.Namespace) -> int:
             args.socket, name=f"msgq-trio-pipe-{args.action}", **connect_options(args)
         ) as bus:
             with interruptible():
+                if args.action == "ls":
+                    listing = await bus.call(DEFAULT_GROUP, "pipe.ls", {"all": True})
+                    _print_pipe_listing(listing, args.name)
+                    return 0
                 pipe = Pipe(bus, args.name)
                 if args.action == "write":
                     w = await pipe.open_writer(
@@ -557,14 +561,32 @@ async def _pipe_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_pipe_listing(listing: Any, pattern: str) -> None:
+    """``pipe ls PATTERN``: one line per pipe whose name matches (on its home broker),
+    its ends as ROLE@BROKER."""
+    from fnmatch import fnmatchcase
+
+    print(f"{'PIPE':24} {'HOME':24} {'MODE':9} {'BUFFERED':>9}  ENDS")
+    for b in listing.get("brokers", []):
+        for p in b.get("pipes", []):
+            if not fnmatchcase(p["name"], pattern):
+                continue
+            ends = " ".join(f"{e['role']}@{e['broker']}" for e in p.get("ends", []))
+            print(f"{p['name']:24} {b['node']:24} {p['mode']:9} {p['buffered']:>9}  {ends}")
+    for u in listing.get("unreachable", []):
+        print(f"# peer {u['address']} unreachable: {u['error']}")
+
+
 def _pipe_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``msgq-trio pipe``."""
     p.add_argument(
         "action",
-        choices=["read", "write"],
-        help="write: stdin into the pipe; read: the pipe to stdout",
+        choices=["read", "write", "ls"],
+        help="write: stdin into the pipe; read: the pipe to stdout; ls: list the pipes "
+        "matching NAME (a glob: '*' for all) on this broker and its peers, with their "
+        "ends and brokers",
     )
-    p.add_argument("name", help="the pipe's name")
+    p.add_argument("name", help="the pipe's name (ls: a glob)")
     p.add_argument(
         "--readers",
         choices=["share", "broadcast"],

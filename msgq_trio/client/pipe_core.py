@@ -395,6 +395,13 @@ class WriterCore(_End):
         self._accepted = 0  # bytes accepted so far
         self._mid_write = False  # the last chunk sent has more=True
 
+    @property
+    def accepted(self) -> int:
+        """Bytes of this writer the pipe accepted in all (after :class:`PipeBroken`: how
+        much of the stream went before the break; ``send_all`` chunks still in flight
+        then are not counted)."""
+        return self._accepted
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """The stream API (trio's ``SendStream``; no timeout). Raises PipeBroken,
         ConnectionLost, the face's closed and busy errors (see :meth:`write`)."""
@@ -408,7 +415,9 @@ class WriterCore(_End):
         Raises:
             PipeTimeout: not all accepted within ``timeout`` (no reader, or a full pipe);
                 ``.written`` bytes of it were (a prefix), the rest was not.
-            PipeBroken, ConnectionLost, the face's closed and busy errors (trio's
+            PipeBroken: every reader left (``on_reader_gone="fail"``), or the pipe broke
+                (docs/PIPES.md); ``.written`` bytes of this write were accepted before.
+            ConnectionLost, the face's closed and busy errors (trio's
             ClosedResourceError and BusyResourceError; UsageError on asyncio).
         """
         deadline = self._bus.current_time() + (math.inf if timeout is None else timeout)
@@ -450,6 +459,9 @@ class WriterCore(_End):
                     await self._settle(deadline, start)
             return size
         except PipeBroken as exc:
+            # The partial transfer, as PipeTimeout reports it: the prefix of this write
+            # the pipe accepted before it broke.
+            exc.written = max(0, self._accepted - start)  # type: ignore[attr-defined]
             self._broken = exc
             raise
         finally:

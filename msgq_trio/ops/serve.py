@@ -119,6 +119,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "configures it; docs/QUEUE.md)",
     )
     p.add_argument(
+        "--pipe-peer",
+        action="append",
+        default=None,
+        metavar="ADDRESS",
+        help="a peer broker whose pipe service joins this one's (repeat; "
+        "plugins.pipe.peers, replaced; enables the pipe plugin; docs/PIPES.md)",
+    )
+    p.add_argument(
         "--socket-mode",
         default=None,
         metavar="MODE",
@@ -176,6 +184,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         o["capture.enabled"] = True
     for name in getattr(args, "plugin", None) or ():
         o[f"plugins.{name}"] = {}
+    if getattr(args, "pipe_peer", None):
+        o.setdefault("plugins.pipe", {})["peers"] = list(args.pipe_peer)
     for key in ("socket_mode", "socket_group", "state_dir"):
         if getattr(args, key, None) is not None:
             o[key] = getattr(args, key)

@@ -31,6 +31,14 @@ Rule 8 (modes). ``share``: one read position, each byte goes to exactly one read
   ``broadcast``: each reader has its own position from the moment it attached; bytes
   are released when every reader has read them (the slowest reader paces the writers).
 
+Rule 9 (torn). When an owner is lost without closing its ends in order -- the
+  connection of a peer broker, through which remote ends were attached (docs/PIPES.md,
+  "Pipes across brokers") -- every pipe with an end of that owner is broken as a whole
+  (``break_owner``): each pending and later operation of each of its ends fails
+  ``pipe-broken`` (readers too: an end of pipe would pass a gap off as the whole
+  stream), and the pipe leaves ``pipes`` at once, so the next open of its name starts a
+  new, empty pipe. Its ends stay known until closed.
+
 Persistent pipes (``persistent`` on open or in the config) change Rules 1, 2, 5, 6 and 7
 and add Rules P1-P5; the service commits them to a ``QueueStore`` (one queue per pipe,
 one message per chunk, ``producer_seq`` = the chunk's end offset, the store's cursor =
@@ -208,6 +216,7 @@ class Pipe:
     wait_writes: deque[_Op] = attrs.field(factory=deque)  # pending writes, arrival order
     lock: End | None = None  # Rule 4
     total_in: int = 0
+    broken: str = ""  # Rule 9: why every end fails (the pipe is no longer in Engine.pipes)
     # Persistent pipes (Rules P1-P5)
     persistent: bool = False
     bound: int = 0  # Rule 1: max_buffer, or max_stored when persistent
@@ -391,6 +400,42 @@ class Engine:
                 self._detach(end, out, answer=False)
         return out
 
+    def break_owner(self, owner: str, why: str) -> list[Done]:
+        """Rule 9: ``owner`` is gone without closing (a peer broker's connection): detach
+        its ends and break every pipe they were on; the others' pending operations are
+        answered ``pipe-broken`` with ``why``."""
+        out: list[Done] = []
+        handles = sorted(self.by_owner.pop(owner, ()))
+        pipes: dict[int, Pipe] = {}
+        for h in handles:
+            end = self.ends.pop(h, None)
+            if end is not None:
+                pipes[id(end.pipe)] = end.pipe
+                end.pending.clear()
+                if end.role == "r":
+                    end.pipe.readers.remove(end)
+                else:
+                    end.pipe.writers.remove(end)
+        for pipe in pipes.values():
+            pipe.broken = f"pipe {pipe.name!r}: {why}"
+            if self.pipes.get(pipe.name) is pipe:
+                del self.pipes[pipe.name]
+                self.dirty.discard(pipe.name)
+            for end in pipe.readers + pipe.writers:
+                for op in end.pending:
+                    op.done = True
+                    out.append(Done(op.token, "error", code=PIPE_BROKEN, message=pipe.broken))
+                end.pending.clear()
+                end.broken = True
+            pipe.wait_writes.clear()
+            # Its bytes go with it: nobody may read past the gap.
+            pipe.chunks.clear()
+            pipe.starts.clear()
+            pipe.i0 = 0
+            pipe.charged = 0
+            pipe.base = pipe.end
+        return out
+
     def _detach(self, end: End, out: list[Done], *, answer: bool) -> None:
         pipe = end.pipe
         del self.ends[end.handle]
@@ -411,6 +456,9 @@ class Engine:
                     )
                 )
         end.pending.clear()
+        if pipe.broken:  # Rule 9: nothing left to move
+            (pipe.readers if end.role == "r" else pipe.writers).remove(end)
+            return
         if end.role == "r":
             pipe.readers.remove(end)
             if end.held:  # Rule P3: what it did not ack is served again, first
@@ -484,7 +532,7 @@ class Engine:
                     token,
                     "error",
                     code=PIPE_BROKEN,
-                    message=f"pipe {end.pipe.name!r}: every reader left",
+                    message=end.pipe.broken or f"pipe {end.pipe.name!r}: every reader left",
                 )
             ]
         expected = end.pending[-1].seq + 1 if end.pending else end.next_seq
@@ -517,6 +565,8 @@ class Engine:
         end = self._end(owner, handle, "r")
         if n < 1:
             raise EngineError(BAD_REQUEST, "n must be >= 1")
+        if end.pipe.broken:  # Rule 9
+            return [Done(token, "error", code=PIPE_BROKEN, message=end.pipe.broken)]
         self._check_pending(end)
         if consumed is not None and end.pipe.persistent:
             self._ack(end, consumed)
@@ -946,6 +996,23 @@ class Engine:
             "ends": len(self.ends),
             "buffered": sum(p.retained() for p in self.pipes.values()),
         }
+
+    def listing(self) -> list[dict[str, object]]:
+        """Every pipe with its ends (``pipe.ls``): name, mode, buffered bytes, and per
+        end its handle, role ("r"/"w") and owner (the connection's lname)."""
+        return [
+            {
+                "name": p.name,
+                "mode": p.mode,
+                "persistent": p.persistent,
+                "buffered": p.retained(),
+                "ends": [
+                    {"handle": e.handle, "role": e.role, "owner": e.owner}
+                    for e in p.readers + p.writers
+                ],
+            }
+            for p in self.pipes.values()
+        ]
 
     def check_empty(self) -> None:
         """Assert nothing is left (tests: every end detached frees everything)."""

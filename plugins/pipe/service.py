@@ -43,6 +43,7 @@ from msgq_trio.errors import ConnectionLost
 # The queue plugin's store thread and directory lock serve this store the same way.
 from ..queue.writer import StoreThread, open_store_dir
 from .engine import BAD_REQUEST, Commit, Declared, Done, Engine, EngineError, Limits
+from .peers import Federation
 from .settings import PipeSettings
 
 log = logging.getLogger("msgq_trio.plugins.pipe")
@@ -76,6 +77,7 @@ class Service:
         settings: PipeSettings,
         store: QueueStore | None = None,
         thread: StoreThread | None = None,
+        socket: Path | None = None,
     ) -> None:
         self.bus = bus
         declared = {
@@ -102,6 +104,7 @@ class Service:
         self._flush = trio.Event()
         self._retry = trio.Event()
         self._trace = log.info if settings.trace else log.debug
+        self.fed = Federation(self, socket or Path("-"))
 
     def setup(self) -> None:
         handlers: dict[str, Callable[[Message, Any], list[Done]]] = {
@@ -110,6 +113,8 @@ class Service:
             "pipe.read": self._read,
             "pipe.close": self._close,
             "pipe.stats": self._stats,
+            "pipe.ls": self._ls,
+            "pipe.peer.hello": self._hello,
         }
         for name, fn in handlers.items():
             self.bus.add_inline_command(name, self._inline(fn))
@@ -155,6 +160,33 @@ class Service:
 
     # -- commands ----------------------------------------------------------------------
     def _open(self, request: Message, p: Any) -> list[Done]:
+        if self.fed.wants(p):
+            self.fed.open(request, p, lambda: self._open_later(request, p))
+            return []
+        return self._open_local(request, p)
+
+    def _open_later(self, request: Message, p: Any) -> None:
+        """An open at home here decided after a wait (outside the inline handler)."""
+        try:
+            self._sent(self._open_local(request, p))
+        except EngineError as exc:
+            self.bus.answer_error(request, exc.code, f"{request.command}: {exc.message}")
+        except Exception as exc:  # a bug: logged and answered, the plugin keeps serving
+            log.exception("pipe plugin: %s from %s failed", request.command, request.sender)
+            self.bus.answer_error(request, "internal-error", f"{type(exc).__name__}: {exc}")
+
+    def _hello(self, request: Message, p: Any) -> list[Done]:
+        self.fed.hello(request, p)
+        return []
+
+    def _ls(self, request: Message, p: Any) -> list[Done]:
+        if isinstance(p, dict) and p.get("all"):
+            self.fed.ls_all(request)
+        else:
+            self.bus.answer(request, self.fed.listing())
+        return []
+
+    def _open_local(self, request: Message, p: Any) -> list[Done]:
         name = _param(p, "pipe", (str,))
         if not name or len(name) > 255:
             raise EngineError(BAD_REQUEST, "pipe names are 1 to 255 characters")
@@ -192,6 +224,8 @@ class Service:
         return done
 
     def _write(self, request: Message, p: Any) -> list[Done]:
+        if self.fed.forward(request, "pipe.write", p):
+            return []
         blobs = request.attachments
         if len(blobs) != 1:
             raise EngineError(BAD_REQUEST, "a write carries its chunk as one attachment")
@@ -218,6 +252,8 @@ class Service:
         )
 
     def _read(self, request: Message, p: Any) -> list[Done]:
+        if self.fed.forward(request, "pipe.read", p):
+            return []
         h, n = _param(p, "h", (int,)), _param(p, "n", (int,))
         timeout = float(_param(p, "timeout", (int, float), math.inf))
         self._trace(
@@ -244,6 +280,8 @@ class Service:
         return end.pipe.name if end is not None else None
 
     def _close(self, request: Message, p: Any) -> list[Done]:
+        if self.fed.forward(request, "pipe.close", p):
+            return []
         h = _param(p, "h", (int,))
         self._trace("pipe %r: %s closed handle %d", self._name(h), request.sender, h)
         # The close's own pending operations are answered before the close itself, so the
@@ -255,7 +293,11 @@ class Service:
         return []
 
     def _stats(self, request: Message, p: Any) -> list[Done]:
-        self.bus.answer(request, self.engine.stats(_param(p, "pipe", (str, type(None)), None)))
+        name = _param(p, "pipe", (str, type(None)), None)
+        stats = self.engine.stats(name)
+        if name is None:
+            stats["federation"] = self.fed.status()
+        self.bus.answer(request, stats)
         return []
 
     # -- persistence -------------------------------------------------------------------
@@ -394,6 +436,9 @@ class Service:
         body = msg.body
         lname = body.get("lname") if isinstance(body, dict) else None
         if isinstance(lname, str):
+            if self.fed.link_gone(lname):
+                return
+            self.fed.client_gone(lname)
             handles = sorted(self.engine.by_owner.get(lname, ()))
             if handles:
                 self._trace(
@@ -450,7 +495,7 @@ async def _serve(
     task_status: trio.TaskStatus[None],
 ) -> None:
     async with connect(socket, "msgq-pipe") as bus, trio.open_nursery() as nursery:
-        service = Service(bus, settings, store, thread)
+        service = Service(bus, settings, store, thread, socket)
         if store is not None:
             await service.recover()
             nursery.start_soon(service.flush_loop)
@@ -460,6 +505,7 @@ async def _serve(
         await bus.subscribe(MEMBERSHIP)
         await bus.subscribe(settings.group)
         nursery.start_soon(service.timer)
+        await service.fed.run(nursery)
         task_status.started()
         try:
             await service.membership()

@@ -9,7 +9,23 @@ import attrs
 
 from msgq_trio.protocol.names import valid_group_name
 
-__all__ = ["PipeOptions", "PipeSettings", "parse_settings"]
+from ..link.settings import LinkConfig, parse_link
+
+__all__ = ["PipeOptions", "PipeSettings", "parse_peers", "parse_settings"]
+
+#: Keys of a ``peers`` table (the link plugin's downstream keys that apply to a peer).
+PEER_KEYS = (
+    "address",
+    "token",
+    "token_file",
+    "tls",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "connect_timeout",
+    "retry_min",
+    "retry_max",
+)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -73,6 +89,25 @@ class PipeSettings:
     * ``sync`` true: fsync every commit, so a write answered to its writer survives a
       crash of the machine, not only of the plugin. false is for tests and benchmarks.
     * ``pipes``: NAME -> :class:`PipeOptions`.
+
+    Pipes across brokers (docs/PIPES.md, "Pipes across brokers"):
+
+    * ``peers`` [] (none): the other brokers whose pipe services this one joins, each an
+      address as ``msgq_trio.connect`` takes it (a Unix socket path, ``tcp://HOST:PORT``,
+      ``tls://HOST:PORT``) or a table with the link plugin's downstream keys
+      (``address``, ``token``/``token_file``, ``tls``/``tls_ca``/``tls_cert``/``tls_key``,
+      ``connect_timeout``, ``retry_min``, ``retry_max``: the same defaults and reasons,
+      plugins/link/settings.py). ``serve --pipe-peer ADDRESS`` (repeatable) replaces
+      the list. Each broker lists the others.
+    * ``peer``: a table of those keys but ``address``, taken by every peer that does
+      not set them (e.g. the ``token_file`` of peers given by ``--pipe-peer``).
+    * ``node`` "" = ``<hostname>:<this broker's socket>``: this broker's name among its
+      peers; the names decide which broker holds each pipe, so they must differ (set it
+      when two brokers would have the same default).
+    * ``peer_wait`` 5 s: the longest an open waits for the connection to a peer that
+      connected to this broker but is not yet connected from here (both brokers must
+      count the same set of brokers, or they could place a pipe on two brokers). A
+      broker restarting connects within its ``retry_max`` (5 s) of the other one.
     """
 
     group: str = "msgq-pipe"
@@ -88,8 +123,13 @@ class PipeSettings:
     max_map_size: int = 1 * GiB
     sync: bool = True
     pipes: dict[str, PipeOptions] = attrs.field(factory=dict)
+    peers: list[LinkConfig] = attrs.field(factory=list)
+    node: str = ""
+    peer_wait: float = 5.0
 
     def __attrs_post_init__(self) -> None:
+        if not self.peer_wait > 0:
+            raise ValueError(f"peer_wait = {self.peer_wait}: must be positive")
         why = valid_group_name(self.group)
         if why or self.group.startswith("msgq."):
             raise ValueError(f"group = {self.group!r}: {why or 'reserved for the broker'}")
@@ -142,6 +182,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "map_size": (int,),
     "max_map_size": (int,),
     "sync": (bool,),
+    "node": (str,),
+    "peer_wait": (int, float),
 }
 _PTYPES: dict[str, tuple[type, ...]] = {"persistent": (bool,), "max_stored": (int,)}
 
@@ -159,7 +201,8 @@ def parse_settings(table: Mapping[str, Any]) -> PipeSettings:
     """Settings from the ``[plugins.pipe]`` table. Raises ValueError naming the key."""
     kwargs = dict(table)
     pipes = kwargs.pop("pipes", {})
-    _check(kwargs, _TYPES, "")
+    kwargs["peers"] = parse_peers(kwargs.pop("peers", []), kwargs.pop("peer", {}))
+    _check({k: v for k, v in kwargs.items() if k != "peers"}, _TYPES, "")
     if not isinstance(pipes, Mapping):
         raise ValueError("pipes must be a table of tables")
     options = {}
@@ -169,3 +212,33 @@ def parse_settings(table: Mapping[str, Any]) -> PipeSettings:
         _check(t, _PTYPES, f"pipes.{name}.")
         options[name] = PipeOptions(**t)
     return PipeSettings(**kwargs, pipes=options)
+
+
+def parse_peers(peers: Any, defaults: Any = None) -> list[LinkConfig]:
+    """The ``peers`` list: addresses or tables, parsed as the link plugin's downstream
+    settings (one configuration and connection code for both); ``defaults`` (the
+    ``[plugins.pipe.peer]`` table) holds the keys every peer takes unless its own table
+    sets them (a token file for ``serve --pipe-peer tcp://...``). Raises ValueError."""
+    if not isinstance(peers, list):
+        raise ValueError("peers must be a list of addresses or tables")
+    defaults = {} if defaults is None else defaults
+    if not isinstance(defaults, Mapping):
+        raise ValueError("peer must be a table (the settings every peer takes)")
+    for k in defaults:
+        if k not in PEER_KEYS or k == "address":
+            raise ValueError(f"unknown key peer.{k!r} (known: {', '.join(PEER_KEYS[1:])})")
+    out = []
+    for i, p in enumerate(peers):
+        where = f"peers[{i}]."
+        table = {"address": p} if isinstance(p, str) else p
+        if not isinstance(table, Mapping):
+            raise ValueError(f"peers[{i}] = {p!r}: must be an address or a table")
+        table = {**defaults, **table}
+        for k in table:
+            if k not in PEER_KEYS:
+                raise ValueError(f"unknown key {where}{k!r} (known: {', '.join(PEER_KEYS)})")
+        out.append(parse_link({**table, "from_queue": "-"}, where))
+    addresses = [c.address for c in out]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"peers: an address is listed twice ({addresses})")
+    return out
