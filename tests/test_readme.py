@@ -27,6 +27,11 @@ EXPECTED = {
     7: ["line 0", "line 1", "line 2"],
     8: ["connected; reconnects so far: 0"],
     9: ["asyncio: connected; reconnects so far: 0"],
+    10: [
+        "There are 42 zones",
+        "bad-request {'param': 'zone_class'}",
+        "get_zone_count ['zone_class: str', 'verbose: bool'] -> int",
+    ],
 }
 
 
