@@ -33,6 +33,7 @@ from .interface import (
     Interface,
     Param,
     check_params,
+    compile_check,
     declare_command,
     describe,
     explicit_params,
@@ -89,9 +90,11 @@ def as_handler(fn: Callable[..., Any], decl: CommandDecl | None = None) -> Handl
     nparams = len(inspect.signature(fn).parameters)
     if decl.check:
         two = nparams == 2
+        wrong = compile_check(decl)
 
         def checked(params: Any, request: Message) -> Any:
-            _refuse_bad_params(decl, params)
+            if wrong(params) is not None:
+                _refuse_bad_params(decl, params)
             return fn(params, request) if two else fn(params)
 
         return checked
@@ -109,10 +112,11 @@ def _refuse_bad_params(decl: CommandDecl, params: Any) -> None:
 
 def _keyword_handler(fn: Callable[..., Any], decl: CommandDecl) -> Handler:
     """``fn(**params)`` as a :data:`Handler`."""
-    check, request_arg = decl.check, decl.request_arg
+    request_arg = decl.request_arg
+    wrong = compile_check(decl) if decl.check else None
 
     def keywords(params: Any, request: Message) -> Any:
-        if check:
+        if wrong is not None and wrong(params) is not None:
             _refuse_bad_params(decl, params)
         if params is None:
             params = {}

@@ -24,6 +24,7 @@ from msgq_trio.client.interface import (
     Param,
     check_params,
     check_value,
+    compile_check,
     declare_command,
     parse_type,
     type_name,
@@ -387,3 +388,40 @@ def test_declarations_are_plain_values() -> None:
 
     assert declare_command("f", f) == declare_command("f", f)
     assert isinstance(declare_command("f", f), CommandDecl)
+
+
+def test_the_compiled_check_agrees_with_check_params() -> None:
+    """The per-request fast path (:func:`compile_check`) refuses exactly what
+    :func:`check_params` refuses, for every type of the grammar."""
+
+    def f(
+        *,
+        s: str = "",
+        i: int = 0,
+        x: float = 0.0,
+        b: bool = False,
+        raw: bytes = b"",
+        n: None = None,
+        o: int | None = None,
+        li: list[int] | None = None,
+        d: dict[str, str] | None = None,
+        a: Any = None,
+    ) -> None:
+        pass
+
+    decl = declare_command("f", f)
+    fast = compile_check(decl)
+    values: list[object] = ["s", 1, 1.5, True, False, b"r", None, [1], ["1"], {"k": "v"}, {"k": 1}]
+    names = [p.name for p in decl.params or ()]
+    for name in names:
+        for value in values:
+            params = {name: value}
+            assert fast(params) == check_params(decl, params), (name, value)
+    for params in [None, [], "x", {"zz": 1}, {1: 2}]:
+        assert fast(params) == check_params(decl, params), params
+
+    def g(*, need: str) -> None:
+        pass
+
+    decl = declare_command("g", g)
+    assert compile_check(decl)(None) == check_params(decl, None) is not None
