@@ -163,3 +163,35 @@ async def test_groups_lists_the_groups_with_members(broker: Any) -> None:
         await a.unsubscribe("Zeta")
         rows = await b.call("msgq", "groups")
         assert "Zeta" not in [r["group"] for r in rows]
+
+
+async def test_call_completes_command_names_and_a_params_skeleton(broker: Any) -> None:
+    """The completers argcomplete calls for ``call``: TARGET's declared command names
+    by prefix, and COMMAND's parameters as a JSON map with their defaults; nothing (no
+    traceback) when the broker cannot be reached."""
+    import argparse
+
+    from msgq_trio.cli import build_parser
+    from msgq_trio.ops.introspect_cli import complete_command, complete_params
+
+    call = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices["call"]
+    completers = {a.dest: getattr(a, "completer", None) for a in call._actions}
+    assert completers["command"] is complete_command
+    assert completers["params"] is complete_params
+
+    def ns(**kw: Any) -> argparse.Namespace:
+        return argparse.Namespace(socket=str(broker.path), target="Zones", **kw)
+
+    async with zonemgr(broker.path, []):
+        names = await trio.to_thread.run_sync(lambda: complete_command("", ns()))
+        assert names == ["get_zone_count", "remove_zone"]
+        names = await trio.to_thread.run_sync(lambda: complete_command("rem", ns()))
+        assert names == ["remove_zone"]
+        skeleton = await trio.to_thread.run_sync(
+            lambda: complete_params("", ns(command="get_zone_count"))
+        )
+        assert skeleton == ['{"zone_class": "IN", "verbose": false}']
+    gone = argparse.Namespace(socket=str(broker.path) + ".nope", target="Zones")
+    assert complete_command("", gone) == []
