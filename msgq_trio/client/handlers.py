@@ -204,9 +204,12 @@ class HandlerContract:
         doc: str | None = None,
         raises: Iterable[str] = (),
         check: bool | None = None,
+        run: Callable[[Handler], Handler] | None = None,
     ) -> CommandDecl:
         """Register ``fn`` to answer ``name`` with its declaration (the arguments are
         :func:`~msgq_trio.client.interface.declare_command`'s); returns the declaration.
+        ``run`` wraps the handler :func:`as_handler` makes (the synchronous facade runs
+        it in a worker thread), the check included.
 
         Raises:
             UsageError: ``fn``'s signature fits no handler form, the declaration is
@@ -217,7 +220,8 @@ class HandlerContract:
         decl = declare_command(
             name, fn, params=params, result=result, doc=doc, raises=raises, check=check
         )
-        self.commands[name] = as_handler(fn, decl)
+        handler = as_handler(fn, decl)
+        self.commands[name] = handler if run is None else run(handler)
         self.interface.commands[name] = decl
         return decl
 

@@ -17,6 +17,7 @@ import trio
 from driver_harness import asyncio_bus
 
 import msgq_trio
+import msgq_trio.sync
 from msgq_trio import CommandFailed, RemoteError, Reply, UsageError
 from msgq_trio.client.interface import (
     INTROSPECT,
@@ -213,7 +214,8 @@ def component(asynchronous: bool) -> dict[str, Callable[..., Any]]:
 
 def register(bus: Any, asynchronous: bool) -> None:
     for name, fn in component(asynchronous).items():
-        bus.add_command(name, fn, raises=["not-found"] if name == "remove_zone" else ())
+        # the synchronous facade has the decorator only
+        bus.command(name, raises=["not-found"] if name == "remove_zone" else ())(fn)
     bus.declare_event(
         "zone_added", group="Zones.events", params={"zone": str}, doc="A zone was added."
     )
@@ -236,6 +238,20 @@ async def zones(driver: str, path: Path) -> AsyncIterator[None]:
 
         async with asyncio_bus(path, "zonemgr", setup):
             yield
+        return
+    if driver == "sync":  # the blocking facade over the trio client (worker threads)
+
+        def start() -> Any:
+            bus = msgq_trio.sync.connect(path, "zonemgr")
+            register(bus, False)
+            bus.subscribe("Zones")
+            return bus
+
+        facade = await trio.to_thread.run_sync(start)
+        try:
+            yield
+        finally:
+            await trio.to_thread.run_sync(facade.close)
         return
     direct = msgq_trio.connect_direct(path, "zonemgr")
     register(direct, False)
@@ -261,12 +277,13 @@ async def zones(driver: str, path: Path) -> AsyncIterator[None]:
     assert not thread.is_alive() and errors == []
 
 
-DRIVERS = ["trio", "asyncio", "direct"]
+DRIVERS = ["trio", "asyncio", "direct", "sync"]
 
 
 async def test_the_component_is_introspected_identically_on_every_driver(broker: Any) -> None:
-    """The same three handlers on the trio, asyncio and blocking drivers answer
-    ``msgq.introspect`` with the same description (only the lname differs)."""
+    """The same three handlers on the trio, asyncio and blocking drivers (and the
+    synchronous facade) answer ``msgq.introspect`` with the same description (only the
+    lname differs)."""
     seen = []
     async with msgq_trio.connect(broker.path, "caller") as caller:
         for driver in DRIVERS:
@@ -274,7 +291,7 @@ async def test_the_component_is_introspected_identically_on_every_driver(broker:
                 desc = await caller.call("Zones", INTROSPECT)
             assert desc.pop("lname").startswith("l.")
             seen.append(desc)
-    assert seen[0] == seen[1] == seen[2]
+    assert all(desc == seen[0] for desc in seen)
     assert seen[0]["version"] == 1 and seen[0]["name"] == "zonemgr"
     assert seen[0]["groups"] == ["Zones"]
     commands = {c["name"]: c for c in seen[0]["commands"]}
@@ -329,7 +346,7 @@ async def test_keyword_handlers_and_the_callee_side_check(driver: str, broker: A
         with pytest.raises(RemoteError, match="no zone 'a'") as info:
             await c.call("Zones", "remove_zone", {"zone": "a"})
         assert info.value.code == "not-found" and info.value.data == {"zone": "a"}
-        if driver != "direct":  # the blocking driver passes no descriptors
+        if driver != "direct":  # the direct driver passes no descriptors
             with await c.request("Zones", "open_log", {"name": "z"}) as answer:
                 assert answer.body == {"name": "z"} and len(answer.fds) == 1
 
