@@ -36,6 +36,7 @@ from .interface import (
     compile_check,
     declare_command,
     describe,
+    doc_of,
     explicit_params,
     first_line,
 )
@@ -186,6 +187,7 @@ class HandlerContract:
     stamp: bytes
     lost: ConnectionLost | None
     commands: dict[str, Handler]
+    inline: dict[str, InlineHandler]
     groups: dict[str, None]
     #: What this client declares (its commands' and events' declarations).
     interface: Interface
@@ -246,8 +248,20 @@ class HandlerContract:
 
     def introspect(self, _params: Any, _request: Message) -> dict[str, Any]:
         """The handler of the standard command ``msgq.introspect``: this client's
-        description (docs/PROTOCOL.md "Interfaces and introspection")."""
-        return describe(self.name, self.lname, self.groups, self.interface)
+        description (docs/PROTOCOL.md "Interfaces and introspection"). Commands it answers
+        without a declaration (inline handlers, handlers put in :attr:`commands`
+        directly) are listed too, their params undeclared."""
+        declared = self.interface.commands
+        undeclared = {
+            name: CommandDecl(name, doc=doc_of(fn))
+            for table in (self.commands, self.inline)
+            for name, fn in table.items()
+            if name not in declared and name != INTROSPECT
+        }
+        if not undeclared:
+            return describe(self.name, self.lname, self.groups, self.interface)
+        everything = Interface({**undeclared, **declared}, self.interface.events)
+        return describe(self.name, self.lname, self.groups, everything)
 
     def encode_answer(
         self, request: Message, result: Any = None, attachments: Sequence[Buffer] = ()

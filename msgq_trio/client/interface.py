@@ -323,6 +323,17 @@ def first_line(doc: str | None) -> str:
     return (inspect.cleandoc(doc).split("\n", 1)[0].strip()) if doc else ""
 
 
+def doc_of(fn: object) -> str:
+    """The first docstring line of a handler: of the function a ``functools.partial``
+    wraps; none for other callables (a builtin's or a class's docstring is not about the
+    command)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return first_line(fn.__doc__)
+    return ""
+
+
 def explicit_params(
     params: Mapping[str, Any] | Sequence[Param] | None,
 ) -> tuple[Param, ...] | None:
@@ -428,7 +439,7 @@ def declare_command(
         params=declared,
         result=type_name(result),
         raises=tuple(str(r) for r in raises),
-        doc=first_line(fn.__doc__) if doc is None else doc,
+        doc=doc_of(fn) if doc is None else doc,
         attachments=attachments,
         keywords=keyword,
         request_arg=request_arg,

@@ -5,6 +5,7 @@ against a real broker process."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -382,19 +383,54 @@ async def test_the_check_runs_before_the_handler_and_can_be_turned_off(broker: A
 async def test_a_client_declaring_nothing_still_describes_itself(broker: Any) -> None:
     """Every client answers ``msgq.introspect``: ``fn(params)`` handlers appear with
     ``params`` null; the standard command is reserved and not listed."""
+
+    def peek(store: dict[str, int], params: Any) -> Any:
+        """Show a stored value."""
+        return store.get(params)
+
+    def put(request: Message) -> None:
+        """Store in arrival order."""
+
     async with msgq_trio.connect(broker.path, "plain") as svc:
         svc.add_command("echo", lambda p: p)
+        svc.add_command("peek", functools.partial(peek, {"a": 1}))
+        svc.add_inline_command("put", put)
         with pytest.raises(UsageError, match="reserved"):
             svc.add_command("msgq.introspect", lambda p: p)
         async with msgq_trio.connect(broker.path, "caller") as c:
             desc = await c.call(svc.lname, INTROSPECT)
+            undeclared = {"params": None, "result": "any", "raises": []}
             assert desc["commands"] == [
-                {"name": "echo", "doc": "", "params": None, "result": "any", "raises": []}
+                {"name": "echo", "doc": "", **undeclared},
+                {"name": "peek", "doc": "Show a stored value.", **undeclared},
+                {"name": "put", "doc": "Store in arrival order.", **undeclared},
             ]
             assert desc["groups"] == [] and desc["events"] == []
             with pytest.raises(RemoteError) as info:
                 await c.call(svc.lname, "nope")
-            assert info.value.data == ["echo"]
+            assert info.value.data == ["echo", "peek"]
+            assert await c.call(svc.lname, "peek", "a") == 1
+
+
+async def test_an_async_keyword_handler_that_awaits_runs_in_its_task(broker: Any) -> None:
+    """A keyword handler that suspends gets its task like any async handler; the check
+    still runs before it (in the reader)."""
+    started: list[int] = []
+
+    async def slow(*, n: int, request: Message) -> list[Any]:
+        started.append(n)
+        await trio.sleep(0.01)
+        return [n, request.sender_name]
+
+    async with msgq_trio.connect(broker.path, "svc") as svc:
+        svc.add_command("slow", slow)
+        async with msgq_trio.connect(broker.path, "caller") as c:
+            assert await c.call(svc.lname, "slow", {"n": 2}) == [2, "caller"]
+            with pytest.raises(RemoteError, match="parameter 'n' must be int"):
+                await c.call(svc.lname, "slow", {"n": "2"})
+            desc = await c.call(svc.lname, INTROSPECT)
+            assert desc["commands"][0]["params"] == [{"name": "n", "type": "int", "required": True}]
+    assert started == [2]
 
 
 def test_declarations_are_plain_values() -> None:
