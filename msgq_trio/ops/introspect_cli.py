@@ -158,6 +158,8 @@ async def descriptions(bus: Any, target: str, timeout: float) -> list[dict[str, 
     """The descriptions the recipients of ``target`` (an lname or a group) give; members
     that give none are left out."""
     group = _group_of(target)
+    if group == "msgq":  # the broker's own commands: docs/PROTOCOL.md lists them
+        return []
     if group is None:
         lnames = [target]
     else:
