@@ -5,6 +5,7 @@ that describe nothing (a silent raw peer, a client with an old-style handler).""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,14 +15,15 @@ import trio
 from ops_helpers import run_cli
 
 import msgq_trio
-from msgq_trio import CommandFailed
+from msgq_trio import CommandFailed, Reply
 
 EXIT_USAGE = 2
 
 
 @asynccontextmanager
 async def zonemgr(path: Path, calls: list[Any]) -> AsyncIterator[Any]:
-    """A component in group ``Zones`` declaring two commands and an event; ``calls``
+    """A component in group ``Zones`` with three annotated handlers (an async one, one
+    returning a descriptor, one raising ``CommandFailed``) and an event; ``calls``
     records every call that reached a handler."""
     async with msgq_trio.connect(path, "zonemgr") as bus:
 
@@ -36,6 +38,17 @@ async def zonemgr(path: Path, calls: list[Any]) -> AsyncIterator[Any]:
             """Remove a zone."""
             calls.append(("remove_zone", zone))
             raise CommandFailed("not-found", f"no zone {zone!r}")
+
+        @bus.command("open_log")
+        def open_log(*, name: str) -> Reply:
+            """Hand over a zone's log."""
+            calls.append(("open_log", name))
+            r, w = os.pipe()
+            try:
+                return Reply({"name": name}, fds=[r])
+            finally:
+                os.close(r)
+                os.close(w)
 
         bus.declare_event("zone_added", group="Zones.events", params={"zone": str})
         await bus.subscribe("Zones")
@@ -68,6 +81,7 @@ async def test_introspect_prints_groups_members_and_declarations(
         ) in out
         assert "    command remove_zone(*, zone: str) -> null\n" in out
         assert "            raises: not-found" in out
+        assert "    command open_log(*, name: str) -> any (+ attachments)\n" in out
         assert "    event zone_added(zone: str) to Zones.events" in out
         assert f"{silent.lname}\tsilent\tpid=" in out
         assert "no description (timeout" in out
@@ -80,7 +94,11 @@ async def test_introspect_prints_groups_members_and_declarations(
         assert members["silent"]["why"].startswith("no description (timeout")
         desc = members["zonemgr"]["description"]
         assert desc["lname"] == bus.lname and desc["groups"] == ["Zones"]
-        assert [c["name"] for c in desc["commands"]] == ["get_zone_count", "remove_zone"]
+        assert [c["name"] for c in desc["commands"]] == [
+            "get_zone_count",
+            "open_log",
+            "remove_zone",
+        ]
         assert desc["events"][0]["name"] == "zone_added"
     assert calls == []  # describing never calls a handler
 
@@ -126,8 +144,9 @@ async def test_call_help_for_prints_the_declaration(broker: Any) -> None:
         )
         r = await cli(broker.path, "call", "--help-for", "Zones", "nope")
         assert r.returncode == EXIT_USAGE
-        assert "Zones declares no command 'nope' (declared: get_zone_count, remove_zone)" in (
-            r.stderr
+        assert (
+            "Zones declares no command 'nope' (declared: get_zone_count, open_log, remove_zone)"
+            in r.stderr
         )
     assert calls == []
 
@@ -186,7 +205,7 @@ async def test_call_completes_command_names_and_a_params_skeleton(broker: Any) -
 
     async with zonemgr(broker.path, []):
         names = await trio.to_thread.run_sync(lambda: complete_command("", ns()))
-        assert names == ["get_zone_count", "remove_zone"]
+        assert names == ["get_zone_count", "open_log", "remove_zone"]
         names = await trio.to_thread.run_sync(lambda: complete_command("rem", ns()))
         assert names == ["remove_zone"]
         skeleton = await trio.to_thread.run_sync(
