@@ -1,6 +1,6 @@
 # PYTHON_ARGCOMPLETE_OK (argcomplete looks for this marker to offer completion)
 """The msgq-trio command line: serve, ctl, dump, send, call, notify, listen, reply, members,
-pipe, queue, token, demo, scenario, analyze.
+introspect, pipe, queue, token, demo, scenario, analyze.
 
 Broker address: -s/--socket takes a socket path or a tcp://HOST:PORT / tls://HOST:PORT URL
 (default $MSGQ_TRIO_SOCKET, else the per-user socket). Remote brokers: --token (or
@@ -43,7 +43,19 @@ EXIT_BROKEN_PIPE = 141
 #: (argparse's REMAINDER would reject a first argument that looks like an option).
 _DELEGATED = ("scenario", "analyze")
 #: Subcommands that talk to a broker as a client: they take --token and the TLS flags.
-_CLIENTS = ("ctl", "dump", "send", "call", "notify", "listen", "reply", "members", "pipe", "queue")
+_CLIENTS = (
+    "ctl",
+    "dump",
+    "send",
+    "call",
+    "notify",
+    "listen",
+    "reply",
+    "members",
+    "pipe",
+    "queue",
+    "introspect",
+)
 #: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
 #: a flag given before the subcommand is not reset by the subcommand's copy).
 GLOBAL_DEFAULTS: dict[str, Any] = {
@@ -136,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``msgq-trio`` (delegated subcommands only show their help line)."""
     from . import __version__
     from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
+    from .ops.introspect_cli import add_call_check_arguments, add_introspect_arguments
     from .ops.queue_cli import add_queue_arguments
     from .ops.serve import add_serve_arguments
     from .protocol.framing import SPEEDUPS
@@ -185,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for the answer (default: the broker's request deadline)",
     )
+    add_call_check_arguments(p)
 
     p = sub.add_parser("notify", help="publish a notification")
     p.add_argument("group", help="the group to notify")
@@ -204,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", help="the command to answer")
     p.add_argument("result", nargs="?", default="null", help="the answer as JSON (default null)")
     p.add_argument("--count", type=int, default=0, help="exit after answering N requests")
+
+    p = sub.add_parser(
+        "introspect", help="groups, members and the commands and events each declares"
+    )
+    add_introspect_arguments(p)
 
     p = sub.add_parser("members", help="list the members of a group")
     p.add_argument("group", help="the group")
@@ -424,11 +443,20 @@ async def _client_body(
         await bus.send(args.target, body)
         await bus.flush()
     elif args.cmd == "call":
+        if args.help_for or not args.no_check:
+            from .ops.introspect_cli import call_checks
+
+            if await call_checks(bus, args, params):
+                return
         value = await bus.call(args.target, args.command, params, timeout=args.timeout)
         print(json.dumps(value, default=_json_default))
     elif args.cmd == "notify":
         await bus.notify(args.group, args.event, params)
         await bus.flush()
+    elif args.cmd == "introspect":
+        from .ops.introspect_cli import run_introspect
+
+        await run_introspect(bus, args)
     elif args.cmd == "members":
         members = await bus.members(args.group)
         if args.json:

@@ -204,19 +204,32 @@ class SyncBus(_InLoop[Bus]):
         except trio.TooSlowError as exc:
             raise TimeoutError(f"no message within {timeout} s") from exc
 
-    _add_command = _blocking_sync(Bus.add_command)
+    def command(
+        self, name: str, **declaration: Any
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: answer ``name`` with a plain (blocking) function run in a worker
+        thread: ``fn(params)``, ``fn(params, request)`` or keyword-only parameters, with
+        the declaration keywords of :meth:`msgq_trio.Bus.command` (``params``, ``result``,
+        ``doc``, ``raises``, ``check``)."""
 
-    def command(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator: answer ``name`` with a plain (blocking) function run in a worker thread."""
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def in_thread(handler: Callable[[Any, Message], Any]) -> Callable[..., Any]:
+                async def run(params: Any, request: Message) -> Any:
+                    return await trio.to_thread.run_sync(handler, params, request)
 
-        def register(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-            async def handler(params: Any) -> Any:
-                return await trio.to_thread.run_sync(fn, params)
+                return run
 
-            self._add_command(name, handler)
+            self._run_sync(self._declare, name, fn, in_thread, declaration)
             return fn
 
         return register
+
+    def _declare(
+        self, name: str, fn: Callable[..., Any], run: Any, declaration: dict[str, Any]
+    ) -> None:
+        self.bus._s.add_command(name, fn, run=run, **declaration)
+
+    declare_event = _blocking_sync(Bus.declare_event)
 
     def queue(self, name: str, *, producer: str | None = None) -> SyncQueue:
         """A blocking handle on the durable queue ``name`` (see ``Bus.queue``)."""

@@ -119,6 +119,7 @@ NO_REACH: dict[str, tuple[str, ...]] = {
             "lifecycle",
             "calls",
             "handlers",
+            "interface",
             "encoders",
             "address",
             "wire",

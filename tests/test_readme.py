@@ -28,6 +28,11 @@ EXPECTED = {
     8: ["connected; reconnects so far: 0"],
     9: ["asyncio: connected; reconnects so far: 0"],
     10: ["stats saw Zone.added example.com", "stats saw Zone.removed example.org"],
+    11: [
+        "There are 42 zones",
+        "bad-request {'param': 'zone_class'}",
+        "get_zone_count ['zone_class: str', 'verbose: bool'] -> int",
+    ],
 }
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConnectError, ConnectionLost, MsgqError, UsageError
@@ -42,12 +42,12 @@ from ..transport.sockets import (
 )
 from .address import client_name, connect_target
 from .blocking_socket import DEFAULT_MAX_BUFFERED, BlockingSocket, dial
+from .interface import Param
 from .lifecycle import State
 from .message import Member, Message, new_message
 from .reconnect import Reconnect, reconnect_policy
 from .session import (
     CLOSE_WAIT,
-    as_handler,
 )
 
 _GOODBYE = FrameType.GOODBYE
@@ -361,9 +361,21 @@ class DirectBus(BlockingSocket):
                 return
             self._pump(left)
 
-    def command(self, name: str) -> Callable[[Handler], Handler]:
-        """Decorator: answer requests for ``name`` with ``fn(params)`` or
-        ``fn(params, request)``'s return value (a plain function).
+    def command(
+        self,
+        name: str,
+        *,
+        params: Mapping[str, Any] | Sequence[Param] | None = None,
+        result: Any = None,
+        doc: str | None = None,
+        raises: Iterable[str] = (),
+        check: bool | None = None,
+    ) -> Callable[[Handler], Handler]:
+        """Decorator: answer requests for ``name`` with ``fn(params)``,
+        ``fn(params, request)`` or ``fn(*, name: type = default, ...)``'s return value
+        (a plain function; keyword-only parameters get the params map as keyword
+        arguments). The declaration and ``check`` are as for the trio client
+        (:meth:`msgq_trio.Bus.command`).
 
         The handler runs in this thread inside whichever method is waiting. What its
         result or exception answers is the handler contract of every driver
@@ -374,19 +386,54 @@ class DirectBus(BlockingSocket):
         with descriptors answers ``internal-error``: this client cannot pass them.
 
         Raises:
-            UsageError: ``fn`` is async, or takes neither (params) nor (params, request).
+            UsageError: ``fn`` is async, fits none of the handler forms, or the
+                declaration is malformed.
         """
 
         def register(fn: Handler) -> Handler:
-            if inspect.iscoroutinefunction(fn):
-                raise UsageError(
-                    "the direct client runs plain-function handlers; use msgq_trio.connect "
-                    "for async ones"
-                )
-            self._s.commands[name] = as_handler(fn)
+            self.add_command(
+                name, fn, params=params, result=result, doc=doc, raises=raises, check=check
+            )
             return fn
 
         return register
+
+    def add_command(
+        self,
+        name: str,
+        fn: Handler,
+        *,
+        params: Mapping[str, Any] | Sequence[Param] | None = None,
+        result: Any = None,
+        doc: str | None = None,
+        raises: Iterable[str] = (),
+        check: bool | None = None,
+    ) -> None:
+        """Register ``fn`` for ``name`` (see :meth:`command`).
+
+        Raises:
+            UsageError: as :meth:`command`.
+        """
+        if inspect.iscoroutinefunction(fn):
+            raise UsageError(
+                "the direct client runs plain-function handlers; use msgq_trio.connect "
+                "for async ones"
+            )
+        self._s.add_command(
+            name, fn, params=params, result=result, doc=doc, raises=raises, check=check
+        )
+
+    def declare_event(
+        self,
+        name: str,
+        *,
+        group: str | None = None,
+        params: Mapping[str, Any] | Sequence[Param] | None = None,
+        doc: str = "",
+    ) -> None:
+        """Declare notification ``name`` that this client emits, for ``msgq.introspect``
+        (see :meth:`msgq_trio.client.session.Session.declare_event`)."""
+        self._s.declare_event(name, group=group, params=params, doc=doc)
 
     def subscribe(self, group: str) -> bool:
         """Join ``group``; False if already a member. Confirmed by the broker. With

@@ -9,7 +9,7 @@ import dis
 import inspect
 import logging
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import (
@@ -26,6 +26,20 @@ from ..protocol.framing import (
     encode_frame,
     encode_simple,
 )
+from .interface import (
+    INTROSPECT,
+    CommandDecl,
+    EventDecl,
+    Interface,
+    Param,
+    check_params,
+    compile_check,
+    declare_command,
+    describe,
+    doc_of,
+    explicit_params,
+    first_line,
+)
 from .message import (
     Buffer,
     Message,
@@ -36,7 +50,15 @@ from .wire import REPLY as _REPLY
 
 log = logging.getLogger("msgq_trio.client")
 
-__all__ = ["Handler", "HandlerContract", "InlineHandler", "Request", "as_handler", "never_suspends"]
+__all__ = [
+    "INTROSPECT",
+    "Handler",
+    "HandlerContract",
+    "InlineHandler",
+    "Request",
+    "as_handler",
+    "never_suspends",
+]
 
 
 #: A command handler as the session stores it: ``fn(params, request)``, returning the
@@ -46,19 +68,71 @@ Handler = Callable[[Any, Message], Any]
 InlineHandler = Callable[[Message], None]
 
 
-def as_handler(fn: Callable[..., Any]) -> Handler:
-    """``fn`` as a :data:`Handler`: the one handler signature is ``fn(params)`` or
-    ``fn(params, request)``.
+def as_handler(fn: Callable[..., Any], decl: CommandDecl | None = None) -> Handler:
+    """``fn`` as a :data:`Handler` (called ``handler(params, request)``), following its
+    declaration ``decl`` (:func:`~msgq_trio.client.interface.declare_command`; derived
+    from ``fn`` when None).
+
+    * ``fn(params, request)``: itself; ``fn(params)``: called without the request;
+    * keyword-only parameters: called with the params map as keyword arguments (and the
+      request for a parameter annotated ``Message``); params that are not a map answer
+      ``bad-request``;
+    * with ``decl.check``: params that do not fit the declaration answer ``bad-request``
+      naming the parameter (``data`` ``{"param": name}``) before ``fn`` runs.
 
     Raises:
-        UsageError: ``fn`` takes another number of parameters.
+        UsageError: ``fn`` takes neither (params), (params, request) nor keyword-only
+            parameters.
     """
+    if decl is None:
+        decl = declare_command(getattr(fn, "__name__", "command"), fn)
+    if decl.keywords:
+        return _keyword_handler(fn, decl)
     nparams = len(inspect.signature(fn).parameters)
+    if decl.check:
+        two = nparams == 2
+        wrong = compile_check(decl)
+
+        def checked(params: Any, request: Message) -> Any:
+            if wrong(params) is not None:
+                _refuse_bad_params(decl, params)
+            return fn(params, request) if two else fn(params)
+
+        return checked
     if nparams == 2:
         return fn
-    if nparams == 1:
-        return lambda params, _request: fn(params)
-    raise UsageError("a command handler takes (params) or (params, request)")
+    return lambda params, _request: fn(params)
+
+
+def _refuse_bad_params(decl: CommandDecl, params: Any) -> None:
+    wrong = check_params(decl, params)
+    if wrong is not None:
+        # The caller's fault: bad-request, naming the parameter and the command.
+        raise CommandFailed(ErrorCode.BAD_REQUEST, f"{decl.name}: {wrong[1]}", {"param": wrong[0]})
+
+
+def _keyword_handler(fn: Callable[..., Any], decl: CommandDecl) -> Handler:
+    """``fn(**params)`` as a :data:`Handler`."""
+    request_arg = decl.request_arg
+    wrong = compile_check(decl) if decl.check else None
+
+    def keywords(params: Any, request: Message) -> Any:
+        if wrong is not None and wrong(params) is not None:
+            _refuse_bad_params(decl, params)
+        if params is None:
+            params = {}
+        elif not isinstance(params, dict):
+            raise CommandFailed(
+                ErrorCode.BAD_REQUEST,
+                f"{decl.name}: params must be a map of named parameters, "
+                f"not {type(params).__name__}",
+                {"param": ""},
+            )
+        if request_arg is not None:
+            params = {**params, request_arg: request}
+        return fn(**params)  # a name fn does not take: TypeError, answered bad-request
+
+    return keywords
 
 
 #: Bytecode that lets a coroutine suspend (an ``await``, ``async with``, ``async for``).
@@ -113,9 +187,81 @@ class HandlerContract:
     stamp: bytes
     lost: ConnectionLost | None
     commands: dict[str, Handler]
+    inline: dict[str, InlineHandler]
+    groups: dict[str, None]
+    #: What this client declares (its commands' and events' declarations).
+    interface: Interface
     _targets: dict[str, bytes]
     target: Callable[[str], bytes]
     attach_fds: Callable[..., list[Buffer]]
+
+    # -- declared commands and events (client/interface.py) ------------------------------
+    def add_command(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        params: Mapping[str, Any] | Sequence[Param] | None = None,
+        result: Any = None,
+        doc: str | None = None,
+        raises: Iterable[str] = (),
+        check: bool | None = None,
+        run: Callable[[Handler], Handler] | None = None,
+    ) -> CommandDecl:
+        """Register ``fn`` to answer ``name`` with its declaration (the arguments are
+        :func:`~msgq_trio.client.interface.declare_command`'s); returns the declaration.
+        ``run`` wraps the handler :func:`as_handler` makes (the synchronous facade runs
+        it in a worker thread), the check included.
+
+        Raises:
+            UsageError: ``fn``'s signature fits no handler form, the declaration is
+                malformed, or ``name`` is a standard command (``msgq.``).
+        """
+        if name.startswith("msgq."):
+            raise UsageError(f"command names starting with 'msgq.' are reserved: {name!r}")
+        decl = declare_command(
+            name, fn, params=params, result=result, doc=doc, raises=raises, check=check
+        )
+        handler = as_handler(fn, decl)
+        self.commands[name] = handler if run is None else run(handler)
+        self.interface.commands[name] = decl
+        return decl
+
+    def declare_event(
+        self,
+        name: str,
+        *,
+        group: str | None = None,
+        params: Mapping[str, Any] | Sequence[Param] | None = None,
+        doc: str = "",
+    ) -> EventDecl:
+        """Declare that this client emits notification ``name`` (to ``group``; None: to
+        any), with ``params`` as for commands: only described by ``msgq.introspect``,
+        never checked on sending.
+
+        Raises:
+            UsageError: ``params`` is malformed.
+        """
+        decl = EventDecl(name, group, explicit_params(params), first_line(doc))
+        self.interface.events[name] = decl
+        return decl
+
+    def introspect(self, _params: Any, _request: Message) -> dict[str, Any]:
+        """The handler of the standard command ``msgq.introspect``: this client's
+        description (docs/PROTOCOL.md "Interfaces and introspection"). Commands it answers
+        without a declaration (inline handlers, handlers put in :attr:`commands`
+        directly) are listed too, their params undeclared."""
+        declared = self.interface.commands
+        undeclared = {
+            name: CommandDecl(name, doc=doc_of(fn))
+            for table in (self.commands, self.inline)
+            for name, fn in table.items()
+            if name not in declared and name != INTROSPECT
+        }
+        if not undeclared:
+            return describe(self.name, self.lname, self.groups, self.interface)
+        everything = Interface({**undeclared, **declared}, self.interface.events)
+        return describe(self.name, self.lname, self.groups, everything)
 
     def encode_answer(
         self, request: Message, result: Any = None, attachments: Sequence[Buffer] = ()
@@ -248,11 +394,12 @@ class HandlerContract:
         return self.encode_error(request, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
 
     def unknown_command(self, request: Message, command: str | None) -> list[Buffer]:
-        """``unknown-command`` for a request no handler takes; ``data`` lists ours."""
+        """``unknown-command`` for a request no handler takes; ``data`` lists ours (not the
+        standard ``msgq.introspect``, which tells more)."""
         request.close()
         return self.encode_error(
             request,
             ErrorCode.UNKNOWN_COMMAND,
             f"{self.name} ({self.lname}) has no command {command!r}",
-            sorted(self.commands),
+            sorted(c for c in self.commands if c != INTROSPECT),  # the standard one aside
         )

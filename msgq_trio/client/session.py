@@ -61,6 +61,7 @@ from ..protocol.framing import (
 from .calls import LOCAL_GRACE, PendingCall, request_header
 from .encoders import TARGET_CACHE_MAX, Encoders
 from .handlers import Handler, HandlerContract, InlineHandler, Request, as_handler, never_suspends
+from .interface import INTROSPECT, Interface
 from .lifecycle import Lifecycle, State
 from .message import (
     Buffer,
@@ -234,7 +235,9 @@ class Session(Encoders, HandlerContract):
         self.close_patience = CLOSE_WAIT
         self.sources: Sources = {}
         self.calls: dict[int, PendingCall] = {}
-        self.commands: dict[str, Handler] = {}
+        self.interface = Interface()
+        #: Handlers by command; ``msgq.introspect`` is every client's (:meth:`introspect`).
+        self.commands: dict[str, Handler] = {INTROSPECT: self.introspect}
         self.inline: dict[str, InlineHandler] = {}
         self.default_handler: Handler | None = None
         #: None while the connection is up; then why it ended (see :meth:`fail`).

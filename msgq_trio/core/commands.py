@@ -49,6 +49,7 @@ class BrokerCommands:
             "subscribe": self._subscribe,
             "unsubscribe": self._unsubscribe,
             "members": self._members,
+            "groups": self._groups,
             "version": self._version,
             "ping": lambda _peer, _params: "pong",
             "bind": self._bind,
@@ -135,6 +136,17 @@ class BrokerCommands:
         if acl is not None and not any(acl.allowed(v, group) for v in (SUBSCRIBE, SEND, CALL)):
             raise CommandError(ErrorCode.FORBIDDEN, b.refuse(peer, "list members of", group))
         return [{"lname": p.lname, "name": p.name, "pid": p.pid} for p in b.router.members(group)]
+
+    def _groups(self, peer: Peer, _params: object) -> list[dict[str, object]]:
+        """``groups``: every group with members, sorted, as ``{"group", "members"}`` (the
+        count); a client under access rules sees the groups it may list the members of."""
+        b = self._broker
+        acl = peer.acl
+        return [
+            {"group": g, "members": len(members)}
+            for g, members in sorted(b.router.groups.items())
+            if members and (acl is None or any(acl.allowed(v, g) for v in (SUBSCRIBE, SEND, CALL)))
+        ]
 
     def _bind(self, peer: Peer, params: object) -> bool:
         """``bind {"group"}``: from now on messages and single-answer requests to the group
