@@ -115,6 +115,15 @@ class Limits:
       message is refused for it). Also falls back when the user's pipe quota
       (``fs.pipe-user-pages-soft``) or descriptor limit is reached, and for good
       (logged once) where the kernel or a sandbox refuses ``splice`` itself.
+    * ``max_command_stats`` 1,024: (target group, command) pairs the per-command
+      statistics track (core/cmdstats.py), each about 1 KiB with its latency buckets, so
+      1 MiB at most and a Prometheus scrape of a few thousand series per family; a bus has
+      tens of components with tens of commands each. The requests of further pairs are
+      counted under ``other`` (and as overflow), so a client inventing command names costs
+      no memory.
+    * ``max_command_codes`` 16 per pair: the error codes a pair counts its callee's
+      errors under (a callee chooses its codes; the protocol's own are 14); past it they
+      are counted under ``other``.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -135,6 +144,8 @@ class Limits:
     busy_poll: float = attrs.field(default=0.0002, validator=_non_negative_number)
     splice_min_size: int = attrs.field(default=1 * MiB, validator=_non_negative)
     splice_max_pipes: int = attrs.field(default=64, validator=_non_negative)
+    max_command_stats: int = attrs.field(default=1024, validator=_positive)
+    max_command_codes: int = attrs.field(default=16, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:
