@@ -241,3 +241,48 @@ async def test_bad_top_is_the_callers_fault(broker) -> None:
     assert r.returncode == 2 and "positive integer" in r.stderr
     r = await ctl(broker.path, "stats", "--top", "3")
     assert r.returncode == 2 and "--top goes with --commands" in r.stderr
+
+
+async def test_refused_all_and_cancelled_calls(broker) -> None:
+    """A plain call to a group of two is refused by the broker (``refused``); a call to
+    every member counts one request and an outcome per member; a caller that leaves with
+    a call pending counts it ``cancelled`` once the broker has seen it go."""
+    async with (
+        msgq_trio.connect(broker.path, name="caller") as caller,
+        msgq_trio.connect(broker.path, name="m1") as m1,
+        msgq_trio.connect(broker.path, name="m2") as m2,
+    ):
+
+        async def never(_params: Any) -> Any:
+            await trio.sleep_forever()
+
+        for m in (m1, m2):
+            m.add_command("echo", lambda p: p)
+            await m.subscribe("G")
+        m1.add_command("wait", never)
+        await m1.subscribe("Slow")
+        with pytest.raises(RpcError) as err:
+            await caller.call("G", "echo", 1)
+        assert err.value.code == "multiple-recipients"
+        answers = await caller.call_all("G", "echo", 2)
+        assert len(answers) == 2
+        async with msgq_trio.connect(broker.path, name="quitter") as quitter:
+            with trio.move_on_after(0.2):
+                await quitter.call("Slow", "wait")
+
+        async def rows() -> dict[tuple[str, str], Any]:
+            table = await caller.call("msgq", "command-stats")
+            return {(r["group"], r["command"]): r for r in table["commands"]}
+
+        with trio.fail_after(10):
+            while True:  # the broker sees the quitter go after its close returned
+                got = await rows()
+                if got[("Slow", "wait")]["outcomes"]["cancelled"] == 1:
+                    break
+                await trio.sleep(0.02)
+        echo = got[("G", "echo")]
+        assert echo["requests"] == 2
+        assert (echo["outcomes"]["refused"], echo["outcomes"]["ok"]) == (1, 2)
+        assert sum(echo["outcomes"].values()) == 3
+        wait = got[("Slow", "wait")]
+        assert wait["requests"] == 1 and sum(wait["outcomes"].values()) == 1
