@@ -27,7 +27,9 @@ and in ``overflow``, so a client inventing command names costs a counter, not me
 codes one pair counts errors under are bounded the same way (``max_codes``, past it code
 ``"other"``): an error code is the callee's choice.
 
-Requests to the broker itself (target ``msgq``) are not counted here. A request to one
+Requests to the broker itself (target ``msgq``) are not counted here, nor requests refused
+before their command is read (a request id already pending, ``max_pending_requests``
+reached: the caller's own bookkeeping, whatever it calls). A request to one
 connection by its lname (``l.N``) is counted under the group ``"l.*"``: lnames are never
 reused, so they would fill the table with pairs that will never be seen again.
 

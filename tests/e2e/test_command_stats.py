@@ -226,6 +226,16 @@ async def test_pairs_past_the_bound_are_counted_as_other(broker_factory) -> None
         assert value(fams, "msgq_command_stats_overflow_total") == 4
         assert value(fams, "msgq_command_requests_total", group="other", command="other") == 4
         assert len(fams["msgq_command_requests_total"]) == 3
+        # Raised at runtime: new pairs are tracked again, the counts so far stay.
+        r = await ctl(b.path, "config", "set", "max_command_stats", "3")
+        assert r.returncode == 0, r.stderr
+        with pytest.raises(RpcError):
+            await caller.call("G", "made-up-9")
+        table = await caller.call("msgq", "command-stats")
+        assert (table["pairs"], table["max_pairs"], table["overflow"]) == (3, 3, 4)
+        assert ("G", "made-up-9", 1) in [
+            (x["group"], x["command"], x["requests"]) for x in table["commands"]
+        ]
 
 
 async def test_bad_top_is_the_callers_fault(broker) -> None:
