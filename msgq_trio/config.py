@@ -121,6 +121,15 @@ class Limits:
     * ``max_pattern_tokens`` 16: the most ``.``-separated tokens in a pattern. A pattern's
       trie path and each lookup grow with the tokens; NATS recommends at most 16 tokens
       per subject ("Subject-Based Messaging"), so no sensible name needs more.
+    * ``max_command_stats`` 1,024: (target group, command) pairs the per-command
+      statistics track (core/cmdstats.py), each about 1 KiB with its latency buckets, so
+      1 MiB at most and a Prometheus scrape of a few thousand series per family; a bus has
+      tens of components with tens of commands each. The requests of further pairs are
+      counted under ``other`` (and as overflow), so a client inventing command names costs
+      no memory.
+    * ``max_command_codes`` 16 per pair: the error codes a pair counts its callee's
+      errors under (a callee chooses its codes; the protocol's own are 14); past it they
+      are counted under ``other``.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -143,6 +152,8 @@ class Limits:
     splice_max_pipes: int = attrs.field(default=64, validator=_non_negative)
     max_pattern_bytes: int = attrs.field(default=1024, validator=_positive)
     max_pattern_tokens: int = attrs.field(default=16, validator=_positive)
+    max_command_stats: int = attrs.field(default=1024, validator=_positive)
+    max_command_codes: int = attrs.field(default=16, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:

@@ -80,7 +80,8 @@ class Exposition:
 
     The figures come from the caller's own state on its own thread (the broker's trio
     thread); prometheus_client only names, checks and encodes them. A family is a
-    ``counter`` or a ``gauge`` (:meth:`family`) or a ``histogram`` (:meth:`histogram`).
+    ``counter`` or a ``gauge`` (:meth:`family`) or a ``histogram`` (:meth:`histogram`, or
+    :meth:`histograms` for one with a series per label set).
     """
 
     def __init__(self) -> None:
@@ -137,6 +138,34 @@ class Exposition:
             le = "+Inf" if math.isinf(bound) else repr(float(bound))
             buckets.append((le, float(running)))
         fam.add_metric([(labels or {})[k] for k in keys], buckets, float(total))
+        self.families.append(fam)
+
+    def histograms(
+        self,
+        name: str,
+        help_text: str,
+        label_names: Sequence[str],
+        bounds: Sequence[float],
+        series: Iterable[tuple[Sequence[str], Sequence[int], float]],
+    ) -> None:
+        """One histogram family with a series per label set: each of ``series`` is
+        ``(label values in the order of label_names, counts, total)``, ``counts`` as in
+        :meth:`histogram` (per bucket, one more than ``bounds``).
+
+        Raises:
+            ValueError: a ``counts`` not one longer than ``bounds``.
+        """
+        fam = HistogramMetricFamily(name, help_text, labels=list(label_names))
+        les = [repr(float(b)) for b in bounds] + ["+Inf"]
+        for values, counts, total in series:
+            if len(counts) != len(les):
+                raise ValueError("a histogram needs one count per bound plus one for +Inf")
+            running = 0
+            buckets: list[tuple[str, float]] = []
+            for le, n in zip(les, counts, strict=True):
+                running += n
+                buckets.append((le, float(running)))
+            fam.add_metric(list(values), buckets, float(total))
         self.families.append(fam)
 
     def text(self) -> Rendered:

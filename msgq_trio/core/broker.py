@@ -28,6 +28,7 @@ from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame
 from ..protocol.names import MEMBERSHIP_GROUP
 from .access import BIND, SUBSCRIBE, Access, Policy
+from .cmdstats import CommandStats
 from .commands import BrokerCommands, Command, CommandError
 from .delivery import BROKER_LNAME, BROKER_STAMP, Delivery
 from .dispatch import Dispatcher
@@ -65,7 +66,7 @@ class Broker:
         self.version = version
         self.close_fd = close_fd
         self.router = Router(rng)
-        self.rpc = PendingReplies()
+        self.rpc = PendingReplies(CommandStats(limits.max_command_stats, limits.max_command_codes))
         self._next_id = 1  # l.0 is the broker itself; lnames are never reused
         #: What the core decided for the I/O layer (see :class:`~.effects.Effects`).
         self.effects = Effects()
@@ -112,6 +113,9 @@ class Broker:
         new requests)."""
         self._limits = limits
         self.delivery.limits = limits
+        # Pairs already tracked stay; a lowered bound only stops new ones.
+        self.rpc.stats.max_pairs = limits.max_command_stats
+        self.rpc.stats.max_codes = limits.max_command_codes
 
     @property
     def tap(self) -> TapFn | None:

@@ -34,6 +34,7 @@ from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame, stamped
 from ..protocol.names import valid_target_name
 from .access import CALL, SEND, Access
+from .cmdstats import DIRECT_GROUP
 from .delivery import BROKER_STAMP
 from .host import BrokerHost
 from .peers import Peer
@@ -62,6 +63,7 @@ class Dispatcher:
         self.rpc = broker.rpc
         self.taps = broker.taps
         self.stats = broker.stats
+        self._command_stat = broker.rpc.stats.entry
         self._close_fd = broker.close_fd
         # What every batch uses, bound once (these objects live as long as the broker):
         # the hot path pays one attribute lookup each, per batch.
@@ -291,7 +293,7 @@ class Dispatcher:
             return self._request(peer, frame, route, now)
         if ftype == _REPLY or ftype == _ERROR:
             if frame.request_id:
-                outcome = self._answer(peer, frame, route)
+                outcome = self._answer(peer, frame, route, now)
                 return outcome, int(outcome == "forwarded")
             log.warning(
                 "client %s reported a connection error: %r", peer.describe(), _safe_header(frame)
@@ -330,13 +332,18 @@ class Dispatcher:
         if kind == PATTERN:
             reply_error(peer, rid, ErrorCode.BAD_REQUEST, str(valid_target_name(frame.target)))
             return "refused", 0
+        # Per-command statistics (core/cmdstats.py): the request is counted here, its
+        # outcome below or, once delivered, by the pending call (core/rpc.py).
+        stat = self._command_stat(route[1] if kind != DIRECT else DIRECT_GROUP, command)
         acl = peer.acl
         if acl is not None and kind != RESERVED:
             why = self._check_call(peer, acl, frame, route, command)
             if why:
+                stat.refused += 1
                 reply_error(peer, rid, ErrorCode.FORBIDDEN, why)
                 return "refused", 0
         if kind == RESERVED:
+            stat.refused += 1
             reply_error(
                 peer, rid, ErrorCode.FORBIDDEN, f"{frame.target!r} is published by the broker only"
             )
@@ -347,6 +354,7 @@ class Dispatcher:
             if frame.fds:
                 # Refused here, before the binder could store the request without them;
                 # handle_many closes the descriptors the broker received.
+                stat.refused += 1
                 reply_error(
                     peer, rid, ErrorCode.BAD_REQUEST, relays.no_fds_to(binder, frame.target, route)
                 )
@@ -356,6 +364,7 @@ class Dispatcher:
             recipients = list(self.router.recipients(route, peer if kind == GROUP else None))
         if not recipients:
             self.stats["no_recipient"] += 1
+            stat.no_recipient += 1
             reply_error(
                 peer,
                 rid,
@@ -366,6 +375,7 @@ class Dispatcher:
             return "no-recipient", 0
         multi = frame.flags & _FLAG_ALL
         if not multi and len(recipients) > 1:
+            stat.refused += 1
             reply_error(
                 peer,
                 rid,
@@ -396,10 +406,12 @@ class Dispatcher:
         delivered: list[Peer] = []
         for r in recipients:
             if r.sealed:
+                stat.refused += 1
                 reply_error(
                     peer, rid, ErrorCode.RECIPIENT_GONE, f"{r.lname} is leaving", source=r.stamp
                 )
             elif frame.fds and r.remote:
+                stat.refused += 1
                 reply_error(
                     peer,
                     rid,
@@ -410,6 +422,7 @@ class Dispatcher:
             elif delivery.enqueue(r, pieces, frame.fds):
                 delivered.append(r)
             else:
+                stat.refused += 1
                 reply_error(
                     peer,
                     rid,
@@ -419,7 +432,7 @@ class Dispatcher:
                     source=r.stamp,
                 )
         if delivered:
-            self.rpc.add(peer, rid, delivered, now + timeout, frame.target, command)
+            self.rpc.add(peer, rid, delivered, now + timeout, frame.target, command, stat, now)
             return "delivered", len(delivered)
         return "refused", 0
 
@@ -449,11 +462,21 @@ class Dispatcher:
                     )
         return ""
 
-    def _answer(self, peer: Peer, frame: Frame, route: Route) -> str:
+    def _answer(self, peer: Peer, frame: Frame, route: Route, now: float = 0.0) -> str:
         kind, _base, caller_id = route
         if kind == BROKER:
             return "discarded"  # the answer to a heartbeat: its arrival was the point
-        caller = self.rpc.answer(peer, caller_id, frame.request_id) if kind == DIRECT else None
+        caller = (
+            self.rpc.answer(
+                peer,
+                caller_id,
+                frame.request_id,
+                now,
+                _error_code(frame) if frame.type == _ERROR else None,
+            )
+            if kind == DIRECT
+            else None
+        )
         if caller is None:
             # The caller left, the call timed out, or this peer was never asked.
             self.stats["late_answers"] += 1
@@ -477,6 +500,20 @@ class Dispatcher:
             caller, stamped(frame, peer.stamp), "an answer it asked for", frame.fds
         )
         return "forwarded"
+
+
+#: The longest error code the statistics keep as it is (a callee chooses its codes).
+_MAX_CODE_LEN = 64
+
+
+def _error_code(frame: Frame) -> str:
+    """An ERROR answer's code for the statistics: ``"invalid"`` if its header has none
+    (the caller is told by its client library; the broker forwards the frame as it is)."""
+    try:
+        code = frame.header().get("code")
+    except RemoteProtocolError:
+        return "invalid"
+    return code[:_MAX_CODE_LEN] if isinstance(code, str) and code else "invalid"
 
 
 def _safe_header(frame: Frame) -> object:

@@ -7,6 +7,9 @@ The life of one pending call (one slot per (caller, request id)):
     PENDING --deadline passes----------> TIMED_OUT   (caller gets timeout; logged at ERROR)
     PENDING --caller disconnects-------> CANCELLED   (slot dropped; late answers discarded)
 
+Each slot also holds its (group, command) counters (core/cmdstats.py), bumped here as the
+call ends, so the statistics cost the answer path no lookup of their own.
+
 Pure data structure: time is an argument, deadlines are data (``next_deadline()``), and
 the outcomes are returned to the broker, which turns them into frames. Each slot is linked
 from the registry and from both parties' ``Peer.pending_*`` sets, so a disconnect frees its
@@ -18,11 +21,21 @@ from __future__ import annotations
 import heapq
 from typing import NamedTuple
 
+from .cmdstats import CommandStat, CommandStats
 from .peers import Peer
 
 
 class Pending:
-    __slots__ = ("callees", "caller", "command", "deadline", "request_id", "target")
+    __slots__ = (
+        "callees",
+        "caller",
+        "command",
+        "deadline",
+        "request_id",
+        "started",
+        "stat",
+        "target",
+    )
 
     def __init__(
         self,
@@ -32,6 +45,8 @@ class Pending:
         deadline: float,
         target: str,
         command: str,
+        stat: CommandStat,
+        started: float,
     ) -> None:
         self.caller = caller
         self.request_id = request_id
@@ -39,6 +54,8 @@ class Pending:
         self.deadline = deadline
         self.target = target
         self.command = command
+        self.stat = stat
+        self.started = started
 
 
 class Failure(NamedTuple):
@@ -54,9 +71,11 @@ class Failure(NamedTuple):
 class PendingReplies:
     """Registry of pending calls keyed by (caller id, request id)."""
 
-    def __init__(self) -> None:
+    def __init__(self, command_stats: CommandStats | None = None) -> None:
         self.slots: dict[tuple[int, int], Pending] = {}
         self._deadlines: list[tuple[float, int, int]] = []
+        #: Per (group, command) counters of every call (core/cmdstats.py).
+        self.stats = command_stats if command_stats is not None else CommandStats()
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -72,28 +91,48 @@ class PendingReplies:
         deadline: float,
         target: str,
         command: str,
+        stat: CommandStat | None = None,
+        now: float = 0.0,
     ) -> None:
-        """Register a call delivered to ``callees``; the caller's quota is checked by the broker."""
+        """Register a call delivered to ``callees``; the caller's quota is checked by the broker.
+
+        ``stat`` is the pair's counters, its request already counted (the dispatcher's
+        :meth:`CommandStats.entry`; taken here if None); ``now`` starts its latency."""
         key = (caller.id, request_id)
         assert key not in self.slots, "duplicate request id must be refused before add()"
+        if stat is None:
+            stat = self.stats.entry(target, command)
         self.slots[key] = Pending(
-            caller, request_id, {c.id: c for c in callees}, deadline, target, command
+            caller, request_id, {c.id: c for c in callees}, deadline, target, command, stat, now
         )
         caller.pending_out.add(key)
         for c in callees:
             c.pending_in.add(key)
         heapq.heappush(self._deadlines, (deadline, caller.id, request_id))
 
-    def answer(self, callee: Peer, caller_id: int, request_id: int) -> Peer | None:
+    def answer(
+        self,
+        callee: Peer,
+        caller_id: int,
+        request_id: int,
+        now: float = 0.0,
+        error: str | None = None,
+    ) -> Peer | None:
         """Record ``callee``'s answer. Returns the caller to forward it to, or None to drop it.
 
         None means: the caller is gone, the call timed out, or ``callee`` was never asked
-        (a forged or duplicate answer). Late answers are discarded quietly.
+        (a forged or duplicate answer). Late answers are discarded quietly (and not
+        counted). ``error`` is the code of an ERROR answer, None for a REPLY; ``now`` ends
+        the call's latency.
         """
         key = (caller_id, request_id)
         slot = self.slots.get(key)
         if slot is None or slot.callees.pop(callee.id, None) is None:
             return None
+        if error is None:
+            self.stats.answered_ok(slot.stat, now - slot.started)
+        else:
+            self.stats.answered_error(slot.stat, now - slot.started, error)
         callee.pending_in.discard(key)
         if not slot.callees:
             self._free(key, slot)
@@ -106,7 +145,8 @@ class PendingReplies:
             slot = self.slots.get(key)
             if slot is None:
                 continue
-            slot.callees.pop(peer.id, None)
+            if slot.callees.pop(peer.id, None) is not None:
+                slot.stat.recipient_gone += 1
             if slot.caller.alive and slot.caller is not peer:
                 failures.append(
                     Failure(slot.caller, slot.request_id, peer, "recipient-gone", slot.command)
@@ -118,6 +158,7 @@ class PendingReplies:
             slot = self.slots.pop(key, None)
             if slot is None:
                 continue
+            slot.stat.cancelled += len(slot.callees)
             for c in slot.callees.values():
                 c.pending_in.discard(key)
         peer.pending_out.clear()
@@ -144,6 +185,7 @@ class PendingReplies:
             slot = self.slots.get(key)
             if slot is None or slot.deadline != deadline:
                 continue
+            slot.stat.timeout += len(slot.callees)
             for callee in slot.callees.values():
                 callee.pending_in.discard(key)
                 out.append(Failure(slot.caller, rid, callee, "timeout", slot.command))

@@ -14,6 +14,7 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 | ``config-set`` | ``{"key", "value"}`` | ``{"changed": [...], "restart_required": [...]}`` |
 | ``config-reload`` | - | same as SIGHUP: re-read the file, apply or refuse as a whole |
 | ``stats`` | - | the server's figures plus traffic, disconnects, capture, config |
+| ``command-stats`` | ``{"top"?: N}`` | per (group, command) counts and latency (core/cmdstats.py) |
 | ``capture-start`` | capture settings to override | the capture's status |
 | ``capture-stop`` / ``capture-status`` | - | the capture's status |
 | ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
@@ -42,7 +43,7 @@ from . import config_file, logsetup
 from .capture import TapHub, TrafficFilter
 from .config_file import ConfigError, ConfigSource
 from .logsetup import peer_fields
-from .metrics import TrafficTotals, process_figures
+from .metrics import TrafficTotals, command_families, process_figures
 
 if TYPE_CHECKING:
     from ..io.server import Server
@@ -139,6 +140,7 @@ class Operations:
             "config-set": self._cmd_config_set,
             "config-reload": self._cmd_config_reload,
             "stats": self._cmd_stats,
+            "command-stats": self._cmd_command_stats,
             "capture-start": self._cmd_capture_start,
             "capture-stop": self._cmd_capture_stop,
             "capture-status": self._cmd_capture_status,
@@ -461,6 +463,12 @@ class Operations:
                 "threshold": list(gc.get_threshold()),
                 "collections": [g["collections"] for g in gc.get_stats()],
             },
+            # The per-command table's size; its rows: the command-stats command.
+            "command_stats": {
+                "pairs": len(core.rpc.stats.pairs),
+                "max_pairs": core.rpc.stats.max_pairs,
+                "overflow": core.rpc.stats.overflow,
+            },
         }
 
     def _cmd_stats(self, peer: Peer, params: object) -> object:
@@ -468,6 +476,14 @@ class Operations:
         out = dict(base) if isinstance(base, dict) else {"server": base}
         out.update(self.stats())
         return out
+
+    def _cmd_command_stats(self, _peer: Peer, params: object) -> object:
+        top = _params(params).get("top")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise CommandError(
+                ErrorCode.BAD_REQUEST, f"top must be a positive integer, got {top!r}"
+            )
+        return self.core.rpc.stats.snapshot(top)
 
     def render_metrics(self) -> str:
         core, server = self.core, self.server
@@ -528,6 +544,7 @@ class Operations:
             core.stats.get("timeouts", 0),
         )
         e.family("msgq_pending_requests", "gauge", "Requests waiting for an answer.", len(core.rpc))
+        command_families(e, core.rpc.stats)
         e.family(
             "msgq_queued_bytes",
             "gauge",

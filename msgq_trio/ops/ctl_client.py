@@ -83,7 +83,15 @@ def add_ctl_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--reason", default=None, help="told to the client and logged")
     q = leaf("shutdown", "stop the broker (clients get GOODBYE)")
     q.add_argument("--reason", default=None, help="logged with the shutdown")
-    leaf("stats", "broker statistics")
+    q = leaf("stats", "broker statistics")
+    q.add_argument(
+        "--commands",
+        action="store_true",
+        help="per (group, command): requests, outcomes, error codes, latency (most used first)",
+    )
+    q.add_argument(
+        "--top", type=_positive_int, default=None, metavar="N", help="with --commands: the N first"
+    )
     q = leaf("links", "state of the link plugin's links to other brokers")
     q.add_argument("--group", default="msgq-link", help="the link plugin's group")
     cfg = leaf("config", "get, set or reload the configuration")
@@ -155,6 +163,16 @@ def add_dump_arguments(p: argparse.ArgumentParser) -> None:
         dest="show_self",
         help="also show this dump's own frames (its dump-start command and answer)",
     )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -319,6 +337,64 @@ def format_stats(stats: dict[str, Any], now: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def _latency(seconds: float | None) -> str:
+    """A latency bucket's upper bound: ``<=250us``, ``<=2.5ms``, ``<=1s``; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    if seconds == float("inf"):
+        return ">60s"
+    if seconds < 0.001:
+        return f"<={seconds * 1e6:g}us"
+    if seconds < 1:
+        return f"<={seconds * 1e3:g}ms"
+    return f"<={seconds:g}s"
+
+
+def format_command_stats(stats: dict[str, Any]) -> str:
+    """``ctl stats --commands``: one row per (group, command), most requests first, the
+    latency quantiles as the bucket bounds they fall under, and the table's bound."""
+    headers = [
+        "GROUP",
+        "COMMAND",
+        "REQUESTS",
+        "OK",
+        "ERROR",
+        "NO-RCPT",
+        "REFUSED",
+        "GONE",
+        "TIMEOUT",
+        "CANCELLED",
+        "P50",
+        "P99",
+        "ERROR CODES",
+    ]
+    rows = []
+    for r in stats["commands"]:
+        o = r["outcomes"]
+        rows.append(
+            [
+                r["group"],
+                r["command"],
+                str(r["requests"]),
+                str(o["ok"]),
+                str(o["error"]),
+                str(o["no-recipient"]),
+                str(o["refused"]),
+                str(o["recipient-gone"]),
+                str(o["timeout"]),
+                str(o["cancelled"]),
+                _latency(r["latency"]["p50"]),
+                _latency(r["latency"]["p99"]),
+                ",".join(f"{c}={n}" for c, n in sorted(r["errors"].items())) or "-",
+            ]
+        )
+    out = table(headers, rows, right=frozenset(range(2, 12)))
+    foot = f"{stats['pairs']} of at most {stats['max_pairs']} (group, command) pairs tracked"
+    if stats["overflow"]:
+        foot += f"; {stats['overflow']} requests past the bound counted under other"
+    return f"{out}\n{foot}"
+
+
 def format_changes(result: dict[str, Any]) -> str:
     lines = []
     for c in result.get("changed", []):
@@ -427,7 +503,12 @@ async def run_ctl(args: argparse.Namespace) -> int:
             elif c == "shutdown":
                 r = await call("shutdown", {"reason": args.reason})
                 emit(r, "broker shutting down")
+            elif c == "stats" and args.commands:
+                r = await call("command-stats", {"top": args.top} if args.top else None)
+                emit(r, format_command_stats(r))
             elif c == "stats":
+                if args.top:
+                    raise CliUsageError("--top goes with --commands")
                 r = await call("stats")
                 emit(r, format_stats(r))
             elif c == "links":

@@ -11,7 +11,9 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from ..core.cmdstats import LATENCY_BUCKETS, CommandStats
 from ..core.peers import Peer
+from ..exposition import Exposition
 
 
 class TrafficTotals:
@@ -58,3 +60,57 @@ def process_figures() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         rss = -1
     return {"fds": fds, "rss": rss}
+
+
+def command_families(e: Exposition, table: CommandStats) -> None:
+    """The per-command statistics (core/cmdstats.py) as metric families. Labels only for
+    the tracked pairs and ``other``, so at most ``max_pairs + 1`` series per family (times
+    the outcomes, or the bounded error codes)."""
+    rows = table.rows()
+    e.family(
+        "msgq_command_requests",
+        "counter",
+        "Requests per (target group, command); a call to one connection is under group "
+        "'l.*', pairs past limits.max_command_stats under 'other'.",
+        [({"group": s.group, "command": s.command}, s.requests) for s in rows],
+    )
+    e.family(
+        "msgq_command_outcomes",
+        "counter",
+        "How the requests ended, one per recipient asked: ok, error (by the callee), "
+        "no-recipient, refused (by the broker), recipient-gone, timeout, cancelled.",
+        [
+            ({"group": s.group, "command": s.command, "outcome": outcome}, n)
+            for s in rows
+            for outcome, n in s.outcomes().items()
+        ],
+    )
+    e.family(
+        "msgq_command_errors",
+        "counter",
+        "The callees' ERROR answers by code (limits.max_command_codes per pair, then 'other').",
+        [
+            ({"group": s.group, "command": s.command, "code": code}, n)
+            for s in rows
+            for code, n in sorted(s.errors.items())
+        ],
+    )
+    e.histograms(
+        "msgq_command_latency_seconds",
+        "Time from request to answer (ok or error) as the broker sees it.",
+        ("group", "command"),
+        LATENCY_BUCKETS,
+        (((s.group, s.command), s.buckets, s.latency_sum) for s in rows),
+    )
+    e.family(
+        "msgq_command_stats_pairs",
+        "gauge",
+        "(group, command) pairs tracked (limits.max_command_stats).",
+        len(table.pairs),
+    )
+    e.family(
+        "msgq_command_stats_overflow",
+        "counter",
+        "Requests counted under 'other' because limits.max_command_stats pairs were tracked.",
+        table.overflow,
+    )
