@@ -41,6 +41,17 @@ def _one_local(recipients: Iterable[Peer], skip: Peer | None) -> bool:
     return True
 
 
+def user_full(r: Peer, size: int, nfds: int) -> str:
+    """The quota of ``r``'s user that ``size`` more bytes and ``nfds`` more descriptors
+    queued for ``r`` would exceed ("" if none)."""
+    acct = r.account
+    if acct.memory_full(size):
+        return "memory"
+    if nfds and acct.fds_full(nfds):
+        return "fds"
+    return ""
+
+
 def _size(pieces: list[Buffer]) -> int:
     n = 0
     for p in pieces:
@@ -118,9 +129,18 @@ class Delivery:
             room = hard - size
             max_fds = limits.max_fds_queued - nfds
             for r in recipients:
-                if (r.outq_bytes > room or (nfds and r.outq_fds > max_fds)) and not (
-                    r is skip or r.sealed
-                ):
+                if (
+                    r.outq_bytes > room
+                    or (nfds and r.outq_fds > max_fds)
+                    # The user's quota (core/users.py): summed only when this receiver
+                    # holds more than its even part of it.
+                    or (r.outq_bytes + size > r.account.memory_share and user_full(r, size, nfds))
+                    or (
+                        nfds
+                        and r.outq_fds + nfds > r.account.fds_share
+                        and user_full(r, size, nfds)
+                    )
+                ) and not (r is skip or r.sealed):
                     over = over or []
                     over.append(r)
             if over:
@@ -175,7 +195,10 @@ class Delivery:
         limits = self.limits
         room = limits.out_hard_limit - size
         for r in members:
-            if r.outq_bytes > room and not (r is peer or r.sealed):
+            if (
+                r.outq_bytes > room
+                or (r.outq_bytes + size > r.account.memory_share and user_full(r, size, 0))
+            ) and not (r is peer or r.sealed):
                 return -1
         soft = limits.out_soft_limit
         effects = self.effects

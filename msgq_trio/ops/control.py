@@ -290,6 +290,8 @@ class Operations:
             self.server.apply_tcp(new.tcp)
         if new.access != old.access:
             self.server.apply_access(new.access, commands)
+        if new.quotas != old.quotas:
+            self.server.apply_quotas(new.quotas)
         if prepared is not None:
             logsetup.install(prepared)
             self.hub.set_traffic_logging(new.log.level == "TRAFFIC")
