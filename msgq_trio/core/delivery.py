@@ -52,6 +52,14 @@ def user_full(r: Peer, size: int, nfds: int) -> str:
     return ""
 
 
+def user_held(r: Peer, size: int, nfds: int) -> bool:
+    """:func:`user_full` for a frame about to be held: counted in the account's ``held``."""
+    quota = user_full(r, size, nfds)
+    if quota:
+        r.account.held[quota] += 1
+    return bool(quota)
+
+
 def _size(pieces: list[Buffer]) -> int:
     n = 0
     for p in pieces:
@@ -134,11 +142,11 @@ class Delivery:
                     or (nfds and r.outq_fds > max_fds)
                     # The user's quota (core/users.py): summed only when this receiver
                     # holds more than its even part of it.
-                    or (r.outq_bytes + size > r.account.memory_share and user_full(r, size, nfds))
+                    or (r.outq_bytes + size > r.account.memory_share and user_held(r, size, nfds))
                     or (
                         nfds
                         and r.outq_fds + nfds > r.account.fds_share
-                        and user_full(r, size, nfds)
+                        and user_held(r, size, nfds)
                     )
                 ) and not (r is skip or r.sealed):
                     over = over or []
@@ -197,7 +205,7 @@ class Delivery:
         for r in members:
             if (
                 r.outq_bytes > room
-                or (r.outq_bytes + size > r.account.memory_share and user_full(r, size, 0))
+                or (r.outq_bytes + size > r.account.memory_share and user_held(r, size, 0))
             ) and not (r is peer or r.sealed):
                 return -1
         soft = limits.out_soft_limit

@@ -56,6 +56,7 @@ class UserAccount:
 
     __slots__ = (
         "fds_share",
+        "held",
         "key",
         "limits",
         "memory_share",
@@ -70,6 +71,8 @@ class UserAccount:
         self.peers: set[Peer] = set()
         #: Refusals so far, by quota (the connections it cost are counted as ``drops``).
         self.refused: Counter[str] = Counter()
+        #: Frames held (their senders waiting) because this user had no room, by quota.
+        self.held: Counter[str] = Counter()
         self.limits = limits
         self.memory_share = self.fds_share = self.pending_share = self.subscriptions_share = 0
         self.reshare()
@@ -199,8 +202,9 @@ class Users:
                 del self.accounts[key]
 
     def rows(self) -> list[dict[str, object]]:
-        """One row per connected user: use and limit of each quota, refusals so far;
-        the users using most memory first."""
+        """One row per connected user: use and limit of each quota, the quotas at their
+        limit (for memory and descriptors: within one held frame of it), refusals and
+        holds so far; the users using most memory first."""
         rows: list[dict[str, object]] = []
         for acct in self.accounts.values():
             use = acct.use()
@@ -209,12 +213,26 @@ class Users:
                     "user": acct.key,
                     "use": use,
                     "limits": dict(acct.limits),
-                    "at_limit": sorted(q for q, v in use.items() if v >= acct.limits[q]),
+                    "at_limit": sorted(
+                        q
+                        for q, v in use.items()
+                        if v >= acct.limits[q]
+                        or (q in ("memory", "fds") and v and q in acct.held and at_edge(acct, q))
+                    ),
                     "refused": dict(acct.refused),
+                    "held": dict(acct.held),
                 }
             )
         rows.sort(key=lambda r: (-r["use"]["memory"], r["user"]))  # type: ignore[index]
         return rows
+
+
+def at_edge(acct: UserAccount, quota: str) -> bool:
+    """True if the user's ``memory`` (``fds``) is full for the smallest frame that
+    could come, the one the last hold was for being unknown here: within 1/16 of it."""
+    limit = acct.limits[quota]
+    use = acct.memory() if quota == "memory" else acct.fds()
+    return use > limit - limit // 16
 
 
 def quota_message(quota: str, key: str, used: int, limit: int) -> str:

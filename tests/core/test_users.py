@@ -277,3 +277,26 @@ def test_config_file_quotas_section() -> None:
         config_file.build({"quotas": {"user_memory_share": 2}})
     changed = config_file.with_key(cfg, "quotas.fds", 7)
     assert ("quotas.fds", 4096, 7) in config_file.diff(cfg, changed)
+
+
+def test_metrics_and_ctl_users_table_bound_the_users_shown() -> None:
+    """The per-user series name the ``top`` users and sum the rest as ``other``, so the
+    label set stays bounded; ``ctl users`` marks quotas at their limit with ``*``."""
+    from msgq_trio.exposition import Exposition
+    from msgq_trio.ops.ctl_client import format_users
+    from msgq_trio.ops.metrics import user_series
+
+    bus = Bus(connections=1)
+    for uid in range(5):
+        bus.connect(1000 + uid)
+    rows = bus.broker.users.rows()
+    e = Exposition()
+    user_series(e, rows, 2)
+    text = e.text()
+    users = {
+        line.split('user="')[1].split('"')[0] for line in text.splitlines() if 'user="' in line
+    }
+    assert len(users) == 3 and "other" in users
+    assert 'msgq_user_use{quota="connections",user="other"} 3' in text
+    table = format_users(rows)
+    assert "uid:1000" in table and "1/1*" in table
