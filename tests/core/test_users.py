@@ -300,3 +300,27 @@ def test_metrics_and_ctl_users_table_bound_the_users_shown() -> None:
     assert 'msgq_user_use{quota="connections",user="other"} 3' in text
     table = format_users(rows)
     assert "uid:1000" in table and "1/1*" in table
+
+
+def test_tcp_clients_are_charged_to_their_authenticated_identity() -> None:
+    """A TCP client's user is its ``tcp:NAME`` identity, whatever pid it claims; two
+    connections of one identity share one account, another identity has its own."""
+    bus = Bus(connections=2)
+    b = bus.broker
+
+    def tcp(identity: str) -> Peer:
+        return b.connect(
+            "remote",
+            pid=7,
+            uid=-1,
+            gid=-1,
+            now=0,
+            principals=[f"tcp:{identity}"],
+            where=f"tcp:{identity}@127.0.0.1:1",
+        )
+
+    a1, a2, other = tcp("svc"), tcp("svc"), tcp("other")
+    assert a1.account is a2.account and a1.account.key == "tcp:svc"
+    assert other.account.key == "tcp:other"
+    assert "quota 'connections' of user tcp:svc" in b.users.admit("tcp:svc")
+    assert b.users.admit("tcp:other") == ""
