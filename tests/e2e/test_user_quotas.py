@@ -164,7 +164,7 @@ async def round_trips_during(
 ) -> tuple[list[float], list[int], list[dict[str, Any]]]:
     """While ``proc`` runs: a request/reply pair of the test's own user (root) calls
     without pause, and the broker's RSS and ``users`` rows are sampled. Returns the
-    round-trip times, the RSS samples and the last ``users`` rows that showed nobody."""
+    round-trip times, the RSS samples and the ``users`` rows that showed nobody."""
     times: list[float] = []
     rss: list[int] = []
     flooder_rows: list[dict[str, Any]] = []
@@ -185,9 +185,7 @@ async def round_trips_during(
                 stats = await caller.call("msgq", "stats", timeout=10)
                 rss.append(stats["rss_bytes"])
                 rows = await caller.call("msgq", "users", timeout=10)
-                mine = [r for r in rows if r["user"] == f"uid:{NOBODY}"]
-                if mine and "memory" in mine[0]["at_limit"]:
-                    flooder_rows = mine
+                flooder_rows += [r for r in rows if r["user"] == f"uid:{NOBODY}"]
             await trio.sleep(0.005)
     return times, rss, flooder_rows
 
@@ -230,15 +228,17 @@ def test_one_user_flooding_stays_within_its_share(
     print(
         f"\n{pairs} pairs: broker RSS {base / MiB:.1f} MiB before, at most "
         f"{max(rss) / MiB:.1f} MiB during; {len(times)} round trips, slowest "
-        f"{max(times) * 1000:.1f} ms; nobody at its limits: {rows and rows[0]['at_limit']}"
+        f"{max(times) * 1000:.1f} ms; nobody's highest queued bytes: "
+        f"{max(r['use']['memory'] for r in rows) / MiB:.1f} MiB"
     )
     assert times and max(times) < 5.0  # every call answered, none waited on the flood
     assert max(rss) < base + USER_MEMORY + OVERHEAD, (base, max(rss))
-    assert rows, "ctl users never showed nobody at a limit"
-    [row] = rows
-    assert {"connections", "memory"} <= set(row["at_limit"])
-    assert row["held"]["memory"] > 0
-    assert row["use"]["memory"] <= USER_MEMORY + MiB + 300 * 1024  # one frame over at most
+    # ctl users showed nobody at its limits (not always both at once: the broker drops
+    # its fullest connections, and it reconnects).
+    assert {"connections", "memory"} <= {q for r in rows for q in r["at_limit"]}
+    assert any(r["held"].get("memory") for r in rows)
+    # Over its quota by one frame per receiver at most.
+    assert max(r["use"]["memory"] for r in rows) <= USER_MEMORY + 32 * 300 * 1024
 
 
 @needs_root
