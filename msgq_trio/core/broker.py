@@ -97,7 +97,9 @@ class Broker:
         self.policy: Policy | None = None
         self._heartbeat_id = 0
         self.relays = Relays(self.router)
-        self.delivery = Delivery(limits, self.effects, self.stats, self.taps, self.kick, dup_fd)
+        self.delivery = Delivery(
+            limits, self.effects, self.stats, self.taps, self.kick, dup_fd, self.users
+        )
         self.own_commands = BrokerCommands(self)
         #: The broker's command table (name -> handler); operations code adds to it.
         self.commands: dict[str, Command] = self.own_commands.table
@@ -120,6 +122,7 @@ class Broker:
         new requests)."""
         self._limits = limits
         self.delivery.limits = limits
+        self.delivery.recap()
 
     @property
     def tap(self) -> TapFn | None:

@@ -12,9 +12,11 @@ figures the broker keeps anyway (``Peer.outq_bytes``, ``outq_fds``, ``groups``,
 ``pending_out``), so no code path that changes a queue has to remember a second counter.
 The sum is taken only when a connection holds more than its even part of its user's
 quota (``UserAccount.memory_share`` etc.): if every connection of a user is within its
-part, the user is within its quota. For a user under quota that is one integer add and
-compare per message and receiver; a user whose connections hold more pays a sum over its
-connections (at most ``quotas.connections``).
+part, the user is within its quota. The smallest part of any user (``Users.memory_floor``,
+``fds_floor``) lowers the bar of the compare delivery already makes per receiver, so a
+receiver below it costs nothing more per message; a receiver above it is checked against
+its own part, and only above that its user's connections are summed (at most
+``quotas.connections``).
 
 Pure data: no trio, no sockets, no logging.
 """
@@ -22,6 +24,7 @@ Pure data: no trio, no sockets, no logging.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..config import QuotaSettings
@@ -140,6 +143,12 @@ class Users:
 
     def __init__(self, settings: QuotaSettings | None = None, memory_total: int = 0) -> None:
         self.accounts: dict[str, UserAccount] = {}
+        #: The smallest ``memory_share`` / ``fds_share`` of any account: a receiver
+        #: holding less is within its user's quota whoever its user is, so delivery
+        #: looks closer only at receivers above it (core/delivery.py).
+        self.memory_floor = self.fds_floor = UNLIMITED
+        #: Called after the floors changed (``Delivery.recap``).
+        self.on_floors: Callable[[], None] | None = None
         self.settings = settings or QuotaSettings()
         self.memory_total = 0
         self.configure(self.settings, memory_total)
@@ -152,6 +161,14 @@ class Users:
         for acct in self.accounts.values():
             acct.limits = self.limits_for(acct.key)
             acct.reshare()
+        self._floors()
+
+    def _floors(self) -> None:
+        accts = self.accounts.values()
+        self.memory_floor = min((a.memory_share for a in accts), default=UNLIMITED)
+        self.fds_floor = min((a.fds_share for a in accts), default=UNLIMITED)
+        if self.on_floors is not None:
+            self.on_floors()
 
     def limits_for(self, key: str) -> dict[str, int]:
         """The quotas of user ``key`` (all :data:`UNLIMITED` while quotas are off)."""
@@ -187,6 +204,7 @@ class Users:
             acct = self.accounts[key] = UserAccount(key, self.limits_for(key))
         acct.peers.add(peer)
         acct.reshare()
+        self._floors()
         peer.account = acct
         return acct
 
@@ -200,6 +218,7 @@ class Users:
                 acct.reshare()
             elif self.accounts.get(key) is acct:
                 del self.accounts[key]
+            self._floors()
 
     def rows(self) -> list[dict[str, object]]:
         """One row per connected user: use and limit of each quota, the quotas at their
