@@ -564,8 +564,10 @@ class PeerConnection:
                 if progressed:
                     deadline = trio.current_time() + patience
                 elif progressed is False and r.alive:
-                    own = r.outq_bytes > room or (nfds and r.outq_fds > max_fds)
-                    if not own and self._drop_for_quota(r, size, nfds):
+                    if not (r.outq_bytes > room or (nfds and r.outq_fds > max_fds)):
+                        # Within its own bounds: it is its user's quota that holds the
+                        # frame (or nothing any more: the loop's condition looks again).
+                        self._drop_for_quota(r, size, nfds)
                         deadline = trio.current_time() + patience
                         continue
                     srv.core.kick(
