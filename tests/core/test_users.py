@@ -324,3 +324,34 @@ def test_tcp_clients_are_charged_to_their_authenticated_identity() -> None:
     assert other.account.key == "tcp:other"
     assert "quota 'connections' of user tcp:svc" in b.users.admit("tcp:svc")
     assert b.users.admit("tcp:other") == ""
+
+
+def test_fds_quota_holds_a_message_with_descriptors() -> None:
+    """Descriptors queued for a user's connections count against its ``fds`` quota: past
+    it a message carrying descriptors is held; one without goes through."""
+    closed: list[int] = []
+    broker = Broker(
+        Limits(),
+        version="test",
+        quotas=QuotaSettings(broker_memory_total=1 << 30, fds=3),
+        dup_fd=lambda fd: fd + 1000,
+        close_fd=closed.append,
+    )
+    r1 = broker.connect("r1", pid=1, uid=1000, gid=1000, now=0)
+    r2 = broker.connect("r2", pid=2, uid=1000, gid=1000, now=0)
+    s = broker.connect("s", pid=3, uid=2000, gid=2000, now=0)
+
+    def send(to: Peer, nfds: int) -> bool:
+        p = FrameParser()
+        p.feed(b"".join(bytes(x) for x in encode_frame(T.MESSAGE, target=to.lname, n_fds=nfds)))
+        f = p.next_frame()
+        assert f is not None
+        return broker.handle(s, f._replace(fds=tuple(range(nfds))), 0.0)
+
+    assert send(r1, 2) and send(r2, 1)
+    assert r1.account.fds() == 3
+    assert not send(r2, 1)
+    hold = broker.effects.take_hold()
+    assert hold is not None and hold.receivers == [r2] and hold.fds == 1
+    assert r1.account.held["fds"] == 1
+    assert send(r2, 0)
