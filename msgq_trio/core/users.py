@@ -18,7 +18,8 @@ receiver below it costs nothing more per message; a receiver above it is checked
 its own part, and only above that its user's connections are summed (at most
 ``quotas.connections``).
 
-Pure data: no trio, no sockets, no logging.
+Pure data: no trio, no sockets, no logging (given no memory total, :class:`Users` asks
+:meth:`QuotaSettings.memory_total`, which reads the machine's figure once).
 """
 
 from __future__ import annotations
