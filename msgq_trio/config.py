@@ -588,6 +588,121 @@ class AccessSettings:
     queue_group: str = "msgq-queue"
 
 
+#: The quotas of ``[quotas]`` a user may be given its own value for in ``[quotas.users]``.
+USER_QUOTAS = ("memory", "connections", "fds", "subscriptions", "pending_requests")
+
+
+def machine_memory() -> tuple[int, str]:
+    """The memory the broker's host gives it, and where that figure came from: the
+    cgroup v2 limit (``/sys/fs/cgroup/memory.max``) when one is set and lower, else the
+    machine's physical memory (``sysconf(SC_PHYS_PAGES) x SC_PAGE_SIZE``, what
+    ``/proc/meminfo`` calls MemTotal). 1 GiB when neither can be read."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        source = "physical memory (sysconf SC_PHYS_PAGES x SC_PAGE_SIZE)"
+    except (OSError, ValueError):
+        total, source = 1024 * MiB, "1 GiB (physical memory unknown)"
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit() and 0 < int(text) < total:
+            total, source = int(text), "the cgroup's memory.max"
+    except OSError:
+        pass
+    return total, source
+
+
+def _user_quota_table(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{attr.name} must be a table of user tables")
+    for who, table in value.items():
+        kind, _, name = str(who).partition(":")
+        if kind not in ("uid", "tcp") or not name or (kind == "uid" and not name.isdigit()):
+            raise ValueError(
+                f"{attr.name}: {who!r} must be 'uid:N' (a local user) or 'tcp:NAME' "
+                "(an authenticated TCP identity)"
+            )
+        if not isinstance(table, Mapping):
+            raise ValueError(f"{attr.name}.{who} must be a table")
+        for k, v in table.items():
+            if k not in USER_QUOTAS:
+                raise ValueError(
+                    f"{attr.name}.{who}.{k}: unknown quota (a user table has "
+                    f"{', '.join(USER_QUOTAS)})"
+                )
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{attr.name}.{who}.{k} must be a positive integer, got {v!r}")
+
+
+def _share(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"{attr.name} must be a number in (0, 1], got {value!r}")
+
+
+@attrs.frozen
+class QuotaSettings:
+    """Per-user quotas (section ``[quotas]``; docs/SECURITY.md, "Per-user quotas").
+    All apply at runtime: a tightened quota refuses new use, never drops existing use.
+
+    A user is a local uid (SO_PEERCRED; key ``uid:N``) or an authenticated TCP identity
+    (``tcp:NAME``). Every user is subject to them, root and the broker's own plugins
+    included; ``users`` gives one user other values.
+
+    * ``enabled`` true: false turns every per-user quota off (per-connection limits stay).
+    * ``broker_memory_total`` 0 = the machine's memory (the cgroup's ``memory.max`` if
+      lower; :func:`machine_memory`): the figure the memory quota is a share of.
+    * ``user_memory_share`` 1/16: the bytes one user may have queued in the broker (on
+      its connections' outgoing queues) are this share of ``broker_memory_total``; 1.5 GiB
+      on a 24 GiB machine, so one user can take at most 1/16 of the machine through the
+      broker, and a normal component (one receiver's ``out_soft_limit`` is 4 MiB) never
+      comes near it.
+    * ``connections`` 1,024: connections of one user at once, an eighth of
+      ``max_connections`` (dbus-daemon's system bus allows 256 per user, dbus-broker's
+      launcher 64; a bus here also carries plugins and per-task connections).
+    * ``fds`` 4,096: descriptors queued in the broker for one user's connections, four
+      receivers at ``max_fds_queued`` (dbus-broker: 64 per user, for a bus that passes
+      descriptors rarely).
+    * ``subscriptions`` 16,384: group memberships of one user, four connections at
+      ``max_subscriptions`` (dbus-broker's launcher: 256 match rules per connection,
+      16,384 per user as its match quota).
+    * ``pending_requests`` 40,000: requests one user's connections wait answers for,
+      four callers at ``max_pending_requests``.
+    * ``refusals_before_drop`` 100: a connection refused this many times for a quota
+      (``limit-exceeded``) is pushing on regardless and is dropped; the refusals it was
+      given were its chance to back off.
+    * ``users`` {}: ``{"uid:N" | "tcp:NAME" = {quota = value, ...}}``, one user's own
+      values (``memory`` in bytes, ``connections``, ``fds``, ``subscriptions``,
+      ``pending_requests``).
+    """
+
+    enabled: bool = True
+    broker_memory_total: int = attrs.field(default=0, validator=_non_negative)
+    user_memory_share: float = attrs.field(default=1 / 16, validator=_share)
+    connections: int = attrs.field(default=1024, validator=_positive)
+    fds: int = attrs.field(default=4096, validator=_positive)
+    subscriptions: int = attrs.field(default=16_384, validator=_positive)
+    pending_requests: int = attrs.field(default=40_000, validator=_positive)
+    refusals_before_drop: int = attrs.field(default=100, validator=_positive)
+    users: dict[str, dict[str, int]] = attrs.field(factory=dict, validator=_user_quota_table)
+
+    def memory_total(self) -> int:
+        """``broker_memory_total``, or the machine's memory when it is 0."""
+        return self.broker_memory_total or machine_memory()[0]
+
+    def for_user(self, key: str, memory_total: int) -> dict[str, int]:
+        """The quotas of user ``key`` (``uid:N`` / ``tcp:NAME``): the defaults with its
+        ``users`` entry over them; ``memory`` in bytes."""
+        out = {
+            "memory": int(memory_total * self.user_memory_share),
+            "connections": self.connections,
+            "fds": self.fds,
+            "subscriptions": self.subscriptions,
+            "pending_requests": self.pending_requests,
+        }
+        out.update(self.users.get(key, {}))
+        return out
+
+
 @attrs.frozen
 class BrokerConfig:
     """Everything ``msgq-trio serve`` reads from its configuration file and flags.
@@ -615,6 +730,7 @@ class BrokerConfig:
     metrics: MetricsSettings = attrs.field(factory=MetricsSettings)
     tcp: TcpSettings = attrs.field(factory=TcpSettings)
     access: AccessSettings = attrs.field(factory=AccessSettings)
+    quotas: QuotaSettings = attrs.field(factory=QuotaSettings)
     #: ``[plugins.<name>]`` tables: each names a plugin (entry point group
     #: ``msgq_trio.plugins``) to run under the broker's supervision, with its settings
     #: (checked by the plugin itself; docs/QUEUE.md). Read at start only.

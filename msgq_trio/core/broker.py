@@ -23,7 +23,7 @@ import os
 import random
 from collections.abc import Callable, Collection, Mapping
 
-from ..config import AccessSettings, CommandAccess, Limits
+from ..config import AccessSettings, CommandAccess, Limits, QuotaSettings
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
 from ..protocol.framing import Frame, Run, encode_cbor, encode_frame
 from ..protocol.names import MEMBERSHIP_GROUP
@@ -38,6 +38,7 @@ from .relay import Relays
 from .router import ANYCAST, Router
 from .rpc import Failure, PendingReplies
 from .tap import TapFn, TapRunFn, Taps
+from .users import Users, quota_message
 
 log = logging.getLogger("msgq_trio.broker")
 
@@ -61,8 +62,13 @@ class Broker:
         rng: random.Random | None = None,
         dup_fd: Callable[[int], int] = os.dup,
         close_fd: Callable[[int], None] = os.close,
+        quotas: QuotaSettings | None = None,
+        memory_total: int = 0,
     ) -> None:
         self._limits = limits
+        #: Per-user accounting and quotas (core/users.py); ``memory_total`` 0 = the
+        #: figure ``quotas`` names (the machine's memory by default).
+        self.users = Users(quotas, memory_total)
         self.version = version
         self.close_fd = close_fd
         self.router = Router(rng)
@@ -85,12 +91,16 @@ class Broker:
             "timeouts": 0,
             "dropped_peers": 0,
             "forbidden": 0,
+            "quota_refusals": 0,
+            "quota_drops": 0,
         }
         #: The access policy (core/access.py); None = no rules configured.
         self.policy: Policy | None = None
         self._heartbeat_id = 0
         self.relays = Relays(self.router)
-        self.delivery = Delivery(limits, self.effects, self.stats, self.taps, self.kick, dup_fd)
+        self.delivery = Delivery(
+            limits, self.effects, self.stats, self.taps, self.kick, dup_fd, self.users
+        )
         self.own_commands = BrokerCommands(self)
         #: The broker's command table (name -> handler); operations code adds to it.
         self.commands: dict[str, Command] = self.own_commands.table
@@ -116,6 +126,7 @@ class Broker:
         # Pairs already tracked stay; a lowered bound only stops new ones.
         self.rpc.stats.max_pairs = limits.max_command_stats
         self.rpc.stats.max_codes = limits.max_command_codes
+        self.delivery.recap()
 
     @property
     def tap(self) -> TapFn | None:
@@ -168,6 +179,7 @@ class Broker:
             peer.remote = True
             peer.where = where
         peer.acl = self._access_for(peer, principals or [f"uid:{uid}"])
+        self.users.attach(peer, self.users.key_for(uid, peer.remote, principals))
         self.router.add_peer(peer)
         self.publish_membership(
             "connected", {"lname": peer.lname, "name": name, "pid": pid, "uid": uid}
@@ -271,6 +283,7 @@ class Broker:
         left = self.router.remove_peer(peer)
         self.relays.peer_gone(peer)
         failures = self.rpc.peer_gone(peer)
+        self.users.detach(peer)
         if not keep_queue:
             for fd in peer.drop_queue():
                 self.close_fd(fd)
@@ -286,15 +299,46 @@ class Broker:
             "disconnected", {"lname": peer.lname, "name": peer.name, "reason": reason}
         )
 
-    def kick(self, peer: Peer, code: ErrorCode, message: str) -> None:
+    def kick(self, peer: Peer, code: ErrorCode, message: str, reason: str = "") -> None:
         """Drop ``peer`` for a reason the broker decided (slow consumer, limit, protocol):
-        forgotten now, its connection closed by the I/O layer (``effects.kicks``)."""
+        forgotten now, its connection closed by the I/O layer (``effects.kicks``).
+        ``reason`` is the membership ``disconnected`` reason (default: the code)."""
         if not peer.alive:
             return
         log.warning("dropping client %s: %s (%s)", peer.describe(), message, code)
         self.stats["dropped_peers"] += 1
         self.effects.kicks.append((peer, code, message))
-        self.disconnect(peer, str(code))
+        self.disconnect(peer, reason or str(code))
+
+    # -- per-user quotas ---------------------------------------------------------------
+    def quota_refused(
+        self, peer: Peer, quota: str, used: int, limit: int, owner: str, *, strike: bool = True
+    ) -> str:
+        """Count and log a refusal for a quota (``owner``'s, the user whose quota it is)
+        of an operation of ``peer``; returns the message for the wire. With ``strike``
+        (``peer`` is at fault), the ``quotas.refusals_before_drop``-th such refusal of one
+        connection drops it (``limit-exceeded``, membership reason ``quota:<quota>``):
+        it keeps pushing."""
+        msg = quota_message(quota, owner, used, limit)
+        self.stats["quota_refusals"] += 1
+        acct = self.users.accounts.get(owner)
+        if acct is not None:
+            acct.refused[quota] += 1
+        log.warning("quota: refused %s: %s", peer.describe(), msg)
+        if not strike:
+            return msg
+        peer.quota_refusals += 1
+        if peer.quota_refusals >= self.users.settings.refusals_before_drop:
+            self.quota_drop(peer, quota, f"{msg}; refused {peer.quota_refusals} times")
+        return msg
+
+    def quota_drop(self, peer: Peer, quota: str, message: str) -> None:
+        """Drop ``peer`` for quota ``quota`` (``limit-exceeded``; its membership
+        ``disconnected`` reason is ``quota:<quota>``)."""
+        if not peer.alive:
+            return
+        self.stats["quota_drops"] += 1
+        self.kick(peer, ErrorCode.LIMIT_EXCEEDED, message, f"quota:{quota}")
 
     def discard_frames(self, frames: list[Frame | Run]) -> None:
         """Forget frames that will never be handed in again (their sender left while they

@@ -111,6 +111,15 @@ class BrokerCommands:
         limit = b.limits.max_subscriptions
         if group not in peer.groups and len(peer.groups) >= limit:
             raise CommandError(ErrorCode.LIMIT_EXCEEDED, f"max_subscriptions={limit} reached")
+        acct = peer.account
+        if group not in peer.groups and len(peer.groups) >= acct.subscriptions_share:
+            # Over its even part of its user's quota: the user's sum decides (core/users.py).
+            used, quota = acct.subscriptions(), acct.limits["subscriptions"]
+            if used >= quota:
+                raise CommandError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    b.quota_refused(peer, "subscriptions", used, quota, acct.key),
+                )
         added = b.router.subscribe(peer, group)
         if added:
             b.publish_membership(

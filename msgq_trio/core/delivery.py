@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..config import Limits
+from ..config import Limits, QuotaSettings
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.framing import FdBuffer, Frame, Run, encode_cbor, encode_frame, stamped
 from .effects import Effects, Hold
 from .peers import Buffer, Peer
 from .tap import Taps
+from .users import Users
 
 BROKER_LNAME = "l.0"
 #: The source section of every frame the broker originates.
@@ -41,6 +42,25 @@ def _one_local(recipients: Iterable[Peer], skip: Peer | None) -> bool:
     return True
 
 
+def user_full(r: Peer, size: int, nfds: int) -> str:
+    """The quota of ``r``'s user that ``size`` more bytes and ``nfds`` more descriptors
+    queued for ``r`` would exceed ("" if none)."""
+    acct = r.account
+    if acct.memory_full(size):
+        return "memory"
+    if nfds and acct.fds_full(nfds):
+        return "fds"
+    return ""
+
+
+def user_held(r: Peer, size: int, nfds: int) -> bool:
+    """:func:`user_full` for a frame about to be held: counted in the account's ``held``."""
+    quota = user_full(r, size, nfds)
+    if quota:
+        r.account.held[quota] += 1
+    return bool(quota)
+
+
 def _size(pieces: list[Buffer]) -> int:
     n = 0
     for p in pieces:
@@ -59,6 +79,7 @@ class Delivery:
         taps: the capture hooks (broker-originated frames are shown to them).
         kick: drops a receiver (``Broker.kick``): called for a slow consumer.
         dup_fd: duplicates a descriptor for one receiver.
+        users: the per-user accounts (None: quotas off).
     """
 
     def __init__(
@@ -69,8 +90,13 @@ class Delivery:
         taps: Taps,
         kick: Callable[[Peer, ErrorCode, str], None],
         dup_fd: Callable[[int], int],
+        users: Users | None = None,
     ) -> None:
         self.limits = limits
+        #: The per-user accounts (core/users.py): their floors bound the first pass.
+        self.users = users if users is not None else Users(QuotaSettings(enabled=False), 1)
+        self.users.on_floors = self.recap
+        self.recap()
         self.effects = effects
         self.stats = stats
         self.taps = taps
@@ -115,11 +141,17 @@ class Delivery:
             # than to some members twice.
             pieces = stamped(frame, source)
             size = _size(pieces)
-            room = hard - size
-            max_fds = limits.max_fds_queued - nfds
+            # The per-user quotas (core/users.py) lower the bar of this pass to the
+            # smallest even part of a user's quota any connection has: a receiver below
+            # it is within its own bounds and its user's (no more per receiver than
+            # before); one above it is looked at closely (``_over``).
+            room = self.room_cap - size
+            max_fds = self.fds_cap - nfds
             for r in recipients:
-                if (r.outq_bytes > room or (nfds and r.outq_fds > max_fds)) and not (
-                    r is skip or r.sealed
+                if (
+                    (r.outq_bytes > room or (nfds and r.outq_fds > max_fds))
+                    and not (r is skip or r.sealed)
+                    and self._over(r, size, nfds)
                 ):
                     over = over or []
                     over.append(r)
@@ -173,9 +205,9 @@ class Delivery:
         raw = run.raw
         size = len(raw)
         limits = self.limits
-        room = limits.out_hard_limit - size
+        room = self.room_cap - size
         for r in members:
-            if r.outq_bytes > room and not (r is peer or r.sealed):
+            if r.outq_bytes > room and not (r is peer or r.sealed) and self._over(r, size, 0):
                 return -1
         soft = limits.out_soft_limit
         effects = self.effects
@@ -195,6 +227,27 @@ class Delivery:
         if not n:
             self.stats["no_recipient"] += count
         return n
+
+    def recap(self) -> None:
+        """Recompute the bars of the first pass (``room_cap``, ``fds_cap``): the hard
+        bounds, or the users' floors when lower. Called when either changes."""
+        users = self.users
+        self.room_cap = min(self.limits.out_hard_limit, users.memory_floor)
+        self.fds_cap = min(self.limits.max_fds_queued, users.fds_floor)
+
+    def _over(self, r: Peer, size: int, nfds: int) -> bool:
+        """True if ``r`` cannot take ``size`` more bytes and ``nfds`` more descriptors:
+        over its own ``out_hard_limit`` / ``max_fds_queued``, or its user's quota (summed
+        only when ``r`` holds more than its even part of it; a hold is counted)."""
+        limits = self.limits
+        if r.outq_bytes + size > limits.out_hard_limit or (
+            nfds and r.outq_fds + nfds > limits.max_fds_queued
+        ):
+            return True
+        acct = r.account
+        if r.outq_bytes + size > acct.memory_share or (nfds and r.outq_fds + nfds > acct.fds_share):
+            return user_held(r, size, nfds)
+        return False
 
     def _with_fds(self, first: Buffer, fds: tuple[int, ...]) -> FdBuffer:
         """The frame's first piece carrying this recipient's own duplicates of ``fds``."""

@@ -35,7 +35,7 @@ from ..protocol.framing import Frame, Run, encode_cbor, encode_frame, stamped
 from ..protocol.names import valid_target_name
 from .access import CALL, SEND, Access
 from .cmdstats import DIRECT_GROUP
-from .delivery import BROKER_STAMP
+from .delivery import BROKER_STAMP, user_full
 from .host import BrokerHost
 from .peers import Peer
 from .router import BROKER, DIRECT, GROUP, PATTERN, RESERVED, Route
@@ -321,6 +321,14 @@ class Dispatcher:
                 f"more than max_pending_requests={limits.max_pending_requests} requests pending",
             )
             return "refused", 0
+        acct = peer.account
+        if len(peer.pending_out) >= acct.pending_share:
+            # Over its even part of its user's quota: the user's sum decides (core/users.py).
+            used, most = acct.pending_requests(), acct.limits["pending_requests"]
+            if used >= most:
+                why = b.quota_refused(peer, "pending_requests", used, most, acct.key)
+                reply_error(peer, rid, ErrorCode.LIMIT_EXCEEDED, why)
+                return "refused", 0
         header = frame.header()
         kind = route[0]
         command = header.get("cmd")
@@ -403,6 +411,8 @@ class Dispatcher:
         if relays.bindings and frame.source != source:
             source = relays.source(peer, frame, route)
         pieces = stamped(frame, source)
+        size = sum(len(p) for p in pieces)
+        nfds = len(frame.fds)
         delivered: list[Peer] = []
         for r in recipients:
             if r.sealed:
@@ -419,6 +429,19 @@ class Dispatcher:
                     f"{r.lname} is connected over TCP: file descriptors cannot reach it",
                     source=r.stamp,
                 )
+            elif (
+                r.outq_bytes + size > r.account.memory_share
+                or (nfds and r.outq_fds + nfds > r.account.fds_share)
+            ) and (quota := user_full(r, size, nfds)):
+                # The receiver's user is over its quota: the caller is refused (a request
+                # is never held); only a caller of that same user is counted towards
+                # being dropped, another user's is not at fault.
+                owner = r.account
+                used = owner.memory() if quota == "memory" else owner.fds()
+                why = b.quota_refused(
+                    peer, quota, used, owner.limits[quota], owner.key, strike=owner is acct
+                )
+                reply_error(peer, rid, ErrorCode.LIMIT_EXCEEDED, why, source=r.stamp)
             elif delivery.enqueue(r, pieces, frame.fds):
                 delivered.append(r)
             else:

@@ -9,6 +9,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..protocol.framing import FdBuffer
+from .users import UNACCOUNTED, UserAccount
 
 if TYPE_CHECKING:
     from .access import Access
@@ -28,6 +29,7 @@ class Peer:
     """
 
     __slots__ = (
+        "account",
         "acl",
         "alive",
         "bytes_in",
@@ -47,6 +49,7 @@ class Peer:
         "pending_in",
         "pending_out",
         "pid",
+        "quota_refusals",
         "remote",
         "sealed",
         "stamp",
@@ -91,6 +94,10 @@ class Peer:
         self.remote = False
         #: For a TCP client: ``tcp:NAME@address`` (log lines name it).
         self.where = ""
+        #: The user this connection is charged to (core/users.py; set by Broker.connect).
+        self.account: UserAccount = UNACCOUNTED
+        #: Operations refused to this connection for a quota (``quotas.refusals_before_drop``).
+        self.quota_refusals = 0
 
     def __repr__(self) -> str:
         return f"<Peer {self.lname} name={self.name!r} pid={self.pid}>"

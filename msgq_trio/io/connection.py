@@ -21,12 +21,13 @@ import logging
 import os
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import trio
 
 from ..config import Limits
 from ..core.broker import Broker
+from ..core.delivery import user_full
 from ..core.peers import Peer
 from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF, NEED_DATA, Connection, connection_error_frame
@@ -532,7 +533,11 @@ class PeerConnection:
 
         A receiver that makes no write progress for ``slow_consumer_timeout`` is dropped
         (slow-consumer); one that drains, however slowly, is waited for. A sender that
-        hangs up meanwhile is dropped (see :meth:`_await_progress`).
+        hangs up meanwhile is dropped (see :meth:`_await_progress`). A receiver whose
+        user is over its memory or descriptor quota (core/users.py) is waited for until
+        the user has room; if it has none for ``slow_consumer_timeout``, that user's
+        connection holding the most is dropped (``limit-exceeded``, reason
+        ``quota:<quota>``).
         """
         srv = self.host
         hold = srv.core.effects.take_hold()
@@ -549,12 +554,22 @@ class PeerConnection:
                 rpc is not None
                 and r.alive
                 and self.peer.alive
-                and (r.outq_bytes > room or (nfds and r.outq_fds > max_fds))
+                and (
+                    r.outq_bytes > room
+                    or (nfds and r.outq_fds > max_fds)
+                    or user_full(r, size, nfds)
+                )
             ):
                 progressed = await self._await_progress(rpc, deadline)
                 if progressed:
                     deadline = trio.current_time() + patience
                 elif progressed is False and r.alive:
+                    if not (r.outq_bytes > room or (nfds and r.outq_fds > max_fds)):
+                        # Within its own bounds: it is its user's quota that holds the
+                        # frame (or nothing any more: the loop's condition looks again).
+                        self._drop_for_quota(r, size, nfds)
+                        deadline = trio.current_time() + patience
+                        continue
                     srv.core.kick(
                         r,
                         ErrorCode.SLOW_CONSUMER,
@@ -563,6 +578,31 @@ class PeerConnection:
                         f"{self.peer.describe()} waits to send it {size} more",
                     )
                     srv.after_core()
+
+    def _drop_for_quota(self, r: Peer, size: int, nfds: int) -> bool:
+        """``r``'s user had no room for ``size`` bytes (``nfds`` descriptors) for
+        ``slow_consumer_timeout``: drop the connection of that user holding the most
+        (``limit-exceeded``). False if the user has room after all."""
+        quota = user_full(r, size, nfds)
+        if not quota:
+            return False
+        acct = r.account
+        used = acct.memory() if quota == "memory" else acct.fds()
+        limit = acct.limits[quota]
+        victim = cast(
+            Peer, max(acct.peers, key=lambda p: p.outq_bytes if quota == "memory" else p.outq_fds)
+        )
+        core = self.host.core
+        core.quota_drop(
+            victim,
+            quota,
+            f"quota {quota!r} of user {acct.key} full ({used} of {limit}) for "
+            f"{self.host.limits.slow_consumer_timeout} s (slow_consumer_timeout) with "
+            f"{self.peer.describe()} waiting to send {r.lname} {size} bytes; "
+            f"this connection held {victim.outq_bytes} bytes, {victim.outq_fds} descriptors",
+        )
+        self.host.after_core()
+        return True
 
     async def _writer(self) -> None:
         srv = self.host

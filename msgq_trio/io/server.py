@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from .._version import __version__
-from ..config import AccessSettings, CommandAccess, Limits, TcpSettings
+from ..config import AccessSettings, CommandAccess, Limits, QuotaSettings, TcpSettings
 from ..core.broker import Broker
 from ..core.peers import Peer
 from ..protocol.codes import PROTOCOL_VERSION, ErrorCode, FrameType
@@ -91,6 +91,7 @@ class Server:
         socket_mode: permission bits of the socket file the server binds (None: as the
             umask makes them). Connecting needs write permission on the file.
         socket_gid: group of that file (None: the broker's group).
+        quotas: the per-user quotas (core/users.py); None = the defaults.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class Server:
         activated: Sequence[pysocket.socket] = (),
         socket_mode: int | None = None,
         socket_gid: int | None = None,
+        quotas: QuotaSettings | None = None,
     ) -> None:
         self.path = Path(path)
         self._activated = list(activated)
@@ -114,7 +116,7 @@ class Server:
         self._owns_path = True
         self.limits = limits or Limits()
         self.tcp = tcp or TcpSettings()
-        self.core = Broker(self.limits, version=__version__)
+        self.core = Broker(self.limits, version=__version__, quotas=quotas)
         self.core.set_policy(access or AccessSettings(), {}, commands or {})
         #: Where the TCP listeners are bound (``host:port``), once running.
         self.tcp_addresses: list[str] = []
@@ -244,6 +246,11 @@ class Server:
         self.busy_poll.set_limit(limits.busy_poll)
         self.splicing.budget.limit = limits.splice_max_pipes
 
+    def apply_quotas(self, quotas: QuotaSettings) -> None:
+        """Enforce new per-user quotas from now on: new use is checked against them;
+        what users hold already is not dropped, even above a tightened quota."""
+        self.core.users.configure(quotas)
+
     def apply_tcp(self, tcp: TcpSettings) -> None:
         """New tokens and heartbeat settings (listeners and TLS files stay until restart):
         tokens apply to handshakes from now on, heartbeats at the next tick."""
@@ -286,6 +293,19 @@ class Server:
             "splice_fallbacks": self.splice_fallbacks,
             "splice_pipes": self.pipe_budget.held,
             "counters": dict(core.stats),
+            "quotas": self.quota_state(),
+        }
+
+    def quota_state(self) -> dict[str, object]:
+        """The per-user quotas in force and the users at one of their limits now."""
+        users = self.core.users
+        settings = users.settings
+        return {
+            "enabled": settings.enabled,
+            "broker_memory_total": users.memory_total,
+            "user_memory_share": settings.user_memory_share,
+            "users": len(users.accounts),
+            "users_at_limit": [r["user"] for r in users.rows() if r["at_limit"]],
         }
 
     # -- for the connections (io.connection.ConnectionHost) and housekeeping ------------
@@ -447,6 +467,15 @@ class Server:
                     pid = hello_pid
             else:
                 principals = unix_principals(uid, gid)
+            users = self.core.users
+            why = users.admit(users.key_for(uid, tcp, principals))
+            if why:
+                self.core.stats["quota_refusals"] += 1
+                log.warning("refusing %s (name=%r): %s", who, name, why)
+                conn.check_send(FrameType.ERROR)
+                await send_final(stream, ErrorCode.LIMIT_EXCEEDED, why)
+                await linger(stream)
+                return
             peer = self.core.connect(
                 name,
                 pid=pid,

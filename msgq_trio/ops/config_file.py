@@ -31,6 +31,7 @@ from ..config import (
     Limits,
     LogSettings,
     MetricsSettings,
+    QuotaSettings,
     TcpSettings,
     default_state_dir,
 )
@@ -43,6 +44,7 @@ SECTIONS: dict[str, type[Any]] = {
     "capture": CaptureSettings,
     "metrics": MetricsSettings,
     "tcp": TcpSettings,
+    "quotas": QuotaSettings,
 }
 #: Keys outside any section.
 TOP_LEVEL: dict[str, str] = {
@@ -216,6 +218,8 @@ def build(data: Mapping[str, Any]) -> BrokerConfig:
             kwargs[name] = build_plugins(_with_state_dirs(value, data.get("state_dir")))
         elif name == "access":
             kwargs[name] = build_access(value)
+        elif name == "quotas":
+            kwargs[name] = build_quotas(value)
         elif name in SECTIONS:
             kwargs[name] = build_section(name, SECTIONS[name], value)
         elif name in TOP_LEVEL:
@@ -298,6 +302,29 @@ def build_access(table: object) -> AccessSettings:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{where}: {exc}", "access.rule", dict(rule)) from None
     return AccessSettings(rules=rules, queue_group=str(queue_group))  # type: ignore[arg-type]
+
+
+def build_quotas(table: object) -> QuotaSettings:
+    """The ``[quotas]`` table, with its ``[quotas.users."uid:N"]`` tables of one user's
+    own values.
+
+    Raises:
+        ConfigError: naming the key (``quotas.users.uid:1000.memory``) and the value.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[quotas] must be a table, got {show(table)}", "quotas", table)
+    rest = {k: v for k, v in table.items() if k != "users"}
+    settings: QuotaSettings = build_section("quotas", QuotaSettings, rest)
+    if "users" not in table:
+        return settings
+    users = table["users"]
+    field = attrs.fields(QuotaSettings).users
+    try:
+        assert field.validator is not None
+        field.validator(None, field, users)
+    except ValueError as exc:
+        raise ConfigError(f"quotas.{exc}", "quotas.users", users) from None
+    return attrs.evolve(settings, users={k: dict(v) for k, v in users.items()})
 
 
 def build_plugins(table: object) -> dict[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 | ``config-reload`` | - | same as SIGHUP: re-read the file, apply or refuse as a whole |
 | ``stats`` | - | the server's figures plus traffic, disconnects, capture, config |
 | ``command-stats`` | ``{"top"?: N}`` | per (group, command) counts and latency (core/cmdstats.py) |
+| ``users`` | - | one row per connected user: use and limit of each quota, refusals |
 | ``capture-start`` | capture settings to override | the capture's status |
 | ``capture-stop`` / ``capture-status`` | - | the capture's status |
 | ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
@@ -43,7 +44,13 @@ from . import config_file, logsetup
 from .capture import TapHub, TrafficFilter
 from .config_file import ConfigError, ConfigSource
 from .logsetup import peer_fields
-from .metrics import TrafficTotals, command_families, process_figures
+from .metrics import (
+    USER_SERIES_TOP,
+    TrafficTotals,
+    command_families,
+    process_figures,
+    user_series,
+)
 
 if TYPE_CHECKING:
     from ..io.server import Server
@@ -146,6 +153,7 @@ class Operations:
             "capture-status": self._cmd_capture_status,
             "dump-start": self._cmd_dump_start,
             "dump-stop": self._cmd_dump_stop,
+            "users": self._cmd_users,
         }
         for name, fn in commands.items():
             assert name not in OPEN_COMMANDS
@@ -292,6 +300,8 @@ class Operations:
             self.server.apply_tcp(new.tcp)
         if new.access != old.access:
             self.server.apply_access(new.access, commands)
+        if new.quotas != old.quotas:
+            self.server.apply_quotas(new.quotas)
         if prepared is not None:
             logsetup.install(prepared)
             self.hub.set_traffic_logging(new.log.level == "TRAFFIC")
@@ -436,6 +446,9 @@ class Operations:
         # After this answer is queued: the GOODBYEs follow it on the caller's connection.
         self._nursery.start_soon(self.server.shutdown)
         return {"shutting_down": True}
+
+    def _cmd_users(self, _peer: Peer, _params: object) -> object:
+        return self.core.users.rows()
 
     # -- statistics and metrics -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -625,6 +638,7 @@ class Operations:
             "Seconds since the broker started.",
             trio.current_time() - server.started_at,
         )
+        user_series(e, self.core.users.rows(), USER_SERIES_TOP)
         proc = process_figures()
         e.family("process_open_fds", "gauge", "Open file descriptors.", proc["fds"])
         e.family("process_resident_memory_bytes", "gauge", "Resident memory.", proc["rss"])

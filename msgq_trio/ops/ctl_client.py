@@ -92,6 +92,7 @@ def add_ctl_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--top", type=_positive_int, default=None, metavar="N", help="with --commands: the N first"
     )
+    leaf("users", "each connected user's use against each quota")
     q = leaf("links", "state of the link plugin's links to other brokers")
     q.add_argument("--group", default="msgq-link", help="the link plugin's group")
     cfg = leaf("config", "get, set or reload the configuration")
@@ -247,6 +248,36 @@ def format_clients(rows: list[dict[str, Any]]) -> str:
             ]
         )
     return table(headers, out, right=frozenset({2, 3, 5, 6, 7, 8, 9}))
+
+
+def format_users(rows: list[dict[str, Any]]) -> str:
+    """``ctl users``: per user, each quota as ``use/limit``, a ``*`` on the ones at their
+    limit, the refusals and the held frames so far."""
+    quotas = ["memory", "connections", "fds", "subscriptions", "pending_requests"]
+    headers = [
+        "USER",
+        "MEMORY",
+        "CONNECTIONS",
+        "FDS",
+        "SUBSCRIPTIONS",
+        "PENDING",
+        "REFUSED",
+        "HELD",
+    ]
+    out = []
+    for r in rows:
+        cells = [r["user"]]
+        for q in quotas:
+            use, limit = r["use"][q], r["limits"][q]
+            shown = (human_bytes(use), human_bytes(limit)) if q == "memory" else (use, limit)
+            text = f"{shown[0]}/{shown[1]}"
+            cells.append(text + ("*" if q in r["at_limit"] else ""))
+        refused = r["refused"]
+        cells.append(", ".join(f"{q} {n}" for q, n in sorted(refused.items())) or "-")
+        held = r.get("held", {})
+        cells.append(", ".join(f"{q} {n}" for q, n in sorted(held.items())) or "-")
+        out.append(cells)
+    return table(headers, out)
 
 
 def format_links(rows: list[dict[str, Any]], now: float | None = None) -> str:
@@ -511,6 +542,9 @@ async def run_ctl(args: argparse.Namespace) -> int:
                     raise CliUsageError("--top goes with --commands")
                 r = await call("stats")
                 emit(r, format_stats(r))
+            elif c == "users":
+                rows = await call("users")
+                emit(rows, format_users(rows))
             elif c == "links":
                 # Answered by the link plugin (its group), not by the broker.
                 rows = await bus.call(args.group, "status", timeout=args.timeout)

@@ -114,3 +114,44 @@ def command_families(e: Exposition, table: CommandStats) -> None:
         "Requests counted under 'other' because limits.max_command_stats pairs were tracked.",
         table.overflow,
     )
+
+
+#: Users with a series of their own in the per-user metrics (the rest sum up as "other"):
+#: bounds the label set whatever the number of users.
+USER_SERIES_TOP = 10
+
+
+def user_series(e: Exposition, rows: list[dict[str, Any]], top: int) -> None:
+    """Per-user quota figures (``Users.rows()``, most memory first): the ``top`` users by
+    name, the rest summed as ``user="other"``; their limits and refusals too."""
+    shown, rest = rows[:top], rows[top:]
+    use: list[tuple[dict[str, str], int]] = []
+    limit: list[tuple[dict[str, str], int]] = []
+    refused: list[tuple[dict[str, str], int]] = []
+    for r in shown:
+        for q, v in r["use"].items():
+            use.append(({"user": r["user"], "quota": q}, v))
+            limit.append(({"user": r["user"], "quota": q}, r["limits"][q]))
+        for q, v in r["refused"].items():
+            refused.append(({"user": r["user"], "quota": q}, v))
+    if rest:
+        other: Counter[str] = Counter()
+        other_refused: Counter[str] = Counter()
+        for r in rest:
+            other.update(r["use"])
+            other_refused.update(r["refused"])
+        use += [({"user": "other", "quota": q}, v) for q, v in sorted(other.items())]
+        refused += [({"user": "other", "quota": q}, v) for q, v in sorted(other_refused.items())]
+    e.family(
+        "msgq_user_use",
+        "gauge",
+        f'Per-user use of each quota (the {top} users using most memory; the rest as "other").',
+        use,
+    )
+    e.family("msgq_user_limit", "gauge", "Per-user limit of each quota (same users).", limit)
+    e.family(
+        "msgq_user_refusals",
+        "counter",
+        "Operations refused for a quota, by the user whose quota it is (connected users).",
+        refused,
+    )

@@ -358,6 +358,7 @@ async def _serve(config: Any, source: ConfigSource) -> int:
         activated=activated,
         socket_mode=parse_socket_mode(config.socket_mode),
         socket_gid=resolve_group(config.socket_group),
+        quotas=config.quotas,
     )
     listeners = None
     address = None
