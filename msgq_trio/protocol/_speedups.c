@@ -376,7 +376,8 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         const Py_ssize_t total = 4 + (Py_ssize_t)length; /* <= end - pos: no overflow */
         seen |= (1ULL << ftype) | (nfds ? SEEN_FDS : 0);
         Py_ssize_t tstart = pos + PREFIX_SIZE;
-        if (slen == slen_run && ftype == message_type && !nfds && tlen &&
+        /* (flags: a traced message is a hop of its own, as in the Python loop) */
+        if (slen == slen_run && ftype == message_type && !nfds && !flags && tlen &&
             memcmp(b + tstart + tlen, src, (size_t)slen) == 0) {
             if (run_n && tlen == run_tlen && memcmp(b + tstart, b + run_tstart, (size_t)tlen) == 0) {
                 run_n++;

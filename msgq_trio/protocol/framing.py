@@ -141,13 +141,14 @@ def _scan_loop_py(
 ) -> tuple[int, int, bool]:
     """The fast loop of :meth:`FrameParser._scan`: complete, plain frames from ``pos`` on.
 
-    Appends a :class:`Frame` per frame (or a :class:`Run` per run of MESSAGE frames that
-    carry exactly ``source``; None: no runs) to ``out`` and stops before the first frame
-    that is incomplete, larger than ``limit`` (the maximum frame size - 4), has blobs or
-    fails a check: the careful path (:meth:`FrameParser.next_frame`) takes over there and
-    raises the error. Returns the new position, ``seen`` with the appended frames' bits,
-    and whether it stopped on a target that is not UTF-8 (the position is then that
-    frame's start if it would have begun a run, else its end).
+    Appends a :class:`Frame` per frame (or a :class:`Run` per run of MESSAGE frames
+    without flags that carry exactly ``source``; None: no runs) to ``out`` and stops
+    before the first frame that is incomplete, larger than ``limit`` (the maximum frame
+    size - 4), has blobs or fails a check: the careful path
+    (:meth:`FrameParser.next_frame`) takes over there and raises the error. Returns the
+    new position, ``seen`` with the appended frames' bits, and whether it stopped on a
+    target that is not UTF-8 (the position is then that frame's start if it would have
+    begun a run, else its end).
 
     The reference for the compiled ``_speedups.scan``, which must do exactly this.
     """
@@ -184,6 +185,7 @@ def _scan_loop_py(
                 slen == slen_run
                 and ftype == _MESSAGE
                 and not nfds
+                and not flags  # a traced message is a hop of its own (core/traces.py)
                 and tlen
                 and startswith(source, tstart + tlen)  # type: ignore[arg-type]
             ):
