@@ -43,7 +43,19 @@ EXIT_BROKEN_PIPE = 141
 #: (argparse's REMAINDER would reject a first argument that looks like an option).
 _DELEGATED = ("scenario", "analyze")
 #: Subcommands that talk to a broker as a client: they take --token and the TLS flags.
-_CLIENTS = ("ctl", "dump", "send", "call", "notify", "listen", "reply", "members", "pipe", "queue")
+_CLIENTS = (
+    "ctl",
+    "dump",
+    "send",
+    "call",
+    "notify",
+    "listen",
+    "reply",
+    "members",
+    "pipe",
+    "queue",
+    "trace",
+)
 #: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
 #: a flag given before the subcommand is not reset by the subcommand's copy).
 GLOBAL_DEFAULTS: dict[str, Any] = {
@@ -138,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
     from .ops.queue_cli import add_queue_arguments
     from .ops.serve import add_serve_arguments
+    from .ops.trace_cli import add_trace_arguments
     from .protocol.framing import SPEEDUPS
 
     parser = _Parser(
@@ -185,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for the answer (default: the broker's request deadline)",
     )
+
+    p = sub.add_parser(
+        "trace", help="make one traced call and print the tree of its hops with their times"
+    )
+    add_trace_arguments(p)
 
     p = sub.add_parser("notify", help="publish a notification")
     p.add_argument("group", help="the group to notify")
@@ -359,6 +377,8 @@ def _main(argv: list[str]) -> int:
             from .ops.ctl_client import run_dump as runner
         elif args.cmd == "queue":
             from .ops.queue_cli import run_queue as runner
+        elif args.cmd == "trace":
+            from .ops.trace_cli import run_trace as runner
         elif args.cmd == "pipe":
             runner = _pipe_command
         else:

@@ -115,6 +115,13 @@ class Limits:
       message is refused for it). Also falls back when the user's pipe quota
       (``fs.pipe-user-pages-soft``) or descriptor limit is reached, and for good
       (logged once) where the kernel or a sandbox refuses ``splice`` itself.
+    * ``trace_max_traces`` 256 and ``trace_max_hops`` 128: the hops of traced frames the
+      broker keeps for the command ``trace`` (``msgq-trio trace``, core/traces.py): the
+      oldest trace is forgotten first, hops past the bound are counted only. A trace is
+      read right after its call, so the table holds the traces in flight and the last
+      few; 32,768 hops of a few hundred bytes are a few MiB at most (Zipkin's in-memory
+      collector, also a debugging store, keeps 500,000 spans, ``MEM_MAX_SPANS``).
+      Untraced traffic never enters it.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -135,6 +142,8 @@ class Limits:
     busy_poll: float = attrs.field(default=0.0002, validator=_non_negative_number)
     splice_min_size: int = attrs.field(default=1 * MiB, validator=_non_negative)
     splice_max_pipes: int = attrs.field(default=64, validator=_non_negative)
+    trace_max_traces: int = attrs.field(default=256, validator=_positive)
+    trace_max_hops: int = attrs.field(default=128, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:

@@ -48,6 +48,7 @@ _NOTIFY = FrameType.NOTIFY
 #: A plain int: ``frame.flags & Flag.ALL`` would go through enum.Flag.__and__, which is
 #: far slower than an int's and runs per routed frame.
 _FLAG_ALL = int(Flag.ALL)
+_FLAG_TRACED = int(Flag.TRACED)
 
 
 class Dispatcher:
@@ -61,6 +62,7 @@ class Dispatcher:
         self.rpc = broker.rpc
         self.taps = broker.taps
         self.stats = broker.stats
+        self.traces = broker.traces
         self._close_fd = broker.close_fd
         # What every batch uses, bound once (these objects live as long as the broker):
         # the hot path pays one attribute lookup each, per batch.
@@ -130,6 +132,8 @@ class Dispatcher:
                         fds = ()
                     if tap is not None and outcome:
                         tap(peer, frame, outcome[0], outcome[1])
+                    if frame.flags & _FLAG_TRACED and outcome:
+                        self.traces.frame(peer, frame, outcome[0], now)  # (core/traces.py)
                     if not peer.alive:
                         self._close_frames_fds(frames[i + 1 :])
                         break
@@ -220,6 +224,8 @@ class Dispatcher:
                 )
                 if tap is not None:
                     tap(peer, frame, "delivered" if n else "no-recipient", n)
+                if frame.flags & _FLAG_TRACED:
+                    self.traces.frame(peer, frame, "delivered" if n else "no-recipient", now)
         except BaseException:
             if fds:
                 self._close_fds(fds)
@@ -275,7 +281,7 @@ class Dispatcher:
             return self._request(peer, frame, route, now)
         if ftype == _REPLY or ftype == _ERROR:
             if frame.request_id:
-                outcome = self._answer(peer, frame, route)
+                outcome = self._answer(peer, frame, route, now)
                 return outcome, int(outcome == "forwarded")
             log.warning(
                 "client %s reported a connection error: %r", peer.describe(), _safe_header(frame)
@@ -400,6 +406,8 @@ class Dispatcher:
                     source=r.stamp,
                 )
         if delivered:
+            if frame.flags & _FLAG_TRACED:
+                self.traces.delivered_to = delivered  # for its hop (handle_many records it)
             self.rpc.add(peer, rid, delivered, now + timeout, frame.target, command)
             return "delivered", len(delivered)
         return "refused", 0
@@ -430,7 +438,7 @@ class Dispatcher:
                     )
         return ""
 
-    def _answer(self, peer: Peer, frame: Frame, route: Route) -> str:
+    def _answer(self, peer: Peer, frame: Frame, route: Route, now: float = 0.0) -> str:
         kind, _base, caller_id = route
         if kind == BROKER:
             return "discarded"  # the answer to a heartbeat: its arrival was the point
@@ -457,6 +465,8 @@ class Dispatcher:
         self.delivery.send_or_kick(
             caller, stamped(frame, peer.stamp), "an answer it asked for", frame.fds
         )
+        if self.traces.calls:  # some traced request waits for its answer
+            self.traces.answer(caller, peer, frame, now)
         return "forwarded"
 
 
