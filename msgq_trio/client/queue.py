@@ -28,6 +28,7 @@ from ..errors import RemoteError, UsageError
 from ..protocol.codes import ErrorCode
 from .queue_consumer import Consumer
 from .queue_message import DEFAULT_GROUP, QueueMessage, _Delivery
+from .tracing import producing
 
 if TYPE_CHECKING:
     from .queue_bus import QueueBus as Bus
@@ -125,11 +126,17 @@ class Queue:
             UsageError: not prepared (see :meth:`prepare`) and no ``seq`` given.
         """
         seq = self._take_seqs(1, seq)
-        wait = self._bus.start_call(
-            self.group,
-            "put",
-            {"queue": self.name, "producer": self.producer, "seq": seq, "body": cbor2.dumps(body)},
-        )
+        with producing():  # (a PRODUCER span when traced with OpenTelemetry)
+            wait = self._bus.start_call(
+                self.group,
+                "put",
+                {
+                    "queue": self.name,
+                    "producer": self.producer,
+                    "seq": seq,
+                    "body": cbor2.dumps(body),
+                },
+            )
 
         async def result() -> str:
             return str(await wait())
@@ -151,16 +158,17 @@ class Queue:
         """
         first = self._take_seqs(len(bodies), first_seq)
         dumps = cbor2.dumps
-        wait = self._bus.start_call(
-            self.group,
-            "put_many",
-            {
-                "queue": self.name,
-                "producer": self.producer,
-                "first_seq": first,
-                "bodies": [dumps(b) for b in bodies],
-            },
-        )
+        with producing():
+            wait = self._bus.start_call(
+                self.group,
+                "put_many",
+                {
+                    "queue": self.name,
+                    "producer": self.producer,
+                    "first_seq": first,
+                    "bodies": [dumps(b) for b in bodies],
+                },
+            )
 
         async def result() -> dict[str, int]:
             return dict(await wait())

@@ -71,7 +71,7 @@ from .message import (
     split_source,
 )
 from .reconnect import Reconnect
-from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, Outgoing, outgoing
+from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, SPAN_KIND, Outgoing, outgoing
 from .wire import ERROR as _ERROR
 from .wire import FLAG_ALL as _FLAG_ALL
 from .wire import GOODBYE as _GOODBYE
@@ -444,7 +444,7 @@ class Session(Encoders, HandlerContract):
         rid = self._next_rid + 1
         traced = None
         if _current_trace() is not None or _OTEL in _modules:
-            traced = outgoing(f"{command} {target}", "client")
+            traced = outgoing(f"{command} {target}", SPAN_KIND.get())
             if traced is not None:
                 head = self.traced_request_header(head, traced.fields)
         try:

@@ -34,14 +34,17 @@ __all__ = [
     "CURRENT",
     "FLAG_TRACED",
     "OTEL_MODULE",
+    "SPAN_KIND",
     "Outgoing",
     "TraceContext",
     "context_of",
     "continued",
+    "delivered_traces",
     "format_traceparent",
     "new_trace",
     "outgoing",
     "parse_traceparent",
+    "producing",
     "start_trace",
     "traced_handler",
 ]
@@ -79,6 +82,20 @@ class TraceContext(NamedTuple):
 
 #: The current trace context (None: untraced).
 CURRENT: ContextVar[TraceContext | None] = ContextVar("msgq_trio_trace", default=None)
+#: The OpenTelemetry kind of the span a call gets: ``client``, or ``producer`` for a
+#: queue put (set by :func:`producing`).
+SPAN_KIND: ContextVar[str] = ContextVar("msgq_trio_span_kind", default="client")
+
+
+@contextlib.contextmanager
+def producing() -> Iterator[None]:
+    """Calls made in the block put messages into a queue: their spans are PRODUCER
+    spans, not CLIENT ones."""
+    token = SPAN_KIND.set("producer")
+    try:
+        yield
+    finally:
+        SPAN_KIND.reset(token)
 
 
 def _rand_hex(nbytes: int) -> str:
@@ -354,3 +371,28 @@ async def _await_in(result: Awaitable[Any], tc: TraceContext, span: Any) -> Any:
         raise
     _end(span, None)
     return value
+
+
+def delivered_traces(traces: object, n: int, name: str) -> list[str | None] | None:
+    """The ``traces`` column of a queue delivery of ``n`` messages (the traceparent each
+    was put with, or None), checked: None if it is not such a list (the plugin's bug:
+    the messages are delivered untraced). With OpenTelemetry each traced message gets a
+    CONSUMER span ``name`` (child of its put's span, ended at once: the delivery), and
+    its traceparent then names that span."""
+    if type(traces) is not list or len(traces) != n:
+        return None
+    out: list[str | None] = [t if parse_traceparent(t) is not None else None for t in traces]
+    otel = _otel() if OTEL_MODULE in sys.modules else None
+    if otel is None:
+        return out
+    ot, tracer = otel
+    for i, t in enumerate(out):
+        if t is None:
+            continue
+        sent = context_of({TRACEPARENT: t})
+        assert sent is not None
+        span = tracer.start_span(name, context=_remote_parent(ot, sent), kind=_kind(ot, "consumer"))
+        trace_id, span_id, flags, _state = _ids(span)
+        span.end()
+        out[i] = format_traceparent(trace_id, span_id, flags)
+    return out

@@ -56,7 +56,7 @@ def _line(hop: dict[str, Any]) -> str:
     text = f"{head}  {_who(hop.get('from'))} -> {hop.get('to')}"
     delivered = hop.get("delivered")
     if delivered:
-        text += " -> " + ", ".join(_who(d) for d in delivered)
+        text += ": " + ", ".join(_who(d) for d in delivered)
     outcome = hop.get("outcome")
     if outcome not in ("delivered", "forwarded"):
         text += f"  [{outcome}]"

@@ -189,3 +189,126 @@ async def test_cli_trace_prints_the_tree(broker: Any) -> None:
     assert all(" ms" in line for line in lines[2:])
     parsed = json.loads(raw.stdout.decode().splitlines()[-1])
     assert [h["kind"] for h in parsed["hops"]] == ["request", "request", "reply", "reply"]
+
+
+# -- the acceptance chain: A -> B -> C -> queue -> D -------------------------------------------
+@pytest.fixture
+def queue_bus(broker_factory: Any, short_tmp: Any) -> Any:
+    """A broker running the queue plugin with a queue ``work``."""
+    cfg = short_tmp / "queue.toml"
+    cfg.write_text(
+        f"[plugins.queue]\ndir = {json.dumps(str(short_tmp / 'store'))}\n"
+        '[plugins.queue.queues."work"]\n'
+    )
+    return broker_factory("--config", str(cfg))
+
+
+async def queue_chain(
+    a: Any, b: Any, c: Any, d: Any, nursery: trio.Nursery, got: list[Any], arrived: trio.Event
+) -> None:
+    """B's ``hop`` calls C's ``leaf``, which puts its params into the queue ``work``;
+    D consumes it (``got``: each message's body and trace header)."""
+    producer = c.queue("work", producer="C")
+    await producer.prepare()  # declared before any trace: no setup hops in it
+
+    @c.command("leaf")
+    async def leaf(params: Any) -> Any:
+        return await producer.put(params)
+
+    @b.command("hop")
+    async def hop(params: Any) -> Any:
+        return await b.call("C", "leaf", params)
+
+    await b.subscribe("B")
+    await c.subscribe("C")
+    consumer = d.queue("work").consume()
+
+    async def consume() -> None:
+        async for m in consumer:
+            got.append((m.body, m.trace_header))
+            arrived.set()
+            await m.ack()
+
+    nursery.start_soon(consume)
+
+
+async def test_acceptance_chain_is_one_otel_trace(
+    queue_bus: Any, spans: InMemorySpanExporter
+) -> None:
+    tracer = otel_trace.get_tracer("test")
+    got: list[Any] = []
+    async with (
+        msgq_trio.connect(queue_bus.path, "A") as a,
+        msgq_trio.connect(queue_bus.path, "B") as b,
+        msgq_trio.connect(queue_bus.path, "C") as c,
+        msgq_trio.connect(queue_bus.path, "D") as d,
+        trio.open_nursery() as nursery,
+    ):
+        arrived = trio.Event()
+        await queue_chain(a, b, c, d, nursery, got, arrived)
+        with tracer.start_as_current_span("root") as root:
+            assert await a.call("B", "hop", {"job": 1}) in ("stored", "consumed")
+        with trio.fail_after(10):
+            await arrived.wait()
+        nursery.cancel_scope.cancel()
+    trace_id = root.get_span_context().trace_id
+    finished = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
+    by_key = {(s.name, s.kind.name): s for s in finished}
+    assert set(by_key) == {
+        ("root", "INTERNAL"),
+        ("hop B", "CLIENT"),
+        ("hop", "SERVER"),
+        ("leaf C", "CLIENT"),
+        ("leaf", "SERVER"),
+        ("put msgq-queue", "PRODUCER"),
+        ("deliver work", "CONSUMER"),
+    }, sorted(by_key)
+
+    def parent_of(name: str, kind: str) -> tuple[str, str]:
+        pid = by_key[(name, kind)].parent.span_id
+        return next(k for k, s in by_key.items() if s.context.span_id == pid)
+
+    assert parent_of("hop B", "CLIENT") == ("root", "INTERNAL")
+    assert parent_of("hop", "SERVER") == ("hop B", "CLIENT")
+    assert parent_of("leaf C", "CLIENT") == ("hop", "SERVER")
+    assert parent_of("leaf", "SERVER") == ("leaf C", "CLIENT")
+    assert parent_of("put msgq-queue", "PRODUCER") == ("leaf", "SERVER")
+    assert parent_of("deliver work", "CONSUMER") == ("put msgq-queue", "PRODUCER")
+    # D holds the consumer span's context: processing continues the trace.
+    body, header = got[0]
+    assert body == {"job": 1}
+    consumer_span = by_key[("deliver work", "CONSUMER")].context.span_id
+    parsed = tracing.parse_traceparent(header["traceparent"])
+    assert parsed is not None and parsed[:2] == (f"{trace_id:032x}", f"{consumer_span:016x}")
+
+
+async def test_acceptance_chain_hops_in_the_cli(queue_bus: Any) -> None:
+    got: list[Any] = []
+    async with (
+        msgq_trio.connect(queue_bus.path, "A") as a,
+        msgq_trio.connect(queue_bus.path, "B") as b,
+        msgq_trio.connect(queue_bus.path, "C") as c,
+        msgq_trio.connect(queue_bus.path, "D") as d,
+        trio.open_nursery() as nursery,
+    ):
+        await queue_chain(a, b, c, d, nursery, got, trio.Event())
+        cli = [sys.executable, "-m", "msgq_trio", "trace", "--socket", str(queue_bus.path)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with trio.fail_after(30):
+            done = await trio.run_process(
+                [*cli, "--wait", "0.5", "B", "hop", '{"job": 2}'], capture_stdout=True, env=env
+            )
+        nursery.cancel_scope.cancel()
+    assert got and got[0][0] == {"job": 2} and got[0][1]
+    lines = done.stdout.decode().splitlines()
+    tree = "\n".join(lines[1:])
+    # The hops under one another: A's request, B's call, C's put, the queue's delivery to
+    # D; each answer under its request.
+    assert "└─ request hop  msgq-trio-trace (" in lines[2]
+    assert lines[3].startswith("   ├─ request leaf  B (")
+    put = next(i for i, line in enumerate(lines) if "request put  C (" in line)
+    assert lines[put].startswith("   │  ├─ request put  C (")
+    deliver = next(i for i, line in enumerate(lines) if "request queue.deliver" in line)
+    assert lines[deliver].startswith("   │  │  ") and f"D ({d.lname})" in lines[deliver]
+    assert lines[deliver + 1].startswith("   │  │  ") and "reply  D (" in lines[deliver + 1]
+    assert tree.count("reply") == 4, tree
