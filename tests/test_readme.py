@@ -27,6 +27,12 @@ EXPECTED = {
     7: ["line 0", "line 1", "line 2"],
     8: ["connected; reconnects so far: 0"],
     9: ["asyncio: connected; reconnects so far: 0"],
+    10: [
+        "There are 42 zones",
+        "request loadzones cmdctl -> Auth",
+        "request get_zone_count Auth -> ZoneMgr",
+        "reply - ZoneMgr -> l.",
+    ],
 }
 
 
