@@ -28,7 +28,7 @@ from .message import (
     Buffer,
     dup_all,
 )
-from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, outgoing
+from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, active, outgoing
 from .wire import MESSAGE as _MESSAGE
 from .wire import NOTIFY as _NOTIFY
 from .wire import REQUEST as _REQUEST
@@ -135,7 +135,7 @@ class Encoders:
         Raises:
             UsageError: ``target`` is malformed, or the frame would be too large.
         """
-        if _current_trace() is not None or _OTEL in _modules:
+        if (_current_trace() is not None or _OTEL in _modules) and active():
             return self.encode_message(target, body)  # it carries the trace context
         try:
             tb = self._targets.get(target) or self.target(target)
@@ -164,7 +164,7 @@ class Encoders:
             raise UsageError(f"cannot send to {target!r}: {exc}") from exc
         stamp = self.stamp
         no_join = self._no_join
-        if _current_trace() is not None or _OTEL in _modules:
+        if (_current_trace() is not None or _OTEL in _modules) and active():
             no_join = 0  # every message through encode_message, which traces it
         out: list[Buffer] = []
         run: list[bytes] = []

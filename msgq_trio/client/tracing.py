@@ -37,6 +37,7 @@ __all__ = [
     "SPAN_KIND",
     "Outgoing",
     "TraceContext",
+    "active",
     "context_of",
     "continued",
     "delivered_traces",
@@ -259,6 +260,15 @@ def outgoing(name: str, kind: str = "client") -> Outgoing | None:
     if tc is not None and tc.cause:
         fields[TRACECAUSE] = tc.cause
     return Outgoing(fields, span)
+
+
+def active() -> bool:
+    """Whether a frame sent now would carry a trace context (:func:`outgoing` would not
+    give None), without starting a span."""
+    if CURRENT.get() is not None:
+        return True
+    otel = _otel() if OTEL_MODULE in sys.modules else None
+    return otel is not None and bool(otel[0].get_current_span().get_span_context().is_valid)
 
 
 def _kind(ot: Any, kind: str) -> Any:

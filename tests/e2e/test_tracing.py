@@ -80,8 +80,23 @@ async def test_otel_spans_form_one_trace(broker: Any, spans: InMemorySpanExporte
         # An untraced call afterwards makes no span at all.
         n = len(spans.get_finished_spans())
         await a.call("B", "hop", None)
-        assert len(spans.get_finished_spans()) == n
-    got = {(s.name, s.kind.name): s for s in spans.get_finished_spans()}
+        a.send(c.lname, b"untraced")
+        await a.send_many(c.lname, [b"untraced too"])
+        with tracer.start_as_current_span("sending"):
+            a.send(c.lname, b"traced")
+        with trio.fail_after(5):
+            got = [await c.receive() for _ in range(3)]
+        assert [(m.body, m.traced) for m in got] == [
+            (b"untraced", False),
+            (b"untraced too", False),
+            (b"traced", True),
+        ]
+        assert len(spans.get_finished_spans()) == n + 2  # "sending" and its send
+    got = {
+        (s.name, s.kind.name): s
+        for s in spans.get_finished_spans()
+        if s.context.trace_id == trace_id
+    }
     assert set(got) == {
         ("root", "INTERNAL"),
         ("hop B", "CLIENT"),
