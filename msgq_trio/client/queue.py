@@ -183,6 +183,7 @@ class Queue:
         producer: str | None = None,
         timeout: float | None = None,
         after: int | None = None,
+        traces: Sequence[str | None] | None = None,
     ) -> Callable[[], Awaitable[dict[str, int]]]:
         """Send already CBOR-encoded bodies with explicit producer seqs, now and
         synchronously; ``await wait()`` gives the counts :meth:`put_many` returns. The
@@ -200,6 +201,9 @@ class Queue:
                 put (``RemoteError`` code ``out-of-order``, nothing accepted) unless that
                 one arrived. Pipelined puts need it: one overtaking a failed earlier put
                 would otherwise make the earlier messages look like duplicates.
+            traces: the W3C traceparent each message was put with (``QueueMessage.
+                trace_header``), or None: the next queue keeps it (a message's trace
+                goes on through a link).
 
         Raises:
             UsageError: ``seqs`` do not match ``encoded`` or do not increase.
@@ -217,6 +221,10 @@ class Queue:
         }
         if after is not None:
             params["after"] = after
+        if traces is not None and any(traces):
+            if len(traces) != len(seq_list):
+                raise UsageError("traces must have one entry per body")
+            params["traces"] = list(traces)
         wait = self._bus.start_call(self.group, "put_many", params, timeout=timeout)
 
         async def result() -> dict[str, int]:

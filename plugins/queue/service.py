@@ -351,7 +351,13 @@ class Service:
                     )
 
             kind = body_prefix(request.header.get("traceparent")) if request.traced else b"B"
-            items = [(seq, kind + b) for seq, b in zip(seqs, bodies, strict=True)]
+            traces = params.get("traces")
+            if isinstance(traces, list) and len(traces) == len(bodies):
+                # Each message's own trace (a link forwards them): kept where valid.
+                kinds = [body_prefix(t) if t is not None else kind for t in traces]
+                items = [(seq, k + b) for seq, k, b in zip(seqs, kinds, bodies, strict=True)]
+            else:
+                items = [(seq, kind + b) for seq, b in zip(seqs, bodies, strict=True)]
             self.engine.put(q, producer, items, Waiter(len(items), done), after)
 
         self._inline(request, run)
