@@ -27,8 +27,9 @@ __all__ = ["Traces"]
 #: The frame types by number, as the hops name them.
 _KINDS = {3: "message", 4: "request", 5: "reply", 6: "error", 7: "notify"}
 _HEX = frozenset("0123456789abcdef")
-#: Longest command or event name a hop keeps (names are free-form strings up to the
-#: frame size; a hop is a summary, not a capture).
+#: Longest command, event or error name and target a hop keeps (they are free-form
+#: strings up to the frame size; a hop is a summary, not a capture, and must stay small
+#: for the table's bound to bound its memory).
 _NAME_MAX = 200
 
 
@@ -106,7 +107,7 @@ class Traces:
             "at": now - t.first,
             "kind": _KINDS.get(frame.type, str(frame.type)),
             "from": [peer.lname, peer.name],
-            "to": frame.target,
+            "to": frame.target[:_NAME_MAX],
             "span": span_id,
             "cause": cause,
             "outcome": outcome,
