@@ -97,8 +97,8 @@ async def test_trio_messages_and_notifications_carry_the_trace(broker: Any) -> N
 
         @b.command("fanout")
         async def fanout(_params: Any) -> None:
-            b.send(sub.lname, b"raw bytes")  # the bytes fast path too
-            b.send(sub.lname, {"x": 1})
+            await b.send(sub.lname, b"raw bytes")  # the bytes fast path too
+            await b.send(sub.lname, {"x": 1})
             await b.send_many(sub.lname, [b"one", b"two"])
 
         with tracing.start_trace() as root:

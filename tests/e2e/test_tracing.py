@@ -80,10 +80,10 @@ async def test_otel_spans_form_one_trace(broker: Any, spans: InMemorySpanExporte
         # An untraced call afterwards makes no span at all.
         n = len(spans.get_finished_spans())
         await a.call("B", "hop", None)
-        a.send(c.lname, b"untraced")
+        await a.send(c.lname, b"untraced")
         await a.send_many(c.lname, [b"untraced too"])
         with tracer.start_as_current_span("sending"):
-            a.send(c.lname, b"traced")
+            await a.send(c.lname, b"traced")
         with trio.fail_after(5):
             got = [await c.receive() for _ in range(3)]
         assert [(m.body, m.traced) for m in got] == [
@@ -145,7 +145,7 @@ async def test_broker_records_the_hops_of_traced_frames(broker: Any) -> None:
             await a.call("B", "hop", {"x": 1})
             with pytest.raises(RemoteError):
                 await a.call("B", "broken")
-            a.send("C", b"one-way")
+            await a.send("C", b"one-way")
         answer: dict[str, Any] = {}
         with trio.fail_after(5):
             while len(answer.get("hops", ())) < 8:

@@ -16,6 +16,17 @@ try:
     from msgq_trio.protocol import _speedups
 except ImportError:
     _speedups = None  # type: ignore[assignment]
+else:
+    # As tests/protocol/test_speedups.py: also under MSGQ_TRIO_PURE_PYTHON=1, where the
+    # package does not wire the extension (init records the fallbacks, installs nothing).
+    _speedups.init(
+        Frame,
+        Run,
+        framing._VALID_MASK,
+        int(FrameType.MESSAGE),
+        framing._body_py,
+        framing._encode_small_bytes_py,
+    )
 
 STAMP = b"l.7\0sender"
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
