@@ -107,21 +107,25 @@ async def run_trace(args: argparse.Namespace) -> int:
         params = json.loads(args.params)
     except ValueError as exc:
         raise CliUsageError(f"PARAMS is not JSON ({exc}): {args.params[:60]!r}") from None
-    async with connect(args.socket, name="msgq-trio-trace", **connect_options(args)) as bus:
-        status = 0
-        with start_trace() as root:
-            try:
-                value = await bus.call(args.target, args.command, params, timeout=args.timeout)
-                print(f"result: {json.dumps(value, default=repr)}")
-            except RpcError as exc:
-                print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-                status = EXIT_FAILED
-            except MsgqError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                status = EXIT_FAILED
-        if args.wait > 0:
-            await trio.sleep(args.wait)
-        answer = await bus.call("msgq", "trace", {"trace_id": root.trace_id})
+    try:
+        async with connect(args.socket, name="msgq-trio-trace", **connect_options(args)) as bus:
+            status = 0
+            with start_trace() as root:
+                try:
+                    value = await bus.call(args.target, args.command, params, timeout=args.timeout)
+                    print(f"result: {json.dumps(value, default=repr)}")
+                except RpcError as exc:
+                    print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+                    status = EXIT_FAILED
+            if args.wait > 0:
+                await trio.sleep(args.wait)
+            answer = await bus.call("msgq", "trace", {"trace_id": root.trace_id})
+    except RpcError as exc:  # the broker refused the trace command
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except MsgqError as exc:  # no broker, connection lost
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(answer))
     else:

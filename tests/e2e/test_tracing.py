@@ -193,6 +193,29 @@ async def test_cli_trace_prints_the_tree(broker: Any) -> None:
             raw = await trio.run_process(
                 [*cli, "--json", "--wait", "0", "B", "hop", "3"], capture_stdout=True, env=env
             )
+            nobody = await trio.run_process(
+                [*cli, "--wait", "0", "nobody", "x"],
+                capture_stdout=True,
+                capture_stderr=True,
+                env=env,
+                check=False,
+            )
+            no_broker = await trio.run_process(
+                [*cli[:-1], str(broker.path) + ".gone", "B", "hop"],
+                capture_stdout=True,
+                capture_stderr=True,
+                env=env,
+                check=False,
+            )
+    # A failed call: its error, and still its hops.
+    assert nobody.returncode == 1
+    assert nobody.stderr.decode().startswith("error: no-recipient: ")
+    assert "request x  msgq-trio-trace (" in nobody.stdout.decode()
+    assert "[no-recipient]" in nobody.stdout.decode()
+    # No broker: one line naming the problem, no traceback.
+    assert no_broker.returncode == 1
+    assert no_broker.stderr.decode().startswith("error: cannot connect to the broker at ")
+    assert "Traceback" not in no_broker.stderr.decode()
     out = done.stdout.decode()
     lines = out.splitlines()
     assert lines[0].startswith("result: {")
