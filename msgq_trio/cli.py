@@ -55,6 +55,7 @@ _CLIENTS = (
     "pipe",
     "queue",
     "introspect",
+    "trace",
 )
 #: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
 #: a flag given before the subcommand is not reset by the subcommand's copy).
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .ops.introspect_cli import add_call_check_arguments, add_introspect_arguments
     from .ops.queue_cli import add_queue_arguments
     from .ops.serve import add_serve_arguments
+    from .ops.trace_cli import add_trace_arguments
     from .protocol.framing import SPEEDUPS
 
     parser = _Parser(
@@ -199,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the answer (default: the broker's request deadline)",
     )
     add_call_check_arguments(p)
+
+    p = sub.add_parser(
+        "trace", help="make one traced call and print the tree of its hops with their times"
+    )
+    add_trace_arguments(p)
 
     p = sub.add_parser("notify", help="publish a notification")
     p.add_argument("group", help="the group to notify")
@@ -378,6 +385,8 @@ def _main(argv: list[str]) -> int:
             from .ops.ctl_client import run_dump as runner
         elif args.cmd == "queue":
             from .ops.queue_cli import run_queue as runner
+        elif args.cmd == "trace":
+            from .ops.trace_cli import run_trace as runner
         elif args.cmd == "pipe":
             runner = _pipe_command
         else:

@@ -130,6 +130,13 @@ class Limits:
     * ``max_command_codes`` 16 per pair: the error codes a pair counts its callee's
       errors under (a callee chooses its codes; the protocol's own are 14); past it they
       are counted under ``other``.
+    * ``trace_max_traces`` 256 and ``trace_max_hops`` 128: the hops of traced frames the
+      broker keeps for the command ``trace`` (``msgq-trio trace``, core/traces.py): the
+      oldest trace is forgotten first, hops past the bound are counted only. A trace is
+      read right after its call, so the table holds the traces in flight and the last
+      few; 32,768 hops of a few hundred bytes are a few MiB at most (Zipkin's in-memory
+      collector, also a debugging store, keeps 500,000 spans, ``MEM_MAX_SPANS``).
+      Untraced traffic never enters it.
     """
 
     max_frame_size: int = attrs.field(default=DEFAULT_MAX_FRAME_SIZE, validator=_positive)
@@ -154,6 +161,8 @@ class Limits:
     max_pattern_tokens: int = attrs.field(default=16, validator=_positive)
     max_command_stats: int = attrs.field(default=1024, validator=_positive)
     max_command_codes: int = attrs.field(default=16, validator=_positive)
+    trace_max_traces: int = attrs.field(default=256, validator=_positive)
+    trace_max_hops: int = attrs.field(default=128, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_size > ABSOLUTE_MAX_FRAME_SIZE:

@@ -45,6 +45,10 @@ EXPECTED = {
         "msgq_trio.client.pipe.PipeWriter",
         "msgq_trio.client.pipe.PipeWriter.write",
     ],
+    "tracing.html": [
+        "msgq_trio.client.tracing.start_trace",
+        "msgq_trio.client.tracing.continued",
+    ],
     "errors.html": [
         "msgq_trio.errors.RpcError",
         "msgq_trio.errors.NoRecipient",

@@ -33,6 +33,12 @@ EXPECTED = {
         "bad-request {'param': 'zone_class'}",
         "get_zone_count ['zone_class: str', 'verbose: bool'] -> int",
     ],
+    12: [
+        "There are 42 zones",
+        "request loadzones cmdctl -> Auth",
+        "request get_zone_count Auth -> ZoneMgr",
+        "reply - ZoneMgr -> l.",
+    ],
 }
 
 

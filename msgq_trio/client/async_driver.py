@@ -46,6 +46,7 @@ from .session import (
     SessionView,
     never_suspends,
 )
+from .tracing import traced_handler
 
 __all__ = ["AsyncDriver", "Handler"]
 
@@ -416,6 +417,8 @@ class AsyncDriver(SessionView, LoopServices):
         and so is an ``async`` one whose code has no ``await`` (it cannot suspend:
         :func:`~msgq_trio.client.session.never_suspends`); any other ``async`` one
         returns an awaitable, which a task of its own awaits."""
+        if msg.traced:  # run it in the request's trace (client/tracing.py)
+            handler = traced_handler(handler, msg.header, msg.command or "")
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

@@ -39,6 +39,7 @@ from .session import (
     SessionView,
     goodbye_error,
 )
+from .tracing import traced_handler
 
 __all__ = ["DEFAULT_MAX_BUFFERED", "BlockingSocket", "dial"]
 
@@ -303,6 +304,8 @@ class BlockingSocket(SessionView):
         assert handler is not None  # no inline handlers on this driver
         error: Exception | None = None
         result: Any = None
+        if msg.traced:  # run it in the request's trace (client/tracing.py)
+            handler = traced_handler(handler, msg.header, msg.command or "")
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

@@ -5,6 +5,7 @@ batches, relayed traffic, descriptors), without I/O: mixed into
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from ..protocol.errors import LocalProtocolError
 from ..protocol.framing import (
     FdBuffer,
     close_fds,
+    decode_cbor,
     encode_bytes_message,
     encode_cbor,
     encode_frame,
@@ -28,6 +30,7 @@ from .message import (
     Buffer,
     dup_all,
 )
+from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, active, outgoing
 from .wire import MESSAGE as _MESSAGE
 from .wire import NOTIFY as _NOTIFY
 from .wire import REQUEST as _REQUEST
@@ -38,6 +41,9 @@ __all__ = ["Encoders"]
 
 #: Encoded targets cached per connection (bounded, like every cache here).
 TARGET_CACHE_MAX = 4096
+_current_trace = CURRENT.get
+_modules = sys.modules
+_OTEL = OTEL_MODULE
 
 
 class Encoders:
@@ -97,12 +103,20 @@ class Encoders:
             UsageError: ``body`` or ``header`` cannot be encoded, a section is too long,
                 or a descriptor cannot be sent.
         """
+        flags = 0
+        if _current_trace() is not None or _OTEL in _modules:
+            out = outgoing(f"send {target}", "producer")
+            if out is not None:
+                out.end()  # a one-way frame's span is over once it is sent
+                header = {**header, **out.fields} if header else out.fields
+                flags = FLAG_TRACED
         try:
-            if attachments or fds or on_behalf_of:
+            if attachments or fds or on_behalf_of or flags:
                 self.target(target)  # refuses a pattern
                 pieces = encode_frame(
                     _MESSAGE,
                     target=target,
+                    flags=flags,
                     header=encode_cbor(header) if header else b"",
                     body=encode_cbor(body) if body is not None else b"",
                     blobs=attachments,
@@ -132,6 +146,8 @@ class Encoders:
         Raises:
             UsageError: ``target`` is malformed, or the frame would be too large.
         """
+        if (_current_trace() is not None or _OTEL in _modules) and active():
+            return self.encode_message(target, body)  # it carries the trace context
         try:
             tb = self._targets.get(target) or self.target(target)
             no_join = self._no_join
@@ -159,6 +175,8 @@ class Encoders:
             raise UsageError(f"cannot send to {target!r}: {exc}") from exc
         stamp = self.stamp
         no_join = self._no_join
+        if (_current_trace() is not None or _OTEL in _modules) and active():
+            no_join = 0  # every message through encode_message, which traces it
         out: list[Buffer] = []
         run: list[bytes] = []
         for i, body in enumerate(bodies):
@@ -186,16 +204,34 @@ class Encoders:
         Raises:
             UsageError: ``params`` cannot be encoded, or a section is too long.
         """
+        head: dict[str, object] = {"event": event}
+        flags = 0
+        if _current_trace() is not None or _OTEL in _modules:
+            out = outgoing(f"{event} {group}", "producer")
+            if out is not None:
+                out.end()
+                head.update(out.fields)
+                flags = FLAG_TRACED
         try:
             self.target(group)  # refuses a pattern
             return encode_frame(
                 _NOTIFY,
                 target=group,
-                header=encode_cbor({"event": event}),
+                flags=flags,
+                header=encode_cbor(head),
                 body=encode_cbor(params) if params is not None else b"",
             )
         except LocalProtocolError as exc:
             raise UsageError(str(exc)) from exc
+
+    @staticmethod
+    def traced_request_header(head: bytes, fields: dict[str, object]) -> bytes:
+        """A REQUEST header (``head``, from :func:`request_header`) with the trace
+        ``fields`` added."""
+        value = decode_cbor(head, "header")
+        assert isinstance(value, dict)
+        value.update(fields)
+        return encode_cbor(value)
 
     def encode_ping(self) -> list[Buffer]:
         """A ``ping`` to the broker whose answer is ignored (never registered as a call):

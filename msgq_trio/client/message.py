@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from ..errors import MalformedMessage, MsgqError, UsageError
-from ..protocol.codes import FrameType
+from ..protocol.codes import Flag, FrameType
 from ..protocol.errors import RemoteProtocolError
 from ..protocol.framing import Frame, body_getter, close_fds, slot_maker
 
@@ -26,6 +26,7 @@ Sources = dict[bytes, tuple[str, str, str, str | None]]
 #: client hears from; a bound, like every cache here).
 SOURCE_CACHE_MAX = 65536
 
+_FLAG_TRACED = int(Flag.TRACED)
 _KIND: dict[int, str] = {
     FrameType.MESSAGE: "message",
     FrameType.NOTIFY: "notification",
@@ -145,6 +146,12 @@ class Message:
         """The event name of a notification (None for other kinds)."""
         ev = self.header.get("event")
         return ev if isinstance(ev, str) else None
+
+    @property
+    def traced(self) -> bool:
+        """Whether the sender marked this frame as carrying a trace context (header
+        ``traceparent``; docs/PROTOCOL.md, "Trace context")."""
+        return bool(self._frame.flags & _FLAG_TRACED)
 
     @property
     def command(self) -> str | None:

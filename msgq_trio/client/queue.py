@@ -28,6 +28,7 @@ from ..errors import RemoteError, UsageError
 from ..protocol.codes import ErrorCode
 from .queue_consumer import Consumer
 from .queue_message import DEFAULT_GROUP, QueueMessage, _Delivery
+from .tracing import producing
 
 if TYPE_CHECKING:
     from .queue_bus import QueueBus as Bus
@@ -125,11 +126,17 @@ class Queue:
             UsageError: not prepared (see :meth:`prepare`) and no ``seq`` given.
         """
         seq = self._take_seqs(1, seq)
-        wait = self._bus.start_call(
-            self.group,
-            "put",
-            {"queue": self.name, "producer": self.producer, "seq": seq, "body": cbor2.dumps(body)},
-        )
+        with producing():  # (a PRODUCER span when traced with OpenTelemetry)
+            wait = self._bus.start_call(
+                self.group,
+                "put",
+                {
+                    "queue": self.name,
+                    "producer": self.producer,
+                    "seq": seq,
+                    "body": cbor2.dumps(body),
+                },
+            )
 
         async def result() -> str:
             return str(await wait())
@@ -151,16 +158,17 @@ class Queue:
         """
         first = self._take_seqs(len(bodies), first_seq)
         dumps = cbor2.dumps
-        wait = self._bus.start_call(
-            self.group,
-            "put_many",
-            {
-                "queue": self.name,
-                "producer": self.producer,
-                "first_seq": first,
-                "bodies": [dumps(b) for b in bodies],
-            },
-        )
+        with producing():
+            wait = self._bus.start_call(
+                self.group,
+                "put_many",
+                {
+                    "queue": self.name,
+                    "producer": self.producer,
+                    "first_seq": first,
+                    "bodies": [dumps(b) for b in bodies],
+                },
+            )
 
         async def result() -> dict[str, int]:
             return dict(await wait())
@@ -175,6 +183,7 @@ class Queue:
         producer: str | None = None,
         timeout: float | None = None,
         after: int | None = None,
+        traces: Sequence[str | None] | None = None,
     ) -> Callable[[], Awaitable[dict[str, int]]]:
         """Send already CBOR-encoded bodies with explicit producer seqs, now and
         synchronously; ``await wait()`` gives the counts :meth:`put_many` returns. The
@@ -192,6 +201,9 @@ class Queue:
                 put (``RemoteError`` code ``out-of-order``, nothing accepted) unless that
                 one arrived. Pipelined puts need it: one overtaking a failed earlier put
                 would otherwise make the earlier messages look like duplicates.
+            traces: the W3C traceparent each message was put with (``QueueMessage.
+                trace_header``), or None: the next queue keeps it (a message's trace
+                goes on through a link).
 
         Raises:
             UsageError: ``seqs`` do not match ``encoded`` or do not increase.
@@ -209,6 +221,10 @@ class Queue:
         }
         if after is not None:
             params["after"] = after
+        if traces is not None and any(traces):
+            if len(traces) != len(seq_list):
+                raise UsageError("traces must have one entry per body")
+            params["traces"] = list(traces)
         wait = self._bus.start_call(self.group, "put_many", params, timeout=timeout)
 
         async def result() -> dict[str, int]:

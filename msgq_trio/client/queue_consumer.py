@@ -16,6 +16,7 @@ from ..errors import (
     UsageError,
 )
 from .mailbox import Mailbox
+from .tracing import delivered_traces
 
 if TYPE_CHECKING:
     from .message import Message
@@ -99,7 +100,12 @@ def _on_deliver(bus: Bus, request: Message) -> None:
     origins = None
     if type(producers) is list and type(seqs) is list and len(producers) == len(ids) == len(seqs):
         origins = list(zip(producers, seqs, strict=True))
-    box.put_many(QueueMessage._many(_Delivery(bus, name, consumer), ids, bodies, counts, origins))
+    traces = p.get("traces")
+    if traces is not None:
+        traces = delivered_traces(traces, len(ids), f"deliver {name}")
+    box.put_many(
+        QueueMessage._many(_Delivery(bus, name, consumer), ids, bodies, counts, origins, traces)
+    )
     bus.answer(request, True)
 
 

@@ -81,13 +81,15 @@ class QueueMessage:
             ``consume(ids=True)``, else None.
     """
 
-    __slots__ = ("_d", "_done", "_origin", "_raw", "_value", "deliveries", "id")
+    __slots__ = ("_d", "_done", "_origin", "_raw", "_trace", "_value", "deliveries", "id")
 
     _d: _Delivery
     _done: bool
     #: (producer, producer seq) for ``consume(ids=True)``, else None
     _origin: tuple[str, int] | None
     _raw: bytes
+    #: the W3C traceparent it was put with (a traced put), else None
+    _trace: str | None
     _value: Any
     deliveries: int
     id: int
@@ -100,6 +102,7 @@ class QueueMessage:
         bodies: list[bytes],
         counts: list[int],
         origins: list[tuple[str, int]] | None = None,
+        traces: list[str | None] | None = None,
     ) -> list[QueueMessage]:
         """The messages of one delivery (columns of equal length). No ``__init__``: the
         fields are set here, which halves the cost per message."""
@@ -115,12 +118,22 @@ class QueueMessage:
             m._value = _UNDECODED
             m._done = False
             m._origin = origins[i] if origins is not None else None
+            m._trace = traces[i] if traces is not None else None
             append(m)
         return out
 
     @property
     def queue(self) -> str:
         return self._d.queue
+
+    @property
+    def trace_header(self) -> dict[str, object]:
+        """The trace context the message was put with, as a header
+        (``{"traceparent": ...}``; empty for an untraced put): ``with
+        msgq_trio.client.tracing.continued(m.trace_header):`` processes it in its trace,
+        so what the block sends belongs to that trace (docs/PROTOCOL.md, "Trace
+        context"). With OpenTelemetry it names the consumer span of its delivery."""
+        return {"traceparent": self._trace} if self._trace else {}
 
     @property
     def producer(self) -> str | None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +72,7 @@ from .message import (
     split_source,
 )
 from .reconnect import Reconnect
+from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, SPAN_KIND, Outgoing, outgoing
 from .wire import ERROR as _ERROR
 from .wire import FLAG_ALL as _FLAG_ALL
 from .wire import GOODBYE as _GOODBYE
@@ -81,6 +83,9 @@ from .wire import REQUEST as _REQUEST
 from .wire import ROUTED as _ROUTED
 
 log = logging.getLogger("msgq_trio.client")
+_current_trace = CURRENT.get
+_modules = sys.modules
+_OTEL = OTEL_MODULE
 
 __all__ = [
     "CLOSE_WAIT",
@@ -248,6 +253,9 @@ class Session(Encoders, HandlerContract):
         self._next_rid = 0
         self._no_join = no_join
         self._wake = wake
+        #: The OpenTelemetry spans of traced calls in flight, by request id
+        #: (client/tracing.py): :meth:`finish` ends them.
+        self.call_spans: dict[int, Outgoing] = {}
 
     # -- handshake -------------------------------------------------------------------
     def hello(self, extra: dict[str, object] | None = None) -> list[Buffer]:
@@ -437,9 +445,16 @@ class Session(Encoders, HandlerContract):
         head = request_header(command, timeout)  # UsageError before anything is sent
         source = self.relay_stamp(on_behalf_of) if on_behalf_of else self.stamp
         rid = self._next_rid + 1
+        traced = None
+        if _current_trace() is not None or _OTEL in _modules:
+            traced = outgoing(f"{command} {target}", SPAN_KIND.get())
+            if traced is not None:
+                head = self.traced_request_header(head, traced.fields)
         try:
             body = encode_cbor(params) if params is not None else b""
             flags = _FLAG_ALL if multi else 0
+            if traced is not None:
+                flags |= FLAG_TRACED
             if attachments or fds:
                 self.target(target)  # refuses a pattern
                 pieces = encode_frame(
@@ -457,10 +472,14 @@ class Session(Encoders, HandlerContract):
                 tb = self._targets.get(target) or self.target(target)
                 pieces = [encode_simple(_REQUEST, tb, body, head, rid, flags, source)]
         except LocalProtocolError as exc:
+            if traced is not None:
+                traced.end(exc)
             raise UsageError(f"cannot call {command!r} on {target!r}: {exc}") from exc
         if fds:
             pieces = self.attach_fds(pieces, fds)
         self._next_rid = rid
+        if traced is not None and traced.span is not None:
+            self.call_spans[rid] = traced  # ended by finish()
         deadline = None if timeout is None else now + timeout + LOCAL_GRACE
         call = PendingCall(rid, target, multi, timeout, deadline, self._wake)
         self.calls[rid] = call
@@ -493,6 +512,10 @@ class Session(Encoders, HandlerContract):
         """Forget ``call`` (its caller has its outcome, or gave up): a later answer is
         dropped."""
         self.calls.pop(call.request_id, None)
+        if self.call_spans:
+            traced = self.call_spans.pop(call.request_id, None)
+            if traced is not None:
+                traced.end(call.error)
 
     # -- the one dispatch --------------------------------------------------------------
     def handle(self, frame: Frame) -> Event:

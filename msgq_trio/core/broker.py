@@ -38,6 +38,7 @@ from .relay import Relays
 from .router import ANYCAST, Router
 from .rpc import Failure, PendingReplies
 from .tap import TapFn, TapRunFn, Taps
+from .traces import Traces
 from .users import Users, quota_message
 
 log = logging.getLogger("msgq_trio.broker")
@@ -77,6 +78,7 @@ class Broker:
         #: What the core decided for the I/O layer (see :class:`~.effects.Effects`).
         self.effects = Effects()
         self.taps = Taps()
+        self.traces = Traces(limits.trace_max_traces, limits.trace_max_hops)
         #: Called as ``on_disconnect(peer, reason)`` once per peer when it is forgotten
         #: (operations: lifetime counters for metrics, ending a dump). None = nothing.
         self.on_disconnect: Callable[[Peer, str], None] | None = None
@@ -127,6 +129,8 @@ class Broker:
         self.rpc.stats.max_pairs = limits.max_command_stats
         self.rpc.stats.max_codes = limits.max_command_codes
         self.delivery.recap()
+        self.traces.max_traces = limits.trace_max_traces
+        self.traces.max_hops = limits.trace_max_hops
 
     @property
     def tap(self) -> TapFn | None:

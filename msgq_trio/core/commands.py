@@ -54,6 +54,7 @@ class BrokerCommands:
             "ping": lambda _peer, _params: "pong",
             "bind": self._bind,
             "unbind": self._unbind,
+            "trace": self._trace,
         }
 
     def run(self, peer: Peer, frame: Frame, command: str) -> None:
@@ -187,6 +188,22 @@ class BrokerCommands:
     def _unbind(self, peer: Peer, params: object) -> bool:
         """``unbind {"group"}``: end ``peer``'s binding; False if it held none."""
         return self._broker.relays.unbind(peer, self._group_param(params))
+
+    def _trace(self, peer: Peer, params: object) -> dict[str, object]:
+        """``trace {"trace_id": 32 hex digits}``: the hops of that trace the broker
+        recorded (core/traces.py; docs/PROTOCOL.md, "Trace context"). A client an
+        access policy restricts may not read them: hops name other clients and their
+        commands."""
+        tid = params.get("trace_id") if isinstance(params, dict) else None
+        if not isinstance(tid, str) or len(tid) != 32 or not set(tid) <= set("0123456789abcdef"):
+            raise CommandError(
+                ErrorCode.BAD_REQUEST, "params must be {'trace_id': 32 lowercase hex digits}"
+            )
+        if peer.acl is not None:
+            raise CommandError(
+                ErrorCode.FORBIDDEN, self._broker.refuse(peer, "read the hops of trace", tid)
+            )
+        return self._broker.traces.hops(tid)
 
     def _version(self, _peer: Peer, _params: object) -> dict[str, object]:
         return {"broker": self._broker.version, "protocol": PROTOCOL_VERSION}

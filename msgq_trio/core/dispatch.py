@@ -50,6 +50,7 @@ _NOTIFY = FrameType.NOTIFY
 #: A plain int: ``frame.flags & Flag.ALL`` would go through enum.Flag.__and__, which is
 #: far slower than an int's and runs per routed frame.
 _FLAG_ALL = int(Flag.ALL)
+_FLAG_TRACED = int(Flag.TRACED)
 
 
 class Dispatcher:
@@ -64,6 +65,7 @@ class Dispatcher:
         self.taps = broker.taps
         self.stats = broker.stats
         self._command_stat = broker.rpc.stats.entry
+        self.traces = broker.traces
         self._close_fd = broker.close_fd
         # What every batch uses, bound once (these objects live as long as the broker):
         # the hot path pays one attribute lookup each, per batch.
@@ -140,6 +142,8 @@ class Dispatcher:
                         fds = ()
                     if tap is not None and outcome:
                         tap(peer, frame, outcome[0], outcome[1])
+                    if frame.flags & _FLAG_TRACED and outcome:
+                        self.traces.frame(peer, frame, outcome[0], now)  # (core/traces.py)
                     if not peer.alive:
                         self._close_frames_fds(frames[i + 1 :])
                         break
@@ -238,6 +242,8 @@ class Dispatcher:
                 )
                 if tap is not None:
                     tap(peer, frame, "delivered" if n else "no-recipient", n)
+                if frame.flags & _FLAG_TRACED:
+                    self.traces.frame(peer, frame, "delivered" if n else "no-recipient", now)
         except BaseException:
             if fds:
                 self._close_fds(fds)
@@ -455,6 +461,8 @@ class Dispatcher:
                     source=r.stamp,
                 )
         if delivered:
+            if frame.flags & _FLAG_TRACED:
+                self.traces.delivered_to = delivered  # for its hop (handle_many records it)
             self.rpc.add(peer, rid, delivered, now + timeout, frame.target, command, stat, now)
             return "delivered", len(delivered)
         return "refused", 0
@@ -522,6 +530,8 @@ class Dispatcher:
         self.delivery.send_or_kick(
             caller, stamped(frame, peer.stamp), "an answer it asked for", frame.fds
         )
+        if self.traces.calls:  # some traced request waits for its answer
+            self.traces.answer(caller, peer, frame, now)
         return "forwarded"
 
 

@@ -21,6 +21,7 @@ from .relay import Relays
 from .router import Router
 from .rpc import PendingReplies
 from .tap import Taps
+from .traces import Traces
 
 
 class CommandRunner(Protocol):
@@ -38,6 +39,7 @@ class BrokerHost(Protocol):
     relays: Relays
     delivery: Delivery
     taps: Taps
+    traces: Traces
     stats: dict[str, int]
     policy: Policy | None
     close_fd: Callable[[int], None]

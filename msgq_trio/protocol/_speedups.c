@@ -42,11 +42,12 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 6
+#define SPEEDUPS_API 7 /* 7: a TRACED message never joins a run */
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
 #define SEEN_FDS (1ULL << 32)
+#define FLAG_TRACED 2 /* Flag.TRACED (protocol/codes.py) */
 #define FRAME_FIELDS 14
 
 static PyTypeObject *frame_type = NULL; /* framing.Frame (a tuple subclass) */
@@ -376,7 +377,8 @@ static PyObject *scan(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         const Py_ssize_t total = 4 + (Py_ssize_t)length; /* <= end - pos: no overflow */
         seen |= (1ULL << ftype) | (nfds ? SEEN_FDS : 0);
         Py_ssize_t tstart = pos + PREFIX_SIZE;
-        if (slen == slen_run && ftype == message_type && !nfds && tlen &&
+        /* (TRACED: a traced message is a hop of its own, as in the Python loop) */
+        if (slen == slen_run && ftype == message_type && !nfds && !(flags & FLAG_TRACED) && tlen &&
             memcmp(b + tstart + tlen, src, (size_t)slen) == 0) {
             if (run_n && tlen == run_tlen && memcmp(b + tstart, b + run_tstart, (size_t)tlen) == 0) {
                 run_n++;

@@ -32,6 +32,9 @@ class Flag(enum.IntFlag):
     NONE = 0
     #: REQUEST to a group: every member answers (the caller gets one answer per member).
     ALL = 1
+    #: The header carries a W3C ``traceparent`` (docs/PROTOCOL.md, "Trace context"): the
+    #: broker records the frame's hop without decoding the header of an untraced one.
+    TRACED = 2
 
 
 class ErrorCode(enum.StrEnum):

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
-from .codes import ErrorCode, FrameType
+from .codes import ErrorCode, Flag, FrameType
 from .encode import (
     _encode_small_bytes_py,
     cbor_bytes_head,
@@ -125,6 +125,8 @@ def _new_body_py(n: int) -> tuple[bytes | bytearray, memoryview]:
 #: :func:`_new_body_py`, or the compiled ``new_bytes`` (see :data:`SPEEDUPS`).
 _new_body: Callable[[int], tuple[bytes | bytearray, memoryview]] = _new_body_py
 SEEN_FDS = 1 << 32
+#: A traced frame (docs/PROTOCOL.md, "Trace context") never joins a run.
+_TRACED = int(Flag.TRACED)
 _SEEN_ALL = (1 << 33) - 1  # after an error: make no claim about the frames returned
 
 
@@ -141,13 +143,14 @@ def _scan_loop_py(
 ) -> tuple[int, int, bool]:
     """The fast loop of :meth:`FrameParser._scan`: complete, plain frames from ``pos`` on.
 
-    Appends a :class:`Frame` per frame (or a :class:`Run` per run of MESSAGE frames that
-    carry exactly ``source``; None: no runs) to ``out`` and stops before the first frame
-    that is incomplete, larger than ``limit`` (the maximum frame size - 4), has blobs or
-    fails a check: the careful path (:meth:`FrameParser.next_frame`) takes over there and
-    raises the error. Returns the new position, ``seen`` with the appended frames' bits,
-    and whether it stopped on a target that is not UTF-8 (the position is then that
-    frame's start if it would have begun a run, else its end).
+    Appends a :class:`Frame` per frame (or a :class:`Run` per run of MESSAGE frames
+    without the TRACED flag that carry exactly ``source``; None: no runs) to ``out`` and stops
+    before the first frame that is incomplete, larger than ``limit`` (the maximum frame
+    size - 4), has blobs or fails a check: the careful path
+    (:meth:`FrameParser.next_frame`) takes over there and raises the error. Returns the
+    new position, ``seen`` with the appended frames' bits, and whether it stopped on a
+    target that is not UTF-8 (the position is then that frame's start if it would have
+    begun a run, else its end).
 
     The reference for the compiled ``_speedups.scan``, which must do exactly this.
     """
@@ -184,6 +187,7 @@ def _scan_loop_py(
                 slen == slen_run
                 and ftype == _MESSAGE
                 and not nfds
+                and not flags & _TRACED  # a traced message is a hop of its own (core/traces.py)
                 and tlen
                 and startswith(source, tstart + tlen)  # type: ignore[arg-type]
             ):
@@ -765,7 +769,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 6
+_SPEEDUPS_API = 7  # 7: a TRACED message never joins a run
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False

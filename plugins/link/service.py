@@ -356,6 +356,8 @@ class Link:
                             producer=f"{self.source}/{producer}",
                             timeout=self.cfg.put_timeout,
                             after=last_sent.get(producer),
+                            # each message's trace goes on downstream (docs/PROTOCOL.md)
+                            traces=[_trace(m) for m in run],
                         )
                     except (ConnectionLost, MsgqError) as exc:
                         self._failed(f"cannot send: {exc}")
@@ -400,6 +402,11 @@ COUNTER_HELP = {
     "out_of_order": "sessions restarted for an older message after a newer one",
 }
 assert set(COUNTER_HELP) == set(COUNTERS)
+
+
+def _trace(m: QueueMessage) -> str | None:
+    tp = m.trace_header.get("traceparent")
+    return tp if isinstance(tp, str) else None
 
 
 def render_metrics(links: list[Link], now: float | None = None) -> str:

@@ -35,7 +35,7 @@ from msgq_trio.client.bus import Message
 from msgq_trio.errors import CommandFailed
 from msgq_trio.protocol.codes import ErrorCode
 
-from .model import KIND_BODY, KIND_MESSAGE, KIND_REQUEST, PAGE, READY, Queue
+from .model import KIND_BODY, KIND_MESSAGE, KIND_REQUEST, KIND_TRACED, PAGE, READY, Queue, body_of
 from .tasks import Engine
 
 __all__ = ["MAX_PEEK", "commands", "peek", "purge"]
@@ -48,7 +48,7 @@ BAD = str(ErrorCode.BAD_REQUEST)
 MAX_PEEK = 1000
 #: ``peek`` without ``n``: a screenful.
 DEFAULT_PEEK = 10
-KINDS = {KIND_BODY: "body", KIND_REQUEST: "request", KIND_MESSAGE: "message"}
+KINDS = {KIND_BODY: "body", KIND_REQUEST: "request", KIND_MESSAGE: "message", KIND_TRACED: "body"}
 
 Handler = Callable[[Any, Message], Awaitable[Any]]
 
@@ -72,6 +72,8 @@ def _split(data: bytes) -> tuple[bytes, int]:
     producer's CBOR, whole."""
     if not data or data[0] == KIND_BODY:
         return data[1:], 0
+    if data[0] == KIND_TRACED:
+        return body_of(data), 0
     fp = io.BytesIO(data)
     fp.seek(1)
     decoder = cbor2.CBORDecoder(fp)

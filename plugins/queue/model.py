@@ -25,8 +25,10 @@ __all__ = [
     "KIND_BODY",
     "KIND_MESSAGE",
     "KIND_REQUEST",
+    "KIND_TRACED",
     "PAGE",
     "READY",
+    "TRACEPARENT_LEN",
     "Consumer",
     "Deliver",
     "DupCount",
@@ -42,6 +44,37 @@ READY, INFLIGHT, DONE, DEAD = range(4)
 #: encoded it), a request to a bound group (CBOR [cmd, params]), a one-way message to a
 #: bound group (CBOR body).
 KIND_BODY, KIND_REQUEST, KIND_MESSAGE = b"B"[0], b"R"[0], b"M"[0]
+#: A queue-API body put by a traced request (docs/PROTOCOL.md, "Trace context"): the kind
+#: byte, the request's W3C ``traceparent`` (version 00: 55 ASCII characters), then the
+#: body as for :data:`KIND_BODY`. Deliveries hand the traceparent to the consumer.
+KIND_TRACED = b"T"[0]
+TRACEPARENT_LEN = 55
+
+
+def body_of(data: bytes) -> bytes:
+    """The body of a queue-API value (:data:`KIND_BODY` or :data:`KIND_TRACED`)."""
+    return data[1 + TRACEPARENT_LEN :] if data[0] == KIND_TRACED else data[1:]
+
+
+def trace_of(data: bytes) -> str | None:
+    """The traceparent a :data:`KIND_TRACED` value was put with, else None."""
+    return data[1 : 1 + TRACEPARENT_LEN].decode("ascii") if data[0] == KIND_TRACED else None
+
+
+def body_prefix(traceparent: object) -> bytes:
+    """What a queue-API body is stored after: the kind byte, and the ``traceparent`` of
+    the request that put it if it is a valid version-00 one (else it is not kept)."""
+    if type(traceparent) is str and len(traceparent) == TRACEPARENT_LEN:
+        parts = traceparent.split("-")
+        if (
+            len(parts) == 4
+            and parts[0] == "00"
+            and [len(x) for x in parts] == [2, 32, 16, 2]
+            and set(traceparent) <= set("0123456789abcdef-")
+        ):
+            return b"T" + traceparent.encode("ascii")
+    return b"B"
+
 
 #: Most messages one page-in reads: one short read transaction on the store thread, so a
 #: commit queued behind it waits little, and enough that paging a backlog takes few reads.

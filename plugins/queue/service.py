@@ -26,6 +26,7 @@ import cbor2
 import trio
 
 from msgq_trio.client.bus import Bus, Message
+from msgq_trio.client.tracing import continued
 from msgq_trio.errors import (
     CommandFailed,
     ConnectionLost,
@@ -36,7 +37,18 @@ from msgq_trio.errors import (
 from msgq_trio.protocol.codes import ErrorCode
 
 from . import admin
-from .model import KIND_BODY, KIND_REQUEST, Consumer, Msg, Queue, Waiter
+from .model import (
+    KIND_BODY,
+    KIND_REQUEST,
+    KIND_TRACED,
+    Consumer,
+    Msg,
+    Queue,
+    Waiter,
+    body_of,
+    body_prefix,
+    trace_of,
+)
 from .settings import parse_options
 from .tasks import Engine
 
@@ -241,7 +253,8 @@ class Service:
             producer = _str(params, "producer")
             seq = _int(params, "seq", lo=1)
 
-            self.engine.put(q, producer, [(seq, b"B" + body)], self._ack1(request))
+            kind = body_prefix(request.header.get("traceparent")) if request.traced else b"B"
+            self.engine.put(q, producer, [(seq, kind + body)], self._ack1(request))
 
         self._inline(request, run)
 
@@ -337,7 +350,14 @@ class Service:
                         {"stored": w.stored, "consumed": w.consumed, "duplicates": w.duplicates},
                     )
 
-            items = [(seq, b"B" + b) for seq, b in zip(seqs, bodies, strict=True)]
+            kind = body_prefix(request.header.get("traceparent")) if request.traced else b"B"
+            traces = params.get("traces")
+            if isinstance(traces, list) and len(traces) == len(bodies):
+                # Each message's own trace (a link forwards them): kept where valid.
+                kinds = [body_prefix(t) if t is not None else kind for t in traces]
+                items = [(seq, k + b) for seq, k, b in zip(seqs, kinds, bodies, strict=True)]
+            else:
+                items = [(seq, kind + b) for seq, b in zip(seqs, bodies, strict=True)]
             self.engine.put(q, producer, items, Waiter(len(items), done), after)
 
         self._inline(request, run)
@@ -363,7 +383,10 @@ class Service:
                 if c.ids:
                     params["producers"] = [m.producer for m in msgs]
                     params["seqs"] = [m.pseq for m in msgs]
-                wait = self.bus.start_call(c.lname, DELIVER, params)
+                if any(m.data[0] == KIND_TRACED for m in msgs):
+                    wait = self._deliver_traced(c, msgs, params)
+                else:
+                    wait = self.bus.start_call(c.lname, DELIVER, params)
                 self.nursery.start_soon(self._batch_delivery, q, c, msgs, wait)
                 return
             # A bound group's member: requests and one-way messages alike go out
@@ -381,6 +404,20 @@ class Service:
                 fwd.send_nowait((q, c, m))
         except ConnectionLost:
             return  # the plugin is going away; the messages stay stored
+
+    def _deliver_traced(
+        self, c: Consumer, msgs: list[Msg], params: dict[str, Any]
+    ) -> Callable[[], Awaitable[Any]]:
+        """Start a delivery of which some messages were put by traced requests: their
+        bodies without the traceparent, the traceparents as a column ``traces`` (None
+        for an untraced message), and the delivery request itself in the trace of the
+        first traced message, as a hop caused by its put (core/traces.py)."""
+        params["bodies"] = [body_of(m.data) for m in msgs]
+        traces = [trace_of(m.data) for m in msgs]
+        params["traces"] = traces
+        first = next(t for t in traces if t)
+        with continued({"traceparent": first}, f"deliver {params['queue']}", "producer"):
+            return self.bus.start_call(c.lname, DELIVER, params)
 
     async def _batch_delivery(
         self, q: Queue, c: Consumer, msgs: list[Msg], wait: Callable[[], Awaitable[Any]]
@@ -551,7 +588,7 @@ class Service:
                 # Nothing in memory but stored messages on disk: answer after a page-in.
                 self.nursery.start_soon(self._fetch_paged, request, q, c, n)
                 return
-            self.bus.answer(request, [[m.mid, m.data[1:], m.deliveries] for m in got])
+            self.bus.answer(request, [[m.mid, body_of(m.data), m.deliveries] for m in got])
 
         self._inline(request, run)
 
@@ -559,7 +596,7 @@ class Service:
         await self.engine.refill(q)
         got = self.engine.fetch(q, c, n, trio.current_time())
         try:
-            self.bus.answer(request, [[m.mid, m.data[1:], m.deliveries] for m in got])
+            self.bus.answer(request, [[m.mid, body_of(m.data), m.deliveries] for m in got])
         except ConnectionLost:
             self.engine.nack_many(got)
 
@@ -884,6 +921,9 @@ def decode_bound(data: bytes) -> Stored:
             unchecked until here).
     """
     kind = data[0]
+    if kind == KIND_TRACED:  # a put by a traced request, for the members as any put
+        data = b"B" + body_of(data)
+        kind = KIND_BODY
     fp = io.BytesIO(data)
     fp.seek(1)
     decoder = cbor2.CBORDecoder(fp)
