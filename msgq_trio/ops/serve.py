@@ -284,6 +284,9 @@ def serve_main(args: argparse.Namespace) -> int:
     logsetup.install_exception_hooks()
     tune_collector(config.gc_threshold)
     raise_fd_limit()
+    from ..io.housekeeping import tune_malloc
+
+    tune_malloc()
     try:
         # KeyboardInterrupt (before the signal receiver opens) only at checkpoints: one
         # raised elsewhere can leave a nursery half updated (ops/interrupt.py).
