@@ -53,7 +53,7 @@ FULL: dict[str, dict[str, Any]] = {
     "calls": {"clients": 1000, "active": 100, "rate": 20_000, "seconds": 10, "idle": 10_000},
     "fan-out": {"subs": 1000, "n": 2000},
     "routing": {"clients": 1000, "per": 100, "wild": 0.01, "n": 100_000},
-    "cost": {"clients": [1, 10, 100, 1000, 10_000], "n": 20_000},
+    "cost": {"clients": [1, 10, 100, 1000, 10_000], "n": 100_000},
     "large-cold": {"n": 100, "cold": 10},
 }
 QUICK: dict[str, dict[str, Any]] = {
