@@ -15,8 +15,10 @@ Workloads (``--workloads``, sizes: :data:`FULL`, ``--quick``: :data:`QUICK`):
   growth from subscribing, over the subscriptions). A system that refuses the pattern
   subscriptions is n/a.
 * ``cost``: for each count in ``clients``, that many connections each subscribed to a
-  name of its own, ``n`` messages cycling over them: the broker's CPU per delivered
-  message (the cost curve), its memory per idle connection and per subscription.
+  name of its own, ``n`` messages cycling over the first ``active`` of them (the same
+  traffic, so the same batching, whatever the count; the others are connected and
+  subscribed, idle): the broker's CPU per delivered message (the cost curve), its
+  memory per idle connection and per subscription.
 * ``large-cold``: ``n`` messages of 4 MiB through a fresh msgq_trio broker: MB/s over
   the first ``cold`` messages beside the rest's.
 
@@ -41,7 +43,7 @@ from msgq_trio._procs import cpu_seconds, raise_nofile, rss_kib
 from .common import RESULT, percentiles
 from .procs import Proc, RunTimeout, Service, WorkerFailed, wait_all
 from .systems import _start_msgq, _start_nats, _start_redis
-from .worker_scale import CONNECTED
+from .worker_scale import CONNECTED, RECEIVED
 
 SYSTEMS: dict[str, Callable[[Path], Service]] = {
     "msgq_trio": lambda d: _start_msgq(d, "", 0.0, serve_args=("--max-connections", "16384")),
@@ -53,14 +55,14 @@ FULL: dict[str, dict[str, Any]] = {
     "calls": {"clients": 1000, "active": 100, "rate": 20_000, "seconds": 10, "idle": 10_000},
     "fan-out": {"subs": 1000, "n": 2000},
     "routing": {"clients": 1000, "per": 100, "wild": 0.01, "n": 100_000},
-    "cost": {"clients": [1, 10, 100, 1000, 10_000], "n": 100_000},
+    "cost": {"clients": [1, 10, 100, 1000, 10_000], "active": 10, "n": 100_000},
     "large-cold": {"n": 100, "cold": 10},
 }
 QUICK: dict[str, dict[str, Any]] = {
     "calls": {"clients": 20, "active": 4, "rate": 400, "seconds": 1, "idle": 50},
     "fan-out": {"subs": 20, "n": 50},
     "routing": {"clients": 10, "per": 10, "wild": 0.1, "n": 500},
-    "cost": {"clients": [1, 20], "n": 500},
+    "cost": {"clients": [1, 20], "active": 10, "n": 500},
     "large-cold": {"n": 12, "cold": 4},
 }
 SIZE = 100
@@ -192,8 +194,9 @@ def fan_out(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()
-        wait_all([pub, *members], RESULT, run.deadline)
+        wait_all(members, RECEIVED, run.deadline)
         cpu = run.cpu() - cpu0
+        wait_all([pub, *members], RESULT, run.deadline)
         res = [p.result or {} for p in members]
         total = sum(r["total"] for r in res)
         last = max(t for r in res for t in r["last"])
@@ -250,8 +253,9 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()
-        wait_all([pub, *procs], RESULT, run.deadline)
+        wait_all(procs, RECEIVED, run.deadline)
         cpu = run.cpu() - cpu0
+        wait_all([pub, *procs], RESULT, run.deadline)
         res = [p.result or {} for p in procs]
         last = max(t for r in res for t in r["last"])
         start = pub.result["start"]  # type: ignore[index]
@@ -269,7 +273,8 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
 
 
 def _routed_share(clients: int, n: int, base: int, cnt: int) -> int:
-    return _routed_to(base, cnt, clients, n)
+    """:func:`_routed_to` of the connections among the first ``clients`` only."""
+    return _routed_to(base, max(0, min(cnt, clients - base)), clients, n)
 
 
 def _routed_to(base: int, cnt: int, clients: int, n: int) -> int:
@@ -281,23 +286,25 @@ def _routed_to(base: int, cnt: int, clients: int, n: int) -> int:
 def cost(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for clients in prm["clients"]:
-        n = max(prm["n"], clients)
+        n = prm["n"]
+        active = min(clients, prm["active"])
         run = Run(system, timeout)
         try:
             rss0 = run.rss()
-            procs = _members(run, clients, functools.partial(_routed_share, clients, n), per=1)
+            procs = _members(run, clients, functools.partial(_routed_share, active, n), per=1)
             time.sleep(0.2)
             rss1 = run.rss()
             _go_members(run, procs)
             time.sleep(0.2)
             rss2 = run.rss()
-            targets = [f"s.{i}.0" for i in range(clients)]
+            targets = [f"s.{i}.0" for i in range(active)]
             pub = run.worker("publisher", role="publisher", targets=targets, n=n, size=SIZE)
             wait_all([pub], "READY", run.deadline)
             cpu0 = run.cpu()
             pub.go()
-            wait_all([pub, *procs], RESULT, run.deadline)
+            wait_all(procs, RECEIVED, run.deadline)
             cpu = run.cpu() - cpu0
+            wait_all([pub, *procs], RESULT, run.deadline)
             delivered = sum((p.result or {}).get("total", 0) for p in procs)
             out[str(clients)] = {
                 "broker_cpu_us_per_delivery": 1e6 * cpu / max(1, delivered),

@@ -44,6 +44,8 @@ from .common import Deadline, Spec, payloads, ready, wait_go, worker_main
 ECHO = "bench.echo"
 #: What ``members`` prints once connected, before it subscribes (after GO).
 CONNECTED = "CONNECTED"
+#: What ``members`` prints once it has received all it expects (or the deadline passed).
+RECEIVED = "RECEIVED"
 #: Connections opened at once while setting up (each a handshake).
 OPEN_BATCH = 100
 
@@ -456,6 +458,9 @@ async def _members(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
         return lambda: ad.receive(conns[i], counter(i))
 
     await loop.race([receiver(i) for i in range(n)], lambda: total >= expect, deadline)
+    # Before the connections close: the parent reads the broker's CPU time here, so that
+    # tearing thousands of connections down is not counted as routing.
+    print(RECEIVED, flush=True)
     return {
         "counts": counts,
         "last": last,

@@ -19,7 +19,7 @@ TINY: dict[str, dict[str, Any]] = {
     "calls": {"clients": 6, "active": 2, "rate": 100, "seconds": 0.5, "idle": 10},
     "fan-out": {"subs": 5, "n": 20},
     "routing": {"clients": 4, "per": 5, "wild": 0.2, "n": 100},
-    "cost": {"clients": [5], "n": 100},
+    "cost": {"clients": [5], "active": 2, "n": 100},
     "large-cold": {"n": 6, "cold": 3},
 }
 
