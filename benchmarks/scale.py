@@ -242,14 +242,9 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
             return {"status": "n/a", "why": why}
         time.sleep(0.2)
         rss2 = run.rss()
-        from .worker_scale import names_of
-
-        targets = []
-        for j in range(per):
-            for i in range(clients):
-                literal, patterns = names_of(i, per, wild)
-                targets.append(patterns[j][1] if j < wild else literal[j - wild])
-        pub = run.worker("publisher", role="publisher", targets=targets, n=n, size=SIZE)
+        # The publisher lists the names itself (100,000 would not fit in its argv).
+        layout = {"clients": clients, "per": per, "wild": wild}
+        pub = run.worker("publisher", role="publisher", layout=layout, n=n, size=SIZE)
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()

@@ -61,6 +61,16 @@ def names_of(i: int, per: int, wild: int) -> tuple[list[str], list[tuple[str, st
     return literal, patterns
 
 
+def routing_targets(clients: int, per: int, wild: int) -> list[str]:
+    """Every subscribed name once (a name each pattern matches for the patterns), name
+    ``j`` of every connection before name ``j + 1``: message ``k`` goes to connection
+    ``k % clients``."""
+    # (the names of names_of, written out: 100,000 calls of it would take seconds)
+    return [
+        f"w.{i}.{j}.x" if j < wild else f"s.{i}.{j}" for j in range(per) for i in range(clients)
+    ]
+
+
 # -- one adapter per system ------------------------------------------------------------
 class Adapter:
     """What a role needs from a system's client; ``Conn`` is whatever it opens."""
@@ -439,14 +449,25 @@ async def _members(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
 
         return on_message
 
-    try:
-        for i, c in enumerate(conns):
-            if isinstance(ad, NatsAdapter):
-                ad.bind(c, counter(i))
+    def subscriber(i: int) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
             literal, patterns = names_of(base + i, per, wild)
             if spec.get("group"):
                 literal, patterns = [spec["group"]], []
-            await ad.subscribe(c, literal, [p for p, _ in patterns])
+            await ad.subscribe(conns[i], literal, [p for p, _ in patterns])
+
+        return run
+
+    for i, c in enumerate(conns):
+        if isinstance(ad, NatsAdapter):
+            ad.bind(c, counter(i))
+    try:
+        if wild and isinstance(ad, MsgqAdapter):
+            await ad.probe_patterns()
+            ad.probed = True
+        # Connections subscribe side by side (each its names in turn), a batch at a time.
+        for k in range(0, n, OPEN_BATCH):
+            await loop.gather([subscriber(i) for i in range(k, min(n, k + OPEN_BATCH))])
     except Unsupported as exc:
         ready()
         return {"unsupported": str(exc)}
@@ -490,7 +511,7 @@ async def _arrivals(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
 
 async def _publisher(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
-    targets: list[str] = spec["targets"]
+    targets: list[str] = spec.get("targets") or routing_targets(**spec["layout"])
     bodies = payloads(spec["size"], 0)
     mask = len(bodies) - 1
     (conn,) = await _open_all(loop, ad, ["publisher"])
