@@ -43,7 +43,7 @@ from msgq_trio._procs import cpu_seconds, raise_nofile, rss_kib
 from .common import RESULT, percentiles
 from .procs import Proc, RunTimeout, Service, WorkerFailed, wait_all
 from .systems import _start_msgq, _start_nats, _start_redis
-from .worker_scale import CONNECTED, RECEIVED
+from .worker_scale import CONNECTED, RECEIVED, UNSUPPORTED
 
 SYSTEMS: dict[str, Callable[[Path], Service]] = {
     "msgq_trio": lambda d: _start_msgq(d, "", 0.0, serve_args=("--max-connections", "16384")),
@@ -133,9 +133,13 @@ def _go_members(run: Run, procs: list[Proc]) -> None:
 
 
 def _unsupported(procs: list[Proc]) -> str | None:
-    return next(
-        (p.result["unsupported"] for p in procs if p.result and "unsupported" in p.result), None
-    )
+    """Why the broker refused the members' patterns (their UNSUPPORTED line, printed
+    before READY), or None."""
+    for p in procs:
+        for line in p.lines:
+            if line.startswith(UNSUPPORTED + " "):
+                return line[len(UNSUPPORTED) + 1 :]
+    return None
 
 
 def calls(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -232,12 +236,6 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
         time.sleep(0.2)
         rss1 = run.rss()
         _go_members(run, procs)
-        if wild:
-            # A broker without wildcards: the members answer at once (see worker_scale).
-            try:
-                wait_all(procs[:1], RESULT, time.monotonic() + 1.0)
-            except RunTimeout:
-                pass
         if (why := _unsupported(procs)) is not None:
             return {"status": "n/a", "why": why}
         time.sleep(0.2)

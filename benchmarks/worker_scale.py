@@ -46,6 +46,8 @@ ECHO = "bench.echo"
 CONNECTED = "CONNECTED"
 #: What ``members`` prints once it has received all it expects (or the deadline passed).
 RECEIVED = "RECEIVED"
+#: What ``members`` prints (with the reason) when the broker refuses its patterns.
+UNSUPPORTED = "UNSUPPORTED"
 #: Connections opened at once while setting up (each a handshake).
 OPEN_BATCH = 100
 
@@ -469,6 +471,9 @@ async def _members(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
         for k in range(0, n, OPEN_BATCH):
             await loop.gather([subscriber(i) for i in range(k, min(n, k + OPEN_BATCH))])
     except Unsupported as exc:
+        # Before READY, so the parent knows when it sees READY (closing the connections
+        # before the RESULT line takes a while).
+        print(f"{UNSUPPORTED} {exc}", flush=True)
         ready()
         return {"unsupported": str(exc)}
     subscribed = time.monotonic() - t0
