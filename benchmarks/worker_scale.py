@@ -313,7 +313,17 @@ class RedisAdapter(Adapter):
                     reply, _, body = m["data"].partition(b"|")
                     await r.publish(reply, body)
 
-        conn["task"] = asyncio.get_running_loop().create_task(loop())
+        self._own(asyncio.get_running_loop().create_task(loop()))
+
+    def _own(self, task: asyncio.Task[None]) -> None:
+        """Cancel ``task`` (a pub/sub reader) before its connection closes: closing a
+        pub/sub object under a reader can hang."""
+
+        async def cancel() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        self.stack.push_async_callback(cancel)
 
     async def call(self, conn: Any, body: bytes) -> bytes:
         if "reply" not in conn:
@@ -326,7 +336,7 @@ class RedisAdapter(Adapter):
                     if m["type"] == "message" and conn["waiting"] is not None:
                         conn["waiting"].set_result(m["data"])
 
-            conn["task"] = asyncio.get_running_loop().create_task(loop())
+            self._own(asyncio.get_running_loop().create_task(loop()))
             await asyncio.sleep(0.05)
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         conn["waiting"] = fut
