@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -110,9 +111,14 @@ class Run:
         return (rss_kib(self.broker) or 0) * 1024
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.kill()
-        self.svc.stop()
+        """Stop every process, remove the run's directory (a failure's message already
+        carries the tail of the failed process's stderr)."""
+        try:
+            for p in self.procs:
+                p.kill()
+            self.svc.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _members(run: Run, total: int, expect_of: Callable[[int, int], int], **spec: Any) -> list[Proc]:
