@@ -8,6 +8,7 @@ Usage::
                     [--workloads x,y] [--sections main,msgq-only,durable,backlog]
                     [--backlog-messages N]
                     [--json PATH] [--plot DIR] [--timeout S] [--budget S]
+    python -m benchmarks --scale [options of benchmarks.scale]
 
 Sections: ``main`` (the peer table below), ``msgq-only`` (SIGKILL to ``recipient-gone``,
 capture on/off, broker RSS per idle client: :mod:`benchmarks.extras`) and
@@ -641,6 +642,11 @@ def main(argv: list[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["--"]:
         args_in = args_in[1:]
+    if args_in[:1] == ["--scale"]:
+        # The scale workloads (thousands of clients) have options of their own.
+        from . import scale
+
+        return scale.main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(args_in)
     if args.render:

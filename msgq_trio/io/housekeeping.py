@@ -155,6 +155,42 @@ async def trim_task() -> None:
             floor = rss
 
 
+#: glibc's mallopt parameters (malloc.h) and the values :func:`tune_malloc` sets.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: The largest mmap threshold glibc accepts on 64-bit (HEAP_MAX_SIZE / 2): buffers up to
+#: 32 MiB (a 4 MiB frame, a 16 MiB configuration push) come from the heap.
+MMAP_THRESHOLD = 32 * 1024 * 1024
+#: Free memory at the top of the heap kept instead of returned at once: a burst of large
+#: frames reuses its pages; :func:`trim_task` still hands them back after the burst.
+TRIM_THRESHOLD = 64 * 1024 * 1024
+
+
+def tune_malloc() -> bool:
+    """Make large frame buffers reuse heap pages from the first frame on (glibc only;
+    False elsewhere or if glibc refused).
+
+    Why: glibc maps every buffer above its mmap threshold (128 KiB at start) apart, so
+    each one faults in fresh zeroed pages, and raises that threshold only as it sees such
+    buffers freed: a fresh broker copying 4 MiB frames (splice off, or a frame for
+    several receivers) faulted in about 1,000 pages for each of its first four frames,
+    with these thresholds for its first two only, then none either way
+    (tests/e2e/test_large_cold.py). Fixing both thresholds at start skips that warm-up;
+    it also ends glibc's dynamic
+    adjustment, so the trim threshold is set too, and :func:`trim_task` returns the
+    memory after a burst as before.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    ok: bool = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    trim_ok: bool = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return ok and trim_ok
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None under another C library."""
     import ctypes

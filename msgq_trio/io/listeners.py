@@ -229,29 +229,129 @@ def adopt_tcp(sock: pysocket.socket) -> tuple[trio.SocketListener, str]:
     return listener, _bound_address(sock)
 
 
+def fd_connection_capacity(open_now: int) -> int | None:
+    """How many connections the soft ``RLIMIT_NOFILE`` leaves room for, one descriptor
+    each, at least 1; None when it is unlimited. ``open_now``: the descriptors the
+    broker holds before its first client (stdio, epoll, wake-up, listeners, logs,
+    plugins' pipes). On top of those an eighth of the limit (at most 32) is kept for
+    what comes and goes: the spare of :class:`SpareFd`, refused connections while they
+    are told why, a plugin restarting. Splice pipes and passed descriptors are not
+    counted: pipes fall back to copying when descriptors run short, and a descriptor
+    that does not fit is the :class:`SpareFd` path's to refuse."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(1, soft - open_now - min(32, soft // 8))
+
+
+class SpareFd:
+    """One descriptor held back (``/dev/null``) so that the accept loop can still take a
+    connection when the process is out of descriptors and tell the client why before
+    closing it, instead of leaving it in the backlog (where it would wait for nothing
+    and make ``accept`` fail again at once): libev's and nginx's trick."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.acquire()
+
+    def acquire(self) -> bool:
+        """Hold the spare again (after :meth:`release`); False if none is free yet."""
+        if self.fd is None:
+            try:
+                self.fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+        return True
+
+    def release(self) -> bool:
+        """Give the spare up for one accept; False if it was not held."""
+        if self.fd is None:
+            return False
+        os.close(self.fd)
+        self.fd = None
+        return True
+
+    def close(self) -> None:
+        self.release()
+
+
 async def accept_loop(
     listener: trio.SocketListener,
     handlers: trio.Nursery,
     serve: Callable[[Stream, bool], Awaitable[None]],
     tcp: bool,
+    spare: SpareFd | None = None,
+    refuse: Callable[[Stream], Awaitable[None]] | None = None,
 ) -> None:
     """Accept on ``listener`` until it is closed, starting ``serve(stream, tcp)`` for each
     connection in ``handlers`` (a nursery apart from the accept task's, so that shutdown
     can stop accepting and still give connections their grace period).
 
-    Running out of descriptors or memory (``ACCEPT_CAPACITY_ERRNOS``) is logged and
-    accepts pause for 100 ms: the broker keeps serving who is connected. Other accept
-    errors propagate.
+    One connection per pass of the event loop (trio's ``accept`` is a checkpoint), so a
+    flood of connects takes turns with the established clients' reads and never starves
+    them.
+
+    Running out of descriptors (EMFILE, ENFILE) with a ``spare`` and ``refuse``: the spare
+    is given up for one accept, ``refuse(stream)`` tells that client why (it must be
+    bounded in time: the next such refusal waits for it), the connection is closed and
+    the spare taken back; so every client in the backlog hears why and the loop never
+    spins on a connection it cannot take. Without a spare, or out of memory
+    (``ACCEPT_CAPACITY_ERRNOS``), the error is logged and accepts pause for 100 ms: the
+    broker keeps serving who is connected. Other accept errors propagate.
     """
-    while True:
-        try:
-            stream = await listener.accept()
-        except trio.ClosedResourceError:
-            return
-        except OSError as exc:
-            if exc.errno in ACCEPT_CAPACITY_ERRNOS:
+    # A second handle on the listening socket (same open file, so non-blocking too) for
+    # the synchronous accept of a refusal: between giving up the spare and accepting
+    # nothing else may run, or another task could take the descriptor.
+    raw = pysocket.socket(fileno=os.dup(listener.socket.fileno())) if spare and refuse else None
+    refused = 0
+    try:
+        while True:
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                emfile = exc.errno in (errno.EMFILE, errno.ENFILE)
+                if emfile and raw and spare and refuse and spare.release():
+                    waiting = True
+                    try:
+                        sock: pysocket.socket | None = raw.accept()[0]
+                    except BlockingIOError:
+                        sock = None
+                        waiting = False  # accept() fails on an empty backlog too
+                    except OSError:
+                        sock = None  # ENFILE system-wide: pause below
+                    if sock is not None:
+                        # The refused socket holds the spare's place meanwhile; it is
+                        # closed (and the spare back) before anything else can run.
+                        refused_stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+                        try:
+                            await refuse(refused_stream)
+                        finally:
+                            refused_stream.socket.close()
+                            spare.acquire()
+                        refused += 1
+                        if refused == 1 or refused % 1000 == 0:
+                            log.error(
+                                "out of file descriptors (%s): refused %d connection(s) "
+                                "so far; raise RLIMIT_NOFILE or lower max_connections",
+                                exc.strerror,
+                                refused,
+                            )
+                    if spare.acquire() and (sock is not None or not waiting):
+                        if waiting:
+                            await trio.lowlevel.checkpoint()
+                        else:
+                            await trio.lowlevel.wait_readable(raw)
+                        continue
                 log.error("accept() failed: %s; pausing accepts for 100 ms", exc)
                 await trio.sleep(0.1)
                 continue
-            raise
-        handlers.start_soon(serve, stream, tcp)
+            handlers.start_soon(serve, stream, tcp)
+    finally:
+        if raw is not None:
+            raw.close()

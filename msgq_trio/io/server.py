@@ -54,10 +54,12 @@ from .housekeeping import (
 )
 from .listeners import (
     BrokerAlreadyRunning,
+    SpareFd,
     Stream,
     accept_loop,
     adopt_tcp,
     authenticate,
+    fd_connection_capacity,
     open_tcp,
     peer_address,
     peer_credentials,
@@ -124,6 +126,9 @@ class Server:
         self._ssl_context: ssl.SSLContext | None = None
         self.conns: dict[Peer, PeerConnection] = {}
         self.n_connections = 0
+        #: Connections the descriptor limit leaves room for (None: unlimited), read at
+        #: start: admission refuses past it as past ``max_connections``.
+        self.fd_capacity: int | None = None
         self._timer = DeadlineTimer()
         #: limits.busy_poll: the polling task and its state (read by every reader).
         self.busy_poll = BusyPoller(self.limits.busy_poll)
@@ -162,6 +167,7 @@ class Server:
         else:
             prepare_socket_path(self.path)
             sock = trio.socket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        spare: SpareFd | None = None
         try:
             if not unix:
                 with translate_socket_errors():
@@ -172,6 +178,15 @@ class Server:
                 with translate_socket_errors():
                     sock.listen(512)
             self._listener = trio.SocketListener(sock)
+            self.fd_capacity = fd_connection_capacity(max(count_fds(), 16))
+            if self.fd_capacity is not None and self.fd_capacity < self.limits.max_connections:
+                log.warning(
+                    "RLIMIT_NOFILE leaves room for %d connections only: refusing past "
+                    "that, below max_connections=%d",
+                    self.fd_capacity,
+                    self.limits.max_connections,
+                )
+            spare = SpareFd()
             for addr in self.tcp.listen:
                 listeners, addresses = await open_tcp(addr)
                 self._tcp_listeners.extend(listeners)
@@ -185,10 +200,24 @@ class Server:
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
                     handlers.start_soon(
-                        accept_loop, self._listener, handlers, self._serve_connection, False
+                        accept_loop,
+                        self._listener,
+                        handlers,
+                        self._serve_connection,
+                        False,
+                        spare,
+                        self._refuse_out_of_fds,
                     )
                     for tl in self._tcp_listeners:
-                        handlers.start_soon(accept_loop, tl, handlers, self._serve_connection, True)
+                        handlers.start_soon(
+                            accept_loop,
+                            tl,
+                            handlers,
+                            self._serve_connection,
+                            True,
+                            spare,
+                            self._refuse_out_of_fds,
+                        )
                     log.info(
                         "broker %s listening on %s (pid %d)", __version__, self.path, os.getpid()
                     )
@@ -200,6 +229,8 @@ class Server:
                     task_status.started(self.path)
                 top.cancel_scope.cancel()
         finally:
+            if spare is not None:
+                spare.close()
             sock.close()
             for tl in self._tcp_listeners:
                 tl.socket.close()
@@ -379,6 +410,23 @@ class Server:
         self._timer.arm(core.next_deadline())
 
     # -- one connection ----------------------------------------------------------------
+    async def _refuse_out_of_fds(self, stream: Stream) -> None:
+        """Tell a client accepted on the spare descriptor that the broker has none left.
+        Waits at most 250 ms for the client's HELLO (so that its write finds the socket
+        open and it reads our ERROR rather than EPIPE), not for its close as
+        :func:`linger` does: the next such refusal waits for this one."""
+        await send_final(
+            stream,
+            ErrorCode.LIMIT_EXCEEDED,
+            "the broker is out of file descriptors: connection refused",
+        )
+        with trio.move_on_after(0.25):
+            try:
+                with translate_socket_errors():
+                    await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
     async def _serve_connection(self, stream: Stream, tcp: bool = False) -> None:
         self.n_connections += 1
         pid = uid = gid = -1
@@ -408,6 +456,22 @@ class Server:
                     stream,
                     ErrorCode.LIMIT_EXCEEDED,
                     f"max_connections={self.limits.max_connections} reached",
+                )
+                await linger(stream)
+                return
+            if self.fd_capacity is not None and self.n_connections > self.fd_capacity:
+                # Before the descriptors run out: a clear refusal, not EMFILE later in
+                # some other part of the broker.
+                log.warning(
+                    "refusing connection from %s: %d connections, all the RLIMIT_NOFILE "
+                    "of this broker allows",
+                    who,
+                    self.fd_capacity,
+                )
+                await send_final(
+                    stream,
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the broker's descriptor limit allows {self.fd_capacity} connections",
                 )
                 await linger(stream)
                 return

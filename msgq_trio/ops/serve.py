@@ -293,6 +293,10 @@ def serve_main(args: argparse.Namespace) -> int:
         return EXIT_CANNOT_START
     logsetup.install_exception_hooks()
     tune_collector(config.gc_threshold)
+    raise_fd_limit()
+    from ..io.housekeeping import tune_malloc
+
+    tune_malloc()
     try:
         # KeyboardInterrupt (before the signal receiver opens) only at checkpoints: one
         # raised elsewhere can leave a nursery half updated (ops/interrupt.py).
@@ -302,6 +306,27 @@ def serve_main(args: argparse.Namespace) -> int:
     except Exception:
         log.critical("the broker crashed", exc_info=True)
         return EXIT_CRASHED
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (logged): each client is a
+    descriptor, and the usual soft limit of 1,024 would stop the broker far below
+    ``max_connections``. What the limit still leaves is enforced at admission
+    (io/listeners.py, ``fd_connection_capacity``). Plugins and other children inherit it."""
+    import resource
+
+    from .._procs import raise_nofile
+
+    before, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        soft, hard = raise_nofile()
+    except (OSError, ValueError) as exc:
+        log.warning("cannot raise RLIMIT_NOFILE from %d: %s", before, exc)
+        return
+    if soft != before:
+        log.info("raised RLIMIT_NOFILE from %d to %d (the hard limit)", before, soft)
+    else:
+        log.info("RLIMIT_NOFILE is %d (hard limit %d)", soft, hard)
 
 
 def _single(exc: BaseException) -> BaseException:
