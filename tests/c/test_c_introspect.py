@@ -168,3 +168,29 @@ async def test_bad_declarations_are_refused(cbuild: CBuild, broker: Any) -> None
         set(results) - good, "-22"
     )
     assert len(results) == 36
+
+
+async def test_description_over_the_frame_limit_is_refused(
+    cbuild: CBuild, broker_factory: Any, short_tmp: Path
+) -> None:
+    """Under a broker whose frames are too small for the description (under 1 KiB,
+    plus the 4 KiB the library keeps for the frame's other sections), ``msgq.introspect``
+    is answered limit-exceeded naming the sizes, not left unanswered; the component
+    keeps serving."""
+    small = broker_factory("--max-frame-size", "4400")
+    proc = CProcess(
+        [str(cbuild.dir / "introspect-check"), "serve", str(small.path), "Zones"],
+        cbuild.env,
+        short_tmp / "small.err",
+    )
+    try:
+        lname = await trio.to_thread.run_sync(proc.wait_ready)
+        async with msgq_trio.connect(str(small.path), name="py") as bus:
+            with trio.fail_after(RUN_TIMEOUT), pytest.raises(msgq_trio.LimitExceeded) as ei:
+                await bus.call(lname, "msgq.introspect")
+            assert "exceeds the frame limit of 4400" in str(ei.value)
+            assert await bus.call("Zones", "get_zone_count", {}) == 42
+        assert proc.stop() == 0, proc.stderr()
+        check_clean(proc.stderr())
+    finally:
+        proc.kill()

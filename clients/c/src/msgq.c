@@ -37,6 +37,9 @@ enum { T_HELLO = 1, T_WELCOME, T_MESSAGE, T_REQUEST, T_REPLY, T_ERROR, T_NOTIFY,
        T_GOODBYE };
 enum state { S_HELLO_SENT, S_READY, S_CLOSING, S_LOST };
 #define FLAG_TRACED 2 /* protocol/codes.py Flag.TRACED */
+/* Room for the prefix, target and stamp of the answer to msgq.introspect (lnames and
+ * client names are short: the broker bounds them far below this). */
+#define INTROSPECT_HEADROOM 4096u
 #define TRACESTATE_MAX 512 /* docs/PROTOCOL.md: a longer tracestate is dropped */
 
 static const char *const CODE_NAMES[MSGQ_CODE__WIRE_COUNT] = {
@@ -1809,8 +1812,21 @@ static void dispatch_request(msgq *m, msgq_message *msg) {
     }
     if (strcmp(msg->name, "msgq.introspect") == 0) {
         cbor_item_t *d = describe(m);
-        if (d) msgq_reply(m, msg, d, NULL);
-        else msgq_reply_error(m, msg, "internal-error", "out of memory describing", NULL);
+        unsigned char *b = NULL;
+        size_t bl = 0;
+        if (!d || serialize(d, &b, &bl) < 0) {
+            msgq_reply_error(m, msg, "internal-error", "out of memory describing", NULL);
+        } else if ((uint64_t)bl + INTROSPECT_HEADROOM > m->send_max_frame) {
+            /* the declarations' bounds allow more than a frame carries: say so, rather
+             * than leave the caller waiting for an answer that cannot be sent */
+            char text[256];
+            snprintf(text, sizeof text, "description of %zu bytes exceeds the frame limit of %u",
+                     bl, m->send_max_frame);
+            msgq_reply_error(m, msg, "limit-exceeded", text, NULL);
+        } else {
+            msgq_reply_raw(m, msg, b, bl, NULL);
+        }
+        free(b);
         if (d) cbor_decref(&d);
         msgq_message_unref(msg);
         return;

@@ -312,8 +312,9 @@ int msgq_reply_error(msgq *m, msgq_message *request, const char *code, const cha
  * MSGQ_DECL_MAX_PARAMS parameters and MSGQ_DECL_MAX_RAISES error codes per declaration;
  * names, types and codes at most MSGQ_DECL_MAX_NAME bytes, docs and defaults at most
  * MSGQ_DECL_MAX_DOC; at most MSGQ_DECL_MAX_DECLS declared commands plus events per
- * connection (-ENOSPC past it). Chosen so one description stays far below the smallest
- * max_frame_size a broker is configured with in practice (64 * 64 * 1 KiB < 8 MiB).
+ * connection (-ENOSPC past it). They bound the memory a connection keeps for its
+ * description; a description too large for one frame (only near the bounds) is
+ * answered limit-exceeded.
  */
 #define MSGQ_DECL_MAX_PARAMS 64
 #define MSGQ_DECL_MAX_RAISES 32
