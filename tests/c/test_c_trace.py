@@ -42,14 +42,18 @@ def parts(traceparent: str) -> tuple[str, str, str]:
 
 
 async def test_c_handler_passes_the_trace_on(broker: Any, component: CProcess) -> None:
-    """Python A (start_trace) calls the C relay, whose handler calls Python's ping: the
-    ping handler runs in the same trace, caused by the C call's span; the C handler saw
-    A's span as the incoming traceparent and ran in a new span of its own; the broker's
-    ``trace`` lists the four hops with that causality. An untraced call stays untraced
-    all the way."""
+    """Python A (start_trace) calls the C relay, whose handler notifies PyEvents and
+    calls Python's ping: the ping handler runs in the same trace, caused by the C call's
+    span, and the notification carries the trace too; the C handler saw A's span as the
+    incoming traceparent and ran in a new span of its own; the broker's ``trace`` lists
+    the five hops with that causality. An untraced call stays untraced all the way."""
     seen: list[tracing.TraceContext | None] = []
-    async with msgq_trio.connect(str(broker.path), name="py") as bus:
+    async with (
+        msgq_trio.connect(str(broker.path), name="py") as bus,
+        msgq_trio.connect(str(broker.path), name="events") as events,
+    ):
         await bus.subscribe("Py")
+        await events.subscribe("PyEvents")
 
         @bus.command("ping")
         def ping(params: Any) -> Any:
@@ -59,6 +63,9 @@ async def test_c_handler_passes_the_trace_on(broker: Any, component: CProcess) -
         untraced = await bus.call("Zones", "relay", {"text": "plain"})
         assert untraced == {"pong": {"got": {"text": "plain"}}, "incoming": None, "current": None}
         assert seen == [None]
+        with trio.fail_after(10):
+            plain_event = await events.receive()
+        assert "traceparent" not in plain_event.header
 
         with tracing.start_trace() as root:
             answer = await bus.call("Zones", "relay", {"text": "traced"})
@@ -74,24 +81,35 @@ async def test_c_handler_passes_the_trace_on(broker: Any, component: CProcess) -
         # the C call's span caused the Python handler's: neither A's span nor the C
         # handler's own (each frame sent gets a span of its own)
         assert handler.cause not in (None, in_span, cur_span, root.span_id)
+        # the notification sent from the C handler carries the trace as well
+        with trio.fail_after(10):
+            event = await events.receive()
+        assert event.header["event"] == "relayed"
+        ev_trace, ev_span, _ = parts(event.header["traceparent"])
+        assert ev_trace == root.trace_id
+        assert ev_span not in (in_span, cur_span, handler.cause)
+        assert event.header["tracecause"] == in_span
 
         hops: list[dict[str, Any]] = []
         with trio.fail_after(10):
-            while len(hops) < 4:
+            while len(hops) < 5:
                 hops = (await bus.call("msgq", "trace", {"trace_id": root.trace_id}))["hops"]
                 await trio.sleep(0.05)
     summary = [(h["kind"], h.get("name"), h["from"][1], h["to"], h["outcome"]) for h in hops]
     assert summary == [
         ("request", "relay", "py", "Zones", "delivered"),
+        ("notify", "relayed", "introspect-check", "PyEvents", "delivered"),
         ("request", "ping", "introspect-check", "Py", "delivered"),
         ("reply", None, "py", component_lname(hops), "forwarded"),
         ("reply", None, "introspect-check", bus.lname, "forwarded"),
     ]
     assert hops[0]["span"] == in_span
-    assert hops[1]["span"] == handler.cause
-    assert hops[1]["cause"] == in_span  # the C call names the request whose handler made it
+    assert hops[1]["span"] == ev_span
+    assert hops[2]["span"] == handler.cause
+    # what the C handler sent names the request whose handler sent it
+    assert hops[1]["cause"] == hops[2]["cause"] == in_span
 
 
 def component_lname(hops: list[dict[str, Any]]) -> str:
-    lname: str = hops[1]["from"][0]
+    lname: str = hops[2]["from"][0]
     return lname

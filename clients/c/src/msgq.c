@@ -762,7 +762,12 @@ static void lose(msgq *m, const char *code, const char *fmt, ...) {
 }
 
 static void deliver_result(msgq *m, struct pending *p, msgq_result *res) {
+    /* A call's callback is not part of a handler that happens to be waiting meanwhile:
+     * what it sends is untraced (the current trace is the running handler's only). */
+    struct trace outer = m->trace;
+    m->trace.on = 0;
     if (p->cb) p->cb(m, res, p->ud);
+    m->trace = outer;
     msgq_result_clear(res);
     free(p);
 }
@@ -1958,10 +1963,14 @@ static void handle_frame(msgq *m, uint8_t *raw, size_t len, uint64_t start) {
     }
     switch (L.type) {
     case T_MESSAGE:
-    case T_NOTIFY:
+    case T_NOTIFY: {
+        struct trace outer = m->trace; /* as in deliver_result */
+        m->trace.on = 0;
         if (m->msg_cb) m->msg_cb(m, msg, m->msg_ud);
+        m->trace = outer;
         msgq_message_unref(msg);
         break;
+    }
     case T_REQUEST:
         dispatch_request(m, msg);
         break;

@@ -31,13 +31,19 @@ static void zone_count(msgq *m, msgq_message *req, void *ud) {
     cbor_decref(&v);
 }
 
-/* Calls Python's Py.ping with our params from inside the handler and answers
+/* Notifies PyEvents "relayed" with our params, calls Python's Py.ping with them from
+ * inside the handler and answers
  * {"pong": its result, "incoming": the request's traceparent, "current": the handler's}
  * (null for each that is absent). */
 static void relay(msgq *m, msgq_message *req, void *ud) {
     (void)ud;
     cbor_item_t *params;
     if (msgq_message_body(req, &params, NULL) < 0) return;
+    int r = msgq_notify(m, "PyEvents", "relayed", params);
+    if (r < 0) {
+        msgq_reply_error(m, req, "internal-error", strerror(-r), NULL);
+        return;
+    }
     msgq_result res;
     if (msgq_call(m, "Py", "ping", params, NULL, 10.0, &res) < 0) {
         msgq_reply_error(m, req, res.error.code, res.error.message, res.error.data);

@@ -364,7 +364,8 @@ int msgq_check_type(const char *type);
  * call, MESSAGE and NOTIFY the handler sends from inside its callback carries a
  * `traceparent` (same trace id, a new span id, same flags), the request's `tracestate`
  * and `tracecause` (the request's span id), as the Python clients do. A request kept
- * and answered later does not extend the trace to what is sent after the callback. */
+ * and answered later does not extend the trace to what is sent after the callback;
+ * message and call callbacks run while the handler waits are not part of its trace. */
 /* The `traceparent` of a received frame, or NULL if it has none or an invalid one.
  * Owned by the message. */
 const char *msgq_message_traceparent(const msgq_message *msg);
