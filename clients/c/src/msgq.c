@@ -5,6 +5,7 @@
 #define _GNU_SOURCE
 #include "msgq/msgq.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -12,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -34,6 +36,11 @@
 enum { T_HELLO = 1, T_WELCOME, T_MESSAGE, T_REQUEST, T_REPLY, T_ERROR, T_NOTIFY, T_ROUTED,
        T_GOODBYE };
 enum state { S_HELLO_SENT, S_READY, S_CLOSING, S_LOST };
+#define FLAG_TRACED 2 /* protocol/codes.py Flag.TRACED */
+/* Room for the prefix, target and stamp of the answer to msgq.introspect (lnames and
+ * client names are short: the broker bounds them far below this). */
+#define INTROSPECT_HEADROOM 4096u
+#define TRACESTATE_MAX 512 /* docs/PROTOCOL.md: a longer tracestate is dropped */
 
 static const char *const CODE_NAMES[MSGQ_CODE__WIRE_COUNT] = {
     NULL,
@@ -392,6 +399,7 @@ struct msgq_message {
     int body_state; /* 0 not decoded, 1 decoded, -1 malformed */
     int *fds;
     size_t n_fds;
+    char *traceparent, *tracestate; /* a valid trace context of a TRACED frame, or NULL */
 };
 
 msgq_message *msgq_message_ref(msgq_message *msg) {
@@ -407,6 +415,8 @@ void msgq_message_unref(msgq_message *msg) {
     free(msg->sender_name);
     free(msg->reply_to);
     free(msg->name);
+    free(msg->traceparent);
+    free(msg->tracestate);
     if (msg->header) cbor_decref(&msg->header);
     if (msg->body) cbor_decref(&msg->body);
     close_fds(msg->fds, msg->n_fds);
@@ -469,6 +479,33 @@ int msgq_message_take_fd(msgq_message *m, size_t i) {
     return fd;
 }
 
+/* Whether tp is a W3C traceparent this library continues (as tracing.parse_traceparent
+ * of the Python clients: lowercase hex, ids not all zero, version not ff, version 00
+ * with exactly four fields). */
+static int hex_run(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
+    return 1;
+}
+static int not_zero(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != '0') return 1;
+    return 0;
+}
+static int traceparent_valid(const char *tp) {
+    size_t n = strlen(tp);
+    if (n < 55 || tp[2] != '-' || tp[35] != '-' || tp[52] != '-') return 0;
+    if (!hex_run(tp, 2) || !hex_run(tp + 3, 32) || !hex_run(tp + 36, 16) || !hex_run(tp + 53, 2))
+        return 0;
+    if (memcmp(tp, "ff", 2) == 0 || !not_zero(tp + 3, 32) || !not_zero(tp + 36, 16)) return 0;
+    if (n > 55 && (memcmp(tp, "00", 2) == 0 || tp[55] != '-')) return 0;
+    return 1;
+}
+
+const char *msgq_message_traceparent(const msgq_message *msg) {
+    return msg ? msg->traceparent : NULL;
+}
+
 /* Parse a whole valid-layout frame (taking raw) into a message. */
 static msgq_message *message_new(uint8_t *raw, size_t len, const struct layout *L,
                                  int max_depth) {
@@ -510,6 +547,18 @@ static msgq_message *message_new(uint8_t *raw, size_t len, const struct layout *
     if (m->header) {
         if (L->type == T_NOTIFY) m->name = map_str(m->header, "event");
         else if (L->type == T_REQUEST) m->name = map_str(m->header, "cmd");
+        if (L->flags & FLAG_TRACED) {
+            m->traceparent = map_str(m->header, "traceparent");
+            if (m->traceparent && !traceparent_valid(m->traceparent)) {
+                free(m->traceparent); /* W3C: an invalid traceparent leaves it untraced */
+                m->traceparent = NULL;
+            }
+            if (m->traceparent) m->tracestate = map_str(m->header, "tracestate");
+            if (m->tracestate && strlen(m->tracestate) > TRACESTATE_MAX) {
+                free(m->tracestate);
+                m->tracestate = NULL;
+            }
+        }
     }
     if (!m->target || !m->reply_to || !m->sender || !m->sender_name) {
         m->raw = NULL; /* the caller still owns raw on failure */
@@ -583,11 +632,42 @@ struct pending {
     void *ud;
 };
 
+struct decl_param {
+    char *name, *type, *doc;
+    int required;
+    cbor_item_t *def; /* NULL: none */
+};
+
+/* A declared command or event (docs/PROTOCOL.md, "Interfaces and introspection"). */
+struct decl {
+    struct decl_param *params;
+    size_t n_params;
+    int has_params; /* 0: not declared (null on the wire, nothing checked) */
+    char *result, *doc, *group;
+    char **raises;
+    size_t n_raises;
+};
+
 struct command {
     struct command *next;
     char *name;
-    msgq_command_cb cb;
+    msgq_command_cb cb; /* NULL: declared, no handler yet */
     void *ud;
+    struct decl *decl;
+};
+
+struct event {
+    struct event *next;
+    char *name;
+    struct decl *decl;
+};
+
+/* The current trace while a handler of a traced request runs (on: 0 outside). */
+struct trace {
+    int on;
+    char trace_id[33], span_id[17], cause[17], flags[3];
+    char *state;
+    char traceparent[56];
 };
 
 struct msgq {
@@ -613,6 +693,11 @@ struct msgq {
     struct pending *pending;
     uint64_t next_rid;
     struct command *commands;
+    struct event *events;
+    size_t n_decls;
+    char **groups; /* joined, in join order (for msgq.introspect) */
+    size_t n_groups;
+    struct trace trace;
     msgq_message_cb msg_cb;
     void *msg_ud;
     msgq_error lost; /* why the connection ended (state S_LOST) */
@@ -677,7 +762,12 @@ static void lose(msgq *m, const char *code, const char *fmt, ...) {
 }
 
 static void deliver_result(msgq *m, struct pending *p, msgq_result *res) {
+    /* A call's callback is not part of a handler that happens to be waiting meanwhile:
+     * what it sends is untraced (the current trace is the running handler's only). */
+    struct trace outer = m->trace;
+    m->trace.on = 0;
     if (p->cb) p->cb(m, res, p->ud);
+    m->trace = outer;
     msgq_result_clear(res);
     free(p);
 }
@@ -844,18 +934,29 @@ static int enqueue(msgq *m, uint8_t *buf, size_t len, const msgq_extras *x) {
     return r < 0 ? r : 0;
 }
 
+static cbor_item_t *trace_header(msgq *m, const cbor_item_t *header);
+
 static int send_frame(msgq *m, int type, const char *target, uint64_t rid,
                       const cbor_item_t *header, const uint8_t *body, size_t bl,
                       const msgq_extras *x) {
     unsigned char *hb = NULL;
     size_t hsz = 0, hl = 0;
+    int flags = 0;
+    cbor_item_t *traced = NULL;
+    if (m->trace.on && (type == T_REQUEST || type == T_MESSAGE || type == T_NOTIFY)) {
+        traced = trace_header(m, header);
+        if (!traced) return -ENOMEM;
+        header = traced;
+        flags = FLAG_TRACED;
+    }
     if (header) {
         hl = cbor_serialize_alloc(header, &hb, &hsz);
+        if (traced) cbor_decref(&traced);
         if (!hl) return -ENOMEM;
     }
     size_t len;
     int rc = 0;
-    uint8_t *f = build_frame(m, type, 0, target, rid, hb, hl, body, bl, x, &len, &rc);
+    uint8_t *f = build_frame(m, type, flags, target, rid, hb, hl, body, bl, x, &len, &rc);
     free(hb);
     if (!f) return rc;
     return enqueue(m, f, len, x);
@@ -984,6 +1085,25 @@ int msgq_call(msgq *m, const char *target, const char *command, const cbor_item_
     return res->status;
 }
 
+/* Keep the joined groups in join order, for msgq.introspect (best effort: out of
+ * memory only leaves the list short). */
+static void track_group(msgq *m, int joined, const char *group) {
+    size_t i = 0;
+    while (i < m->n_groups && strcmp(m->groups[i], group) != 0) i++;
+    if (!joined) {
+        if (i == m->n_groups) return;
+        free(m->groups[i]);
+        memmove(m->groups + i, m->groups + i + 1, (m->n_groups - i - 1) * sizeof *m->groups);
+        m->n_groups--;
+        return;
+    }
+    if (i < m->n_groups) return;
+    char **g = realloc(m->groups, (m->n_groups + 1) * sizeof *g);
+    if (!g) return;
+    m->groups = g;
+    if ((g[m->n_groups] = strdup(group))) m->n_groups++;
+}
+
 static int broker_bool(msgq *m, const char *cmd, const char *group, int *changed,
                        msgq_error *err) {
     cbor_item_t *p = cbor_new_definite_map(1);
@@ -994,8 +1114,10 @@ static int broker_bool(msgq *m, const char *cmd, const char *group, int *changed
     msgq_result res;
     int r = msgq_call(m, "msgq", cmd, p, NULL, 0, &res);
     cbor_decref(&p);
-    if (r == 0 && changed)
-        *changed = res.value && cbor_isa_float_ctrl(res.value) && cbor_get_bool(res.value);
+    int ch = r == 0 && res.value && cbor_isa_float_ctrl(res.value) && cbor_is_bool(res.value) &&
+             cbor_get_bool(res.value);
+    if (changed) *changed = ch;
+    if (ch) track_group(m, strcmp(cmd, "subscribe") == 0, group);
     if (r < 0) err_copy(err, &res.error);
     msgq_result_clear(&res);
     return r;
@@ -1014,13 +1136,18 @@ void msgq_set_message_handler(msgq *m, msgq_message_cb cb, void *ud) {
     m->msg_ud = ud;
 }
 
+static void decl_free(struct decl *d);
+
 int msgq_add_command(msgq *m, const char *command, msgq_command_cb cb, void *ud) {
+    if (!m || !command) return -EINVAL;
     struct command **pp = &m->commands;
     for (; *pp; pp = &(*pp)->next) {
         if (strcmp((*pp)->name, command) == 0) {
             if (!cb) {
                 struct command *c = *pp;
                 *pp = c->next;
+                if (c->decl) m->n_decls--;
+                decl_free(c->decl);
                 free(c->name);
                 free(c);
             } else {
@@ -1073,6 +1200,563 @@ int msgq_reply_error(msgq *m, msgq_message *req, const char *code, const char *m
     free(b);
     cbor_decref(&h);
     return r;
+}
+
+/* ---- declared interfaces ------------------------------------------------------- */
+/* The type grammar of docs/PROTOCOL.md (as interface.parse_type): a union of names
+ * separated by "|", where list and dict may take [T] and [str, T]. Parsing and checking
+ * are one walk: v NULL only parses; else *fits says whether v is of the type. */
+#define TYPE_MAX_DEPTH 32 /* nesting of list[...] and dict[...]: a name is short anyway */
+
+static const char *skip_ws(const char *s) {
+    while (*s && isspace((unsigned char)*s)) s++;
+    return s;
+}
+
+static int is_number(const cbor_item_t *v) {
+    if (cbor_isa_uint(v) || cbor_isa_negint(v)) return 1;
+    return cbor_isa_float_ctrl(v) && cbor_float_get_width(v) != CBOR_FLOAT_0;
+}
+
+static int ty_union(const char **ps, const cbor_item_t *v, int *fits, int depth);
+
+static int ty_one(const char **ps, const cbor_item_t *v, int *fits, int depth) {
+    const char *s = *ps;
+    size_t n = 0;
+    while (isalpha((unsigned char)s[n]) || s[n] == '_') n++;
+#define IS(w) (n == sizeof(w) - 1 && memcmp(s, w, n) == 0)
+    int list = IS("list"), dict = IS("dict");
+    int f = 1;
+    if (IS("any")) f = 1;
+    else if (IS("str")) f = v && cbor_isa_string(v);
+    else if (IS("bytes")) f = v && cbor_isa_bytestring(v);
+    else if (IS("int")) f = v && (cbor_isa_uint(v) || cbor_isa_negint(v));
+    else if (IS("float")) f = v && is_number(v);
+    else if (IS("bool")) f = v && cbor_isa_float_ctrl(v) && cbor_is_bool(v);
+    else if (IS("null")) f = v && cbor_isa_float_ctrl(v) && cbor_is_null(v);
+    else if (list) f = v && cbor_isa_array(v);
+    else if (dict) f = v && cbor_isa_map(v);
+    else return -1;
+#undef IS
+    s += n;
+    if ((list || dict) && *s == '[') {
+        s = skip_ws(s + 1);
+        if (dict) {
+            if (strncmp(s, "str", 3) != 0) return -1;
+            s = skip_ws(s + 3);
+            if (*s != ',') return -1;
+            s++;
+        }
+        const char *inner = s;
+        int dummy;
+        if (ty_union(&s, NULL, &dummy, depth + 1) < 0) return -1;
+        s = skip_ws(s);
+        if (*s != ']') return -1;
+        s++;
+        if (v && f && list) {
+            size_t k = cbor_array_size(v);
+            cbor_item_t **items = cbor_array_handle(v);
+            for (size_t i = 0; i < k && f; i++) {
+                const char *p = inner;
+                ty_union(&p, items[i], &f, depth + 1);
+            }
+        }
+        if (v && f && dict) {
+            size_t k = cbor_map_size(v);
+            struct cbor_pair *pairs = cbor_map_handle(v);
+            for (size_t i = 0; i < k && f; i++) {
+                const char *p = inner;
+                f = cbor_isa_string(pairs[i].key);
+                if (f) ty_union(&p, pairs[i].value, &f, depth + 1);
+            }
+        }
+    } else if (v && f && dict) { /* a bare dict is dict[str, any] */
+        size_t k = cbor_map_size(v);
+        struct cbor_pair *pairs = cbor_map_handle(v);
+        for (size_t i = 0; i < k && f; i++) f = cbor_isa_string(pairs[i].key);
+    }
+    *fits = f;
+    *ps = s;
+    return 0;
+}
+
+static int ty_union(const char **ps, const cbor_item_t *v, int *fits, int depth) {
+    if (depth > TYPE_MAX_DEPTH) return -1;
+    const char *s = *ps;
+    int any = 0;
+    for (;;) {
+        int f = 0;
+        s = skip_ws(s);
+        if (ty_one(&s, v, &f, depth) < 0) return -1;
+        any |= f;
+        s = skip_ws(s);
+        if (*s != '|') break;
+        s++;
+    }
+    *fits = any;
+    *ps = s;
+    return 0;
+}
+
+int msgq_check_type(const char *type) {
+    if (!type || strlen(type) > MSGQ_DECL_MAX_NAME) return -EINVAL;
+    const char *s = type;
+    int f;
+    if (ty_union(&s, NULL, &f, 0) < 0 || *skip_ws(s)) return -EINVAL;
+    return 0;
+}
+
+/* Whether v is of the (already checked) type. */
+static int type_fits(const char *type, const cbor_item_t *v) {
+    const char *s = type;
+    int f = 1;
+    if (ty_union(&s, v, &f, 0) < 0) return 1; /* cannot happen: checked when declared */
+    return f;
+}
+
+static const char *kind_of(const cbor_item_t *v) {
+    switch (cbor_typeof(v)) {
+    case CBOR_TYPE_UINT:
+    case CBOR_TYPE_NEGINT: return "int";
+    case CBOR_TYPE_BYTESTRING: return "bytes";
+    case CBOR_TYPE_STRING: return "str";
+    case CBOR_TYPE_ARRAY: return "list";
+    case CBOR_TYPE_MAP: return "dict";
+    case CBOR_TYPE_TAG: return "tag";
+    case CBOR_TYPE_FLOAT_CTRL:
+        if (cbor_is_null(v)) return "null";
+        if (cbor_is_bool(v)) return "bool";
+        return cbor_float_get_width(v) == CBOR_FLOAT_0 ? "simple" : "float";
+    }
+    return "value";
+}
+
+/* A JSON scalar (null, true, false, a number, a string) as a new CBOR item, or NULL if
+ * text is not one. The library has no JSON dependency; a default is a plain value. */
+static cbor_item_t *json_scalar(const char *text) {
+    const char *s = skip_ws(text), *end = NULL;
+    cbor_item_t *it = NULL;
+    if (strncmp(s, "null", 4) == 0) {
+        it = cbor_new_null();
+        end = s + 4;
+    } else if (strncmp(s, "true", 4) == 0 || strncmp(s, "false", 5) == 0) {
+        it = cbor_build_bool(*s == 't');
+        end = s + (*s == 't' ? 4 : 5);
+    } else if (*s == '"') {
+        size_t n = strlen(s);
+        char *buf = malloc(n + 1);
+        if (!buf) return NULL;
+        size_t j = 0;
+        const char *p = s + 1;
+        for (; *p && *p != '"'; p++) {
+            if ((unsigned char)*p < 0x20) { free(buf); return NULL; }
+            if (*p != '\\') { buf[j++] = *p; continue; }
+            p++;
+            const char *esc = strchr("\"\\/bfnrt", *p);
+            if (*p && esc) {
+                buf[j++] = "\"\\/\b\f\n\r\t"[esc - "\"\\/bfnrt"];
+            } else if (*p == 'u' && hex_run(p + 1, 4) ) {
+                unsigned c = (unsigned)strtoul((char[5]){p[1], p[2], p[3], p[4], 0}, NULL, 16);
+                if (c >= 0xD800 && c <= 0xDFFF) { free(buf); return NULL; } /* no pairs */
+                if (c < 0x80) buf[j++] = (char)c;
+                else if (c < 0x800) {
+                    buf[j++] = (char)(0xC0 | c >> 6);
+                    buf[j++] = (char)(0x80 | (c & 0x3F));
+                } else {
+                    buf[j++] = (char)(0xE0 | c >> 12);
+                    buf[j++] = (char)(0x80 | (c >> 6 & 0x3F));
+                    buf[j++] = (char)(0x80 | (c & 0x3F));
+                }
+                p += 4;
+            } else {
+                free(buf);
+                return NULL;
+            }
+        }
+        if (*p != '"' || !utf8_valid((const uint8_t *)buf, j)) { free(buf); return NULL; }
+        it = cbor_build_stringn(buf, j);
+        free(buf);
+        end = p + 1;
+    } else if (*s == '-' || isdigit((unsigned char)*s)) {
+        size_t n = strspn(s, "0123456789+-.eE");
+        int integral = strcspn(s, ".eE") >= n;
+        char *e;
+        errno = 0;
+        if (integral && *s == '-') {
+            long long v = strtoll(s, &e, 10);
+            if (errno) return NULL;
+            it = v < 0 ? cbor_build_negint64((uint64_t)(-(v + 1))) : cbor_build_uint64((uint64_t)v);
+        } else if (integral) {
+            unsigned long long v = strtoull(s, &e, 10);
+            if (errno) return NULL;
+            it = cbor_build_uint64(v);
+        } else {
+            double v = strtod(s, &e);
+            if (errno) return NULL;
+            it = cbor_build_float8(v);
+        }
+        if (e != s + n) {
+            if (it) cbor_decref(&it);
+            return NULL;
+        }
+        end = e;
+    }
+    if (it && *skip_ws(end)) cbor_decref(&it);
+    return it;
+}
+
+static int text_ok(const char *s, size_t max, int nonempty) {
+    if (!s) return 0;
+    size_t n = strlen(s);
+    return n <= max && (n > 0 || !nonempty) && utf8_valid((const uint8_t *)s, n);
+}
+
+static void decl_free(struct decl *d) {
+    if (!d) return;
+    for (size_t i = 0; i < d->n_params; i++) {
+        free(d->params[i].name);
+        free(d->params[i].type);
+        free(d->params[i].doc);
+        if (d->params[i].def) cbor_decref(&d->params[i].def);
+    }
+    free(d->params);
+    for (size_t i = 0; i < d->n_raises; i++) free(d->raises[i]);
+    free(d->raises);
+    free(d->result);
+    free(d->doc);
+    free(d->group);
+    free(d);
+}
+
+static char *dup_or(const char *s, const char *dflt) { return strdup(s ? s : dflt); }
+
+/* Check and copy a declaration; -EINVAL / -ENOMEM. */
+static int decl_new(const msgq_param *params, size_t n, const char *result, const char *doc,
+                    const char *const *raises, const char *group, struct decl **out) {
+    *out = NULL;
+    if (!params && n) return -EINVAL;
+    if (n > MSGQ_DECL_MAX_PARAMS) return -EINVAL;
+    if (result && (!text_ok(result, MSGQ_DECL_MAX_NAME, 1) || msgq_check_type(result) < 0))
+        return -EINVAL;
+    if (doc && !text_ok(doc, MSGQ_DECL_MAX_DOC, 0)) return -EINVAL;
+    if (group && !text_ok(group, MSGQ_DECL_MAX_NAME, 1)) return -EINVAL;
+    size_t nr = 0;
+    for (; raises && raises[nr]; nr++)
+        if (nr >= MSGQ_DECL_MAX_RAISES || !text_ok(raises[nr], MSGQ_DECL_MAX_NAME, 1))
+            return -EINVAL;
+    for (size_t i = 0; i < n; i++) {
+        const msgq_param *p = &params[i];
+        if (!text_ok(p->name, MSGQ_DECL_MAX_NAME, 1) || !text_ok(p->type, MSGQ_DECL_MAX_NAME, 1) ||
+            msgq_check_type(p->type) < 0 || (p->doc && !text_ok(p->doc, MSGQ_DECL_MAX_DOC, 0)) ||
+            (p->default_json && (p->required || !text_ok(p->default_json, MSGQ_DECL_MAX_DOC, 1))))
+            return -EINVAL;
+        for (size_t k = 0; k < i; k++)
+            if (strcmp(params[k].name, p->name) == 0) return -EINVAL;
+    }
+    struct decl *d = calloc(1, sizeof *d);
+    if (!d) return -ENOMEM;
+    int rc = -ENOMEM;
+    d->has_params = params != NULL;
+    if (n && !(d->params = calloc(n, sizeof *d->params))) goto fail;
+    for (size_t i = 0; i < n; i++, d->n_params++) {
+        struct decl_param *q = &d->params[i];
+        q->required = params[i].required != 0;
+        if (!(q->name = strdup(params[i].name)) || !(q->type = strdup(params[i].type)) ||
+            !(q->doc = dup_or(params[i].doc, "")))
+            goto fail_param;
+        if (params[i].default_json && !(q->def = json_scalar(params[i].default_json))) {
+            rc = -EINVAL; /* not a JSON scalar (or no memory: the caller's input is likelier) */
+            goto fail_param;
+        }
+        continue;
+    fail_param:
+        d->n_params++; /* free this one's parts too */
+        goto fail;
+    }
+    if (nr && !(d->raises = calloc(nr, sizeof *d->raises))) goto fail;
+    for (size_t i = 0; i < nr; i++, d->n_raises++)
+        if (!(d->raises[i] = strdup(raises[i]))) goto fail;
+    if (!(d->result = dup_or(result, "any")) || !(d->doc = dup_or(doc, ""))) goto fail;
+    if (group && !(d->group = strdup(group))) goto fail;
+    *out = d;
+    return 0;
+fail:
+    decl_free(d);
+    return rc;
+}
+
+static int reserved(const char *name) { return strncmp(name, "msgq.", 5) == 0; }
+
+int msgq_declare_command(msgq *m, const char *command, const msgq_param *params,
+                         size_t n_params, const char *result_type, const char *doc,
+                         const char *const *raises) {
+    if (!m || !text_ok(command, MSGQ_DECL_MAX_NAME, 1) || reserved(command)) return -EINVAL;
+    struct command *c = m->commands;
+    while (c && strcmp(c->name, command) != 0) c = c->next;
+    if ((!c || !c->decl) && m->n_decls >= MSGQ_DECL_MAX_DECLS) return -ENOSPC;
+    struct decl *d;
+    int r = decl_new(params, n_params, result_type, doc, raises, NULL, &d);
+    if (r < 0) return r;
+    if (!c) {
+        c = calloc(1, sizeof *c);
+        if (!c || !(c->name = strdup(command))) {
+            free(c);
+            decl_free(d);
+            return -ENOMEM;
+        }
+        c->next = m->commands;
+        m->commands = c;
+    }
+    if (c->decl) decl_free(c->decl);
+    else m->n_decls++;
+    c->decl = d;
+    return 0;
+}
+
+int msgq_declare_event(msgq *m, const char *event, const char *group,
+                       const msgq_param *params, size_t n_params, const char *doc) {
+    if (!m || !text_ok(event, MSGQ_DECL_MAX_NAME, 1)) return -EINVAL;
+    struct event *e = m->events;
+    while (e && strcmp(e->name, event) != 0) e = e->next;
+    if (!e && m->n_decls >= MSGQ_DECL_MAX_DECLS) return -ENOSPC;
+    struct decl *d;
+    int r = decl_new(params, n_params, NULL, doc, NULL, group, &d);
+    if (r < 0) return r;
+    if (!e) {
+        e = calloc(1, sizeof *e);
+        if (!e || !(e->name = strdup(event))) {
+            free(e);
+            decl_free(d);
+            return -ENOMEM;
+        }
+        e->next = m->events;
+        m->events = e;
+        m->n_decls++;
+    } else {
+        decl_free(e->decl);
+    }
+    e->decl = d;
+    return 0;
+}
+
+/* The wire form of a declaration's params: null, or a list of param maps. */
+static cbor_item_t *params_item(const struct decl *d) {
+    if (!d || !d->has_params) return cbor_new_null();
+    cbor_item_t *list = cbor_new_definite_array(d->n_params);
+    for (size_t i = 0; list && i < d->n_params; i++) {
+        const struct decl_param *q = &d->params[i];
+        cbor_item_t *p = cbor_new_definite_map(5);
+        int r = p ? 0 : -ENOMEM;
+        if (!r) r = map_add(p, "name", str_item(q->name));
+        if (!r) r = map_add(p, "type", str_item(q->type));
+        if (!r) r = map_add(p, "required", cbor_build_bool(q->required));
+        if (!r && !q->required && q->def) r = map_add(p, "default", cbor_incref(q->def));
+        if (!r && *q->doc) r = map_add(p, "doc", str_item(q->doc));
+        if (!r && !cbor_array_push(list, p)) r = -ENOMEM;
+        if (p) cbor_decref(&p);
+        if (r) cbor_decref(&list);
+    }
+    return list;
+}
+
+static int by_name(const void *a, const void *b) {
+    return strcmp(**(char *const *const *)a, **(char *const *const *)b);
+}
+
+/* The v1 description answered to msgq.introspect, or NULL (out of memory). The name
+ * is the first member of struct command and struct event: both sort by it. */
+static cbor_item_t *describe(msgq *m) {
+    size_t nc = 0, ne = 0;
+    for (struct command *c = m->commands; c; c = c->next) nc += c->cb != NULL;
+    for (struct event *e = m->events; e; e = e->next) ne++;
+    char ***cs = calloc(nc + 1, sizeof *cs), ***es = calloc(ne + 1, sizeof *es);
+    cbor_item_t *out = cbor_new_definite_map(6);
+    cbor_item_t *groups = cbor_new_definite_array(m->n_groups);
+    cbor_item_t *cmds = cbor_new_definite_array(nc), *evs = cbor_new_definite_array(ne);
+    int r = cs && es && out && groups && cmds && evs ? 0 : -ENOMEM;
+    if (!r) {
+        size_t i = 0;
+        for (struct command *c = m->commands; c; c = c->next)
+            if (c->cb) cs[i++] = &c->name;
+        i = 0;
+        for (struct event *e = m->events; e; e = e->next) es[i++] = &e->name;
+        qsort(cs, nc, sizeof *cs, by_name);
+        qsort(es, ne, sizeof *es, by_name);
+    }
+    for (size_t i = 0; !r && i < m->n_groups; i++) {
+        cbor_item_t *g = str_item(m->groups[i]);
+        if (!g || !cbor_array_push(groups, g)) r = -ENOMEM;
+        if (g) cbor_decref(&g);
+    }
+    for (size_t i = 0; !r && i < nc; i++) {
+        const struct command *c = (const struct command *)((char *)cs[i] - offsetof(struct command, name));
+        const struct decl *d = c->decl;
+        cbor_item_t *raises = cbor_new_definite_array(d ? d->n_raises : 0);
+        for (size_t k = 0; raises && d && k < d->n_raises; k++) {
+            cbor_item_t *s = str_item(d->raises[k]);
+            if (!s || !cbor_array_push(raises, s)) r = -ENOMEM;
+            if (s) cbor_decref(&s);
+        }
+        cbor_item_t *one = cbor_new_definite_map(5);
+        if (!one || !raises) r = -ENOMEM;
+        if (!r) r = map_add(one, "name", str_item(c->name));
+        if (!r) r = map_add(one, "doc", str_item(d ? d->doc : ""));
+        if (!r) r = map_add(one, "params", params_item(d));
+        if (!r) r = map_add(one, "result", str_item(d ? d->result : "any"));
+        if (!r) r = map_add(one, "raises", raises ? cbor_incref(raises) : NULL);
+        if (!r && !cbor_array_push(cmds, one)) r = -ENOMEM;
+        if (raises) cbor_decref(&raises);
+        if (one) cbor_decref(&one);
+    }
+    for (size_t i = 0; !r && i < ne; i++) {
+        const struct event *e = (const struct event *)((char *)es[i] - offsetof(struct event, name));
+        cbor_item_t *one = cbor_new_definite_map(4);
+        if (!one) r = -ENOMEM;
+        if (!r) r = map_add(one, "name", str_item(e->name));
+        if (!r) r = map_add(one, "group", e->decl->group ? str_item(e->decl->group) : cbor_new_null());
+        if (!r) r = map_add(one, "doc", str_item(e->decl->doc));
+        if (!r) r = map_add(one, "params", params_item(e->decl));
+        if (!r && !cbor_array_push(evs, one)) r = -ENOMEM;
+        if (one) cbor_decref(&one);
+    }
+    if (!r) r = map_add(out, "version", cbor_build_uint8(1));
+    if (!r) r = map_add(out, "name", str_item(m->name));
+    if (!r) r = map_add(out, "lname", str_item(m->lname));
+    if (!r) r = map_add(out, "groups", cbor_incref(groups));
+    if (!r) r = map_add(out, "commands", cbor_incref(cmds));
+    if (!r) r = map_add(out, "events", cbor_incref(evs));
+    free(cs);
+    free(es);
+    if (groups) cbor_decref(&groups);
+    if (cmds) cbor_decref(&cmds);
+    if (evs) cbor_decref(&evs);
+    if (r && out) cbor_decref(&out);
+    return out;
+}
+
+/* The callee-side check of a declared command's params (docs/PROTOCOL.md): 0 if the
+ * handler may run, else the request has been answered bad-request. */
+static int check_params(msgq *m, msgq_message *req, const struct command *c) {
+    const struct decl *d = c->decl;
+    if (!d || !d->has_params) return 0;
+    cbor_item_t *params;
+    msgq_error e = MSGQ_ERROR_INIT;
+    char text[512];
+    const char *param = "";
+    if (msgq_message_body(req, &params, &e) < 0) {
+        snprintf(text, sizeof text, "%s: params are not well-formed CBOR", c->name);
+        msgq_error_clear(&e);
+        goto refuse;
+    }
+    int null = cbor_isa_float_ctrl(params) && cbor_is_null(params);
+    if (!null && !cbor_isa_map(params)) {
+        snprintf(text, sizeof text, "%s: params must be a map of named parameters, not %s",
+                 c->name, kind_of(params));
+        goto refuse;
+    }
+    size_t n = null ? 0 : cbor_map_size(params);
+    struct cbor_pair *pairs = null ? NULL : cbor_map_handle(params);
+    for (size_t i = 0; i < d->n_params; i++) {
+        if (!d->params[i].required || map_get(null ? NULL : params, d->params[i].name)) continue;
+        param = d->params[i].name;
+        snprintf(text, sizeof text, "%s: missing required parameter '%s' (%s)", c->name, param,
+                 d->params[i].type);
+        goto refuse;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const cbor_item_t *k = pairs[i].key;
+        const struct decl_param *q = NULL;
+        if (cbor_isa_string(k) && cbor_string_is_definite(k))
+            for (size_t j = 0; j < d->n_params && !q; j++)
+                if (strlen(d->params[j].name) == cbor_string_length(k) &&
+                    memcmp(d->params[j].name, cbor_string_handle(k), cbor_string_length(k)) == 0)
+                    q = &d->params[j];
+        if (!q) {
+            snprintf(text, sizeof text, "%s: unknown parameter", c->name);
+            if (cbor_isa_string(k) && cbor_string_is_definite(k)) {
+                /* name it as the Python clients do (the bytes are the caller's UTF-8) */
+                snprintf(text, sizeof text, "%s: unknown parameter '%.*s'", c->name,
+                         (int)(cbor_string_length(k) > 200 ? 200 : cbor_string_length(k)),
+                         (const char *)cbor_string_handle(k));
+                char *name = strndup0(cbor_string_handle(k), cbor_string_length(k));
+                cbor_item_t *data = cbor_new_definite_map(1);
+                if (data && map_add(data, "param", str_item(name ? name : "")) == 0)
+                    msgq_reply_error(m, req, "bad-request", text, data);
+                else
+                    msgq_reply_error(m, req, "bad-request", text, NULL);
+                if (data) cbor_decref(&data);
+                free(name);
+                return -1;
+            }
+            goto refuse;
+        }
+        if (!type_fits(q->type, pairs[i].value)) {
+            param = q->name;
+            snprintf(text, sizeof text, "%s: parameter '%s' must be %s, got %s", c->name, param,
+                     q->type, kind_of(pairs[i].value));
+            goto refuse;
+        }
+    }
+    return 0;
+refuse:;
+    cbor_item_t *data = cbor_new_definite_map(1);
+    if (data && map_add(data, "param", str_item(param)) == 0)
+        msgq_reply_error(m, req, "bad-request", text, data);
+    else
+        msgq_reply_error(m, req, "bad-request", text, NULL);
+    if (data) cbor_decref(&data);
+    return -1;
+}
+
+/* ---- trace context -------------------------------------------------------------- */
+static void rand_hex(char *out, size_t nbytes) {
+    uint8_t b[16];
+    for (;;) {
+        ssize_t got = getrandom(b, nbytes, 0);
+        if (got != (ssize_t)nbytes) { /* no entropy source: time and address still differ */
+            uint64_t t = msgq_now() ^ (uint64_t)(uintptr_t)out;
+            for (size_t i = 0; i < nbytes; i++) b[i] = (uint8_t)(t >> (8 * (i % 8)) ^ i * 37u);
+        }
+        for (size_t i = 0; i < nbytes; i++) sprintf(out + 2 * i, "%02x", b[i]);
+        if (not_zero(out, 2 * nbytes)) return;
+    }
+}
+
+const char *msgq_current_traceparent(const msgq *m) {
+    return m && m->trace.on ? m->trace.traceparent : NULL;
+}
+
+/* header (may be NULL) plus a new span's traceparent, tracestate and tracecause. */
+static cbor_item_t *trace_header(msgq *m, const cbor_item_t *header) {
+    size_t n = header && cbor_isa_map(header) ? cbor_map_size(header) : 0;
+    cbor_item_t *h = cbor_new_definite_map(n + 3);
+    if (!h) return NULL;
+    struct cbor_pair *pairs = n ? cbor_map_handle(header) : NULL;
+    for (size_t i = 0; i < n; i++)
+        if (!cbor_map_add(h, pairs[i])) { cbor_decref(&h); return NULL; }
+    char span[17], tp[56];
+    rand_hex(span, 8);
+    snprintf(tp, sizeof tp, "00-%s-%s-%s", m->trace.trace_id, span, m->trace.flags);
+    int r = map_add(h, "traceparent", str_item(tp));
+    if (!r && m->trace.state) r = map_add(h, "tracestate", str_item(m->trace.state));
+    if (!r) r = map_add(h, "tracecause", str_item(m->trace.cause));
+    if (r) cbor_decref(&h);
+    return h;
+}
+
+/* Enter the span of a handler of req (untraced if req carries no trace context). */
+static void trace_enter(msgq *m, const msgq_message *req) {
+    memset(&m->trace, 0, sizeof m->trace);
+    const char *tp = req->traceparent;
+    if (!tp) return;
+    memcpy(m->trace.trace_id, tp + 3, 32);
+    memcpy(m->trace.cause, tp + 36, 16);
+    memcpy(m->trace.flags, tp + 53, 2);
+    rand_hex(m->trace.span_id, 8);
+    snprintf(m->trace.traceparent, sizeof m->trace.traceparent, "00-%s-%s-%s",
+             m->trace.trace_id, m->trace.span_id, m->trace.flags);
+    m->trace.state = req->tracestate ? strdup(req->tracestate) : NULL;
+    m->trace.on = 1;
 }
 
 /* ---- reading and dispatch ------------------------------------------------------ */
@@ -1131,13 +1815,35 @@ static void dispatch_request(msgq *m, msgq_message *msg) {
         msgq_message_unref(msg);
         return;
     }
+    if (strcmp(msg->name, "msgq.introspect") == 0) {
+        cbor_item_t *d = describe(m);
+        unsigned char *b = NULL;
+        size_t bl = 0;
+        if (!d || serialize(d, &b, &bl) < 0) {
+            msgq_reply_error(m, msg, "internal-error", "out of memory describing", NULL);
+        } else if ((uint64_t)bl + INTROSPECT_HEADROOM > m->send_max_frame) {
+            /* the declarations' bounds allow more than a frame carries: say so, rather
+             * than leave the caller waiting for an answer that cannot be sent */
+            char text[256];
+            snprintf(text, sizeof text, "description of %zu bytes exceeds the frame limit of %u",
+                     bl, m->send_max_frame);
+            msgq_reply_error(m, msg, "limit-exceeded", text, NULL);
+        } else {
+            msgq_reply_raw(m, msg, b, bl, NULL);
+        }
+        free(b);
+        if (d) cbor_decref(&d);
+        msgq_message_unref(msg);
+        return;
+    }
     struct command *c = m->commands;
-    while (c && strcmp(c->name, msg->name) != 0) c = c->next;
+    while (c && (strcmp(c->name, msg->name) != 0 || !c->cb)) c = c->next;
     if (!c) {
         char text[512];
         snprintf(text, sizeof text, "no handler for command '%s' at %s", msg->name, m->lname);
         cbor_item_t *cmds = cbor_new_indefinite_array();
         for (struct command *k = m->commands; k && cmds; k = k->next) {
+            if (!k->cb) continue;
             cbor_item_t *s = str_item(k->name);
             if (s) { cbor_array_push(cmds, s); cbor_decref(&s); }
         }
@@ -1146,7 +1852,17 @@ static void dispatch_request(msgq *m, msgq_message *msg) {
         msgq_message_unref(msg);
         return;
     }
+    if (check_params(m, msg, c) < 0) {
+        msgq_message_unref(msg);
+        return;
+    }
+    /* The handler runs in a span of the request's trace; nested handlers (run while it
+     * waits in a blocking call) have their own, and it is restored after them. */
+    struct trace outer = m->trace;
+    trace_enter(m, msg);
     c->cb(m, msg, c->ud);
+    free(m->trace.state);
+    m->trace = outer;
     if (!msg->answered && msg->refs == 1 && m->state != S_LOST)
         msgq_reply_error(m, msg, "internal-error", "handler did not answer", NULL);
     msgq_message_unref(msg);
@@ -1247,10 +1963,14 @@ static void handle_frame(msgq *m, uint8_t *raw, size_t len, uint64_t start) {
     }
     switch (L.type) {
     case T_MESSAGE:
-    case T_NOTIFY:
+    case T_NOTIFY: {
+        struct trace outer = m->trace; /* as in deliver_result */
+        m->trace.on = 0;
         if (m->msg_cb) m->msg_cb(m, msg, m->msg_ud);
+        m->trace = outer;
         msgq_message_unref(msg);
         break;
+    }
     case T_REQUEST:
         dispatch_request(m, msg);
         break;
@@ -1573,9 +2293,18 @@ void msgq_close(msgq *m) {
     if (m->fd >= 0) close(m->fd);
     for (struct command *c = m->commands, *n; c; c = n) {
         n = c->next;
+        decl_free(c->decl);
         free(c->name);
         free(c);
     }
+    for (struct event *e = m->events, *n; e; e = n) {
+        n = e->next;
+        decl_free(e->decl);
+        free(e->name);
+        free(e);
+    }
+    for (size_t i = 0; i < m->n_groups; i++) free(m->groups[i]);
+    free(m->groups);
     msgq_error_clear(&m->lost);
     free(m->in);
     free(m->stamp);

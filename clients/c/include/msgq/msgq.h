@@ -301,6 +301,78 @@ int msgq_reply_raw(msgq *m, msgq_message *request, const void *cbor, size_t len,
 int msgq_reply_error(msgq *m, msgq_message *request, const char *code, const char *message,
                      const cbor_item_t *data);
 
+/* ---- declared interface (docs/PROTOCOL.md, "Interfaces and introspection") ------ */
+/*
+ * The library answers the standard command `msgq.introspect` itself with the v1
+ * description: name, lname, groups joined (msgq_subscribe, in join order), every command
+ * that has a handler (sorted; `params` null unless declared) and the declared events.
+ * Names starting with "msgq." are reserved for such standard commands.
+ *
+ * Limits (each argument over one fails -EINVAL, nothing kept): at most
+ * MSGQ_DECL_MAX_PARAMS parameters and MSGQ_DECL_MAX_RAISES error codes per declaration;
+ * names, types and codes at most MSGQ_DECL_MAX_NAME bytes, docs and defaults at most
+ * MSGQ_DECL_MAX_DOC; at most MSGQ_DECL_MAX_DECLS declared commands plus events per
+ * connection (-ENOSPC past it). They bound the memory a connection keeps for its
+ * description; a description too large for one frame (only near the bounds) is
+ * answered limit-exceeded.
+ */
+#define MSGQ_DECL_MAX_PARAMS 64
+#define MSGQ_DECL_MAX_RAISES 32
+#define MSGQ_DECL_MAX_NAME 255
+#define MSGQ_DECL_MAX_DOC 1024
+#define MSGQ_DECL_MAX_DECLS 1024
+
+/* One declared parameter. `type` is a type string of the grammar in docs/PROTOCOL.md
+ * ("str", "int | null", "list[str]", "dict[str, any]"); `required` nonzero: it must be
+ * given; `default_json`: an optional parameter's default as JSON text of a scalar
+ * (null, true, false, a number, a string), or NULL for none; `doc` one line or NULL. */
+typedef struct msgq_param {
+    const char *name;
+    const char *type;
+    int required;
+    const char *default_json;
+    const char *doc;
+} msgq_param;
+
+/* Declare command `command`'s interface (before or after msgq_add_command; declaring
+ * again replaces; msgq_add_command(.., NULL, ..) removes the handler and the
+ * declaration). params: n_params entries; params NULL (with n_params 0): parameters not
+ * declared (listed as null, not checked); a non-NULL params with n_params 0 declares
+ * that there are none. result_type: a type string, NULL = "any". doc: one line, NULL =
+ * "". raises: a NULL-terminated list of error codes the handler may answer, or NULL.
+ * Everything is copied. A REQUEST for a declared command is then checked before its
+ * handler runs: params not a map (null is an empty map), a missing required parameter,
+ * an unknown one or one of the wrong type is answered bad-request with data
+ * {"param": NAME} ("" for the whole params) and the handler does not run.
+ * Returns 0, -EINVAL (a NULL or empty name, a name starting "msgq.", a bad type string,
+ * a duplicate parameter name, an over-limit length or count, a default that is not a
+ * JSON scalar or given for a required parameter), -ENOSPC, -ENOMEM. */
+int msgq_declare_command(msgq *m, const char *command, const msgq_param *params,
+                         size_t n_params, const char *result_type, const char *doc,
+                         const char *const *raises);
+/* Declare a notification this client emits: event `event` to `group` (NULL: any group),
+ * with params as above (params NULL and n_params 0: not declared, listed as null). Same
+ * errors as msgq_declare_command. */
+int msgq_declare_event(msgq *m, const char *event, const char *group,
+                       const msgq_param *params, size_t n_params, const char *doc);
+/* 0 if `type` is in the type grammar of docs/PROTOCOL.md, else -EINVAL. */
+int msgq_check_type(const char *type);
+
+/* ---- trace context (docs/PROTOCOL.md, "Trace context") --------------------------- */
+/* While a handler of a traced REQUEST runs (a valid `traceparent` in its header), the
+ * connection's current trace is a new span of that trace caused by the request: every
+ * call, MESSAGE and NOTIFY the handler sends from inside its callback carries a
+ * `traceparent` (same trace id, a new span id, same flags), the request's `tracestate`
+ * and `tracecause` (the request's span id), as the Python clients do. A request kept
+ * and answered later does not extend the trace to what is sent after the callback;
+ * message and call callbacks run while the handler waits are not part of its trace. */
+/* The `traceparent` of a received frame, or NULL if it has none or an invalid one.
+ * Owned by the message. */
+const char *msgq_message_traceparent(const msgq_message *msg);
+/* The current trace's `traceparent` (the running handler's span), or NULL outside a
+ * handler of a traced request. Valid until the handler returns. */
+const char *msgq_current_traceparent(const msgq *m);
+
 /* ---- wire codec (no I/O; exposed for tests and fuzzing) ------------------------- */
 /* Check one whole frame (prefix included) as the library checks every received frame:
  * 0 if valid, -EPROTO / -EMSGSIZE with the reason in err. */

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "msgq/msgq.h"
 
@@ -123,6 +124,17 @@ public:
     void on(const std::string &command, std::function<void(Request &)> fn) {
         handlers_[command] = std::move(fn);
         int r = msgq_add_command(m_, command.c_str(), &Bus::trampoline, this);
+        if (r < 0) fail_status(r);
+    }
+
+    // Declare a command's interface (msgq_declare_command: params copied; raises a
+    // NULL-terminated list or nullptr); throws Error(-EINVAL) on a bad declaration.
+    void declare(const std::string &command, const std::vector<msgq_param> &params,
+                 const char *result_type = "any", const char *doc = "",
+                 const char *const *raises = nullptr) {
+        static const msgq_param none{}; // an empty list declares none (not "undeclared")
+        int r = msgq_declare_command(m_, command.c_str(), params.empty() ? &none : params.data(),
+                                     params.size(), result_type, doc, raises);
         if (r < 0) fail_status(r);
     }
 
