@@ -46,8 +46,18 @@ from .procs import Proc, RunTimeout, Service, WorkerFailed, wait_all
 from .systems import _start_msgq, _start_nats, _start_redis
 from .worker_scale import CONNECTED, RECEIVED, UNSUPPORTED
 
+
+def _scale_args(run_dir: Path) -> tuple[str, ...]:
+    """``serve`` flags for a broker of 10,000 connections of one user: room for them,
+    and that user's quotas raised to match (docs/SECURITY.md: by default one user may
+    hold half of ``max_connections``), as such a deployment configures it."""
+    config = run_dir / "scale.toml"
+    config.write_text("[quotas]\nconnections = 16384\nsubscriptions = 262144\n")
+    return ("--max-connections", "16384", "--config", str(config))
+
+
 SYSTEMS: dict[str, Callable[[Path], Service]] = {
-    "msgq_trio": lambda d: _start_msgq(d, "", 0.0, serve_args=("--max-connections", "16384")),
+    "msgq_trio": lambda d: _start_msgq(d, "", 0.0, serve_args=_scale_args(d)),
     "nats": lambda d: _start_nats(d, "", time.monotonic() + 30),
     "redis": lambda d: _start_redis(d, "", time.monotonic() + 30),
 }

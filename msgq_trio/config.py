@@ -665,15 +665,19 @@ class QuotaSettings:
       on a 24 GiB machine, so one user can take at most 1/16 of the machine through the
       broker, and a normal component (one receiver's ``out_soft_limit`` is 4 MiB) never
       comes near it.
-    * ``connections`` 1,024: connections of one user at once, an eighth of
-      ``max_connections`` (dbus-daemon's system bus allows 256 per user, dbus-broker's
-      launcher 64; a bus here also carries plugins and per-task connections).
+    * ``connections`` 4,096: connections of one user at once, half of
+      ``max_connections``, so one user can never hold every slot and another user always
+      finds room. Far above dbus-daemon's 256 per user and dbus-broker's launcher's 64,
+      because a deployment here runs its whole suite under one uid, with a connection
+      per zone transfer or per script: thousands are normal use, not an attack.
     * ``fds`` 4,096: descriptors queued in the broker for one user's connections, four
       receivers at ``max_fds_queued`` (dbus-broker: 64 per user, for a bus that passes
       descriptors rarely).
-    * ``subscriptions`` 16,384: group memberships of one user, four connections at
-      ``max_subscriptions`` (dbus-broker's launcher: 256 match rules per connection,
-      16,384 per user as its match quota).
+    * ``subscriptions`` 131,072: group memberships of one user, 32 connections at
+      ``max_subscriptions``: a suite of a thousand components under one uid with a
+      hundred subscriptions each (the routing workload of BENCHMARKS.md) fits; at a few
+      hundred bytes each the total stays in tens of MiB. dbus-broker's 16,384 per user is
+      for a desktop bus with a few match rules per client.
     * ``pending_requests`` 40,000: requests one user's connections wait answers for,
       four callers at ``max_pending_requests``.
     * ``refusals_before_drop`` 100: a connection refused this many times for a quota
@@ -687,9 +691,9 @@ class QuotaSettings:
     enabled: bool = True
     broker_memory_total: int = attrs.field(default=0, validator=_non_negative)
     user_memory_share: float = attrs.field(default=1 / 16, validator=_share)
-    connections: int = attrs.field(default=1024, validator=_positive)
+    connections: int = attrs.field(default=4096, validator=_positive)
     fds: int = attrs.field(default=4096, validator=_positive)
-    subscriptions: int = attrs.field(default=16_384, validator=_positive)
+    subscriptions: int = attrs.field(default=131_072, validator=_positive)
     pending_requests: int = attrs.field(default=40_000, validator=_positive)
     refusals_before_drop: int = attrs.field(default=100, validator=_positive)
     users: dict[str, dict[str, int]] = attrs.field(factory=dict, validator=_user_quota_table)

@@ -265,7 +265,7 @@ def test_config_file_quotas_section() -> None:
         "memory": (1 << 30) // 16,
         "connections": 10,
         "fds": 4096,
-        "subscriptions": 16384,
+        "subscriptions": 131_072,
         "pending_requests": 40000,
     }
     assert config_file.get_key(cfg, "quotas.connections") == 10
