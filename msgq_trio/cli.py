@@ -56,6 +56,7 @@ _CLIENTS = (
     "queue",
     "introspect",
     "trace",
+    "console",
 )
 #: Values of the flags accepted anywhere (added with default SUPPRESS at every level, so
 #: a flag given before the subcommand is not reset by the subcommand's copy).
@@ -148,6 +149,7 @@ def _subparsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``msgq-trio`` (delegated subcommands only show their help line)."""
     from . import __version__
+    from .console.cli import add_console_arguments
     from .ops.ctl_client import add_ctl_arguments, add_dump_arguments
     from .ops.introspect_cli import add_call_check_arguments, add_introspect_arguments
     from .ops.queue_cli import add_queue_arguments
@@ -244,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
         "queue", help="the queue plugin's durable queues: ls, stats, peek, purge (docs/QUEUE.md)"
     )
     add_queue_arguments(p)
+
+    p = sub.add_parser(
+        "console", help="the web console: see the bus live and act on it (docs/CONSOLE.md)"
+    )
+    add_console_arguments(p)
 
     sub.add_parser("demo", help="start a broker and show messages and RPC flowing")
     for name, text in (
@@ -378,6 +385,10 @@ def _main(argv: list[str]) -> int:
             from .demo import run_demo
 
             return run_demo(Path(args.socket) if args.socket else None)
+        if args.cmd == "console":
+            from .console.cli import run_console
+
+            return run_console(args)
         runner: Callable[[argparse.Namespace], Awaitable[int]]
         if args.cmd == "ctl":
             from .ops.ctl_client import run_ctl as runner

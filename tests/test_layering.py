@@ -64,6 +64,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "scenario": ("msgq_trio.scenario",),
     "demo": ("msgq_trio.demo",),
     "analytics": ("msgq_trio.analytics",),
+    "console": ("msgq_trio.console",),
     "cli": ("msgq_trio.cli", "msgq_trio.__main__"),
     "benchmarks": ("benchmarks",),
 }
@@ -81,6 +82,7 @@ RANK: list[set[str]] = [
     {"plugins"},  # plugins are clients of the broker
     {"ops", "scenario", "demo"},  # running the broker, fault scenarios, the demo
     {"analytics"},
+    {"console"},  # the web console: a client process above the ops tools
     {"cli"},
     {"benchmarks"},
 ]

@@ -20,6 +20,7 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 | ``capture-stop`` / ``capture-status`` | - | the capture's status |
 | ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
 | ``dump-stop`` | - | ``true`` if a dump was running |
+| ``audit`` | ``{"actor", "action", "detail"?}`` | ``true``; an INFO line: actor, caller, action |
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ class Operations:
             "dump-start": self._cmd_dump_start,
             "dump-stop": self._cmd_dump_stop,
             "users": self._cmd_users,
+            "audit": self._cmd_audit,
         }
         for name, fn in commands.items():
             assert name not in OPEN_COMMANDS
@@ -405,6 +407,8 @@ class Operations:
             "pending_in": len(p.pending_in),
             "connected_at": round(time.time() - (now - p.connected_at), 3),
             "connected_for": round(now - p.connected_at, 3),
+            # A TCP client's identity and address (``tcp:NAME@host:port``); "" for Unix.
+            "where": p.where,
         }
 
     def _cmd_clients(self, _peer: Peer, _params: object) -> object:
@@ -683,3 +687,25 @@ class Operations:
 
     def _cmd_dump_stop(self, peer: Peer, _params: object) -> object:
         return self.hub.remove_dump(peer)
+
+    # -- audit ----------------------------------------------------------------------------
+    def _cmd_audit(self, peer: Peer, params: object) -> object:
+        """A line in the broker's log for an action a client took on behalf of someone
+        else (the web console's operators): who acted, through which connection, what.
+        Bounded: the texts are cut, so a caller cannot fill the log with one line."""
+        p = _params(params)
+        actor, action, detail = p.get("actor"), p.get("action"), p.get("detail", "")
+        if not isinstance(actor, str) or not isinstance(action, str) or not isinstance(detail, str):
+            raise CommandError(
+                ErrorCode.BAD_REQUEST,
+                "params must be {'actor': str, 'action': str, 'detail'?: str}",
+            )
+        log.info(
+            "audit: %s by %s via %s%s",
+            action[:200],
+            actor[:200],
+            peer.describe(),
+            f": {detail[:1000]}" if detail else "",
+            extra=peer_fields(peer) | {"actor": actor[:200]},
+        )
+        return True

@@ -1,0 +1,252 @@
+"""The console's HTTP face: a thin Starlette app over :class:`~.service.Console`.
+
+| route | what |
+|---|---|
+| ``GET /`` | the page (the login form first when login is on) |
+| ``GET /static/...`` | the page's CSS, JavaScript and icon (package data) |
+| ``GET /api/snapshot`` | the latest snapshot document (JSON) |
+| ``GET /api/events`` | server-sent events: the document each time a new one is made |
+| ``GET /api/describe?target=G`` | G's members and their declarations (the call form) |
+| ``GET /api/traffic?kind=&sender=&target=`` | server-sent events: live traffic records |
+| ``POST /api/action`` | an action (JSON); needs the page's CSRF token in ``X-CSRF-Token`` |
+| ``POST /login`` / ``POST /logout`` | a token in the form body (never in a URL) |
+
+Every ``/api`` route needs the session cookie (HttpOnly, SameSite=Strict, Secure over
+TLS), which the page (or the login) sets.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..errors import MsgqError, RpcError
+from .service import ActionError, Console, Session
+
+STATIC = Path(__file__).resolve().parent / "static"
+COOKIE = "msgq_console"
+#: Largest action body accepted (bytes): a form's params, not a bulk upload.
+MAX_ACTION_BYTES = 1 << 20
+#: No inline script or style, nothing from elsewhere: the page's own files only.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+)
+#: Seconds between keep-alive comments on an idle event stream (proxies close quiet ones).
+KEEPALIVE = 15.0
+
+
+def _headers() -> dict[str, str]:
+    return {
+        "Content-Security-Policy": CSP,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store",
+    }
+
+
+def create_app(console: Console, *, secure: bool = False) -> Starlette:
+    """The ASGI app of ``console``; ``secure``: served over TLS (cookies get Secure)."""
+
+    def session_of(request: Request) -> Session | None:
+        return console.session(request.cookies.get(COOKIE))
+
+    def with_cookie(resp: Response, s: Session) -> Response:
+        resp.set_cookie(COOKIE, s.sid, httponly=True, samesite="strict", secure=secure, path="/")
+        return resp
+
+    def page(name: str, **subst: str) -> str:
+        text = (STATIC / name).read_text(encoding="utf-8")
+        for k, v in subst.items():
+            text = text.replace("{{" + k + "}}", html.escape(v, quote=True))
+        return text
+
+    async def index(request: Request) -> Response:
+        s = session_of(request)
+        if s is None:
+            if console.login:
+                return RedirectResponse("/login", status_code=303, headers=_headers())
+            client = request.client
+            where = f"{client.host}:{client.port}" if client else "?"
+            s = console.new_session(f"local web viewer at {where}")
+        resp = HTMLResponse(page("index.html", csrf=s.csrf, actor=s.actor), headers=_headers())
+        return with_cookie(resp, s)
+
+    async def login_form(request: Request) -> Response:
+        return HTMLResponse(page("login.html", error=""), headers=_headers())
+
+    async def login(request: Request) -> Response:
+        form = await request.form(max_files=0, max_fields=4)
+        token = form.get("token")
+        if not isinstance(token, str) or not token:
+            return HTMLResponse(
+                page("login.html", error="enter a token"), status_code=400, headers=_headers()
+            )
+        try:
+            s = await console.log_in(token)
+        except ActionError as exc:
+            return HTMLResponse(
+                page("login.html", error=str(exc)), status_code=403, headers=_headers()
+            )
+        return with_cookie(RedirectResponse("/", status_code=303, headers=_headers()), s)
+
+    async def logout(request: Request) -> Response:
+        s = session_of(request)
+        if s is not None and _csrf_ok(request, s):
+            console.end_session(s.sid)
+        resp = RedirectResponse("/login" if console.login else "/", status_code=303)
+        resp.delete_cookie(COOKIE, path="/")
+        return resp
+
+    def denied() -> Response:
+        return JSONResponse(
+            {"error": "no session: open the console's page first (or log in)"},
+            status_code=401,
+            headers=_headers(),
+        )
+
+    async def snapshot(request: Request) -> Response:
+        if session_of(request) is None:
+            return denied()
+        return Response(console.document, media_type="application/json", headers=_headers())
+
+    async def events(request: Request) -> Response:
+        if session_of(request) is None:
+            return denied()
+
+        async def stream() -> AsyncIterator[str]:
+            updates = console.updates()
+            while True:
+                with trio.move_on_after(KEEPALIVE) as scope:
+                    seq, doc = await anext(updates)
+                if scope.cancelled_caught:
+                    yield ": keep-alive\n\n"
+                    continue
+                yield f"id: {seq}\nevent: snapshot\ndata: {doc}\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=_headers())
+
+    async def describe(request: Request) -> Response:
+        if session_of(request) is None:
+            return denied()
+        target = request.query_params.get("target", "")
+        if not target:
+            return JSONResponse({"error": "target is required"}, 400, headers=_headers())
+        try:
+            rows = await console.describe(target)
+        except (ActionError, MsgqError) as exc:
+            return JSONResponse({"error": str(exc)}, 502, headers=_headers())
+        return JSONResponse(rows, headers=_headers())
+
+    async def action(request: Request) -> Response:
+        s = session_of(request)
+        if s is None:
+            return denied()
+        if not _csrf_ok(request, s):
+            return JSONResponse(
+                {"error": "missing or wrong CSRF token: reload the page"}, 403, headers=_headers()
+            )
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_ACTION_BYTES:
+                return JSONResponse(
+                    {"error": f"action larger than {MAX_ACTION_BYTES} bytes"},
+                    413,
+                    headers=_headers(),
+                )
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            return JSONResponse({"error": f"body is not JSON: {exc}"}, 400, headers=_headers())
+        if not isinstance(doc, dict):
+            return JSONResponse({"error": "body must be a JSON object"}, 400, headers=_headers())
+        try:
+            result = await console.act(s, doc)
+        except ActionError as exc:
+            return JSONResponse({"error": str(exc)}, 400, headers=_headers())
+        except MsgqError as exc:
+            return JSONResponse({"error": f"broker: {exc}"}, 502, headers=_headers())
+        # default=str: a component's answer may hold bytes or other CBOR-only values.
+        return Response(
+            json.dumps(result, default=str), media_type="application/json", headers=_headers()
+        )
+
+    async def traffic(request: Request) -> Response:
+        s = session_of(request)
+        if s is None:
+            return denied()
+        q = request.query_params
+        filters: dict[str, Any] = {}
+        for key, name in (("kind", "kinds"), ("sender", "senders"), ("target", "targets")):
+            values = [v for v in q.getlist(key) if v]
+            if values:
+                filters[name] = values
+        if q.get("body") in ("json", "base64"):
+            filters["body"] = q["body"]
+        # The dump is started before the response begins: a refusal is an HTTP error.
+        cm = console.traffic(s, filters)
+        try:
+            bus = await cm.__aenter__()
+        except ActionError as exc:
+            return JSONResponse({"error": str(exc)}, 429, headers=_headers())
+        except RpcError as exc:
+            return JSONResponse({"error": f"{exc.code}: {exc.message}"}, 403, headers=_headers())
+        except MsgqError as exc:
+            return JSONResponse({"error": str(exc)}, 502, headers=_headers())
+
+        async def stream() -> AsyncIterator[str]:
+            own = bus.lname
+            try:
+                yield ": started\n\n"
+                async for msg in bus:
+                    body = msg.body
+                    if msg.sender != "l.0" or not isinstance(body, dict) or "records" not in body:
+                        continue
+                    recs = [
+                        r for r in body["records"] if own not in (r.get("sender"), r.get("target"))
+                    ]
+                    if recs or body.get("dropped"):
+                        doc = {"records": recs, "dropped": body.get("dropped", 0)}
+                        yield f"event: traffic\ndata: {json.dumps(doc, default=str)}\n\n"
+            finally:
+                with trio.CancelScope(shield=True):
+                    await cm.__aexit__(None, None, None)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=_headers())
+
+    routes = [
+        Route("/", index),
+        Route("/login", login_form, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        Route("/api/snapshot", snapshot),
+        Route("/api/events", events),
+        Route("/api/describe", describe),
+        Route("/api/action", action, methods=["POST"]),
+        Route("/api/traffic", traffic),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    return Starlette(routes=routes)
+
+
+def _csrf_ok(request: Request, s: Session) -> bool:
+    sent = request.headers.get("x-csrf-token", "")
+    return hmac.compare_digest(sent.encode(), s.csrf.encode())

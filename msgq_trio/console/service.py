@@ -1,0 +1,370 @@
+"""The console's broker side: one poller shared by every browser tab, the actions, the
+logged-in viewers' own connections and the live traffic streams.
+
+Cost to the broker is independent of the number of viewers: the poller takes one
+snapshot per interval on the console's own connection (``clients``, ``groups``,
+``stats``, ``command-stats``, ``config-get``, ``capture-status`` and the plugins'
+status commands) and every tab gets that same document. Only the traffic view and a
+form's declaration cost a request per viewer, and the traffic streams are bounded
+(``max_traffic``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .. import connect
+from ..client.bus import Bus
+from ..errors import MsgqError, RpcError
+from ..ops.introspect_cli import gather
+from .model import DEFAULT_INTERVAL, DEFAULT_MAX_ROWS, History, Raw, view
+
+log = logging.getLogger("msgq_trio.console")
+
+#: Live traffic views open at once (each is a connection with a dump on the broker):
+#: a handful of operators watching; more are refused with a clear message.
+DEFAULT_MAX_TRAFFIC = 4
+#: Queues whose ``stats`` the snapshot asks for at most (one request each).
+MAX_QUEUES = 200
+#: Sessions (logged-in viewers, each with a broker connection) at once.
+DEFAULT_MAX_SESSIONS = 32
+#: A session unused this long is closed with its connection (seconds).
+SESSION_IDLE = 3600.0
+
+
+class ActionError(Exception):
+    """An action the console refuses before it reaches the broker (the viewer's fault)."""
+
+
+@dataclass
+class Session:
+    """One viewer: the CSRF token of its page, and when logged in, its own connection
+    to the broker (the broker's access rules and log see that identity)."""
+
+    sid: str
+    csrf: str
+    actor: str
+    bus: Bus | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    stop: trio.Event = field(default_factory=trio.Event)
+
+
+class Console:
+    """The console's state: the latest snapshot and the sessions.
+
+    Args:
+        socket: the broker's address (``connect``'s first argument).
+        connect_kw: ``connect()`` keywords of the console's own connection (token, TLS).
+        login: viewers log in with a broker token; their actions run on a connection
+            made with it. Without, every action runs on the console's own connection.
+        interval: seconds between snapshots (:data:`DEFAULT_INTERVAL`).
+    """
+
+    def __init__(
+        self,
+        socket: str | None,
+        connect_kw: Mapping[str, Any],
+        *,
+        login: bool = False,
+        interval: float = DEFAULT_INTERVAL,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        max_traffic: int = DEFAULT_MAX_TRAFFIC,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+    ) -> None:
+        self.socket = socket
+        self.connect_kw = dict(connect_kw)
+        self.login = login
+        self.interval = interval
+        self.max_rows = max_rows
+        self.max_traffic = max_traffic
+        self.max_sessions = max_sessions
+        self.history = History()
+        self.seq = 0
+        self.document = json.dumps({"taken_at": None, "errors": {"broker": "connecting"}})
+        self.snapshots = 0
+        self.bus: Bus | None = None
+        self.sessions: dict[str, Session] = {}
+        self.traffic_open = 0
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    # -- the poller ---------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Poll the broker forever; reconnect after a loss (the page shows why)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._expire_sessions)
+            started = False
+            while True:
+                try:
+                    async with connect(
+                        self.socket, name="msgq-trio-console", **self.connect_kw
+                    ) as bus:
+                        self.bus = bus
+                        if not started:
+                            task_status.started()
+                            started = True
+                        # One snapshot per interval, start to start: a slow answer
+                        # shortens the pause, never adds a burst of catch-up polls.
+                        deadline = trio.current_time()
+                        while True:
+                            await self.poll_once(bus)
+                            deadline = max(deadline + self.interval, trio.current_time())
+                            await trio.sleep_until(deadline)
+                except (MsgqError, OSError) as exc:
+                    self.bus = None
+                    self._publish(
+                        {"taken_at": time.time(), "errors": {"broker": f"unreachable: {exc}"}}
+                    )
+                    if not started:
+                        task_status.started()
+                        started = True
+                    await trio.sleep(self.interval)
+
+    async def poll_once(self, bus: Bus) -> None:
+        """One snapshot: every source asked at once, each bounded by the interval; a
+        source that fails is named in the document's ``errors``, the rest still shows."""
+        raw = Raw(taken_at=time.time())
+        wait = max(self.interval, 1.0)
+
+        async def ask(attr: str, target: str, command: str, params: Any = None) -> None:
+            try:
+                setattr(raw, attr, await bus.call(target, command, params, timeout=wait))
+            except RpcError as exc:
+                raw.errors[attr] = f"{exc.code}: {exc.message}"
+
+        async def queues() -> None:
+            group = str((raw.config.get("access") or {}).get("queue_group") or "msgq-queue")
+            try:
+                names = await bus.call(group, "queues", timeout=wait)
+                rows = []
+                for name in list(names)[:MAX_QUEUES]:
+                    rows.append(await bus.call(group, "stats", {"queue": name}, timeout=wait))
+                raw.queues = rows
+            except RpcError as exc:
+                if exc.code != "no-recipient":
+                    raw.errors["queues"] = f"{exc.code}: {exc.message}"
+
+        async def optional(attr: str, target: str, command: str, params: Any = None) -> None:
+            try:
+                setattr(raw, attr, await bus.call(target, command, params, timeout=wait))
+            except RpcError as exc:
+                if exc.code != "no-recipient":  # the plugin does not run: nothing to show
+                    raw.errors[attr] = f"{exc.code}: {exc.message}"
+
+        await ask("config", "msgq", "config-get")
+        async with trio.open_nursery() as n:
+            n.start_soon(ask, "version", "msgq", "version")
+            n.start_soon(ask, "stats", "msgq", "stats")
+            n.start_soon(ask, "clients", "msgq", "clients")
+            n.start_soon(ask, "groups", "msgq", "groups")
+            n.start_soon(ask, "command_stats", "msgq", "command-stats")
+            n.start_soon(ask, "capture", "msgq", "capture-status")
+            n.start_soon(queues)
+            n.start_soon(optional, "pipes", "msgq-pipe", "pipe.ls", {"all": True})
+            n.start_soon(optional, "links", "msgq-link", "status")
+        doc = view(raw, self.history, max_rows=self.max_rows)
+        doc["interval"] = self.interval
+        doc["console"] = {"lname": bus.lname, "login": self.login}
+        self._publish(doc)
+
+    def _publish(self, doc: dict[str, Any]) -> None:
+        self.document = json.dumps(doc, default=str)
+        self.seq += 1
+        self.snapshots += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def updates(self, seq: int = -1) -> AsyncIterator[tuple[int, str]]:
+        """The current document, then each new one as it is made (all tabs share it)."""
+        while True:
+            if self.seq != seq:
+                seq = self.seq
+                yield seq, self.document
+            await self._changed.wait()
+
+    # -- sessions -------------------------------------------------------------------------
+    def new_session(self, actor: str, bus: Bus | None = None) -> Session:
+        s = Session(sid=secrets.token_urlsafe(32), csrf=secrets.token_urlsafe(32), actor=actor)
+        s.bus = bus
+        self.sessions[s.sid] = s
+        return s
+
+    def session(self, sid: str | None) -> Session | None:
+        s = self.sessions.get(sid) if sid else None
+        if s is not None:
+            s.last_used = time.monotonic()
+        return s
+
+    def end_session(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.stop.set()
+
+    async def _expire_sessions(self) -> None:
+        while True:
+            await trio.sleep(60)
+            now = time.monotonic()
+            for sid, s in list(self.sessions.items()):
+                if now - s.last_used > SESSION_IDLE:
+                    self.end_session(sid)
+
+    async def log_in(self, token: str) -> Session:
+        """A session with its own broker connection made with ``token``.
+
+        Raises:
+            ActionError: too many sessions, or the broker refused the token.
+        """
+        if self._nursery is None:
+            raise ActionError("the console is not running")
+        if sum(1 for s in self.sessions.values() if s.bus is not None) >= self.max_sessions:
+            raise ActionError(f"too many viewers logged in (at most {self.max_sessions})")
+        kw = {k: v for k, v in self.connect_kw.items() if k != "token"}
+        ready: list[Session] = []
+
+        async def hold(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                async with connect(
+                    self.socket, name="msgq-trio-console-user", token=token, **kw
+                ) as bus:
+                    s = self.new_session(f"{bus.lname}", bus)
+                    ready.append(s)
+                    task_status.started()
+                    await s.stop.wait()
+            except (MsgqError, OSError) as exc:
+                if not ready:
+                    raise ActionError(f"the broker refused the login: {exc}") from None
+                log.info("a viewer's connection ended: %s", exc)
+                self.end_session(ready[0].sid)
+
+        await self._nursery.start(hold)
+        s = ready[0]
+        s.actor = self._who(s)
+        return s
+
+    def _who(self, s: Session) -> str:
+        """A logged-in viewer as the broker knows its connection (``tcp:NAME@host:port``)."""
+        assert s.bus is not None
+        lname = s.bus.lname
+        for row in json.loads(self.document).get("clients") or ():
+            if row.get("lname") == lname:
+                return f"{row.get('identity')} ({lname})"
+        return f"viewer on {lname}"
+
+    # -- actions --------------------------------------------------------------------------
+    async def act(self, s: Session, action: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one action for the viewer of ``s``: on its own connection when logged in,
+        else on the console's. Returns ``{"ok": true, "result"}`` or the broker's refusal
+        ``{"ok": false, "code", "message"}``; each is written to the broker's log with the
+        viewer's identity (the ``audit`` control command).
+
+        Raises:
+            ActionError: a malformed action (nothing was sent).
+        """
+        bus = s.bus or self.bus
+        if bus is None:
+            raise ActionError("the console has no connection to the broker")
+        kind = action.get("action")
+        timeout = self.interval * 5
+
+        def text(key: str) -> str:
+            v = action.get(key)
+            if not isinstance(v, str) or not v:
+                raise ActionError(f"{key!r} must be a non-empty string")
+            return v
+
+        detail: str
+        try:
+            if kind == "call":
+                target, command = text("target"), text("command")
+                params = action.get("params")
+                detail = f"{target} {command} {json.dumps(params)[:500]}"
+                result = await bus.call(target, command, params, timeout=timeout)
+            elif kind == "notify":
+                group, event = text("group"), text("event")
+                params = action.get("params")
+                detail = f"{group} {event} {json.dumps(params)[:500]}"
+                await bus.notify(group, event, params)
+                result = None
+            elif kind == "drop":
+                lname = text("lname")
+                detail = lname
+                result = await bus.call(
+                    "msgq",
+                    "drop",
+                    {"lname": lname, "reason": f"dropped from the web console by {s.actor}"},
+                    timeout=timeout,
+                )
+            elif kind == "purge":
+                queue = text("queue")
+                detail = queue
+                group = str(action.get("group") or "msgq-queue")
+                result = await bus.call(group, "purge", {"queue": queue}, timeout=timeout)
+            elif kind == "capture-start":
+                params = action.get("params") or {}
+                if not isinstance(params, dict):
+                    raise ActionError("params must be a map")
+                detail = json.dumps(params)[:500]
+                result = await bus.call("msgq", "capture-start", params, timeout=timeout)
+            elif kind == "capture-stop":
+                detail = ""
+                result = await bus.call("msgq", "capture-stop", timeout=timeout)
+            else:
+                raise ActionError(f"unknown action {kind!r}")
+        except RpcError as exc:
+            await self._audit(s, str(kind), f"{detail}: refused {exc.code}: {exc.message}")
+            return {"ok": False, "code": exc.code, "message": exc.message, "data": exc.data}
+        except (TypeError, ValueError) as exc:  # params the codec cannot encode
+            raise ActionError(f"params cannot be sent: {exc}") from None
+        await self._audit(s, str(kind), f"{detail}: ok")
+        return {"ok": True, "result": result}
+
+    async def _audit(self, s: Session, action: str, detail: str) -> None:
+        """The broker's log line for a viewer's action. The console's own connection
+        writes it (a viewer may lack control rights); without them, the console's log."""
+        params = {"actor": s.actor, "action": f"console {action}", "detail": detail}
+        try:
+            if self.bus is None:
+                raise MsgqError("no connection")
+            await self.bus.call("msgq", "audit", params, timeout=self.interval * 5)
+        except MsgqError as exc:
+            log.warning("audit line not written to the broker's log (%s): %s", exc, params)
+
+    async def describe(self, target: str) -> list[dict[str, Any]]:
+        """The members of group ``target`` with their declarations (``msgq.introspect``)."""
+        if self.bus is None:
+            raise ActionError("the console has no connection to the broker")
+        return await gather(self.bus, target, timeout=self.interval)
+
+    # -- live traffic ---------------------------------------------------------------------
+    @asynccontextmanager
+    async def traffic(self, s: Session, filters: Mapping[str, Any]) -> AsyncIterator[Bus]:
+        """A connection of the console's with a dump running (``dump-start`` with
+        ``filters``), closed when the viewer leaves.
+
+        Raises:
+            ActionError: :attr:`max_traffic` views are open already.
+            MsgqError: the broker refused the connection or the dump.
+        """
+        if self.traffic_open >= self.max_traffic:
+            raise ActionError(f"at most {self.max_traffic} traffic views at once")
+        self.traffic_open += 1
+        try:
+            async with AsyncExitStack() as stack:
+                kw = dict(self.connect_kw)
+                bus = await stack.enter_async_context(
+                    connect(self.socket, name="msgq-trio-console-dump", **kw)
+                )
+                await bus.call("msgq", "dump-start", dict(filters), timeout=self.interval * 5)
+                yield bus
+        finally:
+            self.traffic_open -= 1
