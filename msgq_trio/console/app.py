@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import html
 import json
+import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ STATIC = Path(__file__).resolve().parent / "static"
 COOKIE = "msgq_console"
 #: Largest action body accepted (bytes): a form's params, not a bulk upload.
 MAX_ACTION_BYTES = 1 << 20
+#: Largest login form (bytes): a token is 43 characters.
+MAX_LOGIN_BYTES = 4096
 #: No inline script or style, nothing from elsewhere: the page's own files only.
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -93,9 +96,22 @@ def create_app(console: Console, *, secure: bool = False) -> Starlette:
         return HTMLResponse(page("login.html", error=""), headers=_headers())
 
     async def login(request: Request) -> Response:
-        form = await request.form(max_files=0, max_fields=4)
-        token = form.get("token")
-        if not isinstance(token, str) or not token:
+        # Parsed here (urlencoded, bounded): Starlette's form parser needs another package.
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_LOGIN_BYTES:
+                return HTMLResponse(
+                    page("login.html", error="form too large"), status_code=413, headers=_headers()
+                )
+        try:
+            fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+        except ValueError:
+            return HTMLResponse(
+                page("login.html", error="too many fields"), status_code=400, headers=_headers()
+            )
+        token = (fields.get("token") or [""])[0]
+        if not token:
             return HTMLResponse(
                 page("login.html", error="enter a token"), status_code=400, headers=_headers()
             )
@@ -132,11 +148,11 @@ def create_app(console: Console, *, secure: bool = False) -> Starlette:
             return denied()
 
         async def stream() -> AsyncIterator[str]:
-            updates = console.updates()
+            seq = -1
             while True:
-                with trio.move_on_after(KEEPALIVE) as scope:
-                    seq, doc = await anext(updates)
-                if scope.cancelled_caught:
+                with trio.move_on_after(KEEPALIVE) as idle:
+                    seq, doc = await console.next_update(seq)
+                if idle.cancelled_caught:
                     yield ": keep-alive\n\n"
                     continue
                 yield f"id: {seq}\nevent: snapshot\ndata: {doc}\n\n"
@@ -202,9 +218,8 @@ def create_app(console: Console, *, secure: bool = False) -> Starlette:
         if q.get("body") in ("json", "base64"):
             filters["body"] = q["body"]
         # The dump is started before the response begins: a refusal is an HTTP error.
-        cm = console.traffic(s, filters)
         try:
-            bus = await cm.__aenter__()
+            recv, scope = await console.open_traffic(filters)
         except ActionError as exc:
             return JSONResponse({"error": str(exc)}, 429, headers=_headers())
         except RpcError as exc:
@@ -213,22 +228,21 @@ def create_app(console: Console, *, secure: bool = False) -> Starlette:
             return JSONResponse({"error": str(exc)}, 502, headers=_headers())
 
         async def stream() -> AsyncIterator[str]:
-            own = bus.lname
             try:
                 yield ": started\n\n"
-                async for msg in bus:
-                    body = msg.body
-                    if msg.sender != "l.0" or not isinstance(body, dict) or "records" not in body:
+                while True:
+                    with trio.move_on_after(KEEPALIVE) as idle:
+                        doc = await recv.receive()
+                    if idle.cancelled_caught:
+                        yield ": keep-alive\n\n"
                         continue
-                    recs = [
-                        r for r in body["records"] if own not in (r.get("sender"), r.get("target"))
-                    ]
-                    if recs or body.get("dropped"):
-                        doc = {"records": recs, "dropped": body.get("dropped", 0)}
-                        yield f"event: traffic\ndata: {json.dumps(doc, default=str)}\n\n"
+                    yield f"event: traffic\ndata: {json.dumps(doc, default=str)}\n\n"
+            except trio.EndOfChannel:
+                return
             finally:
-                with trio.CancelScope(shield=True):
-                    await cm.__aexit__(None, None, None)
+                # The viewer left (or the dump ended): stop the console's dump task.
+                scope.cancel()
+                recv.close()
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_headers())
 

@@ -15,8 +15,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,8 @@ log = logging.getLogger("msgq_trio.console")
 #: Live traffic views open at once (each is a connection with a dump on the broker):
 #: a handful of operators watching; more are refused with a clear message.
 DEFAULT_MAX_TRAFFIC = 4
+#: Batches of traffic records held for a viewer that reads slowly (then they are dropped).
+TRAFFIC_BACKLOG = 64
 #: Queues whose ``stats`` the snapshot asks for at most (one request each).
 MAX_QUEUES = 200
 #: Sessions (logged-in viewers, each with a broker connection) at once.
@@ -184,13 +185,12 @@ class Console:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def updates(self, seq: int = -1) -> AsyncIterator[tuple[int, str]]:
-        """The current document, then each new one as it is made (all tabs share it)."""
-        while True:
-            if self.seq != seq:
-                seq = self.seq
-                yield seq, self.document
+    async def next_update(self, seq: int) -> tuple[int, str]:
+        """The current document if it is newer than ``seq``, else the next one as soon as
+        it is made (every tab waits on the same snapshot). Safe to cancel."""
+        while self.seq == seq:
             await self._changed.wait()
+        return self.seq, self.document
 
     # -- sessions -------------------------------------------------------------------------
     def new_session(self, actor: str, bus: Bus | None = None) -> Session:
@@ -248,16 +248,21 @@ class Console:
 
         await self._nursery.start(hold)
         s = ready[0]
-        s.actor = self._who(s)
+        s.actor = await self._who(s)
         return s
 
-    def _who(self, s: Session) -> str:
-        """A logged-in viewer as the broker knows its connection (``tcp:NAME@host:port``)."""
+    async def _who(self, s: Session) -> str:
+        """A logged-in viewer as the broker knows its connection (``tcp:NAME@host:port``),
+        asked on the console's connection; its lname if that is refused."""
         assert s.bus is not None
         lname = s.bus.lname
-        for row in json.loads(self.document).get("clients") or ():
-            if row.get("lname") == lname:
-                return f"{row.get('identity')} ({lname})"
+        try:
+            if self.bus is not None:
+                for row in await self.bus.call("msgq", "clients", timeout=self.interval * 5):
+                    if row.get("lname") == lname and row.get("where"):
+                        return f"{row['where']} ({lname})"
+        except MsgqError:
+            pass
         return f"viewer on {lname}"
 
     # -- actions --------------------------------------------------------------------------
@@ -346,25 +351,66 @@ class Console:
         return await gather(self.bus, target, timeout=self.interval)
 
     # -- live traffic ---------------------------------------------------------------------
-    @asynccontextmanager
-    async def traffic(self, s: Session, filters: Mapping[str, Any]) -> AsyncIterator[Bus]:
+    async def open_traffic(
+        self, filters: Mapping[str, Any]
+    ) -> tuple[trio.MemoryReceiveChannel[dict[str, Any]], trio.CancelScope]:
         """A connection of the console's with a dump running (``dump-start`` with
-        ``filters``), closed when the viewer leaves.
+        ``filters``), read by a task of the console: its batches of records arrive on the
+        returned channel (a viewer that falls behind loses batches, counted in the next
+        one's ``dropped``). Cancel the scope, or close the channel, to end it.
 
         Raises:
             ActionError: :attr:`max_traffic` views are open already.
             MsgqError: the broker refused the connection or the dump.
         """
+        if self._nursery is None:
+            raise ActionError("the console is not running")
         if self.traffic_open >= self.max_traffic:
             raise ActionError(f"at most {self.max_traffic} traffic views at once")
-        self.traffic_open += 1
-        try:
-            async with AsyncExitStack() as stack:
-                kw = dict(self.connect_kw)
-                bus = await stack.enter_async_context(
-                    connect(self.socket, name="msgq-trio-console-dump", **kw)
-                )
-                await bus.call("msgq", "dump-start", dict(filters), timeout=self.interval * 5)
-                yield bus
-        finally:
-            self.traffic_open -= 1
+        send, recv = trio.open_memory_channel[dict[str, Any]](TRAFFIC_BACKLOG)
+        scope = trio.CancelScope()
+        timeout = self.interval * 5
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            self.traffic_open += 1
+            started = False
+            try:
+                with scope, send:
+                    async with connect(
+                        self.socket, name="msgq-trio-console-dump", **self.connect_kw
+                    ) as bus:
+                        await bus.call("msgq", "dump-start", dict(filters), timeout=timeout)
+                        task_status.started()
+                        started = True
+                        await self._forward(bus, send)
+            except (MsgqError, OSError, trio.BrokenResourceError) as exc:
+                if not started:
+                    raise
+                log.info("a traffic view ended: %s", exc)
+            finally:
+                self.traffic_open -= 1
+
+        await self._nursery.start(run)
+        return recv, scope
+
+    @staticmethod
+    async def _forward(bus: Bus, send: trio.MemorySendChannel[dict[str, Any]]) -> None:
+        own = bus.lname
+        dropped = 0
+        async for msg in bus:
+            body = msg.body
+            if msg.sender != "l.0" or not isinstance(body, dict) or "records" not in body:
+                continue
+            recs = [
+                r
+                for r in body["records"]
+                if isinstance(r, dict) and own not in (r.get("sender"), r.get("target"))
+            ]
+            dropped += int(body.get("dropped") or 0)
+            if not recs and not dropped:
+                continue
+            try:
+                send.send_nowait({"records": recs, "dropped": dropped})
+                dropped = 0
+            except trio.WouldBlock:
+                dropped += len(recs)

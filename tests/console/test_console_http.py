@@ -233,3 +233,124 @@ def test_address_in_use_is_one_line(broker: Any, short_tmp: Path) -> None:
         )
     assert r.returncode == 2 and "cannot listen" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - started < 60
+
+
+def test_login_with_broker_tokens(
+    broker_factory: Callable[..., Any],
+    write_config: Callable[[str], Path],
+    console_factory: Callable[..., ConsoleProcess],
+    component: Callable[..., Component],
+    viewer: Callable[[str], Viewer],
+) -> None:
+    """``--login``: nothing without a session; a wrong token is refused by the broker; a
+    viewer's actions run on a connection made with its token, so the broker's access
+    rules decide (bob may call ZoneMgr but not drop; alice may drop) and its log names
+    the identity; the token is never in a URL; logging out ends the session."""
+    from msgq_trio.core.access import hash_token
+
+    tokens = {"console": "c" * 32, "alice": "a" * 32, "bob": "b" * 32}
+    cfg = write_config(
+        '[tcp]\nlisten = ["127.0.0.1:0"]\ninsecure = true\ntokens = { '
+        + ", ".join(f'{k} = "{hash_token(v)}"' for k, v in tokens.items())
+        + " }\n"
+        '[[access.rule]]\nwho = ["tcp:console", "tcp:alice"]\ncontrol = true\ncall = ["*"]\n'
+        '[[access.rule]]\nwho = ["tcp:bob"]\ncall = ["ZoneMgr"]\n'
+    )
+    b = broker_factory("--config", str(cfg))
+    url = b.log_with("listening on tcp://").split("listening on tcp://")[1].split()[0]
+    con = console_factory(f"tcp://{url}", "--login", "--token", tokens["console"])
+    comp = component(b.path)
+
+    v = viewer(con.url)
+    status, _, body = v.request("/")
+    assert status == 200 and b'name="token"' in body  # redirected to the login form
+    assert v.request("/api/snapshot")[0] == 401
+    assert v.act({"action": "drop", "lname": comp.lname})[0] == 401
+    status, _, body = v.request("/login", data=b"token=" + b"x" * 32)
+    assert status == 403 and b"refused the login" in body
+    assert not list(v.jar)
+
+    bob = viewer(con.url)
+    status, _, body = bob.request("/login", data=f"token={tokens['bob']}".encode())
+    assert status == 200 and tokens["bob"].encode() not in body
+    page = bob.open_page()
+    assert "tcp:bob@127.0.0.1" in page
+    bob.wait_snapshot(lambda d: comp.lname in lnames(d))
+    status, r = bob.act({"action": "drop", "lname": comp.lname})
+    assert r["ok"] is False and r["code"] == "forbidden", r
+    status, r = bob.act(
+        {"action": "call", "target": "ZoneMgr", "command": "get_zone_count", "params": None}
+    )
+    assert r == {"ok": True, "result": 42}
+    b.log_with("audit: console drop by tcp:bob@127.0.0.1", "refused forbidden")
+
+    alice = viewer(con.url)
+    alice.request("/login", data=f"token={tokens['alice']}".encode())
+    alice.open_page()
+    status, r = alice.act({"action": "drop", "lname": comp.lname})
+    assert r["ok"] is True, r
+    b.log_with("dropped from the web console by tcp:alice@127.0.0.1")
+
+    status, _, _ = bob.request("/logout", data=b"", headers={"X-CSRF-Token": bob.csrf})
+    assert bob.request("/api/snapshot")[0] == 401
+
+
+def test_queues_notify_capture_and_traffic(
+    broker_factory: Callable[..., Any],
+    short_tmp: Path,
+    console_factory: Callable[..., ConsoleProcess],
+    component: Callable[..., Component],
+    viewer: Callable[[str], Viewer],
+) -> None:
+    """The queue plugin's queues with their depth, a purge through the console; a
+    notification reaches a subscriber; a capture starts and stops; the live traffic view
+    streams the records its filter selects (and not the console's own polling)."""
+    import msgq_trio.sync
+
+    b = broker_factory("--queue-dir", str(short_tmp / "queue"))
+    con = console_factory(b.path, "--interval", "0.5")
+    comp = component(b.path)
+    v = viewer(con.url)
+    v.open_page()
+    with msgq_trio.sync.connect(b.path, "producer") as bus:
+        q = bus.queue("jobs")
+        q.declare()
+        for i in range(3):
+            q.put({"job": i})
+        bus.subscribe("Zones")
+        doc = v.wait_snapshot(lambda d: [r.get("depth") for r in d["queues"]] == [3])
+        assert doc["queues"][0]["queue"] == "jobs"
+        status, r = v.act({"action": "purge", "queue": "jobs"})
+        assert r == {"ok": True, "result": 3}, r
+        v.wait_snapshot(lambda d: [r.get("depth") for r in d["queues"]] == [0])
+        b.log_with("audit: console purge by local web viewer")
+
+        status, r = v.act(
+            {"action": "notify", "group": "Zones", "event": "zone_added", "params": {"z": 1}}
+        )
+        assert r == {"ok": True, "result": None}, r
+        msg = bus.receive(timeout=10)
+        assert (msg.event, msg.body) == ("zone_added", {"z": 1})
+
+    status, r = v.act({"action": "capture-start", "params": {"dir": str(short_tmp / "cap")}})
+    assert r["ok"] and r["result"]["state"] == "running", r
+    status, r = v.act({"action": "capture-stop"})
+    assert r["ok"], r
+    status, r = v.act({"action": "capture-start", "params": {"kinds": ["nonsense"]}})
+    assert status == 200 and r["ok"] is False and r["code"] == "bad-request", r
+
+    req = urllib.request.Request(con.url + "api/traffic?kind=command&target=ZoneMgr")
+    with v.opener.open(req, timeout=30) as stream:
+        assert stream.readline().startswith(b": started")
+        _, r = v.act(
+            {"action": "call", "target": "ZoneMgr", "command": "get_zone_count", "params": {}}
+        )
+        assert r["ok"], r
+        for raw in stream:
+            line = raw.decode()
+            if line.startswith("data: "):
+                recs = json.loads(line[6:])["records"]
+                assert all(rec["kind"] == "command" for rec in recs), recs
+                if any(rec.get("command") == "get_zone_count" for rec in recs):
+                    break
+    assert comp.proc.poll() is None

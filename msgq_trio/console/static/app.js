@@ -382,11 +382,11 @@
       const d = JSON.parse(e.data);
       for (const r of d.records) {
         tbody.prepend(el("tr", {},
-          el("td", { class: "num" }, r.t ? timeFmt.format(new Date(r.t * 1000)) : ""),
+          el("td", { class: "num" }, r.ts ? timeFmt.format(new Date(r.ts * 1000)) : ""),
           el("td", {}, r.kind), el("td", {}, (r.sender || "") + (r.sender_name ? " " + r.sender_name : "")),
-          el("td", {}, r.target || ""), el("td", {}, r.command || r.event || ""),
+          el("td", {}, r.target || ""), el("td", {}, r.command || r.event || r.code || ""),
           el("td", { class: "num" }, bytes(r.size)),
-          el("td", { class: "wrap" }, r.body === undefined ? "" : JSON.stringify(r.body))));
+          el("td", { class: "wrap" }, r.body_encoding ? JSON.stringify(r.body) : "")));
       }
       while (tbody.rows.length > MAX_TRAFFIC_ROWS) tbody.deleteRow(-1);
     });
