@@ -121,7 +121,7 @@ def test_clients_appear_live_and_the_views(
     b = broker_factory("--queue-dir", str(short_tmp / "queue"), "--plugin", "pipe")
     con = console_factory(b.path)  # the default interval: the 2 s contract
     viewport(browser, 1280, 800)
-    browser.get(con.url)
+    browser.get(con.url + "#clients")
     wait(browser, ec.text_to_be_present_in_element((By.ID, "status"), "live"))
 
     comp = component(b.path)
@@ -149,8 +149,11 @@ def test_clients_appear_live_and_the_views(
     # Times in the user's locale (Intl): the footer's time is not the raw epoch.
     assert ":" in browser.find_element(By.ID, "updated").text
 
+    tab(browser, "broker")
+    wait(browser, ec.text_to_be_present_in_element((By.ID, "plugins-table"), "running"))
     shot(browser, "broker.png")
     tab(browser, "clients")
+    wait(browser, ec.presence_of_element_located(client_row(comp.lname)))
     shot(browser, "clients.png")
 
     # Keyboard: arrows move between tabs and show their panels.
@@ -160,8 +163,16 @@ def test_clients_appear_live_and_the_views(
     assert not browser.find_element(By.ID, "clients").is_displayed()
     shot(browser, "groups.png")
 
-    # Filter: only the matching rows stay.
     tab(browser, "clients")
+    # Keyboard focus survives the live updates: rows are updated in place, not rebuilt.
+    button = browser.find_element(By.CSS_SELECTOR, f'button.drop[data-lname="{comp.lname}"]')
+    browser.execute_script("arguments[0].focus()", button)
+    seen = taken_at(browser)
+    wait(browser, lambda d: taken_at(d) > seen)
+    active = browser.switch_to.active_element
+    assert active == button, active.get_attribute("outerHTML")
+
+    # Filter: only the matching rows stay.
     f = browser.find_element(By.ID, "clients-filter")
     f.send_keys("xfrout")
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#clients-table tbody tr")) == 1)
