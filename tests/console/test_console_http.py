@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -63,10 +64,13 @@ def test_page_snapshot_and_events(
             line = raw.decode().rstrip("\n")
             if line.startswith("data: "):
                 taken.append(json.loads(line[6:])["taken_at"])
-                if len(taken) == 4:
+                if len(taken) == 6:
                     break
     gaps = [b - a for a, b in itertools.pairwise(taken[1:])]
-    assert all(0.3 < g < 3.0 for g in gaps), gaps
+    # Never faster than the interval; on a busy machine a snapshot may take longer than
+    # it, but the typical gap is the interval (start to start, no drift).
+    assert all(g > 0.4 for g in gaps), gaps
+    assert statistics.median(gaps) < 1.0, gaps
 
 
 def test_call_drop_and_audit(
