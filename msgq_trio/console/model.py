@@ -229,29 +229,29 @@ def queue_rows(queues: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def pipe_rows(listing: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Pipes and their ends from the pipe plugin's ``pipe.ls`` (every broker it sees)."""
+    """Pipes and their ends from the pipe plugin's ``pipe.ls`` (every broker it sees):
+    each end as its owner's lname, writers (role ``w``) and readers (``r``) apart."""
     rows = []
     for b in listing.get("brokers") or ():
+        if not isinstance(b, Mapping):
+            continue
         node = str(b.get("node", ""))
         for p in b.get("pipes") or ():
+            if not isinstance(p, Mapping):
+                continue
+            ends = [e for e in p.get("ends") or () if isinstance(e, Mapping)]
             rows.append(
                 {
                     "node": node,
                     "name": str(p.get("name", "")),
-                    "writers": _ends(p.get("writers")),
-                    "readers": _ends(p.get("readers")),
-                    "mode": p.get("readers_mode", p.get("mode")),
+                    "writers": [str(e.get("owner", "?")) for e in ends if e.get("role") == "w"],
+                    "readers": [str(e.get("owner", "?")) for e in ends if e.get("role") == "r"],
+                    "mode": p.get("mode"),
+                    "buffered": p.get("buffered"),
+                    "persistent": bool(p.get("persistent")),
                 }
             )
     return rows
-
-
-def _ends(v: Any) -> list[str]:
-    if isinstance(v, list):
-        return [str(e.get("lname", e)) if isinstance(e, dict) else str(e) for e in v]
-    if isinstance(v, (int, str)):
-        return [str(v)]
-    return []
 
 
 def link_rows(links: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

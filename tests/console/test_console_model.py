@@ -123,12 +123,38 @@ def test_garbage_from_the_broker_does_not_crash_the_view() -> None:
             1.0,
             clients=[{"lname": "x", "groups": None, "msgs_in": "many"}],
             command_stats={"commands": [{"requests": True}]},
-            pipes={"brokers": [{"pipes": [{"name": "p", "writers": 3}]}]},
+            pipes={"brokers": [{"pipes": [{"name": "p", "ends": [3, {"role": "w"}]}, "x"]}, 7]},
         ),
         History(),
     )
     assert doc["clients"][0]["msgs_in"] == 0
-    assert doc["pipes"][0]["writers"] == ["3"]
+    assert doc["pipes"][0]["writers"] == ["?"]
+
+
+def test_pipes_and_their_ends() -> None:
+    listing = {
+        "brokers": [
+            {
+                "node": "vm:/run/bus.sock",
+                "pipes": [
+                    {
+                        "name": "logs",
+                        "mode": "share",
+                        "persistent": False,
+                        "buffered": 10,
+                        "ends": [
+                            {"handle": 1, "role": "w", "owner": "l.4"},
+                            {"handle": 2, "role": "r", "owner": "l.7"},
+                            {"handle": 3, "role": "r", "owner": "l.8"},
+                        ],
+                    }
+                ],
+            }
+        ]
+    }
+    (row,) = view(raw(1.0, pipes=listing), History())["pipes"]
+    assert (row["name"], row["writers"], row["readers"]) == ("logs", ["l.4"], ["l.7", "l.8"])
+    assert row["node"] == "vm:/run/bus.sock" and row["buffered"] == 10
 
 
 DECL = {
