@@ -358,3 +358,33 @@ def test_queues_notify_capture_and_traffic(
                 if any(rec.get("command") == "get_zone_count" for rec in recs):
                     break
     assert comp.proc.poll() is None
+
+
+def test_https_with_a_certificate(
+    broker: Any,
+    short_tmp: Path,
+    console_factory: Callable[..., ConsoleProcess],
+) -> None:
+    """``--tls-certfile``/``--tls-keyfile``: the page over HTTPS, its session cookie
+    marked Secure; the URL printed says https."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
+        str(short_tmp / "web.pem")
+    )
+    pem = str(short_tmp / "web.pem")
+    con = console_factory(broker.path, "--tls-certfile", pem, "--tls-keyfile", pem)
+    assert con.url.startswith("https://127.0.0.1:")
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    v = Viewer(con.url)
+    v.opener = urllib.request.build_opener(
+        urllib.request.HTTPCookieProcessor(v.jar), urllib.request.HTTPSHandler(context=ctx)
+    )
+    v.open_page()
+    (cookie,) = list(v.jar)
+    assert cookie.secure and cookie.has_nonstandard_attr("HttpOnly")
+    assert v.snapshot()["broker"]["version"]
