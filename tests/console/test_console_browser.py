@@ -199,8 +199,14 @@ def test_call_through_the_form_then_drop(
     con = console_factory(broker.path)
     comp = component(broker.path)
     viewport(browser, 1280, 800)
-    browser.get(con.url + "#actions")
-    wait(browser, ec.visibility_of_element_located((By.ID, "call-target")))
+    # The live traffic view, filtered as `msgq-trio dump --kind command --target ZoneMgr`.
+    browser.get(con.url + "#traffic")
+    form = wait(browser, ec.visibility_of_element_located((By.ID, "traffic-form")))
+    form.find_element(By.NAME, "kind").send_keys("command")
+    form.find_element(By.NAME, "target").send_keys("ZoneMgr")
+    browser.find_element(By.ID, "traffic-start").click()
+    wait(browser, ec.element_to_be_clickable((By.ID, "traffic-stop")))
+    tab(browser, "actions")
     browser.find_element(By.ID, "call-target").send_keys("ZoneMgr")
     browser.find_element(By.ID, "call-load").click()
     field = wait(browser, ec.presence_of_element_located((By.NAME, "p:zone_class")))
@@ -225,6 +231,15 @@ def test_call_through_the_form_then_drop(
     accept_confirm(browser)
     wait(browser, ec.text_to_be_present_in_element((By.ID, "call-result"), "42"))
     shot(browser, "call.png")
+
+    tab(browser, "traffic")
+    wait(browser, ec.text_to_be_present_in_element((By.ID, "traffic-table"), "get_zone_count"))
+    kinds = {
+        td.text for td in browser.find_elements(By.CSS_SELECTOR, "#traffic-table td:nth-child(2)")
+    }
+    assert kinds == {"command"}, kinds
+    shot(browser, "traffic.png")
+    browser.find_element(By.ID, "traffic-stop").click()
 
     tab(browser, "commands")
     wait(browser, ec.text_to_be_present_in_element((By.ID, "commands-table"), "get_zone_count"))
