@@ -9,7 +9,6 @@ is missing.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -55,6 +54,8 @@ def split_listen(text: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
+    import ipaddress  # here: every command line builds this parser
+
     if host == "localhost":
         return True
     try:
