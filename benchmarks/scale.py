@@ -20,7 +20,8 @@ Workloads (``--workloads``, sizes: :data:`FULL`, ``--quick``: :data:`QUICK`):
   subscribed, idle): the broker's CPU per delivered message (the cost curve), its
   memory per idle connection and per subscription.
 * ``large-cold``: ``n`` messages of 4 MiB through a fresh msgq_trio broker: MB/s over
-  the first ``cold`` messages beside the rest's.
+  the first ``cold`` messages beside the rest's, and the minor page faults per message
+  of the broker and of the receiving client over the same two spans.
 
 Output: a table per workload, ``--json`` the raw figures, ``--plot DIR`` PNG charts
 (matplotlib). Figures on a loaded machine are indicative only.
@@ -334,17 +335,34 @@ def large_cold(system: str, prm: dict[str, Any], timeout: float) -> dict[str, An
     size = 4 * 1024 * 1024
     run = Run(system, timeout)
     try:
-        sub = run.worker("arrivals", role="arrivals", group="big", expect=prm["n"])
+        sub = run.worker(
+            "arrivals", role="arrivals", group="big", expect=prm["n"], watch=run.broker
+        )
         wait_all([sub], "READY", run.deadline)
         pub = run.worker("publisher", role="publisher", targets=["big"], n=prm["n"], size=size)
         wait_all([pub], "READY", run.deadline)
         pub.go()
         wait_all([sub, pub], RESULT, run.deadline)
         ts = (sub.result or {})["times"]
+        # faults[0]: when the receiver was ready; faults[i]: at the i-th arrival.
+        faults = (sub.result or {}).get("faults") or [(0, 0)] * (len(ts) + 1)
         cold = prm["cold"]
+
+        def per_message(k: int, a: int, b: int) -> float:
+            """Faults of process k (0: the receiver, 1: the broker) per message, over
+            messages a+1 .. b."""
+            return float(faults[b][k] - faults[a][k]) / max(1, b - a)
+
+        last = len(ts)
         return {
             "cold_mb_s": (cold - 1) * size / (ts[cold - 1] - ts[0]) / 1e6,
             "warm_mb_s": (len(ts) - cold) * size / (ts[-1] - ts[cold - 1]) / 1e6,
+            # Pages touched for the first time per message, cold (the first messages)
+            # and warm (the rest): what a fresh process pays, whatever the load.
+            "broker_faults_cold": per_message(1, 0, cold),
+            "broker_faults_warm": per_message(1, cold, last),
+            "receiver_faults_cold": per_message(0, 0, cold),
+            "receiver_faults_warm": per_message(0, cold, last),
             "messages": len(ts),
         }
     finally:

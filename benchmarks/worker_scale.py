@@ -14,7 +14,8 @@ Roles (spec keys in brackets):
   subscribed; then counts what arrives until ``expect`` messages in all (or the
   deadline). Result: per-connection counts and last arrival times, the time to set up.
 * ``arrivals``: one connection subscribed to ``group``: the arrival time of each of
-  ``expect`` messages.
+  ``expect`` messages; the minor page faults of this process and of the process
+  ``watch`` (the broker) so far, when ready and at each arrival.
 * ``publisher``: one connection; after GO sends ``n`` bodies of ``size`` bytes to the
   names ``targets`` (a list, cycled), then flushes.
 * ``responder``: one connection answering ``echo`` calls with their params.
@@ -507,21 +508,35 @@ async def _members(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
     }
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (0 if it is gone): pages it touched
+    for the first time, a load-independent measure of fresh memory."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 async def _arrivals(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
     (conn,) = await _open_all(loop, ad, ["arrivals"])
     times: list[float] = []
+    faults: list[tuple[int, int]] = []
+    me, watch = os.getpid(), spec.get("watch", 0)
 
     def on_message() -> None:
         times.append(time.monotonic())
+        faults.append((minor_faults(me), minor_faults(watch) if watch else 0))
 
     if isinstance(ad, NatsAdapter):
         ad.bind(conn, on_message)
     await ad.subscribe(conn, [spec["group"]], [])
+    faults.append((minor_faults(me), minor_faults(watch) if watch else 0))  # the baseline
     ready()
     expect = spec["expect"]
     await loop.race([lambda: ad.receive(conn, on_message)], lambda: len(times) >= expect, deadline)
-    return {"times": times, "timeout": len(times) < expect}
+    return {"times": times, "faults": faults, "timeout": len(times) < expect}
 
 
 async def _publisher(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:

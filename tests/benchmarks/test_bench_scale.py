@@ -45,6 +45,11 @@ def test_msgq_trio_calls_fan_out_and_large_cold(tmp_path: Path) -> None:
     large = res["large-cold"]["msgq_trio"]
     assert large["status"] == "ok", large
     assert large["messages"] == 6 and positive(large["cold_mb_s"], large["warm_mb_s"])
+    # Page faults per message, cold and warm, for the broker and the receiver: counts.
+    faults = [large[f"{p}_faults_{w}"] for p in ("broker", "receiver") for w in ("cold", "warm")]
+    assert all(isinstance(f, float) and f >= 0 for f in faults), faults
+    # A fresh receiver touches a 4 MiB body's pages at least once for its first messages.
+    assert large["receiver_faults_cold"] > 0
     text = scale.tables(res)
     assert "### calls" in text and "msgq_trio idle=10" in text and "cold_mb_s" in text
 
