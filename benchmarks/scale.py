@@ -1,5 +1,6 @@
 """``python -m benchmarks.scale`` (also ``python -m benchmarks --scale``): msgq_trio
-beside NATS and Redis with thousands of clients, a fresh broker per run, the clients
+beside NATS, Redis and ZeroMQ (a ``zmq.proxy``: XSUB/XPUB for the publish-subscribe
+workloads, ROUTER/DEALER for calls) with thousands of clients, a fresh broker per run, the clients
 many connections to a process (:mod:`benchmarks.worker_scale`; the machine has 2 cores).
 
 Workloads (``--workloads``, sizes: :data:`FULL`, ``--quick``: :data:`QUICK`):
@@ -44,7 +45,7 @@ from msgq_trio._procs import cpu_seconds, raise_nofile, rss_kib
 
 from .common import RESULT, percentiles
 from .procs import Proc, RunTimeout, Service, WorkerFailed, wait_all
-from .systems import _start_msgq, _start_nats, _start_redis
+from .systems import _start_msgq, _start_nats, _start_redis, _start_zmq
 from .worker_scale import CONNECTED, RECEIVED, UNSUPPORTED
 
 
@@ -57,10 +58,13 @@ def _scale_args(run_dir: Path) -> tuple[str, ...]:
     return ("--max-connections", "16384", "--config", str(config))
 
 
-SYSTEMS: dict[str, Callable[[Path], Service]] = {
-    "msgq_trio": lambda d: _start_msgq(d, "", 0.0, serve_args=_scale_args(d)),
-    "nats": lambda d: _start_nats(d, "", time.monotonic() + 30),
-    "redis": lambda d: _start_redis(d, "", time.monotonic() + 30),
+#: Each system's broker for a run directory and a pattern: ``pubsub`` or ``reqrep`` (for
+#: ZeroMQ, whose proxy is XSUB/XPUB or ROUTER/DEALER; the others serve both).
+SYSTEMS: dict[str, Callable[[Path, str], Service]] = {
+    "msgq_trio": lambda d, _p: _start_msgq(d, "", 0.0, serve_args=_scale_args(d)),
+    "nats": lambda d, _p: _start_nats(d, "", time.monotonic() + 30),
+    "redis": lambda d, _p: _start_redis(d, "", time.monotonic() + 30),
+    "zeromq": lambda d, p: _start_zmq(d, p, time.monotonic() + 30),
 }
 WORKLOADS = ("calls", "fan-out", "routing", "cost", "large-cold")
 FULL: dict[str, dict[str, Any]] = {
@@ -94,13 +98,13 @@ def _split(total: int) -> list[tuple[int, int]]:
 class Run:
     """One system's broker and the worker processes of one run; stops everything."""
 
-    def __init__(self, system: str, timeout: float) -> None:
+    def __init__(self, system: str, timeout: float, pattern: str = "pubsub") -> None:
         self.system = system
         self.dir = Path(tempfile.mkdtemp(prefix=f"scale-{system}-"))
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
         self.procs: list[Proc] = []
-        self.svc = SYSTEMS[system](self.dir)
+        self.svc = SYSTEMS[system](self.dir, pattern)
 
     def worker(self, name: str, **spec: Any) -> Proc:
         spec.update(system=self.system, addr=self.svc.addr, deadline=self.left())
@@ -162,7 +166,7 @@ def _unsupported(procs: list[Proc]) -> str | None:
 def calls(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for idle in (0, prm["idle"]):
-        run = Run(system, timeout)
+        run = Run(system, timeout, "reqrep")
         try:
             responder = run.worker("responder", role="responder")
             wait_all([responder], "READY", run.deadline)
@@ -211,7 +215,14 @@ def fan_out(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
     try:
         members = _members(run, prm["subs"], lambda _b, c: c * prm["n"], group="fan", per=1)
         _go_members(run, members)
-        pub = run.worker("publisher", role="publisher", targets=["fan"], n=prm["n"], size=SIZE)
+        pub = run.worker(
+            "publisher",
+            role="publisher",
+            targets=["fan"],
+            n=prm["n"],
+            size=SIZE,
+            subscribers=prm["subs"],
+        )
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()
@@ -259,7 +270,9 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
         rss2 = run.rss()
         # The publisher lists the names itself (100,000 would not fit in its argv).
         layout = {"clients": clients, "per": per, "wild": wild}
-        pub = run.worker("publisher", role="publisher", layout=layout, n=n, size=SIZE)
+        pub = run.worker(
+            "publisher", role="publisher", layout=layout, n=n, size=SIZE, subscribers=clients
+        )
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()
@@ -308,7 +321,14 @@ def cost(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
             time.sleep(0.2)
             rss2 = run.rss()
             targets = [f"s.{i}.0" for i in range(active)]
-            pub = run.worker("publisher", role="publisher", targets=targets, n=n, size=SIZE)
+            pub = run.worker(
+                "publisher",
+                role="publisher",
+                targets=targets,
+                n=n,
+                size=SIZE,
+                subscribers=clients,
+            )
             wait_all([pub], "READY", run.deadline)
             cpu0 = run.cpu()
             pub.go()
