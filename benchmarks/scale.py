@@ -532,6 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument(
+        "--sizes",
+        type=json.loads,
+        default={},
+        help='JSON over the sizes, per workload, e.g. \'{"cost": {"clients": [2000]}}\'',
+    )
     p.add_argument("--json", type=Path, help="write the raw figures here")
     p.add_argument("--plot", type=Path, help="write PNG charts into this directory")
     return p
@@ -545,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown workload or system: {', '.join(bad)}", file=sys.stderr)
         return 2
-    params = QUICK if args.quick else FULL
+    params = {w: {**p, **args.sizes.get(w, {})} for w, p in (QUICK if args.quick else FULL).items()}
+    bad = [w for w in args.sizes if w not in WORKLOADS]
+    if bad:
+        print(f"--sizes: unknown workload: {', '.join(bad)}", file=sys.stderr)
+        return 2
     timeout = args.timeout or (60.0 if args.quick else 300.0)
     results = run_all(workloads, systems, params, timeout)
     print(tables(results))

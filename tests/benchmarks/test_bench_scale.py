@@ -118,6 +118,7 @@ def test_the_documented_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     assert "--workloads" in capsys.readouterr().out
     assert run.main(["--scale", "--workloads", "nonsense"]) == 2
+    assert run.main(["--scale", "--sizes", '{"nonsense": {}}']) == 2
     assert "python -m benchmarks --scale" in (ROOT / "BENCHMARKS.md").read_text()
     doc = (ROOT / "docs/bench/scale.md").read_text()
     assert "python -m benchmarks --scale" in doc
