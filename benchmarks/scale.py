@@ -1,5 +1,6 @@
 """``python -m benchmarks.scale`` (also ``python -m benchmarks --scale``): msgq_trio
-beside NATS and Redis with thousands of clients, a fresh broker per run, the clients
+beside NATS, Redis and ZeroMQ (a ``zmq.proxy``: XSUB/XPUB for the publish-subscribe
+workloads, ROUTER/DEALER for calls) with thousands of clients, a fresh broker per run, the clients
 many connections to a process (:mod:`benchmarks.worker_scale`; the machine has 2 cores).
 
 Workloads (``--workloads``, sizes: :data:`FULL`, ``--quick``: :data:`QUICK`):
@@ -20,7 +21,8 @@ Workloads (``--workloads``, sizes: :data:`FULL`, ``--quick``: :data:`QUICK`):
   subscribed, idle): the broker's CPU per delivered message (the cost curve), its
   memory per idle connection and per subscription.
 * ``large-cold``: ``n`` messages of 4 MiB through a fresh msgq_trio broker: MB/s over
-  the first ``cold`` messages beside the rest's.
+  the first ``cold`` messages beside the rest's, and the minor page faults per message
+  of the broker and of the receiving client over the same two spans.
 
 Output: a table per workload, ``--json`` the raw figures, ``--plot DIR`` PNG charts
 (matplotlib). Figures on a loaded machine are indicative only.
@@ -43,7 +45,7 @@ from msgq_trio._procs import cpu_seconds, raise_nofile, rss_kib
 
 from .common import RESULT, percentiles
 from .procs import Proc, RunTimeout, Service, WorkerFailed, wait_all
-from .systems import _start_msgq, _start_nats, _start_redis
+from .systems import _start_msgq, _start_nats, _start_redis, _start_zmq
 from .worker_scale import CONNECTED, RECEIVED, UNSUPPORTED
 
 
@@ -56,10 +58,13 @@ def _scale_args(run_dir: Path) -> tuple[str, ...]:
     return ("--max-connections", "16384", "--config", str(config))
 
 
-SYSTEMS: dict[str, Callable[[Path], Service]] = {
-    "msgq_trio": lambda d: _start_msgq(d, "", 0.0, serve_args=_scale_args(d)),
-    "nats": lambda d: _start_nats(d, "", time.monotonic() + 30),
-    "redis": lambda d: _start_redis(d, "", time.monotonic() + 30),
+#: Each system's broker for a run directory and a pattern: ``pubsub`` or ``reqrep`` (for
+#: ZeroMQ, whose proxy is XSUB/XPUB or ROUTER/DEALER; the others serve both).
+SYSTEMS: dict[str, Callable[[Path, str], Service]] = {
+    "msgq_trio": lambda d, _p: _start_msgq(d, "", 0.0, serve_args=_scale_args(d)),
+    "nats": lambda d, _p: _start_nats(d, "", time.monotonic() + 30),
+    "redis": lambda d, _p: _start_redis(d, "", time.monotonic() + 30),
+    "zeromq": lambda d, p: _start_zmq(d, p, time.monotonic() + 30),
 }
 WORKLOADS = ("calls", "fan-out", "routing", "cost", "large-cold")
 FULL: dict[str, dict[str, Any]] = {
@@ -93,13 +98,13 @@ def _split(total: int) -> list[tuple[int, int]]:
 class Run:
     """One system's broker and the worker processes of one run; stops everything."""
 
-    def __init__(self, system: str, timeout: float) -> None:
+    def __init__(self, system: str, timeout: float, pattern: str = "pubsub") -> None:
         self.system = system
         self.dir = Path(tempfile.mkdtemp(prefix=f"scale-{system}-"))
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
         self.procs: list[Proc] = []
-        self.svc = SYSTEMS[system](self.dir)
+        self.svc = SYSTEMS[system](self.dir, pattern)
 
     def worker(self, name: str, **spec: Any) -> Proc:
         spec.update(system=self.system, addr=self.svc.addr, deadline=self.left())
@@ -161,7 +166,7 @@ def _unsupported(procs: list[Proc]) -> str | None:
 def calls(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for idle in (0, prm["idle"]):
-        run = Run(system, timeout)
+        run = Run(system, timeout, "reqrep")
         try:
             responder = run.worker("responder", role="responder")
             wait_all([responder], "READY", run.deadline)
@@ -210,7 +215,14 @@ def fan_out(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
     try:
         members = _members(run, prm["subs"], lambda _b, c: c * prm["n"], group="fan", per=1)
         _go_members(run, members)
-        pub = run.worker("publisher", role="publisher", targets=["fan"], n=prm["n"], size=SIZE)
+        pub = run.worker(
+            "publisher",
+            role="publisher",
+            targets=["fan"],
+            n=prm["n"],
+            size=SIZE,
+            subscribers=prm["subs"],
+        )
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()
@@ -258,7 +270,9 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
         rss2 = run.rss()
         # The publisher lists the names itself (100,000 would not fit in its argv).
         layout = {"clients": clients, "per": per, "wild": wild}
-        pub = run.worker("publisher", role="publisher", layout=layout, n=n, size=SIZE)
+        pub = run.worker(
+            "publisher", role="publisher", layout=layout, n=n, size=SIZE, subscribers=clients
+        )
         wait_all([pub], "READY", run.deadline)
         cpu0 = run.cpu()
         pub.go()
@@ -307,7 +321,14 @@ def cost(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
             time.sleep(0.2)
             rss2 = run.rss()
             targets = [f"s.{i}.0" for i in range(active)]
-            pub = run.worker("publisher", role="publisher", targets=targets, n=n, size=SIZE)
+            pub = run.worker(
+                "publisher",
+                role="publisher",
+                targets=targets,
+                n=n,
+                size=SIZE,
+                subscribers=clients,
+            )
             wait_all([pub], "READY", run.deadline)
             cpu0 = run.cpu()
             pub.go()
@@ -334,17 +355,34 @@ def large_cold(system: str, prm: dict[str, Any], timeout: float) -> dict[str, An
     size = 4 * 1024 * 1024
     run = Run(system, timeout)
     try:
-        sub = run.worker("arrivals", role="arrivals", group="big", expect=prm["n"])
+        sub = run.worker(
+            "arrivals", role="arrivals", group="big", expect=prm["n"], watch=run.broker
+        )
         wait_all([sub], "READY", run.deadline)
         pub = run.worker("publisher", role="publisher", targets=["big"], n=prm["n"], size=size)
         wait_all([pub], "READY", run.deadline)
         pub.go()
         wait_all([sub, pub], RESULT, run.deadline)
         ts = (sub.result or {})["times"]
+        # faults[0]: when the receiver was ready; faults[i]: at the i-th arrival.
+        faults = (sub.result or {}).get("faults") or [(0, 0)] * (len(ts) + 1)
         cold = prm["cold"]
+
+        def per_message(k: int, a: int, b: int) -> float:
+            """Faults of process k (0: the receiver, 1: the broker) per message, over
+            messages a+1 .. b."""
+            return float(faults[b][k] - faults[a][k]) / max(1, b - a)
+
+        last = len(ts)
         return {
             "cold_mb_s": (cold - 1) * size / (ts[cold - 1] - ts[0]) / 1e6,
             "warm_mb_s": (len(ts) - cold) * size / (ts[-1] - ts[cold - 1]) / 1e6,
+            # Pages touched for the first time per message, cold (the first messages)
+            # and warm (the rest): what a fresh process pays, whatever the load.
+            "broker_faults_cold": per_message(1, 0, cold),
+            "broker_faults_warm": per_message(1, cold, last),
+            "receiver_faults_cold": per_message(0, 0, cold),
+            "receiver_faults_warm": per_message(0, cold, last),
             "messages": len(ts),
         }
     finally:
@@ -494,6 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument(
+        "--sizes",
+        type=json.loads,
+        default={},
+        help='JSON over the sizes, per workload, e.g. \'{"cost": {"clients": [2000]}}\'',
+    )
     p.add_argument("--json", type=Path, help="write the raw figures here")
     p.add_argument("--plot", type=Path, help="write PNG charts into this directory")
     return p
@@ -507,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown workload or system: {', '.join(bad)}", file=sys.stderr)
         return 2
-    params = QUICK if args.quick else FULL
+    params = {w: {**p, **args.sizes.get(w, {})} for w, p in (QUICK if args.quick else FULL).items()}
+    bad = [w for w in args.sizes if w not in WORKLOADS]
+    if bad:
+        print(f"--sizes: unknown workload: {', '.join(bad)}", file=sys.stderr)
+        return 2
     timeout = args.timeout or (60.0 if args.quick else 300.0)
     results = run_all(workloads, systems, params, timeout)
     print(tables(results))

@@ -1,9 +1,10 @@
 """Clients of the scale workloads (:mod:`benchmarks.scale`), many connections per
 process: ``python -m benchmarks.worker_scale SPEC_JSON`` with ``system`` one of
 ``msgq_trio`` (the trio client, the README's form: ``async for msg in bus``,
-``@bus.command`` on an ``async def`` handler), ``nats`` (nats-py) or ``redis``
+``@bus.command`` on an ``async def`` handler), ``nats`` (nats-py), ``redis``
 (redis.asyncio; a call is a publish to the responder's channel and a reply on the
-caller's own channel, Redis having no request/reply).
+caller's own channel, Redis having no request/reply) or ``zeromq`` (pyzmq's asyncio
+sockets through a ``zmq.proxy``: see :class:`ZmqAdapter`).
 
 Roles (spec keys in brackets):
 
@@ -14,9 +15,11 @@ Roles (spec keys in brackets):
   subscribed; then counts what arrives until ``expect`` messages in all (or the
   deadline). Result: per-connection counts and last arrival times, the time to set up.
 * ``arrivals``: one connection subscribed to ``group``: the arrival time of each of
-  ``expect`` messages.
+  ``expect`` messages; the minor page faults of this process and of the process
+  ``watch`` (the broker) so far, when ready and at each arrival.
 * ``publisher``: one connection; after GO sends ``n`` bodies of ``size`` bytes to the
-  names ``targets`` (a list, cycled), then flushes.
+  names ``targets`` (a list, cycled), then flushes. ZeroMQ: READY only once the
+  ``subscribers`` members' subscriptions have reached it.
 * ``responder``: one connection answering ``echo`` calls with their params.
 * ``callers``: ``conns`` connections of which the first ``active`` make calls after GO,
   at ``rate`` calls/s in all, for ``seconds``; latencies in ns.
@@ -34,6 +37,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -351,10 +355,130 @@ class RedisAdapter(Adapter):
         return s
 
 
+class ZmqAdapter(Adapter):
+    """ZeroMQ through a ``zmq.proxy`` process (``benchmarks/worker_zmq.py``, role
+    ``proxy``): XSUB/XPUB for the publish-subscribe workloads, ROUTER/DEALER for calls.
+    A connection is a socket (pyzmq's asyncio sockets): ``SUB`` for members and
+    arrivals, ``XPUB`` for the publisher (it sees the subscriptions arrive), ``REP`` for
+    the responder, ``DEALER`` for callers (a REQ envelope, one call at a time).
+
+    Names are prefix filters: a message is [topic + NUL, body], a literal name is
+    subscribed as ``name + NUL`` (so ``s.1.2`` does not match ``s.1.20``) and a pattern
+    ``w.I.J.*`` as the prefix ``w.I.J.`` (any depth: ZeroMQ has no one-token wildcard).
+    Each subscriber also subscribes to a marker ``\\xffready-<id>``; the publisher sends
+    nothing before it has seen ``subscribers`` markers (each follows its subscriber's
+    real subscriptions on the same pipe)."""
+
+    def __init__(self, spec: Spec, stack: contextlib.AsyncExitStack) -> None:
+        super().__init__(spec, stack)
+        import zmq
+        import zmq.asyncio
+
+        self.zmq = zmq
+        self.role = spec["role"]
+        self.subscribers = spec.get("subscribers", 0)
+        self.ctx = zmq.asyncio.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+        stack.callback(self.ctx.term)
+        self.marks = 0
+
+    def _endpoint(self, name: str) -> str:
+        return f"ipc://{self.addr['dir']}/{name}"
+
+    async def open(self, name: str) -> Any:
+        zmq = self.zmq
+        kind, where = {
+            "members": (zmq.SUB, "sub.ipc"),
+            "arrivals": (zmq.SUB, "sub.ipc"),
+            "publisher": (zmq.XPUB, "pub.ipc"),
+            "responder": (zmq.REP, "rep.ipc"),
+            "callers": (zmq.DEALER, "req.ipc"),
+        }[self.role]
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        # A publisher's messages may still be queued when it is done sending (ZeroMQ has
+        # no flush): closing waits for them; other sockets drop what is left at once.
+        s.setsockopt(zmq.LINGER, 30_000 if self.role == "publisher" else 0)
+        self.stack.callback(s.close)
+        s.connect(self._endpoint(where))
+        return s
+
+    async def subscribe(self, conn: Any, names: list[str], patterns: list[str]) -> None:
+        zmq = self.zmq
+        for n in names:
+            conn.setsockopt(zmq.SUBSCRIBE, n.encode() + b"\0")
+        for p in patterns:
+            conn.setsockopt(zmq.SUBSCRIBE, p.removesuffix("*").encode())
+        self.marks += 1
+        conn.setsockopt(zmq.SUBSCRIBE, b"\xffready-%d-%d" % (os.getpid(), self.marks))
+
+    async def receive(self, conn: Any, on_message: Callable[[], None]) -> None:
+        while True:
+            await conn.recv_multipart(copy=False)
+            on_message()
+
+    async def wait_subscribers(self, conn: Any, deadline: Any) -> None:
+        """Until ``subscribers`` markers have reached this XPUB socket."""
+        seen: set[bytes] = set()
+        while len(seen) < self.subscribers:
+            if deadline.expired():
+                raise TimeoutError(f"{len(seen)} of {self.subscribers} subscribers seen")
+            try:
+                msg = await asyncio.wait_for(conn.recv(), 1.0)
+            except TimeoutError:
+                continue
+            if msg[:1] == b"\x01" and msg[1:].startswith(b"\xffready-"):
+                seen.add(msg)
+
+    async def publish(self, conn: Any, name: str, body: bytes) -> None:
+        await conn.send_multipart((name.encode() + b"\0", body))
+
+    async def flush(self, conn: Any) -> None:
+        pass  # no such operation: the publisher's linger delivers what is queued on close
+
+    async def serve_echo(self, conn: Any) -> None:
+        async def loop() -> None:
+            while True:
+                await conn.send(await conn.recv())
+
+        task = asyncio.get_running_loop().create_task(loop())
+
+        async def cancel() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        self.stack.push_async_callback(cancel)
+
+    async def call(self, conn: Any, body: bytes) -> bytes:
+        await conn.send_multipart((b"", body))
+        _empty, reply = await conn.recv_multipart()
+        return bytes(reply)
+
+    def idle_socket(self) -> socket.socket:
+        """A Unix socket past the ZMTP 3.0 handshake with the proxy's ROUTER (greetings
+        exchanged, READY sent as a DEALER), then silent."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(f"{self.addr['dir']}/req.ipc")
+        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
+        s.sendall(greeting + b"\0" * 32)
+        got = b""
+        while len(got) < 64:
+            more = s.recv(64 - len(got))
+            if not more:
+                raise ConnectionError("the ZeroMQ proxy closed during the greeting")
+            got += more
+        prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        ready_body = b"\x05READY" + prop
+        s.sendall(b"\x04" + bytes([len(ready_body)]) + ready_body)
+        return s
+
+
 ADAPTERS: dict[str, type[Adapter]] = {
     "msgq_trio": MsgqAdapter,
     "nats": NatsAdapter,
     "redis": RedisAdapter,
+    "zeromq": ZmqAdapter,
 }
 
 
@@ -507,21 +631,35 @@ async def _members(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
     }
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (0 if it is gone): pages it touched
+    for the first time, a load-independent measure of fresh memory."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 async def _arrivals(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
     deadline = Deadline(spec["deadline"])
     (conn,) = await _open_all(loop, ad, ["arrivals"])
     times: list[float] = []
+    faults: list[tuple[int, int]] = []
+    me, watch = os.getpid(), spec.get("watch", 0)
 
     def on_message() -> None:
         times.append(time.monotonic())
+        faults.append((minor_faults(me), minor_faults(watch) if watch else 0))
 
     if isinstance(ad, NatsAdapter):
         ad.bind(conn, on_message)
     await ad.subscribe(conn, [spec["group"]], [])
+    faults.append((minor_faults(me), minor_faults(watch) if watch else 0))  # the baseline
     ready()
     expect = spec["expect"]
     await loop.race([lambda: ad.receive(conn, on_message)], lambda: len(times) >= expect, deadline)
-    return {"times": times, "timeout": len(times) < expect}
+    return {"times": times, "faults": faults, "timeout": len(times) < expect}
 
 
 async def _publisher(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
@@ -530,6 +668,8 @@ async def _publisher(loop: Loop, ad: Adapter, spec: Spec) -> dict[str, Any]:
     bodies = payloads(spec["size"], 0)
     mask = len(bodies) - 1
     (conn,) = await _open_all(loop, ad, ["publisher"])
+    if isinstance(ad, ZmqAdapter):
+        await ad.wait_subscribers(conn, deadline)
     ready()
     await loop.wait_go(deadline)
     start = time.monotonic()

@@ -5,7 +5,6 @@ Pure data: no trio, no sockets. The I/O layer drains ``outq``; the core fills it
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 from ..protocol.framing import FdBuffer
@@ -18,6 +17,23 @@ Buffer = bytes | bytearray | memoryview
 #: Buffer types that hold nothing but bytes; anything else queued is a spliced rest
 #: (``protocol.framing.SplicedRest``), whose pipes a dropped queue must release.
 _PLAIN = frozenset({bytes, bytearray, memoryview})
+
+
+class OutQueue(list[Buffer]):
+    """A peer's outgoing buffers, oldest first.
+
+    A list rather than a ``deque``: an empty deque holds a 64-slot block (760 bytes) from
+    its creation, an empty list nothing beyond its 56-byte header, and most of a large
+    broker's connections are idle with nothing queued. The queue is consumed from the
+    front only by :meth:`Peer.take_outgoing`, a batch at a time (one slice deletion per
+    batch, not one per buffer), so front removal stays cheap; ``appendleft`` puts back
+    the unsent rest of a direct write.
+    """
+
+    __slots__ = ()
+
+    def appendleft(self, b: Buffer) -> None:
+        self.insert(0, b)
 
 
 class Peer:
@@ -69,7 +85,7 @@ class Peer:
         # lname, NUL, client name. Computed once per connection, not per message.
         self.stamp = self.lname.encode() + b"\0" + name.encode()
         self.groups: dict[str, int] = {}
-        self.outq: deque[Buffer] = deque()
+        self.outq = OutQueue()
         self.outq_bytes = 0
         #: Descriptors the broker holds for this peer: in FdBuffers in ``outq``, and in
         #: those ``take_outgoing`` handed to the writer until ``sent`` (the writer closes
@@ -115,15 +131,27 @@ class Peer:
         (or :meth:`drop_queue`): the taker closes them only once the batch is written, so
         until then the broker still holds them for this peer.
         """
-        out: list[Buffer] = []
-        n = 0
         q = self.outq
-        while q and (not out or n + len(q[0]) <= max_bytes):
-            b = q.popleft()
-            out.append(b)
-            n += len(b)
+        n = 0
+        k = 0
+        total = len(q)
+        fds = 0
+        while k < total:
+            b = q[k]
+            size = len(b)
+            if k and n + size > max_bytes:
+                break
+            n += size
+            k += 1
             if type(b) is FdBuffer:
-                self.outq_fds_taken += len(b.fds)
+                fds += len(b.fds)
+        self.outq_fds_taken += fds
+        if k == total:
+            # All of it (the usual case): hand over the list itself, start a new one.
+            self.outq = OutQueue()
+            return q, n
+        out = q[:k]
+        del q[:k]
         return out, n
 
     def drop_queue(self) -> list[int]:

@@ -28,6 +28,11 @@ _PARSE_CACHE_MAX = 65536
 #: indexes and unpacks it per frame, which CPython specializes for exact tuples only.
 Route = tuple[int, str, int]
 
+#: A group's literal members in join order: a 1-tuple while it has one member (most
+#: groups: 56 bytes against a dict's 220), a dict (insertion order) from the second
+#: member on. Readers only iterate, test ``in`` and take ``len``, alike for both.
+Members = tuple[Peer, ...] | dict[Peer, None]
+
 
 class Router:
     """The subscription table and target resolution.
@@ -43,7 +48,7 @@ class Router:
     """
 
     def __init__(self, rng: random.Random | None = None) -> None:
-        self.groups: dict[str, dict[Peer, None]] = {}
+        self.groups: dict[str, Members] = {}
         self.by_id: dict[int, Peer] = {}
         self._rng = rng or random.Random()
         self._parsed: dict[str, Route] = {}
@@ -69,10 +74,16 @@ class Router:
                 return False
             peer.groups[group] = len(peer.groups)
             return True
-        members = self.groups.setdefault(group, {})
-        if peer in members:
+        groups = self.groups
+        members = groups.get(group)
+        if members is None:
+            groups[group] = (peer,)
+        elif peer in members:
             return False
-        members[peer] = None
+        elif isinstance(members, tuple):
+            groups[group] = dict.fromkeys((*members, peer))
+        else:
+            members[peer] = None
         peer.groups[group] = len(peer.groups)
         return True
 
@@ -84,9 +95,12 @@ class Router:
         members = self.groups.get(group)
         if members is None or peer not in members:
             return False
-        del members[peer]
-        if not members:
-            del self.groups[group]
+        if isinstance(members, tuple):
+            del self.groups[group]  # its only member (a dict stays one till empty)
+        else:
+            del members[peer]
+            if not members:
+                del self.groups[group]
         del peer.groups[group]
         return True
 
@@ -97,7 +111,7 @@ class Router:
             return list(self.wildcards.patterns.get(group, ()))
         return list(self.groups.get(group, ()))
 
-    def with_wildcards(self, group: str, members: dict[Peer, None] | None) -> Iterable[Peer]:
+    def with_wildcards(self, group: str, members: Members | None) -> Iterable[Peer]:
         """Who a one-way frame to literal ``group`` reaches: its ``members`` (the literal
         ones, ``groups.get(group)``) and every wildcard subscriber whose pattern matches
         and whom the access policy lets subscribe to ``group`` itself (decided per

@@ -45,6 +45,11 @@ def test_msgq_trio_calls_fan_out_and_large_cold(tmp_path: Path) -> None:
     large = res["large-cold"]["msgq_trio"]
     assert large["status"] == "ok", large
     assert large["messages"] == 6 and positive(large["cold_mb_s"], large["warm_mb_s"])
+    # Page faults per message, cold and warm, for the broker and the receiver: counts.
+    faults = [large[f"{p}_faults_{w}"] for p in ("broker", "receiver") for w in ("cold", "warm")]
+    assert all(isinstance(f, float) and f >= 0 for f in faults), faults
+    # A fresh receiver touches a 4 MiB body's pages at least once for its first messages.
+    assert large["receiver_faults_cold"] > 0
     text = scale.tables(res)
     assert "### calls" in text and "msgq_trio idle=10" in text and "cold_mb_s" in text
 
@@ -82,12 +87,38 @@ def test_nats_routes_the_wildcard_share() -> None:
     assert wild["wildcards"] == 8 and positive(wild["routed_per_s"]), wild
 
 
+@pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="needs pyzmq")
+def test_zeromq_where_it_has_the_pattern() -> None:
+    """ZeroMQ through its proxy: fan-out and routing (prefix filters, the patterns as
+    prefixes) on XSUB/XPUB, calls on ROUTER/DEALER with idle ZMTP connections; every
+    message arrives (a publisher that sent before the subscriptions reached it would
+    lose some, and the run would time out)."""
+    workloads = ["fan-out", "routing", "cost", "calls", "large-cold"]
+    res = scale.run_all(workloads, ["zeromq"], TINY, 60, say=str)
+    fan = res["fan-out"]["zeromq"]
+    assert fan["status"] == "ok", fan
+    assert fan["delivered"] == fan["expected"] == 5 * 20
+    routing = res["routing"]["zeromq"]
+    assert routing["status"] == "ok", routing
+    assert routing["wild=20%"]["wildcards"] == 4
+    assert positive(routing["wild=0%"]["routed_per_s"], routing["wild=20%"]["routed_per_s"])
+    cost = res["cost"]["zeromq"]
+    assert cost["status"] == "ok", cost
+    assert cost["5"]["delivered"] == 100
+    calls = res["calls"]["zeromq"]
+    assert calls["status"] == "ok", calls
+    for idle in ("idle=0", "idle=10"):
+        assert calls[idle]["errors"] == 0 and positive(calls[idle]["calls_per_s"])
+    assert res["large-cold"]["zeromq"]["status"] == "n/a"
+
+
 def test_the_documented_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         run.main(["--scale", "--help"])
     assert exc.value.code == 0
     assert "--workloads" in capsys.readouterr().out
     assert run.main(["--scale", "--workloads", "nonsense"]) == 2
+    assert run.main(["--scale", "--sizes", '{"nonsense": {}}']) == 2
     assert "python -m benchmarks --scale" in (ROOT / "BENCHMARKS.md").read_text()
     doc = (ROOT / "docs/bench/scale.md").read_text()
     assert "python -m benchmarks --scale" in doc
