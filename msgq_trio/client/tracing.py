@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
+from ..errors import MalformedMessage
 from ..protocol.codes import Flag
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "outgoing",
     "parse_traceparent",
     "producing",
+    "received",
     "start_trace",
     "traced_handler",
 ]
@@ -342,6 +344,42 @@ def continued(
         _end(span, exc)
         raise
     _end(span, None)
+
+
+def received(msg: Any) -> contextlib.AbstractContextManager[TraceContext | None]:
+    """:func:`continued` for a received notification or message ``msg`` (a
+    :class:`~msgq_trio.client.message.Message`): its callback runs in the trace the
+    sender put on it (a CONSUMER span named after its event with OpenTelemetry), so
+    what the callback sends continues that trace. An untraced one runs untraced, whatever
+    the dispatching task works for (it costs a flag test and a context-variable read);
+    a traced one with a malformed header runs untraced too (the sender's bug)."""
+    if not msg.traced:
+        return _NOTHING if CURRENT.get() is None else _untraced()
+    try:
+        header = msg.header
+    except MalformedMessage:  # the sender's bug, not the callback's
+        return _untraced()
+    return continued(header, f"{msg.event or msg.kind} {msg.target}", "consumer")
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """The block runs untraced even inside a trace: a frame can be dispatched by a task
+    that works for a trace (a caller polling the socket for its answer takes whatever
+    arrives), and what it dispatches must not inherit that trace."""
+    token = CURRENT.set(None)
+    try:
+        ot = sys.modules.get(OTEL_MODULE)
+        if ot is None:
+            yield
+        else:
+            with ot.use_span(ot.INVALID_SPAN, end_on_exit=False):
+                yield
+    finally:
+        CURRENT.reset(token)
 
 
 def traced_handler(
