@@ -46,7 +46,7 @@ from .session import (
     Send,
     never_suspends,
 )
-from .tracing import received, traced_handler
+from .tracing import dispatching_in_a_trace, received, traced_handler, untraced_handler
 
 __all__ = ["AsyncDriver", "Handler"]
 
@@ -468,6 +468,8 @@ class AsyncDriver(SessionView, LoopServices):
         returns an awaitable, which a task of its own awaits."""
         if msg.traced:  # run it in the request's trace (client/tracing.py)
             handler = traced_handler(handler, msg.header, msg.command or "")
+        elif dispatching_in_a_trace():  # this task works for another trace
+            handler = untraced_handler(handler)
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

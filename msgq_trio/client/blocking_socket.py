@@ -40,7 +40,7 @@ from .session import (
     Session,
     goodbye_error,
 )
-from .tracing import traced_handler
+from .tracing import dispatching_in_a_trace, traced_handler, untraced_handler
 
 __all__ = ["DEFAULT_MAX_BUFFERED", "BlockingSocket", "dial"]
 
@@ -309,6 +309,8 @@ class BlockingSocket(SessionView):
         result: Any = None
         if msg.traced:  # run it in the request's trace (client/tracing.py)
             handler = traced_handler(handler, msg.header, msg.command or "")
+        elif dispatching_in_a_trace():  # this task works for another trace
+            handler = untraced_handler(handler)
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

@@ -42,6 +42,7 @@ __all__ = [
     "context_of",
     "continued",
     "delivered_traces",
+    "dispatching_in_a_trace",
     "format_traceparent",
     "new_trace",
     "outgoing",
@@ -50,6 +51,7 @@ __all__ = [
     "received",
     "start_trace",
     "traced_handler",
+    "untraced_handler",
 ]
 
 #: The prefix flag of a frame whose header carries ``traceparent``.
@@ -408,6 +410,40 @@ def traced_handler(
         return result
 
     return run
+
+
+def dispatching_in_a_trace() -> bool:
+    """Whether the running task or thread works for a trace (its own context, or an
+    OpenTelemetry span the application may have made current): an untraced request
+    dispatched here must then be run with :func:`untraced_handler`. One
+    context-variable read and one ``sys.modules`` lookup (and, where OpenTelemetry is
+    imported, a look at its current span)."""
+    if CURRENT.get() is not None:
+        return True
+    ot = sys.modules.get(OTEL_MODULE)
+    return ot is not None and bool(ot.get_current_span().get_span_context().is_valid)
+
+
+def untraced_handler(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``handler`` of an untraced request run untraced, whatever the dispatching task
+    works for: a caller waiting for its own answer in a trace may take and dispatch
+    what arrives meanwhile (the trio driver's polling caller, the blocking driver's
+    waiting methods), and the request's handler must not inherit that trace. An
+    ``async`` one stays untraced for its whole run, in the task that awaits it."""
+
+    def run(params: Any, request: Any) -> Any:
+        with _untraced():
+            result = handler(params, request)
+        if inspect.isawaitable(result):
+            return _await_untraced(result)
+        return result
+
+    return run
+
+
+async def _await_untraced(result: Awaitable[Any]) -> Any:
+    with _untraced():
+        return await result
 
 
 async def _await_in(result: Awaitable[Any], tc: TraceContext, span: Any) -> Any:
