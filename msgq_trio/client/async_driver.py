@@ -46,7 +46,7 @@ from .session import (
     Send,
     never_suspends,
 )
-from .tracing import dispatching_in_a_trace, received, traced_handler, untraced_handler
+from .tracing import dispatching_in_a_trace, handler_in_its_trace, received
 
 __all__ = ["AsyncDriver", "Handler"]
 
@@ -466,10 +466,8 @@ class AsyncDriver(SessionView, LoopServices):
         and so is an ``async`` one whose code has no ``await`` (it cannot suspend:
         :func:`~msgq_trio.client.session.never_suspends`); any other ``async`` one
         returns an awaitable, which a task of its own awaits."""
-        if msg.traced:  # run it in the request's trace (client/tracing.py)
-            handler = traced_handler(handler, msg.header, msg.command or "")
-        elif dispatching_in_a_trace():  # this task works for another trace
-            handler = untraced_handler(handler)
+        if msg.traced or dispatching_in_a_trace():  # (client/tracing.py)
+            handler = handler_in_its_trace(handler, msg)
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

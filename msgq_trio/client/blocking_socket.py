@@ -40,7 +40,7 @@ from .session import (
     Session,
     goodbye_error,
 )
-from .tracing import dispatching_in_a_trace, traced_handler, untraced_handler
+from .tracing import dispatching_in_a_trace, handler_in_its_trace
 
 __all__ = ["DEFAULT_MAX_BUFFERED", "BlockingSocket", "dial"]
 
@@ -307,10 +307,8 @@ class BlockingSocket(SessionView):
         assert handler is not None  # no inline handlers on this driver
         error: Exception | None = None
         result: Any = None
-        if msg.traced:  # run it in the request's trace (client/tracing.py)
-            handler = traced_handler(handler, msg.header, msg.command or "")
-        elif dispatching_in_a_trace():  # this task works for another trace
-            handler = untraced_handler(handler)
+        if msg.traced or dispatching_in_a_trace():  # (client/tracing.py)
+            handler = handler_in_its_trace(handler, msg)
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

@@ -44,6 +44,7 @@ __all__ = [
     "delivered_traces",
     "dispatching_in_a_trace",
     "format_traceparent",
+    "handler_in_its_trace",
     "new_trace",
     "outgoing",
     "parse_traceparent",
@@ -422,6 +423,19 @@ def dispatching_in_a_trace() -> bool:
         return True
     ot = sys.modules.get(OTEL_MODULE)
     return ot is not None and bool(ot.get_current_span().get_span_context().is_valid)
+
+
+def handler_in_its_trace(
+    handler: Callable[[Any, Any], Any], request: Any
+) -> Callable[[Any, Any], Any]:
+    """``handler`` for ``request`` (a received :class:`~msgq_trio.client.message.Message`)
+    run in the request's trace (:func:`traced_handler`), or untraced
+    (:func:`untraced_handler`) when it carries none but the dispatching task works for
+    a trace: every driver's one call site of a handler calls this when
+    ``request.traced or dispatching_in_a_trace()``."""
+    if request.traced:
+        return traced_handler(handler, request.header, request.command or "")
+    return untraced_handler(handler)
 
 
 def untraced_handler(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
