@@ -417,6 +417,23 @@ class MetricsSettings:
     listen: str = ""
 
 
+@attrs.frozen
+class TracingSettings:
+    """The broker's own OpenTelemetry spans (section ``[tracing]``). Read at start only.
+
+    * ``otel`` false: off by default (it needs the ``otel`` extra, and an exporter to
+      send to); true: each traced hop the broker routes is a span, the child of the
+      sender's (ops/otel.py), exported as the standard ``OTEL_*`` environment variables
+      say (``OTEL_TRACES_EXPORTER``: ``otlp`` by default, ``console``, ``none``).
+      Untraced traffic costs nothing more either way.
+    * ``otel_file`` "": where the ``console`` exporter writes (one JSON span a line);
+      "" is standard error.
+    """
+
+    otel: bool = False
+    otel_file: str = ""
+
+
 def _listen_addresses(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     for v in value:
         host, sep, port = str(v).rpartition(":")
@@ -741,6 +758,7 @@ class BrokerConfig:
     control: ControlSettings = attrs.field(factory=ControlSettings)
     capture: CaptureSettings = attrs.field(factory=CaptureSettings)
     metrics: MetricsSettings = attrs.field(factory=MetricsSettings)
+    tracing: TracingSettings = attrs.field(factory=TracingSettings)
     tcp: TcpSettings = attrs.field(factory=TcpSettings)
     access: AccessSettings = attrs.field(factory=AccessSettings)
     quotas: QuotaSettings = attrs.field(factory=QuotaSettings)

@@ -41,7 +41,7 @@ from ..transport.fdpass import (  # no trio
 from .address import client_name, connect_target, hello_extra
 from .asyncio_streams import OUT_HIGH_WATER, AioStreams
 from .asyncio_transport import open_transport
-from .lifecycle import State
+from .lifecycle import CONNECT_TIMEOUT, connect_timeout
 from .message import Buffer, Message, new_message
 from .reconnect import Reconnect, reconnect_policy
 
@@ -67,72 +67,43 @@ class AioBus(AioStreams):
     callback tasks. Pending calls then fail with :class:`~msgq_trio.errors.ConnectionLost`.
     """
 
-    async def _run(
-        self,
-        ssl_context: ssl.SSLContext | None,
-        server_hostname: str | None,
-        send_buffer: int,
-        token: str | None,
-        timeout: float,
-        started: asyncio.Future[None],
-    ) -> None:
-        """The bus's connections, one after another (as the trio ``Bus._run``): connect,
-        handshake, read and write until the connection ends; with ``reconnect``, wait as
-        the backoff says and connect again until one succeeds (the groups are joined
-        again) or the policy gives up. ``started`` is resolved once the first
-        connection is up.
-
-        Raises:
-            ConnectError, UsageError: the first connection failed (see :func:`connect`).
-        """
+    async def _connection(self, deadline: float | None, started: Callable[[], None]) -> None:
+        """One connection: dial, handshake by ``deadline``, serve (see
+        :meth:`~msgq_trio.client.async_driver.AsyncDriver._connection`)."""
         life = self._s.life
-        while True:
-            life.dialing(self._loop.time())
-            try:
-                # A reconnect attempt is bounded as a whole (a broker that accepts but
-                # never answers, or a SYN nobody answers, must not hold it); the first
-                # connection waits ``timeout`` for WELCOME.
-                async with (
-                    asyncio.timeout_at(life.attempt_deadline) as attempt,
-                    open_transport(self._target, ssl_context, server_hostname) as (sock, remote),
-                ):
-                    if not remote and send_buffer:  # TCP keeps the kernel's autotuning
-                        with contextlib.suppress(OSError):
-                            sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, send_buffer)
-                    self._attach(sock)
-                    try:
-                        await asyncio.wait_for(self._handshake(hello_extra(remote, token)), timeout)
-                    except TimeoutError:
-                        if attempt.expired():
-                            raise
-                        raise ConnectError(
-                            f"no WELCOME from the broker within {timeout} s"
-                        ) from None
-                    attempt.reschedule(None)
-                    restoring = self._welcomed(remote)
-                    self._start()
-                    hb = self._s.heartbeat_settings() if remote else None
-                    beat = self._loop.create_task(self._heartbeat(*hb)) if hb else None
-                    if restoring:
-                        self._spawn(self._restore())
-                    else:
-                        started.set_result(None)
-                    try:
-                        await self._down.wait()
-                    finally:
-                        if beat is not None:
-                            beat.cancel()
-                            await asyncio.gather(beat, return_exceptions=True)
-                        self._stop_io()
-            except (ConnectError, UsageError, TimeoutError) as exc:
-                if life.state is State.CONNECTING:
-                    life.attempt_failed(exc, self._loop.time())
-                    raise
-                self._attempt_failed(life.timed_out() if isinstance(exc, TimeoutError) else exc)
-            delay = life.wait(self._loop.time())
-            if delay is None:
-                return  # the end is final (reconnect off, given up, or the bus closed)
-            await asyncio.sleep(delay)
+        try:
+            async with (
+                asyncio.timeout_at(deadline) as attempt,
+                open_transport(self._target, self._ssl_context, self._server_hostname) as (
+                    sock,
+                    remote,
+                ),
+            ):
+                if not remote and self._send_buffer:  # TCP keeps the kernel's autotuning
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_SNDBUF, self._send_buffer)
+                self._attach(sock)
+                await self._handshake(hello_extra(remote, self._token))
+                attempt.reschedule(None)
+                restoring = self._welcomed(remote)
+                self._start()
+                hb = self._s.heartbeat_settings() if remote else None
+                beat = self._loop.create_task(self._heartbeat(*hb)) if hb else None
+                if restoring:
+                    self._spawn(self._restore())
+                else:
+                    started()
+                try:
+                    await self._down.wait()
+                finally:
+                    if beat is not None:
+                        beat.cancel()
+                        await asyncio.gather(beat, return_exceptions=True)
+                    self._stop_io()
+        except TimeoutError:
+            if not attempt.expired():
+                raise
+            raise life.timed_out() from None
 
     def _state_changed(self) -> None:
         self._wake_all(self._state_waiters)
@@ -395,7 +366,7 @@ async def connect(
     token: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
-    timeout: float = 30.0,
+    timeout: float = CONNECT_TIMEOUT,
     reconnect: bool | Reconnect = False,
 ) -> AsyncIterator[AioBus]:
     """Connect to the broker from asyncio; yields an :class:`AioBus`.
@@ -412,7 +383,8 @@ async def connect(
             trusts ``$MSGQ_TRIO_TLS_CA`` (else the system's trust store) and presents
             ``$MSGQ_TRIO_TLS_CERT``/``$MSGQ_TRIO_TLS_KEY`` if set, as the trio client's.
         server_hostname: the name the broker's certificate must carry (default the host).
-        timeout: longest wait for the broker's WELCOME.
+        timeout: the longest the connection (dial, TLS) and the broker's WELCOME may
+            take together (:data:`~msgq_trio.client.lifecycle.CONNECT_TIMEOUT`, 30 s).
         reconnect: off by default; True or a :class:`~msgq_trio.client.reconnect.Reconnect`
             reconnects after a loss as the trio client's ``connect`` does (README
             "Reconnecting"). Only the first connection's failure is raised here.
@@ -421,18 +393,21 @@ async def connect(
 
     Raises:
         ConnectError: no broker at the address, TLS failed, it refused the handshake
-            (``code``), or it sent no WELCOME within ``timeout`` s.
-        UsageError: a malformed ``tcp://``/``tls://`` address, or a TLS file from the
-            environment that cannot be loaded (named).
+            (``code``), or there was no WELCOME within ``timeout`` s.
+        UsageError: a malformed ``tcp://``/``tls://`` address, a TLS file from the
+            environment that cannot be loaded (named), or a bad ``timeout``.
     """
     bus = AioBus(
-        client_name(name), max_frame_size, connect_target(socket), reconnect_policy(reconnect)
+        client_name(name),
+        max_frame_size,
+        connect_target(socket),
+        reconnect_policy(reconnect),
+        connect_timeout(timeout),
     )
     loop = asyncio.get_running_loop()
     started: asyncio.Future[None] = loop.create_future()
-    runner = loop.create_task(
-        bus._run(ssl_context, server_hostname, send_buffer, token, timeout, started)
-    )
+    bus._dial_with(ssl_context, server_hostname, send_buffer, token)
+    runner = loop.create_task(bus._supervise(lambda: started.set_result(None)))
     try:
         await asyncio.wait([started, runner], return_when=asyncio.FIRST_COMPLETED)
         if not started.done():

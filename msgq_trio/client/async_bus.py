@@ -9,13 +9,12 @@ neither trio nor asyncio (``tests/test_layering.py``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import ConnectionLost, MsgqError, UsageError
 from ..protocol.framing import close_fds
 from .async_driver import AsyncDriver, Handler
-from .interface import Param
 from .loop import run_callback
 from .message import Buffer, Member, Message, Result
 from .queue import Queue
@@ -362,83 +361,6 @@ class AsyncBus(AsyncDriver):
         await run_callback(callback, results)
 
     # -- serving commands ----------------------------------------------------------------
-    def command(
-        self,
-        name: str,
-        *,
-        params: Mapping[str, Any] | Sequence[Param] | None = None,
-        result: Any = None,
-        doc: str | None = None,
-        raises: Iterable[str] = (),
-        check: bool | None = None,
-    ) -> Callable[[Handler], Handler]:
-        """Decorator: register ``fn`` to answer requests for ``name``.
-
-        ``fn(params)``, ``fn(params, request)`` or ``fn(*, name: type = default, ...)``
-        (keyword-only parameters: the request's params map as keyword arguments), a
-        plain function or an ``async def``. A plain function is called by the reader as
-        the request arrives, without a task (it must not block: it would block the whole
-        event loop in a task too); an ``async def`` runs in a task of its own per
-        request. What the result or exception answers is the one handler contract of
-        every driver (:meth:`msgq_trio.client.session.Session.answer_for`): the return
-        value (or a :class:`Reply`) is the answer; ``CommandFailed(code, message,
-        data)`` answers with that error; ``TypeError``/``ValueError``/``KeyError`` and a
-        malformed request answer ``bad-request``; any other exception ``internal-error``
-        naming its type.
-
-        The declaration (what ``msgq.introspect`` answers; client/interface.py) comes
-        from a keyword handler's signature and type hints, else from ``params=`` (a map
-        of name to type or :class:`~msgq_trio.client.interface.Param`); ``result``,
-        ``doc`` (default: the docstring's first line) and ``raises`` (error codes)
-        complete it. ``check`` (default: on where parameters are declared) answers
-        params that do not fit ``bad-request`` naming the parameter, before ``fn`` runs.
-
-        Raises:
-            UsageError: ``fn`` fits none of the handler forms, or the declaration is
-                malformed.
-        """
-
-        def register(fn: Handler) -> Handler:
-            self.add_command(
-                name, fn, params=params, result=result, doc=doc, raises=raises, check=check
-            )
-            return fn
-
-        return register
-
-    def add_command(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        *,
-        params: Mapping[str, Any] | Sequence[Param] | None = None,
-        result: Any = None,
-        doc: str | None = None,
-        raises: Iterable[str] = (),
-        check: bool | None = None,
-    ) -> None:
-        """Register ``fn`` for ``name`` (see :meth:`command`).
-
-        Raises:
-            UsageError: ``fn`` fits none of the handler forms, or the declaration is
-                malformed.
-        """
-        self._s.add_command(
-            name, fn, params=params, result=result, doc=doc, raises=raises, check=check
-        )
-
-    def declare_event(
-        self,
-        name: str,
-        *,
-        group: str | None = None,
-        params: Mapping[str, Any] | Sequence[Param] | None = None,
-        doc: str = "",
-    ) -> None:
-        """Declare notification ``name`` (sent to ``group``) that this client emits, for
-        ``msgq.introspect`` (see :meth:`Session.declare_event`)."""
-        self._s.declare_event(name, group=group, params=params, doc=doc)
-
     def add_inline_command(self, name: str, fn: Callable[[Message], None]) -> None:
         """Register ``fn(request)`` for command ``name``, called synchronously by the reader
         in the order requests arrive, without a task. ``fn`` must not block; it answers

@@ -31,6 +31,7 @@ from ..protocol.connection import EOF, NEED_DATA
 from ..protocol.errors import LocalProtocolError, ProtocolError
 from ..protocol.framing import Frame, close_fds
 from ..protocol.names import is_pattern, pattern_matches
+from .facade import SessionView
 from .inbox import Inbox
 from .lifecycle import HeartbeatMonitor, State
 from .loop import LoopEvent, LoopServices, run_callback
@@ -43,10 +44,9 @@ from .session import (
     PendingCall,
     Request,
     Send,
-    SessionView,
     never_suspends,
 )
-from .tracing import traced_handler
+from .tracing import dispatching_in_a_trace, handler_in_its_trace, received
 
 __all__ = ["AsyncDriver", "Handler"]
 
@@ -103,6 +103,16 @@ class AsyncDriver(SessionView, LoopServices):
         self._message_inline = None
         self._target = target
         self._reconnected_cbs = []
+
+    def _dial_with(
+        self, ssl_context: Any, server_hostname: str | None, send_buffer: int, token: str | None
+    ) -> None:
+        """How each connection dials (``connect()``'s arguments, the same for every
+        reconnect): TLS context and host name, SO_SNDBUF, the TCP token."""
+        self._ssl_context = ssl_context
+        self._server_hostname = server_hostname
+        self._send_buffer = send_buffer
+        self._token = token
 
     #: Makes a pending call's waiter (trio.Event, an asyncio future), which the
     #: session's ``wake`` sets; the driver's ``_finish_call`` waits on it.
@@ -257,6 +267,45 @@ class AsyncDriver(SessionView, LoopServices):
         or scheduled is given up)."""
         self._closed = True
         self._s.life.close()
+
+    async def _supervise(self, started: Callable[[], None]) -> None:
+        """The bus's connections, one after another, as the session's lifecycle says
+        (the one reconnect supervisor of the asynchronous drivers): dial, handshake and
+        serve (``_connection``, bounded by the lifecycle's ``attempt_deadline`` until
+        WELCOME) until the connection ends; then, with ``reconnect``, sleep as the
+        backoff says and dial again, until one succeeds (the groups are joined again)
+        or the policy gives up (the loss is final). ``started()`` once the first
+        connection is up.
+
+        Raises:
+            ConnectError, UsageError: the first connection failed, or had no WELCOME
+                within ``connect()``'s ``timeout`` (see the drivers' ``connect``).
+        """
+        life = self._s.life
+        while True:
+            life.dialing(self._now())
+            try:
+                await self._connection(life.attempt_deadline, started)
+            except (ConnectError, UsageError) as exc:
+                if life.state is State.CONNECTING:
+                    life.attempt_failed(exc, self._now())
+                    raise
+                self._attempt_failed(exc)
+            delay = life.wait(self._now())
+            if delay is None:
+                return  # the end is final (reconnect off, given up, or the bus closed)
+            await self.sleep(delay)
+
+    async def _connection(self, deadline: float | None, started: Callable[[], None]) -> None:
+        """One connection (the driver's): dial, send HELLO and take WELCOME by
+        ``deadline`` on the driver's clock (None: no bound), else raise the
+        lifecycle's ``timed_out()``; then serve it until it ends (reader, writer, the
+        heartbeat over TCP; a reconnect's restore, or ``started()`` for the first).
+
+        Raises:
+            ConnectError, UsageError: the dial or the handshake failed, or timed out.
+        """
+        raise NotImplementedError
 
     def _attempt_failed(self, exc: BaseException) -> bool:
         """A reconnect attempt failed: True once the policy gave up (the loss is final:
@@ -417,8 +466,8 @@ class AsyncDriver(SessionView, LoopServices):
         and so is an ``async`` one whose code has no ``await`` (it cannot suspend:
         :func:`~msgq_trio.client.session.never_suspends`); any other ``async`` one
         returns an awaitable, which a task of its own awaits."""
-        if msg.traced:  # run it in the request's trace (client/tracing.py)
-            handler = traced_handler(handler, msg.header, msg.command or "")
+        if msg.traced or dispatching_in_a_trace():  # (client/tracing.py)
+            handler = handler_in_its_trace(handler, msg)
         try:
             result = handler(msg.body, msg)
         except Exception as exc:
@@ -490,7 +539,8 @@ class AsyncDriver(SessionView, LoopServices):
             )
             if icb is not None:
                 try:
-                    icb(msg)
+                    with received(msg):  # in the sender's trace, if it sent one
+                        icb(msg)
                 except Exception:
                     log.exception("inline notification callback %r raised", icb)
                 finally:
@@ -505,8 +555,11 @@ class AsyncDriver(SessionView, LoopServices):
 
     async def _notify_callbacks(self, cbs: list[Callable[[Message], Any]], msg: Message) -> None:
         try:
-            for cb in cbs:
-                await run_callback(cb, msg)
+            # In this task's own context: the callbacks' sends continue the sender's
+            # trace, and no other task sees it.
+            with received(msg):
+                for cb in cbs:
+                    await run_callback(cb, msg)
         finally:
             msg.close()  # descriptors a callback did not take_fds() are closed here
 

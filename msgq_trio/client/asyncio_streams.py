@@ -25,6 +25,7 @@ from ..transport.fdpass import (  # no trio
     take_fds,
 )
 from .async_bus import AsyncBus
+from .lifecycle import CONNECT_TIMEOUT
 from .message import Buffer
 from .reconnect import Reconnect
 from .session import (
@@ -71,9 +72,17 @@ class AioStreams(AsyncBus):
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         target: str = "",
         reconnect: Reconnect | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._s = Session(name, max_frame_size, wake=_wake, reconnect=reconnect, target=target)
+        self._s = Session(
+            name,
+            max_frame_size,
+            wake=_wake,
+            reconnect=reconnect,
+            target=target,
+            connect_timeout=connect_timeout,
+        )
         self._rxbuf = memoryview(bytearray(RECEIVE_SIZE))
         self._ancsize = ancillary_size(self._s.max_fds)
         self._out: deque[Buffer] = deque()

@@ -27,7 +27,9 @@ from ..transport.sockets import (
     set_send_buffer,
     take_fds,
 )
+from .facade import SessionView
 from .inbox import Inbox
+from .lifecycle import CONNECT_TIMEOUT
 from .message import Message
 from .reconnect import Reconnect
 from .session import (
@@ -36,10 +38,9 @@ from .session import (
     Request,
     Send,
     Session,
-    SessionView,
     goodbye_error,
 )
-from .tracing import traced_handler
+from .tracing import dispatching_in_a_trace, handler_in_its_trace
 
 __all__ = ["DEFAULT_MAX_BUFFERED", "BlockingSocket", "dial"]
 
@@ -77,14 +78,15 @@ class BlockingSocket(SessionView):
         target: str = "",
         reconnect: Reconnect | None = None,
         send_buffer: int = SEND_BUFFER,
-        timeout: float = 30.0,
+        timeout: float = CONNECT_TIMEOUT,
     ) -> None:
-        self._s = Session(name, max_frame_size, reconnect=reconnect, target=target)
+        self._s = Session(
+            name, max_frame_size, reconnect=reconnect, target=target, connect_timeout=timeout
+        )
         self._s.fd_passing = False  # plain send(): no SCM_RIGHTS on this driver
         self._attach(sock)
         self._target = target
         self._send_buffer = send_buffer
-        self._timeout = timeout
         #: Parsed frames not yet dispatched (a reading method dispatches them in order).
         self._frames: deque[Frame] = deque()
         self._frames_bytes = 0
@@ -109,14 +111,15 @@ class BlockingSocket(SessionView):
         self._goodbye = False
         self._goodbye_error: ConnectionLost | None = None
 
-    def _handshake(self, timeout: float) -> None:
-        """Send HELLO and read WELCOME; frames right behind it stay parsed for later.
+    def _handshake(self, deadline: float) -> None:
+        """Send HELLO and read WELCOME by ``deadline`` (``time.monotonic()``); frames
+        right behind it stay parsed for later.
 
         Raises:
-            ConnectError: the broker refused (``code``), closed, or was silent for
-                ``timeout`` seconds.
+            ConnectError: the broker refused (``code``), closed, or sent no WELCOME by
+                ``deadline`` (the lifecycle's ``timed_out()``: connect's ``timeout``, or
+                ``Reconnect.attempt_timeout``).
         """
-        deadline = time.monotonic() + timeout
         try:
             self._write(b"".join(self._s.hello()))
             while not self._frames:
@@ -126,7 +129,7 @@ class BlockingSocket(SessionView):
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ConnectError(f"no WELCOME from the broker within {timeout} s")
+                    raise self._s.life.timed_out()
                 self._read(left)
         except ConnectionLost as exc:
             raise ConnectError(f"connection to the broker failed: {exc}") from exc
@@ -304,8 +307,8 @@ class BlockingSocket(SessionView):
         assert handler is not None  # no inline handlers on this driver
         error: Exception | None = None
         result: Any = None
-        if msg.traced:  # run it in the request's trace (client/tracing.py)
-            handler = traced_handler(handler, msg.header, msg.command or "")
+        if msg.traced or dispatching_in_a_trace():  # (client/tracing.py)
+            handler = handler_in_its_trace(handler, msg)
         try:
             result = handler(msg.body, msg)
         except Exception as exc:

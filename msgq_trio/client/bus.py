@@ -26,7 +26,7 @@ from ..transport.sockets import (
     unconsumed_bytes,
 )
 from .address import client_name, connect_target, hello_extra
-from .lifecycle import State
+from .lifecycle import CONNECT_TIMEOUT, connect_timeout
 from .message import Buffer, Member, Message, Reply, Result, new_message
 from .polling import BUSY_POLL, check_busy_poll
 from .reconnect import Reconnect, reconnect_policy
@@ -162,65 +162,43 @@ class Bus(TrioStreams):
                 await self._state_wake.park()
         await trio.lowlevel.checkpoint()
 
-    async def _run(
-        self,
-        ssl_context: Any,
-        server_hostname: str | None,
-        send_buffer: int,
-        token: str | None,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """The bus's connections, one after another: connect, handshake, run the
-        reader, writer (and heartbeat) until the connection ends; then, with
-        ``reconnect``, wait as the backoff says and connect again, until one succeeds
-        (the groups are joined again, see ``_restore``) or the policy gives up (the loss
-        is final). ``task_status.started()`` once the first connection is up.
+    async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The bus's connections (:meth:`~msgq_trio.client.async_driver.AsyncDriver.
+        _supervise`), ``task_status.started()`` once the first is up."""
+        await self._supervise(task_status.started)
 
-        Raises:
-            ConnectError, UsageError: the first connection failed (see :func:`connect`).
-        """
+    async def _connection(self, deadline: float | None, started: Callable[[], None]) -> None:
+        """One connection: dial, handshake by ``deadline``, serve (see
+        :meth:`~msgq_trio.client.async_driver.AsyncDriver._connection`)."""
         life = self._s.life
-        while True:
-            life.dialing(trio.current_time())
-            try:
-                with trio.CancelScope(deadline=life.attempt_deadline or math.inf) as attempt:
-                    async with open_transport(self._target, ssl_context, server_hostname) as (
-                        stream,
-                        remote,
-                    ):
-                        if not remote:  # TCP keeps the kernel's send buffer autotuning
-                            set_send_buffer(stream.socket, send_buffer)
-                        self._attach(stream)
-                        try:
-                            await self._handshake(hello_extra(remote, token))
-                        except BaseException:
-                            await trio.aclose_forcefully(stream)
-                            raise
-                        attempt.deadline = math.inf
-                        restoring = self._welcomed(remote)
-                        await self._serve_connection(stream, remote, task_status, restoring)
-                if attempt.cancelled_caught:
-                    self._attempt_failed(life.timed_out())
-            except (ConnectError, UsageError) as exc:
-                if life.state is State.CONNECTING:
-                    life.attempt_failed(exc, trio.current_time())
+        with trio.CancelScope(deadline=math.inf if deadline is None else deadline) as attempt:
+            async with open_transport(self._target, self._ssl_context, self._server_hostname) as (
+                stream,
+                remote,
+            ):
+                if not remote:  # TCP keeps the kernel's send buffer autotuning
+                    set_send_buffer(stream.socket, self._send_buffer)
+                self._attach(stream)
+                try:
+                    await self._handshake(hello_extra(remote, self._token))
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
                     raise
-                self._attempt_failed(exc)
-            delay = life.wait(trio.current_time())
-            if delay is None:
-                return  # the end is final (reconnect off, given up, or the bus closed)
-            await trio.sleep(delay)
+                attempt.deadline = math.inf
+                restoring = self._welcomed(remote)
+                await self._serve_connection(stream, remote, started, restoring)
+        if attempt.cancelled_caught:
+            raise life.timed_out()
 
     async def _serve_connection(
         self,
         stream: trio.SocketStream,
         remote: bool,
-        task_status: trio.TaskStatus[None],
+        started: Callable[[], None],
         restoring: bool,
     ) -> None:
         """Run the connection's reader, writer (and heartbeat) until it ends, then close
-        it. The first connection reports ``task_status.started()``; a reconnect's joins
+        it. The first connection reports ``started()``; a reconnect's joins
         the groups again (``_restore``)."""
         async with trio.open_nursery() as tasks:
             tasks.start_soon(self._reader)
@@ -231,7 +209,7 @@ class Bus(TrioStreams):
             if restoring:
                 tasks.start_soon(self._restore)
             else:
-                task_status.started()
+                started()
             await self._down.wait()
             tasks.cancel_scope.cancel()
         await trio.aclose_forcefully(stream)
@@ -436,6 +414,7 @@ async def connect(
     server_hostname: str | None = None,
     reconnect: bool | Reconnect = False,
     busy_poll: float = BUSY_POLL,
+    timeout: float = CONNECT_TIMEOUT,
 ) -> AsyncIterator[Bus]:
     """Connect to the broker; yields a :class:`Bus`.
 
@@ -465,6 +444,9 @@ async def connect(
             lone call while no other task of the program is runnable, never on one CPU
             or over TLS (:class:`~msgq_trio.client.polling.CallPoller`; README "Busy
             polling").
+        timeout: the longest the connection (dial, TLS) and the broker's WELCOME may
+            take together (:data:`~msgq_trio.client.lifecycle.CONNECT_TIMEOUT`, 30 s); a
+            reconnect attempt is bounded by ``Reconnect.attempt_timeout`` instead.
 
     Resource handling: leaving the block flushes queued frames, says GOODBYE, waits for
     the broker's (CLOSE_WAIT s, longer while the broker still takes our bytes: it may be
@@ -473,10 +455,11 @@ async def connect(
     ConnectionLost; descriptors that came with messages nobody took are closed.
 
     Raises:
-        ConnectError: no broker at the address, TLS failed, or it refused the handshake
-            (``code`` ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...).
+        ConnectError: no broker at the address, TLS failed, it refused the handshake
+            (``code`` ``version-mismatch``, ``limit-exceeded``, ``unauthenticated``...),
+            or there was no WELCOME within ``timeout`` s.
         UsageError: a malformed ``tcp://``/``tls://`` address, a TLS file named by the
-            environment that cannot be loaded, or a bad ``reconnect``.
+            environment that cannot be loaded, a bad ``reconnect`` or ``timeout``.
     """
     try:
         poll = check_busy_poll(busy_poll)
@@ -488,12 +471,14 @@ async def connect(
         connect_target(socket),
         reconnect_policy(reconnect),
         busy_poll=poll,
+        connect_timeout=connect_timeout(timeout),
     )
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         bus._nursery = nursery
         try:
-            await nursery.start(bus._run, ssl_context, server_hostname, send_buffer, token)
+            bus._dial_with(ssl_context, server_hostname, send_buffer, token)
+            await nursery.start(bus._run)
         except Exception as exc:
             # The first connection failed: raised as it is (no ExceptionGroup).
             body_error = exc

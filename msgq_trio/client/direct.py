@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import ConnectError, ConnectionLost, MsgqError, UsageError
@@ -42,8 +42,7 @@ from ..transport.sockets import (
 )
 from .address import client_name, connect_target
 from .blocking_socket import DEFAULT_MAX_BUFFERED, BlockingSocket, dial
-from .interface import Param
-from .lifecycle import State
+from .lifecycle import CONNECT_TIMEOUT, State, connect_timeout
 from .message import Member, Message, new_message
 from .reconnect import Reconnect, reconnect_policy
 from .session import (
@@ -176,15 +175,17 @@ class DirectBus(BlockingSocket):
         s = self._s
         down = s.lost
         s.life.dialing(time.monotonic())
+        deadline = s.life.attempt_deadline
+        assert deadline is not None  # RECONNECTING under a policy: attempt_timeout
         try:
-            sock = dial(self._target, self._send_buffer, self._timeout)
+            sock = dial(self._target, self._send_buffer, max(0.001, deadline - time.monotonic()))
         except ConnectError as exc:
             s.attempt_failed(exc, time.monotonic())
             return False
         s.reset()
         self._attach(sock)
         try:
-            self._handshake(self._timeout)
+            self._handshake(deadline)
             for group in s.restore_groups():
                 try:
                     self.call("msgq", "subscribe", {"group": group})
@@ -361,79 +362,14 @@ class DirectBus(BlockingSocket):
                 return
             self._pump(left)
 
-    def command(
-        self,
-        name: str,
-        *,
-        params: Mapping[str, Any] | Sequence[Param] | None = None,
-        result: Any = None,
-        doc: str | None = None,
-        raises: Iterable[str] = (),
-        check: bool | None = None,
-    ) -> Callable[[Handler], Handler]:
-        """Decorator: answer requests for ``name`` with ``fn(params)``,
-        ``fn(params, request)`` or ``fn(*, name: type = default, ...)``'s return value
-        (a plain function; keyword-only parameters get the params map as keyword
-        arguments). The declaration and ``check`` are as for the trio client
-        (:meth:`msgq_trio.Bus.command`).
-
-        The handler runs in this thread inside whichever method is waiting. What its
-        result or exception answers is the handler contract of every driver
-        (:meth:`msgq_trio.client.session.Session.answer_for`): raise
-        :class:`msgq_trio.CommandFailed` to answer with a chosen error code; ``TypeError``,
-        ``ValueError``, ``KeyError`` and a malformed request answer ``bad-request``, other
-        exceptions ``internal-error`` (logged with the traceback). A :class:`msgq_trio.Reply`
-        with descriptors answers ``internal-error``: this client cannot pass them.
-
-        Raises:
-            UsageError: ``fn`` is async, fits none of the handler forms, or the
-                declaration is malformed.
-        """
-
-        def register(fn: Handler) -> Handler:
-            self.add_command(
-                name, fn, params=params, result=result, doc=doc, raises=raises, check=check
-            )
-            return fn
-
-        return register
-
-    def add_command(
-        self,
-        name: str,
-        fn: Handler,
-        *,
-        params: Mapping[str, Any] | Sequence[Param] | None = None,
-        result: Any = None,
-        doc: str | None = None,
-        raises: Iterable[str] = (),
-        check: bool | None = None,
-    ) -> None:
-        """Register ``fn`` for ``name`` (see :meth:`command`).
-
-        Raises:
-            UsageError: as :meth:`command`.
-        """
+    def _check_handler(self, fn: Handler) -> None:
+        """Refuse an ``async def`` handler: this driver runs handlers in the thread that
+        waits."""
         if inspect.iscoroutinefunction(fn):
             raise UsageError(
                 "the direct client runs plain-function handlers; use msgq_trio.connect "
                 "for async ones"
             )
-        self._s.add_command(
-            name, fn, params=params, result=result, doc=doc, raises=raises, check=check
-        )
-
-    def declare_event(
-        self,
-        name: str,
-        *,
-        group: str | None = None,
-        params: Mapping[str, Any] | Sequence[Param] | None = None,
-        doc: str = "",
-    ) -> None:
-        """Declare notification ``name`` that this client emits, for ``msgq.introspect``
-        (see :meth:`msgq_trio.client.session.Session.declare_event`)."""
-        self._s.declare_event(name, group=group, params=params, doc=doc)
 
     def subscribe(self, group: str) -> bool:
         """Join ``group``; False if already a member. Confirmed by the broker. With
@@ -461,7 +397,7 @@ def connect(
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     max_buffered: int = DEFAULT_MAX_BUFFERED,
     send_buffer: int = SEND_BUFFER,
-    timeout: float = 30.0,
+    timeout: float = CONNECT_TIMEOUT,
     reconnect: bool | Reconnect = False,
 ) -> DirectBus:
     """Connect to the broker on a Unix socket; returns a :class:`DirectBus` (a context
@@ -473,7 +409,8 @@ def connect(
         name: this client's name, shown to others as ``sender_name``.
         max_buffered: bytes of received one-way messages kept for ``receive()``.
         send_buffer: SO_SNDBUF for the socket (0 = kernel default).
-        timeout: longest wait for the broker's WELCOME.
+        timeout: the longest the connection and the broker's WELCOME may take together
+            (:data:`~msgq_trio.client.lifecycle.CONNECT_TIMEOUT`, 30 s).
         reconnect: off by default; True or a :class:`~msgq_trio.client.reconnect.Reconnect`
             reconnects after a loss (README "Reconnecting"). This driver has no thread
             of its own: the attempts are made inside its waiting methods (``receive``,
@@ -489,6 +426,7 @@ def connect(
     if target.startswith(("tcp://", "tls://")):
         raise UsageError("the direct client speaks to Unix sockets only; use msgq_trio.connect")
     policy = reconnect_policy(reconnect)
+    deadline = time.monotonic() + connect_timeout(timeout)
     sock = dial(target, send_buffer, timeout)
     try:
         bus = DirectBus(
@@ -501,7 +439,7 @@ def connect(
             send_buffer=send_buffer,
             timeout=timeout,
         )
-        bus._handshake(timeout)
+        bus._handshake(deadline)
     except BaseException:
         sock.close()
         raise

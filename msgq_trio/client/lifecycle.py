@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import random
 from collections.abc import Callable
 
-from ..errors import ConnectError, ConnectionLost
+from ..errors import ConnectError, ConnectionLost, UsageError
 from ..protocol.codes import ErrorCode
 from .reconnect import (
     Backoff,
@@ -53,9 +54,40 @@ from .reconnect import (
     reconnecting_error,
 )
 
-__all__ = ["TRANSITIONS", "HeartbeatMonitor", "Lifecycle", "State"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "TRANSITIONS",
+    "HeartbeatMonitor",
+    "Lifecycle",
+    "State",
+    "connect_timeout",
+]
 
 log = logging.getLogger("msgq_trio.client")
+
+
+#: How long ``connect()`` (every driver) waits for the first connection: the dial and
+#: the broker's WELCOME together, unless it says otherwise (its ``timeout``). 30 s, as
+#: :attr:`Reconnect.attempt_timeout <msgq_trio.client.reconnect.Reconnect.attempt_timeout>`
+#: bounds each reconnect attempt: three times the broker's own handshake timeout (10 s),
+#: so only a path that carries nothing (a black hole, a broker that accepts and never
+#: answers) reaches it.
+CONNECT_TIMEOUT = 30.0
+
+
+def connect_timeout(timeout: float) -> float:
+    """``connect()``'s ``timeout``, checked: a positive number of seconds.
+
+    Raises:
+        UsageError: anything else (named).
+    """
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < math.inf
+    ):
+        raise UsageError(f"connect timeout must be a positive number of seconds: {timeout!r}")
+    return float(timeout)
 
 
 class State(enum.Enum):
@@ -100,6 +132,7 @@ class Lifecycle:
         policy: the reconnect policy, or None (a loss is final).
         target: the address dialled (for the log lines and errors).
         rand: the jitter's source of numbers in [0, 1).
+        connect_timeout: the bound of the first connection (dial and WELCOME).
     """
 
     def __init__(
@@ -107,9 +140,11 @@ class Lifecycle:
         policy: Reconnect | None,
         target: str = "",
         rand: Callable[[], float] = random.random,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self.policy = policy
         self.target = target
+        self.connect_timeout = connect_timeout
         self.state = State.CONNECTING
         #: The outage under way (RECONNECTING, RESTORING), else None.
         self.backoff: Backoff | None = None
@@ -161,12 +196,15 @@ class Lifecycle:
 
     # -- events ----------------------------------------------------------------------
     def dialing(self, now: float) -> None:
-        """The driver dials now (a reconnect attempt, bounded by the policy's
-        ``attempt_timeout``, so that a broker that accepts but never answers does not
-        hold the reconnect)."""
+        """The driver dials now: the first connection, bounded by ``connect_timeout``,
+        or a reconnect attempt, bounded by the policy's ``attempt_timeout``, so that a
+        path that carries nothing or a broker that accepts but never answers holds
+        neither ``connect()`` nor the reconnect (:attr:`attempt_deadline`)."""
         self.due = None
         if self.state is State.RECONNECTING and self.policy is not None:
             self.attempt_deadline = now + self.policy.attempt_timeout
+        elif self.state is State.CONNECTING:
+            self.attempt_deadline = now + self.connect_timeout
         else:
             self.attempt_deadline = None
 
@@ -232,6 +270,11 @@ class Lifecycle:
 
     def timed_out(self) -> ConnectError:
         """The error of an attempt that passed its ``attempt_deadline``."""
+        if self.state is State.CONNECTING:
+            return ConnectError(
+                f"no connection to the broker at {self.target} and WELCOME within "
+                f"{self.connect_timeout:g} s (connect's timeout)"
+            )
         timeout = self.policy.attempt_timeout if self.policy else None
         return ConnectError(
             f"no connection and WELCOME within {timeout} s (Reconnect.attempt_timeout)"

@@ -28,7 +28,7 @@ from ..errors import RemoteError, UsageError
 from ..protocol.codes import ErrorCode
 from .queue_consumer import Consumer
 from .queue_message import DEFAULT_GROUP, QueueMessage, _Delivery
-from .tracing import producing
+from .tracing import delivered_traces, producing
 
 if TYPE_CHECKING:
     from .queue_bus import QueueBus as Bus
@@ -317,17 +317,25 @@ class Queue:
         rows = await self._bus.call(self.group, "fetch", params)
         if not (
             isinstance(rows, list)
-            and all(isinstance(r, list) and len(r) == 3 and isinstance(r[1], bytes) for r in rows)
+            and all(
+                isinstance(r, list) and 3 <= len(r) <= 4 and isinstance(r[1], bytes) for r in rows
+            )
         ):
             raise RemoteError(
                 f"the queue plugin answered fetch with {rows!r:.100}, not rows",
                 code=ErrorCode.PROTOCOL_ERROR.value,
             )
+        traces = None
+        if any(len(r) == 4 for r in rows):  # traced puts: their traceparents (4th item)
+            column = [r[3] if len(r) == 4 else None for r in rows]
+            traces = delivered_traces(column, len(rows), f"fetch {self.name}")
         return QueueMessage._many(
             _Delivery(self._bus, self.name, None),
             [r[0] for r in rows],
             [r[1] for r in rows],
             [r[2] for r in rows],
+            None,
+            traces,
         )
 
     async def ack(self, messages: Sequence[QueueMessage]) -> int:

@@ -5,8 +5,9 @@ The trio :class:`~msgq_trio.client.bus.Bus`, the asyncio
 :class:`~msgq_trio.client.direct.DirectBus` are drivers over it: they own the socket,
 their tasks or waits, backpressure and descriptor passing; every protocol decision is
 made here, once. Its parts: the pending calls (client/calls.py), the encoders
-(client/encoders.py), the handler contract (client/handlers.py) and the connection's
-life with the reconnect policy (client/lifecycle.py).
+(client/encoders.py), the handler contract (client/handlers.py), the connection's
+life with the reconnect schedule (client/lifecycle.py) and what a loss and a reconnect
+mean for the session, with the restore policy (client/restore.py).
 
 Rules:
 
@@ -45,7 +46,6 @@ from ..errors import (
     ConnectError,
     ConnectionLost,
     MalformedMessage,
-    MsgqError,
     UsageError,
 )
 from ..protocol.codes import ErrorCode
@@ -63,7 +63,7 @@ from .calls import LOCAL_GRACE, PendingCall, request_header
 from .encoders import TARGET_CACHE_MAX, Encoders
 from .handlers import Handler, HandlerContract, InlineHandler, Request, as_handler, never_suspends
 from .interface import INTROSPECT, Interface
-from .lifecycle import Lifecycle, State
+from .lifecycle import CONNECT_TIMEOUT, Lifecycle
 from .message import (
     Buffer,
     Message,
@@ -72,6 +72,7 @@ from .message import (
     split_source,
 )
 from .reconnect import Reconnect
+from .restore import RestorePolicy
 from .tracing import CURRENT, FLAG_TRACED, OTEL_MODULE, SPAN_KIND, Outgoing, outgoing
 from .wire import ERROR as _ERROR
 from .wire import FLAG_ALL as _FLAG_ALL
@@ -102,7 +103,6 @@ __all__ = [
     "Request",
     "Send",
     "Session",
-    "SessionView",
     "as_handler",
     "close_patience",
     "goodbye_error",
@@ -184,7 +184,7 @@ class Closed:
 Event = Message | Request | PendingCall | Send | Closed | None
 
 
-class Session(Encoders, HandlerContract):
+class Session(Encoders, HandlerContract, RestorePolicy):
     """One connection's protocol state: identity from WELCOME, stamps and caches,
     request ids and the pending calls, the command handlers, encoders, dispatch.
 
@@ -198,6 +198,8 @@ class Session(Encoders, HandlerContract):
             ``done``).
         reconnect: the reconnect policy (None: a loss is final).
         target: the address the driver dials (for log lines and errors).
+        connect_timeout: the bound of the first connection, dial and WELCOME
+            (:data:`~msgq_trio.client.lifecycle.CONNECT_TIMEOUT`).
     """
 
     def __init__(
@@ -209,11 +211,12 @@ class Session(Encoders, HandlerContract):
         wake: Callable[[PendingCall], None] | None = None,
         reconnect: Reconnect | None = None,
         target: str = "",
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self.name = name
         #: The connection's life and the reconnect supervisor's policy
         #: (client/lifecycle.py): the drivers dial and sleep as it says.
-        self.life = Lifecycle(reconnect, target)
+        self.life = Lifecycle(reconnect, target, connect_timeout=connect_timeout)
         self._max_frame_size = max_frame_size
         #: The codec: the driver feeds it bytes (and descriptors) and takes its frames.
         self.conn = Connection(Role.CLIENT, max_frame_size)
@@ -331,15 +334,6 @@ class Session(Encoders, HandlerContract):
         self.lost = None
         self.closing = False
 
-    def subscribed(self, group: str) -> None:
-        """The broker confirmed a ``subscribe`` to ``group``: a reconnect joins it
-        again."""
-        self.groups[group] = None
-
-    def unsubscribed(self, group: str) -> None:
-        """The broker confirmed an ``unsubscribe``: a reconnect does not join it."""
-        self.groups.pop(group, None)
-
     def fail(self, exc: ConnectionLost) -> ConnectionLost:
         """The connection ended: record why (the first reason stays) and fail every
         pending call with it. Returns the recorded reason."""
@@ -349,67 +343,6 @@ class Session(Encoders, HandlerContract):
         for call in list(self.calls.values()):
             call.fail(ConnectionLost(str(lost), code=lost.code))
         return lost
-
-    # -- the connection's life (client/lifecycle.py) and what a reconnect restores --------
-    def welcomed(self, remote: bool) -> State:
-        """WELCOME was taken on a connection (:meth:`receive_welcome`): it is up, sends
-        and calls go out again. Over TCP (``remote``) no descriptors can pass (no
-        SCM_RIGHTS): sending any is refused up front, by every driver alike. Returns
-        the new state: READY, or RESTORING after a reconnect (the driver then runs the
-        restore: :meth:`restore_groups`, :meth:`restore_refused`, :meth:`restored`)."""
-        self.lost = None
-        if remote:
-            self.fd_passing = False
-        return self.life.welcomed()
-
-    def connection_lost(self, exc: ConnectionLost, now: float) -> bool:
-        """The connection ended with ``exc`` (the first reason stays): every pending call
-        fails with it, and the lifecycle decides what follows. ``lost`` is then what
-        sends and calls raise: the loss itself when the end is final, else the
-        reconnecting error. Returns True if the end is final (reconnect off, the bus
-        closed, or the policy gave up)."""
-        lost = self.fail(exc)
-        self.lost = self.life.lost(lost, now, closing=self.closing)
-        return self.life.final
-
-    def attempt_failed(self, exc: BaseException, now: float) -> bool:
-        """A reconnect attempt failed with ``exc`` (dial, handshake, restore, or its
-        deadline). Returns True once the policy gave up: ``lost`` is then the final
-        ConnectionLost (code ``reconnect-gave-up``)."""
-        log.debug("reconnect attempt to %s failed: %s", self.life.target, exc)
-        gave_up = self.life.attempt_failed(exc, now)
-        if gave_up is None:
-            return False
-        self.lost = gave_up
-        return True
-
-    def restore_groups(self) -> list[str]:
-        """The groups a reconnect joins again, in the order they were joined: what this
-        client joined by its own ``subscribe`` and did not leave.
-
-        The restore policy (the rest needs no step here): command handlers, inline
-        handlers, the default handler and notification callbacks are client-side and
-        stay as they are (the broker routes by lname or group and knows none of them);
-        a group the broker now refuses is dropped and logged (:meth:`restore_refused`);
-        queue consumers consume again from the bus's ``on_reconnected`` callbacks, run
-        once the groups are joined (client/queue.py); pipe ends are not restored: a
-        handle's requests in flight fail with ConnectionLost and the pipe plugin
-        forgets a connection's handles, so a pipe is opened again by its owner; calls
-        pending at the loss failed with the loss (request ids go on increasing, so a
-        late answer never meets a new call); a request received on the old connection
-        is not answered on the new one (:attr:`generation`)."""
-        return list(self.groups)
-
-    def restore_refused(self, group: str, exc: MsgqError) -> None:
-        """The broker refused to let this client join ``group`` again after a reconnect:
-        logged as an ERROR, and the group is no longer joined."""
-        log.error("after reconnecting, cannot join %r again: %s", group, exc)
-        self.unsubscribed(group)
-
-    def restored(self) -> None:
-        """The reconnect's restore is complete: READY (the reconnect is counted and
-        logged)."""
-        self.life.restored(self.lname)
 
     def goodbye(self) -> list[Buffer]:
         """Our GOODBYE; from now on the broker's GOODBYE is the clean end.
@@ -583,30 +516,3 @@ class Session(Encoders, HandlerContract):
             return Closed(self.fail(lost), goodbye=True)
         close_fds(frame.fds)
         return None
-
-
-class SessionView:
-    """The connection's identity, read from the session: shared by every driver (the
-    blocking ``DirectBus`` too)."""
-
-    _s: Session
-
-    @property
-    def name(self) -> str:
-        """The client name sent in HELLO."""
-        return self._s.name
-
-    @property
-    def lname(self) -> str:
-        """This connection's unique address, assigned by the broker (``l.N``)."""
-        return self._s.lname
-
-    @property
-    def broker_version(self) -> str:
-        """The broker's version from WELCOME."""
-        return self._s.broker_version
-
-    @property
-    def session(self) -> Session:
-        """The sans-I/O protocol state under this driver (for plugin clients and tests)."""
-        return self._s

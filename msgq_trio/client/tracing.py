@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
+from ..errors import MalformedMessage
 from ..protocol.codes import Flag
 
 __all__ = [
@@ -41,13 +42,17 @@ __all__ = [
     "context_of",
     "continued",
     "delivered_traces",
+    "dispatching_in_a_trace",
     "format_traceparent",
+    "handler_in_its_trace",
     "new_trace",
     "outgoing",
     "parse_traceparent",
     "producing",
+    "received",
     "start_trace",
     "traced_handler",
+    "untraced_handler",
 ]
 
 #: The prefix flag of a frame whose header carries ``traceparent``.
@@ -344,6 +349,42 @@ def continued(
     _end(span, None)
 
 
+def received(msg: Any) -> contextlib.AbstractContextManager[TraceContext | None]:
+    """:func:`continued` for a received notification or message ``msg`` (a
+    :class:`~msgq_trio.client.message.Message`): its callback runs in the trace the
+    sender put on it (a CONSUMER span named after its event with OpenTelemetry), so
+    what the callback sends continues that trace. An untraced one runs untraced, whatever
+    the dispatching task works for (it costs a flag test and a context-variable read);
+    a traced one with a malformed header runs untraced too (the sender's bug)."""
+    if not msg.traced:
+        return _NOTHING if CURRENT.get() is None else _untraced()
+    try:
+        header = msg.header
+    except MalformedMessage:  # the sender's bug, not the callback's
+        return _untraced()
+    return continued(header, f"{msg.event or msg.kind} {msg.target}", "consumer")
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """The block runs untraced even inside a trace: a frame can be dispatched by a task
+    that works for a trace (a caller polling the socket for its answer takes whatever
+    arrives), and what it dispatches must not inherit that trace."""
+    token = CURRENT.set(None)
+    try:
+        ot = sys.modules.get(OTEL_MODULE)
+        if ot is None:
+            yield
+        else:
+            with ot.use_span(ot.INVALID_SPAN, end_on_exit=False):
+                yield
+    finally:
+        CURRENT.reset(token)
+
+
 def traced_handler(
     handler: Callable[[Any, Any], Any], header: dict[str, object], command: str
 ) -> Callable[[Any, Any], Any]:
@@ -370,6 +411,53 @@ def traced_handler(
         return result
 
     return run
+
+
+def dispatching_in_a_trace() -> bool:
+    """Whether the running task or thread works for a trace (its own context, or an
+    OpenTelemetry span the application may have made current): an untraced request
+    dispatched here must then be run with :func:`untraced_handler`. One
+    context-variable read and one ``sys.modules`` lookup (and, where OpenTelemetry is
+    imported, a look at its current span)."""
+    if CURRENT.get() is not None:
+        return True
+    ot = sys.modules.get(OTEL_MODULE)
+    return ot is not None and bool(ot.get_current_span().get_span_context().is_valid)
+
+
+def handler_in_its_trace(
+    handler: Callable[[Any, Any], Any], request: Any
+) -> Callable[[Any, Any], Any]:
+    """``handler`` for ``request`` (a received :class:`~msgq_trio.client.message.Message`)
+    run in the request's trace (:func:`traced_handler`), or untraced
+    (:func:`untraced_handler`) when it carries none but the dispatching task works for
+    a trace: every driver's one call site of a handler calls this when
+    ``request.traced or dispatching_in_a_trace()``."""
+    if request.traced:
+        return traced_handler(handler, request.header, request.command or "")
+    return untraced_handler(handler)
+
+
+def untraced_handler(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``handler`` of an untraced request run untraced, whatever the dispatching task
+    works for: a caller waiting for its own answer in a trace may take and dispatch
+    what arrives meanwhile (the trio driver's polling caller, the blocking driver's
+    waiting methods), and the request's handler must not inherit that trace. An
+    ``async`` one stays untraced for its whole run, in the task that awaits it."""
+
+    def run(params: Any, request: Any) -> Any:
+        with _untraced():
+            result = handler(params, request)
+        if inspect.isawaitable(result):
+            return _await_untraced(result)
+        return result
+
+    return run
+
+
+async def _await_untraced(result: Awaitable[Any]) -> Any:
+    with _untraced():
+        return await result
 
 
 async def _await_in(result: Awaitable[Any], tc: TraceContext, span: Any) -> Any:

@@ -28,6 +28,7 @@ from ..transport.sockets import (
     send_buffers,
 )
 from .async_bus import AsyncBus
+from .lifecycle import CONNECT_TIMEOUT
 from .message import Buffer
 from .polling import BUSY_POLL, CallPoller, Poll
 from .reconnect import Reconnect
@@ -62,9 +63,16 @@ class TrioStreams(AsyncBus):
         target: str = "",
         reconnect: Reconnect | None = None,
         busy_poll: float = BUSY_POLL,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self._s = Session(
-            name, max_frame_size, no_join=NO_JOIN, wake=_wake, reconnect=reconnect, target=target
+            name,
+            max_frame_size,
+            no_join=NO_JOIN,
+            wake=_wake,
+            reconnect=reconnect,
+            target=target,
+            connect_timeout=connect_timeout,
         )
         #: How long a lone caller polls for its answer (see _poll_answer). Never over TLS:
         #: the TLS session's copy tasks run in this program, and cannot while it polls.

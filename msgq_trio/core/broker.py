@@ -376,6 +376,8 @@ class Broker:
                 (f"{f.callee.lname} ({f.callee.name}) disconnected before answering {f.command!r}"),
             )
         self.delivery.reply_error(f.caller, f.request_id, code, msg, source=f.callee.stamp)
+        if self.traces.spans:  # a traced call's span ends with it (core/traces.py)
+            self.traces.failed(f.caller, f.request_id, str(code), f.callee)
 
     # -- notifications ------------------------------------------------------------------
     def publish_membership(self, event: str, params: dict[str, object]) -> None:

@@ -33,6 +33,7 @@ from ..config import (
     MetricsSettings,
     QuotaSettings,
     TcpSettings,
+    TracingSettings,
     default_state_dir,
 )
 
@@ -43,6 +44,7 @@ SECTIONS: dict[str, type[Any]] = {
     "control": ControlSettings,
     "capture": CaptureSettings,
     "metrics": MetricsSettings,
+    "tracing": TracingSettings,
     "tcp": TcpSettings,
     "quotas": QuotaSettings,
 }

@@ -97,6 +97,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any)",
     )
     p.add_argument(
+        "--otel",
+        action="store_true",
+        default=None,
+        help="emit OpenTelemetry spans of traced traffic (tracing.otel; exporter from "
+        "OTEL_TRACES_EXPORTER etc.; needs the otel extra)",
+    )
+    p.add_argument(
         "--ctl-allow-uid",
         type=int,
         action="append",
@@ -175,6 +182,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         o["log.syslog"] = True
     if args.metrics is not None:
         o["metrics.listen"] = args.metrics
+    if getattr(args, "otel", None):
+        o["tracing.otel"] = True
     if getattr(args, "listen", None) is not None:
         o["tcp.listen"] = list(args.listen)
     if args.ctl_allow_uid is not None:
@@ -385,6 +394,16 @@ async def _serve(config: Any, source: ConfigSource) -> int:
         socket_gid=resolve_group(config.socket_group),
         quotas=config.quotas,
     )
+    otel_sink = None
+    if config.tracing.otel:
+        from .otel import OtelError, open_sink
+
+        try:
+            otel_sink = open_sink(config.tracing.otel_file)
+        except OtelError as exc:
+            print(f"msgq-trio serve: cannot start: {exc}", file=sys.stderr)
+            return EXIT_CANNOT_START
+        server.core.traces.sink = otel_sink
     listeners = None
     address = None
     if config.metrics.listen:
@@ -469,5 +488,7 @@ async def _serve(config: Any, source: ConfigSource) -> int:
             log.error("cannot start: %s", inner)
             return EXIT_CANNOT_START
         raise
+    if otel_sink is not None:
+        otel_sink.close()  # what is still batched is exported
     log.info("broker stopped")
     return 0

@@ -588,7 +588,7 @@ class Service:
                 # Nothing in memory but stored messages on disk: answer after a page-in.
                 self.nursery.start_soon(self._fetch_paged, request, q, c, n)
                 return
-            self.bus.answer(request, [[m.mid, body_of(m.data), m.deliveries] for m in got])
+            self.bus.answer(request, _fetched(got))
 
         self._inline(request, run)
 
@@ -596,7 +596,7 @@ class Service:
         await self.engine.refill(q)
         got = self.engine.fetch(q, c, n, trio.current_time())
         try:
-            self.bus.answer(request, [[m.mid, body_of(m.data), m.deliveries] for m in got])
+            self.bus.answer(request, _fetched(got))
         except ConnectionLost:
             self.engine.nack_many(got)
 
@@ -952,3 +952,14 @@ def decode_bound(data: bytes) -> Stored:
         ext.get("anycast") is True,
         (origin[0], origin[1]) if origin else None,
     )
+
+
+def _fetched(got: list[Msg]) -> list[list[Any]]:
+    """A ``fetch`` answer's rows: ``[id, body, deliveries]``, and the ``traceparent`` the
+    message was put with as a fourth item where its put was traced (docs/QUEUE.md)."""
+    return [
+        [m.mid, body_of(m.data), m.deliveries]
+        if m.data[0] != KIND_TRACED
+        else [m.mid, body_of(m.data), m.deliveries, trace_of(m.data)]
+        for m in got
+    ]
