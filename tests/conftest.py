@@ -30,8 +30,8 @@ from msgq_trio.protocol.framing import Frame, FrameParser, encode_cbor, encode_f
 
 PY = sys.executable
 #: A broker's start (Python's start and imports, then listening) within this bound: on a
-#: quiet machine it takes about a second, on one with ten runnable processes per core it
-#: took over 20 s; only a broker that never starts waits this long.
+#: quiet machine it takes about a second, on one with many runnable processes per core
+#: tens of seconds; only a broker that never starts waits this long.
 STARTUP_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 
