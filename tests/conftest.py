@@ -29,8 +29,23 @@ from msgq_trio.protocol.codes import PROTOCOL_VERSION, FrameType
 from msgq_trio.protocol.framing import Frame, FrameParser, encode_cbor, encode_frame
 
 PY = sys.executable
-STARTUP_TIMEOUT = 20.0
+#: A broker's start (Python's start and imports, then listening) within this bound: on a
+#: quiet machine it takes about a second, on one with many runnable processes per core
+#: tens of seconds; only a broker that never starts waits this long.
+STARTUP_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
+
+
+# -- the order of files under -n N --dist loadfile (see tests/longest_first.py) -------------
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` hands out the longest files first (tests/longest_first.py);
+    any other mode is pytest-xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from longest_first import LongestFirstScheduling
+
+    return LongestFirstScheduling(config, log)
 
 
 # -- temporary directories with short paths (AF_UNIX paths are limited to ~107 bytes) ---------

@@ -261,13 +261,18 @@ class Notifier:
         if usec.isdigit() and int(usec) > 0 and (not wpid or wpid == str(os.getpid())):
             self.watchdog_interval = int(usec) / 2e6
 
-    def notify(self, *fields: str) -> None:
-        """Send ``fields`` (``"READY=1"``, ``"STATUS=..."``) as one datagram; a failure is
-        logged, never raised: the broker serves on whether or not the manager listens."""
+    def notify(self, *fields: str, wait: float = 1.0) -> None:
+        """Send ``fields`` (``"READY=1"``, ``"STATUS=..."``) as one datagram, waiting at
+        most ``wait`` seconds for room in the manager's queue; a failure is logged, never
+        raised: the broker serves on whether or not the manager listens."""
         if self.address is None:
             return
+        # Bounded: this runs on the event loop, and a manager that does not read fills
+        # its socket's small datagram queue (net.unix.max_dgram_qlen, 10 by default); an
+        # unbounded send would then stop the broker, SIGTERM included.
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.settimeout(wait)
                 s.sendto("\n".join(fields).encode(), self.address)
         except OSError as exc:
             log.warning("cannot notify the service manager at %r: %s", self.address, exc)
@@ -279,7 +284,7 @@ class Notifier:
         if self.watchdog_interval is None:
             return
         while True:
-            self.notify("WATCHDOG=1")
+            self.notify("WATCHDOG=1", wait=0.0)  # a ping not taken is dropped, not waited for
             await trio.sleep(self.watchdog_interval)
 
 

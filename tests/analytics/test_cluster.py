@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,18 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert a.get(key) == b.get(key), key
 
 
+def spark_submit() -> str:
+    """pyspark's spark-submit beside this Python (the README installs pyspark into the
+    venv), else the one on PATH (a venv that sees pyspark in the system's packages)."""
+    beside = Path(sys.executable).parent / "spark-submit"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("spark-submit")
+    if found is None:
+        pytest.fail(f"no spark-submit beside {sys.executable} nor on PATH (is pyspark installed?)")
+    return found
+
+
 def test_local_cluster_via_spark_submit_gives_the_same_figures(
     capture: Path, local_figures: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -63,7 +76,7 @@ def test_local_cluster_via_spark_submit_gives_the_same_figures(
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     env.pop("PYSPARK_GATEWAY_PORT", None)
     argv = [
-        str(Path(sys.executable).parent / "spark-submit"),
+        spark_submit(),
         "--master",
         "local-cluster[2,1,1024]",
         "--conf",
