@@ -24,7 +24,9 @@ time, not for a count, so it would make the figures depend on the machine's spee
 
 Figures, per message and per process role (broker, pub/sub/req/resp; subscribers summed):
 
-* ``callgrind``: instructions executed (``valgrind --tool=callgrind``, its ``totals``);
+* ``callgrind``: instructions executed (``valgrind --tool=callgrind``, its ``totals``),
+  counted from the moment every process is connected and ready (``callgrind_control
+  -z``, before the publisher or requester is told to start) to its exit;
 * ``strace``: system calls (``strace -f -c``), all of them and by name, among them
   ``epoll_wait`` (one per wake-up of trio's run loop).
 
@@ -81,6 +83,7 @@ async def main():
             assert count == n
         elif role == "pub":
             print("READY", flush=True)
+            sys.stdin.readline()  # GO: the counters were zeroed
             send = bus.send
             for _ in range(n):
                 await send(GROUP, body)
@@ -96,6 +99,7 @@ async def main():
                     break
         elif role == "req":
             print("READY", flush=True)
+            sys.stdin.readline()  # GO: the counters were zeroed
             call = bus.call
             for _ in range(n):
                 assert await call(ECHO, "echo", body) == body
@@ -142,7 +146,7 @@ class _Run:
             [*_wrap(self.tool, self.out, label), _python(self.checkout), *argv],
             cwd=self.checkout,
             env=_env(),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -163,6 +167,25 @@ class _Run:
         line = proc.stdout.readline()
         if line.strip() != "READY":
             raise RuntimeError(f"{label} did not start: {self._stderr(label)}")
+
+    def go(self, label: str) -> None:
+        """Zero every process's counters (callgrind), then let ``label`` start sending:
+        what the processes did while the others started (under valgrind, minutes of
+        timers on a loaded machine) is not counted."""
+        if self.tool == "callgrind":
+            for proc in self.procs.values():
+                # An explicit pid: without one, callgrind_control acts on every
+                # callgrind process of the machine.
+                subprocess.run(
+                    ["callgrind_control", "-z", str(proc.pid)],
+                    check=True,
+                    capture_output=True,
+                    timeout=START_TIMEOUT,
+                )
+        stdin = self.procs[label].stdin
+        assert stdin is not None
+        stdin.write("GO\n")
+        stdin.flush()
 
     def _stderr(self, label: str) -> str:
         return (self.out / f"{label}.err").read_text()[-2000:]
@@ -191,8 +214,9 @@ class _Run:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         for f in self.files:
             f.close()
 
@@ -243,6 +267,7 @@ def run_workload(checkout: Path, workload: str, tool: str, n: int, out: Path) ->
             run.ready("resp")
             run.client("req", "req", sock, n)
             run.ready("req")
+            run.go("req")
             run.wait("req")
             run.stop("resp")
         else:
@@ -253,6 +278,7 @@ def run_workload(checkout: Path, workload: str, tool: str, n: int, out: Path) ->
                 run.ready(label)
             run.client("pub", "pub", sock, n)
             run.ready("pub")
+            run.go("pub")
             run.wait("pub")
             for label in subs:
                 run.wait(label)
