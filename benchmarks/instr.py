@@ -28,7 +28,10 @@ Figures, per message and per process role (broker, pub/sub/req/resp; subscribers
   counted from the moment every process is connected and ready (``callgrind_control
   -z``, before the publisher or requester is told to start) to its exit;
 * ``strace``: system calls (``strace -f -c``), all of them and by name, among them
-  ``epoll_wait`` (one per wake-up of trio's run loop).
+  ``epoll_wait`` (one per wake-up of trio's run loop);
+* ``calls``: Python function calls, all of them and by function (``python -m cProfile``:
+  a count, not a time, so it does not depend on the machine; the text report shows the
+  eight most called).
 
 How processes batch (how many frames one ``recv`` brings) still depends on timing, so
 two runs of one commit differ a little: run a commit twice to see the spread before
@@ -53,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("one-way", "fan-out", "req-reply")
-TOOLS = ("callgrind", "strace")
+TOOLS = ("callgrind", "strace", "calls")
 #: Seconds one process may take to start and report READY under valgrind on a loaded
 #: machine (an interpreter's start-up is about a billion instructions).
 START_TIMEOUT = 1200.0
@@ -120,6 +123,9 @@ def _env() -> dict[str, str]:
 
 
 def _wrap(tool: str, out: Path, label: str) -> list[str]:
+    """What runs before the interpreter (valgrind, strace)."""
+    if tool == "calls":
+        return []
     if tool == "callgrind":
         return [
             "valgrind",
@@ -142,6 +148,8 @@ class _Run:
     def start(self, label: str, argv: Sequence[str]) -> subprocess.Popen[str]:
         err = open(self.out / f"{label}.err", "w")  # noqa: SIM115 (closed by close())
         self.files.append(err)
+        if self.tool == "calls":
+            argv = ["-m", "cProfile", "-o", f"{self.out}/{label}.prof", *argv]
         proc = subprocess.Popen(
             [*_wrap(self.tool, self.out, label), _python(self.checkout), *argv],
             cwd=self.checkout,
@@ -306,6 +314,21 @@ def _syscalls(path: Path) -> dict[str, int]:
     return calls
 
 
+def _calls(path: Path) -> dict[str, int]:
+    """cProfile's counts: calls per function (``file:line:name``, the file from the
+    package or site-packages down), built-ins included."""
+    import pstats
+
+    calls: dict[str, int] = {}
+    stats: dict[Any, Any] = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    for (file, line, name), (_cc, nc, _tt, _ct, _callers) in stats.items():
+        short = re.sub(r"^.*/(msgq_trio|site-packages|lib/python3\.\d+)/", "", file)
+        # A built-in's name may hold its address ("... at 0x7f..."): one key per process.
+        key = f"{short}:{line}:{name}" if file != "~" else re.sub(r" at 0x[0-9a-f]+", "", name)
+        calls[key] = calls.get(key, 0) + nc
+    return calls
+
+
 def _role(label: str) -> str:
     return re.sub(r"\d+$", "", label)
 
@@ -313,7 +336,8 @@ def _role(label: str) -> str:
 def measure(checkout: Path, workload: str, tool: str, n: int, base: int) -> dict[str, Any]:
     """Figures per message of ``workload`` under ``tool``: the runs with ``base`` and
     ``base + n`` messages, differenced. ``{role: instructions}`` for callgrind,
-    ``{role: {"total": calls, name: calls...}}`` for strace."""
+    ``{role: {"total": calls, name: calls...}}`` for strace (system calls) and calls
+    (Python function calls)."""
     totals: list[dict[str, Any]] = []
     for count in (base, base + n):
         out = Path(tempfile.mkdtemp(prefix="instr-"))
@@ -326,7 +350,12 @@ def measure(checkout: Path, workload: str, tool: str, n: int, base: int) -> dict
                     per_role[role] = per_role.get(role, 0) + _instructions(out / f"{label}.cg")
                 else:
                     calls = per_role.setdefault(role, {})
-                    for name, c in _syscalls(out / f"{label}.strace").items():
+                    counts = (
+                        _syscalls(out / f"{label}.strace")
+                        if tool == "strace"
+                        else _calls(out / f"{label}.prof")
+                    )
+                    for name, c in counts.items():
                         calls[name] = calls.get(name, 0) + c
             totals.append(per_role)
         finally:
@@ -337,7 +366,8 @@ def measure(checkout: Path, workload: str, tool: str, n: int, base: int) -> dict
     result: dict[str, Any] = {}
     for role, calls in large.items():
         diff = {name: (c - small[role].get(name, 0)) / n for name, c in calls.items()}
-        per = {name: round(v, 2) for name, v in sorted(diff.items()) if abs(v) >= 0.005}
+        least = 0.005 if tool == "strace" else 0.05  # calls: hundreds of functions
+        per = {name: round(v, 2) for name, v in sorted(diff.items()) if abs(v) >= least}
         result[role] = {"total": round(sum(diff.values()), 2), **per}
     return result
 
@@ -363,10 +393,13 @@ def report(results: dict[str, Any]) -> str:
                 if tool == "callgrind":
                     text = f"{value:,} instructions"
                 else:
-                    names = ", ".join(
-                        f"{k} {v}" for k, v in value.items() if k != "total" and v >= 0.05
+                    parts = sorted(
+                        ((v, k) for k, v in value.items() if k != "total" and v >= 0.05),
+                        reverse=True,
                     )
-                    text = f"{value['total']} syscalls ({names})"
+                    names = ", ".join(f"{k} {v}" for v, k in parts[:8])
+                    what = "syscalls" if tool == "strace" else "Python calls"
+                    text = f"{value['total']} {what} ({names})"
                 lines.append(f"  {workload:9} {tool:9} {role:6} {text}")
     return "\n".join(lines)
 
@@ -388,8 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in tools:
         if name not in TOOLS:
             parser.error(f"unknown tool {name!r} (known: {', '.join(TOOLS)})")
-        if shutil.which("valgrind" if name == "callgrind" else name) is None:
-            parser.error(f"{name} needs {'valgrind' if name == 'callgrind' else name} on PATH")
+        program = {"callgrind": "valgrind", "strace": "strace"}.get(name)
+        if program is not None and shutil.which(program) is None:
+            parser.error(f"{name} needs {program} on PATH")
     checkout = args.checkout.resolve()
     results: dict[str, Any] = {
         "checkout": str(checkout),

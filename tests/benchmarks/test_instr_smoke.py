@@ -74,3 +74,24 @@ def test_unknown_workload_or_tool_is_a_usage_error(capsys: pytest.CaptureFixture
             instr.main(args)
         assert exc.value.code == 2
         assert "unknown" in capsys.readouterr().err
+
+
+def test_python_calls_read_from_a_profile(tmp_path: Path) -> None:
+    """The calls figures are cProfile's counts per function, built-ins named without
+    their address (so that the processes of one role add up)."""
+    import cProfile
+
+    def leaf() -> int:
+        return len(object.__new__(object).__class__.__name__)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(7):
+        leaf()
+    prof.disable()
+    path = tmp_path / "p.prof"
+    prof.dump_stats(path)
+    calls = instr._calls(path)
+    assert calls[next(k for k in calls if k.endswith(":leaf"))] == 7
+    assert calls["<built-in method builtins.len>"] == 7
+    assert not any(" at 0x" in k for k in calls)
