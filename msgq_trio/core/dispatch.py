@@ -417,7 +417,7 @@ class Dispatcher:
         if relays.bindings and frame.source != source:
             source = relays.source(peer, frame, route)
         pieces = stamped(frame, source)
-        size = sum(map(len, pieces))  # no generator: this runs per request
+        size = sum(len(p) for p in pieces)
         nfds = len(frame.fds)
         delivered: list[Peer] = []
         for r in recipients:

@@ -102,9 +102,9 @@ class PendingReplies:
         assert key not in self.slots, "duplicate request id must be refused before add()"
         if stat is None:
             stat = self.stats.entry(target, command)
-        # One callee is the common case: a dict display, not a comprehension's frame.
-        by_id = {callees[0].id: callees[0]} if len(callees) == 1 else {c.id: c for c in callees}
-        self.slots[key] = Pending(caller, request_id, by_id, deadline, target, command, stat, now)
+        self.slots[key] = Pending(
+            caller, request_id, {c.id: c for c in callees}, deadline, target, command, stat, now
+        )
         caller.pending_out.add(key)
         for c in callees:
             c.pending_in.add(key)
