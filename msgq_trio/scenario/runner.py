@@ -83,6 +83,8 @@ BROKER_STOP_TIMEOUT = 15.0
 #: Bound on everything after traffic (settle, stop, leak check, broker stop).
 FINISH_TIMEOUT = 90.0
 RSS_SAMPLE_INTERVAL = 0.05
+#: Seconds between the broker samples of a run with a checkpoint file that is no soak.
+CHECKPOINT_INTERVAL = 5.0
 SCHEMA = "msgq_trio.scenario/1"
 _MIB = 1024 * 1024
 
@@ -236,8 +238,10 @@ def run_scenario(
     SIGHUP and Ctrl-C (KeyboardInterrupt is re-raised after the cleanup).
 
     A soak (``[soak]``) runs for ``duration`` seconds (default its own), its faults
-    drawn with ``seed``; with ``checkpoint``, every broker sample is appended to that
-    file as a JSON line as it is taken, so that an interrupted run leaves its figures.
+    drawn with ``seed``; with ``checkpoint``, the broker is sampled through the traffic
+    (a soak's ``sample_every``, else :data:`CHECKPOINT_INTERVAL`) and every sample
+    appended to that file as a JSON line as it is taken, so that an interrupted run
+    leaves its figures.
     ``params`` replace client parameters (``CLIENT.KEY=VALUE``, :func:`with_params`).
     """
     scenario = with_params(load_scenario(path), params)
@@ -590,8 +594,9 @@ class _Run:
             if not c.held and not c.is_exec:
                 await c.send("go")
         self._nursery.start_soon(self._run_faults)
-        if sc.soak is not None:
-            self._nursery.start_soon(self._soak_sample, sc.soak.sample_every)
+        if sc.soak is not None or self.checkpoint is not None:
+            every = sc.soak.sample_every if sc.soak is not None else CHECKPOINT_INTERVAL
+            self._nursery.start_soon(self._soak_sample, every)
         await self._wait_until(
             lambda: (
                 self.faults_done
