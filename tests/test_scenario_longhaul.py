@@ -1,9 +1,11 @@
-"""Soak scenarios (``[soak]``, msgq_trio/scenario/soak.py): the fault schedule drawn
-from the pool, the RSS/fds flatness verdict, and scenarios/soak-mixed-60min.toml run
-for a short while by the real runner (a real broker, real clients, real faults).
+"""Long-haul scenarios, run small: the soak (``[soak]``, msgq_trio/scenario/soak.py:
+the fault schedule drawn from the pool, the RSS/fds flatness verdict,
+scenarios/soak-mixed-60min.toml run for 20 s) and the million hostile frames
+(scenarios/hostile-frames-1m.toml with a few hundred), by the real runner (a real
+broker, real clients, real faults).
 
-The hour-long run is not part of the suite: docs/FAULTS.md ("Long-haul runs") records
-it with its command.
+The full runs are not part of the suite: docs/FAULTS.md ("Long-haul runs") records
+them with their commands.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from msgq_trio.scenario import cli as scenario_cli
-from msgq_trio.scenario.model import ScenarioError, load_scenario
+from msgq_trio.scenario.model import ScenarioError, load_scenario, with_params
+from msgq_trio.scenario.runner import run_scenario
 from msgq_trio.scenario.soak import expand, flatness, scaled, schedule
 
 SOAK = Path(__file__).resolve().parent.parent / "scenarios" / "soak-mixed-60min.toml"
@@ -88,8 +91,6 @@ def test_flatness_compares_settled_medians() -> None:
 def test_duration_is_for_soaks_only(tmp_path: Path) -> None:
     other = SOAK.parent / "garbage-frames.toml"
     with pytest.raises(ScenarioError, match="soak"):
-        from msgq_trio.scenario.runner import run_scenario
-
         run_scenario(other, duration=5)
     bad = tmp_path / "bad.toml"
     bad.write_text(SOAK.read_text().replace('target = "sub#0"', 'target = "nobody"'))
@@ -130,3 +131,36 @@ def test_soak_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert {"t", "pid", "age", "rss_bytes", "fds", "connections", "faults"} <= set(lines[0])
     assert "history_ops" in lines[0]
     assert lines[-1]["faults"] >= 3
+
+
+HOSTILE = SOAK.parent / "hostile-frames-1m.toml"
+
+
+def test_param_replaces_a_client_parameter() -> None:
+    sc = load_scenario(HOSTILE)
+    assert sc.long_haul and sc.client("garbage").params["repeat"] * 24 * 2 >= 1_000_000
+    small = with_params(sc, ["garbage.repeat=5", "garbage.kinds=['mutated']"])
+    assert small.client("garbage").params["repeat"] == 5
+    assert small.client("garbage").params["kinds"] == ["mutated"]
+    for bad, match in (
+        ("garbage.repeat=-1", "must be >= 0"),
+        ("garbage.repeat='many'", "expected int"),
+        ("garbage.nope=1", "no parameter 'nope'"),
+        ("nobody.repeat=1", "no client named"),
+        ("repeat", "CLIENT.KEY=VALUE"),
+    ):
+        with pytest.raises(ScenarioError, match=match):
+            with_params(sc, [bad])
+
+
+@pytest.mark.slow
+def test_hostile_frames_small() -> None:
+    """The million-frame scenario with 5 rounds per garbage client (240 frames): every
+    check holds (no crash, no hang, the bystanders' stream whole and in order, fds and
+    tasks back to the baseline), and the bystanders stopped once the garbage was done."""
+    result = run_scenario(HOSTILE, seed=3, params=["garbage.repeat=5"])
+    assert result.passed, result.explain()
+    m = result.metrics
+    assert m["garbage.sent"] == 240
+    assert m["sub.received"] == m["pub.sent"] > 0
+    assert m["fault.pubstop.at_ms"] > 0
