@@ -66,7 +66,10 @@ BATCH = 4
 WINDOW = 8
 CONSUMER_WINDOW = 64
 #: Seconds without a delivery after which a drained queue is checked for emptiness.
-IDLE = 5.0
+IDLE = 2.0
+#: Seconds without a delivery, messages still missing, after which the drain gives up
+#: (the store lost them: the history checker names them).
+STALL = 120.0
 PRODUCER = "backlog"
 
 
@@ -214,16 +217,21 @@ async def drain(run: Run, n: int, kills: int, history: Path) -> int:
     seen: set[int] = set()
     deliveries = 0
     marks = [n * (k + 1) // (kills + 1) for k in range(kills)]
+    # Fewer unacked deliveries than messages between two kills: each kill finds most of
+    # its share still in the store (what the consumer holds, it has read already).
+    window = max(1, min(CONSUMER_WINDOW, n // (kills + 1) // 4))
     connection = 0
+
+    def quiet() -> float:
+        """The deadline of the next delivery: IDLE once all were seen, else STALL."""
+        return trio.current_time() + (IDLE if len(seen) >= n else STALL)
+
     while True:
         try:
             async with connect(run.broker.sock, "backlog-consumer") as bus:
                 connection += 1
-                # Once every message was seen: consume until none comes for IDLE s.
-                with trio.CancelScope() as idle:
-                    if len(seen) >= n:
-                        idle.deadline = trio.current_time() + IDLE
-                    async with bus.queue(QUEUE).consume(window=CONSUMER_WINDOW) as msgs:
+                with trio.CancelScope(deadline=quiet()) as idle:
+                    async with bus.queue(QUEUE).consume(window=window) as msgs:
                         async for m in msgs:
                             seq = int.from_bytes(m.body[:16], "big")
                             deliveries += 1
@@ -236,14 +244,15 @@ async def drain(run: Run, n: int, kills: int, history: Path) -> int:
                             )
                             seen.add(seq)
                             await m.ack()
-                            if len(seen) >= n:
-                                idle.deadline = trio.current_time() + IDLE
                             if marks and len(seen) >= marks[0]:
                                 marks.pop(0)
                                 h.out.flush()
                                 which = sum(run.kills.values()) % 2
                                 kill = run.kill_plugin if which == 0 else run.kill_broker
                                 await trio.to_thread.run_sync(kill)
+                            idle.deadline = quiet()
+                if idle.cancelled_caught and len(seen) < n:
+                    break  # nothing more comes: the rest was lost
                 if len(seen) >= n and not marks:
                     st = await bus.queue(QUEUE).stats()
                     if st["depth"] == 0:
