@@ -164,3 +164,29 @@ def test_hostile_frames_small() -> None:
     assert m["garbage.sent"] == 240
     assert m["sub.received"] == m["pub.sent"] > 0
     assert m["fault.pubstop.at_ms"] > 0
+
+
+def test_regenerated_faults_md_keeps_the_long_haul_section(tmp_path: Path) -> None:
+    """``report`` / ``run --faults-md`` rewrite FAULTS.md from records; the hand-written
+    long-haul section (runs too long for the matrix) survives, once, before the guide."""
+    rec = {
+        "scenario": "tiny",
+        "passed": True,
+        "summary": "s",
+        "fault": "f",
+        "broker_does": "b",
+        "metrics": {},
+        "checks": [],
+    }
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps(rec) + "\n")
+    md = tmp_path / "FAULTS.md"
+    section = "## Long-haul runs\n\nThe soak: `msgq-trio scenario run soak-mixed-60min`.\n"
+    md.write_text("# old\n\n" + section + "\n## Running the scenarios\n\nold guide\n")
+    for _ in range(2):
+        assert scenario_cli.main(["report", str(results), "--faults-md", str(md)]) == 0
+        text = md.read_text()
+        assert text.count("## Long-haul runs") == 1
+        assert "The soak: `msgq-trio scenario run soak-mixed-60min`." in text
+        assert text.index("## Long-haul runs") < text.index("## Running the scenarios")
+    assert "old guide" not in text
