@@ -945,6 +945,9 @@ class Garbage:
 
         async def worker() -> None:
             for j, kind in jobs:
+                if ctx.stop.is_set():
+                    # Stopped early (SIGTERM, or the runner's stop): report what was sent.
+                    return
                 await self._one(kind, random.Random(p["seed"] * 1_000_003 + j), limiter)
                 if j % PROGRESS_EVERY == PROGRESS_EVERY - 1:
                     # A long run's progress in the client's log (kept with run --keep):
