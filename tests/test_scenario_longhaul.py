@@ -190,3 +190,51 @@ def test_regenerated_faults_md_keeps_the_long_haul_section(tmp_path: Path) -> No
         assert "The soak: `msgq-trio scenario run soak-mixed-60min`." in text
         assert text.index("## Long-haul runs") < text.index("## Running the scenarios")
     assert "old guide" not in text
+
+
+REPEATED_RESTARTS = """
+summary = "A subscriber restarted three times."
+fault = "restart x3"
+broker_does = "nothing special"
+timeout = 60
+
+[[clients]]
+name = "sub"
+role = "subscriber"
+params = { group = "Feed", reconnect = true }
+
+[[clients]]
+name = "pub"
+role = "publisher"
+params = { group = "Feed", rate = 200.0, duration = 2.5, reconnect = true }
+
+[[faults]]
+at = 0.5
+action = "restart"
+target = "sub#0"
+
+[[faults]]
+at = 1.0
+action = "restart"
+target = "sub#0"
+
+[[faults]]
+at = 1.5
+action = "restart"
+target = "sub"
+
+[expect.counts]
+"sub.restarts" = "== 3"
+"sub.reports" = "== 1"
+"""
+
+
+def test_repeated_restarts_strike_the_current_process(tmp_path: Path) -> None:
+    """A soak restarts the same client again and again: each ``restart`` replaces the
+    process running now, not every process that ever ran under that name (which would
+    double them at each restart)."""
+    path = tmp_path / "restarts.toml"
+    path.write_text(REPEATED_RESTARTS)
+    result = run_scenario(path, seed=1)
+    assert result.passed, result.explain()
+    assert [len(f["pids"]) for f in result.faults] == [1, 1, 1]

@@ -533,6 +533,8 @@ _STATIC = (
     msgq-trio scenario new my-system                  # a commented template to start from
     msgq-trio scenario run my-system.toml --repeat 20 --junit junit.xml   # CI: 20 seeds
     msgq-trio scenario run my-system.toml --seed 1234 # replay the run that printed seed 1234
+    msgq-trio scenario run soak-mixed-60min --duration 180 --checkpoint ck.jsonl   # a soak, shorter
+    msgq-trio scenario run hostile-frames-1m --param garbage.repeat=100   # a long-haul run, smaller
 
 `run` prints one line per scenario (PASS/FAIL, duration, broker RSS peak, p99/max latency
 of the healthy clients, the key figures, the seed) and, for a failure, every failed check
@@ -548,6 +550,10 @@ pytest runs them too: `tests/test_scenario_matrix_*.py` have one test per
 `scenarios/*.toml` (the matrix in four files, so that `--dist loadfile` spreads it);
 those with `slow = true` carry the `slow` marker (`pytest -m "not slow"` skips them; CI
 runs everything). `MSGQ_TRIO_SCENARIO_RESULTS=path.jsonl` makes pytest append the records.
+Scenarios with `long_haul = true` (an hour, a million frames) are skipped there:
+`tests/test_scenario_longhaul.py` runs them small (`--duration`, `--param`), and the
+long-haul section above records their full runs. `--param CLIENT.KEY=VALUE` replaces a
+client's parameter for a run (validated as in the file).
 
 ## Scenario files
 

@@ -303,6 +303,8 @@ class _Client:
         #: its process name in the history (MSGQ_TRIO_CLIENT)
         self.history_name = f"{spec.name}-{index}"
         self.generation = 0
+        #: a ``restart`` started a new process in its place: later faults strike that one
+        self.replaced = False
 
     @property
     def label(self) -> str:
@@ -1166,7 +1168,9 @@ class _Run:
         targets = [
             c
             for c in self.clients
-            if c.spec.name == f.target and (f.index is None or c.index == f.index)
+            if c.spec.name == f.target
+            and (f.index is None or c.index == f.index)
+            and not c.replaced
         ]
         entry["pids"] = [c.proc.pid for c in targets]
         for c in targets:
@@ -1201,6 +1205,7 @@ class _Run:
             _signal_group(c.proc, signal.SIGKILL)
             await c.proc.wait()
         c.killed = True
+        c.replaced = True
         new = await self._start_client(c.spec, c.index, c.generation + 1)
         new.generation = c.generation + 1
         if not await self._wait_until(
