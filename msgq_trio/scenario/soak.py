@@ -36,19 +36,22 @@ _COUNT_RE = re.compile(r"\{count:(\d+(?:\.\d+)?)\}")
 def scaled(spec: SoakSpec, duration: float) -> SoakSpec:
     """``spec`` for a run of ``duration`` seconds: the windows and the settling time
     shrink with a run shorter than ``warmup + 2 * window`` (a test's short run), so the
-    comparison still has a reference and an end."""
+    comparison still has a reference and an end; faults come at least four times and a
+    stopping fault is undone within a tenth of the run."""
     warmup, window, settled = spec.warmup, spec.window, spec.settled
     if duration < warmup + 2 * window:
         warmup = window = duration / 4
         settled = min(settled, duration / 10)
+    undo_after = min(spec.undo_after, duration / 10)
     return attrs.evolve(
         spec,
         duration=duration,
         warmup=warmup,
         window=window,
         settled=settled,
+        undo_after=undo_after,
         sample_every=min(spec.sample_every, max(0.2, duration / 40)),
-        fault_every=min(spec.fault_every, max(duration / 4, spec.undo_after + 0.5)),
+        fault_every=min(spec.fault_every, max(duration / 4, undo_after + 0.5)),
     )
 
 
