@@ -948,7 +948,7 @@ class Garbage:
                 if ctx.stop.is_set():
                     # Stopped early (SIGTERM, or the runner's stop): report what was sent.
                     return
-                await self._one(kind, random.Random(p["seed"] * 1_000_003 + j), limiter)
+                await self._one(kind, random.Random(p["seed"] * 1_000_003 + j), limiter, j)
                 if j % PROGRESS_EVERY == PROGRESS_EVERY - 1:
                     # A long run's progress in the client's log (kept with run --keep):
                     # an interrupted run still tells how far it got and how it went.
@@ -960,7 +960,9 @@ class Garbage:
         ctx.done()
         await ctx.stop.wait()
 
-    async def _one(self, kind: str, rng: random.Random, limiter: trio.CapacityLimiter) -> None:
+    async def _one(
+        self, kind: str, rng: random.Random, limiter: trio.CapacityLimiter, job: int = 0
+    ) -> None:
         ctx = self.ctx
         async with limiter:
             ctx.count("sent")
@@ -973,7 +975,12 @@ class Garbage:
         ok = outcome != "hung" if expected is None else outcome in expected
         if not ok:
             ctx.count("unexpected")
-            print(f"garbage kind {kind}: unexpected outcome {outcome}", file=sys.stderr)
+            # The job number replays it: its bytes come from Random(seed * 1000003 + job).
+            print(
+                f"garbage kind {kind}: unexpected outcome {outcome} (job {job}, seed "
+                f"{self.p['seed']})",
+                file=sys.stderr,
+            )
 
     async def _attempt(self, kind: str, rng: random.Random) -> str:
         ctx, p = self.ctx, self.p
