@@ -70,6 +70,8 @@ def check_scenario(path: Path) -> None:
     runner's explanation. ``MSGQ_TRIO_SCENARIO_RESULTS`` collects the records."""
     if load_scenario(path).broker.queue_disk is not None and os.geteuid() != 0:
         pytest.skip("mounting the queue store's tmpfs (broker.queue_disk) needs root")
+    if load_scenario(path).long_haul:
+        pytest.skip("a long-haul run: tests/test_scenario_longhaul.py runs it small")
     result = run_scenario(path)
     if result.skipped is not None:
         pytest.skip(result.skipped)

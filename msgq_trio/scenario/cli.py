@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .model import ScenarioError, is_slow, load_scenario
-from .report import faults_markdown, latest_records, machine_info
+from .model import ScenarioError, is_slow, load_scenario, with_params
+from .report import faults_markdown, latest_records, long_haul_section, machine_info
 from .runner import Interrupted, run_scenario
 
 
@@ -113,6 +113,27 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write JUnit XML (one testcase per run) for CI systems",
     )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a soak scenario runs (its [soak] duration by default)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="append a soak's broker samples (RSS, fds, faults so far) to FILE as taken",
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="CLIENT.KEY=VALUE",
+        help="replace a client's parameter (e.g. a long-haul run's size), repeatable",
+    )
     p = sub.add_parser("new", help="write a commented scenario template")
     p.add_argument("name", help="scenario name (NAME.toml)")
     p.add_argument("--dir", type=Path, default=Path("."), help="where to write it (.)")
@@ -163,7 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "report":
         records = _read_records(args.results)
         latest = latest_records(records)
-        args.faults_md.write_text(faults_markdown(latest, unrun=_unrun(latest)))
+        args.faults_md.write_text(
+            faults_markdown(latest, unrun=_unrun(latest), kept=_kept(args.faults_md))
+        )
         print(f"wrote {args.faults_md} from {len(records)} records")
         return 0
     return _run(args)
@@ -265,6 +288,14 @@ def _new(name: str, directory: Path) -> int:
     return 0
 
 
+def _kept(path: Path) -> str:
+    """The long-haul section of the FAULTS.md about to be rewritten (kept in the new)."""
+    try:
+        return long_haul_section(path.read_text())
+    except OSError:
+        return ""
+
+
 def _read_records(path: Path) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     try:
@@ -300,7 +331,7 @@ def _run(args: argparse.Namespace) -> int:
     # Validate everything first: a typo in the last file should not cost a full run.
     try:
         for p in paths:
-            load_scenario(p)
+            with_params(load_scenario(p), args.param)
     except ScenarioError as exc:
         print(f"msgq-trio scenario run: {exc}", file=sys.stderr)
         return 2
@@ -318,7 +349,17 @@ def _run(args: argparse.Namespace) -> int:
     runs = [(p, seed + k) for p in paths for k in range(args.repeat)]
     for p, run_seed in runs:
         try:
-            result = run_scenario(p, keep_tmp=args.keep, seed=run_seed)
+            result = run_scenario(
+                p,
+                keep_tmp=args.keep,
+                seed=run_seed,
+                duration=args.duration,
+                checkpoint=args.checkpoint,
+                params=args.param,
+            )
+        except ScenarioError as exc:
+            print(f"msgq-trio scenario run: {exc}", file=sys.stderr)
+            return 2
         except Interrupted as exc:
             print(f"msgq-trio scenario run: interrupted ({exc}); cleaned up", flush=True)
             return 128 + exc.signum  # as a shell reports a program the signal ended
@@ -355,6 +396,8 @@ def _run(args: argparse.Namespace) -> int:
             # A partial run: keep the other scenarios' newest rows from the results file.
             old = _read_records(args.results) if args.results is not None else []
             md_records = latest_records(old + records)
-        args.faults_md.write_text(faults_markdown(md_records, unrun=_unrun(md_records)))
+        args.faults_md.write_text(
+            faults_markdown(md_records, unrun=_unrun(md_records), kept=_kept(args.faults_md))
+        )
         print(f"wrote {args.faults_md}")
     return 1 if failed else 0

@@ -906,6 +906,8 @@ def build_garbage(
             base = _raw_frame(target=tb, body=encode_cbor({"s": 1, "p": rng.randbytes(40)}))
         data = bytearray(base)
         for _ in range(rng.randint(1, 4)):
+            if not data:
+                break  # truncated to nothing: an empty write (one in a few hundred)
             op = rng.random()
             pos = rng.randrange(len(data))
             if op < 0.6:
@@ -916,6 +918,10 @@ def build_garbage(
                 del data[pos:]
         return bytes(data)
     raise ValueError(f"unknown garbage kind {kind!r}")
+
+
+#: Jobs between two progress lines of a garbage client (stderr).
+PROGRESS_EVERY = 10_000
 
 
 class Garbage:
@@ -932,15 +938,31 @@ class Garbage:
         if not await ctx.wait_go():
             return
         kinds = list(GARBAGE_KINDS) if "all" in p["kinds"] else list(p["kinds"])
-        jobs = [k for _ in range(p["repeat"]) for k in kinds]
+        # `concurrency` workers take the jobs in turn: memory stays bounded by the
+        # workers however many jobs there are (a million-frame run).
+        jobs = enumerate(k for _ in range(p["repeat"]) for k in kinds)
         limiter = trio.CapacityLimiter(p["concurrency"])
+
+        async def worker() -> None:
+            for j, kind in jobs:
+                if ctx.stop.is_set():
+                    # Stopped early (SIGTERM, or the runner's stop): report what was sent.
+                    return
+                await self._one(kind, random.Random(p["seed"] * 1_000_003 + j), limiter, j)
+                if j % PROGRESS_EVERY == PROGRESS_EVERY - 1:
+                    # A long run's progress in the client's log (kept with run --keep):
+                    # an interrupted run still tells how far it got and how it went.
+                    print(json.dumps({"progress": dict(ctx.counts)}), file=sys.stderr)
+
         async with trio.open_nursery() as n:
-            for j, kind in enumerate(jobs):
-                n.start_soon(self._one, kind, random.Random(p["seed"] * 1_000_003 + j), limiter)
+            for _ in range(p["concurrency"]):
+                n.start_soon(worker)
         ctx.done()
         await ctx.stop.wait()
 
-    async def _one(self, kind: str, rng: random.Random, limiter: trio.CapacityLimiter) -> None:
+    async def _one(
+        self, kind: str, rng: random.Random, limiter: trio.CapacityLimiter, job: int = 0
+    ) -> None:
         ctx = self.ctx
         async with limiter:
             ctx.count("sent")
@@ -953,7 +975,12 @@ class Garbage:
         ok = outcome != "hung" if expected is None else outcome in expected
         if not ok:
             ctx.count("unexpected")
-            print(f"garbage kind {kind}: unexpected outcome {outcome}", file=sys.stderr)
+            # The job number replays it: its bytes come from Random(seed * 1000003 + job).
+            print(
+                f"garbage kind {kind}: unexpected outcome {outcome} (job {job}, seed "
+                f"{self.p['seed']})",
+                file=sys.stderr,
+            )
 
     async def _attempt(self, kind: str, rng: random.Random) -> str:
         ctx, p = self.ctx, self.p

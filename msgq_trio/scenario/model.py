@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +237,8 @@ _NETEM_RE = re.compile(r"^[a-z]+( [a-z0-9.%]+)*$")
 _RUNNER_TCP_KEYS = {"listen", "certfile", "keyfile", "tokens", "insecure"}
 #: The fault changing a broker's fault proxy (``[broker] proxy = true``).
 PROXY_ACTION = "net-proxy"
+#: Names given to the ``[soak]`` pool's faults while they are validated.
+SOAK_POOL_PREFIX = "soak-pool-"
 
 
 def parse_size(value: object, where: str) -> int:
@@ -327,7 +329,8 @@ class FaultSpec:
 def parse_when(text: str, clients: set[str], where: str) -> tuple[str, str, int]:
     """A fault's trigger: ``member:GROUP`` or ``member:GROUP>=N`` (the group has N
     members, default 1), ``line:CLIENT:TEXT`` (a stdout line of a program of CLIENT
-    contains TEXT), ``ops:N`` (the programs recorded N operations in their histories).
+    contains TEXT), ``ops:N`` (the programs recorded N operations in their histories),
+    ``done:CLIENT`` (every process of CLIENT reported its work done, or ended).
     Returns (kind, argument, count)."""
     kind, _, rest = text.partition(":")
     if kind == "member" and rest:
@@ -342,8 +345,12 @@ def parse_when(text: str, clients: set[str], where: str) -> tuple[str, str, int]
             raise ScenarioError(f"{where}: no client named {client!r}")
     elif kind == "ops" and rest.strip().isdigit():
         return ("ops", "", int(rest))
+    elif kind == "done" and rest:
+        if rest not in clients:
+            raise ScenarioError(f"{where}: no client named {rest!r}")
+        return ("done", rest, 1)
     raise ScenarioError(
-        f"{where}: expected member:GROUP[>=N], line:CLIENT:TEXT or ops:N, got {text!r}"
+        f"{where}: expected member:GROUP[>=N], line:CLIENT:TEXT, ops:N or done:CLIENT, got {text!r}"
     )
 
 
@@ -402,6 +409,32 @@ class HistoryExpect:
 
 
 @attrs.frozen
+class SoakSpec:
+    """A long run (``[soak]``): traffic for ``duration`` seconds with a fault every
+    ``fault_every`` seconds drawn (seeded) from ``pool``, the broker's RSS and fds sampled
+    every ``sample_every`` seconds and compared at the end with the start
+    (:mod:`msgq_trio.scenario.soak`)."""
+
+    duration: float
+    fault_every: float = 30.0
+    #: the fault set a fault is drawn from (validated as ``[[faults]]``; ``at`` unused)
+    pool: tuple[FaultSpec, ...] = ()
+    #: the undoing fault of a stopping one (sigcont, cont-broker, a proxy ``clear``)
+    #: comes this many seconds later
+    undo_after: float = 5.0
+    sample_every: float = 5.0
+    #: seconds of traffic before the reference window (the broker warms up)
+    warmup: float = 300.0
+    #: length of the reference window (just after ``warmup``) and of the end window
+    window: float = 300.0
+    #: samples of a broker younger than this are not compared (a restarted broker has
+    #: not reached its working size yet: like is compared with like)
+    settled: float = 20.0
+    #: the largest growth of the end window's median over the reference's, in percent
+    max_growth_pct: float = 10.0
+
+
+@attrs.frozen
 class Scenario:
     """One validated scenario file."""
 
@@ -420,6 +453,11 @@ class Scenario:
     expect: Expectations
     #: more brokers (``[brokers.NAME]``), started before the scenario's own broker
     brokers: dict[str, BrokerSpec] = attrs.Factory(dict)
+    #: a long run with random faults (``[soak]``), expanded by the runner
+    soak: SoakSpec | None = None
+    #: a long-haul run (an hour, a million frames, gigabytes): run by name, not in
+    #: pytest's scenario matrix (its own test runs it small: ``--duration``, ``--param``)
+    long_haul: bool = False
 
     @property
     def needs_root(self) -> str | None:
@@ -695,6 +733,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     fault = top.get("fault", str, required=True)
     broker_does = top.get("broker_does", str, required=True)
     slow = top.get("slow", bool, False)
+    long_haul = top.get("long_haul", bool, False)
     timeout = top.number("timeout", 60.0, minimum=1.0)
     settle = top.number("settle", 0.5)
     key_figures = top.get("key_figures", list, [])
@@ -742,91 +781,117 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     faults: list[FaultSpec] = []
     fault_names: set[str] = set()
     disrupted: set[str] = set()
-    for i, rf in enumerate(top.get("faults", list, [])):
-        ft = _Table(rf, f"faults[{i}]")
-        at = ft.number("at")
-        action = ft.get("action", str, required=True)
-        fname = ft.get("name", str, f"f{i}")
-        if not _NAME_RE.match(fname) or fname in fault_names:
-            raise ScenarioError(f"faults[{i}].name: {fname!r} is invalid or a duplicate")
-        fault_names.add(fname)
-        target = ft.get("target", str, None)
-        when_text = ft.get("when", str, None)
-        netem = ft.get("netem", str, None)
-        if (netem is not None) != (action == "net-netem"):
-            raise ScenarioError(f"faults[{i}].netem: net-netem needs it, other actions take none")
-        if netem is not None and not _NETEM_RE.match(netem):
-            raise ScenarioError(
-                f"faults[{i}].netem: {netem!r} is not a netem setting (e.g. 'delay 200ms loss 5%')"
-            )
-        proxy_setting = ft.get("proxy", str, None)
-        if (proxy_setting is not None) != (action == PROXY_ACTION):
-            raise ScenarioError(
-                f"faults[{i}].proxy: {PROXY_ACTION} needs it, other actions take none"
-            )
-        if proxy_setting is not None:
-            try:
-                parse_setting(proxy_setting)
-            except SettingError as exc:
-                raise ScenarioError(f"faults[{i}].proxy: {exc}") from None
-        ft.finish()
-        when = parse_when(when_text, names, f"faults[{i}].when") if when_text else None
-        index: int | None = None
-        if action in CLIENT_ACTIONS:
-            if target is None:
-                raise ScenarioError(f"faults[{i}].target: action {action!r} needs a client")
-            base, sep, idx = target.partition("#")
-            if base not in names:
-                raise ScenarioError(f"faults[{i}].target: no client named {base!r}")
-            if sep:
-                if not idx.isdigit():
-                    raise ScenarioError(f"faults[{i}].target: expected name#N, got {target!r}")
-                index = int(idx)
-                procs = next(c[2] for c in pending if c[0] == base)
-                if index >= procs:
+    raw_faults = list(top.get("faults", list, []))
+    soak_t = _Table(top.get("soak", dict, {}), "soak") if "soak" in data else None
+    n_plain = len(raw_faults)
+    if soak_t is not None:
+        # The pool's entries are validated exactly as scheduled faults are.
+        pool_raw = soak_t.get("faults", list, required=True)
+        if not pool_raw:
+            raise ScenarioError("soak.faults: at least one fault to draw from")
+        for j, rf in enumerate(pool_raw):
+            if not isinstance(rf, Mapping) or "at" in rf or "name" in rf:
+                raise ScenarioError(f"soak.faults[{j}]: a table without at and name")
+            raw_faults.append({**rf, "at": 0.0, "name": f"{SOAK_POOL_PREFIX}{j}"})
+    for i, rf in enumerate(raw_faults):
+        try:
+            ft = _Table(rf, f"faults[{i}]" if i < n_plain else f"soak.faults[{i - n_plain}]")
+            at = ft.number("at")
+            action = ft.get("action", str, required=True)
+            fname = ft.get("name", str, f"f{i}")
+            if not _NAME_RE.match(fname) or fname in fault_names:
+                raise ScenarioError(f"faults[{i}].name: {fname!r} is invalid or a duplicate")
+            fault_names.add(fname)
+            target = ft.get("target", str, None)
+            when_text = ft.get("when", str, None)
+            netem = ft.get("netem", str, None)
+            if (netem is not None) != (action == "net-netem"):
+                raise ScenarioError(
+                    f"faults[{i}].netem: net-netem needs it, other actions take none"
+                )
+            if netem is not None and not _NETEM_RE.match(netem):
+                raise ScenarioError(
+                    f"faults[{i}].netem: {netem!r} is not a netem setting "
+                    "(e.g. 'delay 200ms loss 5%')"
+                )
+            proxy_setting = ft.get("proxy", str, None)
+            if (proxy_setting is not None) != (action == PROXY_ACTION):
+                raise ScenarioError(
+                    f"faults[{i}].proxy: {PROXY_ACTION} needs it, other actions take none"
+                )
+            if proxy_setting is not None:
+                try:
+                    parse_setting(proxy_setting)
+                except SettingError as exc:
+                    raise ScenarioError(f"faults[{i}].proxy: {exc}") from None
+            ft.finish()
+            when = parse_when(when_text, names, f"faults[{i}].when") if when_text else None
+            index: int | None = None
+            if action in CLIENT_ACTIONS:
+                if target is None:
+                    raise ScenarioError(f"faults[{i}].target: action {action!r} needs a client")
+                base, sep, idx = target.partition("#")
+                if base not in names:
+                    raise ScenarioError(f"faults[{i}].target: no client named {base!r}")
+                if sep:
+                    if not idx.isdigit():
+                        raise ScenarioError(f"faults[{i}].target: expected name#N, got {target!r}")
+                    index = int(idx)
+                    procs = next(c[2] for c in pending if c[0] == base)
+                    if index >= procs:
+                        raise ScenarioError(
+                            f"faults[{i}].target: {base!r} has only {procs} process(es)"
+                        )
+                target = base
+                if action in DISRUPTING_ACTIONS:
+                    disrupted.add(base)
+            elif action in PLUGIN_ACTIONS:
+                if target not in broker.plugins:
                     raise ScenarioError(
-                        f"faults[{i}].target: {base!r} has only {procs} process(es)"
+                        f"faults[{i}].target: {action!r} needs a plugin the "
+                        f"broker runs (broker.plugins: {sorted(broker.plugins)})"
                     )
-            target = base
-            if action in DISRUPTING_ACTIONS:
-                disrupted.add(base)
-        elif action in PLUGIN_ACTIONS:
-            if target not in broker.plugins:
+                disk = broker.queue_disk is not None
+                if action in ("fill-disk", "free-disk") and (target != "queue" or not disk):
+                    raise ScenarioError(
+                        f'faults[{i}]: {action!r} needs target = "queue" and broker.queue_disk'
+                    )
+            elif action in BROKER_ACTIONS:
+                if target is not None and target not in brokers:
+                    raise ScenarioError(
+                        f"faults[{i}].target: no broker {target!r} in [brokers] (none: the "
+                        "scenario's own broker)"
+                    )
+            elif action in NET_ACTIONS:
+                if target not in brokers or not brokers[target].netns:
+                    raise ScenarioError(
+                        f"faults[{i}].target: {action!r} needs a broker of [brokers] "
+                        "with netns = true"
+                    )
+            elif action == PROXY_ACTION:
+                spec = broker if target is None else brokers.get(target)
+                if spec is None or not spec.proxy:
+                    raise ScenarioError(
+                        f"faults[{i}].target: {action!r} needs a broker with proxy = true "
+                        "(none: the scenario's own broker)"
+                    )
+            else:
+                known = CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS + NET_ACTIONS
+                known += (PROXY_ACTION,)
                 raise ScenarioError(
-                    f"faults[{i}].target: {action!r} needs a plugin the "
-                    f"broker runs (broker.plugins: {sorted(broker.plugins)})"
+                    f"faults[{i}].action: unknown action {action!r} (known: {', '.join(known)})"
                 )
-            disk = broker.queue_disk is not None
-            if action in ("fill-disk", "free-disk") and (target != "queue" or not disk):
-                raise ScenarioError(
-                    f'faults[{i}]: {action!r} needs target = "queue" and broker.queue_disk'
-                )
-        elif action in BROKER_ACTIONS:
-            if target is not None and target not in brokers:
-                raise ScenarioError(
-                    f"faults[{i}].target: no broker {target!r} in [brokers] (none: the "
-                    "scenario's own broker)"
-                )
-        elif action in NET_ACTIONS:
-            if target not in brokers or not brokers[target].netns:
-                raise ScenarioError(
-                    f"faults[{i}].target: {action!r} needs a broker of [brokers] with netns = true"
-                )
-        elif action == PROXY_ACTION:
-            spec = broker if target is None else brokers.get(target)
-            if spec is None or not spec.proxy:
-                raise ScenarioError(
-                    f"faults[{i}].target: {action!r} needs a broker with proxy = true "
-                    "(none: the scenario's own broker)"
-                )
-        else:
-            known = CLIENT_ACTIONS + BROKER_ACTIONS + PLUGIN_ACTIONS + NET_ACTIONS
-            known += (PROXY_ACTION,)
-            raise ScenarioError(
-                f"faults[{i}].action: unknown action {action!r} (known: {', '.join(known)})"
-            )
-        faults.append(FaultSpec(fname, at, action, target, index, when, netem, proxy_setting))
+            faults.append(FaultSpec(fname, at, action, target, index, when, netem, proxy_setting))
+        except ScenarioError as exc:
+            if i < n_plain:
+                raise
+            # A pool entry: name it as the file does.
+            where = f"soak.faults[{i - n_plain}]"
+            raise ScenarioError(str(exc).replace(f"faults[{i}]", where, 1)) from None
+    pool = tuple(f for f in faults if f.name.startswith(SOAK_POOL_PREFIX))
+    faults = [f for f in faults if not f.name.startswith(SOAK_POOL_PREFIX)]
     faults.sort(key=lambda f: f.at)
+    soak = _soak_spec(soak_t, pool) if soak_t is not None else None
 
     clients = tuple(
         ClientSpec(
@@ -895,7 +960,56 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         faults=tuple(faults),
         expect=expect,
         brokers=brokers,
+        soak=soak,
+        long_haul=long_haul,
     )
+
+
+def with_params(sc: Scenario, pairs: Sequence[str]) -> Scenario:
+    """``sc`` with client parameters replaced: each pair ``CLIENT.KEY=VALUE`` (VALUE a
+    TOML value; a bare word is a string), validated as in the file (a long-haul
+    scenario's size: ``--param garbage.repeat=10``).
+
+    Raises:
+        ScenarioError: a malformed pair, an unknown client or key, a bad value.
+    """
+    clients = {c.name: c for c in sc.clients}
+    for pair in pairs:
+        lhs, eq, text = pair.partition("=")
+        name, dot, key = lhs.strip().partition(".")
+        if not (eq and dot and key):
+            raise ScenarioError(f"--param {pair!r}: expected CLIENT.KEY=VALUE")
+        if name not in clients:
+            raise ScenarioError(f"--param {pair!r}: no client named {name!r}")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        c = clients[name]
+        if key not in c.params:
+            raise ScenarioError(f"--param {pair!r}: {c.role} takes no parameter {key!r}")
+        params = _resolve_params(c.role, {**c.params, key: value}, f"--param {lhs.strip()}")
+        clients[name] = attrs.evolve(c, params=params)
+    return attrs.evolve(sc, clients=tuple(clients[c.name] for c in sc.clients))
+
+
+def _soak_spec(t: _Table, pool: tuple[FaultSpec, ...]) -> SoakSpec:
+    duration = t.number("duration", minimum=1.0)
+    out = SoakSpec(
+        duration=duration,
+        fault_every=t.number("fault_every", 30.0, minimum=0.5),
+        pool=pool,
+        undo_after=t.number("undo_after", 5.0, minimum=0.1),
+        sample_every=t.number("sample_every", 5.0, minimum=0.1),
+        warmup=t.number("warmup", 300.0),
+        window=t.number("window", 300.0, minimum=0.1),
+        settled=t.number("settled", 20.0),
+        max_growth_pct=t.number("max_growth_pct", 10.0),
+    )
+    if out.undo_after >= out.fault_every:
+        raise ScenarioError("soak.undo_after: must be shorter than soak.fault_every")
+    t.finish()
+    return out
 
 
 def _history_expect(raw: object, clients: set[str]) -> HistoryExpect | None:

@@ -58,9 +58,29 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def faults_markdown(records: Sequence[dict[str, Any]], unrun: Sequence[str] = ()) -> str:
+#: The hand-written section of docs/FAULTS.md that regenerating it keeps.
+LONG_HAUL_HEADING = "## Long-haul runs"
+
+
+def long_haul_section(old: str) -> str:
+    """The ``## Long-haul runs`` section of an existing FAULTS.md (up to the next ``## ``
+    heading), or "" : the record of runs too long for the matrix, kept when the file is
+    regenerated."""
+    lines = old.splitlines()
+    try:
+        start = lines.index(LONG_HAUL_HEADING)
+    except ValueError:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[start:end]).rstrip() + "\n"
+
+
+def faults_markdown(
+    records: Sequence[dict[str, Any]], unrun: Sequence[str] = (), kept: str = ""
+) -> str:
     """docs/FAULTS.md for ``records`` (one per scenario, in the order given); ``unrun``
-    names the scenarios that have no run among them (said under the matrix)."""
+    names the scenarios that have no run among them (said under the matrix); ``kept``
+    is the long-haul section of the previous file (:func:`long_haul_section`)."""
     out: list[str] = [
         "# Fault resistance: the scenario matrix",
         "",
@@ -155,6 +175,8 @@ def faults_markdown(records: Sequence[dict[str, Any]], unrun: Sequence[str] = ()
             for p in r.get("problems", []):
                 out.append(f"| runner problem | - | {_cell(p.splitlines()[0])} | **no** |")
             out.append("")
+    if kept:
+        out += ["", *kept.splitlines(), ""]
     out += _STATIC.splitlines()
     return "\n".join(out).rstrip() + "\n"
 
@@ -250,6 +272,16 @@ _METRICS = [
     (
         "`scenario.{duration_s,traffic_s,client_failures}`",
         "run time, traffic phase time, clients that ended badly",
+    ),
+    (
+        "`soak.{rss,fds}_{ref,end,growth_pct}`",
+        "a soak's broker RSS (MiB) and fds less connections: medians of the settled samples"
+        " of the reference and the end window, growth in percent (checked < max_growth_pct)",
+    ),
+    (
+        "`soak.{samples,faults,faults.ACTION[.TARGET]}`, `soak.{rss_start,rss_max}_mib`, "
+        "`soak.{fds_start,fds_max}`",
+        "a soak's broker samples, the faults that struck (by kind), first and largest sample",
     ),
 ]
 
@@ -348,7 +380,8 @@ target = "queue"                  # kill-broker, restart-broker, stop-broker, co
                                   # fill-disk, free-disk (target "queue")
 when = "ops:500"                  # optional, and not before: "member:GROUP>=N",
                                   # "line:CLIENT:TEXT" (a program printed it), "ops:N"
-                                  # (N operations recorded)
+                                  # (N operations recorded), "done:CLIENT" (every
+                                  # process of CLIENT reported its work done)
 
 [expect.history]                  # invariants over what the programs recorded
 lost = true                       # every acked send was delivered
@@ -500,6 +533,8 @@ _STATIC = (
     msgq-trio scenario new my-system                  # a commented template to start from
     msgq-trio scenario run my-system.toml --repeat 20 --junit junit.xml   # CI: 20 seeds
     msgq-trio scenario run my-system.toml --seed 1234 # replay the run that printed seed 1234
+    msgq-trio scenario run soak-mixed-60min --duration 180 --checkpoint ck.jsonl   # a soak, shorter
+    msgq-trio scenario run hostile-frames-1m --param garbage.repeat=100   # a long-haul run, smaller
 
 `run` prints one line per scenario (PASS/FAIL, duration, broker RSS peak, p99/max latency
 of the healthy clients, the key figures, the seed) and, for a failure, every failed check
@@ -515,6 +550,10 @@ pytest runs them too: `tests/test_scenario_matrix_*.py` have one test per
 `scenarios/*.toml` (the matrix in four files, so that `--dist loadfile` spreads it);
 those with `slow = true` carry the `slow` marker (`pytest -m "not slow"` skips them; CI
 runs everything). `MSGQ_TRIO_SCENARIO_RESULTS=path.jsonl` makes pytest append the records.
+Scenarios with `long_haul = true` (an hour, a million frames) are skipped there:
+`tests/test_scenario_longhaul.py` runs them small (`--duration`, `--param`), and the
+long-haul section above records their full runs. `--param CLIENT.KEY=VALUE` replaces a
+client's parameter for a run (validated as in the file).
 
 ## Scenario files
 
@@ -526,6 +565,8 @@ summary = "One line: what happens and what must hold."
 fault = "Short name of the fault (matrix column)"
 broker_does = "What the broker does about it (matrix column)"
 slow = false            # long scenarios: pytest marker `slow`
+long_haul = false       # an hour-long or million-frame run: not in pytest's matrix;
+                        # its own test runs it small (run --duration / --param)
 timeout = 60            # bound on the whole run, seconds
 settle = 0.5            # pause between the end of traffic and `stop`
 key_figures = ["sub.received", "caller.err.receiver-full"]
@@ -576,6 +617,39 @@ operators; a list gives several bounds on one metric. A count a client never rep
 Always checked: every client that was not SIGKILLed exits 0 with a report
 (`scenario.client_failures == 0`) and the broker log has no traceback
 (`broker.log_tracebacks == 0`).
+
+A soak (`scenarios/soak-*.toml`) adds a `[soak]` table: traffic for `duration` seconds
+with a fault every `fault_every` seconds drawn with the run's seed from `[[soak.faults]]`
+(entries as `[[faults]]`, without `at` and `name`; a `sigstop`, `stop-broker` or
+`net-proxy` setting is undone `undo_after` seconds later). Every built-in client with a
+`duration` runs for the soak's; in a program's command line `{duration}` is the soak's
+duration and `{count:R}` R per second over it; the run's timeout is the duration plus
+`timeout`. The broker's `stats` are sampled every `sample_every` seconds; RSS and fds
+(less connections) must stay flat: the median of the samples in the last `window`
+seconds within `max_growth_pct` (10) of the median in `[warmup, warmup + window)`,
+counting only samples of a broker at least `settled` seconds old (a restarted broker
+starts small: like is compared with like). `run --duration S` runs it for S seconds
+(shorter windows for a short run); `--checkpoint FILE` appends every sample (with the
+faults so far, and each minute the operations recorded) as a JSON line as it is taken,
+so an interrupted soak still leaves its figures.
+
+```toml
+[soak]
+duration = 3600         # seconds of traffic (run --duration overrides)
+fault_every = 30
+undo_after = 5          # SIGCONT / cont-broker / proxy clear after a stopping fault
+sample_every = 5
+warmup = 300            # reference window [warmup, warmup + window)
+window = 300            # ... and the end window, the last `window` seconds
+settled = 20            # samples of a younger broker are not compared
+max_growth_pct = 10
+
+[[soak.faults]]
+action = "restart-broker"
+[[soak.faults]]
+action = "sigstop"
+target = "sub#1"
+```
 
 Fault actions (`msgq_trio/scenario/faults.py`):
 

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -54,7 +54,16 @@ from ..errors import MsgqError
 from .faultproxy import FaultProxy
 from .faults import CLIENT_SIGNALS, NET_ACTIONS
 from .history import HistoryError, check, merge, parse
-from .model import PROXY_ACTION, BrokerSpec, ClientSpec, FaultSpec, Scenario, load_scenario
+from .model import (
+    PROXY_ACTION,
+    BrokerSpec,
+    ClientSpec,
+    FaultSpec,
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    with_params,
+)
 from .network import (
     NETNS_PORT,
     Namespace,
@@ -64,6 +73,7 @@ from .network import (
     new_token,
 )
 from .report import machine_info
+from .soak import expand, faults_by_kind, flatness
 
 #: Bounds of the phases that do not depend on the scenario.
 BROKER_START_TIMEOUT = 20.0
@@ -73,6 +83,8 @@ BROKER_STOP_TIMEOUT = 15.0
 #: Bound on everything after traffic (settle, stop, leak check, broker stop).
 FINISH_TIMEOUT = 90.0
 RSS_SAMPLE_INTERVAL = 0.05
+#: Seconds between the broker samples of a run with a checkpoint file that is no soak.
+CHECKPOINT_INTERVAL = 5.0
 SCHEMA = "msgq_trio.scenario/1"
 _MIB = 1024 * 1024
 
@@ -208,7 +220,13 @@ class Interrupted(Exception):
 
 
 def run_scenario(
-    path: str | Path, *, keep_tmp: bool = False, seed: int | None = None
+    path: str | Path,
+    *,
+    keep_tmp: bool = False,
+    seed: int | None = None,
+    duration: float | None = None,
+    checkpoint: Path | None = None,
+    params: Sequence[str] = (),
 ) -> ScenarioResult:
     """Load and run one scenario file; never raises for a failing scenario (the result
     says why; a scenario this machine cannot run is returned unrun, ``skipped`` saying
@@ -218,9 +236,19 @@ def run_scenario(
     Resource handling: every process started is killed and reaped, the temporary
     directory is removed (unless ``keep_tmp``) before this returns, also on SIGTERM,
     SIGHUP and Ctrl-C (KeyboardInterrupt is re-raised after the cleanup).
+
+    A soak (``[soak]``) runs for ``duration`` seconds (default its own), its faults
+    drawn with ``seed``; with ``checkpoint``, the broker is sampled through the traffic
+    (a soak's ``sample_every``, else :data:`CHECKPOINT_INTERVAL`) and every sample
+    appended to that file as a JSON line as it is taken, so that an interrupted run
+    leaves its figures.
+    ``params`` replace client parameters (``CLIENT.KEY=VALUE``, :func:`with_params`).
     """
-    scenario = load_scenario(path)
+    scenario = with_params(load_scenario(path), params)
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1
+    if duration is not None and scenario.soak is None:
+        raise ScenarioError(f"{scenario.name}: a duration is for a soak ([soak] table)")
+    scenario = expand(scenario, seed, duration)
     all_brokers = [scenario.broker, *scenario.brokers.values()]
     why = missing_tools(
         tls=any(b.listen == "tls" for b in all_brokers), netns=any(b.netns for b in all_brokers)
@@ -241,6 +269,7 @@ def run_scenario(
             skipped=why,
         )
     run = _Run(scenario, keep_tmp=keep_tmp, seed=seed)
+    run.checkpoint = checkpoint
     # KeyboardInterrupt (before the signal receiver opens) only at checkpoints: raised
     # elsewhere, it can leave a nursery half updated and the run hung (ops/interrupt.py).
     result = trio.run(run.run, restrict_keyboard_interrupt_to_checkpoints=True)
@@ -274,6 +303,8 @@ class _Client:
         #: its process name in the history (MSGQ_TRIO_CLIENT)
         self.history_name = f"{spec.name}-{index}"
         self.generation = 0
+        #: a ``restart`` started a new process in its place: later faults strike that one
+        self.replaced = False
 
     @property
     def label(self) -> str:
@@ -300,6 +331,7 @@ class _Broker:
         self.proc = proc
         self.pid = proc.pid
         self.hwm_bytes = 0
+        self.started = time.monotonic()
 
 
 class _Node:
@@ -404,6 +436,9 @@ class _Run:
         self.interrupted: int | None = None
         #: why this machine cannot run the scenario, found while building it
         self.skipped: str | None = None
+        #: a soak's broker samples, and the file they are appended to as taken
+        self.samples: list[dict[str, Any]] = []
+        self.checkpoint: Path | None = None
 
     def _notify(self) -> None:
         self._changed.unpark_all()
@@ -561,6 +596,9 @@ class _Run:
             if not c.held and not c.is_exec:
                 await c.send("go")
         self._nursery.start_soon(self._run_faults)
+        if sc.soak is not None or self.checkpoint is not None:
+            every = sc.soak.sample_every if sc.soak is not None else CHECKPOINT_INTERVAL
+            self._nursery.start_soon(self._soak_sample, every)
         await self._wait_until(
             lambda: (
                 self.faults_done
@@ -787,6 +825,40 @@ class _Run:
                 self.rss_peak = max(self.rss_peak, st.get("VmRSS", 0))
                 b.hwm_bytes = max(b.hwm_bytes, st.get("VmHWM", 0))
             await trio.sleep(RSS_SAMPLE_INTERVAL)
+
+    async def _soak_sample(self, every: float) -> None:
+        """Sample the broker's ``stats`` every ``every`` seconds through the traffic (a
+        broker that is down, restarting or stopped gives no sample); with a checkpoint
+        file, append each sample (with the faults so far, and every minute the number
+        of operations recorded in the histories) as a JSON line at once."""
+        last_ops = -math.inf
+        while self.phase == "traffic":
+            b = self.broker
+            st = await self._stats(timeout=min(5.0, every * 4))
+            if st is not None and b is not None and self.phase == "traffic":
+                now = time.monotonic()
+                sample: dict[str, Any] = {
+                    "t": round(now - self.t0, 2),
+                    "pid": b.pid,
+                    "age": round(now - b.started, 2),
+                    "rss_bytes": st["rss_bytes"],
+                    "fds": st["fds"],
+                    "connections": st["connections"],
+                    "tasks": st["tasks"],
+                }
+                self.samples.append(sample)
+                if self.checkpoint is not None:
+                    line = dict(sample, faults=len(self.fault_log))
+                    if now - last_ops >= 60:
+                        last_ops = now
+                        line["faults_by_kind"] = faults_by_kind(self.fault_log)
+                        line["history_ops"] = sum(
+                            _count_lines(p) for p in (self.tmp / "history").glob("*.jsonl")
+                        )
+                    # A small append: not worth a thread (the sample's own wait dwarfs it).
+                    with open(self.checkpoint, "a") as out:  # noqa: ASYNC230
+                        out.write(json.dumps(line) + "\n")
+            await trio.sleep(every)
 
     async def _leak_check(self) -> None:
         base = self.baseline
@@ -1031,6 +1103,10 @@ class _Run:
                                 return
                 except (MsgqError, trio.TooSlowError, OSError):
                     pass
+            elif kind == "done":
+                procs = [c for c in self.clients if c.spec.name == arg]
+                if procs and all(c.done or c.exited for c in procs):
+                    return
             elif kind == "line":
                 client, _, needle = arg.partition(":")
                 if any(
@@ -1092,7 +1168,9 @@ class _Run:
         targets = [
             c
             for c in self.clients
-            if c.spec.name == f.target and (f.index is None or c.index == f.index)
+            if c.spec.name == f.target
+            and (f.index is None or c.index == f.index)
+            and not c.replaced
         ]
         entry["pids"] = [c.proc.pid for c in targets]
         for c in targets:
@@ -1127,6 +1205,7 @@ class _Run:
             _signal_group(c.proc, signal.SIGKILL)
             await c.proc.wait()
         c.killed = True
+        c.replaced = True
         new = await self._start_client(c.spec, c.index, c.generation + 1)
         new.generation = c.generation + 1
         if not await self._wait_until(
@@ -1233,6 +1312,9 @@ class _Run:
         )
         m.setdefault("broker.restarts", 0)
         self._client_metrics()
+        if self.sc.soak is not None:
+            m.update(flatness(self.samples, self.sc.soak))
+            m.update(faults_by_kind(self.fault_log))
 
     def _client_metrics(self) -> None:
         m = self.metrics
@@ -1416,6 +1498,10 @@ class _Run:
                 bound("broker.tasks_end", "==", base["tasks"])
         if e.rss_max_mib is not None:
             bound("broker.rss_peak_mib", "<=", e.rss_max_mib)
+        if sc.soak is not None:
+            # Flat: the end window's median within max_growth_pct of the reference's.
+            bound("soak.rss_growth_pct", "<", sc.soak.max_growth_pct)
+            bound("soak.fds_growth_pct", "<", sc.soak.max_growth_pct)
         if e.latency_p99_ms is not None:
             bound("latency.p99_ms", "<=", e.latency_p99_ms)
         if e.latency_max_ms is not None:
