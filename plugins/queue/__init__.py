@@ -100,21 +100,22 @@ class QueuePlugin:
             for name, opts in settings.queues.items():
                 await engine.declare(name, opts)
             listeners, shown = await open_plugin_listeners("queue", settings.metrics)
+            # Always on: `stats` reports the oldest message's age too (the operators' first
+            # question about a backlog), at one read-only probe of the store per period.
             ages = AgeTracker(engine)
             try:
-                if listeners:
-                    await ages.sample()  # before any commit: what is stored now is "recovered"
+                await ages.sample()  # before any commit: what is stored now is "recovered"
                 async with (
                     connect(socket, "msgq-queue") as bus,
                     connect(socket, "msgq-queue-binder") as binder,
                     trio.open_nursery() as nursery,
                 ):
-                    service = Service(engine, bus, binder, nursery)
+                    service = Service(engine, bus, binder, nursery, ages)
                     nursery.start_soon(engine.flush_loop)
                     nursery.start_soon(engine.reaper)
                     nursery.start_soon(service.forwarder)
+                    nursery.start_soon(ages.run)
                     if listeners:
-                        nursery.start_soon(ages.run)
                         nursery.start_soon(
                             MetricsServer(listeners, lambda: render_metrics(engine, ages)).serve
                         )

@@ -20,7 +20,7 @@ import io
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cbor2
 import trio
@@ -51,6 +51,9 @@ from .model import (
 )
 from .settings import parse_options
 from .tasks import Engine
+
+if TYPE_CHECKING:
+    from .metrics import AgeTracker
 
 log = logging.getLogger("msgq_trio.plugins.queue")
 
@@ -123,8 +126,17 @@ class Service:
     """Wires the engine to the two bus connections. Call :meth:`setup`, then run
     :meth:`serve` until the bus is lost."""
 
-    def __init__(self, engine: Engine, bus: Bus, binder: Bus, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        bus: Bus,
+        binder: Bus,
+        nursery: trio.Nursery,
+        ages: AgeTracker | None = None,
+    ) -> None:
         self.engine = engine
+        #: the oldest-message tracker `stats` reads its ``oldest_age`` from (None: omitted)
+        self.ages = ages
         self.bus = bus
         self.binder = binder
         self.nursery = nursery
@@ -694,7 +706,11 @@ class Service:
         return created
 
     async def _stats(self, params: Any, _request: Message) -> dict[str, Any]:
-        return self.engine.stats(self._check(params))
+        q = self._check(params)
+        stats = self.engine.stats(q)
+        if self.ages is not None:
+            stats["oldest_age"] = self.ages.oldest_age(q, trio.current_time())
+        return stats
 
     async def _producer_state(self, params: Any, _request: Message) -> int:
         q = self._check(params)
