@@ -105,7 +105,7 @@ def test_acked_writes_survive_sigkill_of_broker_and_plugin(
     prints each acked total; the broker and the plugin are SIGKILLed mid-stream. A
     broker restarted on the same directory gives a reader every acked byte, in order
     from offset 0, nothing lost or duplicated (a write in flight at the kill may or may
-    not be there, whole chunks only)."""
+    not be there, or a prefix of its whole chunks)."""
     store = str(short_tmp / "store")
     b = pipe_broker(dir=store, max_stored=64 * MiB)
     writer = spawn_peer(
@@ -136,7 +136,9 @@ def test_acked_writes_survive_sigkill_of_broker_and_plugin(
     line = wait_line(reader, "read", 60)
     assert line.endswith(" ok"), line
     got = int(line.split()[1])
-    assert acked <= got < 40 * MiB and (got - acked) % (300 * KiB) == 0, (acked, got)
+    # Beyond the acked total: whole writes, then a prefix of whole 256 KiB chunks
+    # (max_chunk) of the write the crash interrupted, as docs/PIPES.md states.
+    assert acked <= got < 40 * MiB and (got - acked) % (300 * KiB) in (0, 256 * KiB), (acked, got)
     assert reader.wait(10) == 0
     b2.log_with("recovered")
 
