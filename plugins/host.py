@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import trio
@@ -57,6 +58,57 @@ def _exit_now() -> None:
     os._exit(0)
 
 
+def _stop_on_sigterm(name: str, scope: trio.CancelScope) -> None:
+    """Make SIGTERM (the supervisor's stop) cancel ``scope``, so that the plugin finishes
+    what it holds (the queue plugin's final commit) instead of dying on the signal.
+
+    The handler stays installed until the process ends, unlike
+    ``trio.open_signal_receiver``'s: the supervisor may send SIGTERM just as the plugin
+    stops by itself (its bus connection ended), and a receiver restored to the default
+    action then either kills the process before its final commit or, when the signal
+    is pending during the restore, makes CPython print "Signal 15 ignored due to race
+    condition". A SIGTERM after the run is over is ignored: the process is exiting.
+    """
+    token = trio.lowlevel.current_trio_token()
+
+    def stop() -> None:
+        if not scope.cancel_called:
+            log.info("plugin %s: SIGTERM, stopping", name)
+        scope.cancel()
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        try:
+            token.run_sync_soon(stop, idempotent=True)
+        except trio.RunFinishedError:
+            pass  # trio.run returned: the process is already on its way out
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _ignore_sigterm_from_now_on() -> None:
+    """Ignore SIGTERM once the plugin has stopped: the process is exiting, and Python's
+    finalization would otherwise restore the default action, so that a late SIGTERM
+    from the supervisor turns a clean exit (status 0) into a death by signal.
+
+    A SIGTERM that arrives while ``signal.signal`` swaps the handler is reported by
+    CPython as "Signal 15 ignored due to race condition" (an unraisable OSError): here
+    ignoring it is the intent, so exactly that report is dropped; any other goes to the
+    hook that was there.
+    """
+    previous = sys.unraisablehook
+
+    def hook(report: Any) -> None:
+        exc = report.exc_value
+        if isinstance(exc, OSError) and str(exc) == (
+            f"Signal {int(signal.SIGTERM)} ignored due to race condition"
+        ):
+            return
+        previous(report)
+
+    sys.unraisablehook = hook
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
     plugin = load_plugin(name)
     settings = plugin.check_config(table)
@@ -82,17 +134,8 @@ async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
             # run() returned (e.g. its bus connection ended): the process ends with it.
             nursery.cancel_scope.cancel()
 
-        async def stop_on_sigterm() -> None:
-            # The supervisor's stop: cancel the plugin, so that it can finish what it
-            # holds (the queue plugin's final commit), instead of dying on the signal.
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    log.info("plugin %s: SIGTERM, stopping", name)
-                    nursery.cancel_scope.cancel()
-                    return
-
+        _stop_on_sigterm(name, nursery.cancel_scope)
         nursery.start_soon(watch)
-        nursery.start_soon(stop_on_sigterm)
         await nursery.start(run)
         sys.stdout.write("ready\n")
         sys.stdout.flush()
@@ -119,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[BaseException] = []
     unusable: list[BaseException] = []
     try:
-        return trio.run(_main, name, Path(socket), json.loads(raw))
+        try:
+            return trio.run(_main, name, Path(socket), json.loads(raw))
+        finally:
+            _ignore_sigterm_from_now_on()
     except* ConnectError as group:
         # The broker died (or is being killed) while this process started: not a bug in
         # the plugin, so one line instead of a traceback (the supervisor, if any is left,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -209,3 +211,44 @@ async def test_a_reconnecting_consumer_goes_on_after_the_broker_is_killed(
         await eventually(lambda: set(got) == set(range(100)))
         assert c.reconnects == 1
         n.cancel_scope.cancel()
+
+
+async def test_sigterm_again_and_again_while_the_plugin_stops(queue_broker: Start) -> None:
+    """SIGTERMs that keep coming while the plugin stops (a supervisor's stop racing the
+    plugin's own end) neither kill it before its final commit nor make it print a
+    traceback: it exits 0 after committing, and the supervisor restarts it."""
+    b = queue_broker({"d": {}})
+    pid = ready_plugin_pid(b)
+    done = threading.Event()
+
+    def flood() -> int:
+        sent = 0
+        # Until the supervisor has reaped it and logged its status: the pid stays the
+        # exited plugin's (a zombie) until then, so no other process gets these.
+        while not done.is_set():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            sent += 1
+            time.sleep(0.0005)
+        return sent
+
+    async with trio.open_nursery() as nursery:
+        sent: list[int] = []
+
+        async def run_flood() -> None:
+            sent.append(await trio.to_thread.run_sync(flood))
+
+        nursery.start_soon(run_flood)
+        try:
+            log = await trio.to_thread.run_sync(
+                lambda: b.log_with("plugin queue exited with status", timeout=60)
+            )
+        finally:
+            done.set()
+    assert sent[0] > 1
+    assert "plugin queue exited with status 0;" in log, log
+    assert f"[{pid}] msgq_trio.plugins.queue: queue plugin: final commit" in log, log
+    assert "race condition" not in log and "Traceback" not in log, log
+    await eventually(lambda: len(ready_plugin_pids(b.log())) == 2, timeout=60)
