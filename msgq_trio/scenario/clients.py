@@ -777,7 +777,9 @@ class HalfFrame:
 
 
 # The outcomes the protocol promises for each kind of malformed input (docs/PROTOCOL.md):
-# a final ERROR with this code, then close. "mutated" may do anything but hang.
+# a final ERROR with this code, then close. "mutated" may be served (its probe answered),
+# closed in order (a mutation into GOODBYE) or dropped with any ERROR; never a silent
+# close or a hang (Garbage._one).
 _ERR = "error."
 _EXPECTED: dict[str, frozenset[str]] = {
     # A random length below the maximum waits for more bytes: handshake_timeout drops it
@@ -920,13 +922,59 @@ def build_garbage(
     raise ValueError(f"unknown garbage kind {kind!r}")
 
 
+def garbage_rng(seed: int, job: int) -> random.Random:
+    """The random source of garbage job ``job`` of a process whose seed is ``seed``
+    (process ``i`` of a garbage client uses the client's ``seed`` + ``i``): what a
+    printed (job, seed) replays with :func:`build_garbage`."""
+    return random.Random(seed * 1_000_003 + job)
+
+
+def probe_fate(sent: bytes | bytearray, probe: bytes, max_frame_size: int) -> str:
+    """Where the broker's framing puts ``probe`` (a frame) when ``sent`` went just before
+    it on a connection past HELLO. The broker cuts frames by their length prefix alone,
+    with the parser used here, so this is exact:
+
+    * ``"frame"``: the probe is a frame of its own: answered, unless something before it
+      makes the broker drop the connection;
+    * ``"error"``: the framing fails first (a length prefix outside 32..max_frame_size, a
+      malformed fixed part): the broker drops the connection with an ERROR;
+    * ``"swallowed"``: the probe's bytes completed a frame that began in ``sent``, and the
+      stream ends on a frame boundary. If those frames are valid the broker owes no
+      answer (a message to a group without members is delivered to nobody, silently) and
+      the connection idles, still in sync: a further probe is a frame of its own;
+    * ``"partial"``: the stream ends inside a frame: the broker waits for the rest and
+      drops the connection once it has been idle for ``idle_in_frame_timeout`` (ERROR
+      protocol-error).
+    """
+    parser = FrameParser(max_frame_size)
+    parser.feed(bytes(sent) + probe)
+    last: Frame | None = None
+    try:
+        while (f := parser.next_frame()) is not None:
+            last = f
+    except ProtocolError:
+        return "error"
+    if parser.in_frame:
+        return "partial"
+    if last is not None and len(last.raw) == len(probe) and bytes(last.raw) == probe:
+        return "frame"
+    return "swallowed"
+
+
 #: Jobs between two progress lines of a garbage client (stderr).
 PROGRESS_EVERY = 10_000
 
 
 class Garbage:
     """One connection per malformed input; each must be dropped (with the promised ERROR)
-    or, for mutations that happen to be valid, still answer a ping. Never hang."""
+    or, for mutations that happen to be valid, still answer a ping. Never hang.
+
+    The ping probe follows the garbage on the same connection. Where the garbage leaves
+    a frame open that the probe's bytes complete, the probe is no frame of its own and
+    may legitimately get no answer; :func:`probe_fate` tells this from the bytes (with
+    the broker's own framing) and a second probe follows, which must be answered.
+    Process ``i`` uses seed ``seed + i``; each unexpected outcome is printed with its
+    job number and that seed (:func:`garbage_rng` replays it)."""
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -943,12 +991,16 @@ class Garbage:
         jobs = enumerate(k for _ in range(p["repeat"]) for k in kinds)
         limiter = trio.CapacityLimiter(p["concurrency"])
 
+        # Each process of the client sends its own frames (the same seed in every process
+        # would send the same frames procs times over).
+        seed = p["seed"] + ctx.index
+
         async def worker() -> None:
             for j, kind in jobs:
                 if ctx.stop.is_set():
                     # Stopped early (SIGTERM, or the runner's stop): report what was sent.
                     return
-                await self._one(kind, random.Random(p["seed"] * 1_000_003 + j), limiter, j)
+                await self._one(kind, garbage_rng(seed, j), limiter, j, seed)
                 if j % PROGRESS_EVERY == PROGRESS_EVERY - 1:
                     # A long run's progress in the client's log (kept with run --keep):
                     # an interrupted run still tells how far it got and how it went.
@@ -961,7 +1013,12 @@ class Garbage:
         await ctx.stop.wait()
 
     async def _one(
-        self, kind: str, rng: random.Random, limiter: trio.CapacityLimiter, job: int = 0
+        self,
+        kind: str,
+        rng: random.Random,
+        limiter: trio.CapacityLimiter,
+        job: int = 0,
+        seed: int = 0,
     ) -> None:
         ctx = self.ctx
         async with limiter:
@@ -972,13 +1029,15 @@ class Garbage:
         if outcome.startswith(_ERR):
             ctx.count("dropped")
         expected = _EXPECTED.get(kind)
-        ok = outcome != "hung" if expected is None else outcome in expected
+        if expected is None:  # mutated: served, closed in order, or dropped with an ERROR
+            ok = outcome in ("survived", "goodbye") or outcome.startswith(_ERR)
+        else:
+            ok = outcome in expected
         if not ok:
             ctx.count("unexpected")
-            # The job number replays it: its bytes come from Random(seed * 1000003 + job).
+            # The job number replays it: its bytes come from garbage_rng(seed, job).
             print(
-                f"garbage kind {kind}: unexpected outcome {outcome} (job {job}, seed "
-                f"{self.p['seed']})",
+                f"garbage kind {kind}: unexpected outcome {outcome} (job {job}, seed {seed})",
                 file=sys.stderr,
             )
 
@@ -998,11 +1057,20 @@ class Garbage:
                 max_frame = conn.max_frame_size or max_frame
             payload = build_garbage(kind, rng, max_frame, p["target"])
             rid = 0
+            probe = b""
+            if ready:
+                # A probe: if the connection still works, a ping is answered.
+                rid, probe = conn.request_bytes("msgq", "ping")
+                if probe_fate(payload, probe, max_frame) == "swallowed":
+                    # The probe only completed a frame the garbage began (a truncated
+                    # message, say), which may be valid and owed no answer: the
+                    # connection then idles, in sync, and a second probe is answered.
+                    ctx.count("probe_swallowed")
+                    rid, again = conn.request_bytes("msgq", "ping")
+                    probe += again
             try:
                 await conn.send(payload)
-                if ready:
-                    # A probe: if the connection still works, a ping is answered.
-                    rid, probe = conn.request_bytes("msgq", "ping")
+                if probe:
                     await conn.send(probe)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the broker may close before we finish writing; read what it said

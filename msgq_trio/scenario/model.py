@@ -218,6 +218,14 @@ GARBAGE_KINDS = (
     "mutated",
 )
 STORM_MODES = ("clean", "abrupt", "no-hello", "mixed")
+#: Garbage kinds the broker may answer only when one of its timeouts strikes, and which
+#: (the ``serve`` flag): ``random`` may announce a frame that never comes before HELLO;
+#: ``random-after-hello`` and ``mutated`` may leave a frame open after it.
+GARBAGE_TIMED_KINDS = {
+    "random": "handshake-timeout",
+    "random-after-hello": "idle-in-frame-timeout",
+    "mutated": "idle-in-frame-timeout",
+}
 
 #: ``serve`` flags a scenario may set (every Limits field), and their types.
 BROKER_FLAGS: dict[str, type] = {
@@ -903,6 +911,7 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
         )
         for name, role, procs, params, healthy in pending
     )
+    _check_garbage_wait(clients, broker)
 
     et = _Table(top.get("expect", dict, {}), "expect")
     log = et.get("log", list, [])
@@ -965,6 +974,38 @@ def _build(p: Path, data: dict[str, Any]) -> Scenario:
     )
 
 
+def _check_garbage_wait(clients: Sequence[ClientSpec], broker: BrokerSpec) -> None:
+    """A garbage client judges a connection hung when neither an answer nor a close came
+    within its ``wait``: that must outlast the broker timeout its kinds may legitimately
+    need (:data:`GARBAGE_TIMED_KINDS`, from the broker's flags or their defaults), or a
+    broker keeping its promise is reported hung. What ``wait`` exceeds it by is the
+    allowance for a loaded machine.
+
+    Raises:
+        ScenarioError: a ``wait`` not above such a timeout.
+    """
+    defaults = {
+        f.name.replace("_", "-"): float(f.default)
+        for f in attrs.fields(Limits)
+        if isinstance(f.default, (int, float))
+    }
+    for c in clients:
+        if c.role != "garbage":
+            continue
+        kinds = GARBAGE_KINDS if "all" in c.params["kinds"] else c.params["kinds"]
+        for kind in kinds:
+            flag = GARBAGE_TIMED_KINDS.get(kind)
+            if flag is None:
+                continue
+            limit = float(broker.flags.get(flag, defaults[flag]))
+            if c.params["wait"] <= limit:
+                raise ScenarioError(
+                    f"clients {c.name!r}: wait ({c.params['wait']} s) must exceed the "
+                    f"broker's {flag} ({limit} s): the broker may answer {kind!r} garbage "
+                    "only when that timeout strikes"
+                )
+
+
 def with_params(sc: Scenario, pairs: Sequence[str]) -> Scenario:
     """``sc`` with client parameters replaced: each pair ``CLIENT.KEY=VALUE`` (VALUE a
     TOML value; a bare word is a string), validated as in the file (a long-haul
@@ -990,6 +1031,7 @@ def with_params(sc: Scenario, pairs: Sequence[str]) -> Scenario:
             raise ScenarioError(f"--param {pair!r}: {c.role} takes no parameter {key!r}")
         params = _resolve_params(c.role, {**c.params, key: value}, f"--param {lhs.strip()}")
         clients[name] = attrs.evolve(c, params=params)
+    _check_garbage_wait(list(clients.values()), sc.broker)
     return attrs.evolve(sc, clients=tuple(clients[c.name] for c in sc.clients))
 
 
