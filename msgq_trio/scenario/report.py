@@ -668,10 +668,27 @@ work and the runner waits for them; library roles also take `reconnect` (false) 
 `garbage` kinds: """
     + ", ".join(f"`{k}`" for k in GARBAGE_KINDS)
     + """ (`all`: every kind). Each
-kind has the outcome docs/PROTOCOL.md promises (a final ERROR with protocol-error,
-frame-too-large or forbidden, then close; GOODBYE-first closes in order; `mutated` may be
-dropped or, if the mutation is still a valid frame, answer a ping, but never hang); any
-other outcome counts as `garbage.unexpected`.
+connection ends in one outcome, counted as `garbage.OUTCOME`: `error.CODE` (a final ERROR
+with that code, then close), `survived` (the ping probe sent after the garbage was
+answered), `goodbye` (closed in order after GOODBYE), `eof` (closed without an ERROR),
+`hung` (neither an answer nor a close within the client's `wait`), `broker-sent-garbage`,
+`refused` (HELLO not welcomed), `connect_failed.ERRNO`. Each kind has the outcome
+docs/PROTOCOL.md promises (a final ERROR with protocol-error, frame-too-large or
+forbidden, then close; GOODBYE-first closes in order; `random` before HELLO may announce
+a frame that never comes: `eof` by `handshake_timeout`); `mutated` may be served, closed
+in order or dropped with any ERROR, never closed silently nor left hanging. A mutation
+that leaves a frame open (truncated, a larger length) takes the probe's bytes into that
+frame: from the bytes, with the broker's framing, the client tells a stream ending inside
+a frame (the broker drops it after `idle_in_frame_timeout`: protocol-error) from one
+ending on a frame boundary (the completed frame may be valid and owed no answer: a second
+probe follows and must be answered; `garbage.probe_swallowed` counts them). A `wait` not
+above the broker's `handshake_timeout` (kind `random`) or `idle_in_frame_timeout`
+(`random-after-hello`, `mutated`) is refused when the file is loaded: the broker may take
+that long to keep its promise, and what `wait` exceeds it by is the allowance for a
+loaded machine. Any other outcome counts as `garbage.unexpected` and is printed in the
+client's log with its job number and seed (process `i` of the client uses `seed` + `i`),
+which rebuild its bytes: `build_garbage(kind, garbage_rng(seed, job), max_frame_size,
+target)` in msgq_trio/scenario/clients.py.
 
 ## Metrics
 
