@@ -197,3 +197,46 @@ async def test_each_process_sends_its_own_frames(broker_factory: Callable[..., A
     assert [c.counts["sent"] for c in ctxs] == [1, 1]
     assert [c.counts["probe_swallowed"] for c in ctxs] == [0, 1]
     assert [c.counts["unexpected"] for c in ctxs] == [0, 0]
+
+
+@pytest.mark.parametrize(("behaviour", "outcome"), [("close", "eof"), ("stall", "hung")])
+async def test_a_broker_breaking_its_promise_is_reported(
+    short_tmp: Path, behaviour: str, outcome: str
+) -> None:
+    """The other side of the verdict: a peer that welcomes the garbage client and then
+    closes without an ERROR, or neither answers nor closes, is reported (``unexpected``,
+    with the outcome), also for a mutated frame, whatever the mutation."""
+    path = str(short_tmp / "fake.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(path)
+    listener.listen(8)
+    welcome = b"".join(
+        bytes(x)
+        for x in encode_frame(
+            FrameType.WELCOME, header=encode_cbor({"version": 1, "lname": "g.1", "limits": {}})
+        )
+    )
+
+    async def serve() -> None:
+        while True:
+            sock, _ = await listener.accept()
+            stream = trio.SocketStream(sock)
+            await stream.receive_some(1 << 16)  # HELLO
+            await stream.send_all(welcome)
+            if behaviour == "close":
+                await stream.aclose()
+            else:
+                held.append(stream)
+
+    held: list[trio.SocketStream] = []
+    params = {**ROLES["garbage"].params, "kinds": ["mutated"], "seed": 11, "wait": 1.0}
+    ctx = Ctx("garbage", path, "garbage", 0, params)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            n.start_soon(serve)
+            await Garbage(ctx)._one("mutated", garbage_rng(11, 23), trio.CapacityLimiter(1), 23, 11)
+            n.cancel_scope.cancel()
+    for s in held:
+        await s.aclose()
+    listener.close()
+    assert ctx.counts[outcome] == 1 and ctx.counts["unexpected"] == 1, dict(ctx.counts)
