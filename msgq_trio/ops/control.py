@@ -7,13 +7,13 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 
 | command | params | result |
 |---|---|---|
-| ``clients`` | - | one row per client (identity, traffic, queue, pending, since) |
+| ``clients`` | ``{"fields"?}`` | one row per client (identity, traffic, queue, pending, since) |
 | ``drop`` | ``{"lname", "reason"?}`` | the dropped client's row |
 | ``shutdown`` | ``{"reason"?}`` | ``{"shutting_down": true}``; GOODBYE to all follows |
 | ``config-get`` | ``{"key"?}`` | the running configuration, or one key's value |
 | ``config-set`` | ``{"key", "value"}`` | ``{"changed": [...], "restart_required": [...]}`` |
 | ``config-reload`` | - | same as SIGHUP: re-read the file, apply or refuse as a whole |
-| ``stats`` | - | the server's figures plus traffic, disconnects, capture, config |
+| ``stats`` | ``{"fields"?}`` | the server's figures plus traffic, disconnects, capture, config |
 | ``command-stats`` | ``{"top"?: N}`` | per (group, command) counts and latency (core/cmdstats.py) |
 | ``users`` | - | one row per connected user: use and limit of each quota, refusals |
 | ``capture-start`` | capture settings to override | the capture's status |
@@ -21,6 +21,12 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 | ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
 | ``dump-stop`` | - | ``true`` if a dump was running |
 | ``audit`` | ``{"actor", "action", "detail"?}`` | ``true``; an INFO line: actor, caller, action |
+
+``fields`` (a list of keys) asks ``clients`` for only those keys of each row (an unknown
+key is refused) and ``stats`` for only those keys of its answer; the keys of
+``Operations.cheap_stats`` are then computed alone, without the full answer's walk of
+every task and descriptor: what a caller polling every few seconds (the web console)
+asks for.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ..config import BrokerConfig, CaptureSettings, CommandAccess
 from ..core.broker import CommandError
 from ..core.peers import Peer
 from ..exposition import Exposition, MetricsServer
+from ..io.housekeeping import rss_bytes
 from ..plugins.loader import PluginConfigError, enforced_commands
 from ..protocol.codes import ErrorCode
 from . import config_file, logsetup
@@ -89,6 +96,68 @@ def _str_list(params: dict[str, Any], key: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise CommandError(ErrorCode.BAD_REQUEST, f"{key} must be a list of strings")
     return v
+
+
+def _field_list(params: dict[str, Any], known: frozenset[str] | None) -> list[str] | None:
+    """The ``fields`` param (None: every field); with ``known``, an unknown name is the
+    caller's error, named."""
+    if params.get("fields") is None:
+        return None
+    fields = _str_list(params, "fields")
+    if known is not None:
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise CommandError(
+                ErrorCode.BAD_REQUEST, f"unknown fields {unknown}; known: {sorted(known)}"
+            )
+    return fields
+
+
+#: Row keys of the ``clients`` answer read straight off the peer: key -> attribute.
+_CLIENT_ATTRS = {
+    "lname": "lname",
+    "name": "name",
+    "pid": "pid",
+    "uid": "uid",
+    "gid": "gid",
+    "msgs_in": "msgs_in",
+    "msgs_out": "msgs_out",
+    "bytes_in": "bytes_in",
+    "bytes_out": "bytes_out",
+    "queued_bytes": "outq_bytes",
+    "where": "where",
+}
+#: Every row key of the ``clients`` answer (``Operations.client_row``).
+CLIENT_FIELDS = frozenset(
+    {*_CLIENT_ATTRS, "groups", "pending_out", "pending_in", "connected_at", "connected_for"}
+)
+
+
+def client_rows_of(
+    peers: list[Peer], fields: list[str], now: float, wall: float
+) -> list[dict[str, Any]]:
+    """The ``clients`` rows of ``peers`` with only ``fields`` (each a key of
+    :data:`CLIENT_FIELDS`), as ``Operations.client_row`` computes them; ``now`` is the trio
+    clock, ``wall`` the time of day, read once for all rows."""
+    direct = [f for f in fields if f in _CLIENT_ATTRS]
+    get = [_CLIENT_ATTRS[f] for f in direct]
+    computed = [f for f in fields if f not in _CLIENT_ATTRS]
+    rows = []
+    for p in peers:
+        row = {k: getattr(p, a) for k, a in zip(direct, get, strict=True)}
+        for f in computed:
+            if f == "groups":
+                row[f] = list(p.groups)
+            elif f == "pending_out":
+                row[f] = len(p.pending_out)
+            elif f == "pending_in":
+                row[f] = len(p.pending_in)
+            elif f == "connected_at":
+                row[f] = round(wall - (now - p.connected_at), 3)
+            else:  # connected_for
+                row[f] = round(now - p.connected_at, 3)
+        rows.append(row)
+    return rows
 
 
 class Operations:
@@ -411,8 +480,12 @@ class Operations:
             "where": p.where,
         }
 
-    def _cmd_clients(self, _peer: Peer, _params: object) -> object:
-        return [self.client_row(p) for _, p in sorted(self.core.peers.items())]
+    def _cmd_clients(self, _peer: Peer, params: object) -> object:
+        fields = _field_list(_params(params), CLIENT_FIELDS)
+        peers = [p for _, p in sorted(self.core.peers.items())]
+        if fields is None:
+            return [self.client_row(p) for p in peers]
+        return client_rows_of(peers, fields, trio.current_time(), time.time())
 
     def _cmd_drop(self, peer: Peer, params: object) -> object:
         p = _params(params)
@@ -463,13 +536,7 @@ class Operations:
             "disconnects": dict(self.totals.disconnects),
             "capture": self.hub.stats(),
             "control": {"refusals": self.refusals, "allow_uids": sorted(self.allowed_uids())},
-            "config": {
-                "file": str(self.source.path) if self.source.path else None,
-                "generation": self.generation,
-                "loaded_at": self.loaded_at,
-                "reloads_ok": self.reloads_ok,
-                "reloads_failed": self.reloads_failed,
-            },
+            "config": self.config_figures(),
             "metrics": {
                 "address": self.metrics_address,
                 "scrapes": self.metrics.scrapes if self.metrics else 0,
@@ -488,7 +555,42 @@ class Operations:
             },
         }
 
+    def config_figures(self) -> dict[str, Any]:
+        """The ``stats`` answer's ``config``: where it was read, its generation, reloads."""
+        return {
+            "file": str(self.source.path) if self.source.path else None,
+            "generation": self.generation,
+            "loaded_at": self.loaded_at,
+            "reloads_ok": self.reloads_ok,
+            "reloads_failed": self.reloads_failed,
+        }
+
+    def cheap_stats(self) -> dict[str, Callable[[], object]]:
+        """The ``stats`` keys computed alone, each in O(clients) at most without a system
+        call per client: what a caller polling ``stats`` with ``fields`` (the web console,
+        every 2 s) asks for. The full answer walks every task and lists every descriptor."""
+        server, core = self.server, self.core
+        return {
+            "connections": lambda: len(server.conns),
+            "pending_requests": lambda: len(core.rpc),
+            "groups": lambda: len(core.router.groups),
+            "queued_bytes": lambda: sum(p.outq_bytes for p in core.peers.values()),
+            "rss_bytes": rss_bytes,
+            "uptime": lambda: trio.current_time() - server.started_at,
+            "traffic": lambda: self.totals.totals(core.peers.values()),
+            "capture": self.hub.stats,
+            "config": self.config_figures,
+        }
+
     def _cmd_stats(self, peer: Peer, params: object) -> object:
+        fields = _field_list(_params(params), None)
+        if fields is not None:
+            cheap = self.cheap_stats()
+            if all(f in cheap for f in fields):
+                return {f: cheap[f]() for f in fields}
+            full = self._cmd_stats(peer, None)
+            assert isinstance(full, dict)
+            return {f: full[f] for f in fields if f in full}
         base = self._server_stats(peer, params) if self._server_stats is not None else {}
         out = dict(base) if isinstance(base, dict) else {"server": base}
         out.update(self.stats())
