@@ -42,6 +42,7 @@ from typing import Any
 import trio
 
 import msgq_trio
+from msgq_trio.console.service import CLIENT_FIELDS, STATS_FIELDS
 from msgq_trio.protocol.codes import PROTOCOL_VERSION, FrameType
 from msgq_trio.protocol.framing import encode_cbor, encode_frame
 
@@ -132,6 +133,8 @@ COST_COMMANDS: list[tuple[str, str, Any]] = [
     ("msgq", "command-stats", None),
     ("msgq", "capture-status", None),
     ("msgq", "clients", None),
+    ("msgq", "stats", {"fields": STATS_FIELDS}),
+    ("msgq", "clients", {"fields": CLIENT_FIELDS}),
 ]
 
 

@@ -2,20 +2,25 @@
 logged-in viewers' own connections and the live traffic streams.
 
 Cost to the broker is independent of the number of viewers: the poller takes one
-snapshot per interval on the console's own connection (``clients``, ``groups``,
-``stats``, ``command-stats``, ``config-get``, ``capture-status`` and the plugins'
-status commands) and every tab gets that same document. Only the traffic view and a
+snapshot per interval on the console's own connection and every tab gets that same
+document. A snapshot asks only for what the open views show (:data:`VIEW_SECTIONS`):
+the broker card's cheap figures always (``config-get``, ``stats`` with ``fields``,
+``groups``, ``capture-status``), ``clients`` only while a viewer looks at the clients or
+groups, ``command-stats`` at the commands, the queue, pipe and link plugins at the
+queues; and nothing at all while no viewer is connected. Only the traffic view and a
 form's declaration cost a request per viewer, and the traffic streams are bounded
 (``max_traffic``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +45,48 @@ MAX_QUEUES = 200
 DEFAULT_MAX_SESSIONS = 32
 #: A session unused this long is closed with its connection (seconds).
 SESSION_IDLE = 3600.0
+
+
+#: What each view of the page shows beyond the broker card (the sections a snapshot
+#: asks the broker for while a viewer is on that view); ``all``: every section (the
+#: ``/api/snapshot`` document, and an event stream that names no view).
+SECTIONS = frozenset({"clients", "commands", "queues"})
+VIEW_SECTIONS: dict[str, frozenset[str]] = {
+    "broker": frozenset(),
+    "clients": frozenset({"clients"}),
+    "groups": frozenset({"clients"}),  # the groups table is made from the clients' rows
+    "commands": frozenset({"commands"}),
+    "queues": frozenset({"queues"}),
+    "traffic": frozenset(),
+    "actions": frozenset(),
+    "all": SECTIONS,
+}
+#: The ``clients`` row keys the page shows (the broker computes and sends no others).
+CLIENT_FIELDS = [
+    "lname",
+    "name",
+    "pid",
+    "uid",
+    "groups",
+    "queued_bytes",
+    "msgs_in",
+    "msgs_out",
+    "connected_at",
+    "connected_for",
+    "where",
+]
+#: The ``stats`` keys the broker card and the chart show; each is computed alone by the
+#: broker, without the full answer's walk of every task and descriptor.
+STATS_FIELDS = [
+    "connections",
+    "pending_requests",
+    "queued_bytes",
+    "rss_bytes",
+    "uptime",
+    "traffic",
+    "capture",
+    "config",
+]
 
 
 class ActionError(Exception):
@@ -97,6 +144,14 @@ class Console:
         self.traffic_open = 0
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        #: Event streams open per view (the sections they need are polled).
+        self.watching: dict[str, int] = {}
+        #: Until then (trio clock), every section is polled: ``/api/snapshot`` readers.
+        self.full_until = -math.inf
+        #: The sections the current document holds.
+        self.sections: frozenset[str] = frozenset()
+        self._wake = trio.Event()
+        self._version: Any = None
 
     # -- the poller ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -111,16 +166,27 @@ class Console:
                         self.socket, name="msgq-trio-console", **self.connect_kw
                     ) as bus:
                         self.bus = bus
+                        self._version = None
                         if not started:
                             task_status.started()
                             started = True
                         # One snapshot per interval, start to start: a slow answer
-                        # shortens the pause, never adds a burst of catch-up polls.
+                        # shortens the pause, never adds a burst of catch-up polls. No
+                        # viewer, no snapshot; a viewer that needs a section the
+                        # document lacks gets one at once.
                         deadline = trio.current_time()
                         while True:
-                            await self.poll_once(bus)
+                            wanted = self.wanted()
+                            if wanted is None:
+                                await self._wake.wait()
+                                deadline = trio.current_time()
+                                continue
+                            await self.poll_once(bus, wanted)
                             deadline = max(deadline + self.interval, trio.current_time())
-                            await trio.sleep_until(deadline)
+                            with trio.move_on_at(deadline):
+                                while (self.wanted() or frozenset()) <= self.sections:
+                                    await self._wake.wait()
+                                deadline = trio.current_time()
                 except (MsgqError, OSError) as exc:
                     self.bus = None
                     self._publish(
@@ -131,9 +197,62 @@ class Console:
                         started = True
                     await trio.sleep(self.interval)
 
-    async def poll_once(self, bus: Bus) -> None:
-        """One snapshot: every source asked at once, each bounded by the interval; a
-        source that fails is named in the document's ``errors``, the rest still shows."""
+    # -- who is looking at what ----------------------------------------------------------
+    def wanted(self) -> frozenset[str] | None:
+        """The sections the next snapshot asks for; None: no viewer, no snapshot."""
+        if trio.current_time() < self.full_until:
+            return SECTIONS
+        if not any(self.watching.values()):
+            return None
+        out: frozenset[str] = frozenset()
+        for v, n in self.watching.items():
+            if n:
+                out |= VIEW_SECTIONS[v]
+        return out
+
+    def _demand(self, was_idle: bool) -> None:
+        """A viewer came: the poller snapshots at once if it was idle (no viewer until
+        now: the document is old) or if the document lacks a section now wanted."""
+        if was_idle:
+            self.sections = frozenset()  # too old: viewers wait for the next snapshot
+        self._wake.set()
+        self._wake = trio.Event()
+
+    @property
+    def idle(self) -> bool:
+        """No snapshot is being taken for anyone (the document may be old)."""
+        return self.wanted() is None
+
+    @contextlib.contextmanager
+    def watch(self, view: str) -> Iterator[frozenset[str]]:
+        """An event stream open on ``view`` (a key of :data:`VIEW_SECTIONS`): its
+        sections are polled while it lasts. Yields the sections it needs."""
+        was_idle = self.idle
+        self.watching[view] = self.watching.get(view, 0) + 1
+        sections = VIEW_SECTIONS[view]
+        self._demand(was_idle)
+        try:
+            yield sections
+        finally:
+            self.watching[view] -= 1
+
+    async def fresh_document(self, timeout: float) -> str:
+        """The document with every section, for a reader of ``/api/snapshot``: every
+        section is polled for the next two intervals (a reader polling the endpoint
+        keeps them fresh); waits up to ``timeout`` for a snapshot that has them all, else
+        returns the latest document."""
+        was_idle = self.idle
+        self.full_until = trio.current_time() + 2 * self.interval
+        self._demand(was_idle)
+        with trio.move_on_after(timeout):
+            while not self.sections >= SECTIONS:
+                await self._changed.wait()
+        return self.document
+
+    async def poll_once(self, bus: Bus, sections: frozenset[str] = SECTIONS) -> None:
+        """One snapshot: the broker card's sources and ``sections`` asked at once, each
+        bounded by the interval; a source that fails is named in the document's
+        ``errors``, the rest still shows."""
         raw = Raw(taken_at=time.time())
         wait = max(self.interval, 1.0)
 
@@ -162,33 +281,50 @@ class Console:
                 if exc.code != "no-recipient":  # the plugin does not run: nothing to show
                     raw.errors[attr] = f"{exc.code}: {exc.message}"
 
+        async def version() -> None:
+            # Once per connection: a broker that is upgraded is a new connection.
+            if self._version is None:
+                await ask("version", "msgq", "version")
+                self._version = raw.version or None
+            else:
+                raw.version = self._version
+
         await ask("config", "msgq", "config-get")
         async with trio.open_nursery() as n:
-            n.start_soon(ask, "version", "msgq", "version")
-            n.start_soon(ask, "stats", "msgq", "stats")
-            n.start_soon(ask, "clients", "msgq", "clients")
+            n.start_soon(version)
+            n.start_soon(ask, "stats", "msgq", "stats", {"fields": STATS_FIELDS})
             n.start_soon(ask, "groups", "msgq", "groups")
-            n.start_soon(ask, "command_stats", "msgq", "command-stats")
             n.start_soon(ask, "capture", "msgq", "capture-status")
-            n.start_soon(queues)
-            n.start_soon(optional, "pipes", "msgq-pipe", "pipe.ls", {"all": True})
-            n.start_soon(optional, "links", "msgq-link", "status")
+            if "clients" in sections:
+                n.start_soon(ask, "clients", "msgq", "clients", {"fields": CLIENT_FIELDS})
+            if "commands" in sections:
+                n.start_soon(ask, "command_stats", "msgq", "command-stats")
+            if "queues" in sections:
+                n.start_soon(queues)
+                n.start_soon(optional, "pipes", "msgq-pipe", "pipe.ls", {"all": True})
+                n.start_soon(optional, "links", "msgq-link", "status")
         doc = view(raw, self.history, max_rows=self.max_rows)
         doc["interval"] = self.interval
         doc["console"] = {"lname": bus.lname, "login": self.login}
-        self._publish(doc)
+        doc["sections"] = sorted(sections)
+        self._publish(doc, sections)
 
-    def _publish(self, doc: dict[str, Any]) -> None:
-        self.document = json.dumps(doc, default=str)
+    def _publish(self, doc: dict[str, Any], sections: frozenset[str] = SECTIONS) -> None:
+        self.document = json.dumps(doc, default=str, separators=(",", ":"))
+        self.sections = sections
         self.seq += 1
         self.snapshots += 1
         self._changed.set()
         self._changed = trio.Event()
 
-    async def next_update(self, seq: int) -> tuple[int, str]:
-        """The current document if it is newer than ``seq``, else the next one as soon as
-        it is made (every tab waits on the same snapshot). Safe to cancel."""
-        while self.seq == seq:
+    async def next_update(
+        self, seq: int, sections: frozenset[str] = frozenset()
+    ) -> tuple[int, str]:
+        """The current document if it is newer than ``seq`` and holds ``sections``, else
+        the next such one as soon as it is made (every tab waits on the same snapshot; a
+        document without the broker, the broker being unreachable, holds every section).
+        Safe to cancel."""
+        while self.seq == seq or not sections <= self.sections:
             await self._changed.wait()
         return self.seq, self.document
 

@@ -1,0 +1,125 @@
+"""What the console asks the broker for, watched from the broker's side (a dump of the
+console connection's commands): nothing while no viewer is connected; the broker card's
+cheap figures for a viewer of the broker view; the clients (only the keys the page
+shows) once a viewer opens the clients view, pushed to it at once; nothing again after
+the last viewer leaves; and a fresh document with every section for ``/api/snapshot``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from console_helpers import ConsoleProcess, Viewer
+
+import msgq_trio
+
+INTERVAL = 0.3
+
+
+class Stream:
+    """A viewer's event stream on one view, read by a thread: the documents received."""
+
+    def __init__(self, v: Viewer, view: str) -> None:
+        self.resp = v.opener.open(f"{v.url}/api/events?view={view}", timeout=30)
+        self.docs: list[dict[str, Any]] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for raw in self.resp:
+                if raw.startswith(b"data: "):
+                    self.docs.append(json.loads(raw[6:]))
+        except (OSError, ValueError, AttributeError):  # closed under the reader
+            return
+
+    def close(self) -> None:
+        self.resp.close()
+
+
+async def commands_sent(bus: msgq_trio.Bus, seconds: float) -> Counter[str]:
+    """The commands the console sent to ``msgq`` during ``seconds`` (the dump's records;
+    ``clients``/``stats`` suffixed with the keys they asked for)."""
+    seen: Counter[str] = Counter()
+    with trio.move_on_after(seconds):
+        async for msg in bus:
+            body = msg.body
+            if msg.sender != "l.0" or not isinstance(body, dict):
+                continue
+            for r in body.get("records") or ():
+                name = r["command"]
+                params = r.get("body")
+                if isinstance(params, dict) and "fields" in params:
+                    name += " fields"
+                seen[name] += 1
+    return seen
+
+
+async def test_the_console_asks_only_for_what_viewers_look_at(
+    broker: Any,
+    console_factory: Callable[..., ConsoleProcess],
+    viewer: Callable[[str], Viewer],
+) -> None:
+    con = console_factory(broker.path, "--interval", str(INTERVAL))
+    v = viewer(con.url)
+    await trio.to_thread.run_sync(v.open_page)
+    async with msgq_trio.connect(broker.path, name="watcher") as bus:
+        await bus.call(
+            "msgq",
+            "dump-start",
+            {"kinds": ["command"], "senders": ["msgq-trio-console"], "body": "json"},
+        )
+        # The page is open but no event stream: no snapshot at all.
+        assert await commands_sent(bus, 6 * INTERVAL) == Counter()
+
+        broker_view = await trio.to_thread.run_sync(Stream, v, "broker")
+        try:
+            seen = await commands_sent(bus, 6 * INTERVAL)
+            assert seen["stats fields"] >= 3 and seen["config-get"] >= 3, seen
+            assert seen["groups"] >= 3 and seen["capture-status"] >= 3, seen
+            assert seen["version"] == 1, seen  # once per connection
+            assert not {"clients", "clients fields", "command-stats", "stats"} & set(seen), seen
+            assert broker_view.docs and broker_view.docs[-1]["sections"] == []
+
+            # A viewer on the clients view: the next snapshot has them, at once.
+            opened = time.time()
+            clients_view = await trio.to_thread.run_sync(Stream, v, "clients")
+            try:
+                seen = await commands_sent(bus, 6 * INTERVAL)
+                assert seen["clients fields"] >= 3 and "clients" not in seen, seen
+                doc = clients_view.docs[0]
+                assert doc["sections"] == ["clients"] and doc["taken_at"] >= opened - 0.1
+                mine = [c for c in doc["clients"] if c["name"] == "watcher"]
+                assert mine and mine[0]["identity"].startswith("pid ")
+            finally:
+                clients_view.close()
+            # The clients view closed: its section is no longer asked for.
+            await commands_sent(bus, 2 * INTERVAL)
+            seen = await commands_sent(bus, 6 * INTERVAL)
+            assert seen["stats fields"] >= 3 and "clients fields" not in seen, seen
+        finally:
+            broker_view.close()
+        await commands_sent(bus, 2 * INTERVAL)
+        assert await commands_sent(bus, 6 * INTERVAL) == Counter()
+
+        # /api/snapshot when idle: a new snapshot with every section.
+        asked = time.time()
+        doc = await trio.to_thread.run_sync(v.snapshot)
+        assert doc["taken_at"] >= asked - 0.1
+        assert doc["sections"] == ["clients", "commands", "queues"]
+        assert any(c["name"] == "watcher" for c in doc["clients"])
+
+
+async def test_unknown_view_is_refused(
+    broker: Any, console_factory: Callable[..., ConsoleProcess], viewer: Callable[[str], Viewer]
+) -> None:
+    con = console_factory(broker.path)
+    v = viewer(con.url)
+    await trio.to_thread.run_sync(v.open_page)
+    status, _, body = await trio.to_thread.run_sync(lambda: v.request("/api/events?view=nope"))
+    assert status == 400 and "unknown view 'nope'" in json.loads(body)["error"]
