@@ -7,13 +7,13 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 
 | command | params | result |
 |---|---|---|
-| ``clients`` | ``{"fields"?}`` | one row per client (identity, traffic, queue, pending, since) |
+| ``clients`` | (below) | one row per client (identity, traffic, queue, pending, since) |
 | ``drop`` | ``{"lname", "reason"?}`` | the dropped client's row |
 | ``shutdown`` | ``{"reason"?}`` | ``{"shutting_down": true}``; GOODBYE to all follows |
 | ``config-get`` | ``{"key"?}`` | the running configuration, or one key's value |
 | ``config-set`` | ``{"key", "value"}`` | ``{"changed": [...], "restart_required": [...]}`` |
 | ``config-reload`` | - | same as SIGHUP: re-read the file, apply or refuse as a whole |
-| ``stats`` | ``{"fields"?}`` | the server's figures plus traffic, disconnects, capture, config |
+| ``stats`` | (below) | the server's figures plus traffic, disconnects, capture, config |
 | ``command-stats`` | ``{"top"?: N}`` | per (group, command) counts and latency (core/cmdstats.py) |
 | ``users`` | - | one row per connected user: use and limit of each quota, refusals |
 | ``capture-start`` | capture settings to override | the capture's status |
@@ -21,6 +21,12 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 | ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
 | ``dump-stop`` | - | ``true`` if a dump was running |
 | ``audit`` | ``{"actor", "action", "detail"?}`` | ``true``; an INFO line: actor, caller, action |
+
+``clients`` with ``since`` (the ``generation`` of the caller's previous such answer, 0
+the first time) answers ``{"generation", "full", "now", "rows", "gone"}``: only the rows
+that changed and the lnames gone since then (``Operations.clients_since``), so a caller
+that polls a bus of idle clients gets an empty list; the broker keeps one signature per
+client for that caller until it disconnects.
 
 ``fields`` (a list of keys) asks ``clients`` for only those keys of each row (an unknown
 key is refused) and ``stats`` for only those keys of its answer; the keys of
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -202,6 +209,10 @@ class Operations:
         )
         self._nursery: trio.Nursery | None = None
         self._server_stats: Callable[[Peer, Any], object] | None = None
+        #: Caller -> the generation and the rows' signatures of its last ``clients``
+        #: answer with ``since`` (one per caller, dropped when it disconnects).
+        self._clients_seen: dict[Peer, tuple[int, dict[int, object]]] = {}
+        self._clients_generation = 0
 
     # -- wiring -------------------------------------------------------------------------
     def install(self) -> None:
@@ -247,6 +258,7 @@ class Operations:
     def _peer_gone(self, peer: Peer, reason: str) -> None:
         self.totals.peer_gone(peer, reason)
         self.hub.peer_gone(peer)
+        self._clients_seen.pop(peer, None)
 
     def allowed_uids(self) -> frozenset[int]:
         allow = self.config.control.allow_uids
@@ -480,12 +492,58 @@ class Operations:
             "where": p.where,
         }
 
-    def _cmd_clients(self, _peer: Peer, params: object) -> object:
-        fields = _field_list(_params(params), CLIENT_FIELDS)
+    def _cmd_clients(self, peer: Peer, params: object) -> object:
+        p = _params(params)
+        fields = _field_list(p, CLIENT_FIELDS)
+        since = p.get("since")
+        if since is not None:
+            if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+                raise CommandError(
+                    ErrorCode.BAD_REQUEST, f"since must be a generation (int >= 0), got {since!r}"
+                )
+            return self.clients_since(peer, fields or sorted(CLIENT_FIELDS), since)
         peers = [p for _, p in sorted(self.core.peers.items())]
         if fields is None:
             return [self.client_row(p) for p in peers]
         return client_rows_of(peers, fields, trio.current_time(), time.time())
+
+    def clients_since(self, caller: Peer, fields: list[str], since: int) -> dict[str, Any]:
+        """The ``clients`` answer with ``since``: only the rows that changed since the
+        caller's answer of generation ``since`` (new clients included) and the lnames of
+        the clients gone since; ``full`` (every row, nothing gone) when ``since`` is not
+        the caller's last generation (0, a lost answer, another broker). A row changes
+        when one of its ``fields`` does, ``connected_for`` excepted (it always does: the
+        caller has ``now``, the broker's time of day, and ``connected_at``). Keeps one
+        signature per client for the caller until its next such call or its end."""
+        last = self._clients_seen.get(caller)
+        full = last is None or last[0] != since
+        seen: dict[int, object] = {} if full or last is None else last[1]
+        direct = tuple(_CLIENT_ATTRS[f] for f in fields if f in _CLIENT_ATTRS)
+        get = operator.attrgetter(*direct) if direct else (lambda _p: None)
+        with_groups = "groups" in fields
+        with_pending = "pending_in" in fields or "pending_out" in fields
+        now_seen: dict[int, object] = {}
+        changed = []
+        for pid_, p in sorted(self.core.peers.items()):
+            sig = (
+                get(p),
+                tuple(p.groups) if with_groups else None,
+                (len(p.pending_in), len(p.pending_out)) if with_pending else None,
+            )
+            now_seen[pid_] = sig
+            if seen.get(pid_) != sig:
+                changed.append(p)
+        gone = [] if full else [f"l.{i}" for i in seen.keys() - now_seen.keys()]
+        self._clients_generation += 1
+        self._clients_seen[caller] = (self._clients_generation, now_seen)
+        wall = time.time()
+        return {
+            "generation": self._clients_generation,
+            "full": full,
+            "now": round(wall, 3),
+            "rows": client_rows_of(changed, fields, trio.current_time(), wall),
+            "gone": sorted(gone),
+        }
 
     def _cmd_drop(self, peer: Peer, params: object) -> object:
         p = _params(params)

@@ -5,6 +5,7 @@ a wrong ``fields`` is the caller's error, named."""
 from __future__ import annotations
 
 import pytest
+import trio
 
 import msgq_trio
 from msgq_trio.errors import RemoteError
@@ -78,3 +79,50 @@ async def test_stats_fields_match_the_full_answer(broker) -> None:
         with pytest.raises(RemoteError) as exc:
             await a.call("msgq", "stats", {"fields": {"uptime": 1}})
         assert exc.value.code == "bad-request" and "fields" in exc.value.message
+
+
+async def test_clients_since_answers_what_changed(broker) -> None:
+    """``since``: the first answer is full; then only changed or new rows (the caller's
+    own row changes with each request it sends), and the lnames of clients gone; a
+    generation that is not the caller's last gets a full answer again."""
+    fields = ["lname", "name", "groups", "msgs_in", "connected_at"]
+    async with (
+        msgq_trio.connect(broker.path, name="a") as a,
+        msgq_trio.connect(broker.path, name="idle") as idle,
+    ):
+        first = await a.call("msgq", "clients", {"fields": fields, "since": 0})
+        assert first["full"] is True and first["gone"] == []
+        assert {r["lname"] for r in first["rows"]} == {a.lname, idle.lname}
+        assert set(first["rows"][0]) == set(fields) and first["now"] > 0
+
+        quiet = await a.call("msgq", "clients", {"fields": fields, "since": first["generation"]})
+        assert quiet["full"] is False and quiet["gone"] == []
+        assert [r["lname"] for r in quiet["rows"]] == [a.lname]  # its requests count
+
+        async with msgq_trio.connect(broker.path, name="new") as new:
+            await idle.subscribe("Zone")
+            gen = quiet["generation"]
+            moved = await a.call("msgq", "clients", {"fields": fields, "since": gen})
+            rows = {r["lname"]: r for r in moved["rows"]}
+            assert set(rows) == {a.lname, idle.lname, new.lname}
+            assert rows[idle.lname]["groups"] == ["Zone"] and rows[new.lname]["name"] == "new"
+            gen = moved["generation"]
+        await idle.unsubscribe("Zone")
+        # The broker may see the close after a's next request: ask until it is gone.
+        gone: list[str] = []
+        changed: set[str] = set()
+        with trio.fail_after(10):
+            while not gone:
+                answer = await a.call("msgq", "clients", {"fields": fields, "since": gen})
+                assert answer["full"] is False
+                gen, gone = answer["generation"], answer["gone"]
+                changed |= {r["lname"] for r in answer["rows"]}
+        assert gone == [new.lname] and changed == {a.lname, idle.lname}
+
+        stale = await a.call("msgq", "clients", {"fields": fields, "since": gen - 1})
+        assert stale["full"] is True and len(stale["rows"]) == 2
+
+        for bad in (-1, "1", True):
+            with pytest.raises(RemoteError) as exc:
+                await a.call("msgq", "clients", {"since": bad})
+            assert exc.value.code == "bad-request" and "since" in exc.value.message
