@@ -135,6 +135,8 @@ COST_COMMANDS: list[tuple[str, str, Any]] = [
     ("msgq", "clients", None),
     ("msgq", "stats", {"fields": STATS_FIELDS}),
     ("msgq", "clients", {"fields": CLIENT_FIELDS}),
+    # Each call with the generation of the previous answer: what the console asks.
+    ("msgq", "clients", {"fields": CLIENT_FIELDS, "since": 0}),
 ]
 
 
@@ -148,15 +150,18 @@ def cpu_seconds(pid: int) -> float:
 async def _command_costs(path: str, broker_pid: int, calls: int) -> list[dict[str, Any]]:
     rows = []
     async with msgq_trio.connect(path, name="bench-cost") as bus:
-        for target, command, params in COST_COMMANDS:
-            answer = await bus.call(target, command, params)
+        for target, command, first in COST_COMMANDS:
+            chained = isinstance(first, dict) and "since" in first
+            answer = await bus.call(target, command, first)
             c0 = cpu_seconds(broker_pid)
             for _ in range(calls):
-                await bus.call(target, command, params)
+                params = {**first, "since": answer["generation"]} if chained else first
+                answer = await bus.call(target, command, params)
             cpu = cpu_seconds(broker_pid) - c0
+            shown = {**first, "since": "<previous generation>"} if chained else first
             rows.append(
                 {
-                    "command": command if params is None else f"{command} {json.dumps(params)}",
+                    "command": command if shown is None else f"{command} {json.dumps(shown)}",
                     "broker_cpu_us": round(cpu / calls * 1e6, 1),
                     "answer_bytes": len(encode_cbor(answer)),
                 }

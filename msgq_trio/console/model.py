@@ -45,6 +45,9 @@ class Raw:
     pipes: Mapping[str, Any] = field(default_factory=dict)
     links: list[Mapping[str, Any]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    #: The broker's time of day when it answered ``clients`` (rows without
+    #: ``connected_for`` are that long connected since their ``connected_at``).
+    clients_now: float | None = None
 
 
 @dataclass
@@ -95,11 +98,19 @@ def identity(row: Mapping[str, Any]) -> str:
     return f"pid {row.get('pid')} uid {row.get('uid')}"
 
 
-def client_rows(clients: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The clients table, in lname order (l.2 before l.10)."""
+def client_rows(
+    clients: Iterable[Mapping[str, Any]], now: float | None = None
+) -> list[dict[str, Any]]:
+    """The clients table, in lname order (l.2 before l.10). ``now``: the broker's time
+    of day, for rows that come without ``connected_for``."""
     rows: list[dict[str, Any]] = []
     for c in clients:
         lname = str(c.get("lname", ""))
+        since = _num(c.get("connected_at"))
+        if "connected_for" in c or now is None:
+            connected_for = _num(c.get("connected_for"))
+        else:
+            connected_for = round(max(now - since, 0.0), 3)
         rows.append(
             {
                 "lname": lname,
@@ -112,8 +123,8 @@ def client_rows(clients: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "queued_bytes": _num(c.get("queued_bytes")),
                 "msgs_in": _num(c.get("msgs_in")),
                 "msgs_out": _num(c.get("msgs_out")),
-                "connected_at": _num(c.get("connected_at")),
-                "connected_for": _num(c.get("connected_for")),
+                "connected_at": since,
+                "connected_for": connected_for,
             }
         )
     rows.sort(key=lambda r: int(r["n"]))
@@ -263,7 +274,7 @@ def view(raw: Raw, history: History, *, max_rows: int = DEFAULT_MAX_ROWS) -> dic
     """The document every browser tab gets: JSON-safe, at most ``max_rows`` per table."""
     traffic = raw.stats.get("traffic") or {}
     history.add(raw.taken_at, _num(traffic.get("messages_in")), _num(traffic.get("messages_out")))
-    clients = client_rows(raw.clients)
+    clients = client_rows(raw.clients, raw.clients_now)
     groups = group_rows(clients)  # members in lname order, as the clients table
     return {
         "taken_at": raw.taken_at,

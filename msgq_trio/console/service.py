@@ -61,7 +61,8 @@ VIEW_SECTIONS: dict[str, frozenset[str]] = {
     "actions": frozenset(),
     "all": SECTIONS,
 }
-#: The ``clients`` row keys the page shows (the broker computes and sends no others).
+#: The ``clients`` row keys the page shows (the broker computes and sends no others;
+#: how long each is connected follows from ``connected_at`` and the answer's ``now``).
 CLIENT_FIELDS = [
     "lname",
     "name",
@@ -72,7 +73,6 @@ CLIENT_FIELDS = [
     "msgs_in",
     "msgs_out",
     "connected_at",
-    "connected_for",
     "where",
 ]
 #: The ``stats`` keys the broker card and the chart show; each is computed alone by the
@@ -152,6 +152,10 @@ class Console:
         self.sections: frozenset[str] = frozenset()
         self._wake = trio.Event()
         self._version: Any = None
+        #: The clients table as the broker last answered it (lname -> row) and that
+        #: answer's generation: each snapshot asks only for what changed since.
+        self._clients: dict[str, Mapping[str, Any]] = {}
+        self._clients_generation = 0
 
     # -- the poller ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -167,6 +171,7 @@ class Console:
                     ) as bus:
                         self.bus = bus
                         self._version = None
+                        self._clients, self._clients_generation = {}, 0
                         if not started:
                             task_status.started()
                             started = True
@@ -281,6 +286,25 @@ class Console:
                 if exc.code != "no-recipient":  # the plugin does not run: nothing to show
                     raw.errors[attr] = f"{exc.code}: {exc.message}"
 
+        async def clients() -> None:
+            since = {"fields": CLIENT_FIELDS, "since": self._clients_generation}
+            try:
+                answer = await bus.call("msgq", "clients", since, timeout=wait)
+            except RpcError as exc:
+                raw.errors["clients"] = f"{exc.code}: {exc.message}"
+                return
+            if isinstance(answer, list):  # a broker that answers every row each time
+                raw.clients = answer
+                return
+            table = {} if answer.get("full") else self._clients
+            for lname in answer.get("gone") or ():
+                table.pop(lname, None)
+            for row in answer.get("rows") or ():
+                table[str(row.get("lname"))] = row
+            self._clients, self._clients_generation = table, int(answer["generation"])
+            raw.clients = list(table.values())
+            raw.clients_now = answer.get("now")
+
         async def version() -> None:
             # Once per connection: a broker that is upgraded is a new connection.
             if self._version is None:
@@ -296,7 +320,7 @@ class Console:
             n.start_soon(ask, "groups", "msgq", "groups")
             n.start_soon(ask, "capture", "msgq", "capture-status")
             if "clients" in sections:
-                n.start_soon(ask, "clients", "msgq", "clients", {"fields": CLIENT_FIELDS})
+                n.start_soon(clients)
             if "commands" in sections:
                 n.start_soon(ask, "command_stats", "msgq", "command-stats")
             if "queues" in sections:

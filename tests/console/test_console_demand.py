@@ -17,6 +17,7 @@ import trio
 from console_helpers import ConsoleProcess, Viewer
 
 import msgq_trio
+from msgq_trio.console.model import client_rows
 
 INTERVAL = 0.3
 
@@ -44,7 +45,7 @@ class Stream:
 
 async def commands_sent(bus: msgq_trio.Bus, seconds: float) -> Counter[str]:
     """The commands the console sent to ``msgq`` during ``seconds`` (the dump's records;
-    ``clients``/``stats`` suffixed with the keys they asked for)."""
+    ``fields`` and ``since`` appended when they were asked with them)."""
     seen: Counter[str] = Counter()
     with trio.move_on_after(seconds):
         async for msg in bus:
@@ -56,6 +57,8 @@ async def commands_sent(bus: msgq_trio.Bus, seconds: float) -> Counter[str]:
                 params = r.get("body")
                 if isinstance(params, dict) and "fields" in params:
                     name += " fields"
+                if isinstance(params, dict) and params.get("since"):
+                    name += " since"
                 seen[name] += 1
     return seen
 
@@ -91,17 +94,21 @@ async def test_the_console_asks_only_for_what_viewers_look_at(
             clients_view = await trio.to_thread.run_sync(Stream, v, "clients")
             try:
                 seen = await commands_sent(bus, 6 * INTERVAL)
-                assert seen["clients fields"] >= 3 and "clients" not in seen, seen
+                # The first asks for every row, the next ones for what changed since.
+                assert seen["clients fields"] == 1 and "clients" not in seen, seen
+                assert seen["clients fields since"] >= 2, seen
                 doc = clients_view.docs[0]
                 assert doc["sections"] == ["clients"] and doc["taken_at"] >= opened - 0.1
                 mine = [c for c in doc["clients"] if c["name"] == "watcher"]
                 assert mine and mine[0]["identity"].startswith("pid ")
+                assert 0 <= mine[0]["connected_for"] < 60
             finally:
                 clients_view.close()
             # The clients view closed: its section is no longer asked for.
             await commands_sent(bus, 2 * INTERVAL)
             seen = await commands_sent(bus, 6 * INTERVAL)
-            assert seen["stats fields"] >= 3 and "clients fields" not in seen, seen
+            assert seen["stats fields"] >= 3, seen
+            assert not {"clients fields", "clients fields since"} & set(seen), seen
         finally:
             broker_view.close()
         await commands_sent(bus, 2 * INTERVAL)
@@ -123,3 +130,12 @@ async def test_unknown_view_is_refused(
     await trio.to_thread.run_sync(v.open_page)
     status, _, body = await trio.to_thread.run_sync(lambda: v.request("/api/events?view=nope"))
     assert status == 400 and "unknown view 'nope'" in json.loads(body)["error"]
+
+
+def test_connected_for_from_the_answers_time() -> None:
+    """Rows of a ``clients`` answer with ``since`` come without ``connected_for``: the
+    table has it from the answer's ``now`` (the broker's clock, not the console's)."""
+    rows = client_rows([{"lname": "l.3", "connected_at": 100.0}], now=160.5)
+    assert rows[0]["connected_for"] == 60.5 and rows[0]["connected_at"] == 100.0
+    given = client_rows([{"lname": "l.3", "connected_at": 100.0, "connected_for": 2.0}], 160.5)
+    assert given[0]["connected_for"] == 2.0
