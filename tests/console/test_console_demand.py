@@ -139,3 +139,21 @@ def test_connected_for_from_the_answers_time() -> None:
     assert rows[0]["connected_for"] == 60.5 and rows[0]["connected_at"] == 100.0
     given = client_rows([{"lname": "l.3", "connected_at": 100.0, "connected_for": 2.0}], 160.5)
     assert given[0]["connected_for"] == 2.0
+
+
+def test_client_rows_reuse_the_rows_the_broker_did_not_send_again() -> None:
+    """The table row of a broker row that is the same object as in the previous call is
+    reused (not rebuilt), with ``connected_for`` made anew; a row sent again is rebuilt;
+    a client no longer listed leaves the cache."""
+    cache: dict[str, Any] = {}
+    idle = {"lname": "l.2", "name": "idle", "groups": ["G"], "msgs_in": 1, "connected_at": 10.0}
+    busy = {"lname": "l.10", "name": "busy", "groups": [], "msgs_in": 1, "connected_at": 20.0}
+    first = client_rows([idle, busy], 30.0, cache)
+    assert [r["lname"] for r in first] == ["l.2", "l.10"]
+    busy2 = {**busy, "msgs_in": 9}
+    second = client_rows([idle, busy2], 31.0, cache)
+    assert second[0]["groups"] is first[0]["groups"]  # the same table row's data
+    assert second[0]["connected_for"] == 21.0 and first[0]["connected_for"] == 20.0
+    assert second[1]["msgs_in"] == 9 and first[1]["msgs_in"] == 1
+    client_rows([busy2], 32.0, cache)
+    assert set(cache) == {"l.10"}
