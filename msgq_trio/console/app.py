@@ -5,7 +5,7 @@
 | ``GET /`` | the page (the login form first when login is on) |
 | ``GET /static/...`` | the page's CSS, JavaScript and icon (package data) |
 | ``GET /api/snapshot`` | a snapshot document with every section (JSON) |
-| ``GET /api/events?view=V`` | server-sent events: each new document with what V shows |
+| ``GET /api/events?view=V`` | server-sent events: each new document (or its delta) for V |
 | ``GET /api/describe?target=G`` | G's members and their declarations (the call form) |
 | ``GET /api/traffic?kind=&sender=&target=`` | server-sent events: live traffic records |
 | ``POST /api/action`` | an action (JSON); needs the page's CSRF token in ``X-CSRF-Token`` |
@@ -162,11 +162,11 @@ def create_app(console: Console, *, secure: bool = False) -> Starlette:
                 seq = -1
                 while True:
                     with trio.move_on_after(KEEPALIVE) as idle:
-                        seq, doc = await console.next_update(seq, sections)
+                        seq, event, doc = await console.next_update(seq, sections)
                     if idle.cancelled_caught:
                         yield ": keep-alive\n\n"
                         continue
-                    yield f"id: {seq}\nevent: snapshot\ndata: {doc}\n\n"
+                    yield f"id: {seq}\nevent: {event}\ndata: {doc}\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_headers())
 

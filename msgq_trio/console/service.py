@@ -137,7 +137,13 @@ class Console:
         self.max_sessions = max_sessions
         self.history = History()
         self.seq = 0
-        self.document = json.dumps({"taken_at": None, "errors": {"broker": "connecting"}})
+        #: The latest document, its JSON made when first asked for (a stream that
+        #: had the previous one gets the delta instead), and the delta's JSON.
+        self._doc: dict[str, Any] = {"taken_at": None, "errors": {"broker": "connecting"}}
+        self._text: str | None = None
+        self._delta: str | None = None
+        #: The latest document shows the clients table as the broker last answered it.
+        self._clients_shown = False
         self.snapshots = 0
         self.bus: Bus | None = None
         self.sessions: dict[str, Session] = {}
@@ -297,13 +303,19 @@ class Console:
                 raw.clients = answer
                 return
             table = {} if answer.get("full") else self._clients
-            for lname in answer.get("gone") or ():
+            gone = [str(lname) for lname in answer.get("gone") or ()]
+            for lname in gone:
                 table.pop(lname, None)
+            changed = set()
             for row in answer.get("rows") or ():
+                changed.add(str(row.get("lname")))
                 table[str(row.get("lname"))] = row
             self._clients, self._clients_generation = table, int(answer["generation"])
             raw.clients = list(table.values())
             raw.clients_now = answer.get("now")
+            clients_ok.append(True)
+            if not answer.get("full"):
+                clients_delta.append((changed, gone))
 
         async def version() -> None:
             # Once per connection: a broker that is upgraded is a new connection.
@@ -313,6 +325,10 @@ class Console:
             else:
                 raw.version = self._version
 
+        # What changed in the clients table since the previous snapshot (the broker's
+        # answer to clients with since), if it told.
+        clients_delta: list[tuple[set[str], list[str]]] = []
+        clients_ok: list[bool] = []
         await ask("config", "msgq", "config-get")
         async with trio.open_nursery() as n:
             n.start_soon(version)
@@ -331,10 +347,50 @@ class Console:
         doc["interval"] = self.interval
         doc["console"] = {"lname": bus.lname, "login": self.login}
         doc["sections"] = sorted(sections)
-        self._publish(doc, sections)
+        doc["clients_now"] = raw.clients_now
+        delta = None
+        # A delta only to a document whose table the broker's answer was relative to.
+        if clients_delta and self._clients_shown and "clients" in self.sections:
+            delta = self._delta_of(doc, *clients_delta[0])
+        self._clients_shown = bool(clients_ok)
+        self._publish(doc, sections, delta)
 
-    def _publish(self, doc: dict[str, Any], sections: frozenset[str] = SECTIONS) -> None:
-        self.document = json.dumps(doc, default=str, separators=(",", ":"))
+    def _delta_of(
+        self, doc: dict[str, Any], changed: set[str], gone: list[str]
+    ) -> dict[str, Any] | None:
+        """``doc`` as a change to the previous document, for a page that has it: the
+        clients table as the rows that changed and the lnames gone (the page works out
+        how long each client is connected from ``clients_now``), the groups table only
+        if it changed. None when the tables were cut to ``max_rows``."""
+        prev = self._doc
+        if doc["clients_total"] > self.max_rows or prev.get("clients_total", 0) > self.max_rows:
+            return None
+        delta = {k: v for k, v in doc.items() if k not in ("clients", "groups")}
+        delta["clients_delta"] = {
+            "set": [r for r in doc["clients"] if r["lname"] in changed],
+            "gone": gone,
+        }
+        if doc["groups"] != prev.get("groups"):
+            delta["groups"] = doc["groups"]
+        return delta
+
+    @property
+    def document(self) -> str:
+        """The latest document as JSON (made once per snapshot, when first asked for)."""
+        if self._text is None:
+            self._text = json.dumps(self._doc, default=str, separators=(",", ":"))
+        return self._text
+
+    def _publish(
+        self,
+        doc: dict[str, Any],
+        sections: frozenset[str] = SECTIONS,
+        delta: dict[str, Any] | None = None,
+    ) -> None:
+        self._doc, self._text = doc, None
+        self._delta = (
+            None if delta is None else json.dumps(delta, default=str, separators=(",", ":"))
+        )
         self.sections = sections
         self.seq += 1
         self.snapshots += 1
@@ -343,14 +399,18 @@ class Console:
 
     async def next_update(
         self, seq: int, sections: frozenset[str] = frozenset()
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, str]:
         """The current document if it is newer than ``seq`` and holds ``sections``, else
         the next such one as soon as it is made (every tab waits on the same snapshot; a
         document without the broker, the broker being unreachable, holds every section).
+        Returns its seq, ``"delta"`` and the change to document ``seq`` when there is one
+        (the reader had the previous document), else ``"snapshot"`` and the document.
         Safe to cancel."""
         while self.seq == seq or not sections <= self.sections:
             await self._changed.wait()
-        return self.seq, self.document
+        if self._delta is not None and seq == self.seq - 1:
+            return self.seq, "delta", self._delta
+        return self.seq, "snapshot", self.document
 
     # -- sessions -------------------------------------------------------------------------
     def new_session(self, actor: str, bus: Bus | None = None) -> Session:

@@ -28,12 +28,15 @@ class Stream:
     def __init__(self, v: Viewer, view: str) -> None:
         self.resp = v.opener.open(f"{v.url}/api/events?view={view}", timeout=30)
         self.docs: list[dict[str, Any]] = []
+        self.events: list[str] = []  # the event of each document: snapshot or delta
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         try:
             for raw in self.resp:
+                if raw.startswith(b"event: "):
+                    self.events.append(raw[7:].decode().strip())
                 if raw.startswith(b"data: "):
                     self.docs.append(json.loads(raw[6:]))
         except (OSError, ValueError, AttributeError):  # closed under the reader
@@ -157,3 +160,58 @@ def test_client_rows_reuse_the_rows_the_broker_did_not_send_again() -> None:
     assert second[1]["msgs_in"] == 9 and first[1]["msgs_in"] == 1
     client_rows([busy2], 32.0, cache)
     assert set(cache) == {"l.10"}
+
+
+def apply(table: dict[str, dict[str, Any]], event: str, doc: dict[str, Any]) -> None:
+    """What the page does with a document of its stream (app.js)."""
+    if event == "snapshot":
+        table.clear()
+        table.update({r["lname"]: r for r in doc["clients"]})
+        return
+    assert "clients" not in doc
+    for lname in doc["clients_delta"]["gone"]:
+        del table[lname]
+    for r in doc["clients_delta"]["set"]:
+        table[r["lname"]] = r
+
+
+async def test_the_stream_sends_the_changes_of_the_clients_table(
+    broker: Any,
+    console_factory: Callable[..., ConsoleProcess],
+    viewer: Callable[[str], Viewer],
+    component: Callable[..., Any],
+) -> None:
+    """After its first document, a stream on the clients view gets deltas: the rows that
+    changed (a new client, the console's own) and the lnames gone, never the whole idle
+    table; applied as the page does, they give the table of a full snapshot."""
+    idle = [await trio.to_thread.run_sync(component, broker.path) for _ in range(3)]
+    con = console_factory(broker.path, "--interval", str(INTERVAL))
+    v = viewer(con.url)
+    await trio.to_thread.run_sync(v.open_page)
+    stream = await trio.to_thread.run_sync(Stream, v, "clients")
+    try:
+        await trio.sleep(4 * INTERVAL)
+        comp = await trio.to_thread.run_sync(component, broker.path, "Xfrout", "xfrout")
+        await trio.sleep(4 * INTERVAL)
+        comp.proc.kill()
+        await trio.to_thread.run_sync(comp.proc.wait)
+        await trio.sleep(4 * INTERVAL)
+        n = len(stream.docs)
+        events, docs = stream.events[:n], stream.docs[:n]
+    finally:
+        stream.close()
+    assert events[0] == "snapshot" and events.count("delta") >= n - 2 >= 6, events
+    table: dict[str, dict[str, Any]] = {}
+    added = gone = False
+    for event, doc in zip(events, docs, strict=True):
+        apply(table, event, doc)
+        if event == "delta":
+            changed = {r["lname"] for r in doc["clients_delta"]["set"]}
+            assert not changed & {c.lname for c in idle}, changed  # idle rows: not again
+            added |= comp.lname in changed
+            gone |= comp.lname in doc["clients_delta"]["gone"]
+        assert doc["clients_total"] == len(table)
+    assert added and gone and comp.lname not in table
+    full = await trio.to_thread.run_sync(v.snapshot)
+    assert set(table) <= {r["lname"] for r in full["clients"]} | {comp.lname}
+    assert {c.lname for c in idle} <= set(table)

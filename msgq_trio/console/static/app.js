@@ -280,20 +280,34 @@
   // The stream names the view on screen: the console asks the broker only for what the
   // open views show (the clients of a big bus only while someone looks at them).
   let es = null, esView = null;
+  function received(d, seq) {
+    // Marks for the page's own timing (performance.getEntriesByType("mark")).
+    if (!doc) performance.mark("console-first-snapshot");
+    doc = d;
+    document.body.dataset.seq = seq;
+    if (doc.console && doc.console.login) $("#logout").hidden = false;
+    render();
+    if (performance.getEntriesByName("console-first-render").length === 0) performance.mark("console-first-render");
+  }
   function listen() {
     const view = current();
     if (es && esView === view) return;
     if (es) es.close();
     esView = view;
     es = new EventSource("/api/events?view=" + encodeURIComponent(view));
-    es.addEventListener("snapshot", (ev) => {
-      // Marks for the page's own timing (performance.getEntriesByType("mark")).
-      if (!doc) performance.mark("console-first-snapshot");
-      doc = JSON.parse(ev.data);
-      document.body.dataset.seq = ev.lastEventId;
-      if (doc.console && doc.console.login) $("#logout").hidden = false;
-      render();
-      if (performance.getEntriesByName("console-first-render").length === 0) performance.mark("console-first-render");
+    es.addEventListener("snapshot", (ev) => received(JSON.parse(ev.data), ev.lastEventId));
+    // A change to the previous document of this stream: the clients that changed or
+    // left, the groups only if they changed; the rest as in a snapshot.
+    es.addEventListener("delta", (ev) => {
+      const d = JSON.parse(ev.data);
+      const byName = new Map((doc && doc.clients || []).map((r) => [r.lname, r]));
+      for (const l of d.clients_delta.gone) byName.delete(l);
+      for (const r of d.clients_delta.set) byName.set(r.lname, r);
+      delete d.clients_delta;
+      d.clients = Array.from(byName.values()).sort((a, b) => a.n - b.n);
+      if (!("groups" in d)) d.groups = doc ? doc.groups : [];
+      for (const r of d.clients) r.connected_for = Math.max(d.clients_now - r.connected_at, 0);
+      received(d, ev.lastEventId);
     });
     es.addEventListener("error", () => {
       $("#status").textContent = "console unreachable, retrying…";
