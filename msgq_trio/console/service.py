@@ -4,12 +4,12 @@ logged-in viewers' own connections and the live traffic streams.
 Cost to the broker is independent of the number of viewers: the poller takes one
 snapshot per interval on the console's own connection and every tab gets that same
 document. A snapshot asks only for what the open views show (:data:`VIEW_SECTIONS`):
-the broker card's cheap figures always (``config-get``, ``stats`` with ``fields``,
-``groups``, ``capture-status``), ``clients`` only while a viewer looks at the clients or
-groups, ``command-stats`` at the commands, the queue, pipe and link plugins at the
-queues; and nothing at all while no viewer is connected. Only the traffic view and a
-form's declaration cost a request per viewer, and the traffic streams are bounded
-(``max_traffic``).
+the broker card's cheap figures always (``stats`` with ``fields``, ``groups``, and
+``config-get`` when the configuration's generation moved), ``clients`` only while a
+viewer looks at the clients or groups, ``command-stats`` at the commands, the queue,
+pipe and link plugins at the queues; and nothing at all while no viewer is connected.
+Only the traffic view and a form's declaration cost a request per viewer, and the
+traffic streams are bounded (``max_traffic``).
 """
 
 from __future__ import annotations
@@ -158,6 +158,8 @@ class Console:
         self.sections: frozenset[str] = frozenset()
         self._wake = trio.Event()
         self._version: Any = None
+        #: The configuration's generation and the config-get answer of that generation.
+        self._config: tuple[Any, Mapping[str, Any]] = (None, {})
         #: The clients table as the broker last answered it (lname -> row) and that
         #: answer's generation: each snapshot asks only for what changed since.
         self._clients: dict[str, Mapping[str, Any]] = {}
@@ -177,6 +179,7 @@ class Console:
                     ) as bus:
                         self.bus = bus
                         self._version = None
+                        self._config = (None, {})
                         self._clients, self._clients_generation = {}, 0
                         if not started:
                             task_status.started()
@@ -329,12 +332,19 @@ class Console:
         # answer to clients with since), if it told.
         clients_delta: list[tuple[set[str], list[str]]] = []
         clients_ok: list[bool] = []
-        await ask("config", "msgq", "config-get")
+        # The configuration again only when its generation moved (a reload, config-set):
+        # the stats' config figures say, before anything else is asked.
+        await ask("stats", "msgq", "stats", {"fields": STATS_FIELDS})
+        generation = (raw.stats.get("config") or {}).get("generation")
+        if generation is None or generation != self._config[0]:
+            await ask("config", "msgq", "config-get")
+            if "config" not in raw.errors:
+                self._config = (generation, raw.config)
+        else:
+            raw.config = self._config[1]
         async with trio.open_nursery() as n:
             n.start_soon(version)
-            n.start_soon(ask, "stats", "msgq", "stats", {"fields": STATS_FIELDS})
             n.start_soon(ask, "groups", "msgq", "groups")
-            n.start_soon(ask, "capture", "msgq", "capture-status")
             if "clients" in sections:
                 n.start_soon(clients)
             if "commands" in sections:
