@@ -4,8 +4,8 @@
 |---|---|
 | ``GET /`` | the page (the login form first when login is on) |
 | ``GET /static/...`` | the page's CSS, JavaScript and icon (package data) |
-| ``GET /api/snapshot`` | the latest snapshot document (JSON) |
-| ``GET /api/events`` | server-sent events: the document each time a new one is made |
+| ``GET /api/snapshot`` | a snapshot document with every section (JSON) |
+| ``GET /api/events?view=V`` | server-sent events: each new document (or its delta) for V |
 | ``GET /api/describe?target=G`` | G's members and their declarations (the call form) |
 | ``GET /api/traffic?kind=&sender=&target=`` | server-sent events: live traffic records |
 | ``POST /api/action`` | an action (JSON); needs the page's CSRF token in ``X-CSRF-Token`` |
@@ -39,7 +39,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import MsgqError, RpcError
-from .service import ActionError, Console, Session
+from .service import VIEW_SECTIONS, ActionError, Console, Session
 
 STATIC = Path(__file__).resolve().parent / "static"
 COOKIE = "msgq_console"
@@ -141,21 +141,32 @@ def create_app(console: Console, *, secure: bool = False) -> Starlette:
     async def snapshot(request: Request) -> Response:
         if session_of(request) is None:
             return denied()
-        return Response(console.document, media_type="application/json", headers=_headers())
+        # Every section, fresh: waits for the next snapshot when the console was idle.
+        doc = await console.fresh_document(timeout=2 * console.interval + 5)
+        return Response(doc, media_type="application/json", headers=_headers())
 
     async def events(request: Request) -> Response:
         if session_of(request) is None:
             return denied()
+        view = request.query_params.get("view") or "all"
+        if view not in VIEW_SECTIONS:
+            return JSONResponse(
+                {"error": f"unknown view {view!r}; views: {sorted(VIEW_SECTIONS)}"},
+                400,
+                headers=_headers(),
+            )
 
         async def stream() -> AsyncIterator[str]:
-            seq = -1
-            while True:
-                with trio.move_on_after(KEEPALIVE) as idle:
-                    seq, doc = await console.next_update(seq)
-                if idle.cancelled_caught:
-                    yield ": keep-alive\n\n"
-                    continue
-                yield f"id: {seq}\nevent: snapshot\ndata: {doc}\n\n"
+            # The view's sections are polled while this stream is open (and only then).
+            with console.watch(view) as sections:
+                seq = -1
+                while True:
+                    with trio.move_on_after(KEEPALIVE) as idle:
+                        seq, event, doc = await console.next_update(seq, sections)
+                    if idle.cancelled_caught:
+                        yield ": keep-alive\n\n"
+                        continue
+                    yield f"id: {seq}\nevent: {event}\ndata: {doc}\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_headers())
 

@@ -45,6 +45,9 @@ class Raw:
     pipes: Mapping[str, Any] = field(default_factory=dict)
     links: list[Mapping[str, Any]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    #: The broker's time of day when it answered ``clients`` (rows without
+    #: ``connected_for`` are that long connected since their ``connected_at``).
+    clients_now: float | None = None
 
 
 @dataclass
@@ -55,6 +58,8 @@ class History:
     points: deque[tuple[float, float, float]] = field(default_factory=deque)
     #: (group, command) -> requests and errors at the previous snapshot.
     commands: dict[tuple[str, str], tuple[float, int, int]] = field(default_factory=dict)
+    #: The clients table of the previous snapshot (``client_rows``'s cache).
+    clients: dict[str, tuple[Mapping[str, Any], dict[str, Any]]] = field(default_factory=dict)
 
     def add(self, t: float, msgs_in: float, msgs_out: float) -> None:
         self.points.append((t, msgs_in, msgs_out))
@@ -95,13 +100,25 @@ def identity(row: Mapping[str, Any]) -> str:
     return f"pid {row.get('pid')} uid {row.get('uid')}"
 
 
-def client_rows(clients: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The clients table, in lname order (l.2 before l.10)."""
+def client_rows(
+    clients: Iterable[Mapping[str, Any]],
+    now: float | None = None,
+    cache: dict[str, tuple[Mapping[str, Any], dict[str, Any]]] | None = None,
+) -> list[dict[str, Any]]:
+    """The clients table, in lname order (l.2 before l.10). ``now``: the broker's time
+    of day, for rows that come without ``connected_for``. ``cache`` (lname -> the broker's
+    row and its table row, replaced by this call's): a broker row that is the very object
+    of the previous call (a client ``clients`` with ``since`` did not send again) reuses
+    its table row, only ``connected_for`` made anew."""
     rows: list[dict[str, Any]] = []
+    seen: dict[str, tuple[Mapping[str, Any], dict[str, Any]]] = {}
     for c in clients:
         lname = str(c.get("lname", ""))
-        rows.append(
-            {
+        hit = cache.get(lname) if cache is not None else None
+        if hit is not None and hit[0] is c:
+            base = hit[1]
+        else:
+            base = {
                 "lname": lname,
                 "n": int(lname[2:]) if lname[2:].isdigit() else 0,
                 "name": str(c.get("name", "")),
@@ -113,9 +130,17 @@ def client_rows(clients: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "msgs_in": _num(c.get("msgs_in")),
                 "msgs_out": _num(c.get("msgs_out")),
                 "connected_at": _num(c.get("connected_at")),
-                "connected_for": _num(c.get("connected_for")),
             }
-        )
+        seen[lname] = (c, base)
+        row = dict(base)
+        if "connected_for" in c or now is None:
+            row["connected_for"] = _num(c.get("connected_for"))
+        else:
+            row["connected_for"] = round(max(now - base["connected_at"], 0.0), 3)
+        rows.append(row)
+    if cache is not None:
+        cache.clear()
+        cache.update(seen)
     rows.sort(key=lambda r: int(r["n"]))
     return rows
 
@@ -263,7 +288,7 @@ def view(raw: Raw, history: History, *, max_rows: int = DEFAULT_MAX_ROWS) -> dic
     """The document every browser tab gets: JSON-safe, at most ``max_rows`` per table."""
     traffic = raw.stats.get("traffic") or {}
     history.add(raw.taken_at, _num(traffic.get("messages_in")), _num(traffic.get("messages_out")))
-    clients = client_rows(raw.clients)
+    clients = client_rows(raw.clients, raw.clients_now, history.clients)
     groups = group_rows(clients)  # members in lname order, as the clients table
     return {
         "taken_at": raw.taken_at,

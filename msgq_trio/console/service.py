@@ -2,20 +2,25 @@
 logged-in viewers' own connections and the live traffic streams.
 
 Cost to the broker is independent of the number of viewers: the poller takes one
-snapshot per interval on the console's own connection (``clients``, ``groups``,
-``stats``, ``command-stats``, ``config-get``, ``capture-status`` and the plugins'
-status commands) and every tab gets that same document. Only the traffic view and a
-form's declaration cost a request per viewer, and the traffic streams are bounded
-(``max_traffic``).
+snapshot per interval on the console's own connection and every tab gets that same
+document. A snapshot asks only for what the open views show (:data:`VIEW_SECTIONS`):
+the broker card's cheap figures always (``stats`` with ``fields``, ``groups``, and
+``config-get`` when the configuration's generation moved), ``clients`` only while a
+viewer looks at the clients or groups, ``command-stats`` at the commands, the queue,
+pipe and link plugins at the queues; and nothing at all while no viewer is connected.
+Only the traffic view and a form's declaration cost a request per viewer, and the
+traffic streams are bounded (``max_traffic``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +45,48 @@ MAX_QUEUES = 200
 DEFAULT_MAX_SESSIONS = 32
 #: A session unused this long is closed with its connection (seconds).
 SESSION_IDLE = 3600.0
+
+
+#: What each view of the page shows beyond the broker card (the sections a snapshot
+#: asks the broker for while a viewer is on that view); ``all``: every section (the
+#: ``/api/snapshot`` document, and an event stream that names no view).
+SECTIONS = frozenset({"clients", "commands", "queues"})
+VIEW_SECTIONS: dict[str, frozenset[str]] = {
+    "broker": frozenset(),
+    "clients": frozenset({"clients"}),
+    "groups": frozenset({"clients"}),  # the groups table is made from the clients' rows
+    "commands": frozenset({"commands"}),
+    "queues": frozenset({"queues"}),
+    "traffic": frozenset(),
+    "actions": frozenset(),
+    "all": SECTIONS,
+}
+#: The ``clients`` row keys the page shows (the broker computes and sends no others;
+#: how long each is connected follows from ``connected_at`` and the answer's ``now``).
+CLIENT_FIELDS = [
+    "lname",
+    "name",
+    "pid",
+    "uid",
+    "groups",
+    "queued_bytes",
+    "msgs_in",
+    "msgs_out",
+    "connected_at",
+    "where",
+]
+#: The ``stats`` keys the broker card and the chart show; each is computed alone by the
+#: broker, without the full answer's walk of every task and descriptor.
+STATS_FIELDS = [
+    "connections",
+    "pending_requests",
+    "queued_bytes",
+    "rss_bytes",
+    "uptime",
+    "traffic",
+    "capture",
+    "config",
+]
 
 
 class ActionError(Exception):
@@ -90,13 +137,33 @@ class Console:
         self.max_sessions = max_sessions
         self.history = History()
         self.seq = 0
-        self.document = json.dumps({"taken_at": None, "errors": {"broker": "connecting"}})
+        #: The latest document, its JSON made when first asked for (a stream that
+        #: had the previous one gets the delta instead), and the delta's JSON.
+        self._doc: dict[str, Any] = {"taken_at": None, "errors": {"broker": "connecting"}}
+        self._text: str | None = None
+        self._delta: str | None = None
+        #: The latest document shows the clients table as the broker last answered it.
+        self._clients_shown = False
         self.snapshots = 0
         self.bus: Bus | None = None
         self.sessions: dict[str, Session] = {}
         self.traffic_open = 0
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        #: Event streams open per view (the sections they need are polled).
+        self.watching: dict[str, int] = {}
+        #: Until then (trio clock), every section is polled: ``/api/snapshot`` readers.
+        self.full_until = -math.inf
+        #: The sections the current document holds.
+        self.sections: frozenset[str] = frozenset()
+        self._wake = trio.Event()
+        self._version: Any = None
+        #: The configuration's generation and the config-get answer of that generation.
+        self._config: tuple[Any, Mapping[str, Any]] = (None, {})
+        #: The clients table as the broker last answered it (lname -> row) and that
+        #: answer's generation: each snapshot asks only for what changed since.
+        self._clients: dict[str, Mapping[str, Any]] = {}
+        self._clients_generation = 0
 
     # -- the poller ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -111,16 +178,29 @@ class Console:
                         self.socket, name="msgq-trio-console", **self.connect_kw
                     ) as bus:
                         self.bus = bus
+                        self._version = None
+                        self._config = (None, {})
+                        self._clients, self._clients_generation = {}, 0
                         if not started:
                             task_status.started()
                             started = True
                         # One snapshot per interval, start to start: a slow answer
-                        # shortens the pause, never adds a burst of catch-up polls.
+                        # shortens the pause, never adds a burst of catch-up polls. No
+                        # viewer, no snapshot; a viewer that needs a section the
+                        # document lacks gets one at once.
                         deadline = trio.current_time()
                         while True:
-                            await self.poll_once(bus)
+                            wanted = self.wanted()
+                            if wanted is None:
+                                await self._wake.wait()
+                                deadline = trio.current_time()
+                                continue
+                            await self.poll_once(bus, wanted)
                             deadline = max(deadline + self.interval, trio.current_time())
-                            await trio.sleep_until(deadline)
+                            with trio.move_on_at(deadline):
+                                while (self.wanted() or frozenset()) <= self.sections:
+                                    await self._wake.wait()
+                                deadline = trio.current_time()
                 except (MsgqError, OSError) as exc:
                     self.bus = None
                     self._publish(
@@ -131,9 +211,62 @@ class Console:
                         started = True
                     await trio.sleep(self.interval)
 
-    async def poll_once(self, bus: Bus) -> None:
-        """One snapshot: every source asked at once, each bounded by the interval; a
-        source that fails is named in the document's ``errors``, the rest still shows."""
+    # -- who is looking at what ----------------------------------------------------------
+    def wanted(self) -> frozenset[str] | None:
+        """The sections the next snapshot asks for; None: no viewer, no snapshot."""
+        if trio.current_time() < self.full_until:
+            return SECTIONS
+        if not any(self.watching.values()):
+            return None
+        out: frozenset[str] = frozenset()
+        for v, n in self.watching.items():
+            if n:
+                out |= VIEW_SECTIONS[v]
+        return out
+
+    def _demand(self, was_idle: bool) -> None:
+        """A viewer came: the poller snapshots at once if it was idle (no viewer until
+        now: the document is old) or if the document lacks a section now wanted."""
+        if was_idle:
+            self.sections = frozenset()  # too old: viewers wait for the next snapshot
+        self._wake.set()
+        self._wake = trio.Event()
+
+    @property
+    def idle(self) -> bool:
+        """No snapshot is being taken for anyone (the document may be old)."""
+        return self.wanted() is None
+
+    @contextlib.contextmanager
+    def watch(self, view: str) -> Iterator[frozenset[str]]:
+        """An event stream open on ``view`` (a key of :data:`VIEW_SECTIONS`): its
+        sections are polled while it lasts. Yields the sections it needs."""
+        was_idle = self.idle
+        self.watching[view] = self.watching.get(view, 0) + 1
+        sections = VIEW_SECTIONS[view]
+        self._demand(was_idle)
+        try:
+            yield sections
+        finally:
+            self.watching[view] -= 1
+
+    async def fresh_document(self, timeout: float) -> str:
+        """The document with every section, for a reader of ``/api/snapshot``: every
+        section is polled for the next two intervals (a reader polling the endpoint
+        keeps them fresh); waits up to ``timeout`` for a snapshot that has them all, else
+        returns the latest document."""
+        was_idle = self.idle
+        self.full_until = trio.current_time() + 2 * self.interval
+        self._demand(was_idle)
+        with trio.move_on_after(timeout):
+            while not self.sections >= SECTIONS:
+                await self._changed.wait()
+        return self.document
+
+    async def poll_once(self, bus: Bus, sections: frozenset[str] = SECTIONS) -> None:
+        """One snapshot: the broker card's sources and ``sections`` asked at once, each
+        bounded by the interval; a source that fails is named in the document's
+        ``errors``, the rest still shows."""
         raw = Raw(taken_at=time.time())
         wait = max(self.interval, 1.0)
 
@@ -162,35 +295,132 @@ class Console:
                 if exc.code != "no-recipient":  # the plugin does not run: nothing to show
                     raw.errors[attr] = f"{exc.code}: {exc.message}"
 
-        await ask("config", "msgq", "config-get")
+        async def clients() -> None:
+            since = {"fields": CLIENT_FIELDS, "since": self._clients_generation}
+            try:
+                answer = await bus.call("msgq", "clients", since, timeout=wait)
+            except RpcError as exc:
+                raw.errors["clients"] = f"{exc.code}: {exc.message}"
+                return
+            if isinstance(answer, list):  # a broker that answers every row each time
+                raw.clients = answer
+                return
+            table = {} if answer.get("full") else self._clients
+            gone = [str(lname) for lname in answer.get("gone") or ()]
+            for lname in gone:
+                table.pop(lname, None)
+            changed = set()
+            for row in answer.get("rows") or ():
+                changed.add(str(row.get("lname")))
+                table[str(row.get("lname"))] = row
+            self._clients, self._clients_generation = table, int(answer["generation"])
+            raw.clients = list(table.values())
+            raw.clients_now = answer.get("now")
+            clients_ok.append(True)
+            if not answer.get("full"):
+                clients_delta.append((changed, gone))
+
+        async def version() -> None:
+            # Once per connection: a broker that is upgraded is a new connection.
+            if self._version is None:
+                await ask("version", "msgq", "version")
+                self._version = raw.version or None
+            else:
+                raw.version = self._version
+
+        # What changed in the clients table since the previous snapshot (the broker's
+        # answer to clients with since), if it told.
+        clients_delta: list[tuple[set[str], list[str]]] = []
+        clients_ok: list[bool] = []
+        # The configuration again only when its generation moved (a reload, config-set):
+        # the stats' config figures say, before anything else is asked.
+        await ask("stats", "msgq", "stats", {"fields": STATS_FIELDS})
+        generation = (raw.stats.get("config") or {}).get("generation")
+        if generation is None or generation != self._config[0]:
+            await ask("config", "msgq", "config-get")
+            if "config" not in raw.errors:
+                self._config = (generation, raw.config)
+        else:
+            raw.config = self._config[1]
         async with trio.open_nursery() as n:
-            n.start_soon(ask, "version", "msgq", "version")
-            n.start_soon(ask, "stats", "msgq", "stats")
-            n.start_soon(ask, "clients", "msgq", "clients")
+            n.start_soon(version)
             n.start_soon(ask, "groups", "msgq", "groups")
-            n.start_soon(ask, "command_stats", "msgq", "command-stats")
-            n.start_soon(ask, "capture", "msgq", "capture-status")
-            n.start_soon(queues)
-            n.start_soon(optional, "pipes", "msgq-pipe", "pipe.ls", {"all": True})
-            n.start_soon(optional, "links", "msgq-link", "status")
+            if "clients" in sections:
+                n.start_soon(clients)
+            if "commands" in sections:
+                n.start_soon(ask, "command_stats", "msgq", "command-stats")
+            if "queues" in sections:
+                n.start_soon(queues)
+                n.start_soon(optional, "pipes", "msgq-pipe", "pipe.ls", {"all": True})
+                n.start_soon(optional, "links", "msgq-link", "status")
         doc = view(raw, self.history, max_rows=self.max_rows)
         doc["interval"] = self.interval
         doc["console"] = {"lname": bus.lname, "login": self.login}
-        self._publish(doc)
+        doc["sections"] = sorted(sections)
+        doc["clients_now"] = raw.clients_now
+        delta = None
+        # A delta only to a document whose table the broker's answer was relative to.
+        if clients_delta and self._clients_shown and "clients" in self.sections:
+            delta = self._delta_of(doc, *clients_delta[0])
+        self._clients_shown = bool(clients_ok)
+        self._publish(doc, sections, delta)
 
-    def _publish(self, doc: dict[str, Any]) -> None:
-        self.document = json.dumps(doc, default=str)
+    def _delta_of(
+        self, doc: dict[str, Any], changed: set[str], gone: list[str]
+    ) -> dict[str, Any] | None:
+        """``doc`` as a change to the previous document, for a page that has it: the
+        clients table as the rows that changed and the lnames gone (the page works out
+        how long each client is connected from ``clients_now``), the groups table only
+        if it changed. None when the tables were cut to ``max_rows``."""
+        prev = self._doc
+        if doc["clients_total"] > self.max_rows or prev.get("clients_total", 0) > self.max_rows:
+            return None
+        delta = {k: v for k, v in doc.items() if k not in ("clients", "groups")}
+        delta["clients_delta"] = {
+            "set": [r for r in doc["clients"] if r["lname"] in changed],
+            "gone": gone,
+        }
+        if doc["groups"] != prev.get("groups"):
+            delta["groups"] = doc["groups"]
+        return delta
+
+    @property
+    def document(self) -> str:
+        """The latest document as JSON (made once per snapshot, when first asked for)."""
+        if self._text is None:
+            self._text = json.dumps(self._doc, default=str, separators=(",", ":"))
+        return self._text
+
+    def _publish(
+        self,
+        doc: dict[str, Any],
+        sections: frozenset[str] = SECTIONS,
+        delta: dict[str, Any] | None = None,
+    ) -> None:
+        self._doc, self._text = doc, None
+        self._delta = (
+            None if delta is None else json.dumps(delta, default=str, separators=(",", ":"))
+        )
+        self.sections = sections
         self.seq += 1
         self.snapshots += 1
         self._changed.set()
         self._changed = trio.Event()
 
-    async def next_update(self, seq: int) -> tuple[int, str]:
-        """The current document if it is newer than ``seq``, else the next one as soon as
-        it is made (every tab waits on the same snapshot). Safe to cancel."""
-        while self.seq == seq:
+    async def next_update(
+        self, seq: int, sections: frozenset[str] = frozenset()
+    ) -> tuple[int, str, str]:
+        """The current document if it is newer than ``seq`` and holds ``sections``, else
+        the next such one as soon as it is made (every tab waits on the same snapshot; a
+        document without the broker, the broker being unreachable, holds every section).
+        Returns its seq, ``"delta"`` and the change to document ``seq`` when there is one
+        (the reader had the previous document), else ``"snapshot"`` and the document.
+        Safe to cancel."""
+        while self.seq == seq or not sections <= self.sections:
             await self._changed.wait()
-        return self.seq, self.document
+        if self._delta is not None and seq == self.seq - 1:
+            return self.seq, "delta", self._delta
+        return self.seq, "snapshot", self.document
 
     # -- sessions -------------------------------------------------------------------------
     def new_session(self, actor: str, bus: Bus | None = None) -> Session:

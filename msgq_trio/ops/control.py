@@ -7,13 +7,13 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 
 | command | params | result |
 |---|---|---|
-| ``clients`` | - | one row per client (identity, traffic, queue, pending, since) |
+| ``clients`` | (below) | one row per client (identity, traffic, queue, pending, since) |
 | ``drop`` | ``{"lname", "reason"?}`` | the dropped client's row |
 | ``shutdown`` | ``{"reason"?}`` | ``{"shutting_down": true}``; GOODBYE to all follows |
 | ``config-get`` | ``{"key"?}`` | the running configuration, or one key's value |
 | ``config-set`` | ``{"key", "value"}`` | ``{"changed": [...], "restart_required": [...]}`` |
 | ``config-reload`` | - | same as SIGHUP: re-read the file, apply or refuse as a whole |
-| ``stats`` | - | the server's figures plus traffic, disconnects, capture, config |
+| ``stats`` | (below) | the server's figures plus traffic, disconnects, capture, config |
 | ``command-stats`` | ``{"top"?: N}`` | per (group, command) counts and latency (core/cmdstats.py) |
 | ``users`` | - | one row per connected user: use and limit of each quota, refusals |
 | ``capture-start`` | capture settings to override | the capture's status |
@@ -21,12 +21,25 @@ uid the broker runs as, else exactly ``control.allow_uids``. A refusal is the er
 | ``dump-start`` | ``{"kinds", "senders", "targets", "body"}`` | records stream to the caller |
 | ``dump-stop`` | - | ``true`` if a dump was running |
 | ``audit`` | ``{"actor", "action", "detail"?}`` | ``true``; an INFO line: actor, caller, action |
+
+``clients`` with ``since`` (the ``generation`` of the caller's previous such answer, 0
+the first time) answers ``{"generation", "full", "now", "rows", "gone"}``: only the rows
+that changed and the lnames gone since then (``Operations.clients_since``), so a caller
+that polls a bus of idle clients gets an empty list; the broker keeps one signature per
+client for that caller until it disconnects.
+
+``fields`` (a list of keys) asks ``clients`` for only those keys of each row (an unknown
+key is refused) and ``stats`` for only those keys of its answer; the keys of
+``Operations.cheap_stats`` are then computed alone, without the full answer's walk of
+every task and descriptor: what a caller polling every few seconds (the web console)
+asks for.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +52,7 @@ from ..config import BrokerConfig, CaptureSettings, CommandAccess
 from ..core.broker import CommandError
 from ..core.peers import Peer
 from ..exposition import Exposition, MetricsServer
+from ..io.housekeeping import rss_bytes
 from ..plugins.loader import PluginConfigError, enforced_commands
 from ..protocol.codes import ErrorCode
 from . import config_file, logsetup
@@ -91,6 +105,68 @@ def _str_list(params: dict[str, Any], key: str) -> list[str]:
     return v
 
 
+def _field_list(params: dict[str, Any], known: frozenset[str] | None) -> list[str] | None:
+    """The ``fields`` param (None: every field); with ``known``, an unknown name is the
+    caller's error, named."""
+    if params.get("fields") is None:
+        return None
+    fields = _str_list(params, "fields")
+    if known is not None:
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise CommandError(
+                ErrorCode.BAD_REQUEST, f"unknown fields {unknown}; known: {sorted(known)}"
+            )
+    return fields
+
+
+#: Row keys of the ``clients`` answer read straight off the peer: key -> attribute.
+_CLIENT_ATTRS = {
+    "lname": "lname",
+    "name": "name",
+    "pid": "pid",
+    "uid": "uid",
+    "gid": "gid",
+    "msgs_in": "msgs_in",
+    "msgs_out": "msgs_out",
+    "bytes_in": "bytes_in",
+    "bytes_out": "bytes_out",
+    "queued_bytes": "outq_bytes",
+    "where": "where",
+}
+#: Every row key of the ``clients`` answer (``Operations.client_row``).
+CLIENT_FIELDS = frozenset(
+    {*_CLIENT_ATTRS, "groups", "pending_out", "pending_in", "connected_at", "connected_for"}
+)
+
+
+def client_rows_of(
+    peers: list[Peer], fields: list[str], now: float, wall: float
+) -> list[dict[str, Any]]:
+    """The ``clients`` rows of ``peers`` with only ``fields`` (each a key of
+    :data:`CLIENT_FIELDS`), as ``Operations.client_row`` computes them; ``now`` is the trio
+    clock, ``wall`` the time of day, read once for all rows."""
+    direct = [f for f in fields if f in _CLIENT_ATTRS]
+    get = [_CLIENT_ATTRS[f] for f in direct]
+    computed = [f for f in fields if f not in _CLIENT_ATTRS]
+    rows = []
+    for p in peers:
+        row = {k: getattr(p, a) for k, a in zip(direct, get, strict=True)}
+        for f in computed:
+            if f == "groups":
+                row[f] = list(p.groups)
+            elif f == "pending_out":
+                row[f] = len(p.pending_out)
+            elif f == "pending_in":
+                row[f] = len(p.pending_in)
+            elif f == "connected_at":
+                row[f] = round(wall - (now - p.connected_at), 3)
+            else:  # connected_for
+                row[f] = round(now - p.connected_at, 3)
+        rows.append(row)
+    return rows
+
+
 class Operations:
     """Configuration at runtime, control commands, capture and metrics of one broker.
 
@@ -133,6 +209,10 @@ class Operations:
         )
         self._nursery: trio.Nursery | None = None
         self._server_stats: Callable[[Peer, Any], object] | None = None
+        #: Caller -> the generation and the rows' signatures of its last ``clients``
+        #: answer with ``since`` (one per caller, dropped when it disconnects).
+        self._clients_seen: dict[Peer, tuple[int, dict[int, object]]] = {}
+        self._clients_generation = 0
 
     # -- wiring -------------------------------------------------------------------------
     def install(self) -> None:
@@ -178,6 +258,7 @@ class Operations:
     def _peer_gone(self, peer: Peer, reason: str) -> None:
         self.totals.peer_gone(peer, reason)
         self.hub.peer_gone(peer)
+        self._clients_seen.pop(peer, None)
 
     def allowed_uids(self) -> frozenset[int]:
         allow = self.config.control.allow_uids
@@ -411,8 +492,58 @@ class Operations:
             "where": p.where,
         }
 
-    def _cmd_clients(self, _peer: Peer, _params: object) -> object:
-        return [self.client_row(p) for _, p in sorted(self.core.peers.items())]
+    def _cmd_clients(self, peer: Peer, params: object) -> object:
+        p = _params(params)
+        fields = _field_list(p, CLIENT_FIELDS)
+        since = p.get("since")
+        if since is not None:
+            if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+                raise CommandError(
+                    ErrorCode.BAD_REQUEST, f"since must be a generation (int >= 0), got {since!r}"
+                )
+            return self.clients_since(peer, fields or sorted(CLIENT_FIELDS), since)
+        peers = [p for _, p in sorted(self.core.peers.items())]
+        if fields is None:
+            return [self.client_row(p) for p in peers]
+        return client_rows_of(peers, fields, trio.current_time(), time.time())
+
+    def clients_since(self, caller: Peer, fields: list[str], since: int) -> dict[str, Any]:
+        """The ``clients`` answer with ``since``: only the rows that changed since the
+        caller's answer of generation ``since`` (new clients included) and the lnames of
+        the clients gone since; ``full`` (every row, nothing gone) when ``since`` is not
+        the caller's last generation (0, a lost answer, another broker). A row changes
+        when one of its ``fields`` does, ``connected_for`` excepted (it always does: the
+        caller has ``now``, the broker's time of day, and ``connected_at``). Keeps one
+        signature per client for the caller until its next such call or its end."""
+        last = self._clients_seen.get(caller)
+        full = last is None or last[0] != since
+        seen: dict[int, object] = {} if full or last is None else last[1]
+        direct = tuple(_CLIENT_ATTRS[f] for f in fields if f in _CLIENT_ATTRS)
+        get = operator.attrgetter(*direct) if direct else (lambda _p: None)
+        with_groups = "groups" in fields
+        with_pending = "pending_in" in fields or "pending_out" in fields
+        now_seen: dict[int, object] = {}
+        changed = []
+        for pid_, p in sorted(self.core.peers.items()):
+            sig = (
+                get(p),
+                tuple(p.groups) if with_groups else None,
+                (len(p.pending_in), len(p.pending_out)) if with_pending else None,
+            )
+            now_seen[pid_] = sig
+            if seen.get(pid_) != sig:
+                changed.append(p)
+        gone = [] if full else [f"l.{i}" for i in seen.keys() - now_seen.keys()]
+        self._clients_generation += 1
+        self._clients_seen[caller] = (self._clients_generation, now_seen)
+        wall = time.time()
+        return {
+            "generation": self._clients_generation,
+            "full": full,
+            "now": round(wall, 3),
+            "rows": client_rows_of(changed, fields, trio.current_time(), wall),
+            "gone": sorted(gone),
+        }
 
     def _cmd_drop(self, peer: Peer, params: object) -> object:
         p = _params(params)
@@ -463,13 +594,7 @@ class Operations:
             "disconnects": dict(self.totals.disconnects),
             "capture": self.hub.stats(),
             "control": {"refusals": self.refusals, "allow_uids": sorted(self.allowed_uids())},
-            "config": {
-                "file": str(self.source.path) if self.source.path else None,
-                "generation": self.generation,
-                "loaded_at": self.loaded_at,
-                "reloads_ok": self.reloads_ok,
-                "reloads_failed": self.reloads_failed,
-            },
+            "config": self.config_figures(),
             "metrics": {
                 "address": self.metrics_address,
                 "scrapes": self.metrics.scrapes if self.metrics else 0,
@@ -488,7 +613,42 @@ class Operations:
             },
         }
 
+    def config_figures(self) -> dict[str, Any]:
+        """The ``stats`` answer's ``config``: where it was read, its generation, reloads."""
+        return {
+            "file": str(self.source.path) if self.source.path else None,
+            "generation": self.generation,
+            "loaded_at": self.loaded_at,
+            "reloads_ok": self.reloads_ok,
+            "reloads_failed": self.reloads_failed,
+        }
+
+    def cheap_stats(self) -> dict[str, Callable[[], object]]:
+        """The ``stats`` keys computed alone, each in O(clients) at most without a system
+        call per client: what a caller polling ``stats`` with ``fields`` (the web console,
+        every 2 s) asks for. The full answer walks every task and lists every descriptor."""
+        server, core = self.server, self.core
+        return {
+            "connections": lambda: len(server.conns),
+            "pending_requests": lambda: len(core.rpc),
+            "groups": lambda: len(core.router.groups),
+            "queued_bytes": lambda: sum(p.outq_bytes for p in core.peers.values()),
+            "rss_bytes": rss_bytes,
+            "uptime": lambda: trio.current_time() - server.started_at,
+            "traffic": lambda: self.totals.totals(core.peers.values()),
+            "capture": self.hub.stats,
+            "config": self.config_figures,
+        }
+
     def _cmd_stats(self, peer: Peer, params: object) -> object:
+        fields = _field_list(_params(params), None)
+        if fields is not None:
+            cheap = self.cheap_stats()
+            if all(f in cheap for f in fields):
+                return {f: cheap[f]() for f in fields}
+            full = self._cmd_stats(peer, None)
+            assert isinstance(full, dict)
+            return {f: full[f] for f in fields if f in full}
         base = self._server_stats(peer, params) if self._server_stats is not None else {}
         out = dict(base) if isinstance(base, dict) else {"server": base}
         out.update(self.stats())

@@ -116,6 +116,7 @@
   function route() {
     const id = location.hash.slice(1);
     selectTab(tabs.some((t) => t.getAttribute("href") === "#" + id) ? id : "broker", false);
+    listen();
     render();
   }
   window.addEventListener("hashchange", route);
@@ -261,6 +262,10 @@
     // Only the view on screen: with 1,000 clients, rebuilding every table each push
     // would cost the browser more than the one being looked at.
     const view = current();
+    // A document taken before this view's stream opened may lack its section: the
+    // table keeps what it shows until the snapshot that has it (pushed at once).
+    const needs = { clients: "clients", groups: "clients", commands: "commands", queues: "queues" }[view];
+    if (needs && doc.sections && !doc.sections.includes(needs)) return;
     if (view === "broker") { renderBroker(doc.broker); renderChart(doc.rates || []); }
     else if (view === "clients") renderClients(doc.clients, doc.clients_total);
     else if (view === "groups") renderGroups(doc.groups, doc.groups_total);
@@ -271,24 +276,47 @@
     const t = tabs.find((x) => x.getAttribute("aria-selected") === "true");
     return t ? t.getAttribute("href").slice(1) : "broker";
   }
+  // -- live updates: one event stream; the browser reconnects it after a loss --------
+  // The stream names the view on screen: the console asks the broker only for what the
+  // open views show (the clients of a big bus only while someone looks at them).
+  let es = null, esView = null;
+  function received(d, seq) {
+    // Marks for the page's own timing (performance.getEntriesByType("mark")).
+    if (!doc) performance.mark("console-first-snapshot");
+    doc = d;
+    document.body.dataset.seq = seq;
+    if (doc.console && doc.console.login) $("#logout").hidden = false;
+    render();
+    if (performance.getEntriesByName("console-first-render").length === 0) performance.mark("console-first-render");
+  }
+  function listen() {
+    const view = current();
+    if (es && esView === view) return;
+    if (es) es.close();
+    esView = view;
+    es = new EventSource("/api/events?view=" + encodeURIComponent(view));
+    es.addEventListener("snapshot", (ev) => received(JSON.parse(ev.data), ev.lastEventId));
+    // A change to the previous document of this stream: the clients that changed or
+    // left, the groups only if they changed; the rest as in a snapshot.
+    es.addEventListener("delta", (ev) => {
+      const d = JSON.parse(ev.data);
+      const byName = new Map((doc && doc.clients || []).map((r) => [r.lname, r]));
+      for (const l of d.clients_delta.gone) byName.delete(l);
+      for (const r of d.clients_delta.set) byName.set(r.lname, r);
+      delete d.clients_delta;
+      d.clients = Array.from(byName.values()).sort((a, b) => a.n - b.n);
+      if (!("groups" in d)) d.groups = doc ? doc.groups : [];
+      for (const r of d.clients) r.connected_for = Math.max(d.clients_now - r.connected_at, 0);
+      received(d, ev.lastEventId);
+    });
+    es.addEventListener("error", () => {
+      $("#status").textContent = "console unreachable, retrying…";
+      $("#status").className = "status down";
+    });
+  }
   route();
   $("#clients-filter").addEventListener("input", render);
   $("#groups-filter").addEventListener("input", render);
-
-  // -- live updates: one event stream; the browser reconnects it after a loss --------
-  const es = new EventSource("/api/events");
-  es.addEventListener("snapshot", (ev) => {
-    // Marks for the page's own timing (performance.getEntriesByType("mark")).
-    if (!doc) performance.mark("console-first-snapshot");
-    doc = JSON.parse(ev.data);
-    document.body.dataset.seq = ev.lastEventId;
-    render();
-    if (performance.getEntriesByName("console-first-render").length === 0) performance.mark("console-first-render");
-  });
-  es.addEventListener("error", () => {
-    $("#status").textContent = "console unreachable, retrying…";
-    $("#status").className = "status down";
-  });
 
   // -- call form ----------------------------------------------------------------------
   let declared = {};  // command name -> declaration
@@ -428,12 +456,7 @@
   });
   $("#traffic-stop").addEventListener("click", stopTraffic);
 
-  // -- log out (logged-in viewers) ----------------------------------------------------
-  if (document.cookie !== undefined && document.body) {
-    fetch("/api/snapshot", { credentials: "same-origin" }).then((r) => r.json()).then((d) => {
-      if (d.console && d.console.login) $("#logout").hidden = false;
-    }).catch(() => {});
-  }
+  // -- log out (logged-in viewers; the button shows with the first snapshot) -----------
   $("#logout").addEventListener("click", async () => {
     await fetch("/logout", { method: "POST", credentials: "same-origin", headers: { "X-CSRF-Token": csrf } });
     location.href = "/";
