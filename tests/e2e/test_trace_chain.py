@@ -9,8 +9,10 @@ through the same chain without a pause.
 Every span of every process is then one trace whose parent links are exactly the
 chain: A's call, the broker's hop of it and B's handler; B's call, its hop and C's
 handler; C's put, its hop and the queue plugin's delivery; the plugin's call of D, its
-hop and D's receipt, and D's processing under it. No span lacks its parent, and E's traffic
-(which crossed every process at the same time) added none."""
+hop and D's receipt, and D's processing under it. The broker forwards frames unchanged, so
+its span of a hop is the child of the sender's span, beside the receiver's (as
+docs/PROTOCOL.md "Trace context" says). No span lacks its parent, and E's traffic (which
+crossed every process at the same time) added none."""
 
 from __future__ import annotations
 
