@@ -29,6 +29,7 @@ from msgq_trio.errors import ConnectError
 from msgq_trio.runtime import threshold_from_env, tune_collector
 
 from .loader import load_plugin
+from .otel import start_plugin_spans
 
 log = logging.getLogger("msgq_trio.plugins.host")
 
@@ -161,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed: list[BaseException] = []
     unusable: list[BaseException] = []
+    spans = start_plugin_spans(name)  # while the broker emits spans
     try:
         try:
             return trio.run(_main, name, Path(socket), json.loads(raw))
         finally:
             _ignore_sigterm_from_now_on()
+            if spans is not None:
+                spans.close()
     except* ConnectError as group:
         # The broker died (or is being killed) while this process started: not a bug in
         # the plugin, so one line instead of a traceback (the supervisor, if any is left,

@@ -31,6 +31,8 @@ import trio
 
 from msgq_trio.runtime import DEFAULT_GC_THRESHOLD, GC_THRESHOLD_ENV
 
+from .otel import OTEL_FILE_ENV
+
 log = logging.getLogger("msgq_trio.plugins")
 
 __all__ = ["PluginStartError", "PluginSupervisor"]
@@ -60,6 +62,9 @@ class PluginSupervisor:
         stopping: returns True once the broker shuts down (no restarts then).
         gc_threshold: the broker's ``gc_threshold``, handed to each plugin process
             (``msgq_trio.runtime``).
+        otel_file: the broker's ``[tracing] otel_file`` while it emits spans (None:
+            it does not), handed to each plugin process, which then emits its own
+            (plugins/otel.py).
     """
 
     def __init__(
@@ -70,9 +75,11 @@ class PluginSupervisor:
         stopping: Callable[[], bool] = lambda: False,
         start_timeout: float = START_TIMEOUT,
         gc_threshold: int = DEFAULT_GC_THRESHOLD,
+        otel_file: str | None = None,
     ) -> None:
         self.socket = socket
         self.gc_threshold = gc_threshold
+        self.otel_file = otel_file
         self.plugins = plugins
         self.stopping = stopping
         self.start_timeout = start_timeout
@@ -127,6 +134,8 @@ class PluginSupervisor:
             json.dumps(table),
         ]
         env = {**os.environ, GC_THRESHOLD_ENV: str(self.gc_threshold)}
+        if self.otel_file is not None:  # the broker emits spans: its plugins too
+            env[OTEL_FILE_ENV] = self.otel_file
         proc = await trio.lowlevel.open_process(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )

@@ -50,6 +50,7 @@ __all__ = [
     "parse_traceparent",
     "producing",
     "received",
+    "recording",
     "start_trace",
     "traced_handler",
     "untraced_handler",
@@ -265,6 +266,12 @@ def outgoing(name: str, kind: str = "client") -> Outgoing | None:
     if tc is not None and tc.cause:
         fields[TRACECAUSE] = tc.cause
     return Outgoing(fields, span)
+
+
+def recording() -> bool:
+    """Whether this process records spans (it configured an OpenTelemetry tracer
+    provider): the span ids the wire carries from here are then spans that exist."""
+    return (_otel() if OTEL_MODULE in sys.modules else None) is not None
 
 
 def active() -> bool:

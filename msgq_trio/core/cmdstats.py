@@ -2,10 +2,13 @@
 ended, and how long the answered ones took.
 
 Always on, so the per-request work is one dict lookup and a few integer increments: the
-dispatcher takes the pair's :class:`CommandStat` once per REQUEST (:meth:`CommandStats.entry`)
+dispatcher takes the pair's :class:`CommandStat` once per REQUEST (:meth:`CommandStats.entry`;
+for a pair already tracked it does the same inline: ``pairs.get`` and ``requests += 1``)
 and the pending call (core/rpc.py) keeps it until the call ends, so the answer path finds
-it with the slot it already looks up. The command name is the one the dispatcher reads
-from the request's header anyway; the body is never decoded for it.
+it with the slot it already looks up (and counts a REPLY inline, as
+:meth:`CommandStats.answered_ok` would: a Python call less per round trip each). The
+command name is the one the dispatcher reads from the request's header anyway; the body
+is never decoded for it.
 
 Outcomes, one per recipient that was asked (one per request, except for a request to
 every member of a group, which has one per member):

@@ -65,6 +65,7 @@ class Dispatcher:
         self.taps = broker.taps
         self.stats = broker.stats
         self._command_stat = broker.rpc.stats.entry
+        self._command_pairs = broker.rpc.stats.pairs
         self.traces = broker.traces
         self._close_fd = broker.close_fd
         # What every batch uses, bound once (these objects live as long as the broker):
@@ -348,7 +349,12 @@ class Dispatcher:
             return "refused", 0
         # Per-command statistics (core/cmdstats.py): the request is counted here, its
         # outcome below or, once delivered, by the pending call (core/rpc.py).
-        stat = self._command_stat(route[1] if kind != DIRECT else DIRECT_GROUP, command)
+        group = route[1] if kind != DIRECT else DIRECT_GROUP
+        stat = self._command_pairs.get((group, command))
+        if stat is None:
+            stat = self._command_stat(group, command)  # a new pair, or "other"
+        else:
+            stat.requests += 1  # CommandStats.entry for a tracked pair, without its call
         acl = peer.acl
         if acl is not None and kind != RESERVED:
             why = self._check_call(peer, acl, frame, route, command)

@@ -19,9 +19,10 @@ slots in O(its slots) (dbus-broker's reply registry has the same two-way ownersh
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left as _bisect
 from typing import NamedTuple
 
-from .cmdstats import CommandStat, CommandStats
+from .cmdstats import LATENCY_BUCKETS, CommandStat, CommandStats
 from .peers import Peer
 
 
@@ -130,7 +131,12 @@ class PendingReplies:
         if slot is None or slot.callees.pop(callee.id, None) is None:
             return None
         if error is None:
-            self.stats.answered_ok(slot.stat, now - slot.started)
+            # CommandStats.answered_ok, without its call (one per round trip).
+            stat = slot.stat
+            latency = now - slot.started
+            stat.ok += 1
+            stat.buckets[_bisect(LATENCY_BUCKETS, latency)] += 1
+            stat.latency_sum += latency
         else:
             self.stats.answered_error(slot.stat, now - slot.started, error)
         callee.pending_in.discard(key)

@@ -15,19 +15,22 @@ here. The exporter is chosen by the standard OpenTelemetry environment variables
 * ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``: the resource (service name
   ``msgq-trio-broker`` unless set); ``OTEL_SDK_DISABLED=true`` turns the spans off.
 
+The exporter and the provider are built by plugins/otel.py, which also gives the
+broker's plugin processes spans of their own while the broker emits spans.
+
 Spans are batched and exported by the SDK's own thread (``console``: written as they
 end, for a file someone reads while the broker runs), and flushed at shutdown.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
 from typing import IO, Any
 
 from .._version import __version__
+from ..plugins.otel import OtelError, tracer_provider
 
 __all__ = ["OtelError", "OtelSink", "open_sink"]
 
@@ -35,11 +38,6 @@ log = logging.getLogger("msgq_trio.otel")
 
 #: The service name of the broker's spans unless OTEL_SERVICE_NAME says otherwise.
 SERVICE_NAME = "msgq-trio-broker"
-
-
-class OtelError(Exception):
-    """The spans cannot be set up as configured (the extra missing, an unknown exporter,
-    an unwritable file): the broker does not start, naming which."""
 
 
 class OtelSink:
@@ -94,64 +92,5 @@ def open_sink(otel_file: str = "", environ: dict[str, str] | None = None) -> Ote
         OtelError: the ``otel`` extra is not installed, the exporter is unknown or its
             package missing, or ``otel_file`` cannot be opened.
     """
-    env = os.environ if environ is None else environ
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    exporter_name = (env.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower()
-    if exporter_name == "none":
-        return None
-    try:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import (
-            BatchSpanProcessor,
-            ConsoleSpanExporter,
-            SimpleSpanProcessor,
-        )
-    except ImportError as exc:
-        raise OtelError(
-            f"[tracing] otel needs the OpenTelemetry SDK: pip install 'msgq-trio[otel]' ({exc})"
-        ) from None
-    attributes = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": SERVICE_NAME}
-    provider = TracerProvider(resource=Resource.create(attributes))
-    out: IO[str] | None = None
-    if exporter_name == "console":
-        try:
-            # Open for the broker's life; OtelSink.close() closes it.
-            out = open(otel_file, "a", encoding="utf-8", buffering=1) if otel_file else sys.stderr  # noqa: SIM115
-        except OSError as exc:
-            raise OtelError(f"[tracing] otel_file {otel_file!r} cannot be opened: {exc}") from None
-        exporter: Any = ConsoleSpanExporter(
-            out=out, formatter=lambda span: span.to_json(indent=None) + "\n"
-        )
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    elif exporter_name == "otlp":
-        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(env)))
-    else:
-        raise OtelError(
-            f"OTEL_TRACES_EXPORTER={exporter_name!r} is not one the broker knows "
-            "(otlp, console, none)"
-        )
-    return OtelSink(provider, out)
-
-
-def _otlp_exporter(env: Any) -> Any:
-    protocol = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or ""
-    ).strip()
-    module = (
-        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
-        if protocol == "grpc"
-        else "opentelemetry.exporter.otlp.proto.http.trace_exporter"
-    )
-    try:
-        exporter_class = importlib.import_module(module).OTLPSpanExporter
-    except ImportError as exc:
-        raise OtelError(
-            "OTEL_TRACES_EXPORTER=otlp needs the package opentelemetry-exporter-otlp "
-            f"(pip install opentelemetry-exporter-otlp), or set OTEL_TRACES_EXPORTER=console "
-            f"({exc})"
-        ) from None
-    return exporter_class()
+    made = tracer_provider(otel_file, os.environ if environ is None else environ, SERVICE_NAME)
+    return None if made is None else OtelSink(*made)

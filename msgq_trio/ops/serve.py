@@ -446,6 +446,7 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                         config.plugins,
                         stopping=lambda: server.shutting_down,
                         gc_threshold=config.gc_threshold,
+                        otel_file=config.tracing.otel_file if otel_sink is not None else None,
                     )
                     await nursery.start(supervisor.run)
                 started = True

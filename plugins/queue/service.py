@@ -26,7 +26,7 @@ import cbor2
 import trio
 
 from msgq_trio.client.bus import Bus, Message
-from msgq_trio.client.tracing import continued
+from msgq_trio.client.tracing import continued, format_traceparent, recording
 from msgq_trio.errors import (
     CommandFailed,
     ConnectionLost,
@@ -428,7 +428,15 @@ class Service:
         traces = [trace_of(m.data) for m in msgs]
         params["traces"] = traces
         first = next(t for t in traces if t)
-        with continued({"traceparent": first}, f"deliver {params['queue']}", "producer"):
+        with continued({"traceparent": first}, f"deliver {params['queue']}", "producer") as tc:
+            if tc is not None and recording():
+                # The delivery is a recorded span here (the broker emits spans,
+                # plugins/otel.py): the messages of the put that caused it are
+                # delivered under it, so the consumer's spans follow the broker's hop
+                # of the delivery. Without spans here its id names no span: each
+                # message keeps its put's.
+                mine = format_traceparent(tc.trace_id, tc.span_id, tc.flags)
+                params["traces"] = [mine if t == first else t for t in traces]
             return self.bus.start_call(c.lname, DELIVER, params)
 
     async def _batch_delivery(

@@ -36,9 +36,13 @@ def spans() -> Iterator[InMemorySpanExporter]:
     in-memory exporter, emptied for the test."""
     global _PROVIDER
     if _PROVIDER is None:
-        _PROVIDER = sdk_trace.TracerProvider()
+        # Another test file of this process may have set the provider already (the API
+        # takes the first one only): the exporter is added to whichever is in force.
+        _PROVIDER = otel_trace.get_tracer_provider()
+        if not isinstance(_PROVIDER, sdk_trace.TracerProvider):
+            _PROVIDER = sdk_trace.TracerProvider()
+            otel_trace.set_tracer_provider(_PROVIDER)
         _PROVIDER.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        otel_trace.set_tracer_provider(_PROVIDER)
     _EXPORTER.clear()
     yield _EXPORTER
     _EXPORTER.clear()
