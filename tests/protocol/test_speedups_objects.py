@@ -1,0 +1,79 @@
+"""The objects the compiled scan builds are ordinary Python objects: a Frame from
+``_speedups.scan`` hashes, compares, copies and is freed like one built by the Python
+loop, whichever way the extension builds it for this CPython (framing's tp_alloc fill or
+the tuple constructor, see ``FILL_FRAMES`` in _speedups.c)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import sys
+
+import pytest
+
+from msgq_trio.protocol import framing
+from msgq_trio.protocol.framing import Frame, FrameParser
+
+try:
+    from msgq_trio.protocol import _speedups
+except ImportError:
+    _speedups = None  # type: ignore[assignment]
+
+pytestmark = pytest.mark.skipif(
+    _speedups is None or not framing.SPEEDUPS, reason="the C extension is not in use"
+)
+
+STAMP = b"l.7\0sender"
+
+
+def parse(data: bytes, scan: object) -> list[Frame]:
+    saved = framing._scan_loop
+    framing._scan_loop = scan  # type: ignore[assignment]
+    try:
+        p = FrameParser()
+        p.feed(data)
+        return p.frames()
+    finally:
+        framing._scan_loop = saved
+
+
+def stream() -> bytes:
+    return b"".join(
+        framing.encode_small_bytes(3, t, body, s)
+        for t, body, s in [
+            (b"g", b"one", STAMP),
+            (b"g", b"two", STAMP),
+            (b"h.i", bytes(range(100)), b"l.8\0x"),
+            (b"g", b"", STAMP),
+        ]
+    )
+
+
+def test_compiled_frames_hash_and_compare_as_tuples() -> None:
+    compiled, python = parse(stream(), _speedups.scan), parse(stream(), framing._scan_loop_py)
+    assert compiled == python
+    for c, p in zip(compiled, python, strict=True):
+        assert type(c) is Frame
+        assert c == p and c == tuple(p) and tuple(c) == tuple(p)
+        # A hash cache left unset, or an item missing, gives another hash than the
+        # plain tuple of the same values.
+        assert hash(c) == hash(p) == hash(tuple(p))
+        assert {c: 1}[p] == 1
+        assert c._replace(flags=1) == p._replace(flags=1)
+        assert copy.copy(c) == p and pickle.loads(pickle.dumps(c)) == p
+        assert c.body() == p.body()
+        assert not gc.is_tracked(c)  # no reference cycle can hold one (see make_frame)
+
+
+def test_compiled_frames_hold_one_reference_per_item_and_are_freed() -> None:
+    frames = parse(stream(), _speedups.scan)
+    raw = frames[2].raw
+    # The list, the frame and this name: no reference leaked or lost when it was built.
+    assert sys.getrefcount(raw) == 3
+    target = frames[2].target
+    n = sys.getrefcount(target)
+    del frames
+    gc.collect()
+    assert sys.getrefcount(raw) == 2
+    assert sys.getrefcount(target) < n
