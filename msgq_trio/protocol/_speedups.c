@@ -896,14 +896,48 @@ typedef struct {
 
 static PyTypeObject ReadyType;
 
+/* One freed Ready kept for the next ready(), untracked and holding nothing (NULL: none):
+ * a receiving loop makes one per message and drops it before the next, so that one
+ * object serves them all, without an allocation, its release and the collector's count
+ * of allocations that each would move (which schedules collections). Not with the
+ * free-threaded build, whose threads would share it. */
+#ifndef Py_GIL_DISABLED
+static Ready *ready_spare = NULL;
+#endif
+
 static PyObject *ready_new(PyObject *mod, PyObject *value)
 {
-    Ready *r = PyObject_GC_New(Ready, &ReadyType);
-    if (r == NULL)
-        return NULL;
+    Ready *r;
+#ifndef Py_GIL_DISABLED
+    r = ready_spare;
+    if (r != NULL) {
+        ready_spare = NULL;
+        PyObject_Init((PyObject *)r, &ReadyType); /* a new reference, as at allocation */
+    }
+    else
+#endif
+    {
+        r = PyObject_GC_New(Ready, &ReadyType);
+        if (r == NULL)
+            return NULL;
+    }
     r->value = Py_NewRef(value);
     PyObject_GC_Track(r);
     return (PyObject *)r;
+}
+
+/* gc_dealloc, keeping the object as ready_spare if that is free. */
+static void ready_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(((Ready *)self)->value);
+#ifndef Py_GIL_DISABLED
+    if (ready_spare == NULL) {
+        ready_spare = (Ready *)self;
+        return;
+    }
+#endif
+    Py_TYPE(self)->tp_free(self);
 }
 
 static int ready_traverse(PyObject *self, visitproc visit, void *arg)
@@ -996,7 +1030,7 @@ static PyTypeObject ReadyType = {
     .tp_methods = ready_methods,
     .tp_traverse = ready_traverse,
     .tp_clear = ready_clear,
-    .tp_dealloc = gc_dealloc,
+    .tp_dealloc = ready_dealloc,
     .tp_doc = "An awaitable already done (see ready()).",
 };
 

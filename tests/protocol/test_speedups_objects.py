@@ -77,3 +77,32 @@ def test_compiled_frames_hold_one_reference_per_item_and_are_freed() -> None:
     gc.collect()
     assert sys.getrefcount(raw) == 2
     assert sys.getrefcount(target) < n
+
+
+def _result(r: object) -> object:
+    try:
+        next(r)  # type: ignore[call-overload]
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError("ready() did not finish at once")
+
+
+def test_ready_objects_reused_hold_only_their_own_value() -> None:
+    """A freed awaitable may serve the next ready() (see ready_spare in _speedups.c):
+    it then gives the new value, holds no reference to the old one, is tracked by the
+    collector again, and two alive at once stay two."""
+    a, b, c = object(), object(), object()
+    before = sys.getrefcount(a)
+    r = _speedups.ready(a)
+    assert gc.is_tracked(r)
+    del r
+    assert sys.getrefcount(a) == before
+    r = _speedups.ready(b)
+    r2 = _speedups.ready(c)
+    assert r is not r2
+    assert _result(r) is b and _result(r2) is c and _result(r) is b
+    assert gc.is_tracked(r) and gc.get_referents(r) == [b]
+    del r, r2
+    for value in (a, b, c, None):
+        assert _result(_speedups.ready(value)) is value
+    assert sys.getrefcount(a) == before
