@@ -23,6 +23,8 @@
  *       else goes to fallback (the Python getter).
  *   new_bytes(n) -> (bytes, memoryview): a new bytes of n bytes and a writable view of
  *       its content that keeps it alive (framing._new_body_py, without its copy).
+ *   reuse_bytes(spares, n) -> (bytes, memoryview) or None: the same from a bytes of the
+ *       list spares that only the list holds (framing._reuse_body_py: always None).
  *
  * Memory safety: nothing here trusts a value it did not make. Frame fields are checked
  * against raw before a byte is read, lengths are compared before they are added, slot
@@ -42,7 +44,7 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 7 /* 7: a TRACED message never joins a run */
+#define SPEEDUPS_API 8 /* 8: reuse_bytes */
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
@@ -1073,18 +1075,9 @@ static PyTypeObject WriterType = {
     .tp_doc = "The exporter of new_bytes()'s writable view.",
 };
 
-static PyObject *new_bytes(PyObject *mod, PyObject *arg)
+/* (b, a writable view of b's content owned by a Writer); steals the reference to b. */
+static PyObject *writable(PyObject *b)
 {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (n <= 0) {
-        PyErr_SetString(PyExc_ValueError, "new_bytes(): the size must be positive");
-        return NULL;
-    }
-    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
-    if (b == NULL)
-        return NULL;
     Writer *w = PyObject_New(Writer, &WriterType);
     if (w == NULL) {
         Py_DECREF(b);
@@ -1103,6 +1096,59 @@ static PyObject *new_bytes(PyObject *mod, PyObject *arg)
     return res;
 }
 
+static PyObject *new_bytes(PyObject *mod, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "new_bytes(): the size must be positive");
+        return NULL;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
+    if (b == NULL)
+        return NULL;
+    return writable(b);
+}
+
+/*
+ * reuse_bytes(spares, n) -> (bytes, memoryview) or None: new_bytes(n), made of an item
+ * of the list spares (the large bodies a parser handed out) that is a bytes of exactly
+ * n bytes held by that list alone; None if there is none. A bytes no one else holds a
+ * reference to (a memoryview or buffer export of it would hold one) can be seen by no
+ * one: writing into it is writing into a new bytes, as new_bytes does, once its cached
+ * hash is reset. Why: a new multi-megabyte bytes is a fresh mapping of the C library's
+ * allocator (zeroed pages faulted in one by one while the body is received) until its
+ * thresholds adapt, and again whenever it trims its heap; a body reused is in pages the
+ * process has already.
+ * Only where the hash is the bytes object's one cached state (CPython 3.11 to 3.13, with
+ * the GIL: the count of references is exact); elsewhere always None.
+ */
+static PyObject *reuse_bytes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "reuse_bytes(spares: list, n: int)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+    PyObject *spares = args[0];
+    for (Py_ssize_t i = 0; n > 0 && i < PyList_GET_SIZE(spares); i++) {
+        PyObject *b = PyList_GET_ITEM(spares, i); /* borrowed: the list's reference */
+        if (PyBytes_CheckExact(b) && Py_REFCNT(b) == 1 && PyBytes_GET_SIZE(b) == n) {
+            _Py_COMP_DIAG_PUSH
+            _Py_COMP_DIAG_IGNORE_DEPR_DECLS
+            ((PyBytesObject *)b)->ob_shash = -1;
+            _Py_COMP_DIAG_POP
+            return writable(Py_NewRef(b));
+        }
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)init, METH_VARARGS,
      "init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py)"},
@@ -1119,6 +1165,8 @@ static PyMethodDef methods[] = {
      "body_getter(cls, frame_slot, decoded_slot, body_slot, fallback) -> a property getter"},
     {"new_bytes", (PyCFunction)new_bytes, METH_O,
      "new_bytes(n) -> (bytes, memoryview): a new bytes and a writable view of it"},
+    {"reuse_bytes", (PyCFunction)(void (*)(void))reuse_bytes, METH_FASTCALL,
+     "reuse_bytes(spares, n) -> (bytes, memoryview) or None: new_bytes(n) from a spare"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,8 @@
-"""The objects the compiled scan builds are ordinary Python objects: a Frame from
-``_speedups.scan`` hashes, compares, copies and is freed like one built by the Python
-loop, whichever way the extension builds it for this CPython (framing's tp_alloc fill or
-the tuple constructor, see ``FILL_FRAMES`` in _speedups.c)."""
+"""The objects the compiled code builds or reuses are ordinary Python objects: a Frame
+from ``_speedups.scan`` hashes, compares, copies and is freed like one built by the
+Python loop, whichever way the extension builds it for this CPython (the subclass's
+tp_alloc filled by hand, or the tuple constructor: ``FILL_FRAMES`` in _speedups.c); an
+awaitable of ``ready`` or a large body reused holds only what it was made for."""
 
 from __future__ import annotations
 
@@ -106,3 +107,52 @@ def test_ready_objects_reused_hold_only_their_own_value() -> None:
     for value in (a, b, c, None):
         assert _result(_speedups.ready(value)) is value
     assert sys.getrefcount(a) == before
+
+
+def _large_bodies(parser: FrameParser, bodies: list[bytes]) -> list[bytes]:
+    """The bodies of large MESSAGE frames as a client's parser hands them out, each
+    frame fed in two parts (as a stream of receives brings it)."""
+    from msgq_trio.protocol.encode import encode_bytes_message
+
+    out = []
+    for body in bodies:
+        data = b"".join(encode_bytes_message(3, b"big", body, STAMP))
+        parser.feed(data[:4096])
+        parser.feed(data[4096:])
+        (frame,) = parser.frames()
+        got = frame.body()
+        assert got is frame.large_body and type(got) is bytes
+        out.append(got)
+    return out
+
+
+def test_a_spare_body_is_reused_only_once_no_one_else_holds_it() -> None:
+    """A client's parser receives a large body into one it handed out before only once
+    that one is held by nothing else: a body the application keeps never changes; one it
+    dropped comes back with the new content and the hash of that content."""
+    if framing._reuse_body is framing._reuse_body_py:
+        pytest.skip("the pure build hands out copies and keeps no spares")
+    size = 1 << 20
+    one, two, three = (bytes([i]) * size for i in (1, 2, 3))
+    p = FrameParser(own_bodies=True)
+    (kept,) = _large_bodies(p, [one])
+    hash(kept)
+    (second,) = _large_bodies(p, [two])
+    assert kept == one and second == two and second is not kept
+    address = id(second)
+    hash(second)
+    del second  # dropped: the parser's spares alone hold it now
+    (third,) = _large_bodies(p, [three])
+    assert id(third) == address  # the dropped one, written again
+    assert third == three and kept == one
+    assert hash(third) == hash(bytes(three)) != hash(two)
+    # A view (or any export) of a body is a reference: that body is left alone.
+    view = memoryview(third)
+    del third
+    (fourth,) = _large_bodies(p, [two])
+    assert fourth == two and bytes(view) == three
+    # Another size, or more spares than SPARE_BODIES: new bodies, the oldest let go.
+    assert _large_bodies(p, [bytes(size + 1)]) == [bytes(size + 1)]
+    assert len(p._spares) <= framing.SPARE_BODIES
+    p.release()
+    assert p._spares == []
