@@ -1,6 +1,6 @@
 """What one message costs, in measures a loaded machine does not move:
 ``python -m benchmarks.instr [--checkout PATH] [--workloads one-way,fan-out,req-reply]
-[--tools callgrind,strace] [--n 2000] [--base 200] [--json FILE]``.
+[--tools callgrind,strace] [--n 2000] [--base 200] [--json FILE] [--keep DIR]``.
 
 For a checkout (a directory holding msgq_trio's sources and a ``.venv`` with it
 installed, e.g. a ``git worktree`` of an older commit; default: this repository), each
@@ -35,7 +35,10 @@ Figures, per message and per process role (broker, pub/sub/req/resp; subscribers
 
 How processes batch (how many frames one ``recv`` brings) still depends on timing, so
 two runs of one commit differ a little: run a commit twice to see the spread before
-reading a difference between commits. Under valgrind everything runs 20-50 times
+reading a difference between commits. ``--keep DIR`` keeps each run's outputs
+(``DIR/WORKLOAD-TOOL-COUNT/LABEL.cg`` ...) for a closer look, e.g. ``callgrind_annotate
+--inclusive=yes DIR/fan-out-callgrind-2200/sub0.cg`` for where a subscriber's
+instructions go. Under valgrind everything runs 20-50 times
 slower: the defaults take a few minutes per workload on two cores.
 """
 
@@ -333,11 +336,13 @@ def _role(label: str) -> str:
     return re.sub(r"\d+$", "", label)
 
 
-def measure(checkout: Path, workload: str, tool: str, n: int, base: int) -> dict[str, Any]:
+def measure(
+    checkout: Path, workload: str, tool: str, n: int, base: int, keep: Path | None = None
+) -> dict[str, Any]:
     """Figures per message of ``workload`` under ``tool``: the runs with ``base`` and
     ``base + n`` messages, differenced. ``{role: instructions}`` for callgrind,
     ``{role: {"total": calls, name: calls...}}`` for strace (system calls) and calls
-    (Python function calls)."""
+    (Python function calls). With ``keep``, each run's outputs are moved there."""
     totals: list[dict[str, Any]] = []
     for count in (base, base + n):
         out = Path(tempfile.mkdtemp(prefix="instr-"))
@@ -359,7 +364,13 @@ def measure(checkout: Path, workload: str, tool: str, n: int, base: int) -> dict
                         calls[name] = calls.get(name, 0) + c
             totals.append(per_role)
         finally:
-            shutil.rmtree(out, ignore_errors=True)
+            if keep is not None:
+                kept = keep / f"{workload}-{tool}-{count}"
+                shutil.rmtree(kept, ignore_errors=True)
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(out), str(kept))
+            else:
+                shutil.rmtree(out, ignore_errors=True)
     small, large = totals
     if tool == "callgrind":
         return {role: round((large[role] - small[role]) / n) for role in large}
@@ -412,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=2000, help="messages measured (default 2000)")
     parser.add_argument("--base", type=int, default=200, help="messages of the base run")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--keep", type=Path, help="keep each run's outputs in this folder")
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     tools = [t for t in args.tools.split(",") if t]
@@ -434,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for workload in workloads:
         results["workloads"][workload] = {
-            tool: measure(checkout, workload, tool, args.n, args.base) for tool in tools
+            tool: measure(checkout, workload, tool, args.n, args.base, args.keep) for tool in tools
         }
     print(report(results))
     if args.json:

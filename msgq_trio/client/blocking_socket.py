@@ -20,7 +20,7 @@ from ..protocol.codes import ErrorCode, FrameType
 from ..protocol.connection import EOF
 from ..protocol.errors import ProtocolError
 from ..protocol.framing import DEFAULT_MAX_FRAME_SIZE, Frame
-from ..transport.fdpass import RECEIVE_SIZE, SEND_BUFFER
+from ..transport.fdpass import RECEIVE_INTO_SIZE, RECEIVE_SIZE, SEND_BUFFER
 from ..transport.sockets import (
     ancillary_size,
     scratch_buffer,
@@ -214,17 +214,35 @@ class BlockingSocket(SessionView):
                     return False
             except OSError as exc:
                 raise self._fail(f"connection to the broker failed: {exc}") from exc
-        view = scratch_buffer(RECEIVE_SIZE)  # the thread's receive buffer, shared with trio's
+        conn = self._conn
+        # The rest of a large frame in progress goes straight into its own buffer (the
+        # body handed out, or a spare one: framing.SPARE_BODIES), as in the trio and
+        # asyncio drivers: no copy of it through the scratch buffer, whose pages the
+        # parser's own buffer would otherwise take in and give back around each body.
+        target = conn.receive_buffer()
+        view = scratch_buffer(RECEIVE_SIZE) if target is None else target[:RECEIVE_INTO_SIZE]
         try:
             n, anc, flags, _addr = sock.recvmsg_into((view,), self._ancsize, how)
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise self._fail(f"connection to the broker failed: {exc}") from exc
+        except BaseException as exc:
+            # (KeyboardInterrupt in a blocking wait too: the view must be given back, or
+            # the next receive_buffer() refuses)
+            if target is not None:
+                view.release()
+                target.release()
+                conn.return_buffer()
+            if isinstance(exc, BlockingIOError):
+                return False
+            if isinstance(exc, OSError):
+                raise self._fail(f"connection to the broker failed: {exc}") from exc
+            raise
         try:
             fds = take_fds(anc, flags) if anc else []
-            conn = self._conn
-            conn.receive_data(view[:n], fds)  # the parser copies it
+            if target is None:
+                conn.receive_data(view[:n], fds)  # the parser copies it
+            else:
+                view.release()
+                target.release()
+                conn.received_into(n, fds)
             for ev in conn.events():
                 if ev is EOF:
                     self._s.fail(

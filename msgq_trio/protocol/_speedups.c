@@ -23,6 +23,8 @@
  *       else goes to fallback (the Python getter).
  *   new_bytes(n) -> (bytes, memoryview): a new bytes of n bytes and a writable view of
  *       its content that keeps it alive (framing._new_body_py, without its copy).
+ *   reuse_bytes(spares, n) -> (bytes, memoryview) or None: the same from a bytes of the
+ *       list spares that only the list holds (framing._reuse_body_py: always None).
  *
  * Memory safety: nothing here trusts a value it did not make. Frame fields are checked
  * against raw before a byte is read, lengths are compared before they are added, slot
@@ -42,7 +44,7 @@
 
 /* The interface of this file as framing.py expects it; framing.py ignores a build of
  * another version (a stale in-place build left beside newer sources). */
-#define SPEEDUPS_API 7 /* 7: a TRACED message never joins a run */
+#define SPEEDUPS_API 8 /* 8: reuse_bytes */
 
 #define PREFIX_SIZE 32
 #define FIXED_AFTER_LENGTH 28
@@ -194,6 +196,19 @@ static void last_clear(Last *last)
     Py_CLEAR(last->args);
 }
 
+/* How make_frame builds a Frame (a tuple subclass). Where tuple's own constructor for a
+ * subclass (tuple_subtype_new) is exactly the subclass's tp_alloc followed by a new
+ * reference stored into each item, as in CPython 3.11 to 3.13, make_frame does those
+ * two steps itself (FILL_FRAMES): the constructor first takes the items as a tuple of
+ * arguments, checks them, then copies them with a reference each, which made about a
+ * seventh of the instructions scan executes per small frame. 3.14 also resets a hash
+ * cache there, so for it, later versions and the free-threaded build the constructor
+ * itself builds the frame. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+#define FILL_FRAMES 1
+#endif
+
+#ifndef FILL_FRAMES
 /* last->args ready to be filled: reused when only this scan holds it and its tuple (as
  * tuple.__new__ leaves them: it keeps neither), else new. NULL with an error. */
 static PyObject *frame_args(Last *last)
@@ -214,6 +229,7 @@ static PyObject *frame_args(Last *last)
     last->args = args;
     return values;
 }
+#endif
 
 /* The target of a frame whose target bytes are t[0:tlen] (a new reference); NULL with
  * *bad set if they are not UTF-8 (no Python error set then), NULL with an error
@@ -282,6 +298,15 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
     for (int i = 0; i < FRAME_FIELDS; i++)
         if (items[i] == NULL)
             goto fail;
+#ifdef FILL_FRAMES
+    /* tuple_subtype_new's own steps (see FILL_FRAMES): tp_alloc gives FRAME_FIELDS
+     * items, all NULL (a NULL item is fine for its dealloc), and each is set once. */
+    PyObject *frame = frame_type->tp_alloc(frame_type, FRAME_FIELDS);
+    if (frame == NULL)
+        goto fail;
+    for (int i = 0; i < FRAME_FIELDS; i++)
+        PyTuple_SET_ITEM(frame, i, items[i]); /* steals */
+#else
     PyObject *values = frame_args(last);
     if (values == NULL)
         goto fail;
@@ -297,6 +322,7 @@ static PyObject *make_frame(Last *last, const unsigned char *p, Py_ssize_t total
     PyObject *frame = PyTuple_Type.tp_new(frame_type, last->args, NULL);
     if (frame == NULL)
         return NULL;
+#endif
     /* Every field is an int, str or bytes and fds is the empty tuple: this frame can be
      * in no reference cycle, so the cyclic collector need not track it. Thousands of
      * frames of one receive are alive at once, waiting for the application; tracked,
@@ -872,14 +898,48 @@ typedef struct {
 
 static PyTypeObject ReadyType;
 
+/* One freed Ready kept for the next ready(), untracked and holding nothing (NULL: none):
+ * a receiving loop makes one per message and drops it before the next, so that one
+ * object serves them all, without an allocation, its release and the collector's count
+ * of allocations that each would move (which schedules collections). Not with the
+ * free-threaded build, whose threads would share it. */
+#ifndef Py_GIL_DISABLED
+static Ready *ready_spare = NULL;
+#endif
+
 static PyObject *ready_new(PyObject *mod, PyObject *value)
 {
-    Ready *r = PyObject_GC_New(Ready, &ReadyType);
-    if (r == NULL)
-        return NULL;
+    Ready *r;
+#ifndef Py_GIL_DISABLED
+    r = ready_spare;
+    if (r != NULL) {
+        ready_spare = NULL;
+        PyObject_Init((PyObject *)r, &ReadyType); /* a new reference, as at allocation */
+    }
+    else
+#endif
+    {
+        r = PyObject_GC_New(Ready, &ReadyType);
+        if (r == NULL)
+            return NULL;
+    }
     r->value = Py_NewRef(value);
     PyObject_GC_Track(r);
     return (PyObject *)r;
+}
+
+/* gc_dealloc, keeping the object as ready_spare if that is free. */
+static void ready_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(((Ready *)self)->value);
+#ifndef Py_GIL_DISABLED
+    if (ready_spare == NULL) {
+        ready_spare = (Ready *)self;
+        return;
+    }
+#endif
+    Py_TYPE(self)->tp_free(self);
 }
 
 static int ready_traverse(PyObject *self, visitproc visit, void *arg)
@@ -972,7 +1032,7 @@ static PyTypeObject ReadyType = {
     .tp_methods = ready_methods,
     .tp_traverse = ready_traverse,
     .tp_clear = ready_clear,
-    .tp_dealloc = gc_dealloc,
+    .tp_dealloc = ready_dealloc,
     .tp_doc = "An awaitable already done (see ready()).",
 };
 
@@ -1015,18 +1075,9 @@ static PyTypeObject WriterType = {
     .tp_doc = "The exporter of new_bytes()'s writable view.",
 };
 
-static PyObject *new_bytes(PyObject *mod, PyObject *arg)
+/* (b, a writable view of b's content owned by a Writer); steals the reference to b. */
+static PyObject *writable(PyObject *b)
 {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (n <= 0) {
-        PyErr_SetString(PyExc_ValueError, "new_bytes(): the size must be positive");
-        return NULL;
-    }
-    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
-    if (b == NULL)
-        return NULL;
     Writer *w = PyObject_New(Writer, &WriterType);
     if (w == NULL) {
         Py_DECREF(b);
@@ -1045,6 +1096,59 @@ static PyObject *new_bytes(PyObject *mod, PyObject *arg)
     return res;
 }
 
+static PyObject *new_bytes(PyObject *mod, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "new_bytes(): the size must be positive");
+        return NULL;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
+    if (b == NULL)
+        return NULL;
+    return writable(b);
+}
+
+/*
+ * reuse_bytes(spares, n) -> (bytes, memoryview) or None: new_bytes(n), made of an item
+ * of the list spares (the large bodies a parser handed out) that is a bytes of exactly
+ * n bytes held by that list alone; None if there is none. A bytes no one else holds a
+ * reference to (a memoryview or buffer export of it would hold one) can be seen by no
+ * one: writing into it is writing into a new bytes, as new_bytes does, once its cached
+ * hash is reset. Why: a new multi-megabyte bytes is a fresh mapping of the C library's
+ * allocator (zeroed pages faulted in one by one while the body is received) until its
+ * thresholds adapt, and again whenever it trims its heap; a body reused is in pages the
+ * process has already.
+ * Only where the hash is the bytes object's one cached state (CPython 3.11 to 3.13, with
+ * the GIL: the count of references is exact); elsewhere always None.
+ */
+static PyObject *reuse_bytes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "reuse_bytes(spares: list, n: int)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+    PyObject *spares = args[0];
+    for (Py_ssize_t i = 0; n > 0 && i < PyList_GET_SIZE(spares); i++) {
+        PyObject *b = PyList_GET_ITEM(spares, i); /* borrowed: the list's reference */
+        if (PyBytes_CheckExact(b) && Py_REFCNT(b) == 1 && PyBytes_GET_SIZE(b) == n) {
+            _Py_COMP_DIAG_PUSH
+            _Py_COMP_DIAG_IGNORE_DEPR_DECLS
+            ((PyBytesObject *)b)->ob_shash = -1;
+            _Py_COMP_DIAG_POP
+            return writable(Py_NewRef(b));
+        }
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)init, METH_VARARGS,
      "init(Frame, Run, valid_mask, message_type, body_py, encode_small_bytes_py)"},
@@ -1061,6 +1165,8 @@ static PyMethodDef methods[] = {
      "body_getter(cls, frame_slot, decoded_slot, body_slot, fallback) -> a property getter"},
     {"new_bytes", (PyCFunction)new_bytes, METH_O,
      "new_bytes(n) -> (bytes, memoryview): a new bytes and a writable view of it"},
+    {"reuse_bytes", (PyCFunction)(void (*)(void))reuse_bytes, METH_FASTCALL,
+     "reuse_bytes(spares, n) -> (bytes, memoryview) or None: new_bytes(n) from a spare"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -124,6 +124,28 @@ def _new_body_py(n: int) -> tuple[bytes | bytearray, memoryview]:
 
 #: :func:`_new_body_py`, or the compiled ``new_bytes`` (see :data:`SPEEDUPS`).
 _new_body: Callable[[int], tuple[bytes | bytearray, memoryview]] = _new_body_py
+
+
+def _reuse_body_py(spares: list[bytes], n: int) -> tuple[bytes, memoryview] | None:
+    """What :func:`_new_body` returns, made of a body of ``spares`` that only that list
+    still holds and that has ``n`` bytes; None if there is none. The reference never
+    finds one: Python cannot write into a ``bytes``, and the pure build hands out a copy
+    of its bytearray, which :class:`FrameParser` does not keep. The compiled
+    ``reuse_bytes`` does it (see ``_speedups.c``)."""
+    return None
+
+
+#: :func:`_reuse_body_py`, or the compiled ``reuse_bytes`` (see :data:`SPEEDUPS`).
+_reuse_body: Callable[[list[bytes], int], tuple[bytes, memoryview] | None] = _reuse_body_py
+#: How many large bodies a client's parser (``own_bodies``) keeps after handing them
+#: out, to receive later bodies of the same size into once the application has dropped
+#: them: a body received into a new ``bytes`` is in fresh pages, faulted in one by one,
+#: until the C library's allocator has adapted its thresholds and whenever it trims its
+#: heap (docs/bench/scale.md), a body received into a spare is in pages the process has.
+#: 4: a burst of up to four large messages waiting in the inbox at once still finds a
+#: spare for each (tests/client/test_large_body_faults.py); a spare costs its size in
+#: resident memory while it waits. Read at each large body; 0 keeps none.
+SPARE_BODIES = 4
 SEEN_FDS = 1 << 32
 #: A traced frame (docs/PROTOCOL.md, "Trace context") never joins a run.
 _TRACED = int(Flag.TRACED)
@@ -271,6 +293,7 @@ class FrameParser:
         "_large_lent",
         "_large_total",
         "_pos",
+        "_spares",
         "_spliced",
         "_splicing",
         "max_frame_size",
@@ -286,6 +309,9 @@ class FrameParser:
             raise ValueError(f"max_frame_size must be in 1..{ABSOLUTE_MAX_FRAME_SIZE}")
         self.max_frame_size = max_frame_size
         self.own_bodies = own_bodies
+        # With own_bodies, the large bodies handed out last, at most SPARE_BODIES of them,
+        # oldest first: _start_body receives into one that no one else holds any longer.
+        self._spares: list[bytes] = []
         self._buf = bytearray()
         self._pos = 0
         # A frame of at least _LARGE_FRAME bytes in progress: its buffer (len = capacity,
@@ -555,7 +581,18 @@ class FrameParser:
         return start + h if h + n == blen else 0
 
     def _start_body(self, part: memoryview, total: int, head: int) -> None:
-        self._body, self._body_view = _new_body(total - head)
+        n = total - head
+        spares = self._spares
+        reused = _reuse_body(spares, n) if spares else None
+        if reused is not None:
+            self._body, self._body_view = reused
+        else:
+            body, self._body_view = _new_body(n)
+            self._body = body
+            if type(body) is bytes and SPARE_BODIES > 0:
+                spares.append(body)
+                if len(spares) > SPARE_BODIES:
+                    del spares[: len(spares) - SPARE_BODIES]
         self._large, self._large_fill, self._large_total = bytearray(part[:head]), head, total
         self._large_put(part[head:])
 
@@ -711,6 +748,7 @@ class FrameParser:
         self._large_lent = False
         self._splicing = 0
         self._spliced = None  # (its owner, the broker's reader, closes it)
+        self._spares = []
         if self._error is None:
             self._error = RemoteProtocolError("the connection is closed")
 
@@ -769,7 +807,7 @@ _body_py = Frame.body
 _VALID_MASK = sum(1 << t for t in _VALID_TYPES)
 #: The compiled interface this module expects (``_speedups.API``): an extension of
 #: another version, such as a stale in-place build, is not used.
-_SPEEDUPS_API = 7  # 7: a TRACED message never joins a run
+_SPEEDUPS_API = 8  # 8: reuse_bytes
 #: True when the compiled fast paths are in use; False with ``MSGQ_TRIO_PURE_PYTHON=1``
 #: in the environment (any value but "" and "0"), or when the extension was not built.
 SPEEDUPS = False
@@ -787,7 +825,7 @@ ready: Callable[[_T], Awaitable[_T]] = _ready_py
 
 
 def _use_speedups() -> bool:
-    global _scan_loop, encode_small_bytes, ready, _new_body
+    global _scan_loop, encode_small_bytes, ready, _new_body, _reuse_body
     if os.environ.get("MSGQ_TRIO_PURE_PYTHON", "") not in {"", "0"}:
         return False
     try:
@@ -801,6 +839,7 @@ def _use_speedups() -> bool:
     encode_small_bytes = _speedups.encode_small_bytes
     ready = _speedups.ready
     _new_body = _speedups.new_bytes
+    _reuse_body = _speedups.reuse_bytes
     # A method descriptor of Frame, so frame.body() calls C without a Python frame.
     setattr(Frame, "body", _speedups.frame_body_method(Frame))  # noqa: B010
     return True

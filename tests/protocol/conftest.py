@@ -39,12 +39,15 @@ def codec_build(request: pytest.FixtureRequest) -> Iterator[str]:
         framing.encode_small_bytes,
         framing._new_body,
     )
+    saved_reuse = framing._reuse_body
     framing._scan_loop = framing._scan_loop_py
     framing.Frame.body = framing._body_py  # type: ignore[method-assign]
     framing.encode_small_bytes = framing._encode_small_bytes_py
     framing._new_body = framing._new_body_py
+    framing._reuse_body = framing._reuse_body_py
     try:
         yield request.param
     finally:
         framing._scan_loop, body, framing.encode_small_bytes, framing._new_body = saved
+        framing._reuse_body = saved_reuse
         framing.Frame.body = body  # type: ignore[method-assign]
