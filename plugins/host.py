@@ -86,27 +86,41 @@ def _stop_on_sigterm(name: str, scope: trio.CancelScope) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def _ignore_sigterm_from_now_on() -> None:
-    """Ignore SIGTERM once the plugin has stopped: the process is exiting, and Python's
-    finalization would otherwise restore the default action, so that a late SIGTERM
-    from the supervisor turns a clean exit (status 0) into a death by signal.
+def _quiet_late_sigterm_reports() -> None:
+    """Drop CPython's reports of a SIGTERM that arrives while the process ends; install
+    before ``trio.run``. The supervisor may send SIGTERM just as the plugin stops by
+    itself, and two reports (unraisable exceptions, printed with a traceback) describe
+    such a signal, not a fault:
 
-    A SIGTERM that arrives while ``signal.signal`` swaps the handler is reported by
-    CPython as "Signal 15 ignored due to race condition" (an unraisable OSError): here
-    ignoring it is the intent, so exactly that report is dropped; any other goes to the
-    hook that was there.
+    * "Signal 15 ignored due to race condition": it arrived while ``signal.signal``
+      swapped the handler (:func:`_ignore_sigterm_from_now_on`); ignoring it is the
+      intent.
+    * an EPIPE or ECONNRESET "when trying to write to the signal wakeup fd": it arrived
+      after trio closed its wakeup socket at the end of the run; the handler still runs
+      (and finds the run finished).
+
+    Any other report goes to the hook that was there.
     """
     previous = sys.unraisablehook
+    race = f"Signal {int(signal.SIGTERM)} ignored due to race condition"
 
     def hook(report: Any) -> None:
         exc = report.exc_value
-        if isinstance(exc, OSError) and str(exc) == (
-            f"Signal {int(signal.SIGTERM)} ignored due to race condition"
+        if isinstance(exc, OSError) and str(exc) == race:
+            return
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and "wakeup fd" in str(
+            report.err_msg
         ):
             return
         previous(report)
 
     sys.unraisablehook = hook
+
+
+def _ignore_sigterm_from_now_on() -> None:
+    """Ignore SIGTERM once the plugin has stopped: the process is exiting, and Python's
+    finalization would otherwise restore the default action, so that a late SIGTERM
+    from the supervisor turns a clean exit (status 0) into a death by signal."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
@@ -164,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     unusable: list[BaseException] = []
     spans = start_plugin_spans(name)  # while the broker emits spans
     try:
+        _quiet_late_sigterm_reports()
         try:
             return trio.run(_main, name, Path(socket), json.loads(raw))
         finally:
