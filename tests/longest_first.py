@@ -8,9 +8,11 @@ scheduler hands out the file with the largest recorded time first (longest proce
 time first, the classic greedy bound for parallel machines), so the long files run
 beside the many short ones rather than after them.
 
-Recorded times live in ``tests/file_costs.json`` ({file: seconds}, from a quiet run;
+Recorded times live in ``tests/file_costs.json`` ({file: seconds}, best from a quiet run;
 ``python3 tests/stress/file_costs.py junit.xml`` writes it from a ``--junitxml`` report).
-Only the order depends on them: a missing, stale or wrong entry costs time, never a test.
+The checked-in figures were recorded on a loaded machine, so their sum is far above a
+quiet run's; only their ratios are used. Only the order depends on them: a missing,
+stale or wrong entry costs time, never a test.
 A file with no entry is costed by its test count.
 
 The analytics files that share a SparkSession (tests/analytics/conftest.py: one JVM per

@@ -8,12 +8,14 @@ msgq_trio alone, with no worker or installer for another message bus."""
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
+
+import pytest
+from shared_build import shared_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 #: top-level directory -> the package name it is installed as
@@ -119,32 +121,6 @@ PEER_MODULES = {"nats", "redis", "zmq", "aio_pika", "aiormq"}
 PEER_DISTRIBUTIONS = ("nats-py", "redis", "pyzmq", "aio-pika", "py-spy")
 
 
-def build_wheel(dest: Path) -> Path:
-    """A wheel built from a copy of the checkout (without its build leftovers, which can
-    hide or add files), the way ``.ci/run`` builds the one it installs."""
-    src = dest / "src"
-    shutil.copytree(
-        ROOT,
-        src,
-        ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so"
-        ),
-    )
-    # Build isolation, as .ci/run builds: the build backend pyproject.toml asks for
-    # (setuptools>=77), not whatever the test environment has installed.
-    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
-    r = subprocess.run(
-        [*pip, "-w", str(dest / "dist"), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
-    [wheel] = (dest / "dist").glob("msgq_trio-*.whl")
-    return wheel
-
-
 def installers(source: str) -> list[str]:
     """What in ``source`` runs a package installer: an argv naming ``apt-get``, or ``pip``
     followed by ``install``."""
@@ -165,11 +141,13 @@ def test_installer_checker() -> None:
     assert installers('print("apt-get install nats-server")') == []
 
 
-def test_the_wheel_holds_no_benchmark(tmp_path: Path) -> None:
+def test_the_wheel_holds_no_benchmark(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A wheel built from the repository contains msgq_trio's packages only: nothing from
     benchmarks/ (no peer worker, no installer), no module importing a peer's client or
-    running apt-get or pip, and no dependency or extra for the peers."""
-    wheel = build_wheel(tmp_path)
+    running apt-get or pip, and no dependency or extra for the peers. The wheel is the
+    run's one build from a copy of the checkout, the way .ci/run builds the one it
+    installs (tests/shared_build.py; tests/ops/test_cli_wheel.py installs the same)."""
+    wheel = shared_wheel(tmp_path_factory)
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         sources = {n: zf.read(n).decode() for n in names if n.endswith(".py")}

@@ -14,6 +14,9 @@ import html5lib
 import trio
 
 SVG = "{http://www.w3.org/2000/svg}"
+#: JVM options for every Spark JVM of the analytics tests (tests/analytics/conftest.py
+#: says why): the client JIT only and the serial collector.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def parse_report(path: Path) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import trio
+from analytics_helpers import TEST_JVM_OPTIONS
 
 from msgq_trio.analytics import submit
 from msgq_trio.analytics.bench import generate
@@ -83,6 +84,9 @@ def test_local_cluster_via_spark_submit_gives_the_same_figures(
         "spark.driver.memory=512m",
         "--conf",
         "spark.sql.shuffle.partitions=3",
+        # the executor JVMs' JIT as the driver's (tests/analytics/conftest.py)
+        "--conf",
+        f"spark.executor.extraJavaOptions={TEST_JVM_OPTIONS}",
         submit.__file__,
         "capture",
         capture.as_uri(),

@@ -1,10 +1,10 @@
 """Builds of libmsgq and msgq-c (clients/c) for the tests in this folder.
 
 The build is part of the test run: ``meson setup`` + ``meson compile`` into a temporary
-directory once per session (per xdist worker), a plain build and one with
-``-fsanitize=address,undefined``; every behaviour test runs against both. A missing
-compiler, meson or libcbor FAILS the tests with the reason (CI installs them: .ci/run),
-it never skips them.
+directory once per run (shared by the xdist workers: tests/shared_build.py), a plain
+build and one with ``-fsanitize=address,undefined``; every behaviour test runs against
+both. A missing compiler, meson or libcbor FAILS the tests with the reason (CI installs
+them: .ci/run), it never skips them.
 """
 
 from __future__ import annotations
@@ -14,22 +14,25 @@ from pathlib import Path
 
 import pytest
 from libmsgq_build import SANITIZER_ENV, CBuild, CProcess, meson_build
+from shared_build import shared_dir
 
 
 @pytest.fixture(scope="session")
 def c_plain(tmp_path_factory: pytest.TempPathFactory) -> CBuild:
     """The plain build (warnings are errors: -Wall -Wextra -Werror)."""
-    d = tmp_path_factory.mktemp("libmsgq") / "plain"
-    meson_build(d)
-    return CBuild("plain", d, {})
+    d = shared_dir(tmp_path_factory, "libmsgq-plain", lambda d: meson_build(d / "build"))
+    return CBuild("plain", d / "build", {})
 
 
 @pytest.fixture(scope="session")
 def c_sanitized(tmp_path_factory: pytest.TempPathFactory) -> CBuild:
     """The build with AddressSanitizer (leaks included) and UndefinedBehaviorSanitizer."""
-    d = tmp_path_factory.mktemp("libmsgq") / "asan"
-    meson_build(d, "-Db_sanitize=address,undefined", "-Db_lundef=false")
-    return CBuild("asan", d, SANITIZER_ENV)
+    d = shared_dir(
+        tmp_path_factory,
+        "libmsgq-asan",
+        lambda d: meson_build(d / "build", "-Db_sanitize=address,undefined", "-Db_lundef=false"),
+    )
+    return CBuild("asan", d / "build", SANITIZER_ENV)
 
 
 @pytest.fixture(params=["plain", "asan"])

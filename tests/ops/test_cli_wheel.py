@@ -4,8 +4,9 @@
 small user script that uses Bus; and the sdist, which carries the docs, the scenarios
 and the whole test suite.
 
-The wheel is built once for the module (``pip wheel --no-deps``; setuptools comes from
-the package index into pip's isolated build environment) and its dependencies are
+The wheel is built once for the test run (``pip wheel --no-deps``; setuptools comes from
+the package index into pip's isolated build environment; tests/shared_build.py, shared
+with tests/test_layout.py) and its dependencies are
 installed from the package index (pip's cache makes a second run quick). Without
 network access the module is skipped, saying so.
 """
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shared_build import WheelBuildFailed, shared_wheel, source_copy
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300.0
@@ -51,34 +53,18 @@ def _pip(*argv: str, python: str = sys.executable, cwd: Path) -> None:
         raise AssertionError(f"pip {' '.join(argv)} failed:\n{r.stdout[-3000:]}\n{r.stderr}")
 
 
-def source_copy(dest: Path) -> Path:
-    """The checkout's files as git sees them in the working tree (tracked, and new files
-    not ignored), copied to ``dest``: a build in the checkout itself would also pick up
-    its leftovers (build/lib, msgq_trio.egg-info/SOURCES.txt lists every file once
-    seen), and hide a file missing from the package data or MANIFEST.in."""
-    names = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    for name in names.stdout.splitlines():
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    return dest
-
-
 @pytest.fixture(scope="module")
-def venv() -> Iterator[Path]:
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fresh virtualenv under /tmp with the wheel built from this checkout installed
     (not editable); its bin/ directory."""
     top = Path(tempfile.mkdtemp(prefix="mqwheel", dir="/tmp"))
     try:
-        src = source_copy(top / "src")
-        _pip("wheel", "--no-deps", "-w", str(top / "dist"), str(src), cwd=top)
-        (wheel,) = (top / "dist").glob("msgq_trio-*.whl")
+        try:
+            wheel = shared_wheel(tmp_path_factory)
+        except WheelBuildFailed as exc:
+            if any(m in exc.output for m in OFFLINE):
+                pytest.skip(f"no package index reachable for pip wheel: {exc.output[-300:]}")
+            raise
         subprocess.run(
             [sys.executable, "-m", "venv", str(top / "venv")], check=True, timeout=TIMEOUT, cwd=top
         )

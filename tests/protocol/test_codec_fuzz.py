@@ -21,6 +21,13 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+#: The properties over streams of whole random frames: each example draws up to six
+#: frames of nested CBOR (drawing them is most of the cost) and checks every split point
+#: drawn, so 150 examples are about 900 frames per build and run. They run once per
+#: build here and again in .ci/run's pure-Python and sanitizer steps, each run with new
+#: random examples; the seeded differential fuzz (tests/protocol/test_differential.py)
+#: compares both decoders over its own 2,000 streams (MSGQ_TRIO_FUZZ_COUNT).
+STREAM_SETTINGS = settings(SETTINGS, max_examples=150)
 
 cbor_values = st.recursive(
     st.none()
@@ -104,7 +111,7 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [p for p in pieces if p]
 
 
-@SETTINGS
+@STREAM_SETTINGS
 @given(
     specs=st.lists(frame_specs(), min_size=1, max_size=6),
     cuts=st.lists(st.integers(0, 2**31), max_size=12),
@@ -302,7 +309,7 @@ def mutated_stream(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@SETTINGS
+@STREAM_SETTINGS
 @given(data=mutated_stream(), cuts=st.lists(st.integers(0, 2**31), max_size=6))
 def test_mutated_valid_frames_raise_only_remote_protocol_error(
     data: bytes, cuts: list[int]
@@ -312,7 +319,7 @@ def test_mutated_valid_frames_raise_only_remote_protocol_error(
     check_only_remote_errors(split(data, cuts))
 
 
-@SETTINGS
+@STREAM_SETTINGS
 @given(
     specs=st.lists(frame_specs(), min_size=1, max_size=6),
     # Receives of at least 512 bytes: byte-sized ones are the feed path's (tested
