@@ -65,6 +65,15 @@ def test_every_scenario_is_in_the_matrix() -> None:
     assert sorted(ids) == sorted(p.stem for p in SCENARIOS)
 
 
+#: The latency bounds of the scenario files are promises for a machine that runs the
+#: scenario alone; here every scenario runs beside the rest of the suite on two cores,
+#: where a healthy client's p99 grows with the load (102 and 144 ms against 100 were
+#: seen at load 4-12). Five times the bound still tells a fault that holds healthy
+#: clients up (a stalled peer, an oversized frame: seconds, up to the 30 s timeouts)
+#: from load; the other checks keep their bounds.
+SUITE_LATENCY_SCALE = 5.0
+
+
 def check_scenario(path: Path) -> None:
     """Run the scenario file ``path``; skip what this machine cannot run; fail with the
     runner's explanation. ``MSGQ_TRIO_SCENARIO_RESULTS`` collects the records."""
@@ -72,7 +81,7 @@ def check_scenario(path: Path) -> None:
         pytest.skip("mounting the queue store's tmpfs (broker.queue_disk) needs root")
     if load_scenario(path).long_haul:
         pytest.skip("a long-haul run: tests/test_scenario_longhaul.py runs it small")
-    result = run_scenario(path)
+    result = run_scenario(path, latency_scale=SUITE_LATENCY_SCALE)
     if result.skipped is not None:
         pytest.skip(result.skipped)
     out = os.environ.get("MSGQ_TRIO_SCENARIO_RESULTS")

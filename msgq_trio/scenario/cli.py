@@ -134,6 +134,13 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="CLIENT.KEY=VALUE",
         help="replace a client's parameter (e.g. a long-haul run's size), repeatable",
     )
+    p.add_argument(
+        "--latency-scale",
+        type=float,
+        default=1.0,
+        metavar="K",
+        help="multiply the latency bounds by K (>= 1) on a machine busy with other work",
+    )
     p = sub.add_parser("new", help="write a commented scenario template")
     p.add_argument("name", help="scenario name (NAME.toml)")
     p.add_argument("--dir", type=Path, default=Path("."), help="where to write it (.)")
@@ -356,6 +363,7 @@ def _run(args: argparse.Namespace) -> int:
                 duration=args.duration,
                 checkpoint=args.checkpoint,
                 params=args.param,
+                latency_scale=args.latency_scale,
             )
         except ScenarioError as exc:
             print(f"msgq-trio scenario run: {exc}", file=sys.stderr)

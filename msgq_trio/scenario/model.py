@@ -1035,6 +1035,29 @@ def with_params(sc: Scenario, pairs: Sequence[str]) -> Scenario:
     return attrs.evolve(sc, clients=tuple(clients[c.name] for c in sc.clients))
 
 
+def with_latency_scale(sc: Scenario, scale: float) -> Scenario:
+    """``sc`` with its latency bounds (``latency_p99_ms``, ``latency_max_ms``) multiplied
+    by ``scale``: for a machine busy with other work, where a healthy client's latency
+    grows with the load, not with the fault (the README's test command runs every
+    scenario beside the rest of the suite). The other checks (nothing lost, the
+    offender dropped, resources back to their baseline) keep their bounds.
+
+    Raises:
+        ScenarioError: ``scale`` below 1 (it would make the file's promise stricter).
+    """
+    if not scale >= 1.0:
+        raise ScenarioError(f"latency scale {scale!r}: must be at least 1")
+    e = sc.expect
+    return attrs.evolve(
+        sc,
+        expect=attrs.evolve(
+            e,
+            latency_p99_ms=None if e.latency_p99_ms is None else e.latency_p99_ms * scale,
+            latency_max_ms=None if e.latency_max_ms is None else e.latency_max_ms * scale,
+        ),
+    )
+
+
 def _soak_spec(t: _Table, pool: tuple[FaultSpec, ...]) -> SoakSpec:
     duration = t.number("duration", minimum=1.0)
     out = SoakSpec(

@@ -62,6 +62,7 @@ from .model import (
     Scenario,
     ScenarioError,
     load_scenario,
+    with_latency_scale,
     with_params,
 )
 from .network import (
@@ -227,6 +228,7 @@ def run_scenario(
     duration: float | None = None,
     checkpoint: Path | None = None,
     params: Sequence[str] = (),
+    latency_scale: float = 1.0,
 ) -> ScenarioResult:
     """Load and run one scenario file; never raises for a failing scenario (the result
     says why; a scenario this machine cannot run is returned unrun, ``skipped`` saying
@@ -243,8 +245,9 @@ def run_scenario(
     appended to that file as a JSON line as it is taken, so that an interrupted run
     leaves its figures.
     ``params`` replace client parameters (``CLIENT.KEY=VALUE``, :func:`with_params`).
+    ``latency_scale`` multiplies the latency bounds (:func:`with_latency_scale`).
     """
-    scenario = with_params(load_scenario(path), params)
+    scenario = with_latency_scale(with_params(load_scenario(path), params), latency_scale)
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big") >> 1
     if duration is not None and scenario.soak is None:
         raise ScenarioError(f"{scenario.name}: a duration is for a soak ([soak] table)")
