@@ -87,19 +87,11 @@ def _stop_on_sigterm(name: str, scope: trio.CancelScope) -> None:
 
 
 def _quiet_late_sigterm_reports() -> None:
-    """Drop CPython's reports of a SIGTERM that arrives while the process ends; install
-    before ``trio.run``. The supervisor may send SIGTERM just as the plugin stops by
-    itself, and two reports (unraisable exceptions, printed with a traceback) describe
-    such a signal, not a fault:
-
-    * "Signal 15 ignored due to race condition": it arrived while ``signal.signal``
-      swapped the handler (:func:`_ignore_sigterm_from_now_on`); ignoring it is the
-      intent.
-    * an EPIPE or ECONNRESET "when trying to write to the signal wakeup fd": it arrived
-      after trio closed its wakeup socket at the end of the run; the handler still runs
-      (and finds the run finished).
-
-    Any other report goes to the hook that was there.
+    """Drop CPython's report "Signal 15 ignored due to race condition" (an unraisable
+    OSError, printed with a traceback); install before ``trio.run``. It describes a
+    SIGTERM that arrived while :func:`_ignore_sigterm_from_now_on` swapped the handler:
+    the supervisor may send SIGTERM just as the plugin stops by itself, and ignoring it
+    then is the intent. Any other report goes to the hook that was there.
     """
     previous = sys.unraisablehook
     race = f"Signal {int(signal.SIGTERM)} ignored due to race condition"
@@ -107,10 +99,6 @@ def _quiet_late_sigterm_reports() -> None:
     def hook(report: Any) -> None:
         exc = report.exc_value
         if isinstance(exc, OSError) and str(exc) == race:
-            return
-        if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and "wakeup fd" in str(
-            report.err_msg
-        ):
             return
         previous(report)
 
@@ -127,34 +115,40 @@ def _ignore_sigterm_from_now_on() -> None:
 async def _main(name: str, socket: Path, table: dict[str, object]) -> int:
     plugin = load_plugin(name)
     settings = plugin.check_config(table)
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
 
-        async def watch() -> None:
-            await _watch_parent()
-            log.info("plugin %s: the broker is gone, exiting", name)
-            # Cancelled like on SIGTERM, so that the plugin finishes what it holds (the
-            # queue plugin's final commit keeps a consumed message's resend a duplicate),
-            # but gone within BROKER_GONE_EXIT regardless: the restarted broker's plugin
-            # waits for this one's store lock. Closing the connections to the dead broker
-            # does not wait for its GOODBYE (their readers are cancelled too). Nothing
-            # answered is lost if the timer cuts the commit short: every write a plugin
-            # answered is committed, and its stores survive a kill -9 by design.
-            timer = threading.Timer(BROKER_GONE_EXIT, _exit_now)
-            timer.daemon = True
-            timer.start()
-            nursery.cancel_scope.cancel()
+            async def watch() -> None:
+                await _watch_parent()
+                log.info("plugin %s: the broker is gone, exiting", name)
+                # Cancelled like on SIGTERM, so that the plugin finishes what it holds (the
+                # queue plugin's final commit keeps a consumed message's resend a duplicate),
+                # but gone within BROKER_GONE_EXIT regardless: the restarted broker's plugin
+                # waits for this one's store lock. Closing the connections to the dead broker
+                # does not wait for its GOODBYE (their readers are cancelled too). Nothing
+                # answered is lost if the timer cuts the commit short: every write a plugin
+                # answered is committed, and its stores survive a kill -9 by design.
+                timer = threading.Timer(BROKER_GONE_EXIT, _exit_now)
+                timer.daemon = True
+                timer.start()
+                nursery.cancel_scope.cancel()
 
-        async def run(*, task_status: trio.TaskStatus[None]) -> None:
-            await plugin.run(socket, settings, task_status=task_status)
-            # run() returned (e.g. its bus connection ended): the process ends with it.
-            nursery.cancel_scope.cancel()
+            async def run(*, task_status: trio.TaskStatus[None]) -> None:
+                await plugin.run(socket, settings, task_status=task_status)
+                # run() returned (e.g. its bus connection ended): the process ends with it.
+                nursery.cancel_scope.cancel()
 
-        _stop_on_sigterm(name, nursery.cancel_scope)
-        nursery.start_soon(watch)
-        await nursery.start(run)
-        sys.stdout.write("ready\n")
-        sys.stdout.flush()
-        _state["ready"] = True
+            _stop_on_sigterm(name, nursery.cancel_scope)
+            nursery.start_soon(watch)
+            await nursery.start(run)
+            sys.stdout.write("ready\n")
+            sys.stdout.flush()
+            _state["ready"] = True
+    finally:
+        # Still inside trio.run: from here on no SIGTERM reaches a Python handler, so
+        # none writes to trio's wakeup socket while the run closes it (CPython would
+        # print "Exception ignored when trying to write to the signal wakeup fd").
+        _ignore_sigterm_from_now_on()
     return 0
 
 
@@ -182,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return trio.run(_main, name, Path(socket), json.loads(raw))
         finally:
-            _ignore_sigterm_from_now_on()
             if spans is not None:
                 spans.close()
     except* ConnectError as group:
