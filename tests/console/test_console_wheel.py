@@ -29,26 +29,10 @@ import pytest
 from console_helpers import first_line
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from shared_build import shared_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300.0
-
-
-def source_copy(dest: Path) -> Path:
-    """The checkout's files as git sees them (tracked and new, not ignored): a build in
-    the checkout would pick up build/ leftovers and hide missing package data."""
-    names = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    for name in names.stdout.splitlines():
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    return dest
 
 
 def wheel_requires(wheel: Path) -> list[str]:
@@ -105,24 +89,16 @@ def pack_wheel(dist: metadata.Distribution, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def venv() -> Iterator[Path]:
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fresh virtualenv (no system site-packages) with msgq-trio installed from its
-    wheel and the wheelhouse, offline; its bin/ directory."""
+    wheel (the run's one build, tests/shared_build.py) and the wheelhouse, offline; its
+    bin/ directory."""
     top = Path(tempfile.mkdtemp(prefix="mqconsole", dir="/tmp"))
     try:
-        src = source_copy(top / "src")
         house = top / "house"
         house.mkdir()
         env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        # The build is isolated, as a user's `pip wheel` is: setuptools comes from the
-        # package index into pip's build environment (the venv running the tests may not
-        # have it). Only the install below is offline.
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(house), str(src)],
-            check=True, capture_output=True, timeout=TIMEOUT, cwd=top,
-            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-        )  # fmt: skip
-        (wheel,) = house.glob("msgq_trio-*.whl")
+        wheel = Path(shutil.copy2(shared_wheel(tmp_path_factory), house))
         for dist in runtime_closure(wheel_requires(wheel)):
             pack_wheel(dist, house)
         subprocess.run(
