@@ -48,6 +48,46 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return LongestFirstScheduling(config, log)
 
 
+# -- what a test must leave as it found it ------------------------------------------------
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test that leaves SIGINT ignored or blocked in this worker process, and
+    puts it back. Both are inherited by every process the worker starts later (an ignored
+    signal survives exec, and so does the signal mask), so a later test's CLI child would
+    not see Ctrl-C at all until it installs its own handler: the test that finds it is not
+    the test that caused it. A Python-level handler (PySpark's, for one) is not inherited
+    and is not checked."""
+    before = signal.getsignal(signal.SIGINT)
+    blocked_before = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    problems = []
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN and before != signal.SIG_IGN:
+        signal.signal(signal.SIGINT, before)
+        problems.append("left SIGINT ignored")
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []) and not blocked_before:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        problems.append("left SIGINT blocked")
+    if problems:
+        pytest.fail(f"{request.node.nodeid} {' and '.join(problems)} in the test process")
+
+
+@pytest.fixture
+def sigint_as_in_a_terminal() -> Iterator[None]:
+    """SIGINT handled as in a program a person started from a terminal, for the duration
+    of a test about Ctrl-C (for this process and the processes it starts): a suite
+    started with SIGINT ignored (in the background of a non-interactive shell, under
+    nohup) would pass that on, and a command started so rightly ignores Ctrl-C
+    (msgq_trio/ops/interrupt.py)."""
+    before = signal.getsignal(signal.SIGINT)
+    if before == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if before == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 # -- temporary directories with short paths (AF_UNIX paths are limited to ~107 bytes) ---------
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:

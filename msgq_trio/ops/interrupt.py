@@ -20,6 +20,8 @@ The contract of :func:`run`:
   is in one, else the whole command unless it already left such a block (it is then
   cleaning up: closing pipe handles, the GOODBYE to the broker, which goes on);
   :func:`run` then raises KeyboardInterrupt (the CLI's status 130);
+* a process started with SIGINT ignored keeps ignoring it (POSIX's convention for
+  background jobs; Python and trio do the same), from its first instruction to its last;
 * a second SIGINT ends the process at once with status 130 (``os._exit``), quietly; so
   does :data:`INTERRUPT_GRACE` seconds after the first without the command having ended
   (a broker that does not answer, a blocked standard output), with one line on stderr
@@ -170,6 +172,12 @@ def run(
     """
     if threading.current_thread() is not threading.main_thread():
         # Signals are delivered to the main thread only; there is nothing to watch.
+        return trio.run(async_fn, *args, restrict_keyboard_interrupt_to_checkpoints=True)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started with SIGINT ignored (a background job of a non-interactive shell,
+        # nohup): Ctrl-C is not meant for this process, as for any program started so,
+        # and the interpreter and trio leave it ignored too. Watching it here would make
+        # the command ignore Ctrl-C until the watch is set up and obey it from then on.
         return trio.run(async_fn, *args, restrict_keyboard_interrupt_to_checkpoints=True)
     return trio.run(
         _supervised, grace, async_fn, args, restrict_keyboard_interrupt_to_checkpoints=True

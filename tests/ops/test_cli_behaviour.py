@@ -156,6 +156,7 @@ def interrupt_once(
         os.close(keep_open)
 
 
+@pytest.mark.usefixtures("sigint_as_in_a_terminal")
 def test_ctrl_c_at_any_point_exits_130_quietly_and_promptly(broker_factory) -> None:
     """SIGINT at POINTS seeded random moments of the first 2 s of ``listen``, ``dump``,
     ``pipe read``, ``pipe write`` (on a stdin that never ends) and ``reply`` (denser
@@ -189,6 +190,41 @@ def test_ctrl_c_at_any_point_exits_130_quietly_and_promptly(broker_factory) -> N
     assert failures == [], "\n".join(failures)
 
 
+#: A shell that starts its arguments with SIGINT ignored.
+IGNORING_SIGINT = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]
+
+
+def test_a_command_started_with_sigint_ignored_keeps_ignoring_it(broker) -> None:
+    """``msgq-trio listen`` started with SIGINT ignored (``trap '' INT``, as a
+    non-interactive shell starts a background job): Ctrl-C, early or once it listens,
+    leaves it running, as it would any program started so; SIGTERM still ends it."""
+    child_argv = [sys.executable, "-c", CLI_CHILD, "listen", "Stats", "-s", str(broker.path)]
+    for delay in (0.0, 1.0):
+        p = subprocess.Popen(
+            [*IGNORING_SIGINT, *child_argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert p.stdout is not None
+            assert p.stdout.readline() == "ready\n"
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            with pytest.raises(subprocess.TimeoutExpired):
+                p.wait(1.0)
+            p.send_signal(signal.SIGINT)
+            with pytest.raises(subprocess.TimeoutExpired):
+                p.wait(1.0)
+            p.terminate()
+            assert p.wait(TIMEOUT) == -signal.SIGTERM
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=TIMEOUT)
+
+
 def reading(sock: Path) -> bool:
     """Whether a ``pipe read`` client has opened its pipe and asked for data."""
     r = run("ctl", "clients", "--json", "-s", str(sock))
@@ -197,6 +233,7 @@ def reading(sock: Path) -> bool:
     return any(c["name"] == "msgq-trio-pipe-read" and c["msgs_in"] >= 2 for c in rows)
 
 
+@pytest.mark.usefixtures("sigint_as_in_a_terminal")
 def test_ctrl_c_with_a_broker_that_does_not_answer(broker_factory, procs) -> None:
     """``listen`` and ``pipe read`` connected to a broker that stopped (SIGSTOP: the
     GOODBYE and the pipe's close are never answered): SIGINT still ends them with 130
@@ -222,6 +259,7 @@ def test_ctrl_c_with_a_broker_that_does_not_answer(broker_factory, procs) -> Non
         os.kill(b.pid, signal.SIGCONT)
 
 
+@pytest.mark.usefixtures("sigint_as_in_a_terminal")
 def test_ctrl_c_on_the_console_script(broker, procs) -> None:
     """The installed ``msgq-trio listen`` and ``dump``, interrupted once they run:
     status 130, nothing on stderr but dump's own header line, no traceback."""

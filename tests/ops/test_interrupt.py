@@ -18,6 +18,8 @@ import trio
 
 from msgq_trio.ops.interrupt import interruptible, run
 
+pytestmark = pytest.mark.usefixtures("sigint_as_in_a_terminal")
+
 
 def test_sigint_cancels_at_the_next_await_not_in_between() -> None:
     """SIGINT during a stretch of code without an await: the stretch runs to its end (a
