@@ -76,7 +76,9 @@ class Limits:
       more in one message is refused (the client library refuses it before sending).
     * ``max_fds_queued`` 1,024 per receiver: descriptors waiting in the broker for one
       client (dbus-daemon: 64 system / 4,096 session bus per connection). A receiver that
-      would exceed it is treated like one over ``out_hard_limit``.
+      would exceed it is treated like one over ``out_hard_limit``. A sender held by such a
+      receiver also keeps open what its last receive brought in and the broker has not
+      yet parsed: at most 64 plus one message's (``transport.sockets.FD_DRAIN_MAX_FDS``).
     * ``socket_send_buffer`` 1 MiB: SO_SNDBUF asked for each client socket (the kernel
       doubles it; 0 keeps the kernel default, ``net.core.wmem_default``, 208 KiB on stock
       Linux). A Unix stream socket carries at most this much in flight, so with the default

@@ -26,6 +26,7 @@ from .splice import PipeTail, splice_out
 # The fdpass helpers are re-exported: the broker and the trio client take them from here
 # with the rest.
 __all__ = [
+    "FD_DRAIN_MAX_FDS",
     "FD_DRAIN_ROUNDS",
     "NO_JOIN",
     "Buffer",
@@ -103,6 +104,14 @@ def coalesce(bufs: Sequence[Buffer | PipeTail]) -> list[Buffer | PipeTail]:
 #: them costs one trio wake-up (an ``epoll_wait`` and a scheduler pass) per message.
 FD_DRAIN_ROUNDS = 64
 
+#: The drain stops once this many descriptors are taken. Why: descriptors received but
+#: not yet parsed are charged to no receiver (``max_fds_queued`` and the user quota count
+#: what is queued for delivery), so a sender whose frame is held keeps these open in the
+#: broker beside the receivers' bounds. Counting rounds alone would let one receive take
+#: 65 messages of 253 descriptors each. The same figure as the rounds: a burst of
+#: one-descriptor messages still costs one wake-up per 64.
+FD_DRAIN_MAX_FDS = 64
+
 
 def _raw_view(sock: trio.socket.SocketType) -> pysocket.socket:
     """A stdlib socket object on ``sock``'s descriptor, for non-blocking calls that skip
@@ -117,8 +126,9 @@ async def receive_with_fds(
 
     Linux never merges two descriptor-carrying sendmsgs into one receive, so when
     descriptors arrive, up to ``FD_DRAIN_ROUNDS`` more receives are made at once without
-    waiting (up to ``nbytes`` in all). The descriptors are returned in arrival order,
-    which is the order of the frames that declare them.
+    waiting (up to ``nbytes`` in all), stopping once ``FD_DRAIN_MAX_FDS`` descriptors are
+    taken: one call returns at most that many plus those of one message. The descriptors
+    are returned in arrival order, which is the order of the frames that declare them.
 
     Raises:
         RemoteProtocolError: the peer sent more descriptors than ``ancbufsize`` holds (the
@@ -151,6 +161,8 @@ def _drain_fds(
     total = len(data)
     try:
         for _ in range(FD_DRAIN_ROUNDS):
+            if len(fds) >= FD_DRAIN_MAX_FDS:
+                break
             try:
                 more, anc, flags, _addr = raw.recvmsg(
                     nbytes - total, ancbufsize, pysocket.MSG_CMSG_CLOEXEC | pysocket.MSG_DONTWAIT

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 import trio
-from msgq_trio.storage.api import QueueStore, StorageError
+from msgq_trio.storage.api import QueueStore, StorageError, StoredMessage
 
 from .commit import GroupCommit, store_commit
 from .histogram import Histogram
@@ -124,7 +124,8 @@ class Engine(GroupCommit):
         order (``admit_page``).
 
         Each read runs on the store thread after every commit submitted before it, in one
-        short read transaction, so it sees every message those commits stored."""
+        short read transaction, so it sees every message those commits stored; it is
+        used with memory as it was read (:meth:`read_settled`)."""
         done = q.refilling
         assert done is not None
         admitted = 0
@@ -133,14 +134,15 @@ class Engine(GroupCommit):
                 room = self.page_room(q)
                 if room <= 0 or admitted >= PAGE:
                     return  # memory is full of this queue's messages: acks make room
-                epoch, unstored = q.spill_epoch, q.unstored_spilled
                 try:
-                    chunk = await self.thread.run(self.store.read_range, q.name, q.disk_next, room)
+                    chunk = await self.read_settled(q.name, q.disk_next, room)
                 except StorageError as exc:
                     log.error("queue %s: cannot read stored messages: %s (will retry)", q.name, exc)
                     await trio.sleep(0.1)
                     return
-                n, end = self.admit_page(q, chunk, room, epoch, unstored)
+                # Memory is now as the page was read: spilled messages waiting for a
+                # commit now were not stored yet then.
+                n, end = self.admit_page(q, chunk, room, q.spill_epoch, q.unstored_spilled)
                 admitted += n
                 if end:
                     return
@@ -152,6 +154,29 @@ class Engine(GroupCommit):
             # was spilled) or ack (it makes room), not from this dispatch in a loop.
             if admitted:
                 self.dispatch(q)
+
+    async def read_settled(self, name: str, start: int, n: int) -> list[StoredMessage]:
+        """``store.read_range(name, start, n)``, returned when memory is as the page was
+        read: the commit that ran before the read (if one was running) is applied, and
+        none that ran after it is, else the page is read again.
+
+        Why: a commit's results (``deleting`` emptied of the seqs it deleted, messages it
+        stored given their seqs) reach this task in any order against the read's, as
+        trio schedules the two wake-ups. A page read before a delete committed but used
+        after its results were applied shows messages acked meanwhile as stored and not
+        being deleted: they would be delivered again.
+
+        Raises:
+            StorageError: the read failed.
+        """
+        while True:
+            flushing, commits = self._flushing, self.counters["commits"]
+            page = await self.thread.run(self.store.read_range, name, start, n)
+            if flushing:  # that commit ran before the read: apply it first
+                while self.counters["commits"] == commits:
+                    await trio.lowlevel.checkpoint()
+            if self.counters["commits"] == commits + flushing:
+                return page
 
     # -- ack deadlines --------------------------------------------------------------------
     async def reaper(self) -> None:
@@ -318,14 +343,7 @@ class Engine(GroupCommit):
                 chosen: list[int] = []
                 chosen_bytes = 0
                 while True:
-                    while True:
-                        flushing, commits = self._flushing, self.counters["commits"]
-                        page = await self.thread.run(store.read_range, name, start, PAGE)
-                        if flushing:  # that commit ran before the read: apply it first
-                            while self.counters["commits"] == commits:
-                                await trio.lowlevel.checkpoint()
-                        if self.counters["commits"] == commits + flushing:
-                            break
+                    page = await self.read_settled(name, start, PAGE)
                     # Memory is now as the page was read: spilled messages waiting for a
                     # commit now were not stored yet then.
                     epoch, unstored = q.spill_epoch, q.unstored_spilled

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -89,6 +90,51 @@ async def test_page_in_skips_acked_messages_whose_delete_is_not_committed(rig: R
     for m in first:
         engine.ack(m)
     assert q.deleting == {m.seq for m in first}
+    await rig.settle()
+    assert rig.bodies() == [b"1", b"2", b"3", b"4", b"5", b"6"]
+
+
+class ReadsHeldBack:
+    """The engine's store thread, except that a ``read_range`` result reaches its caller
+    only once ``release`` is set: as when trio runs the commit that followed the read on
+    the thread before the reader's wake-up (it may run them in either order)."""
+
+    def __init__(self, thread: Any) -> None:
+        self.thread = thread
+        self.release = trio.Event()
+        self.read = trio.Event()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        out = await self.thread.run(fn, *args)
+        if getattr(fn, "__name__", "") == "read_range":
+            self.read.set()
+            await self.release.wait()
+        return out
+
+
+async def test_page_read_before_a_delete_committed_is_not_used_after_it(rig: Rig) -> None:
+    """A page-in reads a stored message that memory holds in flight; before the page is
+    used, the consumer acks that message and the delete's commit is applied. The page
+    shows it as stored and no longer being deleted: used as it is, it would be
+    delivered a second time (seen with four test workers: eight messages twice)."""
+    engine, q = rig.engine, rig.q
+    rig.nursery.start_soon(engine.flush_loop)
+    await rig.put(b"1", b"2", b"3", b"4")
+    await rig.put(b"5", b"6")
+    await rig.settle()  # all six stored; 5 and 6 only on disk
+    assert q.spilled and q.resident == 4
+    engine.add_consumer(q, rig.c)
+    await rig.settle()
+    m1, _m2, _m3, m4 = rig.delivered
+    held = ReadsHeldBack(engine.thread)
+    engine.thread = held  # type: ignore[assignment]
+    engine.ack(m4)  # room for one: a page-in reads from the start of the store
+    with trio.fail_after(10):
+        await held.read.wait()
+    engine.ack(m1)  # the page (1 and more, in flight then) is now out of date
+    await rig.settle()  # 1's delete committed and applied
+    assert m1.seq not in q.deleting
+    held.release.set()
     await rig.settle()
     assert rig.bodies() == [b"1", b"2", b"3", b"4", b"5", b"6"]
 
