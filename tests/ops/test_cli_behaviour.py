@@ -92,13 +92,22 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------
-#: The CLI as the console script runs it, but saying "ready" once its modules are
-#: imported: SIGINT before that lands in the interpreter's start-up or in ``import
-#: msgq_trio`` (a traceback and status -SIGINT that no code of the CLI can prevent), so
-#: the points below are counted from the moment ``main()`` takes over.
-CLI_CHILD = (
-    "import sys\nfrom msgq_trio.cli import main\nprint('ready', flush=True)\nsys.exit(main())\n"
-)
+#: The CLI as the console script runs it, but saying "ready" once ``main()`` has taken
+#: over (from inside its ``try``): SIGINT before that lands in the interpreter's
+#: start-up, in ``import msgq_trio`` or between this script's lines (a traceback and
+#: status -SIGINT that no code of the CLI can prevent; a "ready" printed by the script
+#: itself left a few bytecodes of it, which a loaded machine once hit), so the points
+#: below are counted from that moment.
+CLI_CHILD = """\
+import sys
+import msgq_trio.cli as cli
+command = cli._main
+def ready_then_command(argv):
+    print("ready", flush=True)
+    return command(argv)
+cli._main = ready_then_command
+sys.exit(cli.main())
+"""
 #: Long-running commands and their arguments (pipe names are made unique per child).
 INTERRUPTED = {
     "listen": ["listen", "Stats"],
