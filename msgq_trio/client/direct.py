@@ -119,11 +119,10 @@ class DirectBus(BlockingSocket):
         life = s.life
         if life.state is State.READY and s.lost is not None:
             self._begin_outage()
-        while life.state is State.RECONNECTING:
-            now = time.monotonic()
-            due = life.next_deadline()
-            assert due is not None
-            if now >= due:
+        # The loop of the asynchronous drivers' ``_supervise``, driven from the caller's
+        # wait (this driver has no task of its own): the lifecycle says when to dial.
+        while (delay := life.wait(time.monotonic())) is not None:
+            if delay == 0:
                 if self._attempt():
                     return True
                 if deadline is not None and deadline <= time.monotonic():
@@ -131,12 +130,12 @@ class DirectBus(BlockingSocket):
                 continue
             if not wait:
                 break  # the reconnecting error
-            left = due - now
             if deadline is not None:
-                if deadline <= now:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
-                left = min(left, deadline - now)
-            time.sleep(left)
+                delay = min(delay, left)
+            time.sleep(delay)
         self._check_open()
         return True
 

@@ -1,9 +1,11 @@
 """The client connection's whole life as one state table, without I/O: the one
 reconnect supervisor of every driver (trio, asyncio, blocking).
 
-The drivers dial, read, write and sleep; this table decides. Each driver asks
-:meth:`Lifecycle.next_deadline` when its next step is due (the next reconnect attempt,
-or the end of the attempt under way), dials when told, and reports what happened
+The drivers dial, read, write and sleep; this table decides. Each driver's loop is the
+same: while :meth:`Lifecycle.wait` gives a delay, sleep that long (0: none) and dial,
+the attempt bounded by :attr:`~Lifecycle.attempt_deadline` (the trio and asyncio
+drivers in a task, ``_supervise``; the blocking driver from whichever call waits for
+the connection, as it has no task of its own), and report what happened
 (:meth:`~Lifecycle.welcomed`, :meth:`~Lifecycle.lost`, :meth:`~Lifecycle.attempt_failed`,
 :meth:`~Lifecycle.restored`, :meth:`~Lifecycle.close`). Time is an argument (the
 driver's monotonic clock); the jitter's randomness is injected, so the schedule is
@@ -178,14 +180,6 @@ class Lifecycle:
     def final(self) -> bool:
         """The connection ended for good (ERROR, CLOSED): no reconnect follows."""
         return self.state is State.ERROR or self.state is State.CLOSED
-
-    def next_deadline(self) -> float | None:
-        """When the driver must act next: the next attempt is due (sleep until then,
-        then dial), or the attempt under way runs out of time (abandon it and report
-        :meth:`attempt_failed`); None: nothing is scheduled."""
-        if self.state is State.RECONNECTING:
-            return self.due if self.due is not None else self.attempt_deadline
-        return None
 
     def wait(self, now: float) -> float | None:
         """How long to sleep before dialing again (0: now), or None: no attempt comes

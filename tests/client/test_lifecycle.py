@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from msgq_trio import ConnectError, ConnectionLost, Reconnect
-from msgq_trio.client.lifecycle import Lifecycle, State
+from msgq_trio.client.lifecycle import CONNECT_TIMEOUT, Lifecycle, State
 from msgq_trio.client.reconnect import GAVE_UP
 
 POLICY = Reconnect(initial_delay=1.0, factor=2.0, max_delay=4.0, jitter=0.0, give_up_after=10.0)
@@ -24,7 +24,8 @@ def test_the_first_connection_failing_is_final() -> None:
     """connect() raises the first connection's error: no reconnect follows."""
     life = Lifecycle(POLICY, "x")
     life.dialing(0.0)
-    assert life.next_deadline() is None  # the first attempt is bounded by connect()'s timeout
+    assert life.wait(0.0) is None  # no reconnect schedule for the first connection
+    assert life.attempt_deadline == pytest.approx(CONNECT_TIMEOUT)  # connect()'s bound
     life.attempt_failed(ConnectError("refused"), 0.0)
     assert life.state is State.ERROR and life.final and life.wait(0.0) is None
 
@@ -44,12 +45,14 @@ def test_a_loss_schedules_attempts_until_one_is_restored() -> None:
     err = life.lost(ConnectionLost("gone", code="dropped"), 100.0)
     assert err.code == "dropped" and "reconnecting" in str(err)
     assert life.state is State.RECONNECTING and not life.connected
-    assert life.next_deadline() == pytest.approx(101.0)
+    assert life.due == pytest.approx(101.0)
     assert life.wait(100.5) == pytest.approx(0.5)
+    assert life.wait(101.5) == 0.0  # due: dial now
     life.dialing(101.0)
-    assert life.next_deadline() == pytest.approx(101.0 + POLICY.attempt_timeout)
+    assert life.wait(101.0) is None  # the attempt under way: nothing to schedule
+    assert life.attempt_deadline == pytest.approx(101.0 + POLICY.attempt_timeout)
     assert life.attempt_failed(ConnectError("refused"), 101.0) is None
-    assert life.next_deadline() == pytest.approx(103.0)  # the second delay: 2 s
+    assert life.wait(101.0) == pytest.approx(2.0)  # the second delay: 2 s
     life.dialing(103.0)
     assert life.welcomed() is State.RESTORING and life.reconnecting and not life.connected
     life.restored("l.9")
@@ -83,5 +86,5 @@ def test_closing_drains_then_closes_and_cancels_a_reconnect() -> None:
     life = ready()
     life.lost(ConnectionLost("gone"), 0.0)
     life.close()
-    assert life.state is State.CLOSED and life.wait(0.0) is None and life.next_deadline() is None
+    assert life.state is State.CLOSED and life.wait(0.0) is None and life.due is None
     assert life.attempt_failed(ConnectError("late"), 5.0) is None and life.state is State.CLOSED
