@@ -172,6 +172,11 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
             "2",
             "--seed",
             "1",
+            # The suite's latency scale (tests/test_scenarios.py SUITE_LATENCY_SCALE):
+            # this is about running a shipped name from the wheel, and the scenario's
+            # p99 bound is for a machine that runs it alone (a loaded one exceeded it).
+            "--latency-scale",
+            "5",
             "--junit",
             str(junit),
             "limit-subscriptions",
@@ -183,7 +188,7 @@ def test_installed_from_the_wheel(venv: Path, short_tmp: Path) -> None:
         timeout=TIMEOUT,
         check=False,
     )
-    assert s.returncode == 0, s
+    assert s.returncode == 0, f"{s.args}\n{s.stdout}\n{s.stderr}"  # whole, not a repr cut short
     assert s.stdout.count("PASS  limit-subscriptions") == 2, s.stdout
     assert junit.read_text().count("<testcase") == 2
 
