@@ -1,6 +1,6 @@
 """Build products shared by every worker of one test run (imported as ``shared_build``).
 
-A session-scoped fixture is per process: under ``-n 4 --dist loadfile`` the files that
+A session-scoped fixture is per process: under ``-n 6 --dist loadfile`` the files that
 need the same wheel or the same C build run on different workers, and each worker made
 its own copy. :func:`shared_dir` makes it once per run: in the directory the workers'
 temporary directories share (pytest's base temporary directory of the run), under an

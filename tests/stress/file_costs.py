@@ -2,7 +2,7 @@
 ``--junitxml`` report of a run (setup, call and teardown of every test, summed per file
 or per shared-setup group as tests/longest_first.py groups them).
 
-    .venv/bin/python -m pytest -n 4 --dist loadfile --junitxml=/tmp/junit.xml
+    .venv/bin/python -m pytest -n 6 --dist loadfile --junitxml=/tmp/junit.xml
     python3 tests/stress/file_costs.py /tmp/junit.xml
 
 The figures only order the files (longest first); record them from a quiet machine so
