@@ -6,9 +6,9 @@ Puts the integers 1..N into the durable queue QUEUE with its own producer name a
 integer as producer seq, at most R per second; a put that fails or whose answer is lost
 (broker or plugin killed) is sent again with the same seq until it is acked (the queue
 answers ``duplicate`` if the first one was stored). After a restart it goes on from the
-queue's record of its highest seq. Prints ``ready`` once connected; exits 0 when all N
-are acked. History: ``send`` invoke, then ok (acked), fail (``queue-full``: not stored)
-or info (outcome unknown).
+queue's record of its highest seq. Prints ``ready`` once connected and ``queue-full`` at
+its first refused put; exits 0 when all N are acked. History: ``send`` invoke, then ok
+(acked), fail (``queue-full``: not stored) or info (outcome unknown).
 
 Deliberately broken variant, for scenarios that must catch it: ``--resend-new-identity``
 reconnects under a new producer name (``NAME~1``, ``NAME~2``...) and resends its last
@@ -38,6 +38,7 @@ async def main(queue: str, n: int, producer: str, rate: float, resend_new: bool)
     h = History()
     seq = 0
     ready = False
+    refused = False
     identity = producer
     reconnects = 0
     while seq < n:
@@ -61,6 +62,10 @@ async def main(queue: str, n: int, producer: str, rate: float, resend_new: bool)
                     except QueueFull:
                         # Definite: not stored (the store is full). Resent after a pause.
                         h.complete(op, "fail", "send", key=key, error="queue-full")
+                        if not refused:
+                            # A line a scenario can wait for (``when = "line:...``).
+                            print("queue-full", flush=True)
+                            refused = True
                         await trio.sleep(RETRY)
                         continue
                     except (RpcError, ConnectionLost) as exc:
