@@ -143,12 +143,18 @@ class AioBus(AioStreams):
                 the socket failed.
         """
         loop = self._loop
+        unsent: OSError | None = None
         try:
-            await loop.sock_sendall(self._sock, b"".join(self._s.hello(hello_fields)))
+            try:
+                await loop.sock_sendall(self._sock, b"".join(self._s.hello(hello_fields)))
+            except OSError as exc:
+                # As in the trio driver: a broker that refused us may have closed before
+                # our HELLO was all written; its ERROR still waits to be read.
+                unsent = exc
             while not self._take_welcome(await loop.sock_recv(self._sock, RECEIVE_SIZE)):
                 pass
         except OSError as exc:
-            raise ConnectError(f"connection to the broker failed: {exc}") from exc
+            raise ConnectError(f"connection to the broker failed: {unsent or exc}") from exc
         # A message may carry the broker's max_fds_per_message: a smaller buffer would
         # truncate them (MSG_CTRUNC ends the connection).
         self._ancsize = ancillary_size(self._s.max_fds)

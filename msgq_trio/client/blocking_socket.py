@@ -121,7 +121,14 @@ class BlockingSocket(SessionView):
                 ``Reconnect.attempt_timeout``).
         """
         try:
-            self._write(b"".join(self._s.hello()))
+            try:
+                self._write(b"".join(self._s.hello()))
+            except ConnectionLost:
+                # As in the async drivers: a broker that refused us may have closed
+                # before our HELLO was all written; its ERROR still waits to be read.
+                self._read_left()
+                if not self._frames:
+                    raise
             while not self._frames:
                 if self._s.lost is not None:
                     raise ConnectError(
@@ -140,6 +147,23 @@ class BlockingSocket(SessionView):
         # A message may carry the broker's max_fds_per_message; a smaller buffer would
         # truncate them (and the kernel's MSG_CTRUNC ends the connection).
         self._ancsize = ancillary_size(self._s.max_fds)
+
+    def _read_left(self) -> None:
+        """Parse into ``_frames`` what is already received, without waiting; for after
+        the connection failed, when ``_read`` reads no more. An error ends it quietly:
+        the caller has the failure already."""
+        try:
+            while not self._frames:
+                data = self._sock.recv(RECEIVE_SIZE, _DONTWAIT)
+                if not data:
+                    return
+                self._conn.receive_data(data)
+                for ev in self._conn.events():
+                    if isinstance(ev, Frame):
+                        self._frames.append(ev)
+                        self._frames_bytes += len(ev.raw) + len(ev.large_body)
+        except (OSError, ProtocolError):
+            return
 
     def _fail(self, message: str, code: str | None = None) -> ConnectionLost:
         return self._s.fail(ConnectionLost(message, code=code))

@@ -84,13 +84,20 @@ class Bus(TrioStreams):
                 the socket failed.
         """
         hello = self._s.hello(hello_fields)
+        unsent: trio.BrokenResourceError | None = None
         try:
             with translate_socket_errors():
-                await self._stream.send_all(b"".join(hello))
+                try:
+                    await self._stream.send_all(b"".join(hello))
+                except trio.BrokenResourceError as exc:
+                    # The broker may have refused us and closed before our HELLO was all
+                    # written (its lingering close is bounded): its ERROR still waits in
+                    # our receive buffer, and it says why better than EPIPE does.
+                    unsent = exc
                 while not self._take_welcome(await self._stream.receive_some(RECEIVE_SIZE)):
                     pass
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise ConnectError(f"connection to the broker failed: {exc}") from exc
+            raise ConnectError(f"connection to the broker failed: {unsent or exc}") from exc
 
     async def _close(self) -> None:
         """Flush queued frames, say GOODBYE, wait for the broker's (``_say_goodbye``),

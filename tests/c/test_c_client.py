@@ -7,6 +7,7 @@ a sanitizer report fails the process with status 86/87 and the test with it.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 from libmsgq_build import CBuild, CProcess, check_clean
+from libmsgq_py import Connection, MsgqError, load
 
 import msgq_trio
 from msgq_trio.protocol.codes import ErrorCode, FrameType
@@ -703,3 +705,25 @@ async def test_handlers_that_block_in_a_send_take_further_requests(
     assert echo.proc.poll() is None, echo.stderr()
     assert echo.stop() == 0
     check_clean(echo.stderr())
+
+
+async def test_a_refusal_sent_before_our_hello_arrived_is_what_connect_reports(
+    c_plain: CBuild, broker_factory: Any
+) -> None:
+    """As tests/client/test_behaviour.py's test of that name for the Python drivers: the
+    broker refuses (max_connections) and closes before the HELLO, far larger than its
+    lingering close reads, was all written. msgq_connect fails ECONNREFUSED with the
+    broker's code and reason, not with EPIPE. Loaded into this process (the ctypes
+    binding), so the plain build only."""
+    lib = load(str(c_plain.dir / "libmsgq.so"))
+    b = broker_factory("--max-connections", "1")
+    async with msgq_trio.connect(b.path, name="first"):
+
+        def connect() -> MsgqError:
+            with pytest.raises(MsgqError) as refused:
+                Connection(lib, str(b.path), name="n" * (8 * 1024 * 1024))
+            return refused.value
+
+        err = await trio.to_thread.run_sync(connect)
+    assert (err.status, err.code) == (-errno.ECONNREFUSED, ErrorCode.LIMIT_EXCEEDED), err
+    assert "max_connections=1" in err.message, err

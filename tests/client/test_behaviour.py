@@ -1423,6 +1423,26 @@ async def test_over_tcp_and_tls(
     )
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_refusal_sent_before_our_hello_arrived_is_what_connect_raises(
+    driver: str, broker_factory: Any
+) -> None:
+    """A broker that refuses a connection writes its ERROR, reads what HELLO it can for a
+    bounded moment (io/connection.py ``linger``) and closes; a client whose HELLO was not
+    all written by then gets EPIPE on its write. Its connect raises the broker's reason
+    (``limit-exceeded``) all the same, read from the receive buffer, not the broken pipe.
+    A HELLO far larger than the linger reads and the socket buffers hold makes that write
+    fail every time; a loaded client that writes a small HELLO late meets the same."""
+    b = broker_factory("--max-connections", "1")
+    name = "n" * (16 * 1024 * 1024)
+    async with open_client("trio", b.path, "first"):
+        with pytest.raises(ConnectError) as refused:
+            async with open_client(driver, b.path, name):
+                pytest.fail("a second connection was admitted")
+    assert refused.value.code == ErrorCode.LIMIT_EXCEEDED, refused.value
+    assert "max_connections=1" in str(refused.value)
+
+
 # -- backpressure ------------------------------------------------------------------------
 async def test_a_paused_asyncio_sender_waits_instead_of_buffering(
     broker_factory: Any, raw_peer: Callable[[Path], Any]

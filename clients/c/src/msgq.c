@@ -792,6 +792,18 @@ void msgq_result_clear(msgq_result *res) {
     memset(res, 0, sizeof *res);
 }
 
+static int read_some(msgq *m);
+static void parse_frames(msgq *m);
+
+/* Parse what the broker sent before it closed, without waiting, while the handshake
+ * lasts (a peek first: at EOF read_some would record a crash, not our failed write). */
+static void read_refusal(msgq *m) {
+    char c;
+    while (m->state == S_HELLO_SENT && recv(m->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) > 0 &&
+           read_some(m) > 0)
+        parse_frames(m);
+}
+
 /* ---- writing ----------------------------------------------------------------- */
 /* Write what the socket takes now. 1 if anything was written, 0 if not, <0 lost. */
 static int try_write(msgq *m) {
@@ -824,7 +836,12 @@ static int try_write(msgq *m) {
         if (n < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) break;
             if (errno == EINTR) continue;
-            lose(m, "connection-lost", "write to the broker failed: %s", strerror(errno));
+            int e = errno;
+            /* A broker that refused us may have closed before our HELLO was all written
+             * (its lingering close is bounded): its ERROR still waits in our receive
+             * buffer and says why better than EPIPE does (take_welcome keeps it). */
+            if (m->state == S_HELLO_SENT) read_refusal(m);
+            lose(m, "connection-lost", "write to the broker failed: %s", strerror(e));
             return -ENOTCONN;
         }
         progress = 1;
@@ -2259,7 +2276,10 @@ int msgq_connect(msgq **out, const msgq_options *opts, msgq_error *err) {
     if (r < 0 || m->state != S_READY) {
         if (m->state == S_LOST) err_copy(err, &m->lost);
         else err_set(err, "", "cannot send HELLO: %s", strerror(-r));
-        if (r == 0) r = m->lost.code_id == MSGQ_CODE_PROTOCOL_ERROR ? -EPROTO : -ECONNREFUSED;
+        /* A refusal read after our HELLO's write failed is a refusal too. */
+        int refused = m->state == S_LOST && strcmp(m->lost.code, "connection-lost") != 0;
+        if (r == 0 || refused)
+            r = m->lost.code_id == MSGQ_CODE_PROTOCOL_ERROR ? -EPROTO : -ECONNREFUSED;
         msgq_close(m);
         return r;
     }
