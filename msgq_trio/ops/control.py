@@ -120,6 +120,14 @@ def _field_list(params: dict[str, Any], known: frozenset[str] | None) -> list[st
     return fields
 
 
+#: Callers whose last ``clients`` answer with ``since`` the broker remembers, the least
+#: recently served forgotten first (that caller's next such answer is then ``full``,
+#: as after a lost answer). Each remembers one signature per connected client, about
+#: 200 bytes: 8 callers (a console or two and some tools polling) of 8,192 clients (the
+#: default max_connections) keep at most about 13 MiB, where one per caller would grow
+#: with the number of callers too.
+CLIENTS_SINCE_CALLERS = 8
+
 #: Row keys of the ``clients`` answer read straight off the peer: key -> attribute.
 _CLIENT_ATTRS = {
     "lname": "lname",
@@ -210,7 +218,8 @@ class Operations:
         self._nursery: trio.Nursery | None = None
         self._server_stats: Callable[[Peer, Any], object] | None = None
         #: Caller -> the generation and the rows' signatures of its last ``clients``
-        #: answer with ``since`` (one per caller, dropped when it disconnects).
+        #: answer with ``since``; the most recently served last, at most
+        #: CLIENTS_SINCE_CALLERS of them, each dropped when its caller disconnects.
         self._clients_seen: dict[Peer, tuple[int, dict[int, object]]] = {}
         self._clients_generation = 0
 
@@ -514,8 +523,9 @@ class Operations:
         the caller's last generation (0, a lost answer, another broker). A row changes
         when one of its ``fields`` does, ``connected_for`` excepted (it always does: the
         caller has ``now``, the broker's time of day, and ``connected_at``). Keeps one
-        signature per client for the caller until its next such call or its end."""
-        last = self._clients_seen.get(caller)
+        signature per client for the caller until its next such call, its end, or
+        ``CLIENTS_SINCE_CALLERS`` other callers were served since."""
+        last = self._clients_seen.pop(caller, None)
         full = last is None or last[0] != since
         seen: dict[int, object] = {} if full or last is None else last[1]
         direct = tuple(_CLIENT_ATTRS[f] for f in fields if f in _CLIENT_ATTRS)
@@ -535,7 +545,10 @@ class Operations:
                 changed.append(p)
         gone = [] if full else [f"l.{i}" for i in seen.keys() - now_seen.keys()]
         self._clients_generation += 1
-        self._clients_seen[caller] = (self._clients_generation, now_seen)
+        remembered = self._clients_seen
+        remembered[caller] = (self._clients_generation, now_seen)
+        while len(remembered) > CLIENTS_SINCE_CALLERS:
+            del remembered[next(iter(remembered))]
         wall = time.time()
         return {
             "generation": self._clients_generation,

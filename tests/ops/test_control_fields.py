@@ -9,7 +9,7 @@ import trio
 
 import msgq_trio
 from msgq_trio.errors import RemoteError
-from msgq_trio.ops.control import CLIENT_FIELDS
+from msgq_trio.ops.control import CLIENT_FIELDS, CLIENTS_SINCE_CALLERS
 
 CONSOLE_CLIENT_FIELDS = ["lname", "name", "pid", "uid", "groups", "queued_bytes", "where"]
 CHEAP_STATS = [
@@ -126,3 +126,37 @@ async def test_clients_since_answers_what_changed(broker) -> None:
             with pytest.raises(RemoteError) as exc:
                 await a.call("msgq", "clients", {"since": bad})
             assert exc.value.code == "bad-request" and "since" in exc.value.message
+
+
+async def test_clients_since_remembers_a_bounded_number_of_callers(broker) -> None:
+    """The broker keeps the last ``since`` answer of CLIENTS_SINCE_CALLERS callers, not of
+    every caller: once that many others were served after it, a caller's next answer is
+    full (as after a lost answer), and a caller still remembered gets only what changed."""
+    fields = ["lname", "name"]
+    async with trio.open_nursery() as nursery:
+        buses = [
+            await nursery.start(_connected, broker.path, f"c{i}")
+            for i in range(CLIENTS_SINCE_CALLERS + 1)
+        ]
+        gens = []
+        for bus in buses:
+            gens.append(
+                (await bus.call("msgq", "clients", {"fields": fields, "since": 0}))["generation"]
+            )
+        # The first caller was served before CLIENTS_SINCE_CALLERS others: forgotten.
+        first = await buses[0].call("msgq", "clients", {"fields": fields, "since": gens[0]})
+        assert first["full"] is True and len(first["rows"]) == len(buses)
+        # The last one is remembered (the first's new answer pushed out the second's).
+        last = await buses[-1].call("msgq", "clients", {"fields": fields, "since": gens[-1]})
+        assert last["full"] is False and last["rows"] == []
+        second = await buses[1].call("msgq", "clients", {"fields": fields, "since": gens[1]})
+        assert second["full"] is True
+        nursery.cancel_scope.cancel()
+
+
+async def _connected(
+    path: object, name: str, *, task_status: trio.TaskStatus[msgq_trio.Bus]
+) -> None:
+    async with msgq_trio.connect(path, name=name) as bus:
+        task_status.started(bus)
+        await trio.sleep_forever()
