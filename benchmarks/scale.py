@@ -307,44 +307,54 @@ def _routed_to(base: int, cnt: int, clients: int, n: int) -> int:
 
 
 def cost(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Each size on its own broker; a size that times out is recorded as such (its
+    ``status``) and the other sizes still run."""
     out: dict[str, Any] = {}
     for clients in prm["clients"]:
-        n = prm["n"]
-        active = min(clients, prm["active"])
-        run = Run(system, timeout)
         try:
-            rss0 = run.rss()
-            procs = _members(run, clients, functools.partial(_routed_share, active, n), per=1)
-            time.sleep(0.2)
-            rss1 = run.rss()
-            _go_members(run, procs)
-            time.sleep(0.2)
-            rss2 = run.rss()
-            targets = [f"s.{i}.0" for i in range(active)]
-            pub = run.worker(
-                "publisher",
-                role="publisher",
-                targets=targets,
-                n=n,
-                size=SIZE,
-                subscribers=clients,
-            )
-            wait_all([pub], "READY", run.deadline)
-            cpu0 = run.cpu()
-            pub.go()
-            wait_all(procs, RECEIVED, run.deadline)
-            cpu = run.cpu() - cpu0
-            wait_all([pub, *procs], RESULT, run.deadline)
-            delivered = sum((p.result or {}).get("total", 0) for p in procs)
-            out[str(clients)] = {
-                "broker_cpu_us_per_delivery": 1e6 * cpu / max(1, delivered),
-                "bytes_per_connection": (rss1 - rss0) / clients,
-                "bytes_per_subscription": (rss2 - rss1) / clients,
-                "delivered": delivered,
-            }
-        finally:
-            run.stop()
+            out[str(clients)] = _cost(system, prm, clients, timeout)
+        except RunTimeout as exc:
+            out[str(clients)] = {"status": "timeout", "why": str(exc)}
     return out
+
+
+def _cost(system: str, prm: dict[str, Any], clients: int, timeout: float) -> dict[str, Any]:
+    """One size of :func:`cost`."""
+    n = prm["n"]
+    active = min(clients, prm["active"])
+    run = Run(system, timeout)
+    try:
+        rss0 = run.rss()
+        procs = _members(run, clients, functools.partial(_routed_share, active, n), per=1)
+        time.sleep(0.2)
+        rss1 = run.rss()
+        _go_members(run, procs)
+        time.sleep(0.2)
+        rss2 = run.rss()
+        targets = [f"s.{i}.0" for i in range(active)]
+        pub = run.worker(
+            "publisher",
+            role="publisher",
+            targets=targets,
+            n=n,
+            size=SIZE,
+            subscribers=clients,
+        )
+        wait_all([pub], "READY", run.deadline)
+        cpu0 = run.cpu()
+        pub.go()
+        wait_all(procs, RECEIVED, run.deadline)
+        cpu = run.cpu() - cpu0
+        wait_all([pub, *procs], RESULT, run.deadline)
+        delivered = sum((p.result or {}).get("total", 0) for p in procs)
+        return {
+            "broker_cpu_us_per_delivery": 1e6 * cpu / max(1, delivered),
+            "bytes_per_connection": (rss1 - rss0) / clients,
+            "bytes_per_subscription": (rss2 - rss1) / clients,
+            "delivered": delivered,
+        }
+    finally:
+        run.stop()
 
 
 def large_cold(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -478,7 +488,7 @@ def plot(results: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
             pts = sorted(
                 (int(k), v["broker_cpu_us_per_delivery"])
                 for k, v in r.items()
-                if isinstance(v, dict)
+                if isinstance(v, dict) and "broker_cpu_us_per_delivery" in v
             )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
         ax.set_xscale("log")
