@@ -126,3 +126,18 @@ def test_the_documented_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"| `{workload}` |" in doc, workload
     for name, params in scale.FULL.items():
         assert name in scale.QUICK and params.keys() == scale.QUICK[name].keys()
+
+
+def test_a_size_of_the_cost_curve_that_times_out_leaves_the_others(tmp_path: Path) -> None:
+    """Each size runs on its own broker and is recorded on its own: one that times out (here
+    every one, with no time at all) is a row with its status, and the tables and the plot
+    still come out."""
+    sizes = {"cost": {**TINY["cost"], "clients": [3, 5]}}
+    res = scale.run_all(["cost"], ["msgq_trio"], sizes, 0.001, say=str)
+    curve = res["cost"]["msgq_trio"]
+    assert curve["status"] == "ok", curve
+    for size in ("3", "5"):
+        assert curve[size]["status"] == "timeout", curve
+    assert "| msgq_trio 5 |" in scale.tables(res)
+    if importlib.util.find_spec("matplotlib") is not None:
+        scale.plot(res, tmp_path)  # no point to draw: no error either
