@@ -299,15 +299,28 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
         yield exc
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Ctrl-C, or an error raised *from* it: Python 3.11 turns a KeyboardInterrupt in a
+    descriptor's ``__set_name__`` (a class being defined while a module imports) into
+    ``RuntimeError("Error calling __set_name__ ...")`` with the interrupt as its cause."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def _exit_status(exc: BaseException) -> int:
     """The status for an exception that ended the command, or re-raise it (a bug).
 
     Ctrl-C and a closed standard output end a command, quietly, even when trio wrapped
-    them in exception groups; SystemExit (argparse) keeps its status."""
+    them in exception groups or the interpreter in another error (``_interrupted``);
+    SystemExit (argparse) keeps its status."""
     leaves = list(_leaves(exc))
-    if all(isinstance(e, KeyboardInterrupt) for e in leaves):
+    if all(_interrupted(e) for e in leaves):
         return EXIT_INTERRUPTED
-    if all(isinstance(e, (BrokenPipeError, KeyboardInterrupt)) for e in leaves):
+    if all(isinstance(e, BrokenPipeError) or _interrupted(e) for e in leaves):
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     if isinstance(exc, SystemExit):

@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 import trustme
 
+from msgq_trio import cli
 from msgq_trio.cli import build_parser
+from msgq_trio.client.session import CLOSE_WAIT
 from msgq_trio.core.access import hash_token
 
 MSGQ = str(Path(sys.executable).with_name("msgq-trio"))
@@ -100,7 +102,7 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
 #: below are counted from that moment.
 CLI_CHILD = """\
 import sys
-import msgq_trio.cli as cli
+from msgq_trio import cli
 command = cli._main
 def ready_then_command(argv):
     print("ready", flush=True)
@@ -120,8 +122,11 @@ INTERRUPTED = {
 #: second SIGINT while the command shuts down after the first.
 POINTS = 50
 SECOND_SIGNALS = 15
-#: Ctrl-C ends every command within this many seconds of the signal.
-EXIT_BOUND = 2.0
+#: Ctrl-C ends every command within this many seconds of the signal. What it tells
+#: apart is a hang (forever) from an exit; the close may rightly wait CLOSE_WAIT for the
+#: broker's GOODBYE, and a loaded machine (eight of these commands at once beside the
+#: suite's other workers) adds seconds to starting and leaving an interpreter.
+EXIT_BOUND = CLOSE_WAIT + 8.0
 #: What a command may say on stderr before Ctrl-C (its own header lines).
 HEADERS = ("# dumping", "# answering")
 
@@ -197,6 +202,32 @@ def test_ctrl_c_at_any_point_exits_130_quietly_and_promptly(broker_factory) -> N
                 + f": status {status} after {took:.2f} s, stderr {err[-2000:]!r}"
             )
     assert failures == [], "\n".join(failures)
+
+
+def test_ctrl_c_inside_a_class_definition_is_still_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT that lands while a module being imported defines a class whose field
+    descriptor runs ``__set_name__`` (a dataclass, an attrs class): Python 3.11 raises
+    ``RuntimeError`` from the KeyboardInterrupt. The command still exits 130, as for any
+    Ctrl-C (once seen under load in the test above, in ``console/model.py``); an error
+    that Ctrl-C did not cause still propagates."""
+
+    class Interrupted:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    def define_a_class(_argv: list[str]) -> int:
+        type("History", (), {"points": Interrupted()})
+        return 0
+
+    monkeypatch.setattr(cli, "_main", define_a_class)
+    assert cli.main(["listen", "Stats"]) == 130
+
+    def fail(_argv: list[str]) -> int:
+        raise RuntimeError("a bug") from ValueError("not an interrupt")
+
+    monkeypatch.setattr(cli, "_main", fail)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["listen", "Stats"])
 
 
 #: A shell that starts its arguments with SIGINT ignored.
