@@ -128,11 +128,16 @@ async def _caller(spec: Spec) -> dict[str, Any]:
     calls = 0
     async with connect(spec["addr"]["socket"], name="bench-caller") as bus:
         ready()
-        while calls < spec["max_calls"] and not deadline.expired():
+        # Until STOP, also after max_calls: the harness always sends it, and a caller
+        # that ended by itself could close its stdin before that write (BrokenPipeError
+        # in the harness: "caller exited before STOP").
+        while not deadline.expired():
             line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
             words = line.split()
             if not words or words[0] != "CALL":
                 break  # STOP or EOF
+            if calls >= spec["max_calls"]:
+                raise RuntimeError(f"CALL beyond max_calls={spec['max_calls']}")
             calls += 1
             code = "answered"
             try:
