@@ -51,7 +51,6 @@ import trio
 from ..config import BrokerConfig, CaptureSettings, CommandAccess
 from ..core.broker import CommandError
 from ..core.peers import Peer
-from ..exposition import Exposition, MetricsServer
 from ..io.housekeeping import rss_bytes
 from ..plugins.loader import PluginConfigError, enforced_commands
 from ..protocol.codes import ErrorCode
@@ -68,6 +67,7 @@ from .metrics import (
 )
 
 if TYPE_CHECKING:
+    from ..exposition import MetricsServer
     from ..io.server import Server
 
 log = logging.getLogger("msgq_trio.ops")
@@ -212,9 +212,13 @@ class Operations:
         self.reloads_ok = 0
         self.reloads_failed = 0
         self.metrics_address = metrics_address
-        self.metrics = (
-            MetricsServer(metrics_listeners, self.render_metrics) if metrics_listeners else None
-        )
+        self.metrics: MetricsServer | None = None
+        if metrics_listeners:
+            # Imported only here and in render_metrics: prometheus_client is loaded by a
+            # broker that serves or renders metrics, not by every broker's start.
+            from ..exposition import MetricsServer
+
+            self.metrics = MetricsServer(metrics_listeners, self.render_metrics)
         self._nursery: trio.Nursery | None = None
         self._server_stats: Callable[[Peer, Any], object] | None = None
         #: Caller -> the generation and the rows' signatures of its last ``clients``
@@ -676,6 +680,8 @@ class Operations:
         return self.core.rpc.stats.snapshot(top)
 
     def render_metrics(self) -> str:
+        from ..exposition import Exposition  # see __init__: loaded when asked for
+
         core, server = self.core, self.server
         st = self.stats()
         t = st["traffic"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.cmdstats import LATENCY_BUCKETS, CommandStats
 from ..core.peers import Peer
-from ..exposition import Exposition
+
+if TYPE_CHECKING:  # only ops/control.py's render_metrics imports it (prometheus_client)
+    from ..exposition import Exposition
 
 
 class TrafficTotals:

@@ -353,7 +353,6 @@ def _single(exc: BaseException) -> BaseException:
 async def _serve(config: Any, source: ConfigSource) -> int:
     import trio
 
-    from .. import exposition
     from ..io.server import BrokerAlreadyRunning, Server
     from ..plugins.loader import PluginConfigError, access_declarations, enforced_commands
     from .control import Operations
@@ -412,6 +411,8 @@ async def _serve(config: Any, source: ConfigSource) -> int:
     listeners = None
     address = None
     if config.metrics.listen:
+        from .. import exposition  # prometheus_client, only for a broker serving metrics
+
         try:
             listeners, address = await exposition.open_listeners(config.metrics.listen)
         except (OSError, ValueError) as exc:

@@ -11,7 +11,6 @@ from typing import Any
 
 import attrs
 
-from msgq_trio.exposition import parse_listen
 from msgq_trio.protocol.names import valid_group_name
 
 __all__ = ["LinkConfig", "LinkSettings", "parse_settings"]
@@ -110,6 +109,10 @@ class LinkSettings:
         if why or self.group.startswith("msgq."):
             raise ValueError(f"group = {self.group!r}: {why or 'reserved for the broker'}")
         if self.metrics:
+            # Imported here: the exposition module loads prometheus_client, which the
+            # broker's start (it reads every installed plugin's declaration) should not.
+            from msgq_trio.exposition import parse_listen
+
             try:
                 parse_listen(self.metrics)
             except ValueError as exc:

@@ -6,27 +6,16 @@ Registered as entry point ``queue`` of group ``msgq_trio.plugins``; enable it wi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import trio
-from msgq_trio.storage.api import StorageError
-
-from msgq_trio.client.bus import connect
-from msgq_trio.exposition import MetricsServer, open_plugin_listeners
 
 from ..api import CommandAccess
-from .metrics import AgeTracker, render_metrics
-from .service import Service
-from .settings import QueueSettings, max_store_size_for, parse_settings
-from .tasks import Engine
-from .writer import open_store_dir
+from .settings import QueueSettings, parse_settings
 
 __all__ = ["ACCESS", "PLUGIN", "QueuePlugin"]
-
-log = logging.getLogger("msgq_trio.plugins.queue")
 
 #: What each queue command needs from the access policy on the queue ``params["queue"]``
 #: names (docs/SECURITY.md); the broker enforces it on ``[access] queue_group``.
@@ -80,85 +69,9 @@ class QueuePlugin:
                 be bound (both before ready, so the broker's start fails; the message
                 names the key).
         """
-        await trio.Path(settings.dir).mkdir(parents=True, exist_ok=True)
-        bound = max_store_size_for(settings.dir, settings.max_store_size, settings.map_size)
-        async with open_store_dir(
-            Path(settings.dir),
-            map_size=min(settings.map_size, bound),
-            max_map_size=bound,
-            sync=settings.sync,
-            thread_name="msgq-queue-store",
-        ) as (store, thread):
-            log.info(
-                "queue plugin: store %s, at most %d MiB%s",
-                settings.dir,
-                bound >> 20,
-                "" if settings.max_store_size else " (90 % of the free space)",
-            )
-            engine = Engine(store, thread, settings)
-            await engine.recover()
-            for name, opts in settings.queues.items():
-                await engine.declare(name, opts)
-            listeners, shown = await open_plugin_listeners("queue", settings.metrics)
-            # Always on: `stats` reports the oldest message's age too (the operators' first
-            # question about a backlog), at one read-only probe of the store per period.
-            ages = AgeTracker(engine)
-            try:
-                await ages.sample()  # before any commit: what is stored now is "recovered"
-                async with (
-                    connect(socket, "msgq-queue") as bus,
-                    connect(socket, "msgq-queue-binder") as binder,
-                    trio.open_nursery() as nursery,
-                ):
-                    service = Service(engine, bus, binder, nursery, ages)
-                    nursery.start_soon(engine.flush_loop)
-                    nursery.start_soon(engine.reaper)
-                    nursery.start_soon(service.forwarder)
-                    nursery.start_soon(ages.run)
-                    if listeners:
-                        nursery.start_soon(
-                            MetricsServer(listeners, lambda: render_metrics(engine, ages)).serve
-                        )
-                        log.info("queue plugin: metrics on http://%s/metrics", shown)
-                    await service.setup()
-                    task_status.started()
-                    await service.serve()
-                    log.info("queue plugin: the bus connection ended")
-                    nursery.cancel_scope.cancel()
-            except BaseException as exc:
-                if _only_cancelled(exc):  # a graceful stop (the host's SIGTERM)
-                    await _final_commit(engine)
-                raise
-            else:
-                await _final_commit(engine)
-            finally:
-                for listener in listeners:  # closed already if the server ran
-                    await trio.aclose_forcefully(listener)
+        from .runner import run_queue
 
-
-def _only_cancelled(exc: BaseException) -> bool:
-    """Whether ``exc`` is trio's Cancelled, alone or in (nested) exception groups."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_only_cancelled(e) for e in exc.exceptions)
-    return isinstance(exc, trio.Cancelled)
-
-
-async def _final_commit(engine: Engine) -> None:
-    """The engine's final commit on a graceful stop (``Engine.final_commit``), shielded
-    from the cancellation that stops the plugin. A failure is logged: what it left out
-    behaves as after a crash (redelivered, at least once)."""
-    with trio.CancelScope(shield=True):
-        try:
-            counts = await engine.final_commit()
-        except StorageError as exc:
-            log.error("queue plugin: the final commit failed: %s", exc)
-            return
-    log.info(
-        "queue plugin: final commit: %d messages, %d marks, %d deletes",
-        counts["messages"],
-        counts["marks"],
-        counts["deletes"],
-    )
+        await run_queue(socket, settings, task_status=task_status)
 
 
 PLUGIN = QueuePlugin()

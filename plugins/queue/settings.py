@@ -11,7 +11,6 @@ from typing import Any
 
 import attrs
 
-from msgq_trio.exposition import parse_listen
 from msgq_trio.protocol.names import valid_group_name
 
 __all__ = ["QueueOptions", "QueueSettings", "max_store_size_for", "parse_settings"]
@@ -154,6 +153,10 @@ class QueueSettings:
         if self.max_delay < 0:
             raise ValueError(f"max_delay = {self.max_delay}: must be >= 0")
         if self.metrics:
+            # Imported here: the exposition module loads prometheus_client, which the
+            # broker's start (it reads every installed plugin's declaration) should not.
+            from msgq_trio.exposition import parse_listen
+
             try:
                 parse_listen(self.metrics)
             except ValueError as exc:
