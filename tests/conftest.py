@@ -36,6 +36,17 @@ STARTUP_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 
 
+# -- bytecode compiled once, for every process the suite starts ---------------------------
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the checkout's bytecode once, before any worker starts (tests/precompile.py
+    says why)."""
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the process that started it compiled already
+    from precompile import compile_checkout
+
+    compile_checkout()
+
+
 # -- the order of files under -n N --dist loadfile (see tests/longest_first.py) -------------
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
