@@ -419,8 +419,15 @@ async def test_order_between_a_producers_messages_and_requests(
                 waits.append(producer.start_call("SQL", "x", i))
             else:
                 await producer.send("SQL", i)
-        for w in waits:
-            await w()
+        answers = [await w() for w in waits]
+        # A request still behind the member's window (16) when the queue made it durable
+        # (after ack_grace: a loaded machine) is answered {"queued"} and reaches the
+        # member later, still in queue order (docs/QUEUE.md); the others the member
+        # answered itself (its handler returns None).
+        assert all(a is None or a == {"queued": "sql"} for a in answers), answers
+        if not bound:
+            assert answers == [None] * 20
+        await eventually(lambda: len(seen) == 20)
         assert seen == [(i, (i + 1) // 2) for i in range(1, 40, 2)]
         assert [(await member.receive(timeout=10)).body for _ in range(20)] == list(range(0, 40, 2))
 
