@@ -1,6 +1,6 @@
 """The checkout's bytecode, compiled once before the suite's workers start.
 
-The suite starts thousands of Python processes (brokers, plugins, CLI commands, helper
+The suite starts many Python processes (brokers, plugins, CLI commands, helper
 clients). An editable install leaves the package's sources without bytecode, and where
 ``PYTHONDONTWRITEBYTECODE`` is set (as in CI sandboxes) no process writes any, so every
 one of them compiled each module it imports from source: a large part of each start's
