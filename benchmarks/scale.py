@@ -153,6 +153,25 @@ def _go_members(run: Run, procs: list[Proc]) -> None:
     wait_all(procs, "READY", run.deadline)
 
 
+def _publish(
+    run: Run, members: list[Proc], n: int, subscribers: int, **where: Any
+) -> tuple[Proc, float]:
+    """Start a publisher of ``n`` messages to each name ``where`` gives it (``targets``,
+    or a ``layout`` it lists the names from), let it go once ready, and wait until every
+    member received its share and reported. Returns the publisher and the broker's CPU
+    seconds from its go until the last member received."""
+    pub = run.worker(
+        "publisher", role="publisher", n=n, size=SIZE, subscribers=subscribers, **where
+    )
+    wait_all([pub], "READY", run.deadline)
+    cpu0 = run.cpu()
+    pub.go()
+    wait_all(members, RECEIVED, run.deadline)
+    cpu = run.cpu() - cpu0
+    wait_all([pub, *members], RESULT, run.deadline)
+    return pub, cpu
+
+
 def _unsupported(procs: list[Proc]) -> str | None:
     """Why the broker refused the members' patterns (their UNSUPPORTED line, printed
     before READY), or None."""
@@ -215,20 +234,7 @@ def fan_out(system: str, prm: dict[str, Any], timeout: float) -> dict[str, Any]:
     try:
         members = _members(run, prm["subs"], lambda _b, c: c * prm["n"], group="fan", per=1)
         _go_members(run, members)
-        pub = run.worker(
-            "publisher",
-            role="publisher",
-            targets=["fan"],
-            n=prm["n"],
-            size=SIZE,
-            subscribers=prm["subs"],
-        )
-        wait_all([pub], "READY", run.deadline)
-        cpu0 = run.cpu()
-        pub.go()
-        wait_all(members, RECEIVED, run.deadline)
-        cpu = run.cpu() - cpu0
-        wait_all([pub, *members], RESULT, run.deadline)
+        pub, cpu = _publish(run, members, prm["n"], prm["subs"], targets=["fan"])
         res = [p.result or {} for p in members]
         total = sum(r["total"] for r in res)
         last = max(t for r in res for t in r["last"])
@@ -270,15 +276,7 @@ def _routing(system: str, prm: dict[str, Any], wild: int, timeout: float) -> dic
         rss2 = run.rss()
         # The publisher lists the names itself (100,000 would not fit in its argv).
         layout = {"clients": clients, "per": per, "wild": wild}
-        pub = run.worker(
-            "publisher", role="publisher", layout=layout, n=n, size=SIZE, subscribers=clients
-        )
-        wait_all([pub], "READY", run.deadline)
-        cpu0 = run.cpu()
-        pub.go()
-        wait_all(procs, RECEIVED, run.deadline)
-        cpu = run.cpu() - cpu0
-        wait_all([pub, *procs], RESULT, run.deadline)
+        pub, cpu = _publish(run, procs, n, clients, layout=layout)
         res = [p.result or {} for p in procs]
         last = max(t for r in res for t in r["last"])
         start = pub.result["start"]  # type: ignore[index]
@@ -332,20 +330,7 @@ def _cost(system: str, prm: dict[str, Any], clients: int, timeout: float) -> dic
         time.sleep(0.2)
         rss2 = run.rss()
         targets = [f"s.{i}.0" for i in range(active)]
-        pub = run.worker(
-            "publisher",
-            role="publisher",
-            targets=targets,
-            n=n,
-            size=SIZE,
-            subscribers=clients,
-        )
-        wait_all([pub], "READY", run.deadline)
-        cpu0 = run.cpu()
-        pub.go()
-        wait_all(procs, RECEIVED, run.deadline)
-        cpu = run.cpu() - cpu0
-        wait_all([pub, *procs], RESULT, run.deadline)
+        _pub, cpu = _publish(run, procs, n, clients, targets=targets)
         delivered = sum((p.result or {}).get("total", 0) for p in procs)
         return {
             "broker_cpu_us_per_delivery": 1e6 * cpu / max(1, delivered),
