@@ -275,13 +275,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``argv`` None: this is the program (the console script, ``python -m msgq_trio``),
     which ignores Ctrl-C once its status is known: the interpreter's exit that follows
-    would otherwise die of the signal (status -2 instead of 130) or print a traceback.
+    would otherwise die of the signal (status -2 instead of 130) or print a traceback;
+    and which records a Ctrl-C the interpreter swallowed (``ops/swallowed.py``).
     """
     program = argv is None
+    if program:
+        from .ops import swallowed
+
+        swallowed.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         status = _main(argv)
         sys.stdout.flush()  # a closed pipe shows here for buffered output
+        if program:
+            swallowed.raise_if_pending()  # a short command that ran on regardless
     except BaseException as exc:
         if program:
             signal.signal(signal.SIGINT, signal.SIG_IGN)

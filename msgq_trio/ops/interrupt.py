@@ -48,6 +48,8 @@ from typing import TypeVar
 
 import trio
 
+from . import swallowed
+
 log = logging.getLogger("msgq_trio.cli")
 
 T = TypeVar("T")
@@ -143,6 +145,10 @@ async def _supervised(
                 state = _Interrupt(grace, outer)
                 _current.set(state)
                 nursery.start_soon(state.watch, signals)
+                if swallowed.pending():
+                    # Ctrl-C came before the receiver opened and was swallowed (a weak
+                    # reference's callback): the command stops as if it came now.
+                    state.interrupt()
                 try:
                     result = await async_fn(*args)
                 except Exception as exc:
@@ -167,9 +173,11 @@ def run(
     ``grace`` None: no forced exit (for a caller that is not a command line program).
 
     Raises:
-        KeyboardInterrupt: SIGINT arrived (the command was cancelled and cleaned up).
+        KeyboardInterrupt: SIGINT arrived (the command was cancelled and cleaned up), or
+            arrived earlier and the interpreter swallowed it (``ops/swallowed.py``).
         Whatever ``async_fn`` raises when it was not interrupted.
     """
+    swallowed.raise_if_pending()
     if threading.current_thread() is not threading.main_thread():
         # Signals are delivered to the main thread only; there is nothing to watch.
         return trio.run(async_fn, *args, restrict_keyboard_interrupt_to_checkpoints=True)

@@ -35,6 +35,7 @@ from ..config import (
     resolve_group,
 )
 from ..runtime import tune_collector
+from . import swallowed
 from .config_file import ConfigError, ConfigSource
 
 log = logging.getLogger("msgq_trio.serve")
@@ -463,6 +464,12 @@ async def _serve(config: Any, source: ConfigSource) -> int:
                 nursery.start_soon(notifier.watchdog)
 
                 async def on_signal() -> None:
+                    if swallowed.pending():
+                        # Ctrl-C during start-up that the interpreter swallowed.
+                        log.info("received SIGINT during start-up")
+                        notifier.notify("STOPPING=1", "STATUS=shutting down")
+                        await server.shutdown()
+                        return
                     async for signum in signals:
                         if signum == signal.SIGHUP:
                             log.info("received SIGHUP: reloading the configuration")

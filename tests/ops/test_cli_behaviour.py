@@ -204,6 +204,69 @@ def test_ctrl_c_at_any_point_exits_130_quietly_and_promptly(broker_factory) -> N
     assert failures == [], "\n".join(failures)
 
 
+#: The CLI as the console script runs it, with a Ctrl-C that the interpreter swallows
+#: before the command starts: KeyboardInterrupt raised in a weak reference's callback
+#: (where a SIGINT that lands during an import raises it: importlib's module locks) is
+#: printed as "Exception ignored" and dropped.
+SWALLOWED_CHILD = """\
+import sys, weakref
+from msgq_trio import cli
+command = cli._main
+class Module:
+    pass
+def swallow_then_command(argv):
+    def callback(_ref):
+        raise KeyboardInterrupt
+    module = Module()
+    ref = weakref.ref(module, callback)
+    del module
+    return command(argv)
+cli._main = swallow_then_command
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize(
+    "command", [["listen", "Stats"], ["dump"], ["reply", "Svc", "echo"], ["members", "Stats"]]
+)
+def test_ctrl_c_the_interpreter_swallowed_still_stops_the_command(
+    broker_factory, command: list[str]
+) -> None:
+    """SIGINT that lands in a weak reference's callback (seen under load: ``dump``
+    interrupted while importing) is lost to Python; the command must not then run on
+    until the next Ctrl-C. A long-running command stops at once, a short one exits 130
+    after it, and stderr stays quiet."""
+    b = broker_factory()
+    p = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_CHILD, *command, "-s", str(b.path)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert p.returncode == 130, p
+    extra = [line for line in p.stderr.splitlines() if not line.startswith(HEADERS)]
+    assert extra == [], p.stderr
+
+
+def test_a_broker_that_swallowed_ctrl_c_at_start_shuts_down(short_tmp: Path) -> None:
+    """``serve`` with a Ctrl-C swallowed before it took over SIGINT shuts down cleanly
+    (its socket removed) instead of serving until the next signal."""
+    sock = short_tmp / "b.sock"
+    p = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_CHILD, "serve", "-s", str(sock)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert p.returncode == 130, p
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    assert not sock.exists()
+
+
 def test_ctrl_c_inside_a_class_definition_is_still_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGINT that lands while a module being imported defines a class whose field
     descriptor runs ``__set_name__`` (a dataclass, an attrs class): Python 3.11 raises
