@@ -39,7 +39,7 @@ from msgq_trio._procs import raise_nofile, rss_kib
 
 from .common import READY, percentiles
 from .procs import Proc, RunTimeout, WorkerFailed, wait_all
-from .systems import msgq_variant
+from .systems import msgq_variant, one_user_args
 from .workloads import WORKLOADS, run_one
 
 #: Callees the pool forks at once (they connect concurrently, then are killed one by one).
@@ -220,7 +220,7 @@ def run_idle(clients: int, timeout: float) -> dict[str, Any]:
     out: dict[str, Any]
     try:
         sock = run_dir / "bus.sock"
-        broker = start_broker(sock, "--max-connections", str(clients + 64))
+        broker = start_broker(sock, *one_user_args(run_dir, clients + 64))
         time.sleep(_SETTLE)
         before = rss_kib(broker.pid)
         nprocs = -(-clients // IDLE_PER_PROC)

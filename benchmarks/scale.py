@@ -45,17 +45,13 @@ from msgq_trio._procs import cpu_seconds, raise_nofile, rss_kib
 
 from .common import RESULT, percentiles
 from .procs import Proc, RunTimeout, Service, WorkerFailed, wait_all
-from .systems import _start_msgq, _start_nats, _start_redis, _start_zmq
+from .systems import _start_msgq, _start_nats, _start_redis, _start_zmq, one_user_args
 from .worker_scale import CONNECTED, RECEIVED, UNSUPPORTED
 
 
 def _scale_args(run_dir: Path) -> tuple[str, ...]:
-    """``serve`` flags for a broker of 10,000 connections of one user: room for them,
-    and that user's quotas raised to match (docs/SECURITY.md: by default one user may
-    hold half of ``max_connections``), as such a deployment configures it."""
-    config = run_dir / "scale.toml"
-    config.write_text("[quotas]\nconnections = 16384\nsubscriptions = 262144\n")
-    return ("--max-connections", "16384", "--config", str(config))
+    """``serve`` flags for a broker of 10,000 connections of one user."""
+    return one_user_args(run_dir, 16384, 262144)
 
 
 #: Each system's broker for a run directory and a pattern: ``pubsub`` or ``reqrep`` (for

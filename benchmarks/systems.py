@@ -74,6 +74,19 @@ class System:
     asyncio: bool = False
 
 
+def one_user_args(run_dir: Path, connections: int, subscriptions: int = 0) -> tuple[str, ...]:
+    """``serve`` flags for a broker whose ``connections`` clients (and ``subscriptions``,
+    0: the default) are all one user's: room for them, and that user's quotas raised to
+    match (docs/SECURITY.md: by default one user may hold half of ``max_connections``), as
+    such a deployment configures it."""
+    config = run_dir / "one-user.toml"
+    lines = ["[quotas]", f"connections = {connections}"]
+    if subscriptions:
+        lines.append(f"subscriptions = {subscriptions}")
+    config.write_text("\n".join(lines) + "\n")
+    return ("--max-connections", str(connections), "--config", str(config))
+
+
 def _start_msgq(
     run_dir: Path,
     _pattern: str,

@@ -55,7 +55,7 @@ RECEIVE_SIZE = 256 * 1024
 #: The writer joins queued small frames up to this many bytes into one send_all.
 WRITE_BATCH = 1024 * 1024
 _GOODBYE = FrameType.GOODBYE
-#: Queues up to this size are written directly by the host's after_core (send_now) when the
+#: Queues up to this size are written directly by the host's batcher (send_now) when the
 #: writer is idle.
 _DIRECT_SEND_MAX = 256 * 1024
 #: While a sender's reads are paused by backpressure its EOF sits behind unread data, so
@@ -140,7 +140,7 @@ class PeerConnection:
         self.closing_reason: str | None = None
         self.final_error: tuple[ErrorCode, str] | None = None
         #: True while the writer task is inside send_all; otherwise the socket is free and
-        #: the host's after_core may write to it directly (send_now), saving a task switch.
+        #: the host's batcher may write to it directly (send_now), saving a task switch.
         self.writing = False
         #: -1 for TLS: bytes must go through the SSL object, never straight to the fd.
         self.fd = -1 if isinstance(stream, trio.SSLStream) else stream.socket.fileno()
@@ -626,8 +626,9 @@ class PeerConnection:
                     await send_eof(stream)
                 return
 
-    def send_now(self) -> None:
-        """Write a small queue straight to the socket if the writer is idle.
+    def send_now(self) -> bool:
+        """Write a small queue straight to the socket if the writer is idle; True when
+        that woke a sender paused by backpressure.
 
         Saves the writer task's wake-up on the latency path (request -> callee -> answer).
         Whatever the kernel does not take right away stays queued for the writer; errors
@@ -641,7 +642,7 @@ class PeerConnection:
             or self.conn.sent_goodbye
             or self.fd < 0  # TLS: only the SSL object may write
         ):
-            return
+            return False
         bufs, n = peer.take_outgoing(_DIRECT_SEND_MAX)
         data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
         try:
@@ -655,7 +656,8 @@ class PeerConnection:
         peer.outq_bytes -= n - (len(data) - sent)
         peer.bytes_out += sent
         if sent and self.progress:  # a paused sender waits on it (rarely: skip the call)
-            self.progress.unpark_all()
+            return bool(self.progress.unpark_all())
+        return False
 
 
 class _HungUp(Exception):

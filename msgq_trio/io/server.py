@@ -43,6 +43,7 @@ from ..protocol.framing import encode_cbor, encode_frame
 from ..transport.errors import translate_socket_errors
 from ..transport.sockets import close_fds, set_send_buffer
 from ..transport.splice import PipeBudget
+from .batching import WriteBatcher
 from .connection import PeerConnection, Splicing, linger, read_hello, send_final
 from .housekeeping import (
     DeadlineTimer,
@@ -132,6 +133,8 @@ class Server:
         self._timer = DeadlineTimer()
         #: limits.busy_poll: the polling task and its state (read by every reader).
         self.busy_poll = BusyPoller(self.limits.busy_poll)
+        #: Writes to the peers the core queued frames for, batched per scheduler pass.
+        self._writes = WriteBatcher(self.conns)
         #: Pipes for large frames in flight and the splicing figures (shared by the
         #: connections).
         self.splicing = Splicing(self.limits.splice_max_pipes)
@@ -191,6 +194,7 @@ class Server:
                 listeners, addresses = await open_tcp(addr)
                 self._tcp_listeners.extend(listeners)
                 self.tcp_addresses.extend(addresses)
+            self._writes.start()
             async with trio.open_nursery() as top:
                 top.start_soon(self._timer.run, self.core, self.after_core)
                 top.start_soon(trim_task)
@@ -229,6 +233,7 @@ class Server:
                     task_status.started(self.path)
                 top.cancel_scope.cancel()
         finally:
+            self._writes.stop()
             if spare is not None:
                 spare.close()
             sock.close()
@@ -380,9 +385,10 @@ class Server:
         return self.busy_poll.passes
 
     def after_core(self) -> None:
-        """Apply what the core decided (``core.effects``): write or wake the writers of
-        peers it queued frames for, close the connections of peers it kicked, re-arm the
-        deadline timer. (Pauses and holds are the reader's that caused them.)
+        """Apply what the core decided (``core.effects``): write to the peers it queued
+        frames for (the first time in a scheduler pass; later ones at the pass's end:
+        ``io/batching.py``), close the connections of peers it kicked,
+        re-arm the deadline timer. (Pauses and holds are the reader's that caused them.)
 
         Contract: whoever changes the core outside a connection's reader (a command run
         by operations code, a capture tap queueing frames, a policy change) calls this
@@ -394,13 +400,7 @@ class Server:
         fx = core.effects
         wake = fx.wake
         if wake:
-            conns = self.conns
-            for p in wake:
-                pc = conns.get(p)
-                if pc is not None:
-                    pc.send_now()
-                    if p.outq:
-                        pc.wake.set()
+            self._writes.queued(wake)
             wake.clear()
         if fx.kicks:
             for p, code, message in fx.take_kicks():
