@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import trio
 
@@ -39,17 +40,22 @@ async def receive(rx: Bus, n: int) -> list[bytes]:
     raise AssertionError(f"the receiver's stream ended after {len(got)} of {n}")
 
 
+async def receiver_and_senders(stack: AsyncExitStack, path: Path, n: int) -> tuple[Bus, list[Bus]]:
+    """A receiver subscribed to "Sink" and ``n`` senders, connected."""
+    rx = await stack.enter_async_context(msgq_trio.connect(path, name="rx"))
+    await rx.subscribe("Sink")
+    senders = [
+        await stack.enter_async_context(msgq_trio.connect(path, name=f"s{i}")) for i in range(n)
+    ]
+    return rx, senders
+
+
 async def test_a_pass_of_messages_for_one_peer_leaves_in_few_writes(broker) -> None:
     """A hundred messages for one receiver that the broker reads in one pass reach it in
     a few writes (the pass's first at once, the rest together at its end), not one
     write each; every message arrives."""
     async with AsyncExitStack() as stack:
-        rx = await stack.enter_async_context(msgq_trio.connect(broker.path, name="rx"))
-        await rx.subscribe("Sink")
-        senders = [
-            await stack.enter_async_context(msgq_trio.connect(broker.path, name=f"s{i}"))
-            for i in range(SENDERS)
-        ]
+        rx, senders = await receiver_and_senders(stack, broker.path, SENDERS)
         for s in senders:  # every connection set up and idle before the burst
             await s.send("Sink", b"warm")
         assert len(await receive(rx, SENDERS)) == SENDERS
@@ -76,12 +82,7 @@ async def test_order_from_each_sender_is_kept_through_batched_writes(broker) -> 
     receiver: every message arrives once, and each sender's in the order it sent them."""
     n, per = 20, 200
     async with AsyncExitStack() as stack:
-        rx = await stack.enter_async_context(msgq_trio.connect(broker.path, name="rx"))
-        await rx.subscribe("Sink")
-        senders = [
-            await stack.enter_async_context(msgq_trio.connect(broker.path, name=f"s{i}"))
-            for i in range(n)
-        ]
+        rx, senders = await receiver_and_senders(stack, broker.path, n)
 
         async def send_all(i: int, s: Bus) -> None:
             for k in range(per):

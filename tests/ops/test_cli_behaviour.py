@@ -226,6 +226,18 @@ sys.exit(cli.main())
 """
 
 
+def run_swallowed(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``msgq-trio ARGV`` as SWALLOWED_CHILD runs it, to completion."""
+    return subprocess.run(
+        [sys.executable, "-c", SWALLOWED_CHILD, *argv],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(
     "command", [["listen", "Stats"], ["dump"], ["reply", "Svc", "echo"], ["members", "Stats"]]
 )
@@ -237,14 +249,7 @@ def test_ctrl_c_the_interpreter_swallowed_still_stops_the_command(
     until the next Ctrl-C. A long-running command stops at once, a short one exits 130
     after it, and stderr stays quiet."""
     b = broker_factory()
-    p = subprocess.run(
-        [sys.executable, "-c", SWALLOWED_CHILD, *command, "-s", str(b.path)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    p = run_swallowed(*command, "-s", str(b.path))
     assert p.returncode == 130, p
     extra = [line for line in p.stderr.splitlines() if not line.startswith(HEADERS)]
     assert extra == [], p.stderr
@@ -254,14 +259,7 @@ def test_a_broker_that_swallowed_ctrl_c_at_start_shuts_down(short_tmp: Path) -> 
     """``serve`` with a Ctrl-C swallowed before it took over SIGINT shuts down cleanly
     (its socket removed) instead of serving until the next signal."""
     sock = short_tmp / "b.sock"
-    p = subprocess.run(
-        [sys.executable, "-c", SWALLOWED_CHILD, "serve", "-s", str(sock)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    p = run_swallowed("serve", "-s", str(sock))
     assert p.returncode == 130, p
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
     assert not sock.exists()
